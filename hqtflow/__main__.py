@@ -1,0 +1,3 @@
+from hqtflow.cli import app
+
+app()

