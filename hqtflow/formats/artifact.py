@@ -60,6 +60,9 @@ class StagingDir:
         check_output_dir(self.out, self.overwrite)
         try:
             self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(self.path, 0o777 & ~umask)  # mkdtemp makes 0700; the artifact gets normal permissions
         except OSError as e:
             raise ArtifactError(f"Cannot write the output directory {self.out} ({e.strerror}).") from None
         return self.path

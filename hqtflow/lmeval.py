@@ -1,0 +1,167 @@
+"""lm-eval integration: an `lm_eval` LM backed by an already-loaded model, and task resolution.
+
+The LM batches requests itself with right padding and an attention mask, so the caller knows exactly which
+positions are padding (the measurement stage must not observe them) and sees every forward it runs.
+Offline copies of common tasks ship as `<task>_local` YAMLs that read `--data-dir` (e.g. ../shared/data).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hqtflow.errors import CalibrationError
+
+TASKS_DIR = Path(__file__).parent / "tasks"
+LOCAL_TASKS = tuple(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
+
+# forward(input_ids [B, S], attention_mask [B, S]) -> logits [B, S, V]
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# progress(samples, tokens) after each forward
+Progress = Callable[[int, int], None]
+
+
+def local_task_dir(data_dir: str | Path) -> Path:
+    """Write the bundled `<task>_local` YAMLs, pointed at `data_dir`, into a temp include path."""
+    data_dir = Path(data_dir).resolve()
+    if not data_dir.is_dir():
+        raise CalibrationError(f"Data directory {data_dir} does not exist.")
+    out = Path(tempfile.mkdtemp(prefix="hqtflow-tasks-"))
+    for p in TASKS_DIR.glob("*.yaml"):
+        (out / p.name).write_text(p.read_text().replace("{data_dir}", str(data_dir)))
+    return out
+
+
+def task_manager(include_paths: list[str | Path], data_dir: str | Path | None):
+    """An lm-eval TaskManager that also knows the user's include paths and the local tasks."""
+    from lm_eval.tasks import TaskManager
+
+    paths = [Path(p) for p in include_paths]
+    for p in paths:
+        if not p.exists():
+            raise CalibrationError(f"lm-eval include path {p} does not exist.")
+    if data_dir is not None:
+        paths.append(local_task_dir(data_dir))
+    return TaskManager(include_path=[str(p) for p in paths] or None)
+
+
+def check_tasks(tasks: list[str], manager, data_dir: str | Path | None) -> None:
+    known = set(manager.all_tasks)
+    for t in tasks:
+        if t in known:
+            continue
+        hint = ""
+        if t in LOCAL_TASKS and data_dir is None:
+            hint = " (it reads local data: pass --data-dir, e.g. ../shared/data)"
+        elif f"{t}_local" in LOCAL_TASKS:
+            hint = f" (no hub access here? use the offline copy '{t}_local' with --data-dir)"
+        else:
+            hint = " (define it in a task YAML and pass --include-path DIR)"
+        raise CalibrationError(f"Unknown lm-eval task {t!r}{hint}.")
+
+
+def build_lm(forward: Forward, tokenizer, *, batch_size: int, max_length: int, generate=None, progress=None):
+    """An `lm_eval.api.model.TemplateLM` over `forward` (class built lazily: lm-eval imports slowly)."""
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    class HqtflowLM(TemplateLM):
+        def __init__(self):
+            super().__init__()
+            self.tokenizer = tokenizer
+            self.batch_size = batch_size
+            self.max_length = max_length
+
+        @property
+        def eot_token_id(self) -> int:
+            return tokenizer.eos_token_id
+
+        def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+            return tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
+
+        def tok_decode(self, tokens, **kwargs) -> str:
+            return tokenizer.decode(tokens)
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+            # each request: ((context, continuation), context_enc, continuation_enc)
+            items = []
+            for i, (_, ctx, cont) in enumerate(requests):
+                whole = (ctx + cont)[-(self.max_length + 1):]
+                n_cont = min(len(cont), len(whole) - 1)
+                items.append((i, whole[:-1], whole[-n_cont:]))
+            items.sort(key=lambda it: -len(it[1]))  # similar lengths together: little padding
+            results: list = [None] * len(requests)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            for start in range(0, len(items), self.batch_size):
+                chunk = items[start:start + self.batch_size]
+                width = len(chunk[0][1])
+                ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(chunk), width), dtype=torch.long)
+                for row, (_, inp, _) in enumerate(chunk):
+                    ids[row, : len(inp)] = torch.tensor(inp)
+                    mask[row, : len(inp)] = 1
+                logits = forward(ids, mask)
+                for row, (i, inp, cont) in enumerate(chunk):
+                    n = len(cont)
+                    logp = F.log_softmax(logits[row, len(inp) - n: len(inp)].float(), dim=-1)
+                    target = torch.tensor(cont)
+                    greedy = bool((logp.argmax(dim=-1) == target).all())
+                    results[i] = (float(logp.gather(-1, target[:, None]).sum()), greedy)
+                if progress:
+                    progress(len(chunk), int(mask.sum()))
+            return results
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            out = []
+            for req in requests:
+                (text,) = req.args
+                windows = [
+                    make_disjoint_window(w)
+                    for w in get_rolling_token_windows(
+                        token_list=self.tok_encode(text),
+                        prefix_token=self.prefix_token_id,
+                        max_seq_len=self.max_length,
+                        context_len=1,
+                    )
+                ]
+                scores = self._loglikelihood_tokens([((None, None), c, t) for c, t in windows])
+                out.append(sum(s for s, _ in scores))
+            return out
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            if generate is None:
+                raise CalibrationError("This run cannot generate text; pick loglikelihood or multiple-choice tasks.")
+            out = []
+            for req in requests:
+                context, gen_kwargs = req.args
+                until = gen_kwargs.get("until") or [tokenizer.decode([self.eot_token_id])]
+                until = [until] if isinstance(until, str) else list(until)
+                max_new = int(gen_kwargs.get("max_gen_toks", 256))
+                ids = self.tok_encode(context)[-(self.max_length - max_new):]
+                text = generate(torch.tensor([ids]), max_new)
+                for stop in until:
+                    text = text.split(stop)[0]
+                out.append(text)
+                if progress:
+                    progress(1, len(ids))
+            return out
+
+    return HqtflowLM()
+
+
+def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> dict:
+    """Run lm-eval tasks through `lm`; return {task: {metric: value}}."""
+    from lm_eval.evaluator import simple_evaluate
+
+    res = simple_evaluate(
+        model=lm, tasks=tasks, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False,
+        verbosity="ERROR",
+    )
+    return {
+        task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "alias"}
+        for task, metrics in (res or {}).get("results", {}).items()
+    }

@@ -1,0 +1,1 @@
+"""The measurement stage: observers on a model, calibration data through it, HQT files out."""

@@ -1,0 +1,75 @@
+"""Plain-text calibration sources: .txt files chunked into max-length windows, .jsonl records by field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from hqtflow.errors import CalibrationError
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: torch.Tensor  # [B, S]
+    attention_mask: torch.Tensor  # [B, S], 0 on padding
+
+
+def read_texts(path: Path, text_field: str) -> list[str]:
+    """A .txt file is one text; a .jsonl file gives one text per record (its `text_field`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CalibrationError(f"Calibration file {path} does not exist.")
+    try:
+        content = path.read_text()
+    except UnicodeDecodeError:
+        raise CalibrationError(f"Calibration file {path} is not UTF-8 text.") from None
+    if not content.strip():
+        raise CalibrationError(f"Calibration file {path} is empty.")
+    if path.suffix != ".jsonl":
+        return [content]
+    texts = []
+    for lineno, line in enumerate(content.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise CalibrationError(f"{path} line {lineno} is not valid JSON.") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
+            fields = ", ".join(rec) if isinstance(rec, dict) else "none"
+            raise CalibrationError(
+                f"{path} line {lineno} has no text field {text_field!r} (fields: {fields}); pick one with --text-field."
+            )
+        texts.append(rec[text_field])
+    return texts
+
+
+def token_chunks(texts: list[str], tokenizer, max_length: int, limit: int | None) -> list[list[int]]:
+    """Tokenize each text and cut it into windows of at most `max_length` tokens; keep the first `limit`."""
+    chunks: list[list[int]] = []
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        for start in range(0, len(ids), max_length):
+            chunk = ids[start:start + max_length]
+            if chunk:
+                chunks.append(chunk)
+            if limit is not None and len(chunks) >= limit:
+                return chunks
+    return chunks
+
+
+def batches(chunks: list[list[int]], batch_size: int, pad_id: int) -> Iterator[Batch]:
+    """Right-padded batches with an attention mask."""
+    for start in range(0, len(chunks), batch_size):
+        group = chunks[start:start + batch_size]
+        width = max(len(c) for c in group)
+        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for row, c in enumerate(group):
+            ids[row, : len(c)] = torch.tensor(c)
+            mask[row, : len(c)] = 1
+        yield Batch(ids, mask)

@@ -1,0 +1,109 @@
+"""Tensor-parallel measurement: launching ranks with torchrun and the few collectives the stage needs.
+
+Ranks are started by `torch.distributed.run --standalone` (a free port is picked for the rendezvous) with
+OMP_NUM_THREADS=1, or by the user's own torchrun; each loads the model with transformers' `tp_plan="auto"`
+(gloo on CPU, nccl on CUDA) and observes its local shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from hqtflow.errors import HqtflowError, ModelError
+
+
+def in_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def check_tp_split(config: dict, tp: int) -> None:
+    """Refuse a TP degree that does not divide the model's heads or MLP before any rank is started."""
+    text = config.get("text_config", config)
+    checks = {
+        "attention heads": text.get("num_attention_heads"),
+        "key/value heads": text.get("num_key_value_heads") or text.get("num_attention_heads"),
+        "intermediate size": text.get("intermediate_size"),
+    }
+    for what, n in checks.items():
+        if n is not None and n % tp:
+            raise ModelError(f"--tp {tp} cannot split this model: its {n} {what} are not divisible by {tp}.")
+
+
+def init(tp: int) -> tuple[int, int]:
+    """(rank, world_size); initialises the process group inside torchrun."""
+    if not in_torchrun():
+        return 0, 1
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world != tp:
+        raise HqtflowError(f"torchrun started {world} ranks but --tp is {tp}; they must match.")
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend=backend)
+    return dist.get_rank(), world
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def broadcast_path(create: Callable[[], Path] | None) -> Path:
+    """Rank 0 calls `create()`; every rank gets its result."""
+    dist = _dist()
+    if dist is None:
+        return create()
+    box = [str(create()) if create is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on rank 0 (others get [])."""
+    dist = _dist()
+    if dist is None:
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
+
+
+def barrier() -> None:
+    if (dist := _dist()) is not None:
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if (dist := _dist()) is not None:
+        dist.destroy_process_group()
+
+
+def launch(settings) -> Path:
+    """Run `hqtflow measure` on `settings.tp` ranks with torchrun and wait for them."""
+    out = Path(settings.output)
+    with tempfile.TemporaryDirectory(prefix="hqtflow-launch-") as tmp:
+        spec = Path(tmp) / "settings.json"
+        spec.write_text(json.dumps(settings.to_json()))
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={settings.tp}",
+            "-m", "hqtflow", "measure", "--resolved-settings", str(spec),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        r = subprocess.run(cmd, env=env)
+    if r.returncode != 0:
+        for leftover in out.parent.glob(f".{out.name}.partial-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        raise HqtflowError(f"Measurement with --tp {settings.tp} failed (a rank exited with code {r.returncode}); see the rank output above.")
+    return out

@@ -1,0 +1,208 @@
+"""Attach maxabs observers to the modules a QUANT_CONFIG selects and collect HQT node statistics.
+
+Observed: every `nn.Linear` (inputs; outputs unless `measure_exclude` says otherwise; the weight once), and
+MoE expert containers whose experts are fused 3-D parameters (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I],
+transformers 5's layout): each expert is observed as two nodes `<experts>.<e>.gate_up_proj` and
+`<experts>.<e>.down_proj`, fed with the tokens the router sent to it. Under tensor parallelism each rank
+observes its local shards and records, per node, how the weight is split (from its DTensor placement).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from hqtflow.config import QuantConfig
+from hqtflow.formats.hqt import NodeStats
+from hqtflow.measure.observers import make_observer, weight_stat
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (tensor parallelism), the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def parallel_style(w: torch.Tensor) -> str:
+    """How tensor parallelism split a weight [out, in]: column (dim 0), row (dim 1) or replicated."""
+    placements = getattr(w, "placements", None)
+    if not placements:
+        return "replicated"
+    p = placements[0]
+    if getattr(p, "is_shard", lambda *a: False)():
+        return {0: "column", 1: "row"}.get(p.dim, f"shard{p.dim}")
+    return "replicated"
+
+
+def is_fused_experts(mod: nn.Module) -> bool:
+    gu, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+    return isinstance(gu, nn.Parameter) and isinstance(down, nn.Parameter) and gu.dim() == 3 and down.dim() == 3
+
+
+@dataclass
+class _Node:
+    name: str
+    type_name: str
+    inputs: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+    params: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+    def to_stats(self) -> NodeStats:
+        return NodeStats(
+            inputs=[o.state.cpu().numpy().astype(np.float32) for o in self.inputs if o.used],
+            outputs=[o.state.cpu().numpy().astype(np.float32) for o in self.outputs if o.used],
+            params={k: v.cpu().numpy().astype(np.float32) for k, v in self.params.items()},
+        )
+
+    @property
+    def used(self) -> bool:
+        return any(o.used for o in self.inputs + self.outputs)
+
+
+class ObserverSession:
+    """Observers on one model. Use `with session.batch(attention_mask): model(...)` for each forward."""
+
+    def __init__(self, model: nn.Module, config: QuantConfig):
+        self.config = config
+        self.nodes: dict[str, _Node] = {}
+        self.skipped: dict[str, str] = {}
+        self._mask: torch.Tensor | None = None
+        self._handles = []
+        self.samples = 0
+        self.tokens = 0
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.Linear):
+                self._attach_linear(name, mod)
+            elif is_fused_experts(mod):
+                self._attach_experts(name, mod)
+
+    # ---- attaching ------------------------------------------------------------------------------
+    def _new_node(self, name: str, type_name: str, weight: torch.Tensor, device) -> _Node:
+        cfg = self.config
+        node = _Node(name, type_name)
+        if cfg.measures_inputs:
+            node.inputs.append(make_observer(cfg.per_channel, dim=-1, device=device))
+        if cfg.measures_outputs:
+            node.outputs.append(make_observer(cfg.per_channel, dim=-1, device=device))
+        if cfg.measures_params:
+            node.params["weight"] = weight_stat(weight, cfg.per_channel)
+        self.nodes[name] = node
+        return node
+
+    def _attach_linear(self, name: str, mod: nn.Linear) -> None:
+        type_name = type(mod).__name__
+        if not self.config.selects(name, type_name):
+            self.skipped[name] = "excluded by allowlist/blocklist"
+            return
+        local_w = _local(mod.weight)
+        node = self._new_node(name, type_name, local_w, local_w.device)
+        node.info = {
+            "style": parallel_style(mod.weight),
+            "weight_shape": list(local_w.shape),
+            "global_weight_shape": list(mod.weight.shape),
+        }
+        self._handles.append(mod.register_forward_hook(self._linear_hook(node)))
+
+    def _linear_hook(self, node: _Node):
+        def hook(mod, args, output):
+            x = args[0]
+            mask = self._mask
+            for obs in node.inputs:
+                obs.update(_local(x), mask)
+            for obs in node.outputs:
+                obs.update(_local(output), mask)
+            if "input_dim" not in node.info:
+                node.info["input_dim"] = int(x.shape[-1])
+                node.info["output_dim"] = int(output.shape[-1])
+
+        return hook
+
+    def _attach_experts(self, name: str, mod: nn.Module) -> None:
+        container = type(mod).__name__
+        if container in self.config.blocklist.types:
+            self.skipped[name] = "excluded by blocklist types"
+            return
+        gu, down = _local(mod.gate_up_proj), _local(mod.down_proj)
+        experts = []
+        for e in range(gu.shape[0]):
+            pair = {}
+            for proj, w in (("gate_up_proj", gu[e]), ("down_proj", down[e])):
+                node_name = f"{name}.{e}.{proj}"
+                if not self.config.selects(node_name, "Linear"):
+                    self.skipped[node_name] = "excluded by allowlist/blocklist"
+                    continue
+                node = self._new_node(node_name, container, w, w.device)
+                node.info = {"style": parallel_style(mod.gate_up_proj), "weight_shape": list(w.shape), "expert": e}
+                pair[proj] = node
+            experts.append(pair)
+        if any(experts):
+            self._handles.append(mod.register_forward_pre_hook(self._experts_hook(mod, experts)))
+
+    def _experts_hook(self, mod: nn.Module, experts: list[dict]):
+        act = mod.act_fn
+
+        @torch.no_grad()
+        def hook(m, args):
+            hidden, top_k_index = args[0], args[1]
+            mask = self._mask
+            valid = mask.reshape(-1) if mask is not None and mask.numel() == hidden.shape[0] else None
+            gu_all, down_all = _local(m.gate_up_proj), _local(m.down_proj)
+            for e, pair in enumerate(experts):
+                if not pair:
+                    continue
+                routed = (top_k_index == e).any(dim=-1)
+                if valid is not None:
+                    routed &= valid
+                if not routed.any():
+                    continue
+                x = hidden[routed]
+                gu_w = gu_all[e] if gu_all.shape[-1] == x.shape[-1] else gu_all[e].t()
+                h = nn.functional.linear(x, gu_w)
+                gate, up = h.chunk(2, dim=-1)
+                inner = act(gate) * up
+                down_w = down_all[e] if down_all.shape[-1] == inner.shape[-1] else down_all[e].t()
+                for proj, xin, y in (("gate_up_proj", x, h), ("down_proj", inner, None)):
+                    node = pair.get(proj)
+                    if node is None:
+                        continue
+                    for obs in node.inputs:
+                        obs.update(xin)
+                    for obs in node.outputs:
+                        obs.update(y if y is not None else nn.functional.linear(inner, down_w))
+
+        return hook
+
+    # ---- running --------------------------------------------------------------------------------
+    @contextmanager
+    def batch(self, attention_mask: torch.Tensor | None) -> Iterator[None]:
+        """Observe one forward; positions where attention_mask is 0 (padding) are not observed."""
+        if attention_mask is not None:
+            mask = attention_mask.bool()
+            n = int(mask.sum())
+            self.samples += mask.shape[0]
+            self.tokens += n
+            self._mask = None if n == mask.numel() else mask
+        try:
+            yield
+        finally:
+            self._mask = None
+
+    def stats(self) -> dict[str, NodeStats]:
+        """Statistics of every node that saw data (INC drops unused nodes the same way)."""
+        return {name: node.to_stats() for name, node in self.nodes.items() if node.used or not node.inputs}
+
+    def unused(self) -> list[str]:
+        return [name for name, node in self.nodes.items() if node.inputs and not node.used]
+
+    def layer_info(self) -> dict[str, dict]:
+        return {name: {"type": node.type_name, **node.info} for name, node in self.nodes.items()}
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

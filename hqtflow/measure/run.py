@@ -1,0 +1,261 @@
+"""`hqtflow measure`: model + QUANT_CONFIG + calibration data -> a versioned measurement artifact.
+
+The artifact directory holds INC's files for every rank (`<stem>.json/.npz/_mod_list.json`), a ready
+`quant_config.json` for INC's QUANTIZE pointing at them, and `hqtflow_manifest.json`, written last.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hqtflow.config import QuantConfig
+from hqtflow.errors import CalibrationError, ConfigError
+from hqtflow.formats import hqt
+from hqtflow.formats.artifact import StagingDir, check_output_dir, write_json_atomic, write_manifest
+
+SCHEMA = "hqtflow.measurement"
+SCHEMA_VERSION = 1
+INC_CONFIG = "quant_config.json"
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    """Everything one measurement run needs; recipes and CLI flags both resolve to this."""
+
+    output: str
+    model: str | None = None
+    config: str | None = None  # QUANT_CONFIG path; None = maxabs MEASURE defaults
+    tasks: tuple[str, ...] = ()
+    include_path: tuple[str, ...] = ()
+    data_dir: str | None = None
+    text: tuple[str, ...] = ()
+    text_field: str = "text"
+    limit: int | None = None
+    batch_size: int = 8
+    max_length: int = 512
+    tp: int = 1
+    dtype: str = "bf16"
+    overwrite: bool = False
+    seed: int = 0
+    recipe: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.tasks and not self.text:
+            raise CalibrationError("No calibration data: give lm-eval tasks (--tasks) and/or text files (--text).")
+        for name, value, low in (("--limit", self.limit, 1), ("--batch-size", self.batch_size, 1),
+                                 ("--max-length", self.max_length, 2), ("--tp", self.tp, 1)):
+            if value is not None and value < low:
+                raise ConfigError(f"{name} must be at least {low}, not {value}.")
+        from hqtflow.models import DTYPES
+
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> MeasureSettings:
+        d = dict(d)
+        for k in ("tasks", "include_path", "text"):
+            d[k] = tuple(d.get(k) or ())
+        return cls(**d)
+
+
+def load_measure_config(path: str | None) -> QuantConfig:
+    cfg = QuantConfig.from_file(path) if path else QuantConfig(mode="MEASURE")
+    src = path or "the default config"
+    if cfg.mode not in ("MEASURE", "AUTO"):
+        raise ConfigError(
+            f"{src} has mode {cfg.mode}; `hqtflow measure` needs a MEASURE config such as "
+            "quantization_config/maxabs_measure.json."
+        )
+    if cfg.observer not in ("maxabs", "maxabs_per_channel"):
+        raise ConfigError(f"{src}: observer {cfg.observer!r} is not supported by hqtflow measure; use maxabs or maxabs_per_channel.")
+    return cfg
+
+
+def preflight(s: MeasureSettings):
+    """Every check that needs no model weights: settings, config, output dir, model folder, data, TP split."""
+    from hqtflow import models
+
+    s.validate()
+    cfg = load_measure_config(s.config)
+    check_output_dir(Path(s.output), s.overwrite)
+    model_dir = models.resolve_model(s.model)
+    texts = [(f, _read(f, s.text_field)) for f in s.text]
+    manager = None
+    if s.tasks:
+        from hqtflow import lmeval
+
+        manager = lmeval.task_manager(list(s.include_path), s.data_dir)
+        lmeval.check_tasks(list(s.tasks), manager, s.data_dir)
+    if s.tp > 1:
+        from hqtflow.measure.distributed import check_tp_split
+
+        check_tp_split(models.load_config(model_dir), s.tp)
+    return cfg, model_dir, texts, manager
+
+
+def _read(path: str, text_field: str) -> list[str]:
+    from hqtflow.measure.calibration import read_texts
+
+    return read_texts(Path(path), text_field)
+
+
+def measure(s: MeasureSettings, *, show_progress: bool = True) -> Path:
+    """Run the measurement stage (spawning ranks for --tp N unless already inside torchrun)."""
+    from hqtflow.measure import distributed
+
+    cfg, model_dir, texts, manager = preflight(s)
+    if s.tp > 1 and not distributed.in_torchrun():
+        return distributed.launch(s)
+    rank, world = distributed.init(s.tp)
+    try:
+        return _measure_rank(s, cfg, model_dir, texts, manager, rank, world, show_progress and rank == 0)
+    finally:
+        distributed.shutdown()
+
+
+def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: int, world: int, show_progress: bool) -> Path:
+    import torch
+
+    from hqtflow import models
+    from hqtflow.measure import distributed
+    from hqtflow.measure.calibration import batches, token_chunks
+    from hqtflow.measure.hooks import ObserverSession
+
+    torch.manual_seed(s.seed)
+    stage = StagingDir(Path(s.output), overwrite=s.overwrite)
+    stage.path = distributed.broadcast_path(stage.create if rank == 0 else None)
+    try:
+        tokenizer = models.load_tokenizer(model_dir)
+        model = models.load_model(model_dir, s.dtype, tp_plan="auto" if world > 1 else None)
+        session = ObserverSession(model, cfg)
+        if not session.nodes:
+            raise ConfigError("The config selects no module of this model: check its allowlist/blocklist.")
+        device = next(model.parameters()).device
+        progress = _Progress(show_progress)
+
+        @torch.inference_mode()
+        def forward(ids, mask):
+            with session.batch(mask):
+                logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            progress.update(ids.shape[0], int(mask.sum()))
+            return logits
+
+        @torch.inference_mode()
+        def generate(ids, max_new):
+            with session.batch(None):
+                out = model.generate(ids.to(device), max_new_tokens=max_new, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id)
+            return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+        sources: list[dict] = []
+        t0 = time.perf_counter()
+        for path, file_texts in texts:
+            chunks = token_chunks(file_texts, tokenizer, s.max_length, s.limit)
+            if not chunks:
+                raise CalibrationError(f"Calibration file {path} has no tokens.")
+            progress.start(f"text {Path(path).name}", len(chunks))
+            for b in batches(chunks, s.batch_size, tokenizer.pad_token_id):
+                forward(b.input_ids, b.attention_mask)
+            sources.append({"kind": "text", "path": str(path), "sha256": _sha(path), "chunks": len(chunks)})
+        task_results = {}
+        if s.tasks:
+            from hqtflow import lmeval
+
+            progress.start("lm-eval " + ",".join(s.tasks), None)
+            lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=s.max_length, generate=generate)
+            task_results = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
+            sources.append({"kind": "lm-eval", "tasks": list(s.tasks), "limit": s.limit,
+                            "include_path": list(s.include_path), "data_dir": s.data_dir, "results": task_results})
+        progress.close()
+        seconds = time.perf_counter() - t0
+        session.close()
+        if session.tokens == 0:
+            raise CalibrationError("Calibration ran no tokens through the model.")
+
+        stem = hqt.measurement_stem(cfg.dump_stats_path, cfg.observer, rank if world > 1 else None, world)
+        files = hqt.write_measurement(stage.path, stem, session.stats(), local_rank=rank if world > 1 else None,
+                                      num_samples=session.samples)
+        rank_record = {
+            "rank": rank, "stem": stem, "files": [f.name for f in files],
+            "layers": session.layer_info(), "unmeasured": session.unused(), "skipped": session.skipped,
+        }
+        records = distributed.gather(rank_record)
+        if rank == 0:
+            out = Path(s.output).resolve()
+            inc_cfg = {**cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(out / Path(cfg.dump_stats_path).name)}
+            write_json_atomic(stage.path / INC_CONFIG, inc_cfg)
+            data = {
+                "world_size": world,
+                "observer": cfg.observer,
+                "dump_stats_path": cfg.dump_stats_path,
+                "statistics_dtype": "float32",
+                "model_dtype": s.dtype,
+                "model_path": str(model_dir),
+                "calibration": {"sources": sources, "samples": session.samples, "tokens": session.tokens,
+                                "batch_size": s.batch_size, "max_length": s.max_length, "seconds": round(seconds, 3)},
+                "ranks": records,
+                "parallel": "transformers tp_plan=auto; row-parallel outputs observed after the all-reduce"
+                if world > 1 else None,
+                "settings": s.to_json(),
+            }
+            write_manifest(stage.path, SCHEMA, SCHEMA_VERSION, model=models.fingerprint(model_dir),
+                           config=cfg.to_dict(), data=data)
+            stage.commit()
+        distributed.barrier()
+        return Path(s.output)
+    except BaseException:
+        if rank == 0:
+            stage.abort()
+        raise
+
+
+def _sha(path) -> str:
+    from hqtflow.formats.artifact import sha256_file
+
+    return sha256_file(Path(path))
+
+
+class _Progress:
+    """A tqdm bar per calibration source with samples and tokens/s (rank 0 only)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def start(self, desc: str, total: int | None) -> None:
+        self.close()
+        if self.enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="sample", dynamic_ncols=True)
+            self.tokens, self.t0 = 0, time.perf_counter()
+
+    def update(self, samples: int, tokens: int) -> None:
+        if self.bar is not None:
+            self.tokens += tokens
+            self.bar.update(samples)
+            rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix(tokens=self.tokens, tok_s=f"{rate:.0f}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def measurement_summary(out: Path) -> str:
+    m = json.loads((Path(out) / "hqtflow_manifest.json").read_text())
+    d = m["data"]
+    nodes = sum(len(r["layers"]) for r in d["ranks"])
+    return (f"Wrote {out}: {nodes} observed nodes over {d['world_size']} rank(s), "
+            f"{d['calibration']['samples']} samples / {d['calibration']['tokens']} tokens.")

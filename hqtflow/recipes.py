@@ -1,0 +1,81 @@
+"""YAML recipes: one file per model and card count naming everything a run needs.
+
+Keys (all optional except `model`): name, model, model_type, cards, dtype, config, calibration {tasks,
+include_path, data_dir, text, text_field, limit}, batch_size, max_length, output, quant_config, notes.
+Relative paths are resolved against the recipe's own directory; CLI flags override recipe values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hqtflow.errors import ConfigError
+
+TOP_KEYS = {"name", "model", "model_type", "cards", "dtype", "config", "calibration", "batch_size",
+            "max_length", "output", "quant_config", "notes"}
+CAL_KEYS = {"tasks", "include_path", "data_dir", "text", "text_field", "limit"}
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    """Read a recipe into MeasureSettings keyword arguments (plus `name`, `model_type`, `quant_config`)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Recipe {path} does not exist.")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"Recipe {path} is not valid YAML ({str(e).splitlines()[0]}).") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"Recipe {path} must be a YAML mapping.")
+    unknown = set(raw) - TOP_KEYS
+    if unknown:
+        raise ConfigError(f"Recipe {path} has unknown key(s) {', '.join(sorted(unknown))}; valid keys are {', '.join(sorted(TOP_KEYS))}.")
+    cal = raw.get("calibration") or {}
+    if not isinstance(cal, dict):
+        raise ConfigError(f"Recipe {path}: 'calibration' must be a mapping.")
+    unknown = set(cal) - CAL_KEYS
+    if unknown:
+        raise ConfigError(f"Recipe {path}: 'calibration' has unknown key(s) {', '.join(sorted(unknown))}; valid keys are {', '.join(sorted(CAL_KEYS))}.")
+    base = path.parent
+
+    def rel(p: str | None) -> str | None:
+        if p is None:
+            return None
+        q = Path(p).expanduser()
+        return str(q if q.is_absolute() else (base / q))
+
+    def as_list(key: str, value: Any) -> list:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()] if key == "tasks" else [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"Recipe {path}: '{key}' must be a list.")
+        return value
+
+    out: dict[str, Any] = {
+        "model": raw.get("model"),
+        "config": rel(raw.get("config")),
+        "tasks": tuple(as_list("tasks", cal.get("tasks"))),
+        "include_path": tuple(rel(p) for p in as_list("include_path", cal.get("include_path"))),
+        "data_dir": rel(cal.get("data_dir")),
+        "text": tuple(rel(p) for p in as_list("text", cal.get("text"))),
+        "text_field": cal.get("text_field", "text"),
+        "limit": cal.get("limit"),
+        "batch_size": raw.get("batch_size", 8),
+        "max_length": raw.get("max_length", 512),
+        "tp": raw.get("cards", 1),
+        "dtype": raw.get("dtype", "bf16"),
+        "output": raw.get("output"),
+        "recipe": str(path),
+    }
+    for key in ("limit", "batch_size", "max_length", "tp"):
+        v = out[key]
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ConfigError(f"Recipe {path}: '{key}' must be an integer, not {v!r}.")
+    meta = {"name": raw.get("name", path.stem), "model_type": raw.get("model_type"),
+            "quant_config": rel(raw.get("quant_config"))}
+    return {"settings": out, "meta": meta}
