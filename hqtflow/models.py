@@ -99,7 +99,12 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
 
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
     if tp_plan:
-        kwargs["tp_plan"] = tp_plan
+        try:
+            from transformers import DistributedConfig
+
+            kwargs["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
+        except ImportError:  # older transformers
+            kwargs["tp_plan"] = tp_plan
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
