@@ -115,7 +115,7 @@ def smollm2() -> Path:
     return d
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def wiki_text(data_dir) -> Path:
     return data_dir / "wikitext2_valid.txt"
 

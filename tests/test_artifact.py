@@ -1,0 +1,81 @@
+"""Artifacts are written atomically with a manifest last, and refused when missing, partial, edited or newer."""
+
+import json
+
+import pytest
+
+from hqtflow.errors import ArtifactError
+from hqtflow.formats.artifact import MANIFEST, read_manifest, staged_output, write_manifest
+
+
+def _make(out, **kw):
+    with staged_output(out, **kw) as tmp:
+        (tmp / "a.json").write_text("{}")
+        (tmp / "b.bin").write_bytes(b"\x00" * 10)
+        write_manifest(tmp, "hqtflow.test", 1, model={"id": "m"}, config={"k": 1}, data={"n": 2})
+    return out
+
+
+def test_roundtrip(tmp_path):
+    out = _make(tmp_path / "art")
+    m = read_manifest(out, "hqtflow.test", 1)
+    assert m.files.keys() == {"a.json", "b.bin"} and m.data == {"n": 2} and m.model == {"id": "m"}
+    assert m.raw["tool"]["hqtflow"] and m.raw["_version"] == 1
+    assert not list(tmp_path.glob(".*")), "no staging leftovers"
+
+
+def test_failure_leaves_nothing(tmp_path):
+    out = tmp_path / "art"
+    with pytest.raises(RuntimeError):
+        with staged_output(out) as tmp:
+            (tmp / "a.json").write_text("{}")
+            raise RuntimeError("boom")
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_existing_output_refused_then_overwritten(tmp_path):
+    out = _make(tmp_path / "art")
+    with pytest.raises(ArtifactError, match="already exists; pass --overwrite"):
+        _make(out)
+    before = read_manifest(out, "hqtflow.test", 1).raw["created"]
+    _make(out, overwrite=True)
+    assert read_manifest(out, "hqtflow.test", 1).raw["created"] >= before
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]
+
+
+def test_failed_overwrite_keeps_old(tmp_path):
+    out = _make(tmp_path / "art")
+    with pytest.raises(RuntimeError):
+        with staged_output(out, overwrite=True):
+            raise RuntimeError("boom")
+    read_manifest(out, "hqtflow.test", 1)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: (d / MANIFEST).unlink(), "writing did not finish"),
+        (lambda d: (d / "b.bin").unlink(), "incomplete: b.bin"),
+        (lambda d: (d / "a.json").write_text('{"x": 1}'), "modified after it was written: a.json"),
+        (lambda d: (d / MANIFEST).write_text("{"), "corrupt"),
+        (lambda d: _patch(d, _version=2), "newer hqtflow"),
+        (lambda d: _patch(d, _type="hqtflow.scales"), "not the 'hqtflow.test'"),
+    ],
+)
+def test_damaged_artifacts_refused(tmp_path, damage, message):
+    out = _make(tmp_path / "art")
+    damage(out)
+    with pytest.raises(ArtifactError, match=message) as e:
+        read_manifest(out, "hqtflow.test", 1)
+    assert "\n" not in str(e.value)
+
+
+def _patch(d, **changes):
+    m = json.loads((d / MANIFEST).read_text())
+    m.update(changes)
+    (d / MANIFEST).write_text(json.dumps(m))
+
+
+def test_missing_dir(tmp_path):
+    with pytest.raises(ArtifactError, match="does not exist"):
+        read_manifest(tmp_path / "nope", "hqtflow.measurement", 1)

@@ -1,0 +1,160 @@
+"""`hqtflow measure` end to end on a tiny random Llama: INC's file layout, exact statistics, padding, manifest."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+from hqtflow.formats.artifact import read_manifest
+from hqtflow.measure.calibration import read_texts, token_chunks
+
+CFG = ROOT / "quantization_config"
+
+
+def measure(model, out, *extra):
+    r = run_cli("measure", model, "-o", out, *extra)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def linear_names(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir)
+    return [n for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)]
+
+
+@pytest.fixture(scope="module")
+def text_run(tiny_llama, wiki_text, tmp_path_factory):
+    out = tmp_path_factory.mktemp("m") / "meas"
+    return measure(tiny_llama, out, "--text", wiki_text, "--limit", "6", "--max-length", "64", "--batch-size", "4")
+
+
+def test_inc_file_layout(text_run, tiny_llama):
+    names = {p.name for p in text_run.iterdir()}
+    assert names == {"measure_hooks_maxabs.json", "measure_hooks_maxabs.npz", "measure_hooks_maxabs_mod_list.json",
+                     "quant_config.json", "hqtflow_manifest.json"}
+    js = json.loads((text_run / "measure_hooks_maxabs.json").read_text())
+    assert list(js)[:4] == ["NumSamples", "GlobalRank", "LocalRank", "Mode"]
+    assert js["Mode"] == "DynamicRange" and js["LocalRank"] is None and js["NumSamples"] == 6
+    assert set(js["Nodes"]) == set(linear_names(tiny_llama))
+    node = js["Nodes"]["model.layers.0.self_attn.q_proj"]
+    assert np.array(node["inputs"]).shape == (1, 1, 1) and np.array(node["params"]["weight"]).shape == (1, 1)
+    assert "outputs" not in node  # maxabs default: outputs excluded
+    mods = json.loads((text_run / "measure_hooks_maxabs_mod_list.json").read_text())
+    assert mods == list(js["Nodes"])
+    # the .npz (for INC) holds the same numbers; it is our own file, so reading its pickle here is safe
+    npz = np.load(text_run / "measure_hooks_maxabs.npz", allow_pickle=True)["arr_0"].item()
+    for k, v in js["Nodes"].items():
+        np.testing.assert_array_equal(npz["Nodes"][k]["inputs"][0], np.array(v["inputs"][0], dtype=np.float32))
+    inc = json.loads((text_run / "quant_config.json").read_text())
+    assert inc["mode"] == "QUANTIZE" and inc["dump_stats_path"] == str(text_run.resolve() / "measure")
+
+
+def test_manifest(text_run, tiny_llama, wiki_text):
+    from hqtflow.models import fingerprint
+
+    m = read_manifest(text_run, "hqtflow.measurement", 1)
+    assert m.model == fingerprint(tiny_llama)
+    assert set(m.files) == {"measure_hooks_maxabs.json", "measure_hooks_maxabs.npz",
+                            "measure_hooks_maxabs_mod_list.json", "quant_config.json"}
+    d = m.data
+    assert d["world_size"] == 1 and d["statistics_dtype"] == "float32"
+    cal = d["calibration"]
+    assert cal["samples"] == 6 and cal["tokens"] == 6 * 64
+    assert cal["sources"][0]["kind"] == "text" and len(cal["sources"][0]["sha256"]) == 64
+    assert m.raw["config"]["mode"] == "MEASURE" and m.raw["tool"]["torch"] == torch.__version__
+    assert d["ranks"][0]["layers"]["model.layers.0.mlp.down_proj"]["style"] == "replicated"
+
+
+def reference_stats(model_dir, chunks, dtype=torch.bfloat16):
+    """Independent maxabs: plain forward hooks, one sequence at a time (no padding at all)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    stats = {}
+
+    def hook(name):
+        def f(mod, args, out):
+            a, o = args[0].abs().max().float().item(), out.abs().max().float().item()
+            i0, o0 = stats.get(name, (0.0, 0.0))
+            stats[name] = (max(i0, a), max(o0, o))
+        return f
+
+    for n, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.register_forward_hook(hook(n))
+    with torch.inference_mode():
+        for c in chunks:
+            model(torch.tensor([c]))
+    weights = {n: mod.weight.abs().max().float().item() for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    return stats, weights
+
+
+def test_statistics_equal_reference(text_run, tiny_llama, wiki_text):
+    from hqtflow.models import load_tokenizer
+
+    chunks = token_chunks(read_texts(wiki_text, "text"), load_tokenizer(tiny_llama), 64, 6)
+    ref, weights = reference_stats(tiny_llama, chunks)
+    js = json.loads((text_run / "measure_hooks_maxabs.json").read_text())["Nodes"]
+    for name, node in js.items():
+        assert node["inputs"][0][0][0] == pytest.approx(ref[name][0], rel=1e-2), name
+        assert node["params"]["weight"][0][0] == weights[name], name
+
+
+def test_padding_not_observed(tiny_factory, tmp_path):
+    """Sequences of different lengths batched together (right padding) give the same statistics as one by one."""
+    model = tiny_factory("llama", dtype="float32")
+    recs = tmp_path / "c.jsonl"
+    texts = ["The tower is 324 metres tall.", "A short one.",
+             "It was the first structure to reach a height of 300 metres, and it remained so for decades.", "Ok."]
+    recs.write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    cfg = CFG / "maxabs_measure_include_outputs.json"
+    a = measure(model, tmp_path / "batched", "--text", recs, "--batch-size", "4", "--dtype", "fp32", "-c", cfg)
+    b = measure(model, tmp_path / "single", "--text", recs, "--batch-size", "1", "--dtype", "fp32", "-c", cfg)
+    ja = json.loads((a / "measure_hooks_maxabs.json").read_text())["Nodes"]
+    jb = json.loads((b / "measure_hooks_maxabs.json").read_text())["Nodes"]
+    for name in ja:
+        for key in ("inputs", "outputs"):
+            np.testing.assert_allclose(ja[name][key], jb[name][key], rtol=1e-5, err_msg=f"{name} {key}")
+    man = read_manifest(a, "hqtflow.measurement", 1).data["calibration"]
+    assert man["samples"] == 4 and man["tokens"] < 4 * max(map(len, texts))
+
+
+def test_outputs_per_channel_and_blocklist(tiny_llama, wiki_text, tmp_path):
+    cfg = tmp_path / "pc.json"
+    cfg.write_text(json.dumps({"mode": "MEASURE", "observer": "maxabs_per_channel", "measure_exclude": "NONE",
+                               "blocklist": {"names": ["lm_head"]}, "dump_stats_path": "./x/stats"}))
+    out = measure(tiny_llama, tmp_path / "pc", "--text", wiki_text, "--limit", "2", "--max-length", "32", "-c", cfg)
+    js = json.loads((out / "stats_hooks_maxabs_per_channel.json").read_text())["Nodes"]
+    assert "lm_head" not in js
+    q = js["model.layers.0.self_attn.q_proj"]
+    assert np.array(q["inputs"]).shape == (1, 64, 1)  # (C_in, 1) per input
+    assert np.array(q["outputs"]).shape == (1, 64, 1)
+    assert np.array(q["params"]["weight"]).shape == (64, 1)  # per output channel
+    k = js["model.layers.0.self_attn.k_proj"]
+    assert np.array(k["outputs"]).shape == (1, 32, 1)  # 2 KV heads x 16: KV-cache scales come from here
+    man = read_manifest(out, "hqtflow.measurement", 1).data
+    assert man["ranks"][0]["skipped"] == {"lm_head": "excluded by allowlist/blocklist"}
+
+
+def test_lm_eval_calibration(tiny_llama, data_dir, tmp_path):
+    out = measure(tiny_llama, tmp_path / "ev", "--tasks", "piqa_local", "--data-dir", data_dir, "--limit", "3",
+                  "--batch-size", "4")
+    d = read_manifest(out, "hqtflow.measurement", 1).data["calibration"]
+    src = d["sources"][0]
+    assert src["kind"] == "lm-eval" and src["tasks"] == ["piqa_local"]
+    assert src["results"]["piqa_local"]["sample_len"] == 3
+    assert d["samples"] == 6  # 3 documents x 2 choices
+
+
+def test_overwrite(text_run, tiny_llama, wiki_text, tmp_path):
+    out = measure(tiny_llama, tmp_path / "o", "--text", wiki_text, "--limit", "1", "--max-length", "16")
+    r = run_cli("measure", tiny_llama, "-o", out, "--text", wiki_text, "--limit", "1")
+    assert r.exit_code == 2 and "already exists; pass --overwrite" in r.output
+    measure(tiny_llama, out, "--text", wiki_text, "--limit", "2", "--max-length", "16", "--overwrite")
+    assert read_manifest(out, "hqtflow.measurement", 1).data["calibration"]["samples"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["o"]
