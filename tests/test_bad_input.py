@@ -1,0 +1,87 @@
+"""Every user error: one clear sentence on stderr, exit code 2, no traceback, nothing partial left behind."""
+
+import json
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+
+def _files(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.fixture
+def setup(tmp_path, tiny_llama, wiki_text):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "empty.txt").write_text("   \n")
+    (work / "bad.json").write_text("{ not json")
+    (work / "wrong.json").write_text(json.dumps({"mode": "MEASURE", "observer": "maxabs_fast"}))
+    (work / "no_model").mkdir()
+    (work / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    (work / "a_file").write_text("x")
+    return work, tiny_llama, wiki_text
+
+
+CASES = {
+    "missing model dir": (lambda w, m, t: [w / "nope", "--text", t], "does not exist"),
+    "not a model dir": (lambda w, m, t: [w / "no_model", "--text", t], "has no config.json"),
+    "offline hub id": (lambda w, m, t: ["some-org/some-model", "--text", t], "hub could not be reached"),
+    "malformed config": (lambda w, m, t: [m, "--text", t, "-c", w / "bad.json"], "is not valid JSON"),
+    "wrong-valued config": (lambda w, m, t: [m, "--text", t, "-c", w / "wrong.json"],
+                            "key 'observer' has value 'maxabs_fast'; valid values are maxabs"),
+    "quantize config": (lambda w, m, t: [m, "--text", t, "-c", ROOT / "quantization_config/maxabs_quant.json"],
+                        "needs a MEASURE config"),
+    "missing config": (lambda w, m, t: [m, "--text", t, "-c", w / "nope.json"], "does not exist"),
+    "empty calibration file": (lambda w, m, t: [m, "--text", w / "empty.txt"], "is empty"),
+    "missing calibration file": (lambda w, m, t: [m, "--text", w / "nope.txt"], "does not exist"),
+    "jsonl without field": (lambda w, m, t: [m, "--text", w / "bad.jsonl"], "line 2 has no text field 'text'"),
+    "no calibration": (lambda w, m, t: [m], "No calibration data"),
+    "unknown task": (lambda w, m, t: [m, "--tasks", "no_such_task_xyz"], "Unknown lm-eval task 'no_such_task_xyz'"),
+    "local task without data": (lambda w, m, t: [m, "--tasks", "piqa_local"], "pass --data-dir"),
+    "limit 0": (lambda w, m, t: [m, "--text", t, "--limit", "0"], "--limit must be at least 1, not 0"),
+    "batch size 0": (lambda w, m, t: [m, "--text", t, "--batch-size", "0"], "--batch-size must be at least 1"),
+    "bad dtype": (lambda w, m, t: [m, "--text", t, "--dtype", "int4"], "--dtype must be one of"),
+    "tp does not divide": (lambda w, m, t: [m, "--text", t, "--tp", "3"], "--tp 3 cannot split this model"),
+    "missing recipe": (lambda w, m, t: [m, "--text", t, "-r", w / "nope.yaml"], "Recipe"),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_user_error(setup, case):
+    work, model, text = setup
+    args, message = CASES[case]
+    before = _files(work)
+    r = run_cli("measure", *args(work, model, text), "-o", work / "out")
+    assert r.exit_code == 2, r.output
+    assert message in r.stderr, r.stderr
+    err = r.stderr.strip()
+    assert err.startswith("Error: ") and len(err.splitlines()) == 1 and "Traceback" not in r.output
+    assert _files(work) == before, "nothing may be written"
+
+
+def test_existing_output(setup):
+    work, model, text = setup
+    r = run_cli("measure", model, "--text", text, "-o", work / "a_file")
+    assert r.exit_code == 2 and "already exists" in r.stderr
+
+
+def test_unwritable_output(setup):
+    work, model, text = setup
+    r = run_cli("measure", model, "--text", text, "-o", work / "a_file" / "out")
+    assert r.exit_code == 2 and "Cannot create the parent directory" in r.stderr
+    assert (work / "a_file").read_text() == "x"
+
+
+def test_no_output(setup):
+    work, model, text = setup
+    r = run_cli("measure", model, "--text", text)
+    assert r.exit_code == 2 and "No output directory" in r.stderr
+
+
+def test_default_model_not_prepared(setup, monkeypatch, tmp_path):
+    work, model, text = setup
+    monkeypatch.setenv("HQTFLOW_CACHE", str(tmp_path / "empty-cache"))
+    r = run_cli("measure", "--text", text, "-o", work / "out")
+    assert r.exit_code == 2 and "hqtflow model prepare smollm2" in r.stderr

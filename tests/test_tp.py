@@ -1,0 +1,51 @@
+"""`--tp N`: ranks spawned with torchrun (gloo on CPU) observe their shards; merged they equal the 1-rank run."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from hqtflow.formats.artifact import read_manifest
+
+pytestmark = pytest.mark.slow
+
+
+def nodes(path):
+    return json.loads(path.read_text())["Nodes"]
+
+
+def test_two_ranks_match_one(tiny_factory, wiki_text, tmp_path):
+    model = tiny_factory("llama", dtype="float32")
+    common = ["--text", wiki_text, "--limit", "4", "--max-length", "32", "--batch-size", "2", "--dtype", "fp32"]
+    r1 = run_cli("measure", model, "-o", tmp_path / "tp1", *common)
+    assert r1.exit_code == 0, r1.output
+    r2 = run_cli("measure", model, "-o", tmp_path / "tp2", "--tp", "2", *common)
+    assert r2.exit_code == 0, r2.output
+
+    out = tmp_path / "tp2"
+    m = read_manifest(out, "hqtflow.measurement", 1)
+    assert m.data["world_size"] == 2 and [r["rank"] for r in m.data["ranks"]] == [0, 1]
+    ranks = [json.loads((out / f"measure_hooks_maxabs_{r}_2.json").read_text()) for r in range(2)]
+    assert [r["LocalRank"] for r in ranks] == [0, 1]
+    one = nodes(tmp_path / "tp1" / "measure_hooks_maxabs.json")
+    styles = m.data["ranks"][0]["layers"]
+    assert styles["model.layers.0.self_attn.q_proj"]["style"] == "column"
+    assert styles["model.layers.0.self_attn.o_proj"]["style"] == "row"
+    assert styles["model.layers.0.mlp.down_proj"]["style"] == "row"
+    for name, ref in one.items():
+        per_rank = [r["Nodes"][name] for r in ranks]
+        # weights: the max over shards is the full weight's max, bit for bit
+        assert max(p["params"]["weight"][0][0] for p in per_rank) == ref["params"]["weight"][0][0], name
+        # activations: equal up to the reduction order the all-reduce introduces (fp32)
+        merged_in = max(p["inputs"][0][0][0] for p in per_rank)
+        np.testing.assert_allclose(merged_in, ref["inputs"][0][0][0], rtol=1e-4, err_msg=name)
+    assert not list(tmp_path.glob(".*")), "no staging leftovers"
+
+
+def test_user_torchrun_world_must_match(tiny_llama, wiki_text, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    r = run_cli("measure", tiny_llama, "-o", tmp_path / "o", "--text", wiki_text, "--tp", "1")
+    assert r.exit_code == 2 and "torchrun started 2 ranks but --tp is 1" in r.stderr
