@@ -1,0 +1,36 @@
+# hqtflow: `make demo` sets up and runs the main job on the embedded SmolLM2; `make test` runs the tests.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+DATA   ?= ../shared/data
+
+.PHONY: setup prepare demo test test-fast bench clean
+
+$(BIN)/hqtflow: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# CPU PyTorch first (a local wheel here); an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(BIN)/hqtflow
+
+setup: $(BIN)/hqtflow
+
+prepare: setup
+	$(BIN)/hqtflow model prepare smollm2
+
+# The main job: calibrate SmolLM2 on offline lm-eval tasks and WikiText-2, write an HQT measurement artifact.
+demo: prepare
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/hqtflow measure --recipe recipes/smollm2.yaml --overwrite
+
+test: prepare
+	$(BIN)/python -m pytest --durations=25
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow" --durations=15
+
+bench: prepare
+	$(BIN)/python bench/measure_overhead.py
+
+clean:
+	rm -rf $(VENV) out hqt_output .pytest_cache
