@@ -36,8 +36,12 @@ def local_task_dir(data_dir: str | Path) -> Path:
     return out
 
 
-def task_manager(include_paths: list[str | Path], data_dir: str | Path | None):
-    """An lm-eval TaskManager that also knows the user's include paths and the local tasks."""
+def task_manager(include_paths: list[str | Path], data_dir: str | Path | None, tasks: list[str] = ()):
+    """An lm-eval TaskManager that also knows the user's include paths and the local tasks.
+
+    lm-eval's ~14k built-in task YAMLs take seconds to index: when every requested task is found in the
+    include paths and local tasks alone, the built-ins are left out.
+    """
     from lm_eval.tasks import TaskManager
 
     paths = [Path(p) for p in include_paths]
@@ -46,6 +50,10 @@ def task_manager(include_paths: list[str | Path], data_dir: str | Path | None):
             raise CalibrationError(f"lm-eval include path {p} does not exist.")
     if data_dir is not None:
         paths.append(local_task_dir(data_dir))
+    if paths and tasks:
+        small = TaskManager(include_path=[str(p) for p in paths], include_defaults=False)
+        if set(tasks) <= set(small.all_tasks):
+            return small
     return TaskManager(include_path=[str(p) for p in paths] or None)
 
 

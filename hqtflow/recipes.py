@@ -2,7 +2,8 @@
 
 Keys (all optional except `model`): name, model, model_type, cards, dtype, config, calibration {tasks,
 include_path, data_dir, text, text_field, limit}, batch_size, max_length, output, quant_config, notes.
-Relative paths are resolved against the recipe's own directory; CLI flags override recipe values.
+Relative paths of inputs (config, calibration files, include paths, data dir) are resolved against the recipe's
+own directory; `output` is relative to where you run hqtflow. CLI flags override recipe values.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     def rel(p: str | None) -> str | None:
         if p is None:
             return None
+        if not isinstance(p, str):
+            raise ConfigError(f"Recipe {path}: expected a path, got {p!r}.")
         q = Path(p).expanduser()
-        return str(q if q.is_absolute() else (base / q))
+        return str(q if q.is_absolute() else (base / q).resolve())
 
     def as_list(key: str, value: Any) -> list:
         if value is None:
@@ -72,10 +75,14 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         "output": raw.get("output"),
         "recipe": str(path),
     }
+    labels = {"tp": "cards", "limit": "calibration.limit"}
     for key in ("limit", "batch_size", "max_length", "tp"):
         v = out[key]
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise ConfigError(f"Recipe {path}: '{key}' must be an integer, not {v!r}.")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"Recipe {path}: '{labels.get(key, key)}' must be a positive integer, not {v!r}.")
+    for key in ("tasks",):
+        if not all(isinstance(t, str) for t in out[key]):
+            raise ConfigError(f"Recipe {path}: 'calibration.{key}' must be a list of names.")
     meta = {"name": raw.get("name", path.stem), "model_type": raw.get("model_type"),
             "quant_config": rel(raw.get("quant_config"))}
     return {"settings": out, "meta": meta}

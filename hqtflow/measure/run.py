@@ -92,7 +92,7 @@ def preflight(s: MeasureSettings):
     if s.tasks:
         from hqtflow import lmeval
 
-        manager = lmeval.task_manager(list(s.include_path), s.data_dir)
+        manager = lmeval.task_manager(list(s.include_path), s.data_dir, list(s.tasks))
         lmeval.check_tasks(list(s.tasks), manager, s.data_dir)
     if s.tp > 1:
         from hqtflow.measure.distributed import check_tp_split

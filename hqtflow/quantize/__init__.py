@@ -1,0 +1,1 @@
+"""The quantize stage: scales from a measurement, FP8 Linear modules, and the FP8 checkpoint."""

@@ -1,0 +1,62 @@
+"""An FP8 Linear: FP8 weight [out, in] with a per-tensor or per-channel scale, and either a static per-tensor
+input scale (W8A8, like HQT) or none (weight-only).
+
+The QDQ backend is the reference every faster backend is checked against: it quantizes the input with its
+static scale and dequantizes it, dequantizes the weight, and multiplies in the high-precision dtype, with the
+same arithmetic as Neural Compressor's CPU QDQ path (float32 scaling, saturation at the FP8 format's maximum).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hqtflow.scales import FP8_DTYPES, dequantize, quantize
+
+
+class FP8Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, hp_dtype: torch.dtype,
+                 fp8: str = "E4M3", per_channel: bool = False, static_input: bool = True, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.hp_dtype, self.fp8 = hp_dtype, fp8
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPES[fp8], device=device))
+        scale_shape = (out_features, 1) if per_channel else (1,)
+        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=hp_dtype, device=device))
+        self.register_buffer("input_scale", torch.ones(1, dtype=hp_dtype, device=device) if static_input else None)
+        self.register_buffer("bias", torch.zeros(out_features, dtype=hp_dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+                    fp8: str = "E4M3") -> FP8Linear:
+        """Quantize `linear`'s weight with `weight_scale` (0-d or [out]); `input_scale` None = weight-only."""
+        w = linear.weight.detach()
+        per_channel = weight_scale.numel() > 1
+        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, hp_dtype=w.dtype, fp8=fp8,
+                per_channel=per_channel, static_input=input_scale is not None, device=w.device)
+        ws = weight_scale.detach().to(w.dtype).reshape(m.weight_scale.shape)
+        m.weight_scale.copy_(ws)
+        m.weight.copy_(quantize(w, ws, fp8))
+        if input_scale is not None:
+            m.input_scale.copy_(input_scale.detach().to(w.dtype).reshape(1))
+        if linear.bias is not None:
+            m.bias.copy_(linear.bias.detach())
+        return m
+
+    @property
+    def per_channel(self) -> bool:
+        return self.weight_scale.numel() > 1
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize(self.weight, self.weight_scale, self.hp_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:
+            x = dequantize(quantize(x, self.input_scale, self.fp8), self.input_scale, self.hp_dtype)
+        y = torch.matmul(x.to(self.hp_dtype), self.dequantized_weight().t())
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        mode = "W8A8 static" if self.input_scale is not None else "weight-only"
+        gran = "per-channel" if self.per_channel else "per-tensor"
+        return f"in={self.in_features}, out={self.out_features}, {self.fp8} {gran} weights, {mode}, bias={self.bias is not None}"

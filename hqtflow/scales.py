@@ -1,0 +1,243 @@
+"""FP8 scales from statistics and weights: every HQT scale method, as pure functions.
+
+Formulas (../shared/reference/hqt-formats.md, Neural Compressor's fp8_quant): full scale F (E4M3: 448, 240 on
+Gaudi2; E5M2: 57344); raw scale r = maxabs / (F * backoff) with backoff 0.5 for weights and 0.25 for
+activations; rounding IDENTITY r, POW2 2^ceil(log2 r), HW_ALIGNED POW2 then 2^(k*ceil(log2(p)/k)) clamped to the
+hardware set. A scale s quantizes x as cast(clamp(x / s, -F, F)) and dequantizes q as q * s. A Linear's output scale
+is input scale * weight scale.
+
+Like INC, the raw scale of a measured statistic is computed in `hp_dtype` (bf16 by default): the statistic is cast
+to hp_dtype before dividing, so power-of-two scales equal INC's exactly.
+
+Off Gaudi ("cpu", "cuda") there is no hardware scale set: hqtflow defines HW_ALIGNED there as Gaudi3's rule (powers
+of two, k = 1, clamped to [2^-55, 2^7]), so `maxabs_hw` scales made for a CPU or CUDA checkpoint are the ones a
+Gaudi3 would use, and `hw_aligned_single_scale` is Gaudi3's first hardware scale (128).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from hqtflow.errors import ConfigError
+
+TARGETS = ("gaudi2", "gaudi3", "cpu", "cuda")
+FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
+HP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+WEIGHT_BACKOFF, ACTIVATION_BACKOFF = 0.5, 0.25
+
+
+def full_scale(fp8: str = "E4M3", target: str = "cpu") -> float:
+    """Largest finite value of the FP8 format on `target` (Gaudi2's E4M3 has the range of e4m3fnuz)."""
+    if fp8 == "E4M3":
+        return float(torch.finfo(torch.float8_e4m3fnuz).max) if target == "gaudi2" else float(torch.finfo(torch.float8_e4m3fn).max)
+    if fp8 == "E5M2":
+        return float(torch.finfo(torch.float8_e5m2).max)
+    raise ConfigError(f"fp8_config {fp8!r} is not an FP8 format; valid values are {', '.join(FP8_DTYPES)}.")
+
+
+def hw_scales(target: str) -> list[float]:
+    """The scales the hardware applies for free (E4M3 exponent-bias set), largest first.
+
+    Gaudi2: biases {3, 7, 11, 15} -> {16, 1, 2^-4, 2^-8}; Gaudi3 (and, by hqtflow's definition, cpu/cuda):
+    biases 0..62 -> 2^7 .. 2^-55. INC uses the E4M3 set for HW_ALIGNED rounding whatever fp8_config says.
+    """
+    biases = [3, 7, 11, 15] if target == "gaudi2" else range(63)
+    return [2.0 ** (7 - b) for b in biases]
+
+
+def _hw_traits(target: str) -> tuple[float, float, int]:
+    s = hw_scales(target)
+    return min(s), max(s), 4 if target == "gaudi2" else 1
+
+
+# ---- rounding ----------------------------------------------------------------------------------
+def round_pow2(s: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.ceil(torch.log2(s)))
+
+
+def round_hw(s: torch.Tensor, target: str) -> torch.Tensor:
+    lo, hi, k = _hw_traits(target)
+    p = round_pow2(s)
+    aligned = 2.0 ** (torch.ceil(torch.log2(p) / k) * k)
+    return torch.clamp(aligned, min=lo, max=hi).to(s.dtype)
+
+
+def apply_rounding(s: torch.Tensor, rounding: str, target: str) -> torch.Tensor:
+    if rounding == "IDENTITY":
+        return s
+    if rounding == "POW2":
+        return round_pow2(s)
+    if rounding == "HW_ALIGNED":
+        return round_hw(s, target)
+    if rounding == "HW_ALIGNED_FIXED":
+        return torch.full_like(s, hw_scales(target)[0])
+    if rounding == "SCALE_UNIT":
+        return torch.ones_like(s)
+    raise ConfigError(f"Unknown rounding method {rounding!r}.")
+
+
+# ---- methods -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rule:
+    """How one tensor kind (weight or activation) gets its scale."""
+
+    granularity: str = "PTS"  # PTS: one scale; PCS: one per output channel (weights)
+    value: str = "MAXABS"  # MAXABS | FIXED_VALUE | OPT | DUMMY_SCALES
+    rounding: str = "IDENTITY"
+    backoff: float = 1.0
+    candidates: tuple[float, ...] | None = None  # OPT: scales (PTS) or multipliers (PCS) to search
+
+
+@dataclass(frozen=True)
+class ScaleMethod:
+    name: str
+    weight: Rule
+    activation: Rule
+
+
+def _hw_candidates(target: str) -> tuple[float, ...]:
+    return tuple(hw_scales(target))
+
+
+def scale_method(spec: str | dict, target: str = "cpu") -> ScaleMethod:
+    """The weight and activation rules of a scale method name (or INC's dict form, its `default` section)."""
+    if target not in TARGETS:
+        raise ConfigError(f"Unknown scale target {target!r}; valid values are {', '.join(TARGETS)}.")
+    if isinstance(spec, dict):
+        return _from_dict(spec)
+    w_pow2 = Rule(rounding="POW2", backoff=WEIGHT_BACKOFF)
+    a_pow2 = Rule(rounding="POW2", backoff=ACTIVATION_BACKOFF)
+    w_hw = Rule(rounding="HW_ALIGNED", backoff=WEIGHT_BACKOFF)
+    a_hw = Rule(rounding="HW_ALIGNED", backoff=ACTIVATION_BACKOFF)
+    pcs_pow2 = Rule("PCS", rounding="POW2", backoff=WEIGHT_BACKOFF)
+    pcs_opt = Rule("PCS", "OPT", "POW2", WEIGHT_BACKOFF, tuple(2.0**e for e in range(-3, 5)))
+    table = {
+        "unit_scale": (Rule(value="FIXED_VALUE", rounding="SCALE_UNIT"), Rule(value="FIXED_VALUE", rounding="SCALE_UNIT")),
+        "hw_aligned_single_scale": (Rule(value="FIXED_VALUE", rounding="HW_ALIGNED_FIXED"),
+                                    Rule(value="FIXED_VALUE", rounding="HW_ALIGNED_FIXED")),
+        "maxabs_hw": (w_hw, a_hw),
+        "maxabs_pow2": (w_pow2, a_pow2),
+        "maxabs_arbitrary": (Rule(backoff=WEIGHT_BACKOFF), Rule(backoff=ACTIVATION_BACKOFF)),
+        "maxabs_hw_opt_weight": (Rule("PTS", "OPT", "HW_ALIGNED", WEIGHT_BACKOFF, _hw_candidates(target)), a_hw),
+        "maxabs_pow2_opt_weight": (Rule("PTS", "OPT", "POW2", WEIGHT_BACKOFF, tuple(2.0**e for e in range(-10, 10))), a_pow2),
+        "act_maxabs_hw_weights_pcs_maxabs_pow2": (pcs_pow2, a_hw),
+        "act_maxabs_pow2_weights_pcs_maxabs_pow2": (pcs_pow2, a_pow2),
+        "act_maxabs_hw_weights_pcs_opt_pow2": (pcs_opt, a_hw),
+        "act_maxabs_pow2_weights_pcs_opt_pow2": (pcs_opt, a_pow2),
+    }
+    if spec not in table:
+        raise ConfigError(f"Unknown scale method {spec!r}; valid values are {', '.join(table)}.")
+    weight, activation = table[spec]
+    return ScaleMethod(spec, weight, activation)
+
+
+def _from_dict(spec: dict) -> ScaleMethod:
+    default = spec.get("default") or {}
+    if spec.get("nodes") or spec.get("layers") or spec.get("layer_types"):
+        raise ConfigError("Per-layer sections (nodes/layers/layer_types) of a scale_method dict are not supported yet; use 'default'.")
+
+    def rule(d: dict, backoff: float) -> Rule:
+        r = Rule(d.get("granularity", "PTS"), d.get("scale_value_type", "MAXABS"), d.get("rounding_method", "IDENTITY"),
+                 d.get("backoff", backoff))
+        if r.value == "OPT":
+            cands = (d.get("params") or {}).get("weight_scales")
+            if not cands:
+                raise ConfigError("An OPT scale_value_type needs params.weight_scales (the candidate scales).")
+            r = replace(r, candidates=tuple(float(c) for c in cands))
+        return r
+
+    return ScaleMethod("custom", rule(default.get("weight", {}), 1.0), rule(default.get("activation", {}), 1.0))
+
+
+# ---- FP8 casts (the QDQ reference) -------------------------------------------------------------
+def quantize(x: torch.Tensor, scale: torch.Tensor, fp8: str = "E4M3", fullscale: float | None = None) -> torch.Tensor:
+    """cast(clamp(x / scale, -F, F)) to the FP8 dtype, computed in float32 (saturating, never NaN).
+
+    The same arithmetic as Neural Compressor's CPU QDQ path (torchao's `_quantize_affine_float8`).
+    """
+    F = float(torch.finfo(FP8_DTYPES[fp8]).max) if fullscale is None else fullscale
+    return (x.float() / scale.float()).clamp(-F, F).to(FP8_DTYPES[fp8])
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * scale in float32, then cast to `dtype`."""
+    return (q.float() * scale.float()).to(dtype)
+
+
+# ---- computing scales --------------------------------------------------------------------------
+def activation_scale(maxabs, rule: Rule, *, target: str = "cpu", fp8: str = "E4M3", hp_dtype: str = "bf16") -> torch.Tensor:
+    """A per-tensor activation scale (0-d tensor in hp_dtype) from a measured maxabs (scalar or array)."""
+    hp = HP_DTYPES[hp_dtype]
+    if rule.value in ("FIXED_VALUE", "DUMMY_SCALES"):
+        base = torch.tensor(1.0, dtype=hp)
+        return apply_rounding(base, rule.rounding, target) if rule.value == "FIXED_VALUE" else base
+    m = torch.as_tensor(maxabs, dtype=torch.float32).to(hp).max()
+    raw = m / (full_scale(fp8, target) * rule.backoff)
+    return apply_rounding(raw, rule.rounding, target)
+
+
+def weight_scale(w: torch.Tensor, rule: Rule, *, target: str = "cpu", fp8: str = "E4M3", hp_dtype: str = "bf16") -> torch.Tensor:
+    """A weight [out, in] scale: 0-d (PTS) or [out] (PCS), in hp_dtype."""
+    hp = HP_DTYPES[hp_dtype]
+    w = w.detach().to(hp)
+    F = full_scale(fp8, target)
+    if rule.value == "DUMMY_SCALES":
+        return torch.ones(w.shape[0], dtype=hp) if rule.granularity == "PCS" else torch.tensor(1.0, dtype=hp)
+    if rule.value == "FIXED_VALUE":
+        return apply_rounding(torch.tensor(1.0, dtype=hp), rule.rounding, target)
+    if rule.granularity == "PCS":
+        eps = torch.tensor(torch.finfo(torch.bfloat16).tiny, dtype=hp)
+        ref = torch.maximum(w.abs().amax(dim=1) / (F * rule.backoff), eps)
+        ref = apply_rounding(ref, rule.rounding, target)
+        if rule.value != "OPT":
+            return ref
+        return apply_rounding(_best_per_channel(w, ref, rule.candidates, fp8, F), rule.rounding, target)
+    if rule.value == "OPT":
+        return apply_rounding(_best_single(w, rule.candidates, fp8, F), rule.rounding, target)
+    raw = w.abs().max() / (F * rule.backoff)
+    return apply_rounding(raw, rule.rounding, target)
+
+
+def _best_single(w: torch.Tensor, candidates, fp8: str, F: float) -> torch.Tensor:
+    """The candidate scale with the least ||W - dq(q(W))|| (ties: the later candidate, as INC)."""
+    best, best_err = None, float("inf")
+    for s in candidates:
+        st = torch.tensor(s, dtype=w.dtype)
+        err = float(torch.linalg.vector_norm((w - dequantize(quantize(w, st, fp8, F), st, w.dtype)).float()))
+        if err <= best_err:
+            best, best_err = st, err
+    return best
+
+
+def _best_per_channel(w: torch.Tensor, ref: torch.Tensor, multipliers, fp8: str, F: float) -> torch.Tensor:
+    """Per output channel: ref * the multiplier with the least squared error (ties: the first, as INC)."""
+    best_err = torch.full((w.shape[0],), float("inf"), dtype=w.dtype)
+    best = torch.full((w.shape[0],), -1.0, dtype=w.dtype)
+    for m in multipliers:
+        s = ref * m
+        y = dequantize(quantize(w, s[:, None], fp8, F), s[:, None], w.dtype)
+        err = ((w - y) ** 2).sum(dim=1)
+        better = err < best_err
+        best = torch.where(better, torch.tensor(m, dtype=w.dtype), best)
+        best_err = torch.where(better, err, best_err)
+    return best * ref
+
+
+@dataclass(frozen=True)
+class LinearScales:
+    """Scales of one Linear: input (0-d), weight (0-d or [out]), output = input * weight."""
+
+    input: torch.Tensor
+    weight: torch.Tensor
+
+    @property
+    def output(self) -> torch.Tensor:
+        return self.input * self.weight
+
+
+def linear_scales(method: ScaleMethod, input_maxabs, weight: torch.Tensor, *, target: str = "cpu",
+                  fp8: str = "E4M3", hp_dtype: str = "bf16") -> LinearScales:
+    kw = dict(target=target, fp8=fp8, hp_dtype=hp_dtype)
+    return LinearScales(activation_scale(input_maxabs, method.activation, **kw), weight_scale(weight, method.weight, **kw))

@@ -1,0 +1,253 @@
+"""Every recipe in recipes/ is dry-run through the real CLI on a tiny random model of its architecture.
+
+What cannot run here is overridden with CLI flags (the point of "flags override recipe values"): the model
+(a tiny folder), --tp 1, a small --limit and --max-length, and hub-only lm-eval tasks (hellaswag, ...) which
+become the offline `piqa_local` copy. Everything else (the QUANT_CONFIG, dtype, batch size, local tasks and
+text files) comes from the recipe itself, and the artifact is checked against it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, TINY, run_cli
+
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+TINY_LIMIT = 2
+TINY_MAX_LENGTH = 32
+
+
+def _raw(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def _manifest(out: Path) -> dict:
+    return json.loads((out / "hqtflow_manifest.json").read_text())
+
+
+def _nodes(out: Path, manifest: dict) -> dict:
+    (rank,) = manifest["data"]["ranks"]
+    return json.loads((out / f"{rank['stem']}.json").read_text())["Nodes"]
+
+
+def _maxabs(stat) -> float:
+    import numpy as np
+
+    return float(np.abs(np.asarray(stat, dtype=np.float32)).max())
+
+
+_MODULES: dict = {}
+
+
+def _modules(model_dir: Path) -> list[tuple[str, object]]:
+    """named_modules of the tiny model, built on the meta device (no weights: fast)."""
+    if model_dir not in _MODULES:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        _MODULES[model_dir] = list(model.named_modules())
+    return _MODULES[model_dir]
+
+
+def _fused_experts(model_dir: Path) -> dict[str, int]:
+    """MoE containers with fused 3-D expert weights -> number of experts."""
+    out = {}
+    for name, mod in _modules(model_dir):
+        gu = getattr(mod, "gate_up_proj", None)
+        if gu is not None and getattr(gu, "dim", lambda: 0)() == 3:
+            out[name] = gu.shape[0]
+    return out
+
+
+def _calibration_overrides(settings: dict, data_dir: Path, wiki: Path) -> list[str]:
+    """Flags replacing calibration sources this machine cannot use (hub tasks, absent local paths)."""
+    from hqtflow.lmeval import LOCAL_TASKS
+
+    args: list[str] = []
+    tasks = settings["tasks"]
+    if tasks and (any(t not in LOCAL_TASKS for t in tasks) and not settings["include_path"]):
+        args += ["--tasks", "piqa_local", "--data-dir", data_dir]  # the offline copy of a hub task
+    elif settings["data_dir"] and not Path(settings["data_dir"]).is_dir():
+        args += ["--data-dir", data_dir]
+    if settings["text"] and not all(Path(t).is_file() for t in settings["text"]):
+        args += ["--text", wiki]
+    return args
+
+
+# ---- static checks ------------------------------------------------------------------------------
+def test_recipes_exist():
+    assert len(RECIPES) >= 9, f"expected the seed recipes in {ROOT / 'recipes'}, found {[p.name for p in RECIPES]}"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipe_is_complete(path):
+    from hqtflow.config import QuantConfig
+    from hqtflow.recipes import load_recipe
+
+    raw = _raw(path)
+    loaded = load_recipe(path)
+    s, meta = loaded["settings"], loaded["meta"]
+    assert meta["name"] == path.stem, "the recipe's name should match its file name"
+    assert raw.get("model") and isinstance(raw["model"], str)
+    assert meta["model_type"] in TINY, f"model_type must be one of {sorted(TINY)} so it can be dry-run"
+    assert isinstance(raw.get("cards"), int) and raw["cards"] >= 1
+    assert QuantConfig.from_file(s["config"]).mode == "MEASURE"
+    assert QuantConfig.from_file(meta["quant_config"]).mode == "QUANTIZE"
+    assert s["tasks"] or s["text"], "a recipe needs calibration data"
+    assert s["output"] and raw.get("notes"), "output and notes (the seed command followed) are expected"
+
+
+@pytest.mark.parametrize("path", [p for p in RECIPES if _raw(p).get("model") == "smollm2"],
+                         ids=lambda p: p.stem)
+def test_smollm2_recipe_cards_split_the_real_model(path, smollm2):
+    """The card count of a SmolLM2 recipe divides its heads and MLP (what --tp N checks before spawning)."""
+    from hqtflow.measure.distributed import check_tp_split
+    from hqtflow.models import load_config
+
+    check_tp_split(load_config(smollm2), _raw(path)["cards"])
+
+
+# ---- dry run on a tiny model of the same architecture ---------------------------------------------
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipe_dry_run(path, tiny_factory, data_dir, tmp_path):
+    from torch import nn
+
+    from hqtflow.config import QuantConfig
+    from hqtflow.recipes import load_recipe
+
+    raw = _raw(path)
+    recipe = load_recipe(path)["settings"]
+    model_dir = tiny_factory(raw["model_type"])
+    out = tmp_path / "m"
+    r = run_cli("measure", "--recipe", path, model_dir, "-o", out, "--tp", "1", "--limit", str(TINY_LIMIT),
+                "--max-length", str(TINY_MAX_LENGTH),
+                *_calibration_overrides(recipe, data_dir, data_dir / "wikitext2_valid.txt"))
+    assert r.exit_code == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+
+    m = _manifest(out)
+    s = m["data"]["settings"]
+    # the recipe is recorded, its config is the one used, and unoverridden values come from it
+    assert s["recipe"] == str(path)
+    assert Path(s["config"]).resolve() == Path(recipe["config"]).resolve()
+    cfg = QuantConfig.from_file(recipe["config"])
+    assert m["config"] == cfg.to_dict()
+    assert (s["tp"], s["limit"], s["max_length"], s["model"]) == (1, TINY_LIMIT, TINY_MAX_LENGTH, str(model_dir))
+    assert (s["dtype"], s["batch_size"]) == (recipe["dtype"], recipe["batch_size"])
+    assert m["data"]["model_dtype"] == recipe["dtype"]
+    assert m["model"]["model_type"] == raw["model_type"]
+    assert m["data"]["world_size"] == 1 and m["data"]["calibration"]["tokens"] > 0
+    inc_cfg = json.loads((out / "quant_config.json").read_text())
+    assert inc_cfg["mode"] == "QUANTIZE" and inc_cfg["measure_exclude"] == cfg.measure_exclude
+
+    # a node for every Linear the config selects, with real statistics
+    nodes = _nodes(out, m)
+    modules = _modules(model_dir)
+    expected = {n for n, mod in modules if isinstance(mod, nn.Linear) and cfg.selects(n, type(mod).__name__)}
+    assert expected, "the config selects no Linear of the tiny model"
+    missing = expected - set(nodes)
+    assert not missing, f"selected Linears without a measurement node: {sorted(missing)[:10]}"
+    for name in expected:
+        node = nodes[name]
+        assert len(node["inputs"]) == 1 and _maxabs(node["inputs"][0]) > 0, name
+        assert _maxabs(node["params"]["weight"]) > 0, name
+        assert ("outputs" in node) == cfg.measures_outputs, name
+        if cfg.measures_outputs:
+            assert _maxabs(node["outputs"][0]) > 0, name
+
+    # MoE: each expert observed on the tokens routed to it
+    experts = _fused_experts(model_dir)
+    if raw["model_type"] == "mixtral":
+        assert experts, "the tiny Mixtral has no fused expert container: MoE would not be measured"
+    unmeasured = set(m["data"]["ranks"][0]["unmeasured"])
+    layers = m["data"]["ranks"][0]["layers"]
+    top_k = TINY[raw["model_type"]].get("num_experts_per_tok", 1)
+    for container, n_experts in experts.items():
+        want = {f"{container}.{e}.{p}" for e in range(n_experts) for p in ("gate_up_proj", "down_proj")
+                if cfg.selects(f"{container}.{e}.{p}", "Linear")}
+        got = want & set(nodes)
+        assert got | (want & unmeasured) == want, f"{container}: expert nodes neither measured nor listed unmeasured"
+        routed = {n.rsplit(".", 2)[1] for n in got}
+        # every token goes to top_k distinct experts, so at least top_k of them saw tokens
+        assert len(routed) >= min(top_k, n_experts), f"{container}: only experts {sorted(routed)} measured"
+        for e in routed:
+            for proj in ("gate_up_proj", "down_proj"):
+                name = f"{container}.{e}.{proj}"
+                node = nodes[name]
+                assert _maxabs(node["inputs"][0]) > 0 and _maxabs(node["params"]["weight"]) > 0, name
+                assert layers[name]["expert"] == int(e)
+
+
+# ---- flags override recipe values ------------------------------------------------------------------
+def test_flags_override_recipe_values(tiny_factory, data_dir, tmp_path):
+    from hqtflow.recipes import load_recipe
+
+    path = ROOT / "recipes" / "smollm2.yaml"
+    recipe = load_recipe(path)["settings"]
+    need_local = _calibration_overrides(recipe, data_dir, data_dir / "wikitext2_valid.txt")
+    out = tmp_path / "m"
+    r = run_cli("measure", "--recipe", path, tiny_factory("llama"), "-o", out, "--tp", "1",
+                "--limit", "3", "--batch-size", "2", "--dtype", "fp32", *need_local)
+    assert r.exit_code == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    d = _manifest(out)["data"]
+    s = d["settings"]
+    assert (s["limit"], s["batch_size"], s["dtype"], s["tp"]) == (3, 2, "fp32", 1)
+    assert recipe["limit"] != 3 and recipe["batch_size"] != 2 and recipe["dtype"] != "fp32"
+    assert d["calibration"]["batch_size"] == 2 and d["model_dtype"] == "fp32"
+    # what no flag overrode still comes from the recipe
+    assert s["max_length"] == recipe["max_length"] == d["calibration"]["max_length"]
+    assert tuple(s["tasks"]) == recipe["tasks"]
+    by_kind = {src["kind"]: src for src in d["calibration"]["sources"]}
+    assert by_kind["text"]["chunks"] == 3 and by_kind["lm-eval"]["limit"] == 3
+    assert set(by_kind["lm-eval"]["results"]) == set(recipe["tasks"])
+
+
+# ---- invalid recipes are refused with one sentence ------------------------------------------------
+GOOD = {"model": "smollm2", "cards": 1, "calibration": {"text": "x.txt"}}
+
+
+def _refused(tmp_path: Path, recipe: dict):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "m"
+    r = run_cli("measure", "--recipe", path, "-o", out)
+    assert r.exit_code == 2, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    msg = r.stderr.strip()
+    assert msg.startswith("Error: ") and len(msg.splitlines()) == 1, msg
+    assert "Traceback" not in r.output and not out.exists()
+    return msg
+
+
+@pytest.mark.parametrize("key,where", [("modle", None), ("taks", "calibration")])
+def test_unknown_key_refused(tmp_path, key, where):
+    recipe = json.loads(json.dumps(GOOD))
+    (recipe[where] if where else recipe)[key] = "x"
+    msg = _refused(tmp_path, recipe)
+    assert key in msg and "bad.yaml" in msg
+
+
+@pytest.mark.parametrize("cards", ["eight", 2.5, True])
+def test_non_integer_cards_refused(tmp_path, cards):
+    msg = _refused(tmp_path, {**GOOD, "cards": cards})
+    assert "bad.yaml" in msg and "integer" in msg and "'cards'" in msg
+
+
+# ---- the SmolLM2 recipe for real --------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_recipe_real_model(smollm2, data_dir, tmp_path):
+    path = ROOT / "recipes" / "smollm2.yaml"
+    from hqtflow.recipes import load_recipe
+
+    recipe = load_recipe(path)["settings"]
+    out = tmp_path / "m"
+    r = run_cli("measure", "--recipe", path, "-o", out, "--limit", "2", "--max-length", "64",
+                *_calibration_overrides(recipe, data_dir, data_dir / "wikitext2_valid.txt"))
+    assert r.exit_code == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    m = _manifest(out)
+    assert Path(m["data"]["model_path"]).resolve() == smollm2.resolve()
+    assert len(_nodes(out, m)) == 30 * 7 + 1  # q,k,v,o,gate,up,down per layer + lm_head
