@@ -127,5 +127,28 @@ def measure(
         typer.echo(measurement_summary(out))
 
 
+@app.command()
+@user_errors
+def quantize(
+    model: Annotated[Optional[str], typer.Argument(help="Model folder (default: the one the measurement recorded).")] = None,
+    measurement: Annotated[Path, typer.Option("-m", "--measurement", help="Measurement artifact directory.")] = ...,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Artifact directory to write.")] = ...,
+    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="QUANT_CONFIG JSON (QUANTIZE mode). Default: maxabs_arbitrary, lm_head in bf16.")] = None,
+    scale_method: Annotated[Optional[str], typer.Option(help="Override the config's scale_method.")] = None,
+    scales_for: Annotated[Optional[str], typer.Option(help="Device the scales are for: gaudi2, gaudi3, cpu, cuda.")] = None,
+    scales_only: Annotated[bool, typer.Option(help="Write INC scale files per rank instead of a checkpoint.")] = False,
+    weight_only: Annotated[bool, typer.Option(help="FP8 weights, high-precision activations.")] = False,
+    trust_pickle: Annotated[bool, typer.Option(help="Allow reading an .npz measurement (a pickle) when its JSON twin is missing.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
+) -> None:
+    """Turn a measurement into FP8 scales (INC files, --scales-only) or a compressed-tensors FP8 checkpoint."""
+    from hqtflow.quantize.run import QuantizeSettings, quantize as run_quantize, summary
+
+    s = QuantizeSettings(measurement=str(measurement), output=str(output), model=model,
+                         config=str(config) if config else None, scale_method=scale_method, scales_for=scales_for,
+                         scales_only=scales_only, weight_only=weight_only, overwrite=overwrite, trust_pickle=trust_pickle)
+    typer.echo(summary(run_quantize(s)))
+
+
 if __name__ == "__main__":
     app()

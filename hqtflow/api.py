@@ -1,0 +1,17 @@
+"""The Python API: `hqtflow.load(path)` returns a ready-to-run FP8 model and its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load(path: str | Path, *, device: str = "cpu", verify: bool = True):
+    """Load an hqtflow FP8 checkpoint (schema and file hashes checked) -> (model, tokenizer)."""
+    from hqtflow import models
+    from hqtflow.formats.artifact import read_manifest
+    from hqtflow.quantize.convert import load_checkpoint
+    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION
+
+    path = Path(path)
+    read_manifest(path, CHECKPOINT_SCHEMA, SCHEMA_VERSION, verify=verify)
+    return load_checkpoint(path, device=device), models.load_tokenizer(path)

@@ -1,0 +1,106 @@
+"""Swapping Linear modules for FP8Linear, and the FP8 checkpoint on disk (write and load)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hqtflow.formats import hqt
+from hqtflow.quantize.fp8_linear import FP8Linear
+from hqtflow.scales import ScaleMethod, linear_scales
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def convert_model(model: nn.Module, names: list[str], meas: hqt.Measurement, method: ScaleMethod, *,
+                  target: str, fp8: str, hp_dtype: str, weight_only: bool = False) -> dict[str, dict]:
+    """Replace each named Linear by an FP8Linear with scales from `meas`; return the scales used."""
+    used = {}
+    _untie_if_needed(model, names)
+    for name in names:
+        lin = model.get_submodule(name)
+        sc = linear_scales(method, meas.nodes[name].inputs[0], lin.weight, target=target, fp8=fp8, hp_dtype=hp_dtype)
+        _set_module(model, name, FP8Linear.from_linear(lin, sc.weight, None if weight_only else sc.input, fp8))
+        used[name] = {"input": float(sc.input), "weight": sc.weight.float().flatten().tolist()}
+    return used
+
+
+def _untie_if_needed(model: nn.Module, names: list[str]) -> None:
+    """A quantized lm_head cannot share its weight with the (high-precision) embedding."""
+    out = model.get_output_embeddings()
+    if out is None or not getattr(model.config, "tie_word_embeddings", False):
+        return
+    lm_name = next((n for n, m in model.named_modules() if m is out), None)
+    if lm_name in names:
+        out.weight = nn.Parameter(out.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+        if hasattr(model, "_tied_weights_keys"):
+            model._tied_weights_keys = None
+
+
+def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_channel: bool, static_input: bool) -> None:
+    """compressed-tensors FP8 safetensors + config.json with its quantization_config."""
+    from safetensors.torch import save_file
+
+    from hqtflow.formats.compressed_tensors import quantization_config
+
+    out = Path(out)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        out_emb = model.get_output_embeddings()
+        lm_name = next((n for n, m in model.named_modules() if m is out_emb), None)
+        state.pop(f"{lm_name}.weight", None)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = quantization_config(per_channel=per_channel, static_input=static_input, ignore=ignore)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+
+
+def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
+    """Build the model skeleton on the meta device, swap in FP8Linear where the checkpoint has FP8 weights, load."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hqtflow.formats.compressed_tensors import parse_quantization_config
+
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    qc = parse_quantization_config(raw.get("quantization_config") or {})
+    raw.pop("quantization_config", None)
+    config = AutoConfig.for_model(**raw)
+    hp = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.bfloat16
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):  # parameters on meta; computed buffers (rotary) real
+        model = AutoModelForCausalLM.from_config(config, dtype=hp)
+    files = sorted(path.glob("*.safetensors"))
+    tensors = {}
+    for f in files:
+        with safe_open(f, framework="pt", device=device) as fh:
+            for k in fh.keys():
+                tensors[k] = fh.get_tensor(k)
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, nn.Linear) and tensors.get(f"{name}.weight") is not None and tensors[f"{name}.weight"].dtype in (
+                torch.float8_e4m3fn, torch.float8_e5m2):
+            fp8 = "E4M3" if tensors[f"{name}.weight"].dtype == torch.float8_e4m3fn else "E5M2"
+            new = FP8Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, hp_dtype=hp, fp8=fp8,
+                            per_channel=tensors[f"{name}.weight_scale"].numel() > 1,
+                            static_input=f"{name}.input_scale" in tensors, device="meta")
+            _set_module(model, name, new)
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        from hqtflow.errors import ArtifactError
+
+        raise ArtifactError(f"Checkpoint {path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}.")
+    return model.eval()

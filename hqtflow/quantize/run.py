@@ -1,0 +1,228 @@
+"""`hqtflow quantize`: measurement artifact + model + QUANTIZE config -> INC scale files, or an FP8 checkpoint.
+
+Scales come from `hqtflow.scales` (pure functions of statistics and weights). The checkpoint is compressed-tensors
+FP8 plus the tokenizer and an hqtflow manifest that adds what the layout cannot say (scale method, target device,
+the source measurement's digest).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hqtflow.config import QuantConfig
+from hqtflow.errors import ArtifactError, ConfigError
+from hqtflow.formats import hqt
+from hqtflow.formats.artifact import Manifest, read_manifest, staged_output, write_manifest
+
+SCALES_SCHEMA, CHECKPOINT_SCHEMA, SCHEMA_VERSION = "hqtflow.scales", "hqtflow.checkpoint", 1
+MEASUREMENT_SCHEMA = "hqtflow.measurement"
+
+
+@dataclass(frozen=True)
+class QuantizeSettings:
+    measurement: str
+    output: str
+    model: str | None = None  # default: the model folder recorded in the measurement manifest
+    config: str | None = None  # QUANTIZE QUANT_CONFIG; None = maxabs_arbitrary, lm_head kept in bf16
+    scale_method: str | None = None
+    scales_for: str | None = None  # gaudi2 | gaudi3 | cpu | cuda (HQT's device_for_scales)
+    scales_only: bool = False
+    weight_only: bool = False
+    overwrite: bool = False
+    trust_pickle: bool = False
+
+
+DEFAULT_CONFIG = {"mode": "QUANTIZE", "scale_method": "maxabs_arbitrary", "blocklist": {"names": ["lm_head"]}}
+
+
+def quant_config(s: QuantizeSettings) -> QuantConfig:
+    cfg = QuantConfig.from_file(s.config) if s.config else QuantConfig.from_dict(DEFAULT_CONFIG, source="default")
+    if cfg.mode not in ("QUANTIZE", "LOAD", "AUTO"):
+        raise ConfigError(f"{s.config} has mode {cfg.mode}; `hqtflow quantize` needs a QUANTIZE config such as quantization_config/maxabs_quant.json.")
+    changes = {}
+    if s.scale_method:
+        from hqtflow.config import SCALE_METHODS, _choice
+
+        changes["scale_method"] = _choice("scale_method", s.scale_method, SCALE_METHODS, source="--scale-method")
+    if s.scales_for:
+        changes["device_for_scales"] = s.scales_for.upper()
+    return cfg.with_changes(**changes) if changes else cfg
+
+
+# ---- reading a measurement ----------------------------------------------------------------------
+@dataclass
+class LoadedMeasurement:
+    directory: Path
+    manifest: Manifest | None  # None: a foreign HQT/INC dump (provenance unknown)
+    ranks: list[hqt.Measurement]
+    stems: list[str]
+    world_size: int
+
+    def digest(self) -> str:
+        if self.manifest is not None:
+            return self.manifest.digest()
+        from hqtflow.formats.artifact import sha256_file
+
+        return "sha256:" + "".join(sha256_file(self.directory / f"{s}.json")[:16] for s in self.stems)
+
+
+def load_measurement(directory: str | Path, *, trust_pickle: bool = False) -> LoadedMeasurement:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"Measurement directory {directory} does not exist.")
+    if (directory / "hqtflow_manifest.json").exists():
+        m = read_manifest(directory, MEASUREMENT_SCHEMA, SCHEMA_VERSION)
+        stems = [r["stem"] for r in m.data["ranks"]]
+        ranks = [hqt.read_measurement(directory / f"{st}.json") for st in stems]
+        return LoadedMeasurement(directory, m, ranks, stems, int(m.data["world_size"]))
+    # a foreign dump: find measurement JSONs (not scale files, not mod lists)
+    import re
+
+    pat = re.compile(r"^(.+_hooks_maxabs(?:_per_channel)?)(?:_(\d+)_(\d+))?\.(json|npz)$")
+    found: dict[str, tuple] = {}
+    for p in sorted(directory.iterdir()):
+        mt = pat.match(p.name)
+        if mt and not p.name.endswith("_mod_list.json"):
+            found.setdefault(mt.group(1) + (f"_{mt.group(2)}_{mt.group(3)}" if mt.group(2) else ""), (mt, []))[1].append(p.suffix)
+    if not found:
+        raise ArtifactError(f"{directory} holds no measurement files (no hqtflow manifest, no *_hooks_maxabs*.json).")
+    ranks, stems, world = [], [], 1
+    for stem, (mt, exts) in sorted(found.items(), key=lambda kv: int(kv[1][0].group(2) or 0)):
+        world = int(mt.group(3) or 1)
+        if ".json" not in exts:
+            if not trust_pickle:
+                raise ArtifactError(f"{directory / stem}.json is missing; its .npz twin is a pickle, opened only with --trust-pickle.")
+            ranks.append(_read_npz(directory / f"{stem}.npz"))
+        else:
+            ranks.append(hqt.read_measurement(directory / f"{stem}.json"))
+        stems.append(stem)
+    return LoadedMeasurement(directory, None, ranks, stems, world)
+
+
+def _read_npz(path: Path) -> hqt.Measurement:
+    """Only with --trust-pickle: INC's np.savez of a dict is a pickled object array."""
+    import numpy as np
+
+    d = np.load(path, allow_pickle=True)["arr_0"].item()  # the user opted in with --trust-pickle
+    nodes = {k: hqt.NodeStats.from_json(hqt.NodeStats(**{kk: v for kk, v in n.items()}).to_json(), where=str(path))
+             for k, n in d["Nodes"].items()}
+    return hqt.Measurement(nodes, d.get("LocalRank"), int(d.get("NumSamples", 0)), d.get("Mode", "DynamicRange"))
+
+
+def check_statistics(meas: hqt.Measurement, where: str) -> None:
+    for name, node in meas.nodes.items():
+        for kind, arrays in (("input", node.inputs), ("output", node.outputs), ("weight", list(node.params.values()))):
+            for a in arrays:
+                if not all(math.isfinite(float(v)) for v in a.flatten()):
+                    raise ArtifactError(f"{where}: module {name} has a non-finite {kind} statistic (NaN or inf); re-measure it.")
+
+
+# ---- the stage ----------------------------------------------------------------------------------
+def quantize(s: QuantizeSettings) -> Path:
+    import torch
+
+    from hqtflow import models
+    from hqtflow.formats.artifact import check_output_dir
+    from hqtflow.scales import TARGETS, scale_method
+
+    cfg = quant_config(s)
+    target = (cfg.device_for_scales or "cpu").lower()
+    if target not in TARGETS:
+        raise ConfigError(f"--scales-for {target!r} is not a valid target; valid values are {', '.join(TARGETS)}.")
+    method = scale_method(cfg.scale_method, target)
+    check_output_dir(Path(s.output), s.overwrite)
+    meas = load_measurement(s.measurement, trust_pickle=s.trust_pickle)
+    for st, r in zip(meas.stems, meas.ranks):
+        check_statistics(r, f"{meas.directory / st}.json")
+    model_ref = s.model or (meas.manifest.data.get("model_path") if meas.manifest else None)
+    if model_ref is None:
+        raise ArtifactError(f"{meas.directory} has no hqtflow manifest naming its model; pass the MODEL argument.")
+    model_dir = models.resolve_model(model_ref)
+    fp = models.fingerprint(model_dir)
+    if meas.manifest is not None and meas.manifest.model and meas.manifest.model.get("id") != fp["id"]:
+        raise ArtifactError(
+            f"Measurement {meas.directory} was made on a different model (fingerprint {meas.manifest.model.get('id')}, "
+            f"{model_dir} is {fp['id']}); measure this model first."
+        )
+    if not s.scales_only:
+        if meas.world_size > 1:
+            raise ArtifactError(f"{meas.directory} is a {meas.world_size}-rank measurement; a checkpoint needs one rank: "
+                                f"run `hqtflow unify -g {''.join(map(str, range(meas.world_size)))} -m {meas.directory} -o DIR` first.")
+        if cfg.fp8_config != "E4M3":
+            raise ConfigError("compressed-tensors FP8 checkpoints are E4M3; fp8_config E5M2 is supported with --scales-only.")
+    dtype = meas.manifest.data.get("model_dtype", "bf16") if meas.manifest else "bf16"
+    model = models.load_model(model_dir, dtype)
+    plan = plan_modules(model, cfg, meas.ranks[0])
+    with staged_output(Path(s.output), overwrite=s.overwrite) as tmp:
+        common = {"scale_method": method.name if method.name != "custom" else cfg.scale_method, "target": target,
+                  "fp8": cfg.fp8_config, "hp_dtype": cfg.hp_dtype, "source_measurement": str(meas.directory.resolve()),
+                  "source_digest": meas.digest(), "provenance_known": meas.manifest is not None,
+                  "skipped": plan["skipped"], "quantized": sorted(plan["quantize"])}
+        if s.scales_only:
+            from hqtflow.quantize.scale_files import write_scale_files
+
+            files = write_scale_files(tmp, Path(s.output), model, meas, cfg, method, target)
+            write_manifest(tmp, SCALES_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
+                           data={**common, "world_size": meas.world_size, "files": files})
+        else:
+            from hqtflow.quantize.convert import convert_model, save_checkpoint
+
+            with torch.no_grad():
+                convert_model(model, plan["quantize"], meas.ranks[0], method, target=target, fp8=cfg.fp8_config,
+                              hp_dtype=cfg.hp_dtype, weight_only=s.weight_only)
+            save_checkpoint(model, tmp, ignore=plan["ignore"], per_channel=method.weight.granularity == "PCS",
+                            static_input=not s.weight_only)
+            models.load_tokenizer(model_dir).save_pretrained(tmp)
+            write_manifest(tmp, CHECKPOINT_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
+                           data={**common, "mode": "weight-only" if s.weight_only else "w8a8-static",
+                                 "settings": asdict(s)})
+    return Path(s.output)
+
+
+def plan_modules(model, cfg: QuantConfig, meas: hqt.Measurement) -> dict:
+    """Which Linear modules get quantized; the rest are kept in high precision with a reason."""
+    from torch import nn
+
+    quantize, ignore, skipped, missing = [], [], {}, []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        if not cfg.selects(name, type(mod).__name__):
+            ignore.append(name)
+            skipped[name] = "excluded by allowlist/blocklist"
+        elif name not in meas.nodes or not meas.nodes[name].inputs:
+            if cfg.ignore_modules_wo_measures:
+                ignore.append(name)
+                skipped[name] = "no statistics (ignore_modules_wo_measures)"
+            else:
+                missing.append(name)
+        else:
+            quantize.append(name)
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ArtifactError(f"The measurement has no input statistics for {shown}; re-measure, blocklist them, "
+                            "or set ignore_modules_wo_measures.")
+    return {"quantize": quantize, "ignore": ignore, "skipped": skipped}
+
+
+def summary(out: Path) -> str:
+    m = json.loads((Path(out) / "hqtflow_manifest.json").read_text())
+    d = m["data"]
+    what = "scale files" if m["_type"] == SCALES_SCHEMA else "FP8 checkpoint"
+    return (f"Wrote {out}: {what}, {d['scale_method']} for {d['target']}, {len(d['quantized'])} modules quantized, "
+            f"{len(d['skipped'])} kept in high precision.")
+
+
+def copy_measurement_files(meas: LoadedMeasurement, out: Path) -> list[str]:
+    names = []
+    for st in meas.stems:
+        for suffix in (".json", ".npz", "_mod_list.json"):
+            p = meas.directory / f"{st}{suffix}"
+            if p.exists():
+                shutil.copy2(p, out / p.name)
+                names.append(p.name)
+    return names
