@@ -150,5 +150,68 @@ def quantize(
     typer.echo(summary(run_quantize(s)))
 
 
+@app.command()
+@user_errors
+def generate(
+    model: Annotated[Optional[str], typer.Argument(help="FP8 checkpoint or HF model folder (default: smollm2).")] = None,
+    prompt: Annotated[str, typer.Option("-p", "--prompt", help="Prompt text.")] = "The capital of France is",
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (greedy).")] = 32,
+    chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
+) -> None:
+    """Greedy text generation from an FP8 checkpoint (QDQ runtime) or a bf16 model."""
+    import torch
+
+    from hqtflow.evaluate import load_any
+
+    if max_new_tokens < 1:
+        raise HqtflowError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
+    m, tok, _ = load_any(model)
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt
+    ids = tok(text, return_tensors="pt", add_special_tokens=not chat)
+    with torch.inference_mode():
+        out = m.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    typer.echo(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+
+
+@app.command("eval")
+@user_errors
+def eval_(
+    model: Annotated[Optional[str], typer.Argument(help="FP8 checkpoint (or any model) to evaluate.")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="bf16 model to compare with (default: the checkpoint's source model).")] = None,
+    no_baseline: Annotated[bool, typer.Option(help="Evaluate MODEL alone.")] = False,
+    tasks: Annotated[Optional[list[str]], typer.Option("--tasks", "-t", help="lm-eval tasks, comma separated.")] = None,
+    include_path: Annotated[Optional[list[Path]], typer.Option("--include-path", help="Directory of lm-eval task YAMLs.")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Data for the bundled <task>_local tasks.")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="Documents per task.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward.")] = 8,
+    ppl_file: Annotated[Optional[Path], typer.Option(help="Text for perplexity (e.g. ../shared/data/wikitext2_test.txt).")] = None,
+    ppl_windows: Annotated[Optional[int], typer.Option(help="At most this many disjoint 512-token windows.")] = None,
+    report: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
+) -> None:
+    """lm-eval tasks and WikiText-2 perplexity of an FP8 model and its bf16 baseline, side by side."""
+    from hqtflow.eval_run import run_eval
+
+    typer.echo(run_eval(model, baseline=None if no_baseline else baseline, use_source=not no_baseline,
+                        tasks=_csv(tasks) or (), include_path=tuple(map(str, include_path or ())),
+                        data_dir=str(data_dir) if data_dir else None, limit=limit, batch_size=batch_size,
+                        ppl_file=str(ppl_file) if ppl_file else None, ppl_windows=ppl_windows, report=report))
+
+
+@app.command()
+@user_errors
+def run(
+    recipe: Annotated[Path, typer.Argument(help="YAML recipe.")],
+    model: Annotated[Optional[str], typer.Option("--model", help="Override the recipe's model.")] = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Override the recipe's measurement dir.")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="Override the calibration limit.")] = None,
+    force: Annotated[bool, typer.Option(help="Redo every stage even if its artifact is current.")] = False,
+) -> None:
+    """measure -> quantize -> eval of a recipe; a stage whose artifact is valid and current is skipped."""
+    from hqtflow.pipeline import run_recipe
+
+    run_recipe(recipe, overrides={"model": model, "output": str(output) if output else None, "limit": limit},
+               force=force, echo=typer.echo)
+
+
 if __name__ == "__main__":
     app()

@@ -1,7 +1,8 @@
 """YAML recipes: one file per model and card count naming everything a run needs.
 
 Keys (all optional except `model`): name, model, model_type, cards, dtype, config, calibration {tasks,
-include_path, data_dir, text, text_field, limit}, batch_size, max_length, output, quant_config, notes.
+include_path, data_dir, text, text_field, limit}, batch_size, max_length, output, quant_config, eval {tasks,
+include_path, data_dir, limit, ppl_file, ppl_windows, batch_size} (for `hqtflow run`), notes.
 Relative paths of inputs (config, calibration files, include paths, data dir) are resolved against the recipe's
 own directory; `output` is relative to where you run hqtflow. CLI flags override recipe values.
 """
@@ -14,7 +15,8 @@ from typing import Any
 from hqtflow.errors import ConfigError
 
 TOP_KEYS = {"name", "model", "model_type", "cards", "dtype", "config", "calibration", "batch_size",
-            "max_length", "output", "quant_config", "notes"}
+            "max_length", "output", "quant_config", "eval", "notes"}
+EVAL_KEYS = {"tasks", "include_path", "data_dir", "limit", "ppl_file", "ppl_windows", "batch_size"}
 CAL_KEYS = {"tasks", "include_path", "data_dir", "text", "text_field", "limit"}
 
 
@@ -83,6 +85,18 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     for key in ("tasks",):
         if not all(isinstance(t, str) for t in out[key]):
             raise ConfigError(f"Recipe {path}: 'calibration.{key}' must be a list of names.")
+    ev = raw.get("eval") or {}
+    if not isinstance(ev, dict) or set(ev) - EVAL_KEYS:
+        raise ConfigError(f"Recipe {path}: 'eval' must be a mapping with keys among {', '.join(sorted(EVAL_KEYS))}.")
+    eval_settings = {
+        "tasks": tuple(as_list("tasks", ev.get("tasks"))),
+        "include_path": tuple(rel(p) for p in as_list("include_path", ev.get("include_path"))),
+        "data_dir": rel(ev.get("data_dir")),
+        "limit": ev.get("limit"),
+        "ppl_file": rel(ev.get("ppl_file")),
+        "ppl_windows": ev.get("ppl_windows"),
+        "batch_size": ev.get("batch_size", out["batch_size"]),
+    }
     meta = {"name": raw.get("name", path.stem), "model_type": raw.get("model_type"),
-            "quant_config": rel(raw.get("quant_config"))}
+            "quant_config": rel(raw.get("quant_config")), "eval": eval_settings}
     return {"settings": out, "meta": meta}

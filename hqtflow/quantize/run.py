@@ -161,7 +161,7 @@ def quantize(s: QuantizeSettings) -> Path:
         common = {"scale_method": method.name if method.name != "custom" else cfg.scale_method, "target": target,
                   "fp8": cfg.fp8_config, "hp_dtype": cfg.hp_dtype, "source_measurement": str(meas.directory.resolve()),
                   "source_digest": meas.digest(), "provenance_known": meas.manifest is not None,
-                  "skipped": plan["skipped"], "quantized": sorted(plan["quantize"])}
+                  "skipped": plan["skipped"], "quantized": sorted(plan["quantize"]), "model_path": str(model_dir)}
         if s.scales_only:
             from hqtflow.quantize.scale_files import write_scale_files
 

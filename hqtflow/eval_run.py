@@ -1,0 +1,66 @@
+"""`hqtflow eval`: an FP8 model and its bf16 baseline evaluated side by side; a table and a JSON report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hqtflow.errors import HqtflowError
+
+
+def source_model(checkpoint: str | None) -> str | None:
+    """The bf16 model a checkpoint was quantized from (its manifest records it)."""
+    from hqtflow import models
+
+    path = models.resolve_model(checkpoint)
+    mpath = path / "hqtflow_manifest.json"
+    if not mpath.exists():
+        return None
+    return json.loads(mpath.read_text()).get("data", {}).get("model_path")
+
+
+def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks: tuple[str, ...],
+             include_path: tuple[str, ...], data_dir: str | None, limit: int | None, batch_size: int,
+             ppl_file: str | None, ppl_windows: int | None, report: Path | None) -> str:
+    from hqtflow import lmeval
+    from hqtflow.evaluate import EvalSettings, comparison_rows, evaluate, format_table, load_any
+
+    if not tasks and not ppl_file:
+        raise HqtflowError("Nothing to evaluate: give --tasks and/or --ppl-file.")
+    if limit is not None and limit < 1:
+        raise HqtflowError(f"--limit must be at least 1, not {limit}.")
+    if ppl_file and not Path(ppl_file).is_file():
+        raise HqtflowError(f"Perplexity file {ppl_file} does not exist.")
+    if report is not None:
+        from hqtflow.formats.artifact import check_output_dir
+
+        if report.exists():
+            raise HqtflowError(f"Report {report} already exists; remove it or pick another path.")
+        check_output_dir(report.parent / ".probe", True)
+    settings = EvalSettings(tasks=tasks, include_path=include_path, data_dir=data_dir, limit=limit,
+                            batch_size=batch_size, ppl_file=ppl_file, ppl_windows=ppl_windows)
+    manager = None
+    if tasks:
+        manager = lmeval.task_manager(list(include_path), data_dir, list(tasks))
+        lmeval.check_tasks(list(tasks), manager, data_dir)
+    candidates = {}
+    base_ref = baseline or (source_model(model) if use_source else None)
+    if base_ref:
+        candidates["bf16"] = base_ref
+    results, paths = {}, {}
+    m, tok, kind = load_any(model)
+    name = "fp8" if kind == "fp8" else kind
+    names = list(candidates) + [name if name not in candidates else f"{name}-model"]
+    for n in candidates:
+        bm, btok, _ = load_any(candidates[n])
+        results[n] = evaluate(bm, btok, settings, manager)
+        paths[n] = str(candidates[n])
+        del bm
+    results[names[-1]] = evaluate(m, tok, settings, manager)
+    paths[names[-1]] = str(model)
+    base = names[0]
+    rows = comparison_rows(results, base)
+    if report is not None:
+        report.write_text(json.dumps({"models": paths, "baseline": base, "settings": settings.__dict__,
+                                      "results": results, "comparison": rows}, indent=2, default=str))
+    return format_table(rows, names, base)

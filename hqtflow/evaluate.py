@@ -1,0 +1,135 @@
+"""Evaluation: lm-eval tasks and WikiText-2 perplexity for several models side by side, with deltas."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hqtflow.errors import CalibrationError
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    tasks: tuple[str, ...] = ()
+    include_path: tuple[str, ...] = ()
+    data_dir: str | None = None
+    limit: int | None = None
+    batch_size: int = 8
+    max_length: int = 512
+    ppl_file: str | None = None
+    ppl_window: int = 512
+    ppl_windows: int | None = None  # at most this many windows (None: the whole file)
+
+
+def load_any(ref: str | None, dtype: str = "bf16"):
+    """(model, tokenizer, kind): an hqtflow/compressed-tensors FP8 checkpoint, or a plain HF model."""
+    import json
+
+    from hqtflow import models
+
+    path = models.resolve_model(ref)
+    cfg = json.loads((path / "config.json").read_text())
+    if "quantization_config" in cfg and cfg["quantization_config"].get("quant_method") == "compressed-tensors":
+        from hqtflow.quantize.convert import load_checkpoint
+
+        if (path / "hqtflow_manifest.json").exists():
+            from hqtflow.api import load
+
+            model, tok = load(path)
+        else:
+            model, tok = load_checkpoint(path), models.load_tokenizer(path)
+        return model, tok, "fp8"
+    return models.load_model(path, dtype), models.load_tokenizer(path), dtype
+
+
+@torch.inference_mode()
+def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: int | None = None) -> dict:
+    """Perplexity over disjoint `window`-token windows (each scored from its own start, no overlap)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    n = len(ids) // window
+    if max_windows:
+        n = min(n, max_windows)
+    if n == 0:
+        raise CalibrationError(f"The perplexity text has {len(ids)} tokens, fewer than one {window}-token window.")
+    nll, count = 0.0, 0
+    device = next(model.parameters()).device
+    for i in range(n):
+        x = torch.tensor([ids[i * window:(i + 1) * window]], device=device)
+        logits = model(x).logits[0, :-1].float()
+        nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+        count += window - 1
+    return {"perplexity": math.exp(nll / count), "windows": n, "tokens": count}
+
+
+def evaluate(model, tokenizer, s: EvalSettings, manager=None) -> dict:
+    """{"tasks": {task: {metric: v}}, "wikitext": {...}} for one model."""
+    from hqtflow import lmeval
+
+    out: dict = {}
+    if s.tasks:
+        device = next(model.parameters()).device
+
+        @torch.inference_mode()
+        def forward(ids, mask):
+            return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+
+        @torch.inference_mode()
+        def generate(ids, max_new):
+            o = model.generate(ids.to(device), max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            return tokenizer.decode(o[0, ids.shape[1]:], skip_special_tokens=True)
+
+        lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=s.max_length, generate=generate)
+        out["tasks"] = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
+    if s.ppl_file:
+        out["wikitext"] = perplexity(model, tokenizer, Path(s.ppl_file).read_text(), window=s.ppl_window,
+                                     max_windows=s.ppl_windows)
+    return out
+
+
+MAIN_METRICS = ("acc", "acc_norm", "perplexity")
+
+
+def comparison_rows(results: dict[str, dict], baseline: str) -> list[dict]:
+    """One row per (task, metric): each model's value and its delta to the baseline."""
+    rows = []
+    base = results[baseline]
+    for task, metrics in base.get("tasks", {}).items():
+        for metric in MAIN_METRICS:
+            if metric in metrics:
+                rows.append(_row(task, metric, results, baseline, lambda r: r.get("tasks", {}).get(task, {}).get(metric)))
+    if "wikitext" in base:
+        rows.append(_row("wikitext2", "perplexity", results, baseline, lambda r: r.get("wikitext", {}).get("perplexity")))
+    return rows
+
+
+def _row(task, metric, results, baseline, get) -> dict:
+    b = get(results[baseline])
+    row = {"task": task, "metric": metric, "values": {k: get(v) for k, v in results.items()}}
+    row["delta"] = {k: (None if v is None or b is None else v - b) for k, v in row["values"].items() if k != baseline}
+    if metric == "perplexity" and b:
+        row["delta_pct"] = {k: (None if v is None else 100 * (v - b) / b) for k, v in row["values"].items() if k != baseline}
+    return row
+
+
+def format_table(rows: list[dict], names: list[str], baseline: str) -> str:
+    head = ["task", "metric", *names, *[f"Δ {n}" for n in names if n != baseline]]
+    lines = [head]
+    for r in rows:
+        vals = [_fmt(r["values"].get(n)) for n in names]
+        deltas = []
+        for n in names:
+            if n == baseline:
+                continue
+            d = r["delta"].get(n)
+            pct = r.get("delta_pct", {}).get(n)
+            deltas.append("-" if d is None else (f"{d:+.3f} ({pct:+.2f}%)" if pct is not None else f"{d:+.4f}"))
+        lines.append([r["task"], r["metric"], *vals, *deltas])
+    widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in lines)
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.4f}"

@@ -1,0 +1,99 @@
+"""`hqtflow run RECIPE`: measure -> quantize -> eval, each stage skipped while its artifact is valid and was made
+from the same inputs (its manifest says so), and redone when an input changed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Callable
+
+from hqtflow.errors import ArtifactError, HqtflowError
+
+
+def _same_settings(recorded: dict, current: dict) -> bool:
+    strip = lambda d: {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k != "overwrite"}
+    return strip(recorded) == strip(current)
+
+
+def measurement_is_current(s) -> bool:
+    from hqtflow import models
+    from hqtflow.formats.artifact import read_manifest, sha256_file
+    from hqtflow.measure.run import SCHEMA, SCHEMA_VERSION, load_measure_config
+
+    try:
+        m = read_manifest(Path(s.output), SCHEMA, SCHEMA_VERSION)
+    except ArtifactError:
+        return False
+    if not _same_settings(m.data.get("settings", {}), s.to_json()):
+        return False
+    if m.raw.get("config") != load_measure_config(s.config).to_dict():
+        return False
+    if m.model != models.fingerprint(models.resolve_model(s.model)):
+        return False
+    for src in m.data["calibration"]["sources"]:
+        if src["kind"] == "text" and (not Path(src["path"]).is_file() or sha256_file(Path(src["path"])) != src["sha256"]):
+            return False
+    return True
+
+
+def checkpoint_is_current(q) -> bool:
+    from hqtflow.formats.artifact import read_manifest
+    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, load_measurement, quant_config
+
+    try:
+        m = read_manifest(Path(q.output), CHECKPOINT_SCHEMA, SCHEMA_VERSION)
+        meas = load_measurement(q.measurement)
+    except ArtifactError:
+        return False
+    return (_same_settings(m.data.get("settings", {}), asdict(q)) and m.data.get("source_digest") == meas.digest()
+            and m.raw.get("config") == quant_config(q).to_dict())
+
+
+def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo: Callable[[str], None] = print) -> Path:
+    from hqtflow.eval_run import run_eval
+    from hqtflow.formats.artifact import read_manifest
+    from hqtflow.measure.run import MeasureSettings, measure
+    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, QuantizeSettings, quantize
+    from hqtflow.recipes import load_recipe
+
+    r = load_recipe(recipe)
+    values = {k: v for k, v in r["settings"].items() if v is not None}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if not values.get("output"):
+        raise HqtflowError(f"Recipe {recipe} names no output directory; set `output` or pass -o.")
+    ms = MeasureSettings(**values, overwrite=True)
+    root = Path(ms.output).parent
+    if not force and measurement_is_current(ms):
+        echo(f"measure: {ms.output} is up to date, skipped.")
+    else:
+        echo(f"measure: writing {ms.output}")
+        measure(ms)
+    qs = QuantizeSettings(measurement=ms.output, output=str(root / "fp8"), config=r["meta"]["quant_config"], overwrite=True)
+    if not force and checkpoint_is_current(qs):
+        echo(f"quantize: {qs.output} is up to date, skipped.")
+    else:
+        echo(f"quantize: writing {qs.output}")
+        quantize(qs)
+    ev = r["meta"]["eval"]
+    if not ev["tasks"] and not ev["ppl_file"]:
+        echo("eval: the recipe has no `eval` section, skipped.")
+        return root
+    report = root / "eval.json"
+    digest = read_manifest(Path(qs.output), CHECKPOINT_SCHEMA, SCHEMA_VERSION).digest()
+    if report.exists() and not force:
+        old = json.loads(report.read_text())
+        if old.get("checkpoint_digest") == digest and old.get("eval") == ev:
+            echo(f"eval: {report} is up to date, skipped.")
+            return root
+    tmp = root / ".eval.json.partial"
+    tmp.unlink(missing_ok=True)
+    table = run_eval(qs.output, baseline=None, use_source=True, tasks=ev["tasks"], include_path=ev["include_path"],
+                     data_dir=ev["data_dir"], limit=ev["limit"], batch_size=ev["batch_size"], ppl_file=ev["ppl_file"],
+                     ppl_windows=ev["ppl_windows"], report=tmp)
+    data = json.loads(tmp.read_text())
+    data.update({"checkpoint_digest": digest, "eval": {k: (list(v) if isinstance(v, tuple) else v) for k, v in ev.items()}})
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(report)
+    echo(table)
+    return root

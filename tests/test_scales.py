@@ -1,0 +1,141 @@
+"""Every HQT scale method against the formulas of ../shared/reference/hqt-formats.md, written out by hand here."""
+
+import math
+
+import pytest
+import torch
+
+from hqtflow.config import SCALE_METHODS
+from hqtflow.errors import ConfigError
+from hqtflow.scales import (activation_scale, dequantize, full_scale, hw_scales, linear_scales, quantize, round_hw,
+                            scale_method, weight_scale)
+
+
+def pow2(x):
+    return 2.0 ** math.ceil(math.log2(x))
+
+
+def bf16(x):
+    return torch.tensor(x, dtype=torch.bfloat16).item()
+
+
+def test_full_scales():
+    assert full_scale("E4M3", "cpu") == full_scale("E4M3", "cuda") == full_scale("E4M3", "gaudi3") == 448.0
+    assert full_scale("E4M3", "gaudi2") == 240.0
+    assert full_scale("E5M2", "gaudi2") == full_scale("E5M2", "cpu") == 57344.0
+    with pytest.raises(ConfigError):
+        full_scale("E3M4")
+
+
+def test_hardware_sets():
+    assert hw_scales("gaudi2") == [16.0, 1.0, 2.0**-4, 2.0**-8]
+    g3 = hw_scales("gaudi3")
+    assert g3[0] == 128.0 and g3[-1] == 2.0**-55 and len(g3) == 63
+    assert hw_scales("cpu") == g3  # hqtflow's documented meaning off Gaudi
+
+
+@pytest.mark.parametrize("raw, g2, g3", [
+    (0.3, 1.0, 0.5), (1.5, 16.0, 2.0), (0.05, 2.0**-4, 2.0**-4), (0.004, 2.0**-4, 2.0**-7),
+    (1e-5, 2.0**-8, 2.0**-16), (500.0, 16.0, 128.0), (2.0**-4, 2.0**-4, 2.0**-4),
+])
+def test_hw_aligned_rounding(raw, g2, g3):
+    s = torch.tensor(raw, dtype=torch.float32)
+    assert round_hw(s, "gaudi2").item() == g2
+    assert round_hw(s, "gaudi3").item() == g3
+
+
+@pytest.mark.parametrize("target", ["cpu", "gaudi2", "gaudi3"])
+@pytest.mark.parametrize("maxabs", [3.28, 0.0123, 117.5, 1000.0])
+def test_activation_scales_follow_formulas(target, maxabs):
+    F = 240.0 if target == "gaudi2" else 448.0
+    raw = bf16(bf16(maxabs) / (F * 0.25))  # INC computes in hp_dtype (bf16)
+    assert activation_scale(maxabs, scale_method("maxabs_arbitrary", target).activation, target=target).item() == raw
+    assert activation_scale(maxabs, scale_method("maxabs_pow2", target).activation, target=target).item() == pow2(raw)
+    hw = activation_scale(maxabs, scale_method("maxabs_hw", target).activation, target=target).item()
+    assert hw == round_hw(torch.tensor(raw), target).item()
+    assert activation_scale(maxabs, scale_method("unit_scale").activation).item() == 1.0
+    single = activation_scale(maxabs, scale_method("hw_aligned_single_scale", target).activation, target=target).item()
+    assert single == (16.0 if target == "gaudi2" else 128.0)
+
+
+def test_fp32_hp_dtype_keeps_precision():
+    r = activation_scale(3.28, scale_method("maxabs_arbitrary").activation, hp_dtype="fp32")
+    assert r.dtype == torch.float32 and r.item() == pytest.approx(3.28 / 112, rel=1e-7)
+
+
+def test_per_channel_statistics_reduce_to_max():
+    stats = [[[0.5], [3.0], [1.25]]]  # an input measured per channel
+    assert activation_scale(stats, scale_method("maxabs_arbitrary").activation).item() == bf16(3.0 / 112)
+
+
+@pytest.fixture
+def w():
+    torch.manual_seed(0)
+    return (torch.randn(16, 32) * torch.logspace(-2, 1, 16)[:, None]).to(torch.bfloat16)
+
+
+def test_weight_per_tensor(w):
+    m = w.abs().max().item()
+    assert weight_scale(w, scale_method("maxabs_arbitrary").weight).item() == bf16(m / 224)
+    assert weight_scale(w, scale_method("maxabs_pow2").weight).item() == pow2(bf16(m / 224))
+    assert weight_scale(w, scale_method("maxabs_hw", "gaudi2").weight, target="gaudi2").item() == \
+        round_hw(torch.tensor(bf16(m / 120)), "gaudi2").item()
+
+
+def test_weight_per_channel(w):
+    s = weight_scale(w, scale_method("act_maxabs_pow2_weights_pcs_maxabs_pow2").weight)
+    assert s.shape == (16,)
+    for i in range(16):
+        assert s[i].item() == pow2(bf16(w[i].abs().max().item() / 224))
+
+
+def _qdq_err(w, s):
+    return float(((w.float() - dequantize(quantize(w, s), s, torch.float32)) ** 2).sum())
+
+
+def test_opt_weight_minimises_error(w):
+    for name, cands in (("maxabs_pow2_opt_weight", [2.0**e for e in range(-10, 10)]),
+                        ("maxabs_hw_opt_weight", hw_scales("cpu"))):
+        s = weight_scale(w, scale_method(name).weight)
+        best = min(_qdq_err(w, torch.tensor(c, dtype=torch.bfloat16)) for c in cands)
+        assert _qdq_err(w, s) == pytest.approx(best, rel=1e-6), name
+
+
+def test_pcs_opt_weight_minimises_error_per_channel(w):
+    s = weight_scale(w, scale_method("act_maxabs_pow2_weights_pcs_opt_pow2").weight)
+    ref = weight_scale(w, scale_method("act_maxabs_pow2_weights_pcs_maxabs_pow2").weight)
+    for i in range(16):
+        errs = [_qdq_err(w[i:i + 1], (ref[i] * 2.0**e).reshape(1, 1)) for e in range(-3, 5)]
+        assert _qdq_err(w[i:i + 1], s[i].reshape(1, 1)) == pytest.approx(min(errs), rel=1e-6)
+        assert math.log2(s[i].item()).is_integer()
+
+
+@pytest.mark.parametrize("name", SCALE_METHODS)
+def test_every_method_gives_positive_finite_scales(name, w):
+    sc = linear_scales(scale_method(name), 2.5, w)
+    assert torch.isfinite(sc.input).all() and (sc.input > 0).all()
+    assert torch.isfinite(sc.weight).all() and (sc.weight > 0).all()
+    torch.testing.assert_close(sc.output, sc.input * sc.weight)
+
+
+def test_quantize_saturates_and_matches_torch_cast():
+    x = torch.tensor([0.0, 1.0, -3.3, 447.0, 1000.0, -1e6, 0.0015])
+    q = quantize(x, torch.tensor(1.0))
+    assert q.dtype == torch.float8_e4m3fn
+    assert q.float().tolist()[4:6] == [448.0, -448.0]  # saturated, not NaN
+    torch.testing.assert_close(q.float()[:4], x[:4].to(torch.float8_e4m3fn).float())
+    q5 = quantize(x, torch.tensor(1.0), "E5M2")
+    assert q5.dtype == torch.float8_e5m2 and q5.float()[5].item() == -57344.0
+
+
+def test_unknown_method_and_target():
+    with pytest.raises(ConfigError, match="Unknown scale method 'maxabs_fast'"):
+        scale_method("maxabs_fast")
+    with pytest.raises(ConfigError, match="Unknown scale target 'tpu'"):
+        scale_method("maxabs_pow2", "tpu")
+
+
+def test_dict_form():
+    m = scale_method({"default": {"weight": {"granularity": "PCS", "rounding_method": "POW2", "backoff": 0.5},
+                                  "activation": {"rounding_method": "POW2", "backoff": 0.25}}})
+    assert m.weight.granularity == "PCS" and m.activation.rounding == "POW2"
