@@ -113,6 +113,19 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
     return model
 
 
+def skeleton(path: Path):
+    """The model's module tree with no weights (meta device): for planning before anything heavy is loaded."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with init_empty_weights():
+            return AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"Cannot build the model described by {Path(path) / 'config.json'} ({e}).") from None
+
+
 # ---- fingerprint ------------------------------------------------------------------------------
 def _safetensors_header(path: Path) -> tuple[int, dict]:
     with open(path, "rb") as f:

@@ -67,7 +67,8 @@ class LoadedMeasurement:
             return self.manifest.digest()
         from hqtflow.formats.artifact import sha256_file
 
-        return "sha256:" + "".join(sha256_file(self.directory / f"{s}.json")[:16] for s in self.stems)
+        files = [self.directory / f"{s}{ext}" for s in self.stems for ext in (".json", ".npz")]
+        return "sha256:" + "".join(sha256_file(f)[:16] for f in files if f.exists())
 
 
 def load_measurement(directory: str | Path, *, trust_pickle: bool = False) -> LoadedMeasurement:
@@ -154,9 +155,9 @@ def quantize(s: QuantizeSettings) -> Path:
                                 f"run `hqtflow unify -g {''.join(map(str, range(meas.world_size)))} -m {meas.directory} -o DIR` first.")
         if cfg.fp8_config != "E4M3":
             raise ConfigError("compressed-tensors FP8 checkpoints are E4M3; fp8_config E5M2 is supported with --scales-only.")
+    plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0])
     dtype = meas.manifest.data.get("model_dtype", "bf16") if meas.manifest else "bf16"
     model = models.load_model(model_dir, dtype)
-    plan = plan_modules(model, cfg, meas.ranks[0])
     with staged_output(Path(s.output), overwrite=s.overwrite) as tmp:
         common = {"scale_method": method.name if method.name != "custom" else cfg.scale_method, "target": target,
                   "fp8": cfg.fp8_config, "hp_dtype": cfg.hp_dtype, "source_measurement": str(meas.directory.resolve()),

@@ -1,0 +1,216 @@
+"""`hqtflow quantize` on a tiny model: the FP8 checkpoint, its loading, the QDQ Linear, scale files, bad input."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+from hqtflow.formats.artifact import read_manifest
+from hqtflow.quantize.fp8_linear import FP8Linear
+from hqtflow.scales import dequantize, quantize, scale_method
+
+CFG = ROOT / "quantization_config"
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_llama, wiki_text, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q") / "meas"
+    r = run_cli("measure", tiny_llama, "-o", out, "--text", wiki_text, "--limit", "6", "--max-length", "64",
+                "-c", CFG / "maxabs_measure_include_outputs.json")
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def quantize_cli(measured, out, *extra):
+    r = run_cli("quantize", "-m", measured, "-o", out, *extra)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_fp8_linear_qdq_reference():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 16, bias=True).to(torch.bfloat16)
+    x = torch.randn(3, 5, 32, dtype=torch.bfloat16)
+    s_w, s_x = torch.tensor(0.01, dtype=torch.bfloat16), torch.tensor(0.02, dtype=torch.bfloat16)
+    m = FP8Linear.from_linear(lin, s_w, s_x)
+    assert m.weight.dtype == torch.float8_e4m3fn and m.weight_scale.shape == (1,) and m.input_scale.shape == (1,)
+    # the reference written out: q(x) = cast(clamp(x / s, +-448)) in fp32, dq = q * s, then the matmul in bf16
+    sx, sw = s_x.item(), s_w.item()  # the bf16 values of the scales
+    xq = (x.float() / sx).clamp(-448, 448).to(torch.float8_e4m3fn).float().mul(sx).to(torch.bfloat16)
+    wq = (lin.weight.float() / sw).clamp(-448, 448).to(torch.float8_e4m3fn).float().mul(sw).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = torch.matmul(xq, wq.t()) + lin.bias
+        assert torch.equal(m(x), ref)
+        wo = FP8Linear.from_linear(lin, s_w, None)
+        assert wo.input_scale is None and torch.equal(wo(x), torch.matmul(x, wq.t()) + lin.bias)
+        pc = FP8Linear.from_linear(lin, torch.full((16,), sw, dtype=torch.bfloat16), s_x)
+        assert pc.weight_scale.shape == (16, 1) and torch.equal(pc(x), ref)
+
+
+def sqnr(ref, x):
+    ref, x = ref.float(), x.float()
+    return float(10 * torch.log10(ref.pow(2).mean() / (ref - x).pow(2).mean()))
+
+
+def test_checkpoint_roundtrip(measured, tiny_llama, tmp_path):
+    import hqtflow
+    from transformers import AutoModelForCausalLM
+
+    out = quantize_cli(measured, tmp_path / "fp8", "--scale-method", "maxabs_pow2")
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "float-quantized"
+    assert cfg["config_groups"]["group_0"]["weights"]["strategy"] == "tensor"
+    assert cfg["config_groups"]["group_0"]["input_activations"]["dynamic"] is False
+    assert cfg["ignore"] == ["lm_head"]
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale").shape == (1,)
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.input_scale").shape == (1,)
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+    m = read_manifest(out, "hqtflow.checkpoint", 1)
+    assert m.data["scale_method"] == "maxabs_pow2" and m.data["target"] == "cpu"
+    assert m.data["source_digest"] == read_manifest(measured, "hqtflow.measurement", 1).digest()
+    assert m.data["skipped"] == {"lm_head": "excluded by allowlist/blocklist"}
+
+    model, tok = hqtflow.load(out)
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, FP8Linear)
+    # input scale = pow2(bf16(maxabs) / 112), from the measurement
+    stats = json.loads((measured / "measure_hooks_maxabs.json").read_text())["Nodes"]
+    maxabs = stats["model.layers.0.self_attn.q_proj"]["inputs"][0][0][0]
+    raw = torch.tensor(maxabs, dtype=torch.bfloat16) / 112
+    assert q.input_scale.item() == 2.0 ** np.ceil(np.log2(raw.item()))
+    bf16 = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    ids = torch.tensor([tok.encode("The tower is 324 metres tall, about the same height as an 81-storey building.")])
+    with torch.inference_mode():
+        assert sqnr(bf16(ids).logits, model(ids).logits) > 15
+
+
+def test_weight_only_and_per_channel(measured, tmp_path):
+    import hqtflow
+
+    out = quantize_cli(measured, tmp_path / "wo", "--weight-only", "--scale-method",
+                       "act_maxabs_pow2_weights_pcs_maxabs_pow2")
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert cfg["weights"]["strategy"] == "channel" and cfg["input_activations"] is None
+    model, _ = hqtflow.load(out)
+    q = model.model.layers[1].mlp.down_proj
+    assert q.input_scale is None and q.weight_scale.shape == (64, 1)
+
+
+def test_compressed_tensors_loads_it(measured, tmp_path):
+    """transformers' compressed-tensors integration reads the checkpoint: same greedy text as hqtflow's runtime."""
+    pytest.importorskip("compressed_tensors")
+    import hqtflow
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    out = quantize_cli(measured, tmp_path / "ct", "--weight-only")
+    ours, tok = hqtflow.load(out)
+    theirs = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=True),
+                                                  dtype=torch.bfloat16)
+    ids = torch.tensor([tok.encode("It was the first structure to reach a height of")])
+    with torch.inference_mode():
+        a = ours.generate(ids, max_new_tokens=12, do_sample=False)
+        b = theirs.generate(ids, max_new_tokens=12, do_sample=False)
+        # weights dequantized by compressed-tensors equal hqtflow's
+        wq = theirs.model.layers[0].mlp.up_proj.weight
+        torch.testing.assert_close(wq, ours.model.layers[0].mlp.up_proj.dequantized_weight(), rtol=0, atol=0)
+    assert torch.equal(a, b)
+
+
+def test_scales_only_inc_layout(measured, tmp_path):
+    out = quantize_cli(measured, tmp_path / "sc", "--scales-only", "--scale-method", "maxabs_hw", "--scales-for", "gaudi2")
+    names = {p.name for p in out.iterdir()}
+    assert "measure_hooks_maxabs_MAXABS_HW.json" in names and "measure_hooks_maxabs_MAXABS_HW.npz" in names
+    assert "measure_hooks_maxabs.json" in names and "quant_config.json" in names
+    js = json.loads((out / "measure_hooks_maxabs_MAXABS_HW.json").read_text())
+    assert js["Mode"] == "Scale"
+    node = js["Nodes"]["model.layers.0.mlp.up_proj"]
+    s_in, s_w = node["inputs"][0], node["params"]["weight"]
+    assert s_in in (16.0, 1.0, 2.0**-4, 2.0**-8) and s_w in (16.0, 1.0, 2.0**-4, 2.0**-8)
+    assert node["outputs"][0] == s_in * s_w
+    inc = json.loads((out / "quant_config.json").read_text())
+    assert inc["device_for_scales"] == "GAUDI2" and inc["dump_stats_path"] == str(out.resolve() / "measure")
+    m = read_manifest(out, "hqtflow.scales", 1)
+    assert m.data["source_digest"] == read_manifest(measured, "hqtflow.measurement", 1).digest()
+
+
+def test_e5m2(measured, tmp_path):
+    cfg = tmp_path / "e5m2.json"
+    cfg.write_text(json.dumps({"mode": "QUANTIZE", "scale_method": "maxabs_pow2", "fp8_config": "E5M2"}))
+    r = run_cli("quantize", "-m", measured, "-o", tmp_path / "ck", "-c", cfg)
+    assert r.exit_code == 2 and "E5M2 is supported with --scales-only" in r.stderr
+    out = quantize_cli(measured, tmp_path / "sc", "-c", cfg, "--scales-only")
+    node = json.loads((out / "measure_hooks_maxabs_MAXABS_POW2.json").read_text())["Nodes"]["model.layers.0.mlp.up_proj"]
+    stats = json.loads((measured / "measure_hooks_maxabs.json").read_text())["Nodes"]["model.layers.0.mlp.up_proj"]
+    raw = torch.tensor(stats["inputs"][0][0][0], dtype=torch.bfloat16) / (57344 * 0.25)
+    assert node["inputs"][0] == 2.0 ** np.ceil(np.log2(raw.item()))
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+def _refused(args, message, tmp_path):
+    r = run_cli("quantize", *args)
+    assert r.exit_code == 2, r.output
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_other_model_refused(measured, tiny_factory, tmp_path):
+    other = tiny_factory("llama", seed=1)
+    _refused([other, "-m", measured, "-o", tmp_path / "out"], "was made on a different model", tmp_path)
+
+
+def test_missing_statistics_refused(tiny_llama, wiki_text, tmp_path):
+    meas = tmp_path / "m"
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"mode": "MEASURE", "blocklist": {"names": ["down_proj"]}}))
+    assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2", "-c", cfg).exit_code == 0
+    _refused(["-m", meas, "-o", tmp_path / "out"], "no input statistics for model.layers.0.mlp.down_proj", tmp_path)
+    ok = tmp_path / "ok.json"
+    ok.write_text(json.dumps({"mode": "QUANTIZE", "ignore_modules_wo_measures": True, "blocklist": {"names": ["lm_head"]}}))
+    out = quantize_cli(meas, tmp_path / "out2", "-c", ok)
+    assert read_manifest(out, "hqtflow.checkpoint", 1).data["skipped"]["model.layers.0.mlp.down_proj"].startswith("no statistics")
+
+
+def test_nan_statistics_refused(measured, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(measured, bad)
+    js = json.loads((bad / "measure_hooks_maxabs.json").read_text())
+    js["Nodes"]["model.layers.1.self_attn.v_proj"]["inputs"] = [[[float("nan")]]]
+    (bad / "measure_hooks_maxabs.json").write_text(json.dumps(js))
+    (bad / "hqtflow_manifest.json").unlink()  # a foreign dump: read without provenance
+    model = json.loads((measured / "hqtflow_manifest.json").read_text())["data"]["model_path"]
+    _refused([model, "-m", bad, "-o", tmp_path / "out"],
+             "module model.layers.1.self_attn.v_proj has a non-finite input statistic", tmp_path)
+
+
+def test_npz_only_needs_trust_pickle(measured, tmp_path):
+    import shutil
+
+    model = json.loads((measured / "hqtflow_manifest.json").read_text())["data"]["model_path"]
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    shutil.copy(measured / "measure_hooks_maxabs.npz", dump)
+    _refused([model, "-m", dump, "-o", tmp_path / "out"], "its .npz twin is a pickle, opened only with --trust-pickle", tmp_path)
+    r = run_cli("quantize", model, "-m", dump, "-o", tmp_path / "trusted", "--trust-pickle")
+    assert r.exit_code == 0, r.output
+    assert read_manifest(tmp_path / "trusted", "hqtflow.checkpoint", 1).data["provenance_known"] is False
+
+
+def test_partial_and_bad_method(measured, tmp_path):
+    import shutil
+
+    part = tmp_path / "part"
+    shutil.copytree(measured, part)
+    (part / "measure_hooks_maxabs.npz").unlink()
+    _refused(["-m", part, "-o", tmp_path / "out"], "is incomplete: measure_hooks_maxabs.npz", tmp_path)
+    _refused(["-m", measured, "-o", tmp_path / "out", "--scale-method", "maxabs_fast"],
+             "'scale_method' has value 'maxabs_fast'", tmp_path)
+    _refused(["-m", measured, "-o", tmp_path / "out", "--scales-for", "tpu"], "valid values are", tmp_path)
+    _refused(["-m", tmp_path / "nope", "-o", tmp_path / "out"], "does not exist", tmp_path)
