@@ -76,6 +76,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
         echo(f"quantize: writing {qs.output}")
         quantize(qs)
     ev = r["meta"]["eval"]
+    ev_json = json.loads(json.dumps(ev))
     if not ev["tasks"] and not ev["ppl_file"]:
         echo("eval: the recipe has no `eval` section, skipped.")
         return root
@@ -83,7 +84,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     digest = read_manifest(Path(qs.output), CHECKPOINT_SCHEMA, SCHEMA_VERSION).digest()
     if report.exists() and not force:
         old = json.loads(report.read_text())
-        if old.get("checkpoint_digest") == digest and old.get("eval") == ev:
+        if old.get("checkpoint_digest") == digest and old.get("eval") == ev_json:
             echo(f"eval: {report} is up to date, skipped.")
             return root
     tmp = root / ".eval.json.partial"
@@ -92,7 +93,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
                      data_dir=ev["data_dir"], limit=ev["limit"], batch_size=ev["batch_size"], ppl_file=ev["ppl_file"],
                      ppl_windows=ev["ppl_windows"], report=tmp)
     data = json.loads(tmp.read_text())
-    data.update({"checkpoint_digest": digest, "eval": {k: (list(v) if isinstance(v, tuple) else v) for k, v in ev.items()}})
+    data.update({"checkpoint_digest": digest, "eval": ev_json})
     tmp.write_text(json.dumps(data, indent=2, default=str))
     tmp.replace(report)
     echo(table)

@@ -1,0 +1,54 @@
+"""`hqtflow run RECIPE` (stages skipped while current, redone when inputs change), `generate` and `eval`."""
+
+import json
+
+import yaml
+
+from conftest import ROOT, run_cli
+
+
+def write_recipe(path, model, data_dir, limit):
+    path.write_text(yaml.safe_dump({
+        "name": "tiny", "model": str(model), "cards": 1, "dtype": "bf16",
+        "config": str(ROOT / "quantization_config/maxabs_measure.json"),
+        "calibration": {"text": str(data_dir / "wikitext2_valid.txt"), "limit": limit},
+        "batch_size": 2, "max_length": 64, "output": str(path.parent / "run" / "measure"),
+        "quant_config": str(ROOT / "quantization_config/cpu_quant.json"),
+        "eval": {"ppl_file": str(data_dir / "wikitext2_test.txt"), "ppl_windows": 2},
+    }))
+    return path
+
+
+def test_run_recipe_skips_current_stages(tiny_llama, data_dir, tmp_path):
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, data_dir, 2)
+    first = run_cli("run", recipe)
+    assert first.exit_code == 0, first.output
+    assert "measure: writing" in first.stdout and "quantize: writing" in first.stdout
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert set(report["results"]) == {"bf16", "fp8"} and report["comparison"][0]["task"] == "wikitext2"
+    second = run_cli("run", recipe)
+    assert second.exit_code == 0, second.output
+    assert second.stdout.count("up to date, skipped") == 3
+    write_recipe(recipe, tiny_llama, data_dir, 3)  # an input changed: every stage is redone
+    third = run_cli("run", recipe)
+    assert "measure: writing" in third.stdout and "quantize: writing" in third.stdout
+    assert third.exit_code == 0 and "up to date" not in third.stdout
+
+
+def test_generate_and_eval(tiny_llama, wiki_text, data_dir, tmp_path):
+    meas, ck = tmp_path / "m", tmp_path / "fp8"
+    assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2").exit_code == 0
+    assert run_cli("quantize", "-m", meas, "-o", ck).exit_code == 0
+    g = run_cli("generate", ck, "-p", "The tower is", "--max-new-tokens", "5")
+    assert g.exit_code == 0 and g.stdout.strip()
+    rep = tmp_path / "r.json"
+    e = run_cli("eval", ck, "--tasks", "piqa_local", "--data-dir", data_dir, "--limit", "4",
+                "--ppl-file", data_dir / "wikitext2_test.txt", "--ppl-windows", "1", "--report", rep)
+    assert e.exit_code == 0, e.output
+    assert "piqa_local" in e.stdout and "Δ fp8" in e.stdout
+    data = json.loads(rep.read_text())
+    assert data["models"]["bf16"] == str(tiny_llama) and data["results"]["fp8"]["tasks"]["piqa_local"]["sample_len"] == 4
+    again = run_cli("eval", ck, "--ppl-file", data_dir / "wikitext2_test.txt", "--report", rep)
+    assert again.exit_code == 2 and "already exists" in again.stderr
+    none = run_cli("eval", ck)
+    assert none.exit_code == 2 and "Nothing to evaluate" in none.stderr
