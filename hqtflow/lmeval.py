@@ -116,7 +116,7 @@ def build_lm(forward: Forward, tokenizer, *, batch_size: int, max_length: int, g
                 for row, (i, inp, cont) in enumerate(chunk):
                     n = len(cont)
                     logp = F.log_softmax(logits[row, len(inp) - n: len(inp)].float(), dim=-1)
-                    target = torch.tensor(cont)
+                    target = torch.tensor(cont, device=logp.device)
                     greedy = bool((logp.argmax(dim=-1) == target).all())
                     results[i] = (float(logp.gather(-1, target[:, None]).sum()), greedy)
                 if progress:

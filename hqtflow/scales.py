@@ -183,12 +183,13 @@ def weight_scale(w: torch.Tensor, rule: Rule, *, target: str = "cpu", fp8: str =
     hp = HP_DTYPES[hp_dtype]
     w = w.detach().to(hp)
     F = full_scale(fp8, target)
+    dev = w.device
     if rule.value == "DUMMY_SCALES":
-        return torch.ones(w.shape[0], dtype=hp) if rule.granularity == "PCS" else torch.tensor(1.0, dtype=hp)
+        return torch.ones(w.shape[0], dtype=hp, device=dev) if rule.granularity == "PCS" else torch.tensor(1.0, dtype=hp, device=dev)
     if rule.value == "FIXED_VALUE":
-        return apply_rounding(torch.tensor(1.0, dtype=hp), rule.rounding, target)
+        return apply_rounding(torch.tensor(1.0, dtype=hp, device=dev), rule.rounding, target)
     if rule.granularity == "PCS":
-        eps = torch.tensor(torch.finfo(torch.bfloat16).tiny, dtype=hp)
+        eps = torch.tensor(torch.finfo(torch.bfloat16).tiny, dtype=hp, device=dev)
         ref = torch.maximum(w.abs().amax(dim=1) / (F * rule.backoff), eps)
         ref = apply_rounding(ref, rule.rounding, target)
         if rule.value != "OPT":
@@ -204,7 +205,7 @@ def _best_single(w: torch.Tensor, candidates, fp8: str, F: float) -> torch.Tenso
     """The candidate scale with the least ||W - dq(q(W))|| (ties: the later candidate, as INC)."""
     best, best_err = None, float("inf")
     for s in candidates:
-        st = torch.tensor(s, dtype=w.dtype)
+        st = torch.tensor(s, dtype=w.dtype, device=w.device)
         err = float(torch.linalg.vector_norm((w - dequantize(quantize(w, st, fp8, F), st, w.dtype)).float()))
         if err <= best_err:
             best, best_err = st, err
@@ -213,14 +214,14 @@ def _best_single(w: torch.Tensor, candidates, fp8: str, F: float) -> torch.Tenso
 
 def _best_per_channel(w: torch.Tensor, ref: torch.Tensor, multipliers, fp8: str, F: float) -> torch.Tensor:
     """Per output channel: ref * the multiplier with the least squared error (ties: the first, as INC)."""
-    best_err = torch.full((w.shape[0],), float("inf"), dtype=w.dtype)
-    best = torch.full((w.shape[0],), -1.0, dtype=w.dtype)
+    best_err = torch.full((w.shape[0],), float("inf"), dtype=w.dtype, device=w.device)
+    best = torch.full((w.shape[0],), -1.0, dtype=w.dtype, device=w.device)
     for m in multipliers:
         s = ref * m
         y = dequantize(quantize(w, s[:, None], fp8, F), s[:, None], w.dtype)
         err = ((w - y) ** 2).sum(dim=1)
         better = err < best_err
-        best = torch.where(better, torch.tensor(m, dtype=w.dtype), best)
+        best = torch.where(better, torch.tensor(m, dtype=w.dtype, device=w.device), best)
         best_err = torch.where(better, err, best_err)
     return best * ref
 

@@ -1,0 +1,122 @@
+"""Accuracy of FP8 SmolLM2 against bf16 on real data, for every scale method that runs off Gaudi.
+
+Calibration: the first `--calib-chunks` x `--calib-len` tokens of WikiText-2 *valid* (disjoint from every
+evaluation text). Evaluation: lm-eval `acc` on the offline copies of lambada_openai, hellaswag, piqa, winogrande and
+arc_easy (`--limit` documents each), and WikiText-2 *test* perplexity over disjoint 512-token windows. bf16 and
+each method side by side, with Neural Compressor's published CPU figures for the same methods (its deltas; they
+come from ../shared/reference/hqt-formats.md, measured with 16x256 calibration tokens and 8 windows).
+
+    python bench/accuracy.py                 # the full table (>= 500 examples per task)
+    python bench/accuracy.py --smoke         # a minute-long version (CI runs it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hqtflow import lmeval, models  # noqa: E402
+from hqtflow.config import QuantConfig  # noqa: E402
+from hqtflow.evaluate import EvalSettings, evaluate  # noqa: E402
+from hqtflow.measure.calibration import batches, token_chunks  # noqa: E402
+from hqtflow.measure.hooks import ObserverSession  # noqa: E402
+from hqtflow.quantize.convert import convert_model  # noqa: E402
+from hqtflow.scales import scale_method  # noqa: E402
+
+TASKS = ["lambada_openai_local", "hellaswag_local", "piqa_local", "winogrande_local", "arc_easy_local"]
+METHODS = ["maxabs_arbitrary", "maxabs_pow2", "act_maxabs_pow2_weights_pcs_maxabs_pow2",
+           "act_maxabs_pow2_weights_pcs_opt_pow2", "maxabs_hw", "unit_scale"]
+# Neural Compressor 3.10 on CPU (use_qdq), SmolLM2 bf16 ppl 19.148 on its own 8 windows: relative ppl change.
+INC_PPL_DELTA = {"maxabs_arbitrary": 1.9, "maxabs_pow2": 5.4, "act_maxabs_pow2_weights_pcs_maxabs_pow2": 4.9,
+                 "unit_scale": 7.6, "maxabs_hw": None, "act_maxabs_pow2_weights_pcs_opt_pow2": None}
+
+
+def calibrate(model, tok, data: Path, chunks: int, length: int, batch: int):
+    session = ObserverSession(model, QuantConfig(mode="MEASURE"))
+    ids = token_chunks([data.read_text()], tok, length, chunks)
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        for b in batches(ids, batch, tok.pad_token_id):
+            with session.batch(b.attention_mask):
+                model(input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device))
+    session.close()
+    from hqtflow.formats.hqt import Measurement
+
+    return Measurement(session.stats(), None, session.samples, "DynamicRange")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model folder (default: the prepared SmolLM2)")
+    p.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--limit", type=int, default=500)
+    p.add_argument("--ppl-windows", type=int, default=64)
+    p.add_argument("--calib-chunks", type=int, default=32)
+    p.add_argument("--calib-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true", help="tiny limits: a check that the bench runs")
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args()
+    if a.smoke:
+        a.limit, a.ppl_windows, a.calib_chunks, a.methods = 8, 2, 4, "maxabs_arbitrary,maxabs_pow2"
+    data = Path(a.data_dir)
+    path = models.resolve_model(a.model)
+    tok = models.load_tokenizer(path)
+    bf16 = models.load_model(path, "bf16").to(a.device)
+    print(f"model {path.name}, device {a.device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    tasks = [t for t in a.tasks.split(",") if t]
+    manager = lmeval.task_manager([], data, tasks)
+    settings = EvalSettings(tasks=tuple(tasks), limit=a.limit, batch_size=a.batch_size,
+                            ppl_file=str(data / "wikitext2_test.txt"), ppl_windows=a.ppl_windows)
+    t0 = time.perf_counter()
+    meas = calibrate(bf16, tok, data / "wikitext2_valid.txt", a.calib_chunks, a.calib_len, a.batch_size)
+    results = {"bf16": evaluate(bf16, tok, settings, manager)}
+    names = [n for n, m in bf16.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    for method in a.methods.split(","):
+        fp8 = copy.deepcopy(bf16)
+        with torch.no_grad():
+            convert_model(fp8, names, meas, scale_method(method, "cpu"), target="cpu", fp8="E4M3", hp_dtype="bf16")
+        results[method] = evaluate(fp8, tok, settings, manager)
+        del fp8
+        print(f"  {method} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print_table(results, tasks, a)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=2))
+
+
+def print_table(results: dict, tasks: list[str], a) -> None:
+    base = results["bf16"]
+    short = [t.replace("_local", "").replace("_openai", "") for t in tasks]
+    head = ["method", "mean acc", "Δ pts", *short, "wikitext ppl", "Δ ppl", "INC Δ ppl"]
+    rows = [head]
+    bmean = sum(base["tasks"][t]["acc"] for t in tasks) / len(tasks)
+    bppl = base["wikitext"]["perplexity"]
+    for name, r in results.items():
+        mean = sum(r["tasks"][t]["acc"] for t in tasks) / len(tasks)
+        ppl = r["wikitext"]["perplexity"]
+        inc = INC_PPL_DELTA.get(name)
+        rows.append([name, f"{mean:.4f}", "-" if name == "bf16" else f"{100 * (mean - bmean):+.2f}",
+                     *[f"{r['tasks'][t]['acc']:.3f}" for t in tasks], f"{ppl:.3f}",
+                     "-" if name == "bf16" else f"{100 * (ppl - bppl) / bppl:+.2f}%",
+                     "-" if name == "bf16" else ("n/a" if inc is None else f"+{inc:.1f}%")])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    print(f"\nlimit {a.limit} docs/task, {base['wikitext']['windows']} x 512-token windows, calibration "
+          f"{a.calib_chunks} x {a.calib_len} tokens of wikitext2_valid; Δ pts = mean acc change in points")
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Interop with Neural Compressor itself: INC's own `convert()` (CPU, `use_qdq=True`, `maxabs_pow2`) loads the
+measurement files `hqtflow measure` wrote, derives its scales from hqtflow's statistics, and runs the model.
+
+The artifact's `quant_config.json` is fed to INC as-is, except for what a CPU run must change (`scale_method`:
+INC's default `maxabs_hw` has no hardware scale set off Gaudi; `use_qdq`: CPU has no FP8 GEMM) and the
+`dump_stats_path` prefix, which points into a copy of the artifact because INC writes its scale files next to
+the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import need
+from hqtflow.formats import hqt
+from hqtflow.measure.run import MeasureSettings, measure
+
+F_E4M3 = 448.0  # float8_e4m3fn full scale (CPU)
+BACKOFF_ACT, BACKOFF_W = 0.25, 0.5  # INC's maxabs backoffs
+
+
+def pow2_scale(maxabs: float, backoff: float) -> float:
+    """INC maxabs_pow2: 2**ceil(log2(maxabs / (F * backoff)))."""
+    return 2.0 ** math.ceil(math.log2(maxabs / (F_E4M3 * backoff)))
+
+
+@pytest.fixture(scope="module")
+def inc():
+    try:
+        from neural_compressor.torch import quantization
+    except Exception as e:  # noqa: BLE001 - any import failure means INC is unusable here
+        need(False, f"neural_compressor (neural-compressor-pt) is not importable ({type(e).__name__}: {e})")
+    return quantization
+
+
+def _measure(model_dir: Path, wiki_text: Path, out: Path, config: Path | None) -> Path:
+    s = MeasureSettings(output=str(out), model=str(model_dir), config=str(config) if config else None,
+                        text=(str(wiki_text),), limit=4, max_length=64, batch_size=2)
+    return measure(s, show_progress=False)
+
+
+@pytest.mark.parametrize("blocklist", [None, ["lm_head"]], ids=["all-linears", "lm_head-blocklisted"])
+def test_inc_convert_accepts_hqtflow_measurement(inc, tiny_llama, wiki_text, tmp_path, blocklist):
+    from transformers import AutoModelForCausalLM
+
+    measure_cfg = None
+    if blocklist:
+        measure_cfg = tmp_path / "measure.json"
+        measure_cfg.write_text(json.dumps({"mode": "MEASURE", "observer": "maxabs", "method": "HOOKS",
+                                           "blocklist": {"names": blocklist, "types": []}}))
+    artifact = _measure(tiny_llama, wiki_text, tmp_path / "artifact", measure_cfg)
+    before = {p.name: p.read_bytes() for p in artifact.iterdir()}
+
+    # INC writes measure_hooks_maxabs_MAXABS_POW2.{json,npz} next to the measurement: work on a copy.
+    work = tmp_path / "inc"
+    shutil.copytree(artifact, work)
+    inc_cfg = json.loads((work / "quant_config.json").read_text())
+    assert inc_cfg["mode"] == "QUANTIZE"
+    prefix = Path(inc_cfg["dump_stats_path"]).name
+    assert prefix == "measure"
+    inc_cfg.update(dump_stats_path=str(work / prefix), scale_method="maxabs_pow2", use_qdq=True)
+
+    stats = hqt.read_measurement(work / f"{prefix}_hooks_maxabs.json").nodes
+    assert stats, "hqtflow measured nothing"
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    if blocklist:
+        assert "lm_head" not in stats
+        assert set(stats) == linears - {"lm_head"}
+    else:
+        assert set(stats) == linears  # lm_head included
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 48))
+    with torch.inference_mode():
+        ref = model(input_ids=ids).logits.float()
+
+    config = inc.FP8Config(**inc_cfg)
+    assert config.mode == "QUANTIZE" and config.scale_method == "maxabs_pow2"
+    qmodel = inc.convert(model, config)
+
+    # INC read our .npz (no measurement of its own in QUANTIZE mode) and wrote its scale file next to it.
+    scale_file = work / f"{prefix}_hooks_maxabs_MAXABS_POW2.json"
+    assert scale_file.is_file(), sorted(p.name for p in work.iterdir())
+    inc_scales = json.loads(scale_file.read_text())
+    assert inc_scales["Mode"] == "Scale" and set(inc_scales["Nodes"]) == set(stats)
+
+    patched = {n: m for n, m in qmodel.named_modules() if type(m).__name__ == "PatchedLinear"}
+    assert set(patched) == set(stats), (sorted(set(stats) - set(patched)), sorted(set(patched) - set(stats)))
+    if blocklist:
+        assert type(qmodel.lm_head) is torch.nn.Linear  # left in bf16 by INC too
+
+    for name, node in stats.items():
+        mod = patched[name]
+        maxabs_in = float(node.inputs[0].reshape(()))
+        maxabs_w = float(node.params["weight"].reshape(()))
+        assert maxabs_in > 0 and maxabs_w > 0, name
+        want_in, want_w = pow2_scale(maxabs_in, BACKOFF_ACT), pow2_scale(maxabs_w, BACKOFF_W)
+        # QDQ path: the input QuantDequant holds scale (dequantize) and scale_inv (quantize) as Python floats
+        assert mod.quant_input.scale == want_in, (name, maxabs_in, mod.quant_input.scale, want_in)
+        assert mod.quant_input.scale_inv == 1.0 / want_in, name
+        assert mod.dequant_weights.scale == want_w, (name, maxabs_w, mod.dequant_weights.scale, want_w)
+        assert mod.weight.dtype == torch.float8_e4m3fn
+        assert inc_scales["Nodes"][name]["inputs"] == [want_in]
+        assert inc_scales["Nodes"][name]["params"]["weight"] == want_w
+
+    with torch.inference_mode():
+        out = qmodel(input_ids=ids).logits.float()
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    assert not torch.equal(out, ref), "the converted model did not quantize anything"
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert rel < 0.1, f"FP8 QDQ logits are {rel:.3f} (relative L2) away from bf16"
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
+    assert cos > 0.99, cos
+
+    # the artifact itself is untouched
+    assert {p.name: p.read_bytes() for p in artifact.iterdir()} == before
