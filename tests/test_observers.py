@@ -49,3 +49,24 @@ def test_per_channel_activation_and_weight():
     w = torch.randn(5, 4)
     np.testing.assert_array_equal(weight_stat(w, True).numpy()[:, 0], np.abs(w.numpy()).max(1))
     assert weight_stat(w, False).item() == np.abs(w.numpy()).max()
+
+
+def test_right_padding_prefix_path_equals_mask_path():
+    torch.manual_seed(2)
+    x = torch.randn(3, 6, 4, dtype=torch.bfloat16)
+    x[0, 4:] = 50.0
+    x[2, 1:] = -70.0
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6, [1, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    a, b = MaxAbs(), MaxAbs()
+    a.update(x, mask)
+    b.update(x, mask, lengths=[4, 6, 1])
+    ref = np.abs(x.float().numpy()[mask.numpy()]).max()
+    assert a.state.item() == b.state.item() == ref
+
+
+def test_observers_accept_tensors_that_require_grad():
+    x = torch.randn(2, 3, 4, requires_grad=True) * 2
+    for obs in (MaxAbs(), MaxAbsPerChannel(-1)):
+        obs.update(x)
+        obs.update(x)
+        assert obs.used

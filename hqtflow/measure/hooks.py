@@ -72,6 +72,7 @@ class ObserverSession:
         self.nodes: dict[str, _Node] = {}
         self.skipped: dict[str, str] = {}
         self._mask: torch.Tensor | None = None
+        self._lengths: list[int] | None = None  # valid prefix per row when the padding is on the right
         self._handles = []
         self.samples = 0
         self.tokens = 0
@@ -111,11 +112,11 @@ class ObserverSession:
     def _linear_hook(self, node: _Node):
         def hook(mod, args, output):
             x = args[0]
-            mask = self._mask
+            mask, lengths = self._mask, self._lengths
             for obs in node.inputs:
-                obs.update(_local(x), mask)
+                obs.update(_local(x), mask, lengths)
             for obs in node.outputs:
-                obs.update(_local(output), mask)
+                obs.update(_local(output), mask, lengths)
             if "input_dim" not in node.info:
                 node.info["input_dim"] = int(x.shape[-1])
                 node.info["output_dim"] = int(output.shape[-1])
@@ -187,10 +188,14 @@ class ObserverSession:
             self.samples += mask.shape[0]
             self.tokens += n
             self._mask = None if n == mask.numel() else mask
+            if self._mask is not None:
+                lengths = mask.sum(dim=1)
+                prefix = torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]
+                self._lengths = lengths.tolist() if torch.equal(prefix, mask) else None
         try:
             yield
         finally:
-            self._mask = None
+            self._mask = self._lengths = None
 
     def stats(self) -> dict[str, NodeStats]:
         """Statistics of every node that saw data (INC drops unused nodes the same way)."""

@@ -23,6 +23,12 @@ def _rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
     return rows if rows.numel() else None
 
 
+def _maxabs(x: torch.Tensor) -> torch.Tensor:
+    """max |x| in one pass with no temporary (aminmax), instead of abs() (a copy) then amax."""
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(hi, lo.neg())
+
+
 class MaxAbs:
     """Per-tensor maxabs; state is a float32 (1, 1) tensor like INC's."""
 
@@ -30,19 +36,19 @@ class MaxAbs:
         self.state = torch.zeros((1, 1), dtype=torch.float32, device=device)
         self.used = False
 
-    @torch.no_grad()
-    def update(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        if mask is not None and x.shape[:-1] == mask.shape:
-            # amax per token first (no copy of the activation), then keep the valid tokens
-            per_token = x.abs().amax(dim=-1)[mask]
-            if per_token.numel() == 0:
+    def update(self, x: torch.Tensor, mask: torch.Tensor | None = None, lengths: list[int] | None = None) -> None:
+        """`lengths`: with right padding, the valid prefix of each row (views, no gather)."""
+        x = x.detach()
+        if lengths is not None and mask is not None and x.shape[:-1] == mask.shape:
+            parts = [_maxabs(x[row, :n]) for row, n in enumerate(lengths) if n]
+            if not parts:
                 return
-            m = per_token.amax()
+            m = torch.stack(parts).max()
         else:
             x = _rows(x, mask)
-            if x is None:
+            if x is None or x.numel() == 0:
                 return
-            m = x.abs().amax()
+            m = _maxabs(x)
         torch.maximum(self.state, m.float().reshape(1, 1), out=self.state)
         self.used = True
 
@@ -55,8 +61,8 @@ class MaxAbsPerChannel:
         self.state: torch.Tensor | None = None
         self.used = False
 
-    @torch.no_grad()
-    def update(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    def update(self, x: torch.Tensor, mask: torch.Tensor | None = None, lengths: list[int] | None = None) -> None:
+        x = x.detach()
         if self.dim in (-1, x.dim() - 1):
             x = _rows(x, mask)
             if x is None:
@@ -79,5 +85,6 @@ def make_observer(per_channel: bool, *, dim: int = -1, device: torch.device | st
 def weight_stat(w: torch.Tensor, per_channel: bool) -> torch.Tensor:
     """maxabs of a weight [out, in]: (1, 1), or per output channel (out, 1)."""
     obs = make_observer(per_channel, dim=0, device=w.device)
-    obs.update(w.detach())
+    with torch.no_grad():
+        obs.update(w.detach())
     return obs.state

@@ -190,7 +190,11 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         records = distributed.gather(rank_record)
         if rank == 0:
             out = Path(s.output).resolve()
-            inc_cfg = {**cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(out / Path(cfg.dump_stats_path).name)}
+            # For a Gaudi run of INC (QUANT_CONFIG=DIR/quant_config.json): recalc_scales so INC never silently
+            # reuses a scale file left in DIR by an earlier run. On CPU, INC also needs use_qdq and a
+            # power-of-two or arbitrary scale_method (maxabs_hw has no hardware scale set there).
+            inc_cfg = {**cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(out / Path(cfg.dump_stats_path).name),
+                       "recalc_scales": True}
             write_json_atomic(stage.path / INC_CONFIG, inc_cfg)
             data = {
                 "world_size": world,
