@@ -122,6 +122,23 @@ def test_compressed_tensors_loads_it(measured, tmp_path):
     assert torch.equal(a, b)
 
 
+def test_compressed_tensors_runs_w8a8_identically(measured, tmp_path):
+    """compressed-tensors' own runtime (input fake-quant + FP8 weights) gives hqtflow's logits bit for bit with
+    power-of-two scales (with arbitrary scales it divides in bf16, hqtflow in fp32 like INC: last-bit differences)."""
+    pytest.importorskip("compressed_tensors")
+    import hqtflow
+    from transformers import AutoModelForCausalLM
+
+    out = quantize_cli(measured, tmp_path / "w8a8", "--scale-method", "maxabs_pow2")
+    ours, tok = hqtflow.load(out)
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    ids = torch.tensor([tok.encode("It was the first structure to reach a height of 300 metres")])
+    with torch.inference_mode():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+        assert torch.equal(ours.generate(ids, max_new_tokens=8, do_sample=False),
+                           theirs.generate(ids, max_new_tokens=8, do_sample=False))
+
+
 def test_scales_only_inc_layout(measured, tmp_path):
     out = quantize_cli(measured, tmp_path / "sc", "--scales-only", "--scale-method", "maxabs_hw", "--scales-for", "gaudi2")
     names = {p.name for p in out.iterdir()}
