@@ -16,6 +16,7 @@ def nodes(path):
 
 
 def test_two_ranks_match_one(tiny_factory, wiki_text, tmp_path):
+    """Also: `quantize --scales-only` writes one INC scale file per rank from each rank's weight shard."""
     model = tiny_factory("llama", dtype="float32")
     common = ["--text", wiki_text, "--limit", "4", "--max-length", "32", "--batch-size", "2", "--dtype", "fp32"]
     r1 = run_cli("measure", model, "-o", tmp_path / "tp1", *common)
@@ -41,6 +42,34 @@ def test_two_ranks_match_one(tiny_factory, wiki_text, tmp_path):
         merged_in = max(p["inputs"][0][0][0] for p in per_rank)
         np.testing.assert_allclose(merged_in, ref["inputs"][0][0][0], rtol=1e-4, err_msg=name)
     assert not list(tmp_path.glob(".*")), "no staging leftovers"
+
+    sc = run_cli("quantize", "-m", out, "-o", tmp_path / "scales", "--scales-only", "--scale-method", "maxabs_arbitrary")
+    assert sc.exit_code == 0, sc.output
+    for rank in range(2):
+        js = json.loads((tmp_path / "scales" / f"measure_hooks_maxabs_MAXABS_ARBITRARY_{rank}_2.json").read_text())
+        assert js["LocalRank"] == rank and js["Mode"] == "Scale"
+        meas = ranks[rank]["Nodes"]
+        for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+            # the weight scale comes from this rank's shard: its maxabs / (448 * 0.5), in fp32 here
+            expect = meas[name]["params"]["weight"][0][0] / 224
+            np.testing.assert_allclose(js["Nodes"][name]["params"]["weight"], expect, rtol=1e-2)
+    ck = run_cli("quantize", "-m", out, "-o", tmp_path / "ck")
+    assert ck.exit_code == 2 and "2-rank measurement" in ck.stderr and "hqtflow unify -g 01" in ck.stderr
+
+
+def test_user_started_torchrun(tiny_llama, wiki_text, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "user"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "hqtflow",
+           "measure", str(tiny_llama), "-o", str(out), "--tp", "2", "--text", str(wiki_text), "--limit", "2",
+           "--max-length", "32"]
+    r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert read_manifest(out, "hqtflow.measurement", 1).data["world_size"] == 2
+    assert (out / "measure_hooks_maxabs_1_2.json").is_file()
 
 
 def test_user_torchrun_world_must_match(tiny_llama, wiki_text, tmp_path, monkeypatch):
