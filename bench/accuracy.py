@@ -70,7 +70,8 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
     if a.smoke:
-        a.limit, a.ppl_windows, a.calib_chunks, a.methods = 8, 2, 4, "maxabs_arbitrary,maxabs_pow2"
+        a.limit, a.ppl_windows, a.calib_chunks = 4, 1, 2
+        a.methods, a.tasks = "maxabs_arbitrary", "piqa_local,winogrande_local"
     data = Path(a.data_dir)
     path = models.resolve_model(a.model)
     tok = models.load_tokenizer(path)
