@@ -19,9 +19,9 @@ setup: $(BIN)/hqtflow
 prepare: setup
 	$(BIN)/hqtflow model prepare smollm2
 
-# The main job: calibrate SmolLM2 on offline lm-eval tasks and WikiText-2, write an HQT measurement artifact.
+# The main job on SmolLM2: measure (offline lm-eval tasks + WikiText-2) -> FP8 checkpoint -> eval vs bf16.
 demo: prepare
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/hqtflow measure --recipe recipes/smollm2.yaml --overwrite
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/hqtflow run recipes/smollm2.yaml
 
 test: prepare
 	$(BIN)/python -m pytest --durations=25
