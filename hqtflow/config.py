@@ -65,7 +65,7 @@ LEGACY_KEYS = frozenset({"method", "quantize_weight", "whitelist", "blacklist"})
 SUPPORTED_TYPES = ("Linear",)
 
 
-def _choice(key: str, value: Any, choices: tuple[str, ...], *, source: str) -> str:
+def choice(key: str, value: Any, choices: tuple[str, ...], *, source: str) -> str:
     """Match `value` case-insensitively against `choices`; return the canonical spelling."""
     if isinstance(value, str):
         for c in choices:
@@ -121,7 +121,7 @@ class ModuleFilter:
 def _parse_scale_method(value: Any, *, source: str) -> str | dict:
     """A scale method name, or INC's dict form validated key by key."""
     if isinstance(value, str):
-        return _choice("scale_method", value, SCALE_METHODS, source=source)
+        return choice("scale_method", value, SCALE_METHODS, source=source)
     if not isinstance(value, dict):
         raise ConfigError(f"{source}: key 'scale_method' must be a method name or an object, not {value!r}.")
     sections = {"default", "nodes", "layers", "layer_types"}
@@ -141,7 +141,7 @@ def _parse_scale_method(value: Any, *, source: str) -> str | dict:
         out: dict[str, Any] = {}
         for k, v in spec.items():
             if k in enums:
-                out[k] = _choice(f"{where}.{k}", v, enums[k], source=source)
+                out[k] = choice(f"{where}.{k}", v, enums[k], source=source)
             elif k == "backoff":
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
                     raise ConfigError(f"{source}: '{where}.backoff' must be a number in (0, 1], not {v!r}.")
@@ -211,9 +211,9 @@ class QuantConfig:
 
         v: dict[str, Any] = {}
         if "mode" in raw:
-            v["mode"] = _choice("mode", raw["mode"], MODES, source=source)
+            v["mode"] = choice("mode", raw["mode"], MODES, source=source)
         if "observer" in raw:
-            v["observer"] = _choice("observer", raw["observer"], OBSERVERS, source=source)
+            v["observer"] = choice("observer", raw["observer"], OBSERVERS, source=source)
         if "scale_method" in raw:
             v["scale_method"] = _parse_scale_method(raw["scale_method"], source=source)
         v["allowlist"] = ModuleFilter.parse("allowlist", raw.get("allowlist", raw.get("whitelist")), source=source)
@@ -230,9 +230,9 @@ class QuantConfig:
             ("scale_format", SCALE_FORMATS),
         ):
             if key in raw:
-                v[key] = _choice(key, raw[key], choices, source=source)
+                v[key] = choice(key, raw[key], choices, source=source)
         if raw.get("device_for_scales") is not None:
-            v["device_for_scales"] = _choice("device_for_scales", raw["device_for_scales"], DEVICES_FOR_SCALES, source=source)
+            v["device_for_scales"] = choice("device_for_scales", raw["device_for_scales"], DEVICES_FOR_SCALES, source=source)
         for key in ("use_qdq", "fake_quant", "recalc_scales", "ignore_modules_wo_measures"):
             if key in raw:
                 v[key] = _bool(key, raw[key], source=source)

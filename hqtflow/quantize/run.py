@@ -45,9 +45,9 @@ def quant_config(s: QuantizeSettings) -> QuantConfig:
         raise ConfigError(f"{s.config} has mode {cfg.mode}; `hqtflow quantize` needs a QUANTIZE config such as quantization_config/maxabs_quant.json.")
     changes = {}
     if s.scale_method:
-        from hqtflow.config import SCALE_METHODS, _choice
+        from hqtflow.config import SCALE_METHODS, choice
 
-        changes["scale_method"] = _choice("scale_method", s.scale_method, SCALE_METHODS, source="--scale-method")
+        changes["scale_method"] = choice("scale_method", s.scale_method, SCALE_METHODS, source="--scale-method")
     if s.scales_for:
         changes["device_for_scales"] = s.scales_for.upper()
     return cfg.with_changes(**changes) if changes else cfg
@@ -109,8 +109,9 @@ def _read_npz(path: Path) -> hqt.Measurement:
     import numpy as np
 
     d = np.load(path, allow_pickle=True)["arr_0"].item()  # the user opted in with --trust-pickle
-    nodes = {k: hqt.NodeStats.from_json(hqt.NodeStats(**{kk: v for kk, v in n.items()}).to_json(), where=str(path))
-             for k, n in d["Nodes"].items()}
+    as_lists = lambda v: {k: as_lists(x) for k, x in v.items()} if isinstance(v, dict) else (
+        [as_lists(x) for x in v] if isinstance(v, (list, tuple)) else np.asarray(v).tolist())
+    nodes = {k: hqt.NodeStats.from_json(as_lists(n), where=str(path)) for k, n in d["Nodes"].items()}
     return hqt.Measurement(nodes, d.get("LocalRank"), int(d.get("NumSamples", 0)), d.get("Mode", "DynamicRange"))
 
 
