@@ -214,5 +214,30 @@ def run(
                force=force, echo=typer.echo)
 
 
+@app.command()
+@user_errors
+def unify(
+    more_groups: Annotated[Optional[list[str]], typer.Argument(help="Further groups after the first -g (HQT's `-g 0123 4567`).", show_default=False)] = None,
+    groups: Annotated[Optional[list[str]], typer.Option("-g", "--groups", help="A group of ranks: 0123 (one digit each), 0-7, or 0,1,2,3.")] = None,
+    measurement: Annotated[Path, typer.Option("-m", "--measurement", help="Per-rank measurement directory.")] = ...,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Directory for the unified measurement.")] = ...,
+    parallel_plan: Annotated[Optional[Path], typer.Option(help="JSON {module regex: column|row|replicated} for foreign dumps.")] = None,
+    world_size: Annotated[Optional[int], typer.Option(help="Pick this world size when a foreign directory holds several.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
+) -> None:
+    """Merge per-rank measurements of card groups: one measurement per group (e.g. 8 cards -> 2 or 1)."""
+    import warnings
+
+    from hqtflow.unify import unify as run_unify
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run_unify(measurement, [*(groups or []), *(more_groups or [])], output, overwrite=overwrite,
+                        parallel_plan=parallel_plan, world_size=world_size)
+    for w in caught:
+        typer.echo(f"Warning: {w.message}", err=True)
+    typer.echo(f"Wrote {out}.")
+
+
 if __name__ == "__main__":
     app()

@@ -27,15 +27,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def parallel_style(w: torch.Tensor) -> str:
-    """How tensor parallelism split a weight [out, in]: column (dim 0), row (dim 1) or replicated."""
+def parallel_style(w: torch.Tensor) -> tuple[str, int]:
+    """How tensor parallelism split a weight [out, in]: (column | row | replicated, packed parts).
+
+    Packed (fused gate/up) weights carry a strided shard: each rank holds a slice of every part.
+    """
     placements = getattr(w, "placements", None)
     if not placements:
-        return "replicated"
+        return "replicated", 1
     p = placements[0]
     if getattr(p, "is_shard", lambda *a: False)():
-        return {0: "column", 1: "row"}.get(p.dim, f"shard{p.dim}")
-    return "replicated"
+        dim = p.dim if p.dim >= 0 else p.dim + w.dim()
+        return {0: "column", 1: "row"}.get(dim, f"shard{dim}"), int(getattr(p, "split_factor", 1))
+    return "replicated", 1
 
 
 def is_fused_experts(mod: nn.Module) -> bool:
@@ -102,8 +106,10 @@ class ObserverSession:
             return
         local_w = _local(mod.weight)
         node = self._new_node(name, type_name, local_w, local_w.device)
+        style, parts = parallel_style(mod.weight)
         node.info = {
-            "style": parallel_style(mod.weight),
+            "style": style,
+            "packed_parts": parts,
             "weight_shape": list(local_w.shape),
             "global_weight_shape": list(mod.weight.shape),
         }
@@ -138,7 +144,7 @@ class ObserverSession:
                     self.skipped[node_name] = "excluded by allowlist/blocklist"
                     continue
                 node = self._new_node(node_name, container, w, w.device)
-                node.info = {"style": parallel_style(mod.gate_up_proj), "weight_shape": list(w.shape), "expert": e}
+                node.info = {"style": parallel_style(mod.gate_up_proj)[0], "weight_shape": list(w.shape), "expert": e}
                 pair[proj] = node
             experts.append(pair)
         if any(experts):

@@ -1,0 +1,246 @@
+"""`hqtflow unify`: merge the per-rank measurements of card groups, so a model measured on N cards runs on fewer.
+
+Merge rules, per node and statistic (the layer's style comes from what `hqtflow measure --tp` recorded):
+- per-tensor statistics, and anything replicated across the group: element-wise max;
+- per-channel statistics along a sharded dimension: concatenated in rank order (column-parallel outputs and weight
+  dim 0; row-parallel inputs), packed (fused gate/up) shards de-interleaved part by part; max along replicated ones;
+- row-parallel outputs: hqtflow observes them after transformers' all-reduce, so every rank holds the exact full
+  value and the max is exact (recorded in the manifest);
+- a node present on only some ranks (MoE experts under expert parallelism): the union, from the ranks that have it.
+Foreign dumps (no hqtflow manifest): max for per-tensor statistics; per-channel ones need `--parallel-plan FILE`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hqtflow.errors import ArtifactError, ConfigError
+from hqtflow.formats import hqt
+from hqtflow.formats.artifact import sha256_file, staged_output, write_manifest
+
+SCHEMA, SCHEMA_VERSION = "hqtflow.measurement", 1
+
+
+# ---- groups -------------------------------------------------------------------------------------
+def parse_groups(tokens: list[str], world: int) -> list[list[int]]:
+    """`0123 4567` (HQT: one digit a rank), `0-7`, `0,1,2,3 4,5,6,7`; every rank exactly once, equal sizes."""
+    if not tokens:
+        raise ConfigError("No groups: pass -g, e.g. -g 0123 4567.")
+    groups = []
+    for tok in tokens:
+        ranks: list[int] = []
+        for part in tok.split(","):
+            part = part.strip()
+            if re.fullmatch(r"\d+-\d+", part):
+                a, b = map(int, part.split("-"))
+                if b < a:
+                    raise ConfigError(f"Group {tok!r}: range {part} runs backwards.")
+                ranks += range(a, b + 1)
+            elif re.fullmatch(r"\d+", part):
+                ranks += [int(part)] if "," in tok else [int(c) for c in part]
+            else:
+                raise ConfigError(f"Group {tok!r} is not a list of ranks (forms: 0123, 0-7, 0,1,2,3).")
+        groups.append(ranks)
+    flat = [r for g in groups for r in g]
+    repeated = sorted({r for r in flat if flat.count(r) > 1})
+    missing = sorted(set(range(world)) - set(flat))
+    extra = sorted(set(flat) - set(range(world)))
+    problems = []
+    if repeated:
+        problems.append(f"rank(s) {_ranks(repeated)} appear more than once")
+    if missing:
+        problems.append(f"rank(s) {_ranks(missing)} are missing")
+    if extra:
+        problems.append(f"rank(s) {_ranks(extra)} do not exist in this {world}-rank measurement")
+    if problems:
+        raise ConfigError(f"Groups {' '.join(tokens)}: {'; '.join(problems)}.")
+    if len({len(g) for g in groups}) > 1:
+        raise ConfigError(f"Groups {' '.join(tokens)} have different sizes {[len(g) for g in groups]}; they must be equal.")
+    return [sorted(g) for g in groups]
+
+
+def _ranks(rs: list[int]) -> str:
+    return ", ".join(map(str, rs))
+
+
+# ---- reading the source -------------------------------------------------------------------------
+@dataclass
+class Source:
+    directory: Path
+    manifest: dict | None
+    world: int
+    stems: list[str]
+    ranks: list[hqt.Measurement]
+    layers: list[dict]  # per rank: node -> info (style, shapes), empty for foreign dumps
+
+
+def read_source(directory: Path, world_size: int | None = None) -> Source:
+    from hqtflow.formats.artifact import read_manifest
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"Measurement directory {directory} does not exist.")
+    if (directory / "hqtflow_manifest.json").exists():
+        m = read_manifest(directory, SCHEMA, SCHEMA_VERSION)
+        ranks = m.data["ranks"]
+        world = int(m.data["world_size"])
+        stems = [r["stem"] for r in ranks]
+        return Source(directory, m.raw, world, stems, [hqt.read_measurement(directory / f"{s}.json") for s in stems],
+                      [r["layers"] for r in ranks])
+    warnings.warn(f"{directory} has no hqtflow manifest: provenance (model, config, run) cannot be checked.", stacklevel=2)
+    pat = re.compile(r"^(?P<base>.+_hooks_maxabs(?:_per_channel)?)_(?P<r>\d+)_(?P<w>\d+)\.json$")
+    found: dict[int, dict[int, str]] = {}
+    for p in directory.iterdir():
+        mt = pat.match(p.name)
+        if mt and not p.name.endswith("_mod_list.json"):
+            found.setdefault(int(mt["w"]), {})[int(mt["r"])] = p.name[:-5]
+    if not found:
+        raise ArtifactError(f"{directory} holds no per-rank measurement files (*_hooks_maxabs_<rank>_<world>.json).")
+    if world_size is None:
+        if len(found) > 1:
+            raise ArtifactError(f"{directory} holds measurements of world sizes {sorted(found)}; pick one with --world-size.")
+        world_size = next(iter(found))
+    rs = found.get(world_size, {})
+    missing = sorted(set(range(world_size)) - set(rs))
+    if missing:
+        raise ArtifactError(f"{directory} is missing the rank file(s) {_ranks(missing)} of its {world_size}-rank measurement.")
+    stems = [rs[r] for r in range(world_size)]
+    return Source(directory, None, world_size, stems, [hqt.read_measurement(directory / f"{s}.json") for s in stems],
+                  [{} for _ in stems])
+
+
+def check_same_run(src: Source) -> None:
+    """Every rank file must come from the same measurement run (hqtflow manifests say so)."""
+    for r, meas in enumerate(src.ranks):
+        if meas.local_rank is not None and meas.local_rank != r:
+            raise ArtifactError(f"{src.directory / src.stems[r]}.json says it is rank {meas.local_rank}, not {r}.")
+
+
+# ---- merging ------------------------------------------------------------------------------------
+def _concat(parts: list[np.ndarray], packed: int) -> np.ndarray:
+    """Concatenate (C_r, 1) shards in rank order; packed shards are de-interleaved part by part."""
+    if packed <= 1:
+        return np.concatenate(parts, axis=0)
+    split = [np.split(p, packed, axis=0) for p in parts]
+    return np.concatenate([s[k] for k in range(packed) for s in split], axis=0)
+
+
+def merge_stat(kind: str, arrays: list[np.ndarray], info: dict | None, plan_style: str | None) -> np.ndarray:
+    """Merge one statistic of one node across a group. kind: input | output | weight."""
+    if all(a.shape == (1, 1) for a in arrays):
+        return np.max(np.stack(arrays), axis=0)
+    style = (info or {}).get("style") or plan_style
+    if style is None:
+        raise ArtifactError("per-channel statistics without a recorded parallel style; pass --parallel-plan FILE.")
+    packed = int((info or {}).get("packed_parts", 1))
+    sharded = {
+        ("column", "weight"): True, ("column", "input"): False, ("row", "weight"): False, ("row", "input"): True,
+        ("row", "output"): False, ("replicated", "weight"): False, ("replicated", "input"): False,
+        ("replicated", "output"): False,
+    }.get((style, kind))
+    if (style, kind) == ("column", "output"):  # sharded unless transformers gathered it (e.g. lm_head)
+        local_out = (info or {}).get("weight_shape", [None])[0]
+        sharded = (info or {}).get("output_dim", local_out) == local_out if info else True
+    if sharded is None:
+        raise ArtifactError(f"unknown parallel style {style!r}.")
+    return _concat(arrays, packed) if sharded else np.max(np.stack(arrays), axis=0)
+
+
+def merge_group(src: Source, group: list[int], plan: dict[str, str]) -> tuple[dict[str, hqt.NodeStats], dict[str, dict]]:
+    names: list[str] = []
+    for r in group:
+        names += [n for n in src.ranks[r].nodes if n not in names]
+    nodes, layers = {}, {}
+    for name in names:
+        have = [r for r in group if name in src.ranks[r].nodes]
+        stats = [src.ranks[r].nodes[name] for r in have]
+        info = src.layers[have[0]].get(name) if src.layers[have[0]] else None
+        plan_style = next((s for pat, s in plan.items() if re.search(pat, name)), None)
+        try:
+            inputs = [merge_stat("input", [s.inputs[i] for s in stats], info, plan_style) for i in range(len(stats[0].inputs))]
+            outputs = [merge_stat("output", [s.outputs[i] for s in stats], info, plan_style) for i in range(len(stats[0].outputs))]
+            params = {k: merge_stat("weight", [s.params[k] for s in stats], info, plan_style) for k in stats[0].params}
+        except ArtifactError as e:
+            raise ArtifactError(f"Node {name}: {e}") from None
+        except (ValueError, IndexError):
+            raise ArtifactError(f"Node {name} has statistics of different shapes or counts on ranks {have}.") from None
+        nodes[name] = hqt.NodeStats(inputs, outputs, params)
+        if info:
+            layers[name] = _merged_info(info, len(have))
+    return nodes, layers
+
+
+def _merged_info(info: dict, n: int) -> dict:
+    out = dict(info)
+    shape = list(info.get("weight_shape", []))
+    if shape and info.get("style") in ("column", "row"):
+        dim = 0 if info["style"] == "column" else 1
+        shape[dim] *= n
+        out["weight_shape"] = shape
+        if info["style"] == "column" and info.get("output_dim") == info["weight_shape"][0]:
+            out["output_dim"] = shape[0]
+        if info["style"] == "row":
+            out["input_dim"] = shape[1]
+    if shape and shape == info.get("global_weight_shape"):
+        out["style"] = "replicated"
+    return out
+
+
+# ---- the stage ----------------------------------------------------------------------------------
+def unify(measurement: str | Path, groups: list[str], output: str | Path, *, overwrite: bool = False,
+          parallel_plan: str | Path | None = None, world_size: int | None = None) -> Path:
+    src = read_source(Path(measurement), world_size)
+    check_same_run(src)
+    parsed = parse_groups(groups, src.world)
+    plan = _read_plan(parallel_plan)
+    from hqtflow.formats.artifact import check_output_dir
+
+    check_output_dir(Path(output), overwrite)
+    merged = [merge_group(src, g, plan) for g in parsed]
+    n = len(parsed)
+    m = src.manifest or {}
+    data = dict(m.get("data") or {})
+    observer = data.get("observer") or src.stems[0].split("_hooks_")[1].split("_")[0]
+    base = src.stems[0].rsplit(f"_0_{src.world}", 1)[0] if src.world > 1 else src.stems[0]
+    with staged_output(Path(output), overwrite=overwrite) as tmp:
+        records = []
+        for i, (nodes, layers) in enumerate(merged):
+            stem = f"{base}{hqt.rank_suffix(i, n)}"
+            samples = sum(src.ranks[r].num_samples for r in parsed[i]) // len(parsed[i])
+            files = hqt.write_measurement(tmp, stem, nodes, local_rank=i if n > 1 else None, num_samples=samples)
+            records.append({"rank": i, "stem": stem, "files": [f.name for f in files], "layers": layers,
+                            "unmeasured": [], "skipped": {}, "source_ranks": parsed[i]})
+        source_files = {f"{s}.json": sha256_file(src.directory / f"{s}.json") for s in src.stems}
+        data.update({
+            "world_size": n,
+            "observer": observer,
+            "ranks": records,
+            "unified_from": {"directory": str(src.directory.resolve()), "world_size": src.world, "groups": parsed,
+                             "files": source_files, "provenance_known": src.manifest is not None},
+            "merge": {"per_tensor": "max", "per_channel": "concatenated along sharded dims in rank order, max along replicated",
+                      "row_parallel_outputs": "observed after the all-reduce: exact" if src.manifest else "max (foreign dump)"},
+        })
+        dump = str(Path(output).resolve() / base.split("_hooks_")[0])
+        (tmp / "quant_config.json").write_text(json.dumps({**(m.get("config") or {"observer": observer}),
+                                                           "mode": "QUANTIZE", "dump_stats_path": dump,
+                                                           "recalc_scales": True}, indent=2))
+        write_manifest(tmp, SCHEMA, SCHEMA_VERSION, model=m.get("model"), config=m.get("config"), data=data)
+    return Path(output)
+
+
+def _read_plan(path) -> dict[str, str]:
+    if path is None:
+        return {}
+    try:
+        plan = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"Parallel plan {path} cannot be read as JSON ({e}).") from None
+    if not isinstance(plan, dict) or not all(v in ("column", "row", "replicated") for v in plan.values()):
+        raise ConfigError(f"Parallel plan {path} must map module-name regexes to column, row or replicated.")
+    return plan

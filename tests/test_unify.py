@@ -1,0 +1,215 @@
+"""`hqtflow unify`: group parsing, exact merge rules, and the proofs that a unified N-rank measurement equals the
+1-rank one (weights bit for bit, activations within 1e-4 relative in float32: the all-reduce changes the order of
+the row-parallel sums, nothing else)."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_cli
+from hqtflow.errors import ConfigError
+from hqtflow.formats.artifact import read_manifest
+from hqtflow.unify import _concat, parse_groups
+
+RTOL = 1e-4
+CFG = ROOT / "quantization_config"
+
+
+# ---- groups ---------------------------------------------------------------------------------------
+def test_group_forms():
+    assert parse_groups(["0123", "4567"], 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert parse_groups(["0-7"], 8) == [list(range(8))]
+    assert parse_groups(["0,1,2,3", "4,5,6,7"], 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert parse_groups(["0-15"], 16) == [list(range(16))]
+    assert parse_groups(["8-15", "0-7"], 16) == [list(range(8, 16)), list(range(8))]
+    assert parse_groups(["0", "1"], 2) == [[0], [1]]
+
+
+@pytest.mark.parametrize("groups, world, message", [
+    (["012"], 4, "rank(s) 3 are missing"),
+    (["0123", "3456"], 7, "rank(s) 3 appear more than once"),
+    (["012", "34"], 5, "different sizes"),
+    (["0-9"], 8, "rank(s) 8, 9 do not exist"),
+    (["0x1"], 2, "not a list of ranks"),
+    (["3-1"], 4, "runs backwards"),
+    ([], 2, "No groups"),
+])
+def test_bad_groups(groups, world, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_groups(groups, world)
+
+
+def test_packed_shards_are_deinterleaved():
+    # rank r holds [gate_r; up_r]; the full vector is [gate_0; gate_1; up_0; up_1]
+    r0 = np.array([[1], [2], [10], [20]], dtype=np.float32)
+    r1 = np.array([[3], [4], [30], [40]], dtype=np.float32)
+    assert _concat([r0, r1], 2).flatten().tolist() == [1, 2, 3, 4, 10, 20, 30, 40]
+    assert _concat([r0, r1], 1).flatten().tolist() == [1, 2, 10, 20, 3, 4, 30, 40]
+
+
+# ---- proofs on a tiny model -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(tiny_factory, wiki_text, tmp_path_factory):
+    """The same model and batches measured with --tp 1, 2 and 4 (float32), per tensor and per channel."""
+    model = tiny_factory("llama", num_key_value_heads=4, dtype="float32")
+    base = tmp_path_factory.mktemp("unify")
+    pc = base / "pc.json"
+    pc.write_text(json.dumps({"mode": "MEASURE", "observer": "maxabs_per_channel", "measure_exclude": "NONE"}))
+    common = ["--text", wiki_text, "--limit", "4", "--max-length", "32", "--batch-size", "2", "--dtype", "fp32"]
+    out = {}
+    for name, cfg, tp in (("pt1", CFG / "maxabs_measure_include_outputs.json", 1),
+                          ("pt2", CFG / "maxabs_measure_include_outputs.json", 2),
+                          ("pt4", CFG / "maxabs_measure_include_outputs.json", 4),
+                          ("pc1", pc, 1), ("pc2", pc, 2)):
+        r = run_cli("measure", model, "-o", base / name, "-c", cfg, "--tp", str(tp), *common)
+        assert r.exit_code == 0, r.output
+        out[name] = base / name
+    out["model"] = model
+    return out
+
+
+def nodes(path, stem):
+    return json.loads((path / f"{stem}.json").read_text())["Nodes"]
+
+
+def assert_equal_measurements(unified: dict, ref: dict):
+    assert set(unified) == set(ref)
+    for name, node in ref.items():
+        u = unified[name]
+        np.testing.assert_array_equal(u["params"]["weight"], node["params"]["weight"], err_msg=name)  # bit for bit
+        for key in ("inputs", "outputs"):
+            np.testing.assert_allclose(u[key], node[key], rtol=RTOL, err_msg=f"{name} {key}")
+
+
+@pytest.mark.slow
+def test_unify_two_ranks_equals_one(runs, tmp_path):
+    r = run_cli("unify", "-g", "01", "-m", runs["pt2"], "-o", tmp_path / "u")
+    assert r.exit_code == 0, r.output
+    assert_equal_measurements(nodes(tmp_path / "u", "measure_hooks_maxabs"), nodes(runs["pt1"], "measure_hooks_maxabs"))
+    m = read_manifest(tmp_path / "u", "hqtflow.measurement", 1)
+    assert m.data["world_size"] == 1 and m.data["unified_from"]["groups"] == [[0, 1]]
+    assert set(m.data["unified_from"]["files"]) == {"measure_hooks_maxabs_0_2.json", "measure_hooks_maxabs_1_2.json"}
+    assert m.data["merge"]["row_parallel_outputs"].startswith("observed after the all-reduce")
+    assert m.model == read_manifest(runs["pt1"], "hqtflow.measurement", 1).model
+
+
+@pytest.mark.slow
+def test_unify_four_ranks_equals_one(runs, tmp_path):
+    r = run_cli("unify", "-g", "0123", "-m", runs["pt4"], "-o", tmp_path / "u")
+    assert r.exit_code == 0, r.output
+    assert_equal_measurements(nodes(tmp_path / "u", "measure_hooks_maxabs"), nodes(runs["pt1"], "measure_hooks_maxabs"))
+    # 4 -> 2 cards, with HQT's spelling and the range form giving the same result
+    assert run_cli("unify", "-g", "01", "23", "-m", runs["pt4"], "-o", tmp_path / "two").exit_code == 0
+    assert run_cli("unify", "-g", "0-1", "-g", "2-3", "-m", runs["pt4"], "-o", tmp_path / "two_b").exit_code == 0
+    for g in range(2):
+        a, b = nodes(tmp_path / "two", f"measure_hooks_maxabs_{g}_2"), nodes(tmp_path / "two_b", f"measure_hooks_maxabs_{g}_2")
+        assert a == b
+    # and 4 -> 2 -> 1 equals 4 -> 1
+    assert run_cli("unify", "-g", "01", "-m", tmp_path / "two", "-o", tmp_path / "one").exit_code == 0
+    assert_equal_measurements(nodes(tmp_path / "one", "measure_hooks_maxabs"), nodes(runs["pt1"], "measure_hooks_maxabs"))
+
+
+@pytest.mark.slow
+def test_identity_groups_return_each_rank(runs, tmp_path):
+    assert run_cli("unify", "-g", "0", "1", "-m", runs["pt2"], "-o", tmp_path / "same").exit_code == 0
+    for r in range(2):
+        assert nodes(tmp_path / "same", f"measure_hooks_maxabs_{r}_2") == nodes(runs["pt2"], f"measure_hooks_maxabs_{r}_2")
+
+
+@pytest.mark.slow
+def test_per_channel_concatenation(runs, tmp_path):
+    r = run_cli("unify", "-g", "01", "-m", runs["pc2"], "-o", tmp_path / "u")
+    assert r.exit_code == 0, r.output
+    u = nodes(tmp_path / "u", "measure_hooks_maxabs_per_channel")
+    ref = nodes(runs["pc1"], "measure_hooks_maxabs_per_channel")
+    assert_equal_measurements(u, ref)
+    # shapes: column weights and outputs concatenated, row inputs concatenated
+    assert np.array(u["model.layers.0.self_attn.q_proj"]["params"]["weight"]).shape == (64, 1)
+    assert np.array(u["model.layers.0.self_attn.q_proj"]["outputs"]).shape == (1, 64, 1)
+    assert np.array(u["model.layers.0.mlp.down_proj"]["inputs"]).shape == (1, 128, 1)
+
+
+# ---- foreign dumps, stray files, bad input ---------------------------------------------------------
+@pytest.mark.slow
+def test_foreign_dump_with_stray_files(runs, tmp_path):
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    for f in runs["pt2"].glob("measure_hooks_maxabs_*"):
+        shutil.copy(f, dump)
+    (dump / "measure_hooks_maxabs_MAXABS_POW2_0_2.json").write_text("{}")  # a scale file
+    (dump / "backup_measure_01-01").mkdir()  # INC's backups
+    r = run_cli("unify", "-g", "01", "-m", dump, "-o", tmp_path / "u")
+    assert r.exit_code == 0, r.output
+    assert "provenance" in r.stderr
+    assert_equal_measurements(nodes(tmp_path / "u", "measure_hooks_maxabs"), nodes(runs["pt1"], "measure_hooks_maxabs"))
+    assert read_manifest(tmp_path / "u", "hqtflow.measurement", 1).data["unified_from"]["provenance_known"] is False
+    # an earlier unify output of another world size beside them: ambiguous unless told
+    shutil.copy(tmp_path / "u" / "measure_hooks_maxabs.json", dump / "measure_hooks_maxabs_0_1.json")
+    r = run_cli("unify", "-g", "01", "-m", dump, "-o", tmp_path / "u2")
+    assert r.exit_code == 2 and "world sizes [1, 2]" in r.stderr
+    assert run_cli("unify", "-g", "01", "-m", dump, "-o", tmp_path / "u2", "--world-size", "2").exit_code == 0
+    # per-channel statistics of a foreign dump need the plan
+    pc = tmp_path / "pcdump"
+    pc.mkdir()
+    for f in runs["pc2"].glob("measure_hooks_*"):
+        shutil.copy(f, pc)
+    r = run_cli("unify", "-g", "01", "-m", pc, "-o", tmp_path / "pcu")
+    assert r.exit_code == 2 and "--parallel-plan" in r.stderr and not (tmp_path / "pcu").exists()
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({r"(q|k|v|gate|up)_proj$": "column", r"(o|down)_proj$": "row", "lm_head": "column"}))
+    r = run_cli("unify", "-g", "01", "-m", pc, "-o", tmp_path / "pcu", "--parallel-plan", plan)
+    assert r.exit_code == 0, r.output
+    u, ref = nodes(tmp_path / "pcu", "measure_hooks_maxabs_per_channel"), nodes(runs["pc1"], "measure_hooks_maxabs_per_channel")
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        np.testing.assert_array_equal(u[name]["params"]["weight"], ref[name]["params"]["weight"])
+
+
+@pytest.mark.slow
+def test_bad_input(runs, tmp_path):
+    def refused(args, message):
+        r = run_cli("unify", *args, "-o", tmp_path / "out")
+        assert r.exit_code == 2, r.output
+        assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not (tmp_path / "out").exists()
+
+    refused(["-g", "012", "-m", runs["pt2"]], "rank(s) 2 do not exist")
+    refused(["-g", "0", "-m", runs["pt2"]], "rank(s) 1 are missing")
+    refused(["-g", "01", "-m", tmp_path / "nope"], "does not exist")
+    broken = tmp_path / "broken"
+    shutil.copytree(runs["pt2"], broken)
+    (broken / "measure_hooks_maxabs_1_2.json").write_text("{ nope")
+    refused(["-g", "01", "-m", broken], "modified after it was written: measure_hooks_maxabs_1_2.json")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    shutil.copy(runs["pt2"] / "measure_hooks_maxabs_0_2.json", foreign)
+    refused(["-g", "01", "-m", foreign], "missing the rank file(s) 1")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(foreign, corrupt)
+    (corrupt / "measure_hooks_maxabs_1_2.json").write_text("[]")
+    refused(["-g", "01", "-m", corrupt], "is not an HQT measurement file")
+
+
+@pytest.mark.slow
+def test_unified_files_load_in_neural_compressor(runs, tmp_path):
+    from conftest import need
+
+    try:
+        from neural_compressor.torch.quantization import FP8Config, convert
+    except Exception as e:  # noqa: BLE001
+        need(False, f"neural_compressor does not import ({e})")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert run_cli("unify", "-g", "01", "-m", runs["pt2"], "-o", tmp_path / "u").exit_code == 0
+    model = AutoModelForCausalLM.from_pretrained(runs["model"], dtype=torch.bfloat16).eval()
+    cfg = FP8Config(mode="QUANTIZE", scale_method="maxabs_pow2", use_qdq=True, observer="maxabs",
+                    measure_exclude="NONE", dump_stats_path=str(tmp_path / "u" / "measure"))
+    q = convert(model, cfg)
+    stats = nodes(tmp_path / "u", "measure_hooks_maxabs")
+    mod = q.get_submodule("model.layers.1.mlp.down_proj")
+    raw = torch.tensor(stats["model.layers.1.mlp.down_proj"]["inputs"][0][0][0], dtype=torch.bfloat16) / 112
+    assert float(mod.quant_input.scale) == 2.0 ** np.ceil(np.log2(raw.item()))
+    with torch.inference_mode():
+        assert torch.isfinite(q(torch.tensor([[1, 2, 3, 4]])).logits).all()
