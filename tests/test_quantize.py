@@ -23,6 +23,14 @@ def measured(tiny_llama, wiki_text, tmp_path_factory):
     return out
 
 
+def require_compressed_tensors():
+    import importlib.util
+
+    from conftest import need
+
+    need(importlib.util.find_spec("compressed_tensors") is not None, "compressed-tensors is not installed")
+
+
 def quantize_cli(measured, out, *extra):
     r = run_cli("quantize", "-m", measured, "-o", out, *extra)
     assert r.exit_code == 0, r.output
@@ -104,7 +112,7 @@ def test_weight_only_and_per_channel(measured, tmp_path):
 
 def test_compressed_tensors_loads_it(measured, tmp_path):
     """transformers' compressed-tensors integration reads the checkpoint: same greedy text as hqtflow's runtime."""
-    pytest.importorskip("compressed_tensors")
+    require_compressed_tensors()
     import hqtflow
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
@@ -125,7 +133,7 @@ def test_compressed_tensors_loads_it(measured, tmp_path):
 def test_compressed_tensors_runs_w8a8_identically(measured, tmp_path):
     """compressed-tensors' own runtime (input fake-quant + FP8 weights) gives hqtflow's logits bit for bit with
     power-of-two scales (with arbitrary scales it divides in bf16, hqtflow in fp32 like INC: last-bit differences)."""
-    pytest.importorskip("compressed_tensors")
+    require_compressed_tensors()
     import hqtflow
     from transformers import AutoModelForCausalLM
 
