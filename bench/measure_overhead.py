@@ -6,15 +6,15 @@
 Copies of the same model see the same token windows (WikiText-2 validation) in one process: (1) plain forward, no
 observers (the baseline); (2) hqtflow's `ObserverSession` (QUANT_CONFIG mode MEASURE, maxabs), each forward inside
 `session.batch(mask)`; (3) INC `prepare()` with `FP8Config(mode="MEASURE", observer="maxabs")` over a fresh copy (on
-CPU INC also needs `use_qdq=True`: its config parser refuses the CPU device otherwise); and, unless --no-prototype,
-(4) hqtflow's observers with a prototype `MaxAbs.update` (one `torch.aminmax` pass instead of `x.abs().amax()`).
-Everything runs under `torch.inference_mode()`, each mode is warmed up, and the modes run back to back on each
-batch in a rotating order, so load from other processes hits them alike. Reported per mode, as ratios to the plain
-forward: the median of the paired per-batch ratios (headline) and the ratio of per-batch best-of-rounds times.
+CPU INC also needs `use_qdq=True`: its config parser refuses the CPU device otherwise). Everything runs under
+`torch.inference_mode()`, each mode is warmed up, and the modes run back to back on each batch in a rotating order,
+so load from other processes hits them alike. Reported per mode, as ratios to the plain forward: the median of the
+paired per-batch ratios (headline) and the ratio of per-batch best-of-rounds times.
 
 If hqtflow's overhead exceeds the 5% target (or with --profile) the observer cost is broken down: hook dispatch
-alone (no-op hooks), hqtflow's `MaxAbs.update` on the activations the Linear layers really see (full and padded
-batches), INC's reduction, faster reductions of the same statistic, and a torch.profiler op table.
+alone (no-op hooks), hqtflow's `MaxAbs.update` on the activations the Linear layers really see (full batch, and a
+right-padded batch through the mask and per-row-prefix paths), INC's reduction for reference, and a torch.profiler
+op table.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +54,6 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="warm-up passes (over the first two batches) per mode")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--no-inc", action="store_true", help="skip the Neural Compressor mode")
-    p.add_argument("--no-prototype", action="store_true",
-                   help="skip the 'hqtflow + aminmax' mode (a prototype of a faster MaxAbs.update)")
     p.add_argument("--profile", action="store_true", help="break the observer cost down even under the target")
     return p.parse_args(argv)
 
@@ -110,26 +107,6 @@ def token_windows(path: str, tokenizer, batches: int, batch_size: int, seq_len: 
 
 
 # ---- modes ---------------------------------------------------------------------------------------
-PROTO = "hqtflow + aminmax"
-
-
-@torch.no_grad()
-def aminmax_update(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-    """Prototype of a faster `hqtflow.measure.observers.MaxAbs.update`: max|x| = max(max x, -min x) from one
-    `torch.aminmax` pass, without materialising |x|; a padded batch first gathers its valid tokens (x[mask])."""
-    from hqtflow.measure.observers import MaxAbs
-
-    if mask is not None:
-        if x.shape[:-1] != mask.shape:
-            return MaxAbs.update(self, x, mask)  # hqtflow's handling of other shapes
-        x = x[mask]
-    if x.numel() == 0:
-        return
-    lo, hi = torch.aminmax(x)
-    torch.maximum(self.state, torch.maximum(hi, lo.neg()).float().reshape(1, 1), out=self.state)
-    self.used = True
-
-
 def make_modes(args, model_dir, tmp):
     from hqtflow import models
     from hqtflow.config import QuantConfig
@@ -148,19 +125,6 @@ def make_modes(args, model_dir, tmp):
 
     modes = {"plain forward": run_plain, "hqtflow observers": run_hq}
     extra = {"plain": plain, "session": session, "hq_model": hq_model}
-    if not args.no_prototype:
-        proto_model = models.load_model(model_dir)
-        proto_session = ObserverSession(proto_model, QuantConfig(mode="MEASURE"))
-        for node in proto_session.nodes.values():
-            for obs in node.inputs + node.outputs:
-                obs.update = types.MethodType(aminmax_update, obs)
-
-        def run_proto(ids, mask):
-            with proto_session.batch(mask):
-                return proto_model(input_ids=ids, attention_mask=mask).logits
-
-        modes[PROTO] = run_proto
-        extra["proto_session"] = proto_session
     if not args.no_inc:
         try:
             from neural_compressor.torch.quantization import FP8Config, prepare
@@ -239,22 +203,19 @@ def report(times) -> dict[str, float]:
 
 
 def cross_check(extra) -> None:
-    """hqtflow's (and the prototype's) and INC's maxabs of every Linear input must agree: exact for a bf16 model."""
+    """hqtflow's and INC's maxabs of every Linear input must agree: exact for a bf16 model."""
     inc_model = extra.get("inc_model")
     if inc_model is None:
         return
     mods = dict(inc_model.named_modules())
-    for label, session in (("hqtflow", extra["session"]), (PROTO, extra.get("proto_session"))):
-        if session is None:
+    same = total = 0
+    for name, node in extra["session"].nodes.items():
+        cfg = getattr(mods.get(name), "_mod_extra_config", None)
+        if cfg is None or not node.inputs or not node.inputs[0].used:
             continue
-        same = total = 0
-        for name, node in session.nodes.items():
-            cfg = getattr(mods.get(name), "_mod_extra_config", None)
-            if cfg is None or not node.inputs or not node.inputs[0].used:
-                continue
-            total += 1
-            same += float(node.inputs[0].state.reshape(())) == float(cfg.inputs[0].state.float().reshape(()))
-        print(f"cross-check: {label} and INC input maxabs identical for {same}/{total} Linear layers")
+        total += 1
+        same += float(node.inputs[0].state.reshape(())) == float(cfg.inputs[0].state.float().reshape(()))
+    print(f"cross-check: hqtflow and INC input maxabs identical for {same}/{total} Linear layers")
 
 
 # ---- where the observer time goes ----------------------------------------------------------------
@@ -269,7 +230,7 @@ def _best_time(fn, reps: int = 7) -> float:
 
 
 def profile(extra, windows) -> None:
-    """Hook dispatch vs reduction cost, and prototype reductions, each as a fraction of one plain forward."""
+    """Hook dispatch vs hqtflow's reduction cost, each as a fraction of one plain forward."""
     from hqtflow.measure.observers import MaxAbs
 
     plain = extra["plain"]
@@ -289,7 +250,7 @@ def profile(extra, windows) -> None:
             for h in handles:
                 h.remove()
         print(f"\nprofile (batch {tuple(ids.shape)}; best plain forward {1e3 * t_plain:.0f} ms = 100%):")
-        print(f"  {len(linears)} no-op forward hooks (Python dispatch only){'':13s}: "
+        print(f"  {f'{len(linears)} no-op forward hooks (Python dispatch only)':50s}: "
               f"{100 * (t_noop / t_plain - 1):+5.1f}% of a plain forward")
 
         # 2. the reductions alone, on the activations each Linear really receives
@@ -302,54 +263,37 @@ def profile(extra, windows) -> None:
     print(f"  ({len(acts)} Linear inputs per forward, {numel * acts[0].element_size() / 2**20:.0f} MiB of "
           f"{acts[0].dtype} activations)")
     pad_mask = mask.bool().clone()
-    pad_mask[:, -pad_mask.shape[1] // 4:] = False  # a padded batch takes the masked path
-    observers = [MaxAbs() for _ in acts]
-    state = torch.zeros((1, 1), dtype=torch.float32)
+    pad_mask[:, -pad_mask.shape[1] // 4:] = False  # right padding on the last quarter of every row
+    lengths = pad_mask.sum(dim=1).tolist()  # what ObserverSession.batch passes for right padding
 
-    def hq_update(m):
+    def updates(*args):
+        observers = [MaxAbs() for _ in acts]
+
         def f():
             for obs, a in zip(observers, acts):
-                obs.update(a, m)
+                obs.update(a, *args)
         return f
 
-    def proto(reduce, m=None):
-        def f():
-            for a in acts:
-                torch.maximum(state, reduce(a, m).float().reshape(1, 1), out=state)
-        return f
+    def inc_reduce():  # what INC's MaxAbsObserver does per input
+        for a in acts:
+            torch.max(torch.abs(a))
 
-    def inc_reduce(a, _m=None):  # what INC's MaxAbsObserver does
-        return torch.max(torch.abs(a))
-
-    def aminmax(a, _m=None):  # one pass, no |x| temporary
-        lo, hi = torch.aminmax(a)
-        return torch.maximum(hi, lo.neg())
-
-    def masked_rows(a, m):  # gather the valid tokens once, then one aminmax pass
-        return aminmax(a[m])
-
-    lengths = pad_mask.sum(dim=1).tolist()  # right padding: each row's valid tokens are a prefix (a view)
-
-    def masked_prefix(a, _m=None):
-        return torch.stack([aminmax(a[r, :n]) for r, n in enumerate(lengths) if n]).amax()
-
-    candidates = [
-        ("hqtflow MaxAbs.update, full batch: x.abs().amax()", hq_update(None)),
-        ("INC's reduction: torch.max(torch.abs(x))", proto(inc_reduce)),
-        ("prototype: torch.aminmax(x) -> max(hi, -lo)", proto(aminmax)),
-        ("hqtflow MaxAbs.update, padded batch: |x|.amax(-1)[mask]", hq_update(pad_mask)),
-        ("prototype padded: torch.aminmax(x[mask])", proto(masked_rows, pad_mask)),
-        ("prototype padded: aminmax of each row's valid prefix", proto(masked_prefix)),
+    cases = [
+        ("hqtflow MaxAbs.update(x), full batch", updates()),
+        ("hqtflow MaxAbs.update(x, mask, lengths), padded", updates(pad_mask, lengths)),
+        ("hqtflow MaxAbs.update(x, mask), padded (gather)", updates(pad_mask)),
+        ("INC's reduction torch.max(torch.abs(x)), full", inc_reduce),
     ]
     with torch.inference_mode():
-        for a in acts[:24]:  # the prototypes compute exactly hqtflow's statistic
-            want, want_masked = a.abs().amax(), a.abs().amax(dim=-1)[pad_mask].amax()
-            assert aminmax(a) == want and inc_reduce(a) == want, "prototype reductions disagree with |x|.amax()"
-            assert masked_rows(a, pad_mask) == want_masked and masked_prefix(a) == want_masked
-        for label, fn in candidates:
+        for a in acts[:8]:  # the padded paths see exactly the valid tokens
+            for args in ((pad_mask, lengths), (pad_mask,)):
+                obs = MaxAbs()
+                obs.update(a, *args)
+                assert obs.state.item() == a.abs().amax(dim=-1)[pad_mask].amax().float().item(), "padded update is wrong"
+        for label, fn in cases:
             fn()  # warm
             t = _best_time(fn)
-            print(f"  {label:58s}: {100 * t / t_plain:5.1f}% of a plain forward ({1e6 * t / len(acts):.0f} us/Linear)")
+            print(f"  {label:50s}: {100 * t / t_plain:5.1f}% of a plain forward ({1e6 * t / len(acts):.0f} us/Linear)")
 
         # 3. torch.profiler on two observed forwards: the top self-CPU ops
         from torch.profiler import ProfilerActivity
@@ -389,12 +333,10 @@ def main(argv=None) -> int:
         hq = ratios["hqtflow observers"]
         print(f"\nhqtflow observers: {hq:.2f}x plain forward (target <= {TARGET:.2f}x): "
               f"{'OK' if hq <= TARGET else 'OVER TARGET'}"
-              + "".join(f"; {k}: {ratios[k]:.2f}x" for k in (PROTO, "INC MEASURE") if k in ratios))
+              + (f"; INC MEASURE: {ratios['INC MEASURE']:.2f}x" if "INC MEASURE" in ratios else ""))
         if hq > TARGET or args.profile:
             profile(extra, windows)
-        for key in ("session", "proto_session"):
-            if key in extra:
-                extra[key].close()
+        extra["session"].close()
     print(f"\n(total bench time {time.perf_counter() - t_start:.0f} s)")
     return 0
 

@@ -2,7 +2,7 @@
 
 `<dump basename>_hooks_<observer>_<SCALE_METHOD>[_<rank>_<world>].json` (+ `.npz` for INC), `"Mode": "Scale"`,
 each node `{"inputs": [s_in], "outputs": [s_in * s_w], "params": {"weight": s_w}}`; a per-channel weight scale is
-`{"0": [per output channel], "1": [ones per input channel]}`. The measurement files are copied beside them and a
+`{"0": [per output channel], "1": [ones per input channel]}` (int keys 0/1 in the `.npz`, as INC reads them). The measurement files are copied beside them and a
 QUANT_CONFIG pointing at the directory is written, so a W-card Gaudi run loads them through INC as they are.
 """
 
@@ -77,14 +77,16 @@ def write_scale_files(out: Path, final: Path, model, meas, cfg: QuantConfig, met
     inc = {**cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(Path(final).resolve() / Path(dump).name)}
     if target in ("cpu", "cuda"):
         inc.pop("device_for_scales", None)
+    if target == "cpu":
+        inc["use_qdq"] = True  # INC refuses the CPU device without QDQ
     write_json_atomic(out / "quant_config.json", inc)
     return files
 
 
 def _to_numpy(nodes: dict) -> dict:
     def conv(v):
-        if isinstance(v, dict):
-            return {k: conv(x) for k, x in v.items()}
+        if isinstance(v, dict):  # INC reads per-channel keys as ints 0/1 from the .npz
+            return {(int(k) if isinstance(k, str) and k.isdigit() else k): conv(x) for k, x in v.items()}
         if isinstance(v, list) and v and isinstance(v[0], (list, dict)):
             return [conv(x) for x in v]
         return np.asarray(v, dtype=np.float32)
