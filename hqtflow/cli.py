@@ -239,5 +239,50 @@ def unify(
     typer.echo(f"Wrote {out}.")
 
 
+@app.command("import-hqt")
+@user_errors
+def import_hqt(
+    directory: Annotated[Path, typer.Argument(help="Directory of HQT/INC measurement files (e.g. measure_hooks_maxabs_0_2.json ...).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Measurement artifact directory to write.")] = ...,
+    model: Annotated[Optional[str], typer.Option("--model", help="The model the files were measured on (recorded with its fingerprint).")] = None,
+    dtype: Annotated[str, typer.Option(help="Model dtype of the measuring run: bf16, fp16 or fp32.")] = "bf16",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
+) -> None:
+    """Wrap HQT/INC measurement files made elsewhere (e.g. on Gaudi) into an hqtflow measurement artifact (JSON read, .npz never unpickled)."""
+    from hqtflow.import_hqt import import_hqt as run_import, summary
+
+    typer.echo(summary(run_import(directory, output, model=model, dtype=dtype, overwrite=overwrite)))
+
+
+@app.command()
+@user_errors
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="hqtflow FP8 checkpoint (compressed-tensors).")],
+    format: Annotated[str, typer.Option("--format", "-f", help="fp8 (AutoFP8/vLLM layout) or compressed-tensors.")] = ...,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Directory to write.")] = ...,
+    per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="compressed-tensors: re-target the weight scales (default: keep).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
+) -> None:
+    """Export an hqtflow FP8 checkpoint to another runtime's layout (AutoFP8/vLLM fp8, or compressed-tensors per-channel/per-tensor)."""
+    from hqtflow.export import export as run_export, summary
+
+    typer.echo(summary(run_export(checkpoint, output, fmt=format, per_channel=per_channel, overwrite=overwrite)))
+
+
+@app.command()
+@user_errors
+def inspect(
+    artifact: Annotated[Path, typer.Argument(help="Measurement, scales or FP8 checkpoint artifact directory.")],
+    compare: Annotated[Optional[Path], typer.Option("--compare", help="Another artifact of the same kind to compare with.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report as JSON here.")] = None,
+    html_out: Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report here.")] = None,
+    top: Annotated[int, typer.Option("--top", help="Rows in the top-N tables.")] = 10,
+) -> None:
+    """Coverage, activation ranges and outliers, FP8 scale saturation/underflow and weight error of an artifact."""
+    from hqtflow.inspection import run_inspect
+
+    typer.echo(run_inspect(artifact, compare=compare, json_path=json_out, html_path=html_out, top=top))
+
+
 if __name__ == "__main__":
     app()

@@ -32,7 +32,7 @@ def load_any(ref: str | None, dtype: str = "bf16"):
 
     path = models.resolve_model(ref)
     cfg = json.loads((path / "config.json").read_text())
-    if "quantization_config" in cfg and cfg["quantization_config"].get("quant_method") == "compressed-tensors":
+    if (cfg.get("quantization_config") or {}).get("quant_method") in ("compressed-tensors", "fp8"):
         from hqtflow.quantize.convert import load_checkpoint
 
         if (path / "hqtflow_manifest.json").exists():

@@ -25,22 +25,93 @@ def quantization_config(*, per_channel: bool, static_input: bool, ignore: list[s
     }
 
 
-def parse_quantization_config(qc: dict) -> dict:
-    """What hqtflow's runtime needs from a compressed-tensors FP8 config: per_channel, static_input, ignore.
+UNSUPPORTED = ("int8/int4 weights or activations, asymmetric (zero-point) quantization, group-wise weights, "
+               "several config groups, packed/NVFP4/MXFP formats, output-activation and KV-cache quantization")
 
-    Anything else (dynamic activations, block-wise weights, other formats) is named and refused.
+
+def parse_quantization_config(qc: dict) -> dict:
+    """What hqtflow's runtime needs from an FP8 config (compressed-tensors, or AutoFP8/vLLM `quant_method: fp8`).
+
+    Returns `per_channel`, `static_input`, `ignore` (as before) and: `strategy` ("tensor" | "channel" | "block"),
+    `block_size` ((b0, b1) or None), `activation` ("static" | "dynamic_token" | "dynamic_tensor" |
+    "dynamic_group" | None), `group_size`, `method` ("compressed-tensors" | "fp8"), `kv_cache` (True when the
+    config names KV-cache scales; hqtflow's runtime does not apply them). Anything else is named and refused.
     """
-    if qc.get("quant_method") != "compressed-tensors":
-        raise ArtifactError(f"Unsupported quantization method {qc.get('quant_method')!r}; hqtflow reads compressed-tensors FP8.")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return _parse_autofp8(qc)
+    if method != "compressed-tensors":
+        raise ArtifactError(f"Unsupported quantization method {method!r}; hqtflow reads compressed-tensors FP8 and AutoFP8 (quant_method fp8).")
     groups = list((qc.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise ArtifactError(f"compressed-tensors checkpoints with {len(groups)} config groups are not supported (one group).")
     g = groups[0]
+    fmt = g.get("format") or qc.get("format")
+    if fmt not in (None, "float-quantized", "naive-quantized"):
+        raise ArtifactError(f"Unsupported compressed-tensors format {fmt!r}; hqtflow reads float-quantized FP8 (unsupported: {UNSUPPORTED}).")
     w, a = g.get("weights") or {}, g.get("input_activations")
     if w.get("type") != "float" or w.get("num_bits") != 8:
         raise ArtifactError(f"Unsupported weight scheme {w.get('type')}{w.get('num_bits')}; hqtflow reads FP8 (float, 8 bits).")
-    if w.get("strategy") not in ("tensor", "channel"):
-        raise ArtifactError(f"Unsupported weight strategy {w.get('strategy')!r}; supported: tensor, channel.")
-    if a is not None and (a.get("dynamic") or a.get("strategy") != "tensor"):
-        raise ArtifactError("Dynamic or non-per-tensor input activations are not supported yet; static per-tensor only.")
-    return {"per_channel": w["strategy"] == "channel", "static_input": a is not None, "ignore": list(qc.get("ignore") or [])}
+    if w.get("symmetric") is False or (a and a.get("symmetric") is False):
+        raise ArtifactError("Asymmetric (zero-point) FP8 quantization is not supported; hqtflow reads symmetric FP8.")
+    if w.get("dynamic"):
+        raise ArtifactError("Dynamic weight quantization is not supported; hqtflow reads FP8 weights stored with their scales.")
+    strategy = w.get("strategy")
+    if strategy not in ("tensor", "channel", "block"):
+        raise ArtifactError(f"Unsupported weight strategy {strategy!r}; supported: tensor, channel, block.")
+    block = None
+    if strategy == "block":
+        block = w.get("block_structure")
+        if isinstance(block, str):  # older compressed-tensors: "128x128"
+            block = [int(v) for v in block.lower().split("x")]
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(v, int) and v > 0 for v in block)):
+            raise ArtifactError(f"Block-wise weights need a block_structure [rows, cols], not {block!r}.")
+        block = tuple(block)
+    if g.get("output_activations"):
+        raise ArtifactError("Output-activation quantization is not supported; hqtflow quantizes Linear inputs and weights.")
+    activation, group_size = None, None
+    if a is not None:
+        if a.get("type") != "float" or a.get("num_bits") != 8:
+            raise ArtifactError(f"Unsupported activation scheme {a.get('type')}{a.get('num_bits')}; hqtflow reads FP8 activations.")
+        ast = a.get("strategy")
+        if not a.get("dynamic"):
+            if ast != "tensor":
+                raise ArtifactError(f"Static {ast!r} input activations are not supported; static activations must be per tensor.")
+            activation = "static"
+        elif ast == "token":
+            activation = "dynamic_token"
+        elif ast == "tensor":
+            activation = "dynamic_tensor"
+        elif ast == "group" and isinstance(a.get("group_size"), int) and a["group_size"] > 0:
+            activation, group_size = "dynamic_group", a["group_size"]
+        else:
+            raise ArtifactError(f"Dynamic {ast!r} input activations are not supported; supported: token, tensor, group.")
+    return {"per_channel": strategy == "channel", "static_input": activation == "static",
+            "ignore": list(qc.get("ignore") or []), "strategy": strategy, "block_size": block,
+            "activation": activation, "group_size": group_size, "method": "compressed-tensors",
+            "kv_cache": bool(qc.get("kv_cache_scheme"))}
+
+
+def _parse_autofp8(qc: dict) -> dict:
+    """AutoFP8 / vLLM `fp8`: scalar float32 scales; `weight_block_size` [b0, b1] for block-wise (DeepSeek style,
+    scales possibly named `weight_scale_inv`, activations then dynamic per token and per b1 columns)."""
+    if qc.get("fmt", "e4m3") not in ("e4m3", None):
+        raise ArtifactError(f"Unsupported AutoFP8 fmt {qc.get('fmt')!r}; hqtflow reads e4m3 checkpoints.")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme not in ("static", "dynamic"):
+        raise ArtifactError(f"Unsupported activation_scheme {scheme!r}; supported: static, dynamic.")
+    block = qc.get("weight_block_size")
+    if block is not None:
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(v, int) and v > 0 for v in block)):
+            raise ArtifactError(f"weight_block_size must be [rows, cols], not {block!r}.")
+        if scheme == "static":
+            raise ArtifactError("Block-wise FP8 weights with static activations are not supported (vLLM requires dynamic).")
+        block = tuple(block)
+    if block:
+        activation, group_size = "dynamic_group", block[1]
+    else:
+        activation, group_size = ("static" if scheme == "static" else "dynamic_tensor"), None
+    ignore = list(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
+    return {"per_channel": False, "static_input": activation == "static", "ignore": ignore,
+            "strategy": "block" if block else "tensor", "block_size": block, "activation": activation,
+            "group_size": group_size, "method": "fp8", "kv_cache": qc.get("kv_cache_scheme") is not None}

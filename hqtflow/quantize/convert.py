@@ -64,11 +64,22 @@ def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_chann
         model.generation_config.save_pretrained(out)
 
 
+DROPPED_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale", ".output_scale", ".weight_zero_point", ".input_zero_point")
+
+
 def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
-    """Build the model skeleton on the meta device, swap in FP8Linear where the checkpoint has FP8 weights, load."""
+    """Build the model skeleton on the meta device, swap in FP8Linear where the checkpoint has FP8 weights, load.
+
+    Reads hqtflow's own checkpoints and foreign FP8 ones: compressed-tensors (static per-tensor, dynamic per-token,
+    per-tensor or per-group activations; per-tensor, per-channel or block-wise weights) and AutoFP8/vLLM
+    `quant_method: fp8` (scalar float32 scales, static or dynamic per-tensor activations, `weight_block_size`).
+    KV-cache scales (`k_scale`/`v_scale`/`kv_scale`, `output_scale`) and all-zero zero points are dropped: the
+    runtime keeps the KV cache in high precision. Unsupported schemes are refused by parse_quantization_config.
+    """
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from hqtflow.errors import ArtifactError
     from hqtflow.formats.compressed_tensors import parse_quantization_config
 
     path = Path(path)
@@ -87,20 +98,50 @@ def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
         with safe_open(f, framework="pt", device=device) as fh:
             for k in fh.keys():
                 tensors[k] = fh.get_tensor(k)
+    dropped = []
+    for k in list(tensors):
+        if k.endswith(DROPPED_SUFFIXES):
+            if k.endswith("_zero_point") and bool(tensors[k].float().abs().max() > 0):
+                raise ArtifactError(f"{path}: {k} is non-zero; asymmetric FP8 quantization is not supported.")
+            dropped.append(tensors.pop(k))
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, nn.Linear) and tensors.get(f"{name}.weight") is not None and tensors[f"{name}.weight"].dtype in (
-                torch.float8_e4m3fn, torch.float8_e5m2):
-            fp8 = "E4M3" if tensors[f"{name}.weight"].dtype == torch.float8_e4m3fn else "E5M2"
-            new = FP8Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, hp_dtype=hp, fp8=fp8,
-                            per_channel=tensors[f"{name}.weight_scale"].numel() > 1,
-                            static_input=f"{name}.input_scale" in tensors, device="meta")
-            _set_module(model, name, new)
+        w = tensors.get(f"{name}.weight")
+        if not isinstance(mod, nn.Linear) or w is None or w.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            continue
+        if f"{name}.weight_scale_inv" in tensors:  # DeepSeek / transformers FineGrainedFP8 name; a multiplier too
+            tensors[f"{name}.weight_scale"] = tensors.pop(f"{name}.weight_scale_inv")
+        if f"{name}.weight_scale" not in tensors:
+            raise ArtifactError(f"{path}: the FP8 weight {name}.weight has no weight_scale.")
+        fp8 = "E4M3" if w.dtype == torch.float8_e4m3fn else "E5M2"
+        activation = qc["activation"]
+        if activation == "static" and f"{name}.input_scale" not in tensors:
+            raise ArtifactError(f"{path}: {name} has no input_scale although the config says static activations.")
+        if activation != "static" and f"{name}.input_scale" in tensors:
+            if qc["method"] == "fp8":  # AutoFP8 dynamic checkpoints sometimes carry unused input scales
+                tensors.pop(f"{name}.input_scale")
+            else:
+                activation = "static"
+        if activation == "dynamic_group" and mod.in_features % qc["group_size"]:
+            raise ArtifactError(f"{path}: {name} has {mod.in_features} inputs, not a multiple of the activation group size {qc['group_size']}.")
+        ws = tensors[f"{name}.weight_scale"]
+        new = FP8Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, hp_dtype=hp, fp8=fp8,
+                        per_channel=qc["strategy"] != "block" and ws.numel() > 1, activation=activation,
+                        block_size=qc["block_size"], group_size=qc["group_size"], device="meta")
+        if ws.numel() != new.weight_scale.numel():
+            raise ArtifactError(f"{path}: {name}.weight_scale has shape {list(ws.shape)}, expected {list(new.weight_scale.shape)} "
+                                f"for {qc['strategy']} weights.")
+        tensors[f"{name}.weight_scale"] = ws.reshape(new.weight_scale.shape)
+        if f"{name}.input_scale" in tensors:
+            if tensors[f"{name}.input_scale"].numel() != 1:
+                raise ArtifactError(f"{path}: {name}.input_scale has {tensors[f'{name}.input_scale'].numel()} values; "
+                                    "static activation scales must be per tensor.")
+            tensors[f"{name}.input_scale"] = tensors[f"{name}.input_scale"].reshape(1)
+        _set_module(model, name, new)
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
-        from hqtflow.errors import ArtifactError
-
         raise ArtifactError(f"Checkpoint {path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}.")
+    model.hqtflow_quantization = {**qc, "dropped_tensors": len(dropped)}
     return model.eval()

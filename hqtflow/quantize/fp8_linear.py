@@ -4,6 +4,12 @@ input scale (W8A8, like HQT) or none (weight-only).
 The QDQ backend is the reference every faster backend is checked against: it quantizes the input with its
 static scale and dequantizes it, dequantizes the weight, and multiplies in the high-precision dtype, with the
 same arithmetic as Neural Compressor's CPU QDQ path (float32 scaling, saturation at the FP8 format's maximum).
+
+For FP8 checkpoints made by other tools (`load_checkpoint`) it also runs: dynamic activations (`activation`
+"dynamic_token": each token row quantized with its own scale = row maxabs / F at run time, "dynamic_tensor": one
+scale = tensor maxabs / F per call, "dynamic_group": per token and per `group_size` input columns) and block-wise
+weights (`block_size` (b0, b1): weight_scale [ceil(out/b0), ceil(in/b1)], each scale applies to its block).
+Dynamic scales are computed in float32. The static path is unchanged.
 """
 
 from __future__ import annotations
@@ -14,14 +20,30 @@ from torch import nn
 from hqtflow.scales import FP8_DTYPES, dequantize, quantize
 
 
+ACTIVATION_MODES = ("static", "dynamic_token", "dynamic_tensor", "dynamic_group", None)
+
+
 class FP8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, hp_dtype: torch.dtype,
-                 fp8: str = "E4M3", per_channel: bool = False, static_input: bool = True, device=None):
+                 fp8: str = "E4M3", per_channel: bool = False, static_input: bool = True, device=None,
+                 activation: str | None = "default", block_size: tuple[int, int] | None = None,
+                 group_size: int | None = None):
         super().__init__()
+        if activation == "default":
+            activation = "static" if static_input else None
+        if activation not in ACTIVATION_MODES:
+            raise ValueError(f"activation must be one of {ACTIVATION_MODES}, not {activation!r}")
+        static_input = activation == "static"
         self.in_features, self.out_features = in_features, out_features
         self.hp_dtype, self.fp8 = hp_dtype, fp8
+        self.activation, self.group_size = activation, group_size
+        self.block_size = tuple(block_size) if block_size else None
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPES[fp8], device=device))
-        scale_shape = (out_features, 1) if per_channel else (1,)
+        if self.block_size:
+            b0, b1 = self.block_size
+            scale_shape = (-(-out_features // b0), -(-in_features // b1))
+        else:
+            scale_shape = (out_features, 1) if per_channel else (1,)
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=hp_dtype, device=device))
         self.register_buffer("input_scale", torch.ones(1, dtype=hp_dtype, device=device) if static_input else None)
         self.register_buffer("bias", torch.zeros(out_features, dtype=hp_dtype, device=device) if bias else None)
@@ -45,18 +67,37 @@ class FP8Linear(nn.Module):
 
     @property
     def per_channel(self) -> bool:
-        return self.weight_scale.numel() > 1
+        return self.block_size is None and self.weight_scale.numel() > 1
 
     def dequantized_weight(self) -> torch.Tensor:
+        if self.block_size:
+            b0, b1 = self.block_size
+            s = self.weight_scale.float().repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+            return (self.weight.float() * s[: self.out_features, : self.in_features]).to(self.hp_dtype)
         return dequantize(self.weight, self.weight_scale, self.hp_dtype)
+
+    def _dynamic_qdq(self, x: torch.Tensor) -> torch.Tensor:
+        F = float(torch.finfo(FP8_DTYPES[self.fp8]).max)
+        xf = x.float()
+        if self.activation == "dynamic_group":
+            g = self.group_size
+            shape = xf.shape
+            xf = xf.reshape(*shape[:-1], shape[-1] // g, g)
+            scale = (xf.abs().amax(-1, keepdim=True) / F).clamp(min=1e-12)
+            return dequantize(quantize(xf, scale, self.fp8), scale, self.hp_dtype).reshape(shape)
+        amax = xf.abs().amax(-1, keepdim=True) if self.activation == "dynamic_token" else xf.abs().amax()
+        scale = (amax / F).clamp(min=1e-12)
+        return dequantize(quantize(xf, scale, self.fp8), scale, self.hp_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale is not None:
             x = dequantize(quantize(x, self.input_scale, self.fp8), self.input_scale, self.hp_dtype)
+        elif self.activation is not None:
+            x = self._dynamic_qdq(x)
         y = torch.matmul(x.to(self.hp_dtype), self.dequantized_weight().t())
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        mode = "W8A8 static" if self.input_scale is not None else "weight-only"
-        gran = "per-channel" if self.per_channel else "per-tensor"
+        mode = {"static": "W8A8 static", None: "weight-only"}.get(self.activation, f"W8A8 {self.activation}")
+        gran = f"block {self.block_size}" if self.block_size else ("per-channel" if self.per_channel else "per-tensor")
         return f"in={self.in_features}, out={self.out_features}, {self.fp8} {gran} weights, {mode}, bias={self.bias is not None}"

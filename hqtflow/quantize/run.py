@@ -162,7 +162,8 @@ def quantize(s: QuantizeSettings) -> Path:
     with staged_output(Path(s.output), overwrite=s.overwrite) as tmp:
         common = {"scale_method": method.name if method.name != "custom" else cfg.scale_method, "target": target,
                   "fp8": cfg.fp8_config, "hp_dtype": cfg.hp_dtype, "source_measurement": str(meas.directory.resolve()),
-                  "source_digest": meas.digest(), "provenance_known": meas.manifest is not None,
+                  "source_digest": meas.digest(),
+                  "provenance_known": meas.manifest is not None and meas.manifest.data.get("provenance_known", True),
                   "skipped": plan["skipped"], "quantized": sorted(plan["quantize"]), "model_path": str(model_dir)}
         if s.scales_only:
             from hqtflow.quantize.scale_files import write_scale_files

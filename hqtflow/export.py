@@ -1,0 +1,179 @@
+"""`hqtflow export`: an hqtflow FP8 checkpoint (compressed-tensors) -> another runtime's FP8 layout.
+
+- `fp8`: the AutoFP8 / vLLM `quant_method: fp8` layout. Per quantized Linear: `weight` float8_e4m3fn [out, in]
+  (the same bytes), `weight_scale` float32 scalar (shape []), `input_scale` float32 scalar (static only);
+  config.json `quantization_config = {"quant_method": "fp8", "activation_scheme": "static"|"dynamic",
+  "ignored_layers": [...]}`. Per-tensor weights are exported exactly (the bf16 scale is exact in float32). A
+  per-channel checkpoint is re-quantized to one scale per tensor (the largest channel scale), within FP8
+  rounding. A weight-only checkpoint becomes `activation_scheme: dynamic` (vLLM then quantizes activations per
+  tensor at run time: not weight-only any more; this is recorded in the manifest). KV-cache `k_scale`/`v_scale`
+  are written only when the source has them (hqtflow checkpoints do not measure the KV cache yet).
+  Fused projections: vLLM fuses q/k/v and gate/up into one GEMM and, when the shards' scales differ, takes the
+  largest scale and re-quantizes the other shards (a small extra rounding); hqtflow keeps the modules separate,
+  so every shard keeps its own scale here.
+- `compressed-tensors`: the same layout hqtflow writes, with the weights re-targeted to per-channel
+  (`--per-channel`: each output channel re-quantized with its own scale = channel maxabs / 448 of the
+  dequantized weight) or back to per-tensor (scale = tensor maxabs / 448). Scales keep their dtype, rounded up
+  so that nothing saturates.
+
+The output also gets the tokenizer and generation config of the source and an `hqtflow.export` manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from hqtflow.errors import ArtifactError, ConfigError
+from hqtflow.formats.artifact import MANIFEST, read_manifest, staged_output, write_manifest
+
+EXPORT_SCHEMA, SCHEMA_VERSION = "hqtflow.export", 1
+FORMATS = ("fp8", "compressed-tensors")
+E4M3_MAX = 448.0
+KV_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
+
+
+def _source_manifest(path: Path):
+    """The manifest of an hqtflow checkpoint or of an earlier compressed-tensors export (checked), or None."""
+    if not (path / MANIFEST).exists():
+        return None
+    try:
+        kind = json.loads((path / MANIFEST).read_text()).get("_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        kind = None
+    return read_manifest(path, EXPORT_SCHEMA if kind == EXPORT_SCHEMA else "hqtflow.checkpoint", 1)
+
+
+def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[str]]:
+    from safetensors import safe_open
+
+    from hqtflow.formats.compressed_tensors import parse_quantization_config
+
+    if not (path / "config.json").is_file():
+        raise ArtifactError(f"{path} is not a checkpoint directory (no config.json).")
+    _source_manifest(path)
+    raw = json.loads((path / "config.json").read_text())
+    qc = raw.get("quantization_config") or {}
+    if qc.get("quant_method") != "compressed-tensors":
+        raise ArtifactError(f"{path} is not a compressed-tensors FP8 checkpoint (quant_method {qc.get('quant_method')!r}).")
+    parsed = parse_quantization_config(qc)
+    if parsed.get("strategy", "channel" if parsed["per_channel"] else "tensor") not in ("tensor", "channel") or \
+            parsed.get("activation", "static" if parsed["static_input"] else None) not in ("static", None):
+        raise ArtifactError(f"{path} has block-wise weights or dynamic activations; export reads hqtflow's own "
+                            "checkpoints (per-tensor or per-channel weights, static or no activation quantization).")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ArtifactError(f"{path} has no .safetensors files.")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as fh:
+            for k in fh.keys():
+                tensors[k] = fh.get_tensor(k)
+    linears = sorted(k[: -len(".weight")] for k, v in tensors.items()
+                     if k.endswith(".weight") and v.dtype == torch.float8_e4m3fn)
+    if not linears:
+        raise ArtifactError(f"{path} has no float8_e4m3fn weights.")
+    return raw, parsed, tensors, linears
+
+
+def _dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 dequantization, exact (4-bit x 8-bit mantissas fit in float32)."""
+    return q.float() * scale.float().reshape(-1, 1) if scale.numel() > 1 else q.float() * scale.float().reshape(())
+
+
+def scale_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """amax / 448 in `dtype`, rounded up (never below the float32 value, so x / s never exceeds 448); 1 for 0."""
+    s32 = torch.where(amax > 0, amax.float() / E4M3_MAX, torch.ones_like(amax, dtype=torch.float32))
+    s = s32.to(dtype)
+    low = s.float() < s32
+    if low.any():
+        s = torch.where(low, (s.float() * (1 + 2.0 ** -7)).to(dtype), s)
+    return s
+
+
+def requantize(q: torch.Tensor, scale: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-quantize an FP8 weight to per-channel ([out, 1]) or per-tensor ([1]) scales from its dequantized values."""
+    w = _dequant(q, scale)
+    amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)
+    s = scale_for(amax, scale.dtype)
+    return (w / s.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
+
+
+def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel: bool | None = None,
+           overwrite: bool = False) -> Path:
+    from safetensors.torch import save_file
+
+    from hqtflow.formats.compressed_tensors import quantization_config
+
+    checkpoint, output = Path(checkpoint), Path(output)
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r} is not supported; valid values are {', '.join(FORMATS)}.")
+    if not checkpoint.is_dir():
+        raise ArtifactError(f"Checkpoint {checkpoint} does not exist.")
+    if fmt == "fp8" and per_channel:
+        raise ConfigError("--per-channel applies to --format compressed-tensors; the fp8 (AutoFP8) layout has one scale per tensor.")
+    raw, parsed, tensors, linears = _read_source(checkpoint)
+    src_pc, static = parsed["per_channel"], parsed["static_input"]
+    ignore = parsed["ignore"]
+    notes: list[str] = []
+    out_t: dict[str, torch.Tensor] = {}
+    if fmt == "fp8":
+        owned = {f"{n}.{s}" for n in linears for s in ("weight", "weight_scale", "input_scale")}
+        for k, v in tensors.items():
+            if k not in owned:
+                out_t[k] = v.float().reshape(()) if k.endswith(KV_SUFFIXES) else v
+        for n in linears:
+            q, s = tensors[f"{n}.weight"], tensors[f"{n}.weight_scale"]
+            if s.numel() > 1:
+                q, s = requantize(q, s, per_channel=False)
+            out_t[f"{n}.weight"] = q
+            out_t[f"{n}.weight_scale"] = s.float().reshape(())
+            if static:
+                out_t[f"{n}.input_scale"] = tensors[f"{n}.input_scale"].float().reshape(())
+        if src_pc:
+            notes.append("per-channel weights re-quantized to one scale per tensor (largest channel scale)")
+        if not static:
+            notes.append("weight-only source exported as activation_scheme dynamic (vLLM quantizes activations per tensor at run time)")
+        qcfg = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
+                "ignored_layers": sorted(ignore)}
+        if any(k.endswith(KV_SUFFIXES) for k in tensors):
+            qcfg["kv_cache_scheme"] = "static"
+        target_pc = False
+    else:
+        target_pc = src_pc if per_channel is None else per_channel
+        out_t = dict(tensors)
+        if target_pc != src_pc:
+            for n in linears:
+                out_t[f"{n}.weight"], out_t[f"{n}.weight_scale"] = requantize(tensors[f"{n}.weight"],
+                                                                              tensors[f"{n}.weight_scale"], target_pc)
+            notes.append(f"weights re-quantized from per-{'channel' if src_pc else 'tensor'} to "
+                         f"per-{'channel' if target_pc else 'tensor'} scales (maxabs / 448 of the dequantized weight)")
+        qcfg = quantization_config(per_channel=target_pc, static_input=static, ignore=ignore)
+        if raw.get("quantization_config", {}).get("kv_cache_scheme"):
+            qcfg["kv_cache_scheme"] = raw["quantization_config"]["kv_cache_scheme"]
+    with staged_output(output, overwrite=overwrite) as tmp:
+        save_file({k: v.contiguous() for k, v in out_t.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        cfg = {**raw, "quantization_config": qcfg}
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        for p in sorted(checkpoint.iterdir()):
+            if p.is_file() and p.suffix != ".safetensors" and p.name not in ("config.json", MANIFEST) \
+                    and not p.name.startswith(".") and not p.name.endswith(".safetensors.index.json"):
+                shutil.copy2(p, tmp / p.name)
+        src_manifest = _source_manifest(checkpoint)
+        write_manifest(tmp, EXPORT_SCHEMA, SCHEMA_VERSION, model=src_manifest.model if src_manifest else None,
+                       config={"format": fmt, "per_channel": target_pc},
+                       data={"source": str(checkpoint.resolve()),
+                             "source_digest": src_manifest.digest() if src_manifest else None,
+                             "format": fmt, "activation": "static" if static else None,
+                             "weights": "per-channel" if target_pc else "per-tensor",
+                             "quantized": linears, "ignore": sorted(ignore), "notes": notes})
+    return output
+
+
+def summary(out: Path) -> str:
+    d = json.loads((Path(out) / MANIFEST).read_text())["data"]
+    extra = f" ({'; '.join(d['notes'])})" if d["notes"] else ""
+    return f"Wrote {out}: {d['format']} layout, {len(d['quantized'])} FP8 Linear modules, {d['weights']} weights{extra}."

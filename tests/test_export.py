@@ -1,0 +1,199 @@
+"""`hqtflow import-hqt` (foreign HQT/INC measurement files -> artifact -> quantize) and `hqtflow export`
+(hqtflow checkpoint -> AutoFP8/vLLM fp8 layout, compressed-tensors per-channel/per-tensor)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import ROOT, run_cli
+from hqtflow.formats.artifact import read_manifest
+
+CFG = ROOT / "quantization_config"
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_llama, wiki_text, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ex") / "meas"
+    r = run_cli("measure", tiny_llama, "-o", out, "--text", wiki_text, "--limit", "4", "--max-length", "64")
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(measured, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ex") / "fp8"
+    r = run_cli("quantize", "-m", measured, "-o", out, "--scale-method", "maxabs_pow2")
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def _tensors(d):
+    with safe_open(d / "model.safetensors", "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+# ---- import-hqt --------------------------------------------------------------------------------
+def test_import_hqt_then_quantize(measured, tiny_llama, tmp_path):
+    gaudi = tmp_path / "gaudi"
+    gaudi.mkdir()
+    for p in measured.iterdir():
+        if p.name.startswith("measure_hooks_maxabs"):
+            shutil.copy(p, gaudi / p.name)
+    (gaudi / "measure_hooks_maxabs_MAXABS_HW.json").write_text(json.dumps({"Mode": "Scale", "Nodes": {}}))
+    out = tmp_path / "imported"
+    r = run_cli("import-hqt", gaudi, "-o", out, "--model", tiny_llama)
+    assert r.exit_code == 0, r.output
+    m = read_manifest(out, "hqtflow.measurement", 1)
+    assert m.data["provenance_known"] is False and m.data["world_size"] == 1 and m.data["observer"] == "maxabs"
+    assert m.data["ranks"][0]["stem"] == "measure_hooks_maxabs" and m.data["ranks"][0]["layers"] == {}
+    assert m.data["scale_files"] == ["measure_hooks_maxabs_MAXABS_HW.json"]
+    assert m.model["id"] == read_manifest(measured, "hqtflow.measurement", 1).model["id"]
+    ck = tmp_path / "ck"
+    r = run_cli("quantize", "-m", out, "-o", ck, "--scale-method", "maxabs_pow2")
+    assert r.exit_code == 0, r.output
+    # the same scales as quantizing from the original measurement
+    ref = tmp_path / "ref"
+    assert run_cli("quantize", "-m", measured, "-o", ref, "--scale-method", "maxabs_pow2").exit_code == 0
+    a, b = _tensors(ck), _tensors(ref)
+    assert a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k].float()) for k in a)
+    # without --model, quantize needs the MODEL argument
+    bare = tmp_path / "bare"
+    assert run_cli("import-hqt", gaudi, "-o", bare).exit_code == 0
+    r = run_cli("quantize", "-m", bare, "-o", tmp_path / "x")
+    assert r.exit_code == 2 and "pass the MODEL argument" in r.stderr
+    assert run_cli("quantize", tiny_llama, "-m", bare, "-o", tmp_path / "y").exit_code == 0
+
+
+def test_import_hqt_refuses(measured, tmp_path):
+    def refused(src, message):
+        r = run_cli("import-hqt", src, "-o", tmp_path / "out")
+        assert r.exit_code == 2, r.output
+        assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not (tmp_path / "out").exists()
+
+    js = json.loads((measured / "measure_hooks_maxabs.json").read_text())
+    two = tmp_path / "two"
+    two.mkdir()
+    (two / "measure_hooks_maxabs_0_2.json").write_text(json.dumps({**js, "LocalRank": 0}))
+    refused(two, "rank(s) 1 are missing")
+    (two / "measure_hooks_maxabs_1_2.json").write_text("{not json")
+    refused(two, "is not an HQT measurement file")
+    (two / "measure_hooks_maxabs_1_2.json").write_text(json.dumps({**js, "LocalRank": 1}))
+    r = run_cli("import-hqt", two, "-o", tmp_path / "ok2")
+    assert r.exit_code == 0, r.output
+    d = read_manifest(tmp_path / "ok2", "hqtflow.measurement", 1).data
+    assert d["world_size"] == 2 and [x["stem"] for x in d["ranks"]] == ["measure_hooks_maxabs_0_2", "measure_hooks_maxabs_1_2"]
+    npz = tmp_path / "npz"
+    npz.mkdir()
+    shutil.copy(measured / "measure_hooks_maxabs.npz", npz)
+    refused(npz, "which hqtflow does not open")
+    refused(tmp_path / "nope", "does not exist")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused(empty, "holds no HQT/INC measurement files")
+
+
+# ---- export --fp8 ------------------------------------------------------------------------------
+def test_export_fp8_layout(checkpoint, tmp_path):
+    out = tmp_path / "vllm"
+    r = run_cli("export", checkpoint, "--format", "fp8", "-o", out)
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg == {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+    src, t = _tensors(checkpoint), _tensors(out)
+    n = "model.layers.0.self_attn.q_proj"
+    assert t[f"{n}.weight"].dtype == torch.float8_e4m3fn
+    for k in ("weight_scale", "input_scale"):
+        assert t[f"{n}.{k}"].dtype == torch.float32 and t[f"{n}.{k}"].shape == ()
+    assert not any(k.endswith(("k_scale", "v_scale")) for k in t)  # the checkpoint measured no KV cache
+    import hqtflow
+
+    ours, _ = hqtflow.load(checkpoint)
+    for name, mod in ours.named_modules():
+        if hasattr(mod, "dequantized_weight"):
+            w = t[f"{name}.weight"].float() * t[f"{name}.weight_scale"]  # vLLM's dequantization
+            assert torch.equal(w.to(torch.bfloat16), mod.dequantized_weight()), name
+            assert t[f"{name}.input_scale"].item() == mod.input_scale.item()
+    assert torch.equal(t["lm_head.weight"], src["lm_head.weight"])
+    assert (out / "tokenizer.json").is_file() and read_manifest(out, "hqtflow.export", 1).data["format"] == "fp8"
+
+
+def test_export_fp8_loads_back_identically(checkpoint, tmp_path):
+    """hqtflow's loader reads the AutoFP8 layout: the same logits as the source checkpoint, bit for bit."""
+    import hqtflow
+    from hqtflow.quantize.convert import load_checkpoint
+
+    out = tmp_path / "vllm"
+    assert run_cli("export", checkpoint, "--format", "fp8", "-o", out).exit_code == 0
+    ours, tok = hqtflow.load(checkpoint)
+    theirs = load_checkpoint(out)
+    ids = torch.tensor([tok.encode("The tower is 324 metres tall")])
+    with torch.inference_mode():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+
+
+def test_export_fp8_refuses(checkpoint, tmp_path):
+    r = run_cli("export", checkpoint, "--format", "gguf", "-o", tmp_path / "o")
+    assert r.exit_code == 2 and "valid values are fp8, compressed-tensors" in r.stderr
+    r = run_cli("export", checkpoint, "--format", "fp8", "--per-channel", "-o", tmp_path / "o")
+    assert r.exit_code == 2 and "one scale per tensor" in r.stderr
+    r = run_cli("export", tmp_path, "--format", "fp8", "-o", tmp_path / "o")
+    assert r.exit_code == 2 and "no config.json" in r.stderr
+
+
+# ---- export --format compressed-tensors --per-channel ------------------------------------------
+def test_export_per_channel_and_back(checkpoint, tmp_path):
+    import hqtflow
+    from hqtflow.quantize.convert import load_checkpoint
+
+    pc = tmp_path / "pc"
+    r = run_cli("export", checkpoint, "--format", "compressed-tensors", "--per-channel", "-o", pc)
+    assert r.exit_code == 0, r.output
+    g = json.loads((pc / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert g["weights"]["strategy"] == "channel" and g["input_activations"]["strategy"] == "tensor"
+    src, t = _tensors(checkpoint), _tensors(pc)
+    ours, _ = hqtflow.load(checkpoint)
+    for name, mod in ours.named_modules():
+        if not hasattr(mod, "dequantized_weight"):
+            continue
+        q, s = t[f"{name}.weight"], t[f"{name}.weight_scale"]
+        assert q.dtype == torch.float8_e4m3fn and s.shape == (mod.out_features, 1) and s.dtype == torch.bfloat16
+        w = q.float() * s.float()
+        ref = mod.dequantized_weight().float()
+        # each channel's maxabs maps to (at most) 448, and every value is within FP8 rounding of hqtflow's
+        assert float((ref.abs().amax(1, keepdim=True) / s.float()).max()) <= 448
+        assert torch.all((w - ref).abs() <= ref.abs() * 2.0 ** -4 + s.float() * 2.0 ** -9), name
+        assert torch.equal(t[f"{name}.input_scale"], src[f"{name}.input_scale"])
+    back = tmp_path / "pt"
+    r = run_cli("export", pc, "--format", "compressed-tensors", "--per-tensor", "-o", back)
+    assert r.exit_code == 0, r.output
+    tb = _tensors(back)
+    for name, mod in load_checkpoint(back).named_modules():
+        if hasattr(mod, "dequantized_weight"):
+            assert tb[f"{name}.weight_scale"].shape == (1,)
+            w, ref = mod.dequantized_weight().float(), t[f"{name}.weight"].float() * t[f"{name}.weight_scale"].float()
+            assert torch.all((w - ref).abs() <= ref.abs() * 2.0 ** -4 + tb[f"{name}.weight_scale"].float() * 2.0 ** -9)
+
+
+def test_export_per_channel_transformers_same_text(checkpoint, tmp_path):
+    """transformers + compressed-tensors run the per-channel export with the same greedy text as hqtflow."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    from hqtflow import models
+    from hqtflow.quantize.convert import load_checkpoint
+
+    pc = tmp_path / "pc"
+    assert run_cli("export", checkpoint, "--format", "compressed-tensors", "--per-channel", "-o", pc).exit_code == 0
+    ours, tok = load_checkpoint(pc), models.load_tokenizer(pc)
+    theirs = AutoModelForCausalLM.from_pretrained(pc, dtype=torch.bfloat16)
+    assert "CompressedTensors" in type(theirs.config.quantization_config).__name__ or \
+        theirs.config.quantization_config.get("quant_method") == "compressed-tensors"
+    ids = torch.tensor([tok.encode("It was the first structure to reach a height of 300 metres")])
+    with torch.inference_mode():
+        a = ours.generate(ids, max_new_tokens=10, do_sample=False)
+        b = theirs.generate(ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(a, b)
