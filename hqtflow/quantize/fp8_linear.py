@@ -10,6 +10,10 @@ For FP8 checkpoints made by other tools (`load_checkpoint`) it also runs: dynami
 scale = tensor maxabs / F per call, "dynamic_group": per token and per `group_size` input columns) and block-wise
 weights (`block_size` (b0, b1): weight_scale [ceil(out/b0), ceil(in/b1)], each scale applies to its block).
 Dynamic scales are computed in float32. The static path is unchanged.
+
+Backends (`set_backend`): "qdq" (the reference, any layout) and "scaled_mm" (`torch._scaled_mm`: a real FP8 GEMM
+with fp32 accumulation on CUDA compute capability >= 8.9; it also runs, slowly, on CPU, which lets CI check its
+layout and numerics) for static per-tensor activations with per-tensor weights.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from hqtflow.scales import FP8_DTYPES, dequantize, quantize
 
 
 ACTIVATION_MODES = ("static", "dynamic_token", "dynamic_tensor", "dynamic_group", None)
+BACKENDS = ("qdq", "scaled_mm")
 
 
 class FP8Linear(nn.Module):
+    backend = "qdq"
+
     def __init__(self, in_features: int, out_features: int, *, bias: bool, hp_dtype: torch.dtype,
                  fp8: str = "E4M3", per_channel: bool = False, static_input: bool = True, device=None,
                  activation: str | None = "default", block_size: tuple[int, int] | None = None,
@@ -89,7 +96,20 @@ class FP8Linear(nn.Module):
         scale = (amax / F).clamp(min=1e-12)
         return dequantize(quantize(xf, scale, self.fp8), scale, self.hp_dtype)
 
+    def supports_scaled_mm(self) -> bool:
+        return self.activation == "static" and self.block_size is None and not self.per_channel
+
+    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x_fp8 [M, K] (row-major) @ W_fp8^T (a column-major view of the stored [N, K]), scaled in fp32."""
+        shape = x.shape
+        xq = quantize(x.reshape(-1, self.in_features), self.input_scale, self.fp8)
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale.float().reshape(()),
+                             scale_b=self.weight_scale.float().reshape(()), bias=self.bias, out_dtype=self.hp_dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "scaled_mm":
+            return self._scaled_mm(x)
         if self.input_scale is not None:
             x = dequantize(quantize(x, self.input_scale, self.fp8), self.input_scale, self.hp_dtype)
         elif self.activation is not None:
@@ -101,3 +121,19 @@ class FP8Linear(nn.Module):
         mode = {"static": "W8A8 static", None: "weight-only"}.get(self.activation, f"W8A8 {self.activation}")
         gran = f"block {self.block_size}" if self.block_size else ("per-channel" if self.per_channel else "per-tensor")
         return f"in={self.in_features}, out={self.out_features}, {self.fp8} {gran} weights, {mode}, bias={self.bias is not None}"
+
+
+def set_backend(model: nn.Module, backend: str) -> int:
+    """Switch every FP8Linear of `model` to `backend`; returns how many switched.
+
+    "scaled_mm" applies to static per-tensor layers; others keep the reference path (and are counted out).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown FP8 backend {backend!r}; valid values are {', '.join(BACKENDS)}.")
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, FP8Linear):
+            use = backend == "qdq" or mod.supports_scaled_mm()
+            mod.backend = backend if use else "qdq"
+            n += use
+    return n

@@ -1,0 +1,51 @@
+"""Fast FP8 backends against the QDQ reference (tolerances stated)."""
+
+import pytest
+import torch
+
+from hqtflow.quantize.fp8_linear import FP8Linear, set_backend
+
+
+def _layer(k=576, n=1536, bias=True, seed=0):
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    x = torch.randn(2, 7, k, dtype=torch.bfloat16) * 2
+    s_x = (x.abs().max() / 112).to(torch.bfloat16)
+    s_w = (lin.weight.abs().max() / 224).to(torch.bfloat16)
+    return FP8Linear.from_linear(lin, s_w, s_x), x
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_scaled_mm_matches_qdq(bias):
+    """_scaled_mm accumulates the FP8 products in fp32 and scales once; QDQ multiplies dequantized bf16 values.
+    Both see the same FP8 inputs and weights, so outputs agree to bf16 rounding: |d| <= 1e-2 * max|y| + 1e-2."""
+    m, x = _layer(bias=bias)
+    with torch.inference_mode():
+        ref = m(x)
+        set_backend(m, "scaled_mm")
+        fast = m(x)
+    assert fast.shape == ref.shape and fast.dtype == ref.dtype
+    tol = 1e-2 * ref.abs().max().item() + 1e-2
+    assert (fast.float() - ref.float()).abs().max().item() <= tol
+
+
+def test_scaled_mm_only_where_it_applies():
+    m, _ = _layer()
+    wo = FP8Linear.from_linear(torch.nn.Linear(64, 32).to(torch.bfloat16), torch.tensor(0.01), None)
+    model = torch.nn.Sequential(m, wo)
+    assert set_backend(model, "scaled_mm") == 1
+    assert m.backend == "scaled_mm" and wo.backend == "qdq"
+    with pytest.raises(ValueError, match="Unknown FP8 backend"):
+        set_backend(model, "triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with compute capability >= 8.9 (FP8 tensor cores)")
+def test_scaled_mm_on_cuda():
+    m, x = _layer(4096, 4096)
+    m, x = m.cuda(), x.cuda()
+    with torch.inference_mode():
+        ref = m(x)
+        set_backend(m, "scaled_mm")
+        fast = m(x)
+    assert (fast.float() - ref.float()).abs().max().item() <= 1e-2 * ref.abs().max().item() + 1e-2
