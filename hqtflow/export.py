@@ -16,6 +16,22 @@
   dequantized weight) or back to per-tensor (scale = tensor maxabs / 448). Scales keep their dtype, rounded up
   so that nothing saturates.
 
+- `inc`: Neural Compressor's `save(model, path, format="huggingface")` layout (neural-compressor-pt 3.10), as
+  INC writes it for a model converted with `use_qdq=True` and `scale_format: scalar` (the only FP8 mode INC
+  runs on CPU). Per quantized Linear: `weight` float8_e4m3fn TRANSPOSED to [in, out] (INC's PatchedLinear keeps
+  `weight.t()`), `quant_input.scale` and `quant_input.scale_inv` (the static input scale and its inverse),
+  `dequant_weights.scale` (the per-tensor weight scale), all 0-d tensors in the model's high-precision dtype.
+  config.json `quantization_config` (and `quantization_config.json`, which INC also writes) is INC's
+  `FP8Config.to_dict()` with `mode: LOAD`, `world_size: -1` (single device, as INC records it), `use_qdq: "True"`,
+  the checkpoint's scale method and `blocklist.names` = the layers kept in high precision; INC's
+  `load(OUT, format="huggingface", device="cpu"|"hpu")` rebuilds the model from it. Static W8A8 only (a
+  weight-only checkpoint is refused); per-channel weights are re-quantized to one scale per tensor (INC's CPU
+  path keeps per-tensor scales scalar) and the scale method is then recorded as `maxabs_arbitrary`.
+  On Gaudi the QDQ config loads too (INC then runs quantize/dequantize ops around a bf16 GEMM); INC's native
+  Gaudi layout (`use_qdq: False`: `scale_input`, `scale_weight`, `quant_input.scale_inv`, FP8 GEMM) cannot be
+  produced or loaded by INC on CPU, so it is not written here. Gaudi2 holds float8_e4m3fn in +-240: load a
+  checkpoint quantized for `--scales-for gaudi2` there (weights made for 448 would saturate).
+
 The output also gets the tokenizer and generation config of the source and an `hqtflow.export` manifest.
 """
 
@@ -31,7 +47,7 @@ from hqtflow.errors import ArtifactError, ConfigError
 from hqtflow.formats.artifact import MANIFEST, read_manifest, staged_output, write_manifest
 
 EXPORT_SCHEMA, SCHEMA_VERSION = "hqtflow.export", 1
-FORMATS = ("fp8", "compressed-tensors")
+FORMATS = ("fp8", "compressed-tensors", "inc")
 E4M3_MAX = 448.0
 KV_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 
@@ -102,6 +118,56 @@ def requantize(q: torch.Tensor, scale: torch.Tensor, per_channel: bool) -> tuple
     return (w / s.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
 
 
+INC_HP_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def inc_quantization_config(*, scale_method: str, hp_dtype: str, blocklist: list[str], base: dict | None = None) -> dict:
+    """INC's FP8Config.to_dict() as `save(format="huggingface")` records it (mode LOAD, single device, QDQ)."""
+    base = base or {}
+    return {
+        "non_tunable_params": ["white_list"],
+        "dump_stats_path": base.get("dump_stats_path", "./hqt_output/measure"),
+        "fp8_config": "E4M3",
+        "hp_dtype": hp_dtype,
+        "blocklist": {"types": list(base.get("blocklist", {}).get("types", [])), "names": sorted(blocklist)},
+        "allowlist": {"types": list(base.get("allowlist", {}).get("types", [])),
+                      "names": list(base.get("allowlist", {}).get("names", []))},
+        "mode": "LOAD",
+        "scale_method": scale_method,
+        "scale_params": {},
+        "observer": base.get("observer", "maxabs"),
+        "mod_dict": {},
+        "_json_file": None,  # INC records the temp file of its own run; its loader writes a fresh one
+        "measure_exclude": base.get("measure_exclude", "OUTPUT"),
+        "fake_quant": "False",
+        "use_qdq": "True",
+        "scale_format": "scalar",
+        "measure_on_hpu": True,
+        "recalc_scales": bool(base.get("recalc_scales", True)),
+        "ignore_modules_wo_measures": bool(base.get("ignore_modules_wo_measures", False)),
+        "calibration_sample_interval": int(base.get("calibration_sample_interval", 0)),
+        "world_size": -1,
+    }
+
+
+def _inc_layout(tensors: dict[str, torch.Tensor], linears: list[str]) -> tuple[dict[str, torch.Tensor], bool]:
+    """INC QDQ state dict from hqtflow's tensors; returns it and whether weights were re-quantized per tensor."""
+    owned = {f"{n}.{s}" for n in linears for s in ("weight", "weight_scale", "input_scale")}
+    out = {k: v for k, v in tensors.items() if k not in owned and not k.endswith(KV_SUFFIXES)}
+    requantized = False
+    for n in linears:
+        q, s, si = tensors[f"{n}.weight"], tensors[f"{n}.weight_scale"], tensors[f"{n}.input_scale"]
+        if s.numel() > 1:
+            q, s = requantize(q, s, per_channel=False)
+            requantized = True
+        hp = s.dtype
+        out[f"{n}.weight"] = q.t().contiguous()
+        out[f"{n}.dequant_weights.scale"] = s.reshape(())
+        out[f"{n}.quant_input.scale"] = si.to(hp).reshape(())
+        out[f"{n}.quant_input.scale_inv"] = (1.0 / si.float()).to(hp).reshape(())
+    return out, requantized
+
+
 def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel: bool | None = None,
            overwrite: bool = False) -> Path:
     from safetensors.torch import save_file
@@ -115,12 +181,38 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
         raise ArtifactError(f"Checkpoint {checkpoint} does not exist.")
     if fmt == "fp8" and per_channel:
         raise ConfigError("--per-channel applies to --format compressed-tensors; the fp8 (AutoFP8) layout has one scale per tensor.")
+    if fmt == "inc" and per_channel is not None:
+        raise ConfigError("--per-channel/--per-tensor apply to --format compressed-tensors; the inc layout has one scale per tensor.")
     raw, parsed, tensors, linears = _read_source(checkpoint)
     src_pc, static = parsed["per_channel"], parsed["static_input"]
     ignore = parsed["ignore"]
     notes: list[str] = []
     out_t: dict[str, torch.Tensor] = {}
-    if fmt == "fp8":
+    extra_files: dict[str, str] = {}
+    if fmt == "inc":
+        if not static:
+            raise ConfigError(f"{checkpoint} is a weight-only checkpoint; --format inc writes INC's static W8A8 "
+                              "layout, which needs an input scale per Linear.")
+        out_t, requantized = _inc_layout(tensors, linears)
+        src_m = _source_manifest(checkpoint)
+        from_ck = src_m is not None and src_m.type == "hqtflow.checkpoint"
+        base = (src_m.raw.get("config") or {}) if from_ck else {}
+        method = (src_m.data.get("scale_method") if from_ck else None) or "maxabs_arbitrary"
+        if requantized:
+            method = "maxabs_arbitrary"
+            notes.append("per-channel weights re-quantized to one scale per tensor (maxabs / 448 of the dequantized "
+                         "weight), scale_method recorded as maxabs_arbitrary")
+        if any(k.endswith(KV_SUFFIXES) for k in tensors):
+            notes.append("KV-cache scales dropped (INC's KV-cache layout is not written)")
+        hp = tensors[f"{linears[0]}.weight_scale"].dtype
+        if hp not in INC_HP_DTYPES:
+            raise ArtifactError(f"{checkpoint}: scales in {hp}; INC's hp_dtype is bf16, fp16 or fp32.")
+        if from_ck and src_m.data.get("target") != "gaudi2":
+            notes.append("weights use the full float8_e4m3fn range (448): for Gaudi2 (+-240) quantize with --scales-for gaudi2")
+        qcfg = inc_quantization_config(scale_method=method, hp_dtype=INC_HP_DTYPES[hp], blocklist=ignore, base=base)
+        extra_files["quantization_config.json"] = json.dumps(qcfg, indent=2)
+        target_pc = False
+    elif fmt == "fp8":
         owned = {f"{n}.{s}" for n in linears for s in ("weight", "weight_scale", "input_scale")}
         for k, v in tensors.items():
             if k not in owned:
@@ -158,8 +250,10 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
         save_file({k: v.contiguous() for k, v in out_t.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
         cfg = {**raw, "quantization_config": qcfg}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        for name, text in extra_files.items():
+            (tmp / name).write_text(text)
         for p in sorted(checkpoint.iterdir()):
-            if p.is_file() and p.suffix != ".safetensors" and p.name not in ("config.json", MANIFEST) \
+            if p.is_file() and p.suffix != ".safetensors" and p.name not in ("config.json", MANIFEST, *extra_files) \
                     and not p.name.startswith(".") and not p.name.endswith(".safetensors.index.json"):
                 shutil.copy2(p, tmp / p.name)
         src_manifest = _source_manifest(checkpoint)
