@@ -4,7 +4,7 @@ from the same inputs (its manifest says so), and redone when an input changed.""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 

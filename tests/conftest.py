@@ -120,6 +120,16 @@ def wiki_text(data_dir) -> Path:
     return data_dir / "wikitext2_valid.txt"
 
 
+@pytest.fixture(scope="session")
+def inc():
+    """Neural Compressor's quantization API (CPU); its absence is a skip locally and a failure in CI."""
+    try:
+        from neural_compressor.torch import quantization
+    except Exception as e:  # noqa: BLE001 - any import failure means INC is unusable here
+        need(False, f"neural_compressor (neural-compressor-pt) is not importable ({type(e).__name__}: {e})")
+    return quantization
+
+
 def run_cli(*args: str):
     """Invoke the CLI in-process; returns typer's Result (exit_code, stdout, stderr)."""
     from typer.testing import CliRunner

@@ -204,17 +204,6 @@ INC_RUN_SPECIFIC = {"dump_stats_path", "_json_file", "recalc_scales"}  # INC rec
 
 
 @pytest.fixture(scope="module")
-def inc():
-    from conftest import need
-
-    try:
-        from neural_compressor.torch import quantization
-    except Exception as e:  # noqa: BLE001 - any import failure means INC is unusable here
-        need(False, f"neural_compressor (neural-compressor-pt) is not importable ({type(e).__name__}: {e})")
-    return quantization
-
-
-@pytest.fixture(scope="module")
 def inc_reference(inc, measured, tiny_llama, tmp_path_factory):
     """What INC itself saves: convert() the bf16 model from the same measurement (maxabs_pow2, QDQ, lm_head
     blocklisted like hqtflow's default), then save(format="huggingface"). A few seconds on CPU."""

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import need, run_cli
+from conftest import run_cli
 from hqtflow.formats import hqt
 from hqtflow.measure.run import MeasureSettings, measure
 from hqtflow.quantize.fp8_linear import FP8Linear
@@ -33,15 +33,6 @@ POW2_METHODS = ["maxabs_pow2", "act_maxabs_pow2_weights_pcs_maxabs_pow2", "unit_
 # several shapes: square, GQA (out < in), up (out > in), down (in > out), and the wide lm_head
 PROBED = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.1.mlp.gate_proj",
           "model.layers.1.mlp.down_proj", "lm_head"]
-
-
-@pytest.fixture(scope="module")
-def inc():
-    try:
-        from neural_compressor.torch import quantization
-    except Exception as e:  # noqa: BLE001 - any import failure means INC is unusable here
-        need(False, f"neural_compressor (neural-compressor-pt) is not importable ({type(e).__name__}: {e})")
-    return quantization
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import need
 from hqtflow.formats import hqt
 from hqtflow.measure.run import MeasureSettings, measure
 
@@ -28,15 +27,6 @@ BACKOFF_ACT, BACKOFF_W = 0.25, 0.5  # INC's maxabs backoffs
 def pow2_scale(maxabs: float, backoff: float) -> float:
     """INC maxabs_pow2: 2**ceil(log2(maxabs / (F * backoff)))."""
     return 2.0 ** math.ceil(math.log2(maxabs / (F_E4M3 * backoff)))
-
-
-@pytest.fixture(scope="module")
-def inc():
-    try:
-        from neural_compressor.torch import quantization
-    except Exception as e:  # noqa: BLE001 - any import failure means INC is unusable here
-        need(False, f"neural_compressor (neural-compressor-pt) is not importable ({type(e).__name__}: {e})")
-    return quantization
 
 
 def _measure(model_dir: Path, wiki_text: Path, out: Path, config: Path | None) -> Path:

@@ -1,7 +1,6 @@
 """`hqtflow measure` end to end on a tiny random Llama: INC's file layout, exact statistics, padding, manifest."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

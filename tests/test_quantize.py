@@ -9,7 +9,7 @@ import torch
 from conftest import ROOT, run_cli
 from hqtflow.formats.artifact import read_manifest
 from hqtflow.quantize.fp8_linear import FP8Linear
-from hqtflow.scales import dequantize, quantize, scale_method
+
 
 CFG = ROOT / "quantization_config"
 
