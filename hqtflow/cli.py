@@ -140,6 +140,7 @@ def quantize(
     scales_only: Annotated[bool, typer.Option(help="Write INC scale files per rank instead of a checkpoint.")] = False,
     weight_only: Annotated[bool, typer.Option(help="FP8 weights, high-precision activations.")] = False,
     trust_pickle: Annotated[bool, typer.Option(help="Allow reading an .npz measurement (a pickle) when its JSON twin is missing.")] = False,
+    disk_offload: Annotated[bool, typer.Option(help="Stream weights from the safetensors files one tensor at a time (the bf16 model is never in RAM); output in 512 MB shards.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
 ) -> None:
     """Turn a measurement into FP8 scales (INC files, --scales-only) or a compressed-tensors FP8 checkpoint."""
@@ -147,7 +148,8 @@ def quantize(
 
     s = QuantizeSettings(measurement=str(measurement), output=str(output), model=model,
                          config=str(config) if config else None, scale_method=scale_method, scales_for=scales_for,
-                         scales_only=scales_only, weight_only=weight_only, overwrite=overwrite, trust_pickle=trust_pickle)
+                         scales_only=scales_only, weight_only=weight_only, overwrite=overwrite, trust_pickle=trust_pickle,
+                         disk_offload=disk_offload)
     typer.echo(summary(run_quantize(s)))
 
 
@@ -258,12 +260,12 @@ def import_hqt(
 @user_errors
 def export(
     checkpoint: Annotated[Path, typer.Argument(help="hqtflow FP8 checkpoint (compressed-tensors).")],
-    format: Annotated[str, typer.Option("--format", "-f", help="fp8 (AutoFP8/vLLM layout) or compressed-tensors.")] = ...,
+    format: Annotated[str, typer.Option("--format", "-f", help="fp8 (AutoFP8/vLLM layout), compressed-tensors, or inc (Neural Compressor save(format=\"huggingface\"), QDQ).")] = ...,
     output: Annotated[Path, typer.Option("-o", "--output", help="Directory to write.")] = ...,
     per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="compressed-tensors: re-target the weight scales (default: keep).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
 ) -> None:
-    """Export an hqtflow FP8 checkpoint to another runtime's layout (AutoFP8/vLLM fp8, or compressed-tensors per-channel/per-tensor)."""
+    """Export an hqtflow FP8 checkpoint to another runtime's layout (AutoFP8/vLLM fp8, compressed-tensors per-channel/per-tensor, or Neural Compressor's huggingface layout)."""
     from hqtflow.export import export as run_export, summary
 
     typer.echo(summary(run_export(checkpoint, output, fmt=format, per_channel=per_channel, overwrite=overwrite)))

@@ -34,6 +34,7 @@ class QuantizeSettings:
     weight_only: bool = False
     overwrite: bool = False
     trust_pickle: bool = False
+    disk_offload: bool = False  # stream weights from the safetensors files; the bf16 model is never in RAM
 
 
 DEFAULT_CONFIG = {"mode": "QUANTIZE", "scale_method": "maxabs_arbitrary", "blocklist": {"names": ["lm_head"]}}
@@ -158,7 +159,17 @@ def quantize(s: QuantizeSettings) -> Path:
             raise ConfigError("compressed-tensors FP8 checkpoints are E4M3; fp8_config E5M2 is supported with --scales-only.")
     plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0])
     dtype = meas.manifest.data.get("model_dtype", "bf16") if meas.manifest else "bf16"
-    model = models.load_model(model_dir, dtype)
+    offload_plan = None
+    if s.disk_offload:
+        if s.scales_only:
+            raise ConfigError("--disk-offload writes an FP8 checkpoint; it cannot be combined with --scales-only.")
+        from hqtflow.quantize.offload import prepare
+
+        offload_plan = prepare(model_dir, plan, Path(s.output), dtype=dtype, weight_only=s.weight_only,
+                               per_channel=method.weight.granularity == "PCS")
+        model = None
+    else:
+        model = models.load_model(model_dir, dtype)
     with staged_output(Path(s.output), overwrite=s.overwrite) as tmp:
         common = {"scale_method": method.name if method.name != "custom" else cfg.scale_method, "target": target,
                   "fp8": cfg.fp8_config, "hp_dtype": cfg.hp_dtype, "source_measurement": str(meas.directory.resolve()),
@@ -174,11 +185,18 @@ def quantize(s: QuantizeSettings) -> Path:
         else:
             from hqtflow.quantize.convert import convert_model, save_checkpoint
 
-            with torch.no_grad():
-                convert_model(model, plan["quantize"], meas.ranks[0], method, target=target, fp8=cfg.fp8_config,
-                              hp_dtype=cfg.hp_dtype, weight_only=s.weight_only)
-            save_checkpoint(model, tmp, ignore=plan["ignore"], per_channel=method.weight.granularity == "PCS",
-                            static_input=not s.weight_only)
+            if offload_plan is not None:
+                from hqtflow.quantize.offload import write_offloaded
+
+                write_offloaded(offload_plan, tmp, meas.ranks[0], method, target=target, fp8=cfg.fp8_config,
+                                hp_dtype=cfg.hp_dtype)
+                common["disk_offload"] = True
+            else:
+                with torch.no_grad():
+                    convert_model(model, plan["quantize"], meas.ranks[0], method, target=target, fp8=cfg.fp8_config,
+                                  hp_dtype=cfg.hp_dtype, weight_only=s.weight_only)
+                save_checkpoint(model, tmp, ignore=plan["ignore"], per_channel=method.weight.granularity == "PCS",
+                                static_input=not s.weight_only)
             models.load_tokenizer(model_dir).save_pretrained(tmp)
             write_manifest(tmp, CHECKPOINT_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
                            data={**common, "mode": "weight-only" if s.weight_only else "w8a8-static",

@@ -1,0 +1,385 @@
+"""`hqtflow quantize --disk-offload`: the FP8 checkpoint written without ever holding the model in RAM.
+
+The model exists only as a skeleton on the meta device (names, shapes, the dtypes `from_pretrained` would give).
+Each weight is read from the source safetensors files through `safe_open` (memory-mapped: its pages are file
+pages, reclaimable, not anonymous memory), quantized with `hqtflow.scales.linear_scales` and the measurement's
+input statistics exactly as `convert_model` does (bit-identical tensors), and written straight into its place in
+an output shard. Non-quantized tensors are copied through (cast to the model dtype, as loading would). A tied
+`lm_head` is dropped like `save_checkpoint` does, or untied (quantized from the embedding) when it is quantized.
+
+Output: `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards of at most `shard_size` bytes of tensor
+data each (a single tensor larger than that gets a shard of its own) plus `model.safetensors.index.json`. The
+default shard size is DEFAULT_SHARD_SIZE (512 MiB). Each shard's safetensors header is computed up front (every
+output shape and dtype is known from the plan), so tensors are written to their offsets one at a time: memory does
+not grow with the shard size. Peak anonymous memory is about one weight in bf16 (for its maxabs) plus a chunk of
+QUANT_CHUNK_ELEMS elements in float32, on top of the torch/transformers import baseline.
+
+Before anything is written, free memory (/proc/meminfo MemAvailable) and free disk (of the output's parent) are
+checked; `free_memory_bytes` and `free_disk_bytes` are the probes (tests monkeypatch them).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hqtflow.errors import HqtflowError, ModelError
+
+DEFAULT_SHARD_SIZE = 512 * 2**20  # bytes of tensor data per output file
+QUANT_CHUNK_ELEMS = 1 << 20  # weights are cast to FP8 in row blocks of about this many elements
+MEMORY_MARGIN = 256 * 2**20  # working memory besides the largest tensor (interpreter, headers, the plan)
+
+ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+ST_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+# ---- resource probes (monkeypatched by tests) ----------------------------------------------------
+def free_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes; None where there is no /proc."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def free_disk_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+# ---- the plan ------------------------------------------------------------------------------------
+@dataclass
+class Source:
+    file: Path
+    key: str
+    dtype: str  # safetensors dtype string
+    shape: list[int]
+    nbytes: int
+
+
+@dataclass
+class OutTensor:
+    key: str
+    dtype: torch.dtype
+    shape: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+@dataclass
+class Unit:
+    """What one step writes: a quantized Linear (its 2-4 tensors) or one copied tensor."""
+
+    kind: str  # "quant" | "copy" | "value" (a persistent buffer the checkpoint lacks: the skeleton's value)
+    outputs: list[OutTensor]
+    source: Source | None = None
+    bias_source: Source | None = None
+    module: str | None = None
+    value: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.outputs)
+
+
+@dataclass
+class OffloadPlan:
+    model_dir: Path
+    config: object  # the transformers config written to config.json
+    generation_config: object | None
+    units: list[Unit]
+    shards: list[list[int]]  # unit indices per output file
+    shard_names: list[str]
+    total_bytes: int
+    largest_source_elems: int
+    weight_only: bool
+    per_channel: bool
+    stats: dict = field(default_factory=dict)
+
+
+def read_sources(model_dir: Path) -> dict[str, Source]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"--disk-offload reads safetensors weights, and {model_dir} has no *.safetensors file.")
+    out: dict[str, Source] = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            try:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            except (struct.error, json.JSONDecodeError, UnicodeDecodeError):
+                raise ModelError(f"{f} is not a valid safetensors file.") from None
+        for k, info in header.items():
+            if k != "__metadata__":
+                b, e = info["data_offsets"]
+                out[k] = Source(f, k, info["dtype"], list(info["shape"]), e - b)
+    return out
+
+
+def _skeleton(model_dir: Path, dtype: torch.dtype):
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        with init_empty_weights(include_buffers=False):  # parameters on meta, with the dtypes loading would give
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"Cannot build the model described by {Path(model_dir) / 'config.json'} ({e}).") from None
+
+
+def _generation_config(model_dir: Path, skel):
+    from transformers import GenerationConfig
+
+    if (Path(model_dir) / "generation_config.json").is_file():
+        try:
+            return GenerationConfig.from_pretrained(model_dir)
+        except (OSError, ValueError):
+            pass
+    return getattr(skel, "generation_config", None)
+
+
+def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: bool, per_channel: bool,
+                 shard_size: int | None = None) -> OffloadPlan:
+    """Map every tensor of the converted model to its source tensor and its output shard (nothing is read yet)."""
+    from hqtflow.models import torch_dtype
+
+    model_dir = Path(model_dir)
+    shard_size = shard_size or DEFAULT_SHARD_SIZE
+    sources = read_sources(model_dir)
+    skel = _skeleton(model_dir, torch_dtype(dtype))
+    config = skel.config
+    quant = set(names)
+    out_emb = skel.get_output_embeddings()
+    lm_name = next((n for n, m in skel.named_modules() if m is out_emb), None) if out_emb is not None else None
+    tied = bool(getattr(config, "tie_word_embeddings", False)) and lm_name is not None
+    untie = tied and lm_name in quant
+    emb_key = None
+    if untie:
+        in_emb = skel.get_input_embeddings()
+        emb_key = next(f"{n}.weight" for n, m in skel.named_modules() if m is in_emb)
+        config.tie_word_embeddings = False  # as convert_model's untying does
+    prefix = getattr(skel, "base_model_prefix", "") or ""
+
+    def find(key: str) -> Source | None:
+        if key in sources:
+            return sources[key]
+        if prefix and key.startswith(prefix + ".") and key[len(prefix) + 1:] in sources:
+            return sources[key[len(prefix) + 1:]]
+        if prefix and f"{prefix}.{key}" in sources:
+            return sources[f"{prefix}.{key}"]
+        return None
+
+    def need(key: str, shape) -> Source:
+        src = find(key)
+        if src is None:
+            raise ModelError(f"--disk-offload cannot find {key} in the safetensors files of {model_dir} "
+                             "(renamed or fused weights need the in-memory path: drop --disk-offload).")
+        if list(src.shape) != list(shape):
+            raise ModelError(f"{model_dir}: {key} has shape {src.shape} in the checkpoint, the model expects {list(shape)}.")
+        return src
+
+    from hqtflow.scales import FP8_DTYPES
+
+    units: list[Unit] = []
+    largest = 0
+    for key, v in skel.state_dict().items():
+        mod, _, leaf = key.rpartition(".")
+        if mod in quant:
+            if leaf != "weight":
+                continue  # the bias is written with its module
+            lin = skel.get_submodule(mod)
+            hp = v.dtype
+            out_f, in_f = lin.out_features, lin.in_features
+            # a tied lm_head is loaded as the embedding, then untied by convert_model: quantize the embedding
+            src = need(emb_key if (untie and mod == lm_name) else key, v.shape)
+            outs = [OutTensor(f"{mod}.weight", FP8_DTYPES["E4M3"], [out_f, in_f]),
+                    OutTensor(f"{mod}.weight_scale", hp, [out_f, 1] if per_channel else [1])]
+            if not weight_only:
+                outs.append(OutTensor(f"{mod}.input_scale", hp, [1]))
+            bias_src = None
+            if lin.bias is not None:
+                bias_src = need(f"{mod}.bias", lin.bias.shape)
+                outs.append(OutTensor(f"{mod}.bias", hp, [out_f]))
+            units.append(Unit("quant", outs, src, bias_src, mod))
+            largest = max(largest, out_f * in_f)
+        elif tied and not untie and key == f"{lm_name}.weight":
+            continue  # tied to the embedding: not stored, as save_checkpoint does
+        else:
+            src = find(key)
+            if src is None and v.device.type != "meta":
+                units.append(Unit("value", [OutTensor(key, v.dtype, list(v.shape))], value=v))
+                continue
+            src = need(key, v.shape)
+            units.append(Unit("copy", [OutTensor(key, v.dtype, list(v.shape))], src))
+            largest = max(largest, v.numel())
+    for u in units:
+        for t in u.outputs:
+            if t.dtype not in ST_DTYPES:
+                raise ModelError(f"--disk-offload cannot write {t.key} of dtype {t.dtype}; drop --disk-offload.")
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, u in enumerate(units):
+        if shards[-1] and size + u.nbytes > shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += u.nbytes
+    n = len(shards)
+    shard_names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return OffloadPlan(model_dir, config, _generation_config(model_dir, skel), units, shards, shard_names,
+                       sum(u.nbytes for u in units), largest, weight_only, per_channel)
+
+
+def check_resources(p: OffloadPlan, output: Path) -> None:
+    """Refuse, in one sentence, when free memory or free disk is not enough for the plan."""
+    need_mem = 3 * 4 * p.largest_source_elems + MEMORY_MARGIN  # the largest tensor in fp32, three times
+    avail = free_memory_bytes()
+    if avail is not None and avail < need_mem:
+        raise HqtflowError(f"Not enough free memory for --disk-offload: about {_gb(need_mem)} is needed "
+                           f"(3x the largest tensor in float32 plus a margin) and {_gb(avail)} is available.")
+    parent = Path(output).resolve().parent
+    need_disk = p.total_bytes + 64 * 2**20  # FP8 weights, copied tensors, headers, tokenizer and config
+    free = free_disk_bytes(parent)
+    if free < need_disk:
+        raise HqtflowError(f"Not enough free disk space in {parent} for the FP8 checkpoint: about {_gb(need_disk)} "
+                           f"is needed and {_gb(free)} is free.")
+
+
+# ---- writing -------------------------------------------------------------------------------------
+def _as_bytes(t: torch.Tensor):
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _write(f, t: torch.Tensor, chunk: int = 64 * 2**20) -> None:
+    buf = memoryview(_as_bytes(t))
+    for i in range(0, len(buf), chunk):
+        f.write(buf[i:i + chunk])
+
+
+def _header(outs: list[OutTensor]) -> tuple[bytes, dict[str, int]]:
+    """safetensors header (largest items first so every tensor is aligned), and each tensor's data offset."""
+    order = sorted(outs, key=lambda t: (-t.dtype.itemsize, t.key))
+    header, offsets, pos = {"__metadata__": {"format": "pt"}}, {}, 0
+    for t in order:
+        header[t.key] = {"dtype": ST_DTYPES[t.dtype], "shape": t.shape, "data_offsets": [pos, pos + t.nbytes]}
+        offsets[t.key] = pos
+        pos += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((-(8 + len(raw))) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8: str, hp_dtype: str) -> dict:
+    """Write the shards, index, config.json and generation config of `p` into `out`; return timing stats."""
+    import time
+
+    from safetensors import safe_open
+
+    from hqtflow.formats.compressed_tensors import quantization_config
+    from hqtflow.scales import linear_scales
+    from hqtflow.scales import quantize as fp8_cast
+
+    out = Path(out)
+    t0 = time.perf_counter()
+    handles: dict[Path, object] = {}
+
+    def read(src: Source) -> torch.Tensor:
+        if src.file not in handles:
+            handles[src.file] = safe_open(src.file, framework="pt").__enter__()
+        return handles[src.file].get_tensor(src.key)  # memory-mapped: file pages, not anonymous memory
+
+    weight_map: dict[str, str] = {}
+    read_bytes = 0
+    try:
+        with torch.no_grad():
+            for name, idx in zip(p.shard_names, p.shards):
+                outs = [t for i in idx for t in p.units[i].outputs]
+                head, offsets = _header(outs)
+                with open(out / name, "wb") as f:
+                    f.write(head)
+                    base = len(head)
+                    for i in idx:
+                        u = p.units[i]
+                        if u.kind == "value":
+                            f.seek(base + offsets[u.outputs[0].key])
+                            _write(f, u.value.to(u.outputs[0].dtype))
+                            continue
+                        src = read(u.source)
+                        read_bytes += u.source.nbytes
+                        if u.kind == "copy":
+                            f.seek(base + offsets[u.outputs[0].key])
+                            _write(f, src.to(u.outputs[0].dtype))
+                            del src
+                            continue
+                        hp = u.outputs[1].dtype
+                        w = src.to(hp)
+                        del src
+                        sc = linear_scales(method, meas.nodes[u.module].inputs[0], w, target=target, fp8=fp8, hp_dtype=hp_dtype)
+                        # exactly FP8Linear.from_linear's arithmetic, cast in row blocks (element-wise, so identical)
+                        scale_shape = (w.shape[0], 1) if p.per_channel else (1,)
+                        ws = sc.weight.detach().to(hp).reshape(scale_shape)
+                        f.seek(base + offsets[f"{u.module}.weight"])
+                        rows = max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[1]))
+                        for r in range(0, w.shape[0], rows):
+                            _write(f, fp8_cast(w[r:r + rows], ws[r:r + rows] if p.per_channel else ws, fp8))
+                        f.seek(base + offsets[f"{u.module}.weight_scale"])
+                        _write(f, ws)
+                        if not p.weight_only:
+                            f.seek(base + offsets[f"{u.module}.input_scale"])
+                            _write(f, sc.input.detach().to(hp).reshape(1))
+                        if u.bias_source is not None:
+                            f.seek(base + offsets[f"{u.module}.bias"])
+                            _write(f, read(u.bias_source).to(hp))
+                            read_bytes += u.bias_source.nbytes
+                        del w
+                    f.truncate(base + sum(t.nbytes for t in outs))
+                weight_map.update({t.key: name for t in outs})
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    if len(p.shard_names) > 1:
+        index = {"metadata": {"total_size": p.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    cfg = p.config.to_dict()
+    ignore = p.stats.get("ignore", [])
+    cfg["quantization_config"] = quantization_config(per_channel=p.per_channel, static_input=not p.weight_only, ignore=ignore)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    if p.generation_config is not None:
+        p.generation_config.save_pretrained(out)
+    return {"seconds": time.perf_counter() - t0, "bytes_read": read_bytes, "bytes_written": p.total_bytes,
+            "shards": len(p.shard_names)}
+
+
+def prepare(model_dir: Path, plan: dict, output: Path, *, dtype: str, weight_only: bool, per_channel: bool,
+            shard_size: int | None = None) -> OffloadPlan:
+    """The plan for `run.quantize` plus the resource checks, before any output is created."""
+    p = plan_offload(model_dir, plan["quantize"], dtype=dtype, weight_only=weight_only, per_channel=per_channel,
+                     shard_size=shard_size)
+    p.stats["ignore"] = list(plan["ignore"])
+    check_resources(p, output)
+    return p
+
+
+__all__ = ["DEFAULT_SHARD_SIZE", "check_resources", "free_disk_bytes", "free_memory_bytes",
+           "plan_offload", "prepare", "write_offloaded"]

@@ -1,0 +1,148 @@
+"""`hqtflow quantize --disk-offload`: streamed from the safetensors files, equal tensor for tensor to the in-memory path."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+from hqtflow.formats.artifact import read_manifest
+from hqtflow.quantize import offload
+
+CFG = ROOT / "quantization_config"
+
+
+def _measure(model, out, wiki_text):
+    r = run_cli("measure", model, "-o", out, "--text", wiki_text, "--limit", "4", "--max-length", "64",
+                "-c", CFG / "maxabs_measure_include_outputs.json")
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_llama, wiki_text, tmp_path_factory):
+    return _measure(tiny_llama, tmp_path_factory.mktemp("off") / "meas", wiki_text)
+
+
+def _quantize(meas, out, *extra):
+    r = run_cli("quantize", "-m", meas, "-o", out, *extra)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def _tensors(d):
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            for k in fh.keys():
+                assert k not in out, f"{k} is in two shards"
+                out[k] = fh.get_tensor(k).clone()
+    return out
+
+
+def _assert_same_checkpoint(a, b):
+    ta, tb = _tensors(a), _tensors(b)
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        assert torch.equal(ta[k].view(torch.uint8) if ta[k].element_size() == 1 else ta[k],
+                           tb[k].view(torch.uint8) if tb[k].element_size() == 1 else tb[k]), k
+    ca, cb = (json.loads((d / "config.json").read_text()) for d in (a, b))
+    assert ca["quantization_config"] == cb["quantization_config"]
+    assert ca == cb
+    assert (a / "generation_config.json").is_file() == (b / "generation_config.json").is_file()
+
+
+@pytest.mark.parametrize("extra", [("--scale-method", "maxabs_pow2"),
+                                   ("--weight-only", "--scale-method", "act_maxabs_pow2_weights_pcs_opt_pow2"),
+                                   ()])
+def test_offload_equals_in_memory(measured, tmp_path, monkeypatch, extra):
+    import hqtflow
+
+    ref = _quantize(measured, tmp_path / "ref", *extra)
+    monkeypatch.setattr(offload, "DEFAULT_SHARD_SIZE", 40_000)  # several shards for a tiny model
+    monkeypatch.setattr(offload, "QUANT_CHUNK_ELEMS", 1000)  # several row blocks per weight
+    out = _quantize(measured, tmp_path / "off", *extra, "--disk-offload")
+    _assert_same_checkpoint(ref, out)
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 1 and not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in shards}
+    from safetensors import safe_open
+
+    total = 0
+    for p in shards:
+        with safe_open(p, "pt") as fh:
+            n = [fh.get_tensor(k).nbytes for k in fh.keys()]
+        assert sum(n) <= 40_000 or len(n) <= 4  # one oversized unit (a Linear's tensors) gets its own shard
+        total += sum(n)
+    assert index["metadata"]["total_size"] == total
+    m = read_manifest(out, "hqtflow.checkpoint", 1)
+    assert m.data["disk_offload"] is True and m.data["settings"]["disk_offload"] is True
+    assert "disk_offload" not in read_manifest(ref, "hqtflow.checkpoint", 1).data
+    a, tok = hqtflow.load(ref)
+    b, _ = hqtflow.load(out)
+    ids = torch.tensor([tok.encode("The tower is 324 metres tall.")])
+    with torch.inference_mode():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def test_offload_single_shard_default(measured, tmp_path):
+    out = _quantize(measured, tmp_path / "off", "--disk-offload")
+    assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
+    _assert_same_checkpoint(_quantize(measured, tmp_path / "ref"), out)
+
+
+@pytest.mark.parametrize("quantize_lm_head", [False, True])
+def test_offload_tied_embeddings(tiny_factory, wiki_text, tmp_path, monkeypatch, quantize_lm_head):
+    model = tiny_factory("llama", tie_word_embeddings=True)
+    meas = _measure(model, tmp_path / "m", wiki_text)
+    extra = ()
+    if quantize_lm_head:
+        cfg = tmp_path / "all.json"
+        cfg.write_text(json.dumps({"mode": "QUANTIZE", "scale_method": "maxabs_pow2"}))
+        extra = ("-c", cfg)
+    ref = _quantize(meas, tmp_path / "ref", *extra)
+    monkeypatch.setattr(offload, "DEFAULT_SHARD_SIZE", 50_000)
+    out = _quantize(meas, tmp_path / "off", *extra, "--disk-offload")
+    _assert_same_checkpoint(ref, out)
+    keys = _tensors(out)
+    assert ("lm_head.weight" in keys) == quantize_lm_head
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is (not quantize_lm_head)
+
+
+def _refused(args, message, tmp_path):
+    r = run_cli("quantize", *args)
+    assert r.exit_code == 2, r.output
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_offload_refuses_low_memory(measured, tmp_path, monkeypatch):
+    monkeypatch.setattr(offload, "free_memory_bytes", lambda: 10 * 2**20)
+    _refused(["-m", measured, "-o", tmp_path / "out", "--disk-offload"], "Not enough free memory for --disk-offload", tmp_path)
+
+
+def test_offload_refuses_low_disk(measured, tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(offload, "free_disk_bytes", lambda p: seen.append(p) or 1000)
+    _refused(["-m", measured, "-o", tmp_path / "out", "--disk-offload"], "Not enough free disk space", tmp_path)
+    assert seen == [tmp_path.resolve()]
+
+
+def test_offload_not_with_scales_only(measured, tmp_path):
+    _refused(["-m", measured, "-o", tmp_path / "out", "--disk-offload", "--scales-only"],
+             "cannot be combined with --scales-only", tmp_path)
+
+
+def test_resource_estimates(measured, tiny_llama):
+    p = offload.plan_offload(tiny_llama, ["model.layers.0.mlp.up_proj"], dtype="bf16", weight_only=False,
+                             per_channel=False)
+    # the up_proj weight becomes 1 byte per element; everything else is copied in bf16
+    n_up = 128 * 64
+    n_all = sum(t.numel() for t in _tensors(tiny_llama).values())
+    assert p.total_bytes == n_up + 2 + 2 + 2 * (n_all - n_up)
+    assert p.largest_source_elems == max(t.numel() for t in _tensors(tiny_llama).values())
