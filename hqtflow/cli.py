@@ -286,5 +286,58 @@ def inspect(
     typer.echo(run_inspect(artifact, compare=compare, json_path=json_out, html_path=html_out, top=top))
 
 
+serve_app = typer.Typer(help="Serve a model over HTTP: TGI routes (/generate, /generate_stream, /metrics ...) and OpenAI /v1.", no_args_is_help=True)
+app.add_typer(serve_app, name="serve")
+
+
+def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_tokens: int, max_total_tokens: int,
+           max_batch_size: Optional[int], max_concurrent_requests: int, api_key: Optional[str],
+           batch_bucket_size: Optional[int], prefill_batch_bucket_size: Optional[int],
+           pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool]) -> None:
+    import os
+
+    from hqtflow.runtime.server import ServeSettings, serve
+
+    def env(value, name, default):  # flag, else TGI-on-Gaudi environment variable, else default
+        return value if value is not None else type(default)(os.environ.get(name, default)) if not isinstance(default, bool) \
+            else os.environ.get(name, str(default)).lower() in ("1", "true", "yes")
+
+    if max_input_tokens >= max_total_tokens:
+        raise HqtflowError(f"--max-input-tokens ({max_input_tokens}) must be less than --max-total-tokens ({max_total_tokens}).")
+    settings = ServeSettings(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
+                             max_batch_size=env(max_batch_size, "MAX_BATCH_SIZE", 8), max_concurrent_requests=max_concurrent_requests,
+                             api_key=api_key or os.environ.get("HQTFLOW_API_KEY") or None,
+                             batch_bucket_size=env(batch_bucket_size, "BATCH_BUCKET_SIZE", 1),
+                             prefill_batch_bucket_size=env(prefill_batch_bucket_size, "PREFILL_BATCH_BUCKET_SIZE", 1),
+                             pad_sequence_to_multiple_of=env(pad_sequence_to_multiple_of, "PAD_SEQUENCE_TO_MULTIPLE_OF", 1),
+                             warmup=env(warmup, "WARMUP_ENABLED", False))
+    serve(model, settings, host=host, port=port, kind=kind)
+
+
+def _serve_command(kind: str, doc: str):
+    @serve_app.command(kind, help=doc)
+    @user_errors
+    def command(
+        model: Annotated[Optional[str], typer.Argument(help="FP8 checkpoint (fp8) or HF model folder / 'smollm2' (bf16).")] = None,
+        host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="Port.")] = 3000,
+        max_input_tokens: Annotated[int, typer.Option(help="Longest prompt accepted (422 above).")] = 4095,
+        max_total_tokens: Annotated[int, typer.Option(help="Prompt + max_new_tokens limit (422 above).")] = 4096,
+        max_batch_size: Annotated[Optional[int], typer.Option(help="Requests decoded together [env MAX_BATCH_SIZE, 8].")] = None,
+        max_concurrent_requests: Annotated[int, typer.Option(help="Requests in flight before 429.")] = 128,
+        api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` [env HQTFLOW_API_KEY].")] = None,
+        batch_bucket_size: Annotated[Optional[int], typer.Option(help="Round the decode batch up to a multiple [env BATCH_BUCKET_SIZE, 1].")] = None,
+        prefill_batch_bucket_size: Annotated[Optional[int], typer.Option(help="Accepted for TGI-Gaudi parity; prefill runs one request [env PREFILL_BATCH_BUCKET_SIZE].")] = None,
+        pad_sequence_to_multiple_of: Annotated[Optional[int], typer.Option(help="Left-pad prompts to a multiple [env PAD_SEQUENCE_TO_MULTIPLE_OF, 1].")] = None,
+        warmup: Annotated[Optional[bool], typer.Option("--warmup/--no-warmup", help="Run the bucketed shapes once; /health is 503 until done [env WARMUP_ENABLED].")] = None,
+    ) -> None:
+        _serve(kind, model, host, port, max_input_tokens, max_total_tokens, max_batch_size, max_concurrent_requests, api_key,
+               batch_bucket_size, prefill_batch_bucket_size, pad_sequence_to_multiple_of, warmup)
+
+
+_serve_command("fp8", "Serve an FP8 checkpoint (QDQ runtime) with continuous batching.")
+_serve_command("bf16", "Serve a bf16 model with continuous batching.")
+
+
 if __name__ == "__main__":
     app()

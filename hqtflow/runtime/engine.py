@@ -1,0 +1,264 @@
+"""A small continuous-batching engine over a transformers causal LM.
+
+One background thread owns the model and one batched DynamicCache with LEFT padding. Between decode steps a
+waiting request may join (prefilled alone, then its KV and the batch's KV are left-padded to the same length
+and concatenated along the batch) and finished or cancelled requests leave (their rows are dropped). Each
+generated token is reported to the request's `emit` callback (called on the engine thread).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Token:
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+@dataclass
+class Event:
+    """One generated token; the last event of a request also has finish_reason and generated_text."""
+    index: int
+    token: Token | None
+    finish_reason: str | None = None  # "length" | "eos_token" | "stop_sequence"
+    generated_text: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    input_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[Event], None]
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    cancelled: bool = False
+    finished: bool = False
+    generator: torch.Generator | None = None
+    seed: int | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Engine:
+    """Continuous batching: at most one prefill per step, then one decode step for the whole batch."""
+
+    def __init__(self, model, tokenizer, *, max_batch_size: int = 8, on_step: Callable[[str, int, float, tuple], None] | None = None,
+                 batch_bucket: int = 1, pad_to_multiple: int = 1):
+        self.model, self.tok = model.eval(), tokenizer
+        self.device = next(model.parameters()).device
+        self.max_batch_size = max_batch_size
+        self.on_step = on_step  # (kind "prefill"|"decode", batch size, seconds, shape run)
+        self.batch_bucket, self.pad_to_multiple = max(1, batch_bucket), max(1, pad_to_multiple)
+        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
+        self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        self.special = set(tokenizer.all_special_ids)
+        self.pending: deque[Request] = deque()
+        self.active: list[Request] = []
+        self.cache = None  # DynamicCache, rows = self.active
+        self.mask: torch.Tensor | None = None  # [B, L] 1 = real token
+        self.last: torch.Tensor | None = None  # [B] token to feed next
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # -- public API (any thread) -------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._loop, name="hqtflow-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread:
+            self._thread.join(timeout=30)
+
+    def submit(self, input_ids: list[int], params: SamplingParams, emit: Callable[[Event], None]) -> Request:
+        req = Request(list(input_ids), params, emit)
+        if params.do_sample:
+            req.seed = params.seed if params.seed is not None else random.randrange(2**63)
+            req.generator = torch.Generator(device=self.device).manual_seed(req.seed)
+        with self._cv:
+            self.pending.append(req)
+            self._cv.notify()
+        return req
+
+    def generate(self, input_ids: list[int], params: SamplingParams) -> list[Event]:
+        """Blocking helper: every event of one request."""
+        events, done = [], threading.Event()
+
+        def emit(ev):
+            events.append(ev)
+            if ev.finish_reason or ev.error:
+                done.set()
+
+        self.submit(input_ids, params, emit)
+        done.wait()
+        return events
+
+    # -- engine thread -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self.pending and not self.active:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                new = self.pending.popleft() if self.pending and len(self.active) < self.max_batch_size else None
+            try:
+                with torch.inference_mode():
+                    if new is not None and not new.cancelled:
+                        self._prefill(new)
+                    self._drop_finished()
+                    if self.active:
+                        self._decode()
+                        self._drop_finished()
+            except Exception as e:  # noqa: BLE001 - report to every request, keep serving
+                for r in self.active + ([new] if new is not None and new not in self.active else []):
+                    r.emit(Event(len(r.generated), None, error=f"{type(e).__name__}: {e}"))
+                self.active, self.cache, self.mask, self.last = [], None, None, None
+
+    def _forward(self, kind, ids, mask, pos, cache):
+        t = time.perf_counter()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        if self.on_step:
+            self.on_step(kind, ids.shape[0], time.perf_counter() - t, tuple(ids.shape))
+        return out.logits[:, -1].float(), out.past_key_values
+
+    def _prefill(self, req: Request) -> None:
+        from transformers import DynamicCache
+
+        n = len(req.input_ids)
+        pad = -n % self.pad_to_multiple  # left padding to the bucketed sequence length
+        ids = torch.tensor([[self.tok.pad_token_id or 0] * pad + req.input_ids], device=self.device)
+        mask = torch.tensor([[0] * pad + [1] * n], device=self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits, cache = self._forward("prefill", ids, mask, pos, DynamicCache())
+        self._join(req, cache, mask)
+        self._emit(req, self._sample([req], logits)[0])
+
+    def _join(self, req, cache, mask) -> None:
+        if self.cache is None:
+            self.cache, self.mask = cache, mask
+        else:
+            lb, ln = self.mask.shape[1], mask.shape[1]
+            for lb_layer, ln_layer in zip(self.cache.layers, cache.layers):
+                for name in ("keys", "values"):
+                    a, b = getattr(lb_layer, name), getattr(ln_layer, name)
+                    a, b = F.pad(a, (0, 0, max(0, ln - lb), 0)), F.pad(b, (0, 0, max(0, lb - ln), 0))
+                    setattr(lb_layer, name, torch.cat([a, b]))
+            self.mask = torch.cat([F.pad(self.mask, (max(0, ln - lb), 0)), F.pad(mask, (max(0, lb - ln), 0))])
+        self.active.append(req)
+        self.last = torch.cat([self.last, self.last.new_zeros(1)]) if self.last is not None else torch.zeros(1, dtype=torch.long, device=self.device)
+
+    def _decode(self) -> None:
+        b = len(self.active)
+        extra = -b % self.batch_bucket  # dummy rows up to the decode batch bucket (Gaudi-style static shapes)
+        ids, mask = self.last[:, None], torch.cat([self.mask, self.mask.new_ones(b, 1)], dim=1)
+        pos = mask.cumsum(-1)[:, -1:] - 1
+        if extra:
+            ids, pos = F.pad(ids, (0, 0, 0, extra)), F.pad(pos, (0, 0, 0, extra))
+            mask = torch.cat([mask, F.pad(mask.new_zeros(extra, mask.shape[1] - 1), (0, 1), value=1)])
+            self._resize(list(range(b)) + [0] * extra)
+        logits, self.cache = self._forward("decode", ids, mask, pos, self.cache)
+        if extra:
+            self._resize(list(range(b)))
+        self.mask = mask[:b]
+        for req, tok in zip(self.active, self._sample(self.active, logits[:b])):
+            self._emit(req, tok)
+
+    def _resize(self, rows: list[int]) -> None:
+        idx = torch.tensor(rows, device=self.device)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys.index_select(0, idx), layer.values.index_select(0, idx)
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self.active) if not (r.cancelled or r.finished)]
+        if len(keep) == len(self.active):
+            return
+        if not keep:
+            self.active, self.cache, self.mask, self.last = [], None, None, None
+            return
+        self._resize(keep)
+        idx = torch.tensor(keep, device=self.device)
+        self.active = [self.active[i] for i in keep]
+        self.mask, self.last = self.mask.index_select(0, idx), self.last.index_select(0, idx)
+        first = int(self.mask.any(0).nonzero()[0])  # columns padded in every row can go
+        if first:
+            self.mask = self.mask[:, first:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[int, float]]:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        out = []
+        for row, req in enumerate(reqs):
+            p, x = req.params, logits[row].clone()
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(req.input_ids + req.generated, device=x.device).unique()
+                s = x[seen]
+                x[seen] = torch.where(s < 0, s * p.repetition_penalty, s / p.repetition_penalty)
+            if not p.do_sample:
+                tok = int(x.argmax())
+            else:
+                x = x / p.temperature
+                if p.top_k and p.top_k < x.numel():
+                    x[x < torch.topk(x, p.top_k).values[-1]] = -math.inf
+                if p.top_p < 1.0:
+                    sx, si = x.sort(descending=True)
+                    cum = sx.softmax(-1).cumsum(-1)
+                    drop = cum - sx.softmax(-1) > p.top_p  # keep the smallest set whose mass reaches top_p
+                    x[si[drop]] = -math.inf
+                tok = int(torch.multinomial(x.softmax(-1), 1, generator=req.generator))
+            out.append((tok, float(logprobs[row, tok])))
+        return out
+
+    def _emit(self, req: Request, chosen: tuple[int, float]) -> None:
+        tok, logprob = chosen
+        i = self.active.index(req)
+        self.last[i] = tok
+        req.generated.append(tok)
+        special = tok in self.special
+        finish = None
+        if tok in self.eos:
+            finish, text = "eos_token", self.tok.decode([tok])
+        else:
+            if len(req.generated) >= req.params.max_new_tokens:
+                finish = "length"
+            full = self.tok.decode([t for t in req.generated if t not in self.special])
+            text = "" if full.endswith("\ufffd") and not finish else full[len(req.text):]  # wait for whole characters
+            req.text += text
+            cut = min((j for j in (req.text.find(s) for s in req.params.stop) if j >= 0), default=-1)
+            if cut >= 0:
+                req.text, finish = req.text[:cut], "stop_sequence"
+        req.finished = finish is not None
+        req.emit(Event(len(req.generated) - 1, Token(tok, text, logprob, special), finish,
+                       req.text if finish else None))

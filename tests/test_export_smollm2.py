@@ -1,0 +1,48 @@
+"""The real SmolLM2 FP8 checkpoint exports to every layout and loads back with the same greedy text."""
+
+import pytest
+import torch
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The capital of France is", "Water boils at a temperature of"]
+
+
+def greedy(model, tok, prompt, n=12):
+    ids = torch.tensor([tok.encode(prompt)])
+    with torch.inference_mode():
+        return tok.decode(model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)[0])
+
+
+@pytest.fixture(scope="module")
+def smol_fp8(smollm2, data_dir, tmp_path_factory):
+    base = tmp_path_factory.mktemp("smolx")
+    r = run_cli("measure", smollm2, "-o", base / "m", "--text", data_dir / "wikitext2_valid.txt", "--limit", "8",
+                "--max-length", "128")
+    assert r.exit_code == 0, r.output
+    r = run_cli("quantize", "-m", base / "m", "-o", base / "fp8", "--scale-method", "maxabs_pow2")
+    assert r.exit_code == 0, r.output
+    return base / "fp8"
+
+
+def test_every_layout_round_trips(smol_fp8, inc, tmp_path):
+    import hqtflow
+    from hqtflow.quantize.convert import load_checkpoint
+
+    ours, tok = hqtflow.load(smol_fp8)
+    expected = [greedy(ours, tok, p) for p in PROMPTS]
+    assert "Paris" in expected[0]
+    for fmt, extra in (("fp8", []), ("compressed-tensors", ["--per-tensor"]), ("inc", [])):
+        out = tmp_path / fmt
+        r = run_cli("export", smol_fp8, "--format", fmt, "-o", out, *extra)
+        assert r.exit_code == 0, r.output
+        if fmt == "inc":  # Neural Compressor's own loader reads its layout
+            back = inc.load(str(out), format="huggingface", device="cpu")
+            for name, buf in ours.named_buffers():  # INC casts buffers to bf16; give rotary its fp32 back
+                if name.endswith("inv_freq"):
+                    parent, _, attr = name.rpartition(".")
+                    back.get_submodule(parent).register_buffer(attr, buf.clone(), persistent=False)
+        else:
+            back = load_checkpoint(out)
+        assert [greedy(back, tok, p) for p in PROMPTS] == expected, fmt

@@ -1,0 +1,214 @@
+"""`hqtflow serve`: a real uvicorn server on loopback with a tiny Llama, driven by httpx and the openai client."""
+
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import torch
+
+from conftest import run_cli
+from hqtflow.runtime.engine import Engine, SamplingParams
+from hqtflow.runtime.server import ServeSettings, create_app
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+PROMPT = "The tower is"
+
+
+@contextmanager
+def running(app):
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_llama):
+    from hqtflow import models
+
+    tok = models.load_tokenizer(tiny_llama)
+    tok.chat_template = CHAT_TEMPLATE
+    return models.load_model(tiny_llama, "fp32"), tok
+
+
+@pytest.fixture(scope="module")
+def url(lm):
+    app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=32, max_total_tokens=64, max_batch_size=4))
+    with running(app) as base:
+        yield base
+
+
+def alone(lm, text, n, add_special_tokens=True):
+    model, tok = lm
+    x = tok(text, return_tensors="pt", add_special_tokens=add_special_tokens)
+    with torch.inference_mode():
+        out = model.generate(**x, max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, x["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_generate_and_stream(url, lm):
+    ref = alone(lm, PROMPT, 10)
+    r = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 10, "details": True}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["generated_text"] == ref
+    d = body["details"]
+    assert d["finish_reason"] == "length" and d["generated_tokens"] == 10 and len(d["tokens"]) == 10
+    assert set(d["tokens"][0]) == {"id", "text", "logprob", "special"}
+    full = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 10, "return_full_text": True}})
+    assert full.json()["generated_text"] == PROMPT + ref
+    events = []
+    with httpx.stream("POST", f"{url}/generate_stream", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 10}}) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        for line in s.iter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[5:]))
+    assert len(events) == 10 and all(e["generated_text"] is None for e in events[:-1])
+    assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"] == ref
+    assert events[-1]["details"]["finish_reason"] == "length"
+    sampled = [httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 8, "do_sample": True, "temperature": 0.8, "seed": 3, "details": True}}).json() for _ in range(2)]
+    assert sampled[0] == sampled[1] and sampled[0]["details"]["seed"] == 3
+
+
+def test_info_health_tokenize_and_validation(url, lm):
+    assert httpx.get(f"{url}/health").status_code == 200
+    info = httpx.get(f"{url}/info").json()
+    assert info["max_input_tokens"] == 32 and info["max_total_tokens"] == 64 and info["model_id"] == "tiny"
+    toks = httpx.post(f"{url}/tokenize", json={"inputs": PROMPT}).json()
+    assert [t["id"] for t in toks] == lm[1](PROMPT)["input_ids"]
+    long = " ".join(["tower"] * 40)
+    n = len(lm[1](long)["input_ids"])
+    r = httpx.post(f"{url}/generate", json={"inputs": long, "parameters": {"max_new_tokens": 4}})
+    assert r.status_code == 422 and r.json() == {
+        "error": f"Input validation error: `inputs` must have less than 32 tokens. Given: {n}", "error_type": "validation"}
+    r = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 63}})
+    assert r.status_code == 422 and "`inputs` tokens + `max_new_tokens` must be <= 64" in r.json()["error"]
+    for bad in ({"temperature": 0}, {"top_p": 1.5}, {"stop": ["a"] * 5}, {"max_new_tokens": "x"}):
+        assert httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": bad}).status_code == 422, bad
+    assert httpx.post(f"{url}/generate", content=b"{", headers={"content-type": "application/json"}).status_code == 422
+    big = httpx.post(f"{url}/generate", content=b"x" * (2 << 20), headers={"content-type": "application/json"})
+    assert big.status_code == 413
+
+
+def test_openai_client(url, lm):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    c = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0)
+    assert c.choices[0].text == alone(lm, PROMPT, 10) and c.choices[0].finish_reason == "length"
+    assert c.usage.completion_tokens == 10
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, stream=True))
+    assert streamed == c.choices[0].text
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    templated = lm[1].apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert templated == "<user>Hello\n<assistant>"
+    assert chat.choices[0].message.content == alone(lm, templated, 8, add_special_tokens=False)
+    parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True) if ch.choices]
+    assert "".join(parts) == chat.choices[0].message.content
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 100})
+    assert r.status_code == 422 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_metrics(url):
+    text = httpx.get(f"{url}/metrics").text
+    for name in ("tgi_request_count", "tgi_request_success", "tgi_request_failure", "tgi_request_duration_bucket",
+                 "tgi_request_generated_tokens_sum", "tgi_request_input_length_count", "tgi_queue_size",
+                 "tgi_batch_current_size", 'tgi_batch_inference_duration_count{method="prefill"}',
+                 'tgi_batch_inference_duration_count{method="decode"}'):
+        assert name in text, name
+    before = float(next(l for l in text.splitlines() if l.startswith("tgi_request_count ")).split()[1])
+    httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
+    after = httpx.get(f"{url}/metrics").text
+    assert float(next(l for l in after.splitlines() if l.startswith("tgi_request_count ")).split()[1]) == before + 1
+
+
+def test_api_key_overload_and_disconnect(lm):
+    app = create_app(*lm, ServeSettings(max_concurrent_requests=1, max_total_tokens=256, max_input_tokens=32, api_key="secret"))
+    engine = app.state.engine
+    engine.on_step = lambda *_: time.sleep(0.01)  # slow decode down so the stream is still running below
+    auth = {"Authorization": "Bearer secret"}
+    with running(app) as base:
+        assert httpx.post(f"{base}/generate", json={"inputs": PROMPT}).status_code == 401
+        assert httpx.post(f"{base}/generate", json={"inputs": PROMPT}, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert httpx.get(f"{base}/health").status_code == 200
+        with httpx.stream("POST", f"{base}/generate_stream", headers=auth,
+                          json={"inputs": PROMPT, "parameters": {"max_new_tokens": 200}}) as s:
+            lines = s.iter_lines()  # keep a reference: a collected iterator closes the connection
+            assert next(lines).startswith("data:")  # the request is running
+            busy = httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}, headers=auth)
+            assert busy.status_code == 429 and busy.json()["error_type"] == "overloaded"
+        t0 = time.monotonic()  # the disconnect cancels it: the slot frees up long before 200 tokens (2 s) are done
+        while (engine.active or engine.pending) and time.monotonic() < t0 + 20:
+            time.sleep(0.02)
+        assert not engine.active and time.monotonic() - t0 < 1.5
+        ok = httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}, headers=auth)
+        assert ok.status_code == 200
+
+
+def test_cli_serve_help():
+    r = run_cli("serve", "--help")
+    assert r.exit_code == 0 and "fp8" in r.stdout and "bf16" in r.stdout
+
+
+def test_engine_with_fp8_checkpoint(tiny_llama, wiki_text, tmp_path):
+    from hqtflow.evaluate import load_any
+
+    meas, ck = tmp_path / "m", tmp_path / "fp8"
+    assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2").exit_code == 0
+    assert run_cli("quantize", "-m", meas, "-o", ck).exit_code == 0
+    model, tok, kind = load_any(str(ck))
+    assert kind == "fp8"
+    eng = Engine(model, tok).start()
+    try:
+        events = eng.generate(tok(PROMPT)["input_ids"], SamplingParams(max_new_tokens=5))
+    finally:
+        eng.stop()
+    assert events[-1].finish_reason in ("length", "eos_token") and len(events) <= 5
+
+
+def test_warmup_buckets_and_health(lm):
+    app = create_app(*lm, ServeSettings(max_input_tokens=32, max_total_tokens=64, warmup=True, batch_bucket_size=4,
+                                        pad_sequence_to_multiple_of=8))
+    metrics_step = app.state.engine.on_step
+    app.state.engine.on_step = lambda *a: (time.sleep(0.1), metrics_step(*a))  # warmup takes about a second
+    with running(app) as base:
+        assert httpx.get(f"{base}/health").status_code == 503
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{base}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        text = httpx.get(f"{base}/metrics").text
+        for seq in (8, 16, 24, 32):  # every bucketed prefill length ran once
+            assert f'hqtflow_batch_shape_runs{{batch="1",method="prefill",seq="{seq}"}} 1.0' in text
+        assert 'hqtflow_batch_shape_runs{batch="4",method="decode",seq="1"}' in text, [l for l in text.splitlines() if "shape" in l]
+        r = httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 6}})
+        assert r.json()["generated_text"] == alone(lm, PROMPT, 6)  # padding and dummy rows change nothing
+
+
+def test_cli_serve_checks_kind(tiny_llama):
+    r = run_cli("serve", "fp8", tiny_llama)
+    assert r.exit_code == 2 and "not an FP8 checkpoint" in r.stderr and "hqtflow serve bf16" in r.stderr
+    r = run_cli("serve", "bf16", tiny_llama, "--max-input-tokens", "10", "--max-total-tokens", "10")
+    assert r.exit_code == 2 and "must be less than" in r.stderr
