@@ -7,6 +7,10 @@ Skips happen only when a dependency is truly absent, and never in CI (CI=true tu
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -137,3 +141,25 @@ def run_cli(*args: str):
     from hqtflow.cli import app
 
     return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@contextmanager
+def running(app):
+    """Serve a FastAPI app with uvicorn on a free loopback port in a thread; yields its base URL."""
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -100,7 +100,11 @@ def ours_logits(path, base):
 
 
 def theirs_logits(path, base):
-    pytest.importorskip("compressed_tensors")
+    import importlib.util
+
+    from conftest import need
+
+    need(importlib.util.find_spec("compressed_tensors") is not None, "compressed-tensors is not installed")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
@@ -195,3 +199,26 @@ def test_unsupported_named(qcfg, message, base, tmp_path):
     path = build(base, tmp_path / "bad", qcfg)
     with pytest.raises(ArtifactError, match=message):
         load_checkpoint(path)
+
+
+def test_foreign_checkpoint_serves(base, tmp_path):
+    """A compressed-tensors checkpoint in another tool's conventions (per-channel weights, dynamic per-token
+    activations) is served by `hqtflow serve fp8`'s app: /generate gives the loader's own greedy text."""
+    import httpx
+
+    from conftest import running
+    from hqtflow.evaluate import load_any
+    from hqtflow.runtime.server import ServeSettings, create_app
+
+    kw, w, a = CT_CASES["dynamic_token_channel"]
+    path = build(base, tmp_path / "ct", ct_config(w, a), **kw)
+    model, tok, kind = load_any(str(path))
+    assert kind == "fp8"
+    ids = tok(PROMPT, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    expected = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    app = create_app(model, tok, ServeSettings(model_id="foreign-ct", max_input_tokens=128, max_total_tokens=160))
+    with running(app) as url:
+        r = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 6}}, timeout=60)
+    assert r.status_code == 200 and r.json()["generated_text"] == expected

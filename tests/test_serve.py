@@ -1,42 +1,18 @@
 """`hqtflow serve`: a real uvicorn server on loopback with a tiny Llama, driven by httpx and the openai client."""
 
 import json
-import socket
-import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import run_cli, running
 from hqtflow.runtime.engine import Engine, SamplingParams
 from hqtflow.runtime.server import ServeSettings, create_app
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 PROMPT = "The tower is"
-
-
-@contextmanager
-def running(app):
-    import uvicorn
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
