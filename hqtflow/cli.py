@@ -293,7 +293,7 @@ app.add_typer(serve_app, name="serve")
 def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_tokens: int, max_total_tokens: int,
            max_batch_size: Optional[int], max_concurrent_requests: int, api_key: Optional[str],
            batch_bucket_size: Optional[int], prefill_batch_bucket_size: Optional[int],
-           pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool]) -> None:
+           pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool], measurement: Optional[Path] = None) -> None:
     import os
 
     from hqtflow.runtime.server import ServeSettings, serve
@@ -311,7 +311,7 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
                              prefill_batch_bucket_size=env(prefill_batch_bucket_size, "PREFILL_BATCH_BUCKET_SIZE", 1),
                              pad_sequence_to_multiple_of=env(pad_sequence_to_multiple_of, "PAD_SEQUENCE_TO_MULTIPLE_OF", 1),
                              warmup=env(warmup, "WARMUP_ENABLED", False))
-    serve(model, settings, host=host, port=port, kind=kind)
+    serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None)
 
 
 def _serve_command(kind: str, doc: str):
@@ -330,13 +330,36 @@ def _serve_command(kind: str, doc: str):
         prefill_batch_bucket_size: Annotated[Optional[int], typer.Option(help="Accepted for TGI-Gaudi parity; prefill runs one request [env PREFILL_BATCH_BUCKET_SIZE].")] = None,
         pad_sequence_to_multiple_of: Annotated[Optional[int], typer.Option(help="Left-pad prompts to a multiple [env PAD_SEQUENCE_TO_MULTIPLE_OF, 1].")] = None,
         warmup: Annotated[Optional[bool], typer.Option("--warmup/--no-warmup", help="Run the bucketed shapes once; /health is 503 until done [env WARMUP_ENABLED].")] = None,
+        measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
     ) -> None:
         _serve(kind, model, host, port, max_input_tokens, max_total_tokens, max_batch_size, max_concurrent_requests, api_key,
-               batch_bucket_size, prefill_batch_bucket_size, pad_sequence_to_multiple_of, warmup)
+               batch_bucket_size, prefill_batch_bucket_size, pad_sequence_to_multiple_of, warmup, measurement)
 
 
 _serve_command("fp8", "Serve an FP8 checkpoint (QDQ runtime) with continuous batching.")
 _serve_command("bf16", "Serve a bf16 model with continuous batching.")
+
+
+@app.command()
+@user_errors
+def bench(
+    model: Annotated[Optional[str], typer.Argument(help="FP8 checkpoint to benchmark (or any model folder).")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="bf16 model to compare with (default: the checkpoint's source model).")] = None,
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,2,4,8",
+    prompt_length: Annotated[int, typer.Option(help="Random-token prompt length.")] = 64,
+    decode_length: Annotated[int, typer.Option(help="Decode steps per run.")] = 32,
+    runs: Annotated[int, typer.Option(help="Timed runs per batch size and model.")] = 3,
+    warmup: Annotated[int, typer.Option(help="Untimed runs per batch size and model first.")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every figure as JSON here.")] = None,
+) -> None:
+    """Prefill/decode latency and throughput per batch size through the serving engine, FP8 vs bf16 side by side (text-generation-benchmark style)."""
+    from hqtflow.runtime.bench import BenchSettings, parse_batch_sizes, run_bench
+
+    settings = BenchSettings(batch_sizes=parse_batch_sizes(batch_sizes), prompt_length=prompt_length,
+                             decode_length=decode_length, runs=runs, warmup=warmup, seed=seed)
+    typer.echo(run_bench(model, baseline=baseline, settings=settings, json_path=json_out,
+                         echo=lambda m: typer.echo(m, err=True)))
 
 
 if __name__ == "__main__":

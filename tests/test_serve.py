@@ -188,3 +188,23 @@ def test_cli_serve_checks_kind(tiny_llama):
     assert r.exit_code == 2 and "not an FP8 checkpoint" in r.stderr and "hqtflow serve bf16" in r.stderr
     r = run_cli("serve", "bf16", tiny_llama, "--max-input-tokens", "10", "--max-total-tokens", "10")
     assert r.exit_code == 2 and "must be less than" in r.stderr
+
+
+def test_fp8_quantized_at_start_equals_checkpoint(tiny_llama, wiki_text, tmp_path):
+    """`serve fp8 MODEL -m MEASUREMENT` quantizes in memory exactly like `hqtflow quantize` does on disk."""
+    import hqtflow
+    from hqtflow.quantize.run import QuantizeSettings, quantize_in_memory
+
+    meas, ck = tmp_path / "m", tmp_path / "fp8"
+    assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2").exit_code == 0
+    assert run_cli("quantize", "-m", meas, "-o", ck).exit_code == 0
+    live, tok = quantize_in_memory(QuantizeSettings(measurement=str(meas), output="-"))
+    saved, _ = hqtflow.load(ck)
+    ids = torch.tensor([tok.encode(PROMPT)])
+    with torch.inference_mode():
+        assert torch.equal(live(ids).logits, saved(ids).logits)
+    # artifacts are checked before the port is bound
+    r = run_cli("serve", "fp8", tiny_llama, "-m", tmp_path / "nope", "--port", "1")
+    assert r.exit_code == 2 and "does not exist" in r.stderr
+    r = run_cli("serve", "bf16", tiny_llama, "-m", meas, "--port", "1")
+    assert r.exit_code == 2 and "use it with `hqtflow serve fp8`" in r.stderr

@@ -125,11 +125,23 @@ def check_statistics(meas: hqt.Measurement, where: str) -> None:
 
 
 # ---- the stage ----------------------------------------------------------------------------------
-def quantize(s: QuantizeSettings) -> Path:
-    import torch
+@dataclass
+class Job:
+    """Everything `quantize` decided before touching weights."""
 
+    cfg: QuantConfig
+    target: str
+    method: object  # hqtflow.scales.ScaleMethod
+    meas: LoadedMeasurement
+    model_dir: Path
+    fingerprint: dict
+    plan: dict
+    dtype: str
+
+
+def plan_job(s: QuantizeSettings) -> Job:
+    """Every check that needs no weights: config, target, measurement (complete, finite, same model), rank count."""
     from hqtflow import models
-    from hqtflow.formats.artifact import check_output_dir
     from hqtflow.scales import TARGETS, scale_method
 
     cfg = quant_config(s)
@@ -137,7 +149,6 @@ def quantize(s: QuantizeSettings) -> Path:
     if target not in TARGETS:
         raise ConfigError(f"--scales-for {target!r} is not a valid target; valid values are {', '.join(TARGETS)}.")
     method = scale_method(cfg.scale_method, target)
-    check_output_dir(Path(s.output), s.overwrite)
     meas = load_measurement(s.measurement, trust_pickle=s.trust_pickle)
     for st, r in zip(meas.stems, meas.ranks):
         check_statistics(r, f"{meas.directory / st}.json")
@@ -159,6 +170,34 @@ def quantize(s: QuantizeSettings) -> Path:
             raise ConfigError("compressed-tensors FP8 checkpoints are E4M3; fp8_config E5M2 is supported with --scales-only.")
     plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0])
     dtype = meas.manifest.data.get("model_dtype", "bf16") if meas.manifest else "bf16"
+    return Job(cfg, target, method, meas, model_dir, fp, plan, dtype)
+
+
+def quantize_in_memory(s: QuantizeSettings):
+    """bf16 model + measurement -> (FP8 model, tokenizer) in memory, nothing written (`serve fp8 MODEL -m DIR`)."""
+    import torch
+
+    from hqtflow import models
+    from hqtflow.quantize.convert import convert_model
+
+    job = plan_job(s)
+    model = models.load_model(job.model_dir, job.dtype)
+    with torch.no_grad():
+        convert_model(model, job.plan["quantize"], job.meas.ranks[0], job.method, target=job.target,
+                      fp8=job.cfg.fp8_config, hp_dtype=job.cfg.hp_dtype, weight_only=s.weight_only)
+    return model, models.load_tokenizer(job.model_dir)
+
+
+def quantize(s: QuantizeSettings) -> Path:
+    import torch
+
+    from hqtflow import models
+    from hqtflow.formats.artifact import check_output_dir
+
+    check_output_dir(Path(s.output), s.overwrite)
+    job = plan_job(s)
+    cfg, target, method, meas, model_dir, fp, plan, dtype = (job.cfg, job.target, job.method, job.meas, job.model_dir,
+                                                               job.fingerprint, job.plan, job.dtype)
     offload_plan = None
     if s.disk_offload:
         if s.scales_only:

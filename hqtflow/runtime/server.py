@@ -356,13 +356,24 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     return app
 
 
-def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 3000, kind: str = "bf16") -> None:
-    """Load MODEL (`kind` "fp8": an FP8 checkpoint; "bf16": a plain model) and serve it until interrupted."""
+def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 3000, kind: str = "bf16",
+          measurement: str | None = None) -> None:
+    """Load MODEL (`kind` "fp8": an FP8 checkpoint, or a bf16 model quantized at start from `measurement`, like TGI
+    with QUANT_CONFIG; "bf16": a plain model) and serve it until interrupted. Artifacts are checked before binding."""
     import uvicorn
 
     from hqtflow.errors import HqtflowError
     from hqtflow.evaluate import load_any
 
+    if measurement is not None:
+        if kind != "fp8":
+            raise HqtflowError("--measurement quantizes at start: use it with `hqtflow serve fp8`.")
+        from hqtflow.quantize.run import QuantizeSettings, quantize_in_memory
+
+        model, tok = quantize_in_memory(QuantizeSettings(measurement=measurement, output="-", model=model_ref))
+        settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
+        uvicorn.run(create_app(model, tok, settings), host=host, port=port, log_level="info")
+        return
     model, tok, loaded = load_any(model_ref, "bf16")
     if (loaded == "fp8") != (kind == "fp8"):
         raise HqtflowError(f"{model_ref or 'the default model'} is {'an FP8 checkpoint' if loaded == 'fp8' else 'not an FP8 checkpoint'}; "

@@ -1,0 +1,246 @@
+"""`hqtflow bench`: text-generation-benchmark style latency/throughput of an FP8 checkpoint vs its bf16 source.
+
+Both models run through hqtflow's continuous-batching `Engine`, driven synchronously (its thread is not started):
+a batch of `batch` random-token prompts of the same length is prefilled in one batched forward (the engine's
+`_forward("prefill", ...)`, left-padding-free since all prompts have the same length), installed as the engine's
+running batch, then `decode_length` steps of the engine's own batched `_decode()` run (sampling and token emission
+included). Step times come from the engine's `on_step` hook, which times the model forward of each step.
+
+Per batch size, like text-generation-benchmark: prefill latency and throughput (batch * prompt_length / latency),
+decode per-token latency, decode total latency and decode throughput (batch * steps / total latency), as
+avg / p50 / p90 / p99. Samples: one prefill and one decode run per timed run; every decode step is a per-token
+latency sample. The models' runs alternate (bf16, fp8, bf16, fp8 ...) so load from elsewhere hits both alike.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hqtflow.errors import HqtflowError
+
+STATS = ("avg", "p50", "p90", "p99")
+METRICS = (  # key, label, unit, lower is better
+    ("prefill_latency", "Prefill latency", "ms", True),
+    ("prefill_throughput", "Prefill throughput", "tok/s", False),
+    ("decode_token_latency", "Decode latency (per token)", "ms", True),
+    ("decode_total_latency", "Decode total latency", "ms", True),
+    ("decode_throughput", "Decode throughput", "tok/s", False),
+)
+
+
+@dataclass
+class BenchSettings:
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    prompt_length: int = 64
+    decode_length: int = 32
+    runs: int = 3
+    warmup: int = 1
+    seed: int = 0
+
+    def check(self) -> None:
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise HqtflowError(f"--batch-sizes must be positive integers, not {','.join(map(str, self.batch_sizes)) or 'nothing'}.")
+        for name, value, low in (("--prompt-length", self.prompt_length, 1), ("--decode-length", self.decode_length, 1),
+                                 ("--runs", self.runs, 1), ("--warmup", self.warmup, 0)):
+            if value < low:
+                raise HqtflowError(f"{name} must be at least {low}, not {value}.")
+
+
+@dataclass
+class Samples:
+    """Raw seconds of one model at one batch size."""
+    prefill: list[float] = field(default_factory=list)   # one per run
+    decode_steps: list[float] = field(default_factory=list)  # every decode step of every run
+    decode_totals: list[float] = field(default_factory=list)  # one per run
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise HqtflowError(f"--batch-sizes must be comma-separated integers (e.g. 1,2,4,8), not {text!r}.") from None
+    return sizes
+
+
+def random_prompts(tokenizer, batch: int, length: int, seed: int) -> torch.Tensor:
+    """[batch, length] random token ids (no special tokens), the same for a given seed."""
+    vocab = len(tokenizer)
+    allowed = torch.ones(vocab, dtype=torch.bool)
+    special = [i for i in tokenizer.all_special_ids if 0 <= i < vocab]
+    allowed[special] = False
+    ids = allowed.nonzero().flatten()
+    g = torch.Generator().manual_seed(seed * 1_000_003 + batch)
+    return ids[torch.randint(len(ids), (batch, length), generator=g)]
+
+
+class _Runner:
+    """One model behind an Engine that is driven step by step from this thread."""
+
+    def __init__(self, name: str, model, tokenizer):
+        from hqtflow.runtime.engine import Engine
+
+        self.name = name
+        self.times: list[tuple[str, int, float]] = []
+        self.engine = Engine(model, tokenizer, max_batch_size=1 << 30,
+                             on_step=lambda kind, b, secs, shape: self.times.append((kind, b, secs)))
+
+    @torch.inference_mode()
+    def run(self, prompts: torch.Tensor, decode_steps: int) -> tuple[float, list[float]]:
+        """Batched prefill + `decode_steps` batched decode steps; (prefill seconds, [decode step seconds])."""
+        from transformers import DynamicCache
+
+        from hqtflow.runtime.engine import Request, SamplingParams
+
+        eng = self.engine
+        batch, n = prompts.shape
+        ids = prompts.to(eng.device)
+        mask = torch.ones_like(ids)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        params = SamplingParams(max_new_tokens=decode_steps + 1)  # greedy; rows stay in the batch even after EOS
+        reqs = [Request(row.tolist(), params, lambda ev: None) for row in prompts]
+        self.times.clear()
+        try:
+            logits, cache = eng._forward("prefill", ids, mask, pos, DynamicCache())
+            eng.cache, eng.mask, eng.active = cache, mask, reqs
+            eng.last = torch.zeros(batch, dtype=torch.long, device=eng.device)
+            for req, tok in zip(reqs, eng._sample(reqs, logits)):
+                eng._emit(req, tok)
+            for _ in range(decode_steps):
+                eng._decode()
+        finally:
+            eng.active, eng.cache, eng.mask, eng.last = [], None, None, None
+        prefill = [s for kind, _, s in self.times if kind == "prefill"]
+        decode = [s for kind, _, s in self.times if kind == "decode"]
+        if len(prefill) != 1 or len(decode) != decode_steps:
+            raise RuntimeError(f"expected 1 prefill and {decode_steps} decode steps, the engine ran {len(prefill)} and {len(decode)}")
+        return prefill[0], decode
+
+
+def _pct(values: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def summarize(samples: Samples, batch: int, prompt_length: int, decode_steps: int) -> dict[str, dict[str, float]]:
+    """{metric: {stat: value}} in ms and tokens/s."""
+    per_metric = {
+        "prefill_latency": [s * 1e3 for s in samples.prefill],
+        "prefill_throughput": [batch * prompt_length / s for s in samples.prefill],
+        "decode_token_latency": [s * 1e3 for s in samples.decode_steps],
+        "decode_total_latency": [s * 1e3 for s in samples.decode_totals],
+        "decode_throughput": [batch * decode_steps / s for s in samples.decode_totals],
+    }
+    out = {}
+    for key, vals in per_metric.items():
+        out[key] = {"avg": sum(vals) / len(vals), "p50": _pct(vals, 50), "p90": _pct(vals, 90), "p99": _pct(vals, 99),
+                    "min": min(vals), "max": max(vals), "n": len(vals)}
+    return out
+
+
+def benchmark(models: dict[str, tuple], s: BenchSettings, echo=None) -> dict:
+    """models: {name: (model, tokenizer)} in column order. Returns {"settings", "results": {batch: {name: summary}}}."""
+    s.check()
+    runners = [_Runner(name, m, tok) for name, (m, tok) in models.items()]
+    results: dict = {}
+    for batch in s.batch_sizes:
+        samples = {r.name: Samples() for r in runners}
+        prompts = {r.name: random_prompts(r.engine.tok, batch, s.prompt_length, s.seed) for r in runners}
+        for i in range(s.warmup + s.runs):
+            for r in runners:
+                prefill, steps = r.run(prompts[r.name], s.decode_length)
+                if i >= s.warmup:
+                    samples[r.name].prefill.append(prefill)
+                    samples[r.name].decode_steps.extend(steps)
+                    samples[r.name].decode_totals.append(sum(steps))
+        results[batch] = {name: summarize(smp, batch, s.prompt_length, s.decode_length) for name, smp in samples.items()}
+        if echo:
+            echo(f"batch {batch}: " + ", ".join(
+                f"{n} prefill {v['prefill_latency']['avg']:.1f} ms, decode {v['decode_token_latency']['avg']:.2f} ms/token"
+                for n, v in results[batch].items()))
+        gc.collect()
+    return {"settings": s.__dict__, "results": results}
+
+
+def _fmt(value: float, unit: str) -> str:
+    if unit == "ms":
+        return f"{value:.2f} ms"
+    return f"{value:,.1f} tok/s"
+
+
+def format_table(report: dict, names: list[str]) -> str:
+    """One row per (metric, batch size, statistic); a column per model and, for two models, their ratio."""
+    ratio = f"{names[-1]}/{names[0]}" if len(names) == 2 else None
+    head = ["Step", "Batch", "Stat", *names, *([ratio] if ratio else [])]
+    rows = [head]
+    for key, label, unit, _ in METRICS:
+        for batch, per_model in report["results"].items():
+            for j, stat in enumerate(STATS):
+                vals = [per_model[n][key][stat] for n in names]
+                row = [label if j == 0 else "", str(batch) if j == 0 else "", stat, *[_fmt(v, unit) for v in vals]]
+                if ratio:
+                    row.append(f"{vals[1] / vals[0]:.3f}x" if vals[0] else "-")
+                rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    sep = "+-" + "-+-".join("-" * w for w in widths) + "-+"
+
+    def line(r):
+        return "| " + " | ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
+
+    out = [sep, line(rows[0]), sep.replace("-", "=")]
+    for r in rows[1:]:
+        if r[0] and len(out) > 3:
+            out.append(sep)
+        out.append(line(r))
+    out.append(sep)
+    return "\n".join(out)
+
+
+def run_bench(model: str | None, *, baseline: str | None, settings: BenchSettings, json_path: Path | None = None,
+              echo=None) -> str:
+    """Load the FP8 checkpoint (MODEL) and its bf16 baseline, benchmark both, return the printed text."""
+    from hqtflow import models as models_mod
+    from hqtflow.eval_run import source_model
+    from hqtflow.evaluate import load_any
+
+    settings.check()
+    if json_path is not None and json_path.exists():
+        raise HqtflowError(f"{json_path} already exists; remove it or pick another path.")
+    base_ref = baseline or source_model(model)
+    if base_ref and baseline is None and not Path(base_ref).exists():
+        raise HqtflowError(f"The checkpoint's source model {base_ref} (from its manifest) does not exist; pass --baseline.")
+    for ref in (model, base_ref) if base_ref else (model,):  # cheap checks before loading anything
+        cfg = models_mod.load_config(models_mod.resolve_model(ref))
+        pmax = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
+        if pmax and settings.prompt_length + settings.decode_length + 1 > pmax:
+            raise HqtflowError(f"--prompt-length + --decode-length ({settings.prompt_length + settings.decode_length}) "
+                               f"exceeds the {pmax} positions of {ref or 'smollm2'}.")
+    m, tok, kind = load_any(model)
+    name = "fp8" if kind == "fp8" else kind
+    models: dict[str, tuple] = {}
+    if base_ref:
+        bm, btok, bkind = load_any(base_ref, "bf16")
+        if bkind == "fp8":
+            raise HqtflowError(f"The baseline {base_ref} is an FP8 checkpoint; give a bf16 model.")
+        models["bf16"] = (bm, btok)
+    models[name if name not in models else f"{name}-model"] = (m, tok)
+    names = list(models)
+    report = benchmark(models, settings, echo=echo)
+    report["models"] = {"bf16": str(base_ref)} if base_ref else {}
+    report["models"][names[-1]] = str(model or "smollm2")
+    threads = torch.get_num_threads()
+    device = next(m.parameters()).device
+    header = (f"hqtflow bench: {', '.join(f'{n}={p}' for n, p in report['models'].items())}\n"
+              f"prompt length {settings.prompt_length}, decode steps {settings.decode_length}, runs {settings.runs} "
+              f"(+{settings.warmup} warm-up), seed {settings.seed}, device {device}, torch threads {threads}\n"
+              f"latency = model forward of the step (engine on_step); prefill throughput = batch*prompt_length/latency; "
+              f"decode throughput = batch*steps/total decode latency")
+    if json_path is not None:
+        json_path.write_text(json.dumps({**report, "results": {str(k): v for k, v in report["results"].items()}},
+                                        indent=2, default=str))
+    return header + "\n" + format_table(report, names)
