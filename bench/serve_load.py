@@ -1,0 +1,261 @@
+#!/usr/bin/env python
+"""Load test of `hqtflow serve fp8`: errors, server memory growth and batching speed-up under concurrency.
+
+    python bench/serve_load.py [--checkpoint DIR] [--requests 1000] [--concurrency 16] [--max-new-tokens 16]
+
+Starts `hqtflow serve fp8 CHECKPOINT` as a subprocess on a free 127.0.0.1 port (default checkpoint: an FP8
+SmolLM2 in $HQTFLOW_CACHE/bench/smollm2-fp8, made with `hqtflow measure` + `hqtflow quantize` if missing), then
+with httpx.AsyncClient on loopback only:
+
+1. warm-up: `--warmup-requests` requests at the full concurrency (so the batch reaches its largest size);
+   the server's VmRSS (/proc/PID/status) is read after it;
+2. single stream: the same requests one at a time (`--single-requests`, default all of them);
+3. concurrent: the N requests at concurrency C (VmRSS sampled every 0.5 s meanwhile); VmRSS read at the end.
+
+Every request is a TGI `/generate` with a short WikiText-2 prompt (`--prompt-words` words from the start of a
+paragraph), greedy, `max_new_tokens` fixed, `details: true` (generated tokens are counted from the server's
+answer). Reported: errors (target 0), RSS growth end vs after warm-up (target < 5%), aggregate generated tokens/s
+at concurrency C vs single stream (target >= 4x). Every loop is bounded: a per-request timeout and an overall
+`--deadline`; the server is always stopped. Exit status 0 when the run completed (targets missed are reported,
+not failed; `--strict` makes a missed target exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "wikitext2_valid.txt"
+for key, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
+                   ("TOKENIZERS_PARALLELISM", "false")):
+    os.environ.setdefault(key, value)
+
+import httpx  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", default=None, help="FP8 checkpoint (default: FP8 SmolLM2 in the cache, built if missing)")
+    p.add_argument("--requests", type=int, default=1000, help="requests in the concurrent run")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--single-requests", type=int, default=None,
+                   help="requests in the single-stream run (the first K of the same list; default: all)")
+    p.add_argument("--warmup-requests", type=int, default=None, help="default: 2 x concurrency")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--prompt-words", type=int, default=12, help="words per prompt")
+    p.add_argument("--max-batch-size", type=int, default=None, help="server --max-batch-size (default: the server's, 8)")
+    p.add_argument("--data", default=str(DATA), help="prompt source text (default: ../shared/data/wikitext2_valid.txt)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--deadline", type=float, default=3600.0, help="seconds for the whole run; stops early past it")
+    p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+# ---- checkpoint and prompts ---------------------------------------------------------------------------------
+def hqtflow_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hqtflow", *args]
+
+
+def default_checkpoint() -> Path:
+    cache = Path(os.environ.get("HQTFLOW_CACHE") or Path.home() / ".cache" / "hqtflow") / "bench"
+    ck = cache / "smollm2-fp8"
+    if (ck / "hqtflow_manifest.json").is_file():
+        return ck
+    cache.mkdir(parents=True, exist_ok=True)
+    print(f"building the FP8 SmolLM2 checkpoint into {ck} ...", flush=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        meas = Path(tmp) / "measure"
+        subprocess.run(hqtflow_cmd("measure", "smollm2", "-o", str(meas), "--text", str(DATA), "--limit", "16",
+                                   "--max-length", "256"), check=True, timeout=1800)
+        subprocess.run(hqtflow_cmd("quantize", "-m", str(meas), "-o", str(ck), "--overwrite"), check=True, timeout=1800)
+    return ck
+
+
+def prompts(path: str, n: int, words: int, seed: int) -> list[str]:
+    paras = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    paras = [p for p in paras if len(p.split()) >= words and not p.startswith("=")]
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(paras).split()[:words]) for _ in range(n)]
+
+
+# ---- server -------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+class Server:
+    def __init__(self, checkpoint: Path, max_batch_size: int | None, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = hqtflow_cmd("serve", "fp8", str(checkpoint), "--host", "127.0.0.1", "--port", str(self.port),
+                          "--max-concurrent-requests", "100000")
+        if max_batch_size:
+            cmd += ["--max-batch-size", str(max_batch_size)]
+        self.log = log
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # uvicorn shuts down cleanly on SIGINT
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=20)
+
+
+# ---- load ---------------------------------------------------------------------------------------------------
+async def drive(url: str, texts: list[str], concurrency: int, max_new: int, timeout: float, deadline: float,
+                on_tick=None) -> dict:
+    """Send every text to /generate with at most `concurrency` in flight; {requests, errors, tokens, seconds, ...}."""
+    queue = list(enumerate(texts))[::-1]
+    latencies, tokens, errors, samples = [], 0, [], []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        async def worker():
+            nonlocal tokens
+            while queue and time.monotonic() < deadline:
+                i, text = queue.pop()
+                t = time.perf_counter()
+                try:
+                    r = await client.post("/generate", json={"inputs": text, "parameters": {
+                        "max_new_tokens": max_new, "do_sample": False, "details": True}})
+                    if r.status_code != 200:
+                        errors.append(f"request {i}: HTTP {r.status_code} {r.text[:200]}")
+                        continue
+                    tokens += r.json()["details"]["generated_tokens"]
+                    latencies.append(time.perf_counter() - t)
+                except Exception as e:  # noqa: BLE001 - every failure is counted, the run goes on
+                    errors.append(f"request {i}: {type(e).__name__}: {e}")
+
+        async def ticker():
+            while True:
+                await asyncio.sleep(0.5)
+                if on_tick:
+                    samples.append(on_tick())
+
+        t0 = time.perf_counter()
+        tick = asyncio.create_task(ticker())
+        try:
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        finally:
+            tick.cancel()
+        seconds = time.perf_counter() - t0
+    done = len(latencies)
+    lat = sorted(latencies)
+    return {"requests": len(texts), "completed": done, "errors": len(errors) + len(queue), "error_examples": errors[:5],
+            "not_sent": len(queue), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "requests_per_s": done / seconds if seconds else 0.0,
+            "latency_p50_s": lat[len(lat) // 2] if lat else None, "latency_max_s": lat[-1] if lat else None,
+            "rss_samples_kb": samples}
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    for name in ("requests", "concurrency", "max_new_tokens", "prompt_words"):
+        if getattr(a, name) < 1:
+            sys.exit(f"--{name.replace('_', '-')} must be at least 1")
+    t_start = time.monotonic()
+    deadline = t_start + a.deadline
+    ck = Path(a.checkpoint) if a.checkpoint else default_checkpoint()
+    n_warm = a.warmup_requests if a.warmup_requests is not None else 2 * a.concurrency
+    n_single = min(a.single_requests or a.requests, a.requests)
+    texts = prompts(a.data, a.requests, a.prompt_words, a.seed)
+    warm_texts = prompts(a.data, n_warm, a.prompt_words, a.seed + 1)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server(ck, a.max_batch_size, Path(tmp) / "server.log")
+        try:
+            server.wait_ready()
+            pid = server.proc.pid
+            rss_start = rss_kb(pid)
+            print(f"server pid {pid} on {server.url}: {ck} (RSS after load {rss_start / 1024:.1f} MiB)", flush=True)
+            run = lambda texts_, c, tick=None: asyncio.run(  # noqa: E731
+                drive(server.url, texts_, c, a.max_new_tokens, a.timeout, deadline, tick))
+            warm = run(warm_texts, a.concurrency) if n_warm else None
+            rss_warm = rss_kb(pid)
+            print(f"warm-up: {n_warm} requests at concurrency {a.concurrency} in {warm['seconds'] if warm else 0:.1f} s; "
+                  f"RSS {rss_warm / 1024:.1f} MiB", flush=True)
+            single = run(texts[:n_single], 1, lambda: rss_kb(pid))
+            print(f"single stream: {single['completed']}/{n_single} requests in {single['seconds']:.1f} s, "
+                  f"{single['tokens_per_s']:.2f} tokens/s", flush=True)
+            conc = run(texts, a.concurrency, lambda: rss_kb(pid))
+            rss_end = rss_kb(pid)
+            log_tail = server.log.read_text()[-2000:]
+        finally:
+            server.stop()
+
+    errors = (warm["errors"] if warm else 0) + single["errors"] + conc["errors"]
+    growth = 100.0 * (rss_end - rss_warm) / rss_warm
+    peak = max([rss_end, rss_warm, *single["rss_samples_kb"], *conc["rss_samples_kb"]])
+    ratio = conc["tokens_per_s"] / single["tokens_per_s"] if single["tokens_per_s"] else float("inf")
+    ok = {"errors": errors == 0, "rss_growth": growth < 5.0, "speedup": ratio >= 4.0}
+    mark = lambda good: "OK" if good else "MISSED"  # noqa: E731
+    lines = [
+        f"serve_load: {ck}, {a.requests} requests at concurrency {a.concurrency} "
+        f"(server max batch {a.max_batch_size or 8}), max_new_tokens {a.max_new_tokens}, {a.prompt_words}-word prompts; "
+        f"single stream over the first {n_single} of the same requests",
+        f"errors: {errors} (warm-up {warm['errors'] if warm else 0}, single {single['errors']}, concurrent {conc['errors']})"
+        f"  [target 0: {mark(ok['errors'])}]",
+        f"server RSS: after warm-up {rss_warm / 1024:.1f} MiB, end {rss_end / 1024:.1f} MiB, peak sampled {peak / 1024:.1f} MiB; "
+        f"growth {growth:+.2f}%  [target < 5%: {mark(ok['rss_growth'])}]",
+        f"single stream: {single['tokens']} tokens in {single['seconds']:.1f} s = {single['tokens_per_s']:.2f} tokens/s "
+        f"(p50 request {single['latency_p50_s'] or 0:.2f} s)",
+        f"concurrency {a.concurrency}: {conc['tokens']} tokens in {conc['seconds']:.1f} s = {conc['tokens_per_s']:.2f} tokens/s, "
+        f"{conc['requests_per_s']:.2f} requests/s (p50 request {conc['latency_p50_s'] or 0:.2f} s, max {conc['latency_max_s'] or 0:.2f} s)",
+        f"aggregate speed-up: {ratio:.2f}x  [target >= 4x: {mark(ok['speedup'])}]",
+        f"wall time {time.monotonic() - t_start:.0f} s",
+    ]
+    for e in (single["error_examples"] + conc["error_examples"])[:5]:
+        lines.append(f"  error: {e}")
+    if errors:
+        lines.append("server log tail:\n" + log_tail)
+    print("\n".join(lines), flush=True)
+    if a.json:
+        for r in (single, conc):
+            r["rss_samples_kb"] = r["rss_samples_kb"][-1000:]
+        Path(a.json).write_text(json.dumps({
+            "settings": vars(a), "checkpoint": str(ck), "warmup": warm, "single": single, "concurrent": conc,
+            "rss": {"after_load_kb": rss_start, "warm_kb": rss_warm, "end_kb": rss_end, "peak_sampled_kb": peak,
+                    "growth_pct": growth},
+            "speedup": ratio, "targets_met": ok}, indent=2))
+    return 1 if a.strict and not all(ok.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
