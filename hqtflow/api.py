@@ -5,13 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def load(path: str | Path, *, device: str = "cpu", verify: bool = True):
-    """Load an hqtflow FP8 checkpoint (schema and file hashes checked) -> (model, tokenizer)."""
+def load(path: str | Path, *, device: str = "cpu", verify: bool = True, backend: str = "auto"):
+    """Load an hqtflow FP8 checkpoint (schema and file hashes checked) -> (model, tokenizer).
+
+    `backend`: the FP8 matmul ("auto": the CPU kernel on CPU, `_scaled_mm` on FP8 GPUs; "qdq" is the reference)."""
     from hqtflow import models
     from hqtflow.formats.artifact import read_manifest
     from hqtflow.quantize.convert import load_checkpoint
+    from hqtflow.quantize.fp8_linear import set_backend
     from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION
 
     path = Path(path)
     read_manifest(path, CHECKPOINT_SCHEMA, SCHEMA_VERSION, verify=verify)
-    return load_checkpoint(path, device=device), models.load_tokenizer(path)
+    model = load_checkpoint(path, device=device)
+    set_backend(model, backend)
+    return model, models.load_tokenizer(path)

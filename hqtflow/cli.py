@@ -153,6 +153,9 @@ def quantize(
     typer.echo(summary(run_quantize(s)))
 
 
+Backend = Annotated[str, typer.Option(help="FP8 matmul: auto (CPU kernel / CUDA _scaled_mm), cpu, scaled_mm, or qdq (the reference).")]
+
+
 @app.command()
 @user_errors
 def generate(
@@ -160,15 +163,16 @@ def generate(
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="Prompt text.")] = "The capital of France is",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (greedy).")] = 32,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
+    backend: Backend = "auto",
 ) -> None:
-    """Greedy text generation from an FP8 checkpoint (QDQ runtime) or a bf16 model."""
+    """Greedy text generation from an FP8 checkpoint or a bf16 model."""
     import torch
 
     from hqtflow.evaluate import load_any
 
     if max_new_tokens < 1:
         raise HqtflowError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
-    m, tok, _ = load_any(model)
+    m, tok, _ = load_any(model, backend=backend)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt
     ids = tok(text, return_tensors="pt", add_special_tokens=not chat)
     with torch.inference_mode():
@@ -190,6 +194,7 @@ def eval_(
     ppl_file: Annotated[Optional[Path], typer.Option(help="Text for perplexity (e.g. ../shared/data/wikitext2_test.txt).")] = None,
     ppl_windows: Annotated[Optional[int], typer.Option(help="At most this many disjoint 512-token windows.")] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
+    backend: Backend = "auto",
 ) -> None:
     """lm-eval tasks and WikiText-2 perplexity of an FP8 model and its bf16 baseline, side by side."""
     from hqtflow.eval_run import run_eval
@@ -197,7 +202,8 @@ def eval_(
     typer.echo(run_eval(model, baseline=None if no_baseline else baseline, use_source=not no_baseline,
                         tasks=_csv(tasks) or (), include_path=tuple(map(str, include_path or ())),
                         data_dir=str(data_dir) if data_dir else None, limit=limit, batch_size=batch_size,
-                        ppl_file=str(ppl_file) if ppl_file else None, ppl_windows=ppl_windows, report=report))
+                        ppl_file=str(ppl_file) if ppl_file else None, ppl_windows=ppl_windows, report=report,
+                        backend=backend))
 
 
 @app.command()
@@ -293,7 +299,8 @@ app.add_typer(serve_app, name="serve")
 def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_tokens: int, max_total_tokens: int,
            max_batch_size: Optional[int], max_concurrent_requests: int, api_key: Optional[str],
            batch_bucket_size: Optional[int], prefill_batch_bucket_size: Optional[int],
-           pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool], measurement: Optional[Path] = None) -> None:
+           pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool], measurement: Optional[Path] = None,
+           backend: str = "auto") -> None:
     import os
 
     from hqtflow.runtime.server import ServeSettings, serve
@@ -311,7 +318,8 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
                              prefill_batch_bucket_size=env(prefill_batch_bucket_size, "PREFILL_BATCH_BUCKET_SIZE", 1),
                              pad_sequence_to_multiple_of=env(pad_sequence_to_multiple_of, "PAD_SEQUENCE_TO_MULTIPLE_OF", 1),
                              warmup=env(warmup, "WARMUP_ENABLED", False))
-    serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None)
+    serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
+          backend=backend)
 
 
 def _serve_command(kind: str, doc: str):
@@ -331,12 +339,13 @@ def _serve_command(kind: str, doc: str):
         pad_sequence_to_multiple_of: Annotated[Optional[int], typer.Option(help="Left-pad prompts to a multiple [env PAD_SEQUENCE_TO_MULTIPLE_OF, 1].")] = None,
         warmup: Annotated[Optional[bool], typer.Option("--warmup/--no-warmup", help="Run the bucketed shapes once; /health is 503 until done [env WARMUP_ENABLED].")] = None,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
+        backend: Backend = "auto",
     ) -> None:
         _serve(kind, model, host, port, max_input_tokens, max_total_tokens, max_batch_size, max_concurrent_requests, api_key,
-               batch_bucket_size, prefill_batch_bucket_size, pad_sequence_to_multiple_of, warmup, measurement)
+               batch_bucket_size, prefill_batch_bucket_size, pad_sequence_to_multiple_of, warmup, measurement, backend)
 
 
-_serve_command("fp8", "Serve an FP8 checkpoint (QDQ runtime) with continuous batching.")
+_serve_command("fp8", "Serve an FP8 checkpoint with continuous batching.")
 _serve_command("bf16", "Serve a bf16 model with continuous batching.")
 
 
@@ -352,13 +361,14 @@ def bench(
     warmup: Annotated[int, typer.Option(help="Untimed runs per batch size and model first.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every figure as JSON here.")] = None,
+    backend: Backend = "auto",
 ) -> None:
     """Prefill/decode latency and throughput per batch size through the serving engine, FP8 vs bf16 side by side (text-generation-benchmark style)."""
     from hqtflow.runtime.bench import BenchSettings, parse_batch_sizes, run_bench
 
     settings = BenchSettings(batch_sizes=parse_batch_sizes(batch_sizes), prompt_length=prompt_length,
                              decode_length=decode_length, runs=runs, warmup=warmup, seed=seed)
-    typer.echo(run_bench(model, baseline=baseline, settings=settings, json_path=json_out,
+    typer.echo(run_bench(model, baseline=baseline, settings=settings, json_path=json_out, backend=backend,
                          echo=lambda m: typer.echo(m, err=True)))
 
 

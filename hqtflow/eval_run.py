@@ -21,7 +21,7 @@ def source_model(checkpoint: str | None) -> str | None:
 
 def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks: tuple[str, ...],
              include_path: tuple[str, ...], data_dir: str | None, limit: int | None, batch_size: int,
-             ppl_file: str | None, ppl_windows: int | None, report: Path | None) -> str:
+             ppl_file: str | None, ppl_windows: int | None, report: Path | None, backend: str = "auto") -> str:
     from hqtflow import lmeval
     from hqtflow.evaluate import EvalSettings, comparison_rows, evaluate, format_table, load_any
 
@@ -48,7 +48,7 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     if base_ref:
         candidates["bf16"] = base_ref
     results, paths = {}, {}
-    m, tok, kind = load_any(model)
+    m, tok, kind = load_any(model, backend=backend)
     name = "fp8" if kind == "fp8" else kind
     names = list(candidates) + [name if name not in candidates else f"{name}-model"]
     for n in candidates:

@@ -24,8 +24,9 @@ class EvalSettings:
     ppl_windows: int | None = None  # at most this many windows (None: the whole file)
 
 
-def load_any(ref: str | None, dtype: str = "bf16"):
-    """(model, tokenizer, kind): an hqtflow/compressed-tensors FP8 checkpoint, or a plain HF model."""
+def load_any(ref: str | None, dtype: str = "bf16", backend: str = "auto"):
+    """(model, tokenizer, kind): an hqtflow/compressed-tensors FP8 checkpoint (its FP8 layers on `backend`), or a
+    plain HF model."""
     import json
 
     from hqtflow import models
@@ -34,13 +35,15 @@ def load_any(ref: str | None, dtype: str = "bf16"):
     cfg = json.loads((path / "config.json").read_text())
     if (cfg.get("quantization_config") or {}).get("quant_method") in ("compressed-tensors", "fp8"):
         from hqtflow.quantize.convert import load_checkpoint
+        from hqtflow.quantize.fp8_linear import set_backend
 
         if (path / "hqtflow_manifest.json").exists():
             from hqtflow.api import load
 
-            model, tok = load(path)
+            model, tok = load(path, backend=backend)
         else:
             model, tok = load_checkpoint(path), models.load_tokenizer(path)
+            set_backend(model, backend)
         return model, tok, "fp8"
     return models.load_model(path, dtype), models.load_tokenizer(path), dtype
 

@@ -11,9 +11,16 @@ scale = tensor maxabs / F per call, "dynamic_group": per token and per `group_si
 weights (`block_size` (b0, b1): weight_scale [ceil(out/b0), ceil(in/b1)], each scale applies to its block).
 Dynamic scales are computed in float32. The static path is unchanged.
 
-Backends (`set_backend`): "qdq" (the reference, any layout) and "scaled_mm" (`torch._scaled_mm`: a real FP8 GEMM
-with fp32 accumulation on CUDA compute capability >= 8.9; it also runs, slowly, on CPU, which lets CI check its
-layout and numerics) for static per-tensor activations with per-tensor weights.
+Backends (`set_backend`):
+- "qdq": the reference, any layout, any device.
+- "cpu": hqtflow's CPU kernel (`cpu_kernel.py`): the FP8 weight stays FP8 in memory and is widened in registers;
+  static, dynamic or no activation quantization, per-tensor or per-channel weights. Same arithmetic as "qdq"
+  (input QDQ bit-identical; products exact, sums in fp32 in another order).
+- "scaled_mm": `torch._scaled_mm`, a real FP8 GEMM with fp32 accumulation on CUDA compute capability >= 8.9 (it
+  also runs, slowly, on CPU, which lets CI check its layout and numerics); static per-tensor activations and
+  per-tensor weights.
+- "auto": "scaled_mm" on a CUDA GPU with FP8 tensor cores, "cpu" on CPU when the kernel builds, else "qdq".
+Layers a backend cannot run keep "qdq".
 """
 
 from __future__ import annotations
@@ -21,11 +28,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hqtflow.errors import ConfigError
 from hqtflow.scales import FP8_DTYPES, dequantize, quantize
 
 
 ACTIVATION_MODES = ("static", "dynamic_token", "dynamic_tensor", "dynamic_group", None)
-BACKENDS = ("qdq", "scaled_mm")
+BACKENDS = ("qdq", "cpu", "scaled_mm")
 
 
 class FP8Linear(nn.Module):
@@ -96,8 +104,21 @@ class FP8Linear(nn.Module):
         scale = (amax / F).clamp(min=1e-12)
         return dequantize(quantize(xf, scale, self.fp8), scale, self.hp_dtype)
 
-    def supports_scaled_mm(self) -> bool:
-        return self.activation == "static" and self.block_size is None and not self.per_channel
+    def supports(self, backend: str) -> bool:
+        if backend == "qdq":
+            return True
+        if backend == "scaled_mm":
+            return self.activation == "static" and self.block_size is None and not self.per_channel
+        if backend == "cpu":
+            return (self.weight.device.type == "cpu" and self.block_size is None
+                    and self.activation in ("static", "dynamic_token", "dynamic_tensor", None))
+        return False
+
+    def _cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation not in ("static", None):
+            x = self._dynamic_qdq(x)
+        return torch.ops.hqtflow.fp8_linear(x.to(self.hp_dtype), self.weight, self.weight_scale, self.input_scale,
+                                            self.bias)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x_fp8 [M, K] (row-major) @ W_fp8^T (a column-major view of the stored [N, K]), scaled in fp32."""
@@ -108,6 +129,8 @@ class FP8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "cpu":
+            return self._cpu(x)
         if self.backend == "scaled_mm":
             return self._scaled_mm(x)
         if self.input_scale is not None:
@@ -123,17 +146,45 @@ class FP8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {self.fp8} {gran} weights, {mode}, bias={self.bias is not None}"
 
 
-def set_backend(model: nn.Module, backend: str) -> int:
-    """Switch every FP8Linear of `model` to `backend`; returns how many switched.
+class BackendError(ConfigError, ValueError):
+    """An FP8 backend that does not exist or cannot run here."""
 
-    "scaled_mm" applies to static per-tensor layers; others keep the reference path (and are counted out).
-    """
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """"auto" -> the fastest backend for `device`; other names are checked and returned."""
+    device = torch.device(device)
+    if backend == "auto":
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+            return "scaled_mm"
+        if device.type == "cpu":
+            from hqtflow.quantize import cpu_kernel
+
+            return "cpu" if cpu_kernel.available() else "qdq"
+        return "qdq"
     if backend not in BACKENDS:
-        raise ValueError(f"Unknown FP8 backend {backend!r}; valid values are {', '.join(BACKENDS)}.")
+        raise BackendError(f"Unknown FP8 backend {backend!r}; valid values are auto, {', '.join(BACKENDS)}.")
+    if backend == "cpu":
+        from hqtflow.quantize import cpu_kernel
+
+        if not cpu_kernel.available():
+            raise BackendError(f"The CPU FP8 kernel could not be built here ({cpu_kernel.build_error()}); "
+                             "use --backend qdq.")
+    return backend
+
+
+def set_backend(model: nn.Module, backend: str) -> int:
+    """Switch every FP8Linear of `model` to `backend` ("auto" picks per device); returns how many switched.
+
+    Layers the backend cannot run keep the reference path (and are counted out).
+    """
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    if backend == "auto" and layers:
+        backend = resolve_backend("auto", layers[0].weight.device)
+    elif backend != "auto":
+        backend = resolve_backend(backend, "cpu")
     n = 0
-    for mod in model.modules():
-        if isinstance(mod, FP8Linear):
-            use = backend == "qdq" or mod.supports_scaled_mm()
-            mod.backend = backend if use else "qdq"
-            n += use
+    for mod in layers:
+        use = mod.supports(backend)
+        mod.backend = backend if use else "qdq"
+        n += use
     return n

@@ -357,7 +357,7 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
 
 
 def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 3000, kind: str = "bf16",
-          measurement: str | None = None) -> None:
+          measurement: str | None = None, backend: str = "auto") -> None:
     """Load MODEL (`kind` "fp8": an FP8 checkpoint, or a bf16 model quantized at start from `measurement`, like TGI
     with QUANT_CONFIG; "bf16": a plain model) and serve it until interrupted. Artifacts are checked before binding."""
     import uvicorn
@@ -370,11 +370,14 @@ def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.
             raise HqtflowError("--measurement quantizes at start: use it with `hqtflow serve fp8`.")
         from hqtflow.quantize.run import QuantizeSettings, quantize_in_memory
 
+        from hqtflow.quantize.fp8_linear import set_backend
+
         model, tok = quantize_in_memory(QuantizeSettings(measurement=measurement, output="-", model=model_ref))
+        set_backend(model, backend)
         settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
         uvicorn.run(create_app(model, tok, settings), host=host, port=port, log_level="info")
         return
-    model, tok, loaded = load_any(model_ref, "bf16")
+    model, tok, loaded = load_any(model_ref, "bf16", backend=backend)
     if (loaded == "fp8") != (kind == "fp8"):
         raise HqtflowError(f"{model_ref or 'the default model'} is {'an FP8 checkpoint' if loaded == 'fp8' else 'not an FP8 checkpoint'}; "
                            f"use `hqtflow serve {'fp8' if loaded == 'fp8' else 'bf16'}`.")
