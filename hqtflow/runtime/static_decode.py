@@ -1,0 +1,82 @@
+"""Greedy decoding with a static KV cache and an optionally compiled decode step, the way gpt-fast does it.
+
+The KV cache is transformers' `StaticCache` (preallocated [batch, heads, max_length, head_dim] per layer, written
+in place), so every decode step has the same shapes and no per-token allocation; the step (model forward + argmax)
+can then be compiled once with `torch.compile(dynamic=False)`, which removes the per-token Python and dispatch
+overhead. FP8 layers run whatever backend they are set to (`set_backend`): the CPU kernel and `_scaled_mm` are
+both traceable ops. Compiled artifacts persist in `$HQTFLOW_CACHE/inductor`, so only the first run compiles.
+
+Prompts in a batch have the same length (no padding); this engine is for latency and throughput measurement and
+`hqtflow generate`, the server's continuous batching lives in `engine.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DecodeResult:
+    tokens: torch.Tensor                    # [batch, new tokens]
+    prefill_s: float                        # the prompt's forward (and first token)
+    step_s: list[float] = field(default_factory=list)  # each later decode step
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.tokens.shape[0] * len(self.step_s) / sum(self.step_s) if self.step_s else float("nan")
+
+
+def use_persistent_compile_cache() -> None:
+    """Point inductor's on-disk cache (torch's documented TORCHINDUCTOR_CACHE_DIR) into hqtflow's cache."""
+    from hqtflow.models import cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
+class StaticDecoder:
+    def __init__(self, model, *, max_length: int = 512, compile: bool = False):
+        self.model, self.max_length, self.compiled = model, max_length, compile
+        self.device = next(model.parameters()).device
+        self._caches: dict[int, object] = {}
+        self._step = self._decode_step
+        if compile:
+            use_persistent_compile_cache()
+            self._step = torch.compile(self._decode_step, dynamic=False)
+
+    def _cache(self, batch: int):
+        from transformers import StaticCache
+
+        cache = self._caches.get(batch)
+        if cache is None:
+            cache = self._caches[batch] = StaticCache(config=self.model.config, max_cache_len=self.max_length)
+        else:
+            cache.reset()
+        return cache
+
+    def _decode_step(self, tokens: torch.Tensor, position: torch.Tensor, cache) -> torch.Tensor:
+        logits = self.model(input_ids=tokens, past_key_values=cache, cache_position=position, use_cache=True).logits
+        return logits[:, -1].argmax(-1, keepdim=True)
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> DecodeResult:
+        """Greedy: `max_new_tokens` tokens for each row of `input_ids` [batch, prompt] (no early stop)."""
+        b, n = input_ids.shape
+        if n + max_new_tokens > self.max_length:
+            raise ValueError(f"prompt ({n}) + new tokens ({max_new_tokens}) exceed the cache ({self.max_length})")
+        cache = self._cache(b)
+        ids = input_ids.to(self.device)
+        t = time.perf_counter()
+        tok = self._decode_step(ids, torch.arange(n, device=self.device), cache)
+        out = [tok]
+        prefill = time.perf_counter() - t
+        steps = []
+        for i in range(max_new_tokens - 1):
+            t = time.perf_counter()
+            tok = self._step(tok, torch.tensor([n + i], device=self.device), cache).clone()
+            steps.append(time.perf_counter() - t)
+            out.append(tok)
+        return DecodeResult(torch.cat(out, dim=1), prefill, steps)
