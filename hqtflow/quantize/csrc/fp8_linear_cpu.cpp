@@ -246,12 +246,11 @@ void gemv_chunk(const Problem& p, int64_t m0, int64_t mb, int64_t n0, int64_t n1
   }
 }
 
-void gemv(const Problem& p) {
+// Output columns [n0, n1) for all rows (one thread's share).
+void gemv(const Problem& p, int64_t n0, int64_t n1) {
   const int64_t elem = p.bf16 ? 2 : 4;
   const int64_t kb = std::max<int64_t>(256, kL1Bytes / (elem * std::min<int64_t>(p.M, 8)) / 64 * 64);
-  at::parallel_for(0, p.N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < p.M; m0 += 8) gemv_chunk(p, m0, std::min<int64_t>(8, p.M - m0), n0, n1, kb);
-  });
+  for (int64_t m0 = 0; m0 < p.M; m0 += 8) gemv_chunk(p, m0, std::min<int64_t>(8, p.M - m0), n0, n1, kb);
 }
 
 // ---- the input: QDQ with the static scale, in the layout the GEMV wants --------------------------------------
@@ -313,33 +312,75 @@ void qdq_row(const float* x, int64_t n, float s, bool e4m3, at::ScalarType hp, f
   }
 }
 
-// The GEMV's input: fp32 [M, K] (fp32 path) or bf16 [M, K] in widen64's order (bf16 path).
-at::Tensor prepare_input(const at::Tensor& x2d, const c10::optional<at::Tensor>& input_scale, bool e4m3, bool bf16) {
-  const int64_t M = x2d.size(0), K = x2d.size(1);
-  at::Tensor xf = x2d.to(at::kFloat).contiguous();
-  if (input_scale.has_value()) {
-    const float s = input_scale->to(at::kFloat).item<float>();
-    float* p = xf.data_ptr<float>();
-    at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
-      for (int64_t m = b; m < e; ++m) qdq_row(p + m * K, K, s, e4m3, x2d.scalar_type(), p + m * K);
-    });
+// Small tensors (scales, bias, input rows) read as float straight from their storage: no ATen op per call.
+inline float load_float(const void* p, at::ScalarType t, int64_t i) {
+  switch (t) {
+    case at::kFloat: return static_cast<const float*>(p)[i];
+    case at::kBFloat16: return static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]);
+    case at::kHalf: return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+    default: TORCH_CHECK(false, "fp8_linear: unsupported dtype ", t);
   }
-  if (!bf16) return xf;
+}
+
+std::vector<float> floats_of(const at::Tensor& t) {
+  at::Tensor c = t.is_contiguous() ? t : t.contiguous();
+  std::vector<float> v(c.numel());
+  for (int64_t i = 0; i < c.numel(); ++i) v[i] = load_float(c.data_ptr(), c.scalar_type(), i);
+  return v;
+}
+
+// The GEMV's input, from x [M, K] (contiguous): QDQ'd with the static scale when there is one, as fp32 [M, K]
+// (fp32 path) or as bf16 [M, K] in widen64's order (bf16 path; the values are bf16 already, so exactly).
+struct Input {
+  std::vector<float> f32;
+  std::vector<uint16_t> bf16;
+  const void* data() const { return bf16.empty() ? static_cast<const void*>(f32.data()) : bf16.data(); }
+};
+
+template <typename T>
+void to_float(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+Input prepare_input(const at::Tensor& x2d, const c10::optional<at::Tensor>& input_scale, bool e4m3, bool bf16) {
+  const int64_t M = x2d.size(0), K = x2d.size(1);
+  const auto hp = x2d.scalar_type();
+  Input in;
 #if HQT_BF16
-  at::Tensor xb = at::empty({M, K}, x2d.options().dtype(at::kBFloat16));
-  const float* src = xf.data_ptr<float>();
-  uint16_t* dst = reinterpret_cast<uint16_t*>(xb.data_ptr());
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k0 = 0; k0 < K; k0 += 64)
-      for (int64_t j = 0; j < 64; ++j) {
-        uint32_t u;
-        std::memcpy(&u, src + m * K + k0 + permuted_source(j), 4);
-        dst[m * K + k0 + j] = static_cast<uint16_t>(u >> 16);  // exact: the values are bf16 already
-      }
-  return xb;
-#else
-  return xf;
+  static const std::array<int, 64> order = [] {
+    std::array<int, 64> o{};
+    for (int j = 0; j < 64; ++j) o[j] = static_cast<int>(permuted_source(j));
+    return o;
+  }();
+  if (bf16 && !input_scale.has_value()) {  // weight-only: the bf16 input is only reordered
+    const uint16_t* src = static_cast<const uint16_t*>(x2d.data_ptr());
+    in.bf16.resize(M * K);
+    for (int64_t i = 0; i < M * K; i += 64)
+      for (int j = 0; j < 64; ++j) in.bf16[i + j] = src[i + order[j]];
+    return in;
+  }
 #endif
+  in.f32.resize(M * K);
+  switch (hp) {
+    case at::kBFloat16: to_float(x2d.data_ptr<c10::BFloat16>(), M * K, in.f32.data()); break;
+    case at::kHalf: to_float(x2d.data_ptr<c10::Half>(), M * K, in.f32.data()); break;
+    case at::kFloat: std::memcpy(in.f32.data(), x2d.data_ptr<float>(), M * K * 4); break;
+    default: TORCH_CHECK(false, "fp8_linear: unsupported input dtype ", hp);
+  }
+  if (input_scale.has_value()) {
+    const float s = load_float(input_scale->data_ptr(), input_scale->scalar_type(), 0);
+    qdq_row(in.f32.data(), M * K, s, e4m3, hp, in.f32.data());  // elementwise: rows need no separate calls
+  }
+#if HQT_BF16
+  if (bf16) {
+    in.bf16.resize(M * K);
+    const uint32_t* u = reinterpret_cast<const uint32_t*>(in.f32.data());
+    for (int64_t i = 0; i < M * K; i += 64)
+      for (int j = 0; j < 64; ++j) in.bf16[i + j] = static_cast<uint16_t>(u[i + order[j]] >> 16);  // exact
+    in.f32.clear();
+  }
+#endif
+  return in;
 }
 
 // Weight rows [n0, n1) widened and scaled (fp32).
@@ -409,15 +450,18 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const auto hp = x.scalar_type();
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
-  at::Tensor x2d = x.reshape({-1, K});
+  at::Tensor x2d = x.reshape({-1, K}).contiguous();
   const int64_t M = x2d.size(0);
-  at::Tensor sc = weight_scale.to(at::kFloat).contiguous().reshape({-1});
-  const bool per_channel = sc.numel() > 1;
-  TORCH_CHECK(!per_channel || sc.numel() == N, "fp8_linear: weight_scale must have 1 or ", N, " values");
+  const std::vector<float> sc = floats_of(weight_scale);
+  const bool per_channel = sc.size() > 1;
+  TORCH_CHECK(!per_channel || static_cast<int64_t>(sc.size()) == N, "fp8_linear: weight_scale must have 1 or ", N, " values");
 
   if (M > kGemvMaxM) {  // prefill: GEMM on the widened weight (compute-bound; widening is a small share)
     at::Tensor xin = x2d;
-    if (input_scale.has_value()) xin = prepare_input(x2d, input_scale, e4m3, false).to(hp);
+    if (input_scale.has_value()) {
+      Input in = prepare_input(x2d, input_scale, e4m3, false);
+      xin = at::from_blob(in.f32.data(), {M, K}, at::kFloat).to(hp);
+    }
     at::Tensor wd = fp8_dequantize(w, weight_scale, hp);
     at::Tensor y = bias.has_value() ? at::addmm(bias->to(hp), xin, wd.t()) : at::mm(xin, wd.t());
     return y.reshape(out_shape);
@@ -428,13 +472,25 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 #else
   const bool bf16 = false;
 #endif
-  at::Tensor xin = prepare_input(x2d, input_scale, e4m3, bf16);
-  at::Tensor yf = at::empty({M, N}, x.options().dtype(at::kFloat));
-  gemv(Problem{xin.data_ptr(), reinterpret_cast<const uint8_t*>(w.data_ptr()), yf.data_ptr<float>(), M, N, K, e4m3, bf16});
+  const Input in = prepare_input(x2d, input_scale, e4m3, bf16);
+  std::vector<float> acc(M * N);
+  const std::vector<float> b = bias.has_value() ? floats_of(*bias) : std::vector<float>();
+  at::Tensor out = at::empty({M, N}, x.options());
+  void* op = out.data_ptr();
   const float factor = (e4m3 && !bf16) ? 256.f : 1.f;  // the fp32 path widens E4M3 to value * 2^-8
-  yf.mul_(per_channel ? (sc * factor).reshape({1, N}) : sc * factor);
-  if (bias.has_value()) yf.add_(bias->to(at::kFloat));
-  return yf.to(hp).reshape(out_shape);
+  const Problem p{in.data(), reinterpret_cast<const uint8_t*>(w.data_ptr()), acc.data(), M, N, K, e4m3, bf16};
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    gemv(p, n0, n1);
+    for (int64_t m = 0; m < M; ++m)  // epilogue: scale, bias, cast; one rounding to the output dtype
+      for (int64_t n = n0; n < n1; ++n) {
+        float v = acc[m * N + n] * (per_channel ? sc[n] : sc[0]) * factor;
+        if (!b.empty()) v += b[n];
+        if (hp == at::kBFloat16) static_cast<c10::BFloat16*>(op)[m * N + n] = c10::BFloat16(v);
+        else if (hp == at::kHalf) static_cast<c10::Half*>(op)[m * N + n] = c10::Half(v);
+        else static_cast<float*>(op)[m * N + n] = v;
+      }
+  });
+  return out.reshape(out_shape);
 }
 
 // The reference QDQ of a row, exposed for tests of the vector rounding against torch's casts.

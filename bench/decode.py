@@ -1,0 +1,152 @@
+"""SmolLM2 decode tokens/s at batch 1 and 8: FP8 vs bf16 through the same engine, vs plain transformers `generate`
+in bf16 (what users run today), and vs Neural Compressor's CPU FP8 - all measured in this run.
+
+Engines: hqtflow's static-KV decoder (`hqtflow/runtime/static_decode.py`) eager and with its decode step compiled
+(`torch.compile`, inductor cache in $HQTFLOW_CACHE/inductor); transformers' `generate` (DynamicCache). FP8 runs
+the CPU kernel (`--backend`, default auto). Neural Compressor converts the bf16 model from the same measurement
+(QUANTIZE, maxabs_pow2, `use_qdq=True`, the only CPU mode it has) and runs through the same eager static decoder.
+Decode tokens/s = batch * (new tokens - 1) / time of the decode steps (the prompt's forward excluded), median of
+`--runs`. Targets from the issue: FP8 >= bf16 through the same engine (aim 1.3x), >= 5x Neural Compressor. A
+`--profile` (or any missed target) prints where an FP8 decode step spends its time.
+
+    make demo   # makes out/smollm2/measure and out/smollm2/fp8
+    python bench/decode.py [--checkpoint out/smollm2/fp8] [--measurement out/smollm2/measure] [--batch-sizes 1,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from hqtflow import models  # noqa: E402
+from hqtflow.eval_run import source_model  # noqa: E402
+from hqtflow.evaluate import load_any  # noqa: E402
+from hqtflow.runtime.static_decode import StaticDecoder  # noqa: E402
+
+
+def hf_generate_tps(model, ids: torch.Tensor, new_tokens: int) -> float:
+    """transformers `generate`, greedy, exactly `new_tokens`: decode tokens/s with the prompt's forward excluded."""
+    kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    t = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+    return ids.shape[0] * (new_tokens - 1) / max(time.perf_counter() - t - prefill, 1e-9)
+
+
+def inc_model(bf16_path: Path, measurement: Path, work: Path):
+    """Neural Compressor's CPU FP8 (QDQ) model from hqtflow's measurement (INC reads its files as they are)."""
+    from neural_compressor.torch.quantization import FP8Config, convert
+
+    shutil.copytree(measurement, work)  # INC writes its scale file next to the measurement: use a copy
+    cfg = json.loads((work / "quant_config.json").read_text())
+    cfg.update(dump_stats_path=str(work / Path(cfg["dump_stats_path"]).name), scale_method="maxabs_pow2", use_qdq=True)
+    return convert(models.load_model(bf16_path, "bf16"), FP8Config(**cfg))
+
+
+def profile_step(decoder: StaticDecoder, ids: torch.Tensor, top: int = 12) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    decoder.generate(ids, 4)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        decoder.generate(ids, 9)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=str(ROOT / "out" / "smollm2" / "fp8"))
+    p.add_argument("--measurement", default=str(ROOT / "out" / "smollm2" / "measure"), help="for Neural Compressor")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--prompt-length", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled engine (compiling takes ~1 min once)")
+    p.add_argument("--no-inc", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    ckpt = Path(a.checkpoint)
+    if not (ckpt / "hqtflow_manifest.json").is_file():
+        sys.exit(f"No FP8 checkpoint at {ckpt}: run `make demo` (or pass --checkpoint).")
+    bf16_path = models.resolve_model(source_model(str(ckpt)))
+    fp8, tok, _ = load_any(str(ckpt), backend=a.backend)
+    bf16 = models.load_model(bf16_path, "bf16")
+    backend = next((m.backend for m in fp8.modules() if hasattr(m, "backend")), "?")
+    batches = [int(b) for b in a.batch_sizes.split(",")]
+    max_len = a.prompt_length + a.new_tokens
+    print(f"model {bf16_path.name}; FP8 {ckpt} (backend {backend}); prompt {a.prompt_length}, {a.new_tokens} new tokens, "
+          f"greedy; threads {torch.get_num_threads()}; median of {a.runs} runs")
+
+    engines = {"bf16 transformers generate": None,
+               "bf16 static": StaticDecoder(bf16, max_length=max_len),
+               "fp8 static": StaticDecoder(fp8, max_length=max_len)}
+    if not a.no_compile:
+        engines["bf16 static compiled"] = StaticDecoder(bf16, max_length=max_len, compile=True)
+        engines["fp8 static compiled"] = StaticDecoder(fp8, max_length=max_len, compile=True)
+    tmp = tempfile.TemporaryDirectory()
+    if not a.no_inc:
+        try:
+            engines["INC fp8 (QDQ) static"] = StaticDecoder(inc_model(bf16_path, Path(a.measurement), Path(tmp.name) / "m"),
+                                                            max_length=max_len)
+        except Exception as e:  # noqa: BLE001 - report, measure the rest
+            print(f"Neural Compressor unavailable ({type(e).__name__}: {e}); no INC column")
+
+    results: dict[str, dict[int, float]] = {name: {} for name in engines}
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for b in batches:
+            ids = torch.randint(100, bf16.config.vocab_size - 100, (b, a.prompt_length), generator=gen)
+            runs: dict[str, list[float]] = {name: [] for name in engines}
+            for name, eng in engines.items():  # warm-up (and compile) outside the timed runs
+                t = time.perf_counter()
+                hf_generate_tps(bf16, ids, 4) if eng is None else eng.generate(ids, 4)
+                if "compiled" in name:
+                    print(f"  {name} batch {b}: first call (compile or cache load) {time.perf_counter() - t:.1f} s", flush=True)
+            for _ in range(a.runs):  # engines interleaved run by run, so drift hits all alike
+                for name, eng in engines.items():
+                    runs[name].append(hf_generate_tps(bf16, ids, a.new_tokens) if eng is None
+                                      else eng.generate(ids, a.new_tokens).decode_tokens_per_s)
+            for name in engines:
+                results[name][b] = statistics.median(runs[name])
+
+    print(f"\n{'engine':30}" + "".join(f"{f'batch {b} tok/s':>16}" for b in batches))
+    for name, r in results.items():
+        print(f"{name:30}" + "".join(f"{r[b]:>16.1f}" for b in batches))
+    ratios = [("fp8 static / bf16 static (same engine)", "fp8 static", "bf16 static", 1.0),
+              ("fp8 compiled / bf16 compiled (same engine)", "fp8 static compiled", "bf16 static compiled", 1.0),
+              ("fp8 compiled / bf16 transformers generate", "fp8 static compiled", "bf16 transformers generate", None),
+              ("fp8 static / bf16 transformers generate", "fp8 static", "bf16 transformers generate", None),
+              ("fp8 static / INC fp8 (same engine)", "fp8 static", "INC fp8 (QDQ) static", 5.0),
+              ("fp8 compiled / INC fp8", "fp8 static compiled", "INC fp8 (QDQ) static", 5.0)]
+    print()
+    missed = False
+    for label, num, den, target in ratios:
+        if num in results and den in results:
+            vals = [results[num][b] / results[den][b] for b in batches]
+            verdict = "" if target is None else ("  target >= %.0fx: %s" % (target, "met" if min(vals) >= target else "NOT met"))
+            missed |= target is not None and min(vals) < target
+            print(f"{label:45}" + "".join(f"{f'b{b} {v:.2f}x':>12}" for b, v in zip(batches, vals)) + verdict)
+    if a.profile or missed:
+        print(f"\nwhere an FP8 decode step's time goes (eager static engine, batch {batches[0]}, 8 steps):")
+        ids = torch.randint(100, 1000, (batches[0], a.prompt_length), generator=gen)
+        with torch.inference_mode():
+            print(profile_step(engines["fp8 static"], ids))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"results": results, "args": vars(a)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
