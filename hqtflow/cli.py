@@ -164,6 +164,7 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (greedy).")] = 32,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
     backend: Backend = "auto",
+    engine: Annotated[str, typer.Option(help="transformers (generate), static (static KV cache) or compiled (static + torch.compile'd decode step).")] = "transformers",
 ) -> None:
     """Greedy text generation from an FP8 checkpoint or a bf16 model."""
     import torch
@@ -172,12 +173,21 @@ def generate(
 
     if max_new_tokens < 1:
         raise HqtflowError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
+    if engine not in ("transformers", "static", "compiled"):
+        raise HqtflowError(f"Unknown --engine {engine!r}; valid values are transformers, static, compiled.")
     m, tok, _ = load_any(model, backend=backend)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt
     ids = tok(text, return_tensors="pt", add_special_tokens=not chat)
     with torch.inference_mode():
-        out = m.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-    typer.echo(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+        if engine == "transformers":
+            new = m.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)[0, ids["input_ids"].shape[1]:]
+        else:
+            from hqtflow.runtime.static_decode import StaticDecoder
+
+            n = ids["input_ids"].shape[1]
+            dec = StaticDecoder(m, max_length=n + max_new_tokens, compile=engine == "compiled")
+            new = dec.generate(ids["input_ids"], max_new_tokens, eos_token_id=tok.eos_token_id).tokens[0]
+    typer.echo(tok.decode(new, skip_special_tokens=True))
 
 
 @app.command("eval")
@@ -297,7 +307,7 @@ app.add_typer(serve_app, name="serve")
 
 
 def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_tokens: int, max_total_tokens: int,
-           max_batch_size: Optional[int], max_concurrent_requests: int, api_key: Optional[str],
+           max_batch_size: Optional[int], max_batch_prefill_tokens: int, max_concurrent_requests: int, api_key: Optional[str],
            batch_bucket_size: Optional[int], prefill_batch_bucket_size: Optional[int],
            pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool], measurement: Optional[Path] = None,
            backend: str = "auto") -> None:
@@ -311,8 +321,11 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
 
     if max_input_tokens >= max_total_tokens:
         raise HqtflowError(f"--max-input-tokens ({max_input_tokens}) must be less than --max-total-tokens ({max_total_tokens}).")
+    if max_batch_prefill_tokens < max_input_tokens:
+        raise HqtflowError(f"--max-batch-prefill-tokens ({max_batch_prefill_tokens}) must be at least --max-input-tokens ({max_input_tokens}).")
     settings = ServeSettings(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
                              max_batch_size=env(max_batch_size, "MAX_BATCH_SIZE", 8), max_concurrent_requests=max_concurrent_requests,
+                             max_batch_prefill_tokens=max_batch_prefill_tokens,
                              api_key=api_key or os.environ.get("HQTFLOW_API_KEY") or None,
                              batch_bucket_size=env(batch_bucket_size, "BATCH_BUCKET_SIZE", 1),
                              prefill_batch_bucket_size=env(prefill_batch_bucket_size, "PREFILL_BATCH_BUCKET_SIZE", 1),
@@ -332,16 +345,18 @@ def _serve_command(kind: str, doc: str):
         max_input_tokens: Annotated[int, typer.Option(help="Longest prompt accepted (422 above).")] = 4095,
         max_total_tokens: Annotated[int, typer.Option(help="Prompt + max_new_tokens limit (422 above).")] = 4096,
         max_batch_size: Annotated[Optional[int], typer.Option(help="Requests decoded together [env MAX_BATCH_SIZE, 8].")] = None,
+        max_batch_prefill_tokens: Annotated[int, typer.Option(help="Padded prompt tokens prefilled together in one step (TGI's flag).")] = 4096,
         max_concurrent_requests: Annotated[int, typer.Option(help="Requests in flight before 429.")] = 128,
         api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` [env HQTFLOW_API_KEY].")] = None,
         batch_bucket_size: Annotated[Optional[int], typer.Option(help="Round the decode batch up to a multiple [env BATCH_BUCKET_SIZE, 1].")] = None,
-        prefill_batch_bucket_size: Annotated[Optional[int], typer.Option(help="Accepted for TGI-Gaudi parity; prefill runs one request [env PREFILL_BATCH_BUCKET_SIZE].")] = None,
+        prefill_batch_bucket_size: Annotated[Optional[int], typer.Option(help="Round the prefill batch up to a multiple [env PREFILL_BATCH_BUCKET_SIZE, 1].")] = None,
         pad_sequence_to_multiple_of: Annotated[Optional[int], typer.Option(help="Left-pad prompts to a multiple [env PAD_SEQUENCE_TO_MULTIPLE_OF, 1].")] = None,
         warmup: Annotated[Optional[bool], typer.Option("--warmup/--no-warmup", help="Run the bucketed shapes once; /health is 503 until done [env WARMUP_ENABLED].")] = None,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
         backend: Backend = "auto",
     ) -> None:
-        _serve(kind, model, host, port, max_input_tokens, max_total_tokens, max_batch_size, max_concurrent_requests, api_key,
+        _serve(kind, model, host, port, max_input_tokens, max_total_tokens, max_batch_size, max_batch_prefill_tokens,
+               max_concurrent_requests, api_key,
                batch_bucket_size, prefill_batch_bucket_size, pad_sequence_to_multiple_of, warmup, measurement, backend)
 
 

@@ -154,3 +154,20 @@ def test_cpu_kernel_under_torch_compile(cpu_kernel_loaded):
         eager = mod(x[:, :1])
         compiled = torch.compile(mod, fullgraph=True)(x[:, :1])
     assert torch.equal(eager, compiled)
+
+
+@pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kernel_weight_quantize_is_the_reference(cpu_kernel_loaded, fp8, dtype):
+    """`quantize_weight` (used by from_linear and --disk-offload) gives the reference's FP8 bytes exactly."""
+    from hqtflow.scales import quantize
+
+    torch.manual_seed(4)
+    w = torch.randn(37, 300) * torch.logspace(-6, 3, 300)
+    w[0, :5] = torch.tensor([0.0, -0.0, 1e9, -1e9, 1e-30])
+    w = w.to(dtype)
+    for scale in (torch.tensor([0.013]), w.float().abs().amax(1) / 448):
+        scale = scale.to(dtype).clamp(min=1e-3)
+        got = cpu_kernel_loaded.quantize_weight(w, scale, fp8)
+        ref = quantize(w, scale.reshape(-1, 1) if scale.numel() > 1 else scale, fp8)
+        assert got.dtype == ref.dtype and torch.equal(got.view(torch.uint8), ref.view(torch.uint8))

@@ -112,3 +112,52 @@ def test_eos_and_buckets(lm):
     first = next(i for i, e in enumerate(greedy) if e.token.id == greedy[3].token.id)
     assert stopped[-1].finish_reason == "eos_token" and len(stopped) == first + 1
     assert text_of(stopped) == tok.decode([e.token.id for e in greedy[:first]])
+
+
+def test_batched_prefill_and_prefill_bucket(lm):
+    """Requests waiting together are prefilled in one forward (up to max_prefill_tokens), the prefill batch padded
+    to PREFILL_BATCH_BUCKET_SIZE rows; every request's greedy text is the one it gets alone."""
+    model, tok = lm
+    plain = Engine(model, tok).start()
+    try:
+        refs = [text_of(plain.generate(ids(tok, p), SamplingParams(max_new_tokens=6))) for p in PROMPTS]
+    finally:
+        plain.stop()
+    eng = Engine(model, tok, max_batch_size=4, prefill_bucket=4, pad_to_multiple=8)
+    shapes = []
+    eng.on_step = lambda kind, b, dt, shape: shapes.append((kind, shape))
+    results = [None] * len(PROMPTS)
+    done = threading.Event()
+
+    def emit_for(i):
+        def emit(ev):
+            if ev.finish_reason or ev.error:
+                results[i] = ev
+                if all(results):
+                    done.set()
+        return emit
+
+    for i, p in enumerate(PROMPTS):  # queued before the engine starts: one step sees all four waiting
+        eng.submit(ids(tok, p), SamplingParams(max_new_tokens=6), emit_for(i))
+    eng.start()
+    try:
+        assert done.wait(60)
+    finally:
+        eng.stop()
+    assert [r.generated_text for r in results] == refs
+    prefills = [shape for kind, shape in shapes if kind == "prefill"]
+    longest = max(len(ids(tok, p)) for p in PROMPTS)
+    assert prefills == [(4, longest + (-longest % 8))], prefills  # one forward: 4 rows, padded to a multiple of 8
+
+    eng = Engine(model, tok, max_batch_size=4, prefill_bucket=4, max_prefill_tokens=40)
+    shapes = []
+    eng.on_step = lambda kind, b, dt, shape: shapes.append((kind, shape))
+    for i, p in enumerate(PROMPTS[:2]):
+        eng.submit(ids(tok, p), SamplingParams(max_new_tokens=2), lambda ev: None)
+    eng.start()
+    try:
+        assert text_of(eng.generate(ids(tok, PROMPTS[2]), SamplingParams(max_new_tokens=2)))
+    finally:
+        eng.stop()
+    prefills = [shape for kind, shape in shapes if kind == "prefill"]
+    assert all(b % 4 == 0 and b * n <= 4 * 40 for b, n in prefills) and prefills[0][0] == 4, prefills

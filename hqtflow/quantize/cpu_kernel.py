@@ -75,3 +75,13 @@ def available() -> bool:
 def build_error() -> str | None:
     load()
     return _error
+
+
+def quantize_weight(w: torch.Tensor, scale: torch.Tensor, fp8: str = "E4M3") -> torch.Tensor:
+    """`hqtflow.scales.quantize` for a 2-D weight (scale: one value or one per row), bit-identical and parallel
+    with the kernel on CPU; the reference otherwise."""
+    from hqtflow.scales import quantize
+
+    if w.device.type == "cpu" and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16, torch.float32) and load():
+        return torch.ops.hqtflow.fp8_quantize(w, scale.reshape(-1), fp8 == "E4M3")
+    return quantize(w, scale, fp8)

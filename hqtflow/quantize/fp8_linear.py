@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from hqtflow.errors import ConfigError
+from hqtflow.quantize.cpu_kernel import quantize_weight
 from hqtflow.scales import FP8_DTYPES, dequantize, quantize
 
 
@@ -73,7 +74,7 @@ class FP8Linear(nn.Module):
                 per_channel=per_channel, static_input=input_scale is not None, device=w.device)
         ws = weight_scale.detach().to(w.dtype).reshape(m.weight_scale.shape)
         m.weight_scale.copy_(ws)
-        m.weight.copy_(quantize(w, ws, fp8))
+        m.weight.copy_(quantize_weight(w, ws, fp8) if w.dim() == 2 else quantize(w, ws, fp8))
         if input_scale is not None:
             m.input_scale.copy_(input_scale.detach().to(w.dtype).reshape(1))
         if linear.bias is not None:

@@ -298,7 +298,7 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
 
     from hqtflow.formats.compressed_tensors import quantization_config
     from hqtflow.scales import linear_scales
-    from hqtflow.scales import quantize as fp8_cast
+    from hqtflow.quantize.cpu_kernel import quantize_weight
 
     out = Path(out)
     t0 = time.perf_counter()
@@ -342,7 +342,7 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
                         f.seek(base + offsets[f"{u.module}.weight"])
                         rows = max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[1]))
                         for r in range(0, w.shape[0], rows):
-                            _write(f, fp8_cast(w[r:r + rows], ws[r:r + rows] if p.per_channel else ws, fp8))
+                            _write(f, quantize_weight(w[r:r + rows], ws[r:r + rows] if p.per_channel else ws, fp8))
                         f.seek(base + offsets[f"{u.module}.weight_scale"])
                         _write(f, ws)
                         if not p.weight_only:

@@ -1,9 +1,11 @@
 """A small continuous-batching engine over a transformers causal LM.
 
-One background thread owns the model and one batched DynamicCache with LEFT padding. Between decode steps a
-waiting request may join (prefilled alone, then its KV and the batch's KV are left-padded to the same length
-and concatenated along the batch) and finished or cancelled requests leave (their rows are dropped). Each
-generated token is reported to the request's `emit` callback (called on the engine thread).
+One background thread owns the model and one batched DynamicCache with LEFT padding. Between decode steps waiting
+requests join: as many as fit in the batch and in `max_prefill_tokens` (padded prompt tokens) are prefilled
+together in one forward (left-padded to a common length; the prefill batch padded with dummy rows to a multiple of
+`prefill_bucket`), then their KV and the batch's KV are left-padded to the same length and concatenated along the
+batch. Finished or cancelled requests leave (their rows are dropped). Each generated token is reported to the
+request's `emit` callback (called on the engine thread).
 """
 
 from __future__ import annotations
@@ -67,15 +69,16 @@ class Request:
 
 
 class Engine:
-    """Continuous batching: at most one prefill per step, then one decode step for the whole batch."""
+    """Continuous batching: one (batched) prefill of waiting requests per step, then one decode step for the batch."""
 
     def __init__(self, model, tokenizer, *, max_batch_size: int = 8, on_step: Callable[[str, int, float, tuple], None] | None = None,
-                 batch_bucket: int = 1, pad_to_multiple: int = 1):
+                 batch_bucket: int = 1, pad_to_multiple: int = 1, prefill_bucket: int = 1, max_prefill_tokens: int = 4096):
         self.model, self.tok = model.eval(), tokenizer
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
         self.on_step = on_step  # (kind "prefill"|"decode", batch size, seconds, shape run)
         self.batch_bucket, self.pad_to_multiple = max(1, batch_bucket), max(1, pad_to_multiple)
+        self.prefill_bucket, self.max_prefill_tokens = max(1, prefill_bucket), max_prefill_tokens
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         self.special = set(tokenizer.all_special_ids)
@@ -132,17 +135,17 @@ class Engine:
                     self._cv.wait()
                 if self._stop:
                     return
-                new = self.pending.popleft() if self.pending and len(self.active) < self.max_batch_size else None
+                new = self._admit()
             try:
                 with torch.inference_mode():
-                    if new is not None and not new.cancelled:
+                    if new:
                         self._prefill(new)
                     self._drop_finished()
                     if self.active:
                         self._decode()
                         self._drop_finished()
             except Exception as e:  # noqa: BLE001 - report to every request, keep serving
-                for r in self.active + ([new] if new is not None and new not in self.active else []):
+                for r in self.active + [r for r in new if r not in self.active]:
                     r.emit(Event(len(r.generated), None, error=f"{type(e).__name__}: {e}"))
                 self.active, self.cache, self.mask, self.last = [], None, None, None
 
@@ -153,19 +156,45 @@ class Engine:
             self.on_step(kind, ids.shape[0], time.perf_counter() - t, tuple(ids.shape))
         return out.logits[:, -1].float(), out.past_key_values
 
-    def _prefill(self, req: Request) -> None:
+    def _padded_len(self, n: int) -> int:
+        return n + (-n % self.pad_to_multiple)
+
+    def _admit(self) -> list[Request]:
+        """Waiting requests for this step's prefill (called under the lock): FIFO, while the batch has room and the
+        padded prefill batch stays within max_prefill_tokens (a longer prompt still goes, alone)."""
+        out: list[Request] = []
+        while self.pending and len(self.active) + len(out) < self.max_batch_size:
+            req = self.pending[0]
+            if req.cancelled:
+                self.pending.popleft()
+                continue
+            rows = len(out) + 1
+            length = self._padded_len(max(len(r.input_ids) for r in out + [req]))
+            if out and (rows + (-rows % self.prefill_bucket)) * length > self.max_prefill_tokens:
+                break
+            out.append(self.pending.popleft())
+        return out
+
+    def _prefill(self, reqs: list[Request]) -> None:
         from transformers import DynamicCache
 
-        n = len(req.input_ids)
-        pad = -n % self.pad_to_multiple  # left padding to the bucketed sequence length
-        ids = torch.tensor([[self.tok.pad_token_id or 0] * pad + req.input_ids], device=self.device)
-        mask = torch.tensor([[0] * pad + [1] * n], device=self.device)
+        length = self._padded_len(max(len(r.input_ids) for r in reqs))  # left padding to the bucketed length
+        rows = [[self.tok.pad_token_id or 0] * (length - len(r.input_ids)) + r.input_ids for r in reqs]
+        masks = [[0] * (length - len(r.input_ids)) + [1] * len(r.input_ids) for r in reqs]
+        dummies = -len(reqs) % self.prefill_bucket  # dummy rows (copies of the first) up to the prefill bucket
+        ids = torch.tensor(rows + rows[:1] * dummies, device=self.device)
+        mask = torch.tensor(masks + masks[:1] * dummies, device=self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits, cache = self._forward("prefill", ids, mask, pos, DynamicCache())
-        self._join(req, cache, mask)
-        self._emit(req, self._sample([req], logits)[0])
+        if dummies:
+            keep = torch.arange(len(reqs), device=self.device)
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.index_select(0, keep), layer.values.index_select(0, keep)
+        self._join(reqs, cache, mask[: len(reqs)])
+        for req, tok in zip(reqs, self._sample(reqs, logits[: len(reqs)])):
+            self._emit(req, tok)
 
-    def _join(self, req, cache, mask) -> None:
+    def _join(self, reqs: list[Request], cache, mask) -> None:
         if self.cache is None:
             self.cache, self.mask = cache, mask
         else:
@@ -176,8 +205,9 @@ class Engine:
                     a, b = F.pad(a, (0, 0, max(0, ln - lb), 0)), F.pad(b, (0, 0, max(0, lb - ln), 0))
                     setattr(lb_layer, name, torch.cat([a, b]))
             self.mask = torch.cat([F.pad(self.mask, (max(0, ln - lb), 0)), F.pad(mask, (max(0, lb - ln), 0))])
-        self.active.append(req)
-        self.last = torch.cat([self.last, self.last.new_zeros(1)]) if self.last is not None else torch.zeros(1, dtype=torch.long, device=self.device)
+        self.active.extend(reqs)
+        zeros = torch.zeros(len(reqs), dtype=torch.long, device=self.device)
+        self.last = torch.cat([self.last, zeros]) if self.last is not None else zeros
 
     def _decode(self) -> None:
         b = len(self.active)

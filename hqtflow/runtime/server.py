@@ -34,6 +34,7 @@ class ServeSettings:
     api_key: str | None = None
     batch_bucket_size: int = 1
     prefill_batch_bucket_size: int = 1
+    max_batch_prefill_tokens: int = 4096
     pad_sequence_to_multiple_of: int = 1
     warmup: bool = False
 
@@ -112,7 +113,8 @@ def _params(p: dict, n_input: int, s: ServeSettings, *, default_max_new: int = 1
 def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     s = settings
     engine = Engine(model, tokenizer, max_batch_size=s.max_batch_size, batch_bucket=s.batch_bucket_size,
-                    pad_to_multiple=s.pad_sequence_to_multiple_of)
+                    pad_to_multiple=s.pad_sequence_to_multiple_of, prefill_bucket=s.prefill_batch_bucket_size,
+                    max_prefill_tokens=s.max_batch_prefill_tokens)
     metrics = Metrics(engine)
     engine.on_step = metrics.on_step
     state = {"in_flight": 0, "ready": not s.warmup}

@@ -62,8 +62,9 @@ class StaticDecoder:
         return logits[:, -1].argmax(-1, keepdim=True)
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> DecodeResult:
-        """Greedy: `max_new_tokens` tokens for each row of `input_ids` [batch, prompt] (no early stop)."""
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: int | None = None) -> DecodeResult:
+        """Greedy: `max_new_tokens` tokens for each row of `input_ids` [batch, prompt]; with `eos_token_id`, stops
+        once every row has produced it (later tokens of a finished row are the EOS id)."""
         b, n = input_ids.shape
         if n + max_new_tokens > self.max_length:
             raise ValueError(f"prompt ({n}) + new tokens ({max_new_tokens}) exceed the cache ({self.max_length})")
@@ -74,9 +75,15 @@ class StaticDecoder:
         out = [tok]
         prefill = time.perf_counter() - t
         steps = []
+        done = tok[:, 0] == eos_token_id if eos_token_id is not None else None
         for i in range(max_new_tokens - 1):
+            if done is not None and bool(done.all()):
+                break
             t = time.perf_counter()
             tok = self._step(tok, torch.tensor([n + i], device=self.device), cache).clone()
             steps.append(time.perf_counter() - t)
+            if done is not None:
+                tok[done] = eos_token_id
+                done |= tok[:, 0] == eos_token_id
             out.append(tok)
         return DecodeResult(torch.cat(out, dim=1), prefill, steps)

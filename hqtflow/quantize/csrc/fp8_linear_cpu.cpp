@@ -269,30 +269,61 @@ inline float round_to(float v, at::ScalarType hp) {
 // x rounded to the FP8 grid with scale s and back, in float, then to the high-precision dtype: the reference's
 // dequantize(quantize(x, s), s, hp). Vectorised; the scalar form (c10's conversions) handles tails and is the
 // definition the vector form is tested against.
+#if HQT_AVX512
+// cast(clamp(v / s, -F, F)) to the FP8 grid, as a float (16 lanes): the integer-bit round-to-nearest-even of the
+// normal range and a scaled rint of the subnormal range, exactly like c10's Float8 conversions.
+struct Fp8Rounder {
+  __m512 sv, Fv, min_normal, sub_up, sub_down;
+  __m512i half_ulp, keep, abs_mask;
+  int shift;
+  Fp8Rounder(float s, bool e4m3) {
+    sv = _mm512_set1_ps(s);
+    Fv = _mm512_set1_ps(e4m3 ? 448.f : 57344.f);
+    min_normal = _mm512_set1_ps(e4m3 ? 0.015625f : 6.103515625e-05f);  // 2^-6, 2^-14
+    sub_up = _mm512_set1_ps(e4m3 ? 512.f : 65536.f);
+    sub_down = _mm512_set1_ps(e4m3 ? 1.f / 512 : 1.f / 65536);
+    shift = e4m3 ? 20 : 21;  // fp32 mantissa bits dropped
+    half_ulp = _mm512_set1_epi32((1 << (shift - 1)) - 1);
+    keep = _mm512_set1_epi32(~((1 << shift) - 1));
+    abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  }
+  inline __m512 operator()(__m512 x) const {
+    __m512 v = _mm512_div_ps(x, sv);
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), Fv)), Fv);
+    __m512i u = _mm512_castps_si512(v);
+    __m512i sign = _mm512_andnot_si512(abs_mask, u);
+    __m512i au = _mm512_and_si512(u, abs_mask);
+    __m512 a = _mm512_castsi512_ps(au);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(au, shift), _mm512_set1_epi32(1));
+    __m512 normal = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(au, _mm512_add_epi32(half_ulp, odd)), keep));
+    __m512 sub = _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, sub_up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), sub_down);
+    __m512 q = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, min_normal, _CMP_LT_OQ), normal, sub);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(q), sign));
+  }
+  // The FP8 byte of a value already on the grid.
+  inline __m128i bits(__m512 q, bool e4m3) const {
+    __m512i u = _mm512_castps_si512(q);
+    __m512i au = _mm512_and_si512(u, abs_mask);
+    __m512 a = _mm512_castsi512_ps(au);
+    const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 120 : 112;  // 127 - 7, 127 - 15
+    __m512i normal = _mm512_or_si512(
+        _mm512_slli_epi32(_mm512_sub_epi32(_mm512_srli_epi32(au, 23), _mm512_set1_epi32(bias)), mbits),
+        _mm512_and_si512(_mm512_srli_epi32(au, 23 - mbits), _mm512_set1_epi32((1 << mbits) - 1)));
+    __m512i sub = _mm512_cvtps_epi32(_mm512_mul_ps(a, sub_up));  // exact: a is a multiple of the subnormal step
+    __m512i b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, min_normal, _CMP_LT_OQ), normal, sub);
+    b = _mm512_or_si512(b, _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80)));
+    return _mm512_cvtepi32_epi8(b);
+  }
+};
+#endif
+
 void qdq_row(const float* x, int64_t n, float s, bool e4m3, at::ScalarType hp, float* out) {
   const float F = e4m3 ? 448.f : 57344.f;
   int64_t i = 0;
 #if HQT_AVX512
-  const __m512 sv = _mm512_set1_ps(s), Fv = _mm512_set1_ps(F);
-  const __m512 min_normal = _mm512_set1_ps(e4m3 ? 0.015625f : 6.103515625e-05f);  // 2^-6, 2^-14
-  const __m512 sub_up = _mm512_set1_ps(e4m3 ? 512.f : 65536.f), sub_down = _mm512_set1_ps(e4m3 ? 1.f / 512 : 1.f / 65536);
-  const int shift = e4m3 ? 20 : 21;  // fp32 mantissa bits dropped
-  const __m512i half_ulp = _mm512_set1_epi32((1 << (shift - 1)) - 1), keep = _mm512_set1_epi32(~((1 << shift) - 1));
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  const Fp8Rounder round(s, e4m3);
   for (; i + 16 <= n; i += 16) {
-    __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), sv);
-    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), Fv)), Fv);
-    __m512i u = _mm512_castps_si512(v);
-    __m512i sign = _mm512_andnot_si512(abs_mask, u);
-    __m512 a = _mm512_castsi512_ps(_mm512_and_si512(u, abs_mask));
-    __m512i au = _mm512_castps_si512(a);  // normal: round to nearest even on the integer bits
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(au, shift), _mm512_set1_epi32(1));
-    __m512 normal = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(au, _mm512_add_epi32(half_ulp, odd)), keep));
-    __m512 sub = _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, sub_up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), sub_down);
-    __mmask16 is_sub = _mm512_cmp_ps_mask(a, min_normal, _CMP_LT_OQ);
-    __m512 q = _mm512_mask_blend_ps(is_sub, normal, sub);
-    q = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(q), sign));
-    __m512 d = _mm512_mul_ps(q, sv);
+    __m512 d = _mm512_mul_ps(round(_mm512_loadu_ps(x + i)), round.sv);
     if (hp == at::kBFloat16) {  // round to nearest even at 16 bits
       __m512i du = _mm512_castps_si512(d);
       __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(du, 16), _mm512_set1_epi32(1));
@@ -309,6 +340,26 @@ void qdq_row(const float* x, int64_t n, float s, bool e4m3, at::ScalarType hp, f
     v = v > F ? F : (v < -F ? -F : v);
     const float q = e4m3 ? static_cast<float>(c10::Float8_e4m3fn(v)) : static_cast<float>(c10::Float8_e5m2(v));
     out[i] = round_to(q * s, hp);
+  }
+}
+
+// One row of FP8 bytes: cast(clamp(x / s, -F, F)), the reference's `quantize`.
+template <typename T>
+void quantize_row(const T* x, int64_t n, float s, bool e4m3, uint8_t* out) {
+  const float F = e4m3 ? 448.f : 57344.f;
+  int64_t i = 0;
+#if HQT_AVX512
+  const Fp8Rounder round(s, e4m3);
+  alignas(64) float buf[16];
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) buf[j] = static_cast<float>(x[i + j]);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), round.bits(round(_mm512_load_ps(buf)), e4m3));
+  }
+#endif
+  for (; i < n; ++i) {
+    float v = static_cast<float>(x[i]) / s;
+    v = v > F ? F : (v < -F ? -F : v);
+    out[i] = e4m3 ? c10::Float8_e4m3fn(v).x : c10::Float8_e5m2(v).x;
   }
 }
 
@@ -493,6 +544,29 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   return out.reshape(out_shape);
 }
 
+// The reference's `quantize` for a whole weight (2-D; scale: one value or one per row), in parallel rows.
+at::Tensor fp8_quantize(const at::Tensor& x, const at::Tensor& scale, bool e4m3) {
+  TORCH_CHECK(x.dim() == 2, "fp8_quantize: expected a 2-D tensor");
+  at::Tensor xc = x.contiguous();
+  const int64_t R = xc.size(0), C = xc.size(1);
+  const std::vector<float> sc = floats_of(scale);
+  TORCH_CHECK(sc.size() == 1 || static_cast<int64_t>(sc.size()) == R, "fp8_quantize: scale must have 1 or ", R, " values");
+  at::Tensor out = at::empty({R, C}, xc.options().dtype(e4m3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2));
+  uint8_t* op = reinterpret_cast<uint8_t*>(out.data_ptr());
+  at::parallel_for(0, R, std::max<int64_t>(1, 65536 / std::max<int64_t>(C, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float s = sc.size() == 1 ? sc[0] : sc[r];
+      switch (xc.scalar_type()) {
+        case at::kBFloat16: quantize_row(xc.data_ptr<c10::BFloat16>() + r * C, C, s, e4m3, op + r * C); break;
+        case at::kHalf: quantize_row(xc.data_ptr<c10::Half>() + r * C, C, s, e4m3, op + r * C); break;
+        case at::kFloat: quantize_row(xc.data_ptr<float>() + r * C, C, s, e4m3, op + r * C); break;
+        default: TORCH_CHECK(false, "fp8_quantize: unsupported dtype ", xc.scalar_type());
+      }
+    }
+  });
+  return out;
+}
+
 // The reference QDQ of a row, exposed for tests of the vector rounding against torch's casts.
 at::Tensor fp8_qdq(const at::Tensor& x, const at::Tensor& scale, bool e4m3) {
   at::Tensor xf = x.to(at::kFloat).contiguous().clone();
@@ -512,6 +586,7 @@ TORCH_LIBRARY(hqtflow, m) {
   m.def("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias) -> Tensor");
   m.def("fp8_dequantize(Tensor weight, Tensor weight_scale, ScalarType dtype) -> Tensor");
   m.def("fp8_qdq(Tensor x, Tensor scale, bool e4m3) -> Tensor");
+  m.def("fp8_quantize(Tensor x, Tensor scale, bool e4m3) -> Tensor");
   m.def("fp8_bf16_path() -> bool", &fp8_bf16_path);
 }
 
@@ -519,4 +594,5 @@ TORCH_LIBRARY_IMPL(hqtflow, CPU, m) {
   m.impl("fp8_linear", &fp8_linear);
   m.impl("fp8_dequantize", &fp8_dequantize);
   m.impl("fp8_qdq", &fp8_qdq);
+  m.impl("fp8_quantize", &fp8_quantize);
 }
