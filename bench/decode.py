@@ -75,6 +75,7 @@ def main() -> None:
     p.add_argument("--backend", default="auto")
     p.add_argument("--no-compile", action="store_true", help="skip the compiled engine (compiling takes ~1 min once)")
     p.add_argument("--no-inc", action="store_true")
+    p.add_argument("--kv-cache", action="store_true", help="also FP8 with the FP8 KV cache (checkpoint from --kv-cache fp8)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -93,6 +94,8 @@ def main() -> None:
     engines = {"bf16 transformers generate": None,
                "bf16 static": StaticDecoder(bf16, max_length=max_len),
                "fp8 static": StaticDecoder(fp8, max_length=max_len)}
+    if a.kv_cache:
+        engines["fp8 static, FP8 KV cache"] = StaticDecoder(fp8, max_length=max_len, kv_cache="fp8")
     if not a.no_compile:
         engines["bf16 static compiled"] = StaticDecoder(bf16, max_length=max_len, compile=True)
         engines["fp8 static compiled"] = StaticDecoder(fp8, max_length=max_len, compile=True)
@@ -129,6 +132,7 @@ def main() -> None:
               ("fp8 compiled / bf16 compiled (same engine)", "fp8 static compiled", "bf16 static compiled", 1.0),
               ("fp8 compiled / bf16 transformers generate", "fp8 static compiled", "bf16 transformers generate", None),
               ("fp8 static / bf16 transformers generate", "fp8 static", "bf16 transformers generate", None),
+              ("fp8 KV cache / bf16 KV cache (fp8 weights)", "fp8 static, FP8 KV cache", "fp8 static", None),
               ("fp8 static / INC fp8 (same engine)", "fp8 static", "INC fp8 (QDQ) static", 5.0),
               ("fp8 compiled / INC fp8", "fp8 static compiled", "INC fp8 (QDQ) static", 5.0)]
     print()

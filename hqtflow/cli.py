@@ -141,6 +141,7 @@ def quantize(
     weight_only: Annotated[bool, typer.Option(help="FP8 weights, high-precision activations.")] = False,
     trust_pickle: Annotated[bool, typer.Option(help="Allow reading an .npz measurement (a pickle) when its JSON twin is missing.")] = False,
     disk_offload: Annotated[bool, typer.Option(help="Stream weights from the safetensors files one tensor at a time (the bf16 model is never in RAM); output in 512 MB shards.")] = False,
+    kv_cache: Annotated[str, typer.Option(help="fp8: also write k_scale/v_scale from the measured KV statistics (for the FP8 KV cache).")] = "bf16",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
 ) -> None:
     """Turn a measurement into FP8 scales (INC files, --scales-only) or a compressed-tensors FP8 checkpoint."""
@@ -149,7 +150,7 @@ def quantize(
     s = QuantizeSettings(measurement=str(measurement), output=str(output), model=model,
                          config=str(config) if config else None, scale_method=scale_method, scales_for=scales_for,
                          scales_only=scales_only, weight_only=weight_only, overwrite=overwrite, trust_pickle=trust_pickle,
-                         disk_offload=disk_offload)
+                         disk_offload=disk_offload, kv_cache=kv_cache)
     typer.echo(summary(run_quantize(s)))
 
 
@@ -165,6 +166,7 @@ def generate(
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
     backend: Backend = "auto",
     engine: Annotated[str, typer.Option(help="transformers (generate), static (static KV cache) or compiled (static + torch.compile'd decode step).")] = "transformers",
+    kv_cache: Annotated[str, typer.Option(help="bf16, or fp8 (the checkpoint's k/v scales; static and compiled engines).")] = "bf16",
 ) -> None:
     """Greedy text generation from an FP8 checkpoint or a bf16 model."""
     import torch
@@ -175,6 +177,10 @@ def generate(
         raise HqtflowError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
     if engine not in ("transformers", "static", "compiled"):
         raise HqtflowError(f"Unknown --engine {engine!r}; valid values are transformers, static, compiled.")
+    if kv_cache not in ("bf16", "fp8"):
+        raise HqtflowError(f"--kv-cache must be bf16 or fp8, not {kv_cache!r}.")
+    if kv_cache == "fp8" and engine == "transformers":
+        raise HqtflowError("--kv-cache fp8 runs in hqtflow's static decoder: add --engine static (or compiled).")
     m, tok, _ = load_any(model, backend=backend)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt
     ids = tok(text, return_tensors="pt", add_special_tokens=not chat)
@@ -185,7 +191,10 @@ def generate(
             from hqtflow.runtime.static_decode import StaticDecoder
 
             n = ids["input_ids"].shape[1]
-            dec = StaticDecoder(m, max_length=n + max_new_tokens, compile=engine == "compiled")
+            try:
+                dec = StaticDecoder(m, max_length=n + max_new_tokens, compile=engine == "compiled", kv_cache=kv_cache)
+            except ValueError as e:
+                raise HqtflowError(str(e)) from None
             new = dec.generate(ids["input_ids"], max_new_tokens, eos_token_id=tok.eos_token_id).tokens[0]
     typer.echo(tok.decode(new, skip_special_tokens=True))
 
@@ -312,6 +321,10 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
            pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool], measurement: Optional[Path] = None,
            backend: str = "auto") -> None:
     import os
+
+    # oneDNN keeps a compiled primitive per matmul shape (1024 by default); a server sees a new prefill shape at
+    # almost every step, so bound it (oneDNN's documented knob; read when the first primitive is made).
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 
     from hqtflow.runtime.server import ServeSettings, serve
 

@@ -10,7 +10,11 @@ from __future__ import annotations
 from hqtflow.errors import ArtifactError
 
 
-def quantization_config(*, per_channel: bool, static_input: bool, ignore: list[str]) -> dict:
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
+                   "strategy": "tensor"}
+
+
+def quantization_config(*, per_channel: bool, static_input: bool, ignore: list[str], kv_cache: bool = False) -> dict:
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
            "strategy": "channel" if per_channel else "tensor"}
     activations = {**fp8, "strategy": "tensor"} if static_input else None
@@ -21,7 +25,7 @@ def quantization_config(*, per_channel: bool, static_input: bool, ignore: list[s
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": fp8, "input_activations": activations,
                                       "output_activations": None, "format": "float-quantized"}},
         "ignore": sorted(ignore),
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": dict(KV_CACHE_SCHEME) if kv_cache else None,
     }
 
 
@@ -35,7 +39,8 @@ def parse_quantization_config(qc: dict) -> dict:
     Returns `per_channel`, `static_input`, `ignore` (as before) and: `strategy` ("tensor" | "channel" | "block"),
     `block_size` ((b0, b1) or None), `activation` ("static" | "dynamic_token" | "dynamic_tensor" |
     "dynamic_group" | None), `group_size`, `method` ("compressed-tensors" | "fp8"), `kv_cache` (True when the
-    config names KV-cache scales; hqtflow's runtime does not apply them). Anything else is named and refused.
+    config names static per-tensor FP8 KV-cache scales: `k_scale`/`v_scale` on the attention modules, used by
+    the static decoder's FP8 KV cache). Anything else is named and refused.
     """
     method = qc.get("quant_method")
     if method == "fp8":

@@ -128,6 +128,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
     from hqtflow.measure import distributed
     from hqtflow.measure.calibration import batches, token_chunks
     from hqtflow.measure.hooks import ObserverSession
+    from hqtflow.measure.kv import KV_FILE, KVStats
 
     torch.manual_seed(s.seed)
     stage = StagingDir(Path(s.output), overwrite=s.overwrite)
@@ -141,18 +142,22 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         device = next(model.parameters()).device
         progress = _Progress(show_progress)
 
+        kv = KVStats(model) if world == 1 else None  # tensor-parallel ranks hold head shards: not recorded
+
         @torch.inference_mode()
         def forward(ids, mask):
             with session.batch(mask):
-                logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+                extra = {"past_key_values": kv.cache(mask), "use_cache": True} if kv else {}
+                logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), **extra).logits
             progress.update(ids.shape[0], int(mask.sum()))
             return logits
 
         @torch.inference_mode()
         def generate(ids, max_new):
             with session.batch(None):
+                extra = {"past_key_values": kv.cache()} if kv else {}
                 out = model.generate(ids.to(device), max_new_tokens=max_new, do_sample=False,
-                                     pad_token_id=tokenizer.pad_token_id)
+                                     pad_token_id=tokenizer.pad_token_id, **extra)
             return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
         sources: list[dict] = []
@@ -183,6 +188,8 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         stem = hqt.measurement_stem(cfg.dump_stats_path, cfg.observer, rank if world > 1 else None, world)
         files = hqt.write_measurement(stage.path, stem, session.stats(), local_rank=rank if world > 1 else None,
                                       num_samples=session.samples)
+        if kv is not None and kv.maxabs:
+            write_json_atomic(stage.path / KV_FILE, kv.to_json())
         rank_record = {
             "rank": rank, "stem": stem, "files": [f.name for f in files],
             "layers": session.layer_info(), "unmeasured": session.unused(), "skipped": session.skipped,

@@ -31,6 +31,27 @@ def convert_model(model: nn.Module, names: list[str], meas: hqt.Measurement, met
     return used
 
 
+def kv_cache_scales(model: nn.Module, stats: dict, method: ScaleMethod, *, target: str, fp8: str,
+                    hp_dtype: str) -> dict[str, torch.Tensor]:
+    """{"<attention>.k_scale": s, "<attention>.v_scale": s} (0-d float32) from measured KV maxabs, with the scale
+    method's activation rule (backoff, power-of-two or hardware rounding), and registered as buffers on `model`."""
+    from hqtflow.errors import ArtifactError
+    from hqtflow.scales import activation_scale
+
+    out = {}
+    for name, kv in stats.items():
+        try:
+            attn = model.get_submodule(name)
+        except AttributeError:
+            raise ArtifactError(f"The KV-cache statistics name {name}, which this model does not have.") from None
+        for x in "kv":
+            s = activation_scale(kv[x], method.activation, target=target, fp8=fp8, hp_dtype=hp_dtype).float()
+            s = s.clamp(min=torch.finfo(torch.float32).tiny).reshape(())  # an all-zero layer keeps a usable scale
+            attn.register_buffer(f"{x}_scale", s.to(next(model.parameters()).device))
+            out[f"{name}.{x}_scale"] = s
+    return out
+
+
 def _untie_if_needed(model: nn.Module, names: list[str]) -> None:
     """A quantized lm_head cannot share its weight with the (high-precision) embedding."""
     out = model.get_output_embeddings()
@@ -44,7 +65,8 @@ def _untie_if_needed(model: nn.Module, names: list[str]) -> None:
             model._tied_weights_keys = None
 
 
-def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_channel: bool, static_input: bool) -> None:
+def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_channel: bool, static_input: bool,
+                    kv_cache: bool = False) -> None:
     """compressed-tensors FP8 safetensors + config.json with its quantization_config."""
     from safetensors.torch import save_file
 
@@ -58,13 +80,15 @@ def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_chann
         state.pop(f"{lm_name}.weight", None)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     cfg = model.config.to_dict()
-    cfg["quantization_config"] = quantization_config(per_channel=per_channel, static_input=static_input, ignore=ignore)
+    cfg["quantization_config"] = quantization_config(per_channel=per_channel, static_input=static_input, ignore=ignore,
+                                                     kv_cache=kv_cache)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
 
 
-DROPPED_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale", ".output_scale", ".weight_zero_point", ".input_zero_point")
+DROPPED_SUFFIXES = (".output_scale", ".weight_zero_point", ".input_zero_point")
+KV_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 
 
 def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
@@ -73,8 +97,9 @@ def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
     Reads hqtflow's own checkpoints and foreign FP8 ones: compressed-tensors (static per-tensor, dynamic per-token,
     per-tensor or per-group activations; per-tensor, per-channel or block-wise weights) and AutoFP8/vLLM
     `quant_method: fp8` (scalar float32 scales, static or dynamic per-tensor activations, `weight_block_size`).
-    KV-cache scales (`k_scale`/`v_scale`/`kv_scale`, `output_scale`) and all-zero zero points are dropped: the
-    runtime keeps the KV cache in high precision. Unsupported schemes are refused by parse_quantization_config.
+    KV-cache scales (`k_scale`/`v_scale`, or one `kv_scale` for both) become float32 buffers of their attention
+    module (the static decoder's FP8 KV cache uses them); `output_scale` and all-zero zero points are dropped.
+    Unsupported schemes are refused by parse_quantization_config.
     """
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -104,6 +129,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
             if k.endswith("_zero_point") and bool(tensors[k].float().abs().max() > 0):
                 raise ArtifactError(f"{path}: {k} is non-zero; asymmetric FP8 quantization is not supported.")
             dropped.append(tensors.pop(k))
+    kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith(KV_SUFFIXES)}
     for name, mod in list(model.named_modules()):
         w = tensors.get(f"{name}.weight")
         if not isinstance(mod, nn.Linear) or w is None or w.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -137,6 +163,15 @@ def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
                                     "static activation scales must be per tensor.")
             tensors[f"{name}.input_scale"] = tensors[f"{name}.input_scale"].reshape(1)
         _set_module(model, name, new)
+    for key, value in kv_scales.items():
+        mod_name, _, leaf = key.rpartition(".")
+        try:
+            attn = model.get_submodule(mod_name)
+        except AttributeError:
+            raise ArtifactError(f"{path}: {key} belongs to no module of this model.") from None
+        for leaf in (("k_scale", "v_scale") if leaf == "kv_scale" else (leaf,)):
+            attn.register_buffer(leaf, torch.empty((), dtype=torch.float32, device="meta"))
+            tensors[f"{mod_name}.{leaf}"] = value.float().reshape(())
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()

@@ -160,7 +160,7 @@ def _generation_config(model_dir: Path, skel):
 
 
 def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: bool, per_channel: bool,
-                 shard_size: int | None = None) -> OffloadPlan:
+                 shard_size: int | None = None, extra_values: dict[str, torch.Tensor] | None = None) -> OffloadPlan:
     """Map every tensor of the converted model to its source tensor and its output shard (nothing is read yet)."""
     from hqtflow.models import torch_dtype
 
@@ -233,6 +233,8 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
             src = need(key, v.shape)
             units.append(Unit("copy", [OutTensor(key, v.dtype, list(v.shape))], src))
             largest = max(largest, v.numel())
+    for key, v in (extra_values or {}).items():  # computed tensors the source lacks (KV-cache scales)
+        units.append(Unit("value", [OutTensor(key, v.dtype, list(v.shape))], value=v))
     for u in units:
         for t in u.outputs:
             if t.dtype not in ST_DTYPES:
@@ -363,7 +365,8 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     cfg = p.config.to_dict()
     ignore = p.stats.get("ignore", [])
-    cfg["quantization_config"] = quantization_config(per_channel=p.per_channel, static_input=not p.weight_only, ignore=ignore)
+    cfg["quantization_config"] = quantization_config(per_channel=p.per_channel, static_input=not p.weight_only, ignore=ignore,
+                                                     kv_cache=p.stats.get("kv_cache", False))
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
     if p.generation_config is not None:
         p.generation_config.save_pretrained(out)
@@ -372,11 +375,12 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
 
 
 def prepare(model_dir: Path, plan: dict, output: Path, *, dtype: str, weight_only: bool, per_channel: bool,
-            shard_size: int | None = None) -> OffloadPlan:
+            shard_size: int | None = None, extra_values: dict[str, torch.Tensor] | None = None) -> OffloadPlan:
     """The plan for `run.quantize` plus the resource checks, before any output is created."""
     p = plan_offload(model_dir, plan["quantize"], dtype=dtype, weight_only=weight_only, per_channel=per_channel,
-                     shard_size=shard_size)
+                     shard_size=shard_size, extra_values=extra_values)
     p.stats["ignore"] = list(plan["ignore"])
+    p.stats["kv_cache"] = bool(extra_values)
     check_resources(p, output)
     return p
 

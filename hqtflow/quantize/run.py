@@ -35,6 +35,7 @@ class QuantizeSettings:
     overwrite: bool = False
     trust_pickle: bool = False
     disk_offload: bool = False  # stream weights from the safetensors files; the bf16 model is never in RAM
+    kv_cache: str = "bf16"  # "fp8": k_scale/v_scale from the measurement's KV statistics in the checkpoint
 
 
 DEFAULT_CONFIG = {"mode": "QUANTIZE", "scale_method": "maxabs_arbitrary", "blocklist": {"names": ["lm_head"]}}
@@ -198,14 +199,32 @@ def quantize(s: QuantizeSettings) -> Path:
     job = plan_job(s)
     cfg, target, method, meas, model_dir, fp, plan, dtype = (job.cfg, job.target, job.method, job.meas, job.model_dir,
                                                                job.fingerprint, job.plan, job.dtype)
+    kv_stats = None
+    if s.kv_cache not in ("bf16", "fp8"):
+        raise ConfigError(f"--kv-cache must be bf16 or fp8, not {s.kv_cache!r}.")
+    if s.kv_cache == "fp8":
+        from hqtflow.measure.kv import KV_FILE, read_kv_stats
+
+        if s.scales_only:
+            raise ConfigError("--kv-cache fp8 puts KV scales into an FP8 checkpoint; it cannot be combined with --scales-only.")
+        kv_stats = read_kv_stats(meas.directory)
+        if not kv_stats:
+            raise ArtifactError(f"{meas.directory} has no KV-cache statistics ({KV_FILE}): measure again with this hqtflow "
+                                "(one rank) to use --kv-cache fp8.")
     offload_plan = None
     if s.disk_offload:
         if s.scales_only:
             raise ConfigError("--disk-offload writes an FP8 checkpoint; it cannot be combined with --scales-only.")
         from hqtflow.quantize.offload import prepare
 
+        kv_values = None
+        if kv_stats:
+            from hqtflow.quantize.convert import kv_cache_scales
+
+            kv_values = kv_cache_scales(models.skeleton(model_dir), kv_stats, method, target=target, fp8=cfg.fp8_config,
+                                        hp_dtype=cfg.hp_dtype)
         offload_plan = prepare(model_dir, plan, Path(s.output), dtype=dtype, weight_only=s.weight_only,
-                               per_channel=method.weight.granularity == "PCS")
+                               per_channel=method.weight.granularity == "PCS", extra_values=kv_values)
         model = None
     else:
         model = models.load_model(model_dir, dtype)
@@ -234,8 +253,13 @@ def quantize(s: QuantizeSettings) -> Path:
                 with torch.no_grad():
                     convert_model(model, plan["quantize"], meas.ranks[0], method, target=target, fp8=cfg.fp8_config,
                                   hp_dtype=cfg.hp_dtype, weight_only=s.weight_only)
+                    if kv_stats:
+                        from hqtflow.quantize.convert import kv_cache_scales
+
+                        kv_cache_scales(model, kv_stats, method, target=target, fp8=cfg.fp8_config, hp_dtype=cfg.hp_dtype)
                 save_checkpoint(model, tmp, ignore=plan["ignore"], per_channel=method.weight.granularity == "PCS",
-                                static_input=not s.weight_only)
+                                static_input=not s.weight_only, kv_cache=bool(kv_stats))
+            common["kv_cache"] = s.kv_cache
             models.load_tokenizer(model_dir).save_pretrained(tmp)
             write_manifest(tmp, CHECKPOINT_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
                            data={**common, "mode": "weight-only" if s.weight_only else "w8a8-static",

@@ -72,13 +72,15 @@ class Engine:
     """Continuous batching: one (batched) prefill of waiting requests per step, then one decode step for the batch."""
 
     def __init__(self, model, tokenizer, *, max_batch_size: int = 8, on_step: Callable[[str, int, float, tuple], None] | None = None,
-                 batch_bucket: int = 1, pad_to_multiple: int = 1, prefill_bucket: int = 1, max_prefill_tokens: int = 4096):
+                 batch_bucket: int = 1, pad_to_multiple: int = 1, prefill_bucket: int = 1, max_prefill_tokens: int = 4096,
+                 trim_interval: float = 2.0):
         self.model, self.tok = model.eval(), tokenizer
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
         self.on_step = on_step  # (kind "prefill"|"decode", batch size, seconds, shape run)
         self.batch_bucket, self.pad_to_multiple = max(1, batch_bucket), max(1, pad_to_multiple)
         self.prefill_bucket, self.max_prefill_tokens = max(1, prefill_bucket), max_prefill_tokens
+        self.trim_interval, self._last_trim = trim_interval, time.monotonic()  # see runtime/memory.py
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         self.special = set(tokenizer.all_special_ids)
@@ -128,9 +130,18 @@ class Engine:
         return events
 
     # -- engine thread -------------------------------------------------------------------------------------
+    def _trim(self, idle: bool) -> None:
+        from hqtflow.runtime.memory import trim
+
+        if self.trim_interval and (idle or time.monotonic() - self._last_trim > self.trim_interval):
+            trim()
+            self._last_trim = time.monotonic()
+
     def _loop(self) -> None:
         while True:
             with self._cv:
+                if not self._stop and not self.pending and not self.active:
+                    self._trim(idle=True)
                 while not self._stop and not self.pending and not self.active:
                     self._cv.wait()
                 if self._stop:
@@ -148,10 +159,12 @@ class Engine:
                 for r in self.active + [r for r in new if r not in self.active]:
                     r.emit(Event(len(r.generated), None, error=f"{type(e).__name__}: {e}"))
                 self.active, self.cache, self.mask, self.last = [], None, None, None
+            self._trim(idle=False)
 
     def _forward(self, kind, ids, mask, pos, cache):
         t = time.perf_counter()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)  # only the last position's logits: no [batch, prompt, vocab] tensor
         if self.on_step:
             self.on_step(kind, ids.shape[0], time.perf_counter() - t, tuple(ids.shape))
         return out.logits[:, -1].float(), out.past_key_values

@@ -6,6 +6,8 @@ can then be compiled once with `torch.compile(dynamic=False)`, which removes the
 overhead. FP8 layers run whatever backend they are set to (`set_backend`): the CPU kernel and `_scaled_mm` are
 both traceable ops. Compiled artifacts persist in `$HQTFLOW_CACHE/inductor`, so only the first run compiles.
 
+`kv_cache="fp8"` stores keys and values as FP8 with the model's static k/v scales (`kv_cache.py`).
+
 Prompts in a batch have the same length (no padding); this engine is for latency and throughput measurement and
 `hqtflow generate`, the server's continuous batching lives in `engine.py`.
 """
@@ -38,8 +40,14 @@ def use_persistent_compile_cache() -> None:
 
 
 class StaticDecoder:
-    def __init__(self, model, *, max_length: int = 512, compile: bool = False):
-        self.model, self.max_length, self.compiled = model, max_length, compile
+    def __init__(self, model, *, max_length: int = 512, compile: bool = False, kv_cache: str = "bf16"):
+        if kv_cache not in ("bf16", "fp8"):
+            raise ValueError(f"kv_cache must be bf16 or fp8, not {kv_cache!r}")
+        self.model, self.max_length, self.compiled, self.kv_cache = model, max_length, compile, kv_cache
+        if kv_cache == "fp8":
+            from hqtflow.runtime.kv_cache import kv_scales
+
+            self._kv_scales = kv_scales(model)  # refuse early when the model has none
         self.device = next(model.parameters()).device
         self._caches: dict[int, object] = {}
         self._step = self._decode_step
@@ -51,7 +59,11 @@ class StaticDecoder:
         from transformers import StaticCache
 
         cache = self._caches.get(batch)
-        if cache is None:
+        if cache is None and self.kv_cache == "fp8":
+            from hqtflow.runtime.kv_cache import FP8StaticCache
+
+            cache = self._caches[batch] = FP8StaticCache(self.model.config, self.max_length, self._kv_scales)
+        elif cache is None:
             cache = self._caches[batch] = StaticCache(config=self.model.config, max_cache_len=self.max_length)
         else:
             cache.reset()

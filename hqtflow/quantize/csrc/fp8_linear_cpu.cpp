@@ -39,7 +39,7 @@
 namespace {
 
 constexpr int64_t kGemvMaxM = 16;  // above this, widen the weight and use ATen's GEMM
-constexpr int64_t kL1Bytes = 32 * 1024;
+constexpr int64_t kL1Bytes = 16 * 1024;  // half of a 32 KB L1D: x blocks leave room for the weights
 
 // ---- widening one byte (reference for the vector paths, and tails) ------------------------------------------
 inline float widen_scalar(uint8_t b, bool e4m3) {  // E4M3: value * 2^-8
@@ -206,51 +206,69 @@ struct Problem {
   bool e4m3, bf16;
 };
 
-template <int MB>
-void gemv_rows(const Problem& p, int64_t m0, int64_t n0, int64_t n1, int64_t kb) {
-  constexpr int NR = MB == 1 ? 4 : 2;
+struct Block {  // the part of the problem one dot call covers
+  int64_t m0, n, k0, kl;
+  bool accumulate;
+};
+
+template <int MB, int NR>
+inline void dot(const Problem& p, const Block& b, const void* widener) {
+  const uint8_t* w = p.w + b.n * p.K + b.k0;
+  float* y = p.y + b.m0 * p.N + b.n;
+#if HQT_BF16
+  if (p.bf16) {
+    dot_bf16<MB, NR>(static_cast<const uint16_t*>(p.x) + b.m0 * p.K + b.k0, p.K, b.kl, w, p.K,
+                     *static_cast<const Widener*>(widener), y, p.N, b.accumulate);
+    return;
+  }
+#endif
+  dot_f32<MB, NR>(static_cast<const float*>(p.x) + b.m0 * p.K + b.k0, p.K, b.kl, w, p.K, p.e4m3, y, p.N, b.accumulate);
+}
+
+template <int NR>
+inline void dot_rows(const Problem& p, int64_t mb, const Block& b, const void* widener) {
+  switch (mb) {
+    case 1: return dot<1, NR>(p, b, widener);
+    case 2: return dot<2, NR>(p, b, widener);
+    case 3: return dot<3, NR>(p, b, widener);
+    case 4: return dot<4, NR>(p, b, widener);
+    case 5: return dot<5, NR>(p, b, widener);
+    case 6: return dot<6, NR>(p, b, widener);
+    case 7: return dot<7, NR>(p, b, widener);
+    default: return dot<8, NR>(p, b, widener);
+  }
+}
+
+// Output columns [n0, n1) for all M rows (one thread's share). K is walked in blocks small enough that the block
+// of x (all M rows) stays in L1; for each group of NR weight rows every chunk of <= 8 input rows runs while those
+// weight bytes are still in L1, so the weights stream from memory once whatever M is.
+void gemv(const Problem& p, int64_t n0, int64_t n1) {
+  const int64_t elem = p.bf16 ? 2 : 4;
+  const int64_t kb = std::max<int64_t>(256, kL1Bytes / (elem * p.M) / 64 * 64);
+  const int64_t chunks = (p.M + 7) / 8, base = p.M / chunks, extra = p.M % chunks;  // near-equal chunks
+  const void* widener = nullptr;
 #if HQT_BF16
   const Widener wd(p.e4m3);
+  widener = &wd;
 #endif
   for (int64_t k0 = 0; k0 < p.K; k0 += kb) {
     const int64_t kl = std::min(kb, p.K - k0);
-    const bool acc = k0 > 0;
-    float* y = p.y + m0 * p.N;
-    auto run = [&](auto nr_tag, int64_t n) {
+    auto rows = [&](auto nr_tag, int64_t n) {
       constexpr int R = decltype(nr_tag)::value;
-      const uint8_t* w = p.w + n * p.K + k0;
-#if HQT_BF16
-      if (p.bf16) {
-        dot_bf16<MB, R>(static_cast<const uint16_t*>(p.x) + m0 * p.K + k0, p.K, kl, w, p.K, wd, y + n, p.N, acc);
-        return;
+      for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+        const int64_t mb = base + (c < extra);
+        dot_rows<R>(p, mb, Block{m0, n, k0, kl, k0 > 0}, widener);
+        m0 += mb;
       }
-#endif
-      dot_f32<MB, R>(static_cast<const float*>(p.x) + m0 * p.K + k0, p.K, kl, w, p.K, p.e4m3, y + n, p.N, acc);
     };
     int64_t n = n0;
-    for (; n + NR <= n1; n += NR) run(std::integral_constant<int, NR>{}, n);
-    for (; n < n1; ++n) run(std::integral_constant<int, 1>{}, n);
+    if (p.M == 1) {
+      for (; n + 4 <= n1; n += 4) rows(std::integral_constant<int, 4>{}, n);
+    } else {
+      for (; n + 2 <= n1; n += 2) rows(std::integral_constant<int, 2>{}, n);
+    }
+    for (; n < n1; ++n) rows(std::integral_constant<int, 1>{}, n);
   }
-}
-
-void gemv_chunk(const Problem& p, int64_t m0, int64_t mb, int64_t n0, int64_t n1, int64_t kb) {
-  switch (mb) {
-    case 1: return gemv_rows<1>(p, m0, n0, n1, kb);
-    case 2: return gemv_rows<2>(p, m0, n0, n1, kb);
-    case 3: return gemv_rows<3>(p, m0, n0, n1, kb);
-    case 4: return gemv_rows<4>(p, m0, n0, n1, kb);
-    case 5: return gemv_rows<5>(p, m0, n0, n1, kb);
-    case 6: return gemv_rows<6>(p, m0, n0, n1, kb);
-    case 7: return gemv_rows<7>(p, m0, n0, n1, kb);
-    default: return gemv_rows<8>(p, m0, n0, n1, kb);
-  }
-}
-
-// Output columns [n0, n1) for all rows (one thread's share).
-void gemv(const Problem& p, int64_t n0, int64_t n1) {
-  const int64_t elem = p.bf16 ? 2 : 4;
-  const int64_t kb = std::max<int64_t>(256, kL1Bytes / (elem * std::min<int64_t>(p.M, 8)) / 64 * 64);
-  for (int64_t m0 = 0; m0 < p.M; m0 += 8) gemv_chunk(p, m0, std::min<int64_t>(8, p.M - m0), n0, n1, kb);
 }
 
 // ---- the input: QDQ with the static scale, in the layout the GEMV wants --------------------------------------

@@ -1,0 +1,70 @@
+"""KV-cache statistics: the maxabs of the keys and values each attention layer stores in its cache.
+
+transformers hands every layer's keys (after rotary embedding) and values to `past_key_values.update(...)`, so a
+cache that observes those calls sees exactly what an FP8 KV cache would hold. `KVObserverCache` is a DynamicCache
+that records them (padding excluded: positions where the batch's attention mask is 0) into a `KVStats`, keyed by
+the attention module's name. The stats go to `kv_cache_maxabs.json` in the measurement artifact (hqtflow's own file,
+beside the HQT/INC ones, which have no KV nodes for Hugging Face models); `hqtflow quantize --kv-cache fp8` turns
+them into `k_scale` / `v_scale` (the compressed-tensors / vLLM convention).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+KV_FILE = "kv_cache_maxabs.json"
+KV_FORMAT = "hqtflow-kv-maxabs"
+
+
+class KVStats:
+    def __init__(self, model):
+        self.names = {m.layer_idx: n for n, m in model.named_modules() if isinstance(getattr(m, "layer_idx", None), int)
+                      and hasattr(m, "k_proj")}
+        self.maxabs: dict[int, list[float]] = {}
+
+    def record(self, layer: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:
+        if mask is not None and mask.shape[0] == k.shape[0] and mask.shape[1] == k.shape[2]:
+            valid = mask.to(k.device)[:, None, :, None].bool()
+            k, v = k.masked_fill(~valid, 0), v.masked_fill(~valid, 0)
+        ka, va = float(k.abs().amax()), float(v.abs().amax())
+        old = self.maxabs.get(layer, [0.0, 0.0])
+        self.maxabs[layer] = [max(old[0], ka), max(old[1], va)]
+
+    def cache(self, mask: torch.Tensor | None = None) -> "KVObserverCache":
+        return KVObserverCache(self, mask)
+
+    def to_json(self) -> dict:
+        layers = {self.names.get(i, f"layer{i}"): {"k": k, "v": v} for i, (k, v) in sorted(self.maxabs.items())}
+        return {"format": KV_FORMAT, "version": 1, "statistic": "maxabs of cached keys (after rotary) and values",
+                "layers": layers}
+
+
+class KVObserverCache(DynamicCache):
+    def __init__(self, stats: KVStats, mask: torch.Tensor | None):
+        super().__init__()
+        self._stats, self._mask = stats, mask
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self._stats.record(layer_idx, key_states, value_states, self._mask)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def read_kv_stats(directory: Path) -> dict[str, dict[str, float]] | None:
+    """{attention module: {"k": maxabs, "v": maxabs}} from a measurement artifact, None when it has none."""
+    from hqtflow.errors import ArtifactError
+
+    path = Path(directory) / KV_FILE
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("format") != KV_FORMAT or int(data.get("version", 0)) > 1:
+        raise ArtifactError(f"{path} is not a KV-cache statistics file this hqtflow reads (format {data.get('format')!r}, "
+                            f"version {data.get('version')}).")
+    for name, kv in data["layers"].items():
+        if not all(isinstance(kv.get(x), (int, float)) and kv[x] == kv[x] and abs(kv[x]) != float("inf") for x in "kv"):
+            raise ArtifactError(f"{path}: the statistics of {name} are not finite numbers.")
+    return data["layers"]

@@ -1,0 +1,114 @@
+"""FP8 KV cache: KV statistics in the measurement, k/v scales in the checkpoint, the FP8 static cache at run time."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import run_cli
+from hqtflow.measure.kv import KV_FILE, KVStats
+from hqtflow.scales import dequantize, quantize
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_llama, wiki_text, tmp_path_factory):
+    out = tmp_path_factory.mktemp("kv")
+    assert run_cli("measure", tiny_llama, "-o", out / "m", "--text", wiki_text, "--limit", "4").exit_code == 0
+    r = run_cli("quantize", "-m", out / "m", "-o", out / "fp8", "--kv-cache", "fp8")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    return out
+
+
+def test_observer_cache_sees_what_is_cached_without_padding(tiny_llama):
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(5, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0  # right padding in row 1
+    stats = KVStats(model)
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, past_key_values=stats.cache(mask), use_cache=True)
+        plain = DynamicCache()
+        model(input_ids=ids, attention_mask=mask, past_key_values=plain, use_cache=True)
+    valid = mask[:, None, :, None].bool()
+    assert sorted(stats.maxabs) == list(range(model.config.num_hidden_layers))
+    for i, layer in enumerate(plain.layers):
+        k = layer.keys.masked_fill(~valid, 0).abs().amax().item()
+        v = layer.values.masked_fill(~valid, 0).abs().amax().item()
+        assert stats.maxabs[i] == [k, v]
+    names = stats.to_json()["layers"]
+    assert list(names) == [f"model.layers.{i}.self_attn" for i in range(model.config.num_hidden_layers)]
+
+
+def test_scales_in_the_checkpoint(artifacts, tmp_path):
+    stats = json.loads((artifacts / "m" / KV_FILE).read_text())["layers"]
+    cfg = json.loads((artifacts / "fp8" / "config.json").read_text())["quantization_config"]
+    assert cfg["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                                      "group_size": None, "strategy": "tensor"}
+    with safe_open(artifacts / "fp8" / "model.safetensors", "pt") as f:
+        for name, kv in stats.items():
+            for x in "kv":  # maxabs_arbitrary's activation rule, as for Linear inputs: maxabs / (448 * backoff 0.25)
+                expect = (torch.tensor(kv[x]).to(torch.bfloat16) / 112.0).float()
+                assert torch.equal(f.get_tensor(f"{name}.{x}_scale"), expect.reshape(()))
+    # --disk-offload writes the same tensors
+    r = run_cli("quantize", "-m", artifacts / "m", "-o", tmp_path / "off", "--kv-cache", "fp8", "--disk-offload")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    with safe_open(artifacts / "fp8" / "model.safetensors", "pt") as a, safe_open(tmp_path / "off" / "model.safetensors", "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+    assert json.loads((tmp_path / "off" / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
+
+
+def test_fp8_cache_layer_stores_qdq_values(artifacts):
+    from hqtflow.evaluate import load_any
+    from hqtflow.runtime.kv_cache import FP8StaticCache, kv_scales
+
+    model, _, _ = load_any(str(artifacts / "fp8"), backend="qdq")
+    scales = kv_scales(model)
+    assert len(scales) == model.config.num_hidden_layers and all(k.dtype == torch.float32 for k, _ in scales)
+    cache = FP8StaticCache(model.config, 16, scales)
+    k = torch.randn(2, 2, 3, 8, dtype=torch.bfloat16) * 2
+    v = torch.randn(2, 2, 3, 8, dtype=torch.bfloat16)
+    keys, values = cache.layers[0].update(k, v)
+    assert cache.layers[0].keys.dtype == torch.float8_e4m3fn and keys.dtype == torch.bfloat16
+    s_k, s_v = scales[0]
+    assert torch.equal(keys[:, :, :3], dequantize(quantize(k, s_k), s_k, torch.bfloat16))
+    assert torch.equal(values[:, :, :3], dequantize(quantize(v, s_v), s_v, torch.bfloat16))
+    assert not keys[:, :, 3:].any()
+
+
+def test_decode_with_fp8_kv_cache(artifacts):
+    """Greedy decoding with the FP8 KV cache stays close to the bf16 cache (>= 70% of tokens on a random tiny model)."""
+    from hqtflow.evaluate import load_any
+    from hqtflow.runtime.static_decode import StaticDecoder
+
+    model, _, _ = load_any(str(artifacts / "fp8"), backend="qdq")
+    ids = torch.randint(5, 500, (2, 10), generator=torch.Generator().manual_seed(3))
+    bf16 = StaticDecoder(model, max_length=40).generate(ids, 16).tokens
+    fp8 = StaticDecoder(model, max_length=40, kv_cache="fp8").generate(ids, 16).tokens
+    assert fp8.shape == bf16.shape and (fp8 == bf16).float().mean() >= 0.7
+
+
+def test_cli_kv_cache_paths(artifacts, tiny_llama, wiki_text, tmp_path):
+    r = run_cli("generate", artifacts / "fp8", "--engine", "static", "--kv-cache", "fp8", "--max-new-tokens", "6")
+    assert r.exit_code == 0 and r.stdout.strip(), r.stdout + r.stderr
+    r = run_cli("generate", artifacts / "fp8", "--kv-cache", "fp8")
+    assert r.exit_code == 2 and "--engine static" in r.stderr
+    r = run_cli("generate", artifacts / "fp8", "--kv-cache", "int4", "--engine", "static")
+    assert r.exit_code == 2 and "bf16 or fp8" in r.stderr
+    plain = tmp_path / "plain"
+    assert run_cli("quantize", "-m", artifacts / "m", "-o", plain).exit_code == 0
+    r = run_cli("generate", plain, "--engine", "static", "--kv-cache", "fp8")
+    assert r.exit_code == 2 and "--kv-cache fp8" in r.stderr
+    # a measurement without KV statistics (a foreign HQT dump: only its JSON/npz files)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    for p in (artifacts / "m").iterdir():
+        if p.name.startswith("measure_hooks_maxabs"):
+            (foreign / p.name).write_bytes(p.read_bytes())
+    r = run_cli("quantize", tiny_llama, "-m", foreign, "-o", tmp_path / "x", "--kv-cache", "fp8")
+    assert r.exit_code == 2 and "no KV-cache statistics" in r.stderr and not (tmp_path / "x").exists()
+    r = run_cli("quantize", "-m", artifacts / "m", "-o", tmp_path / "y", "--kv-cache", "fp8", "--scales-only")
+    assert r.exit_code == 2 and "--scales-only" in r.stderr
