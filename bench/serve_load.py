@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
