@@ -169,7 +169,10 @@ def test_autofp8(scheme, base, tmp_path):
     q = model.model.layers[1].self_attn.o_proj
     assert q.activation == ("static" if scheme == "static" else "dynamic_tensor")
     assert q.weight_scale.dtype == torch.float32 and q.weight_scale.shape == (1,)
-    assert model.hqtflow_quantization["dropped_tensors"] == 4  # KV-cache scales: not applied by the runtime
+    assert model.hqtflow_quantization["dropped_tensors"] == 0  # KV-cache scales are kept, for the FP8 KV cache
+    from hqtflow.runtime.kv_cache import kv_scales
+
+    assert [tuple(float(t) for t in pair) for pair in kv_scales(model)] == [(0.5, 0.5), (0.5, 0.5)]
     assert sqnr(base["logits"], logits) > 15
 
 

@@ -35,7 +35,7 @@ def text_run(tiny_llama, wiki_text, tmp_path_factory):
 def test_inc_file_layout(text_run, tiny_llama):
     names = {p.name for p in text_run.iterdir()}
     assert names == {"measure_hooks_maxabs.json", "measure_hooks_maxabs.npz", "measure_hooks_maxabs_mod_list.json",
-                     "quant_config.json", "hqtflow_manifest.json"}
+                     "quant_config.json", "hqtflow_manifest.json", "kv_cache_maxabs.json"}  # the last: hqtflow's own
     js = json.loads((text_run / "measure_hooks_maxabs.json").read_text())
     assert list(js)[:4] == ["NumSamples", "GlobalRank", "LocalRank", "Mode"]
     assert js["Mode"] == "DynamicRange" and js["LocalRank"] is None and js["NumSamples"] == 6
@@ -59,7 +59,7 @@ def test_manifest(text_run, tiny_llama, wiki_text):
     m = read_manifest(text_run, "hqtflow.measurement", 1)
     assert m.model == fingerprint(tiny_llama)
     assert set(m.files) == {"measure_hooks_maxabs.json", "measure_hooks_maxabs.npz",
-                            "measure_hooks_maxabs_mod_list.json", "quant_config.json"}
+                            "measure_hooks_maxabs_mod_list.json", "quant_config.json", "kv_cache_maxabs.json"}
     d = m.data
     assert d["world_size"] == 1 and d["statistics_dtype"] == "float32"
     cal = d["calibration"]
