@@ -56,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--single-requests", type=int, default=None,
                    help="requests in the single-stream run (the first K of the same list; default: all)")
     p.add_argument("--warmup-requests", type=int, default=None,
-                   help="default: max(200, 2 x concurrency): enough for the shape-keyed caches (oneDNN primitives for "
+                   help="default: max(400, 2 x concurrency): enough for the shape-keyed caches (oneDNN primitives for "
                         "each matmul shape, allocator arenas) to reach their steady state before RSS is read")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--prompt-words", type=int, default=12, help="words per prompt")
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
     deadline = t_start + a.deadline
     ck = Path(a.checkpoint) if a.checkpoint else default_checkpoint()
-    n_warm = a.warmup_requests if a.warmup_requests is not None else max(200, 2 * a.concurrency)
+    n_warm = a.warmup_requests if a.warmup_requests is not None else max(400, 2 * a.concurrency)
     a.max_batch_size = a.max_batch_size or a.concurrency
     n_single = min(a.single_requests or a.requests, a.requests)
     texts = prompts(a.data, a.requests, a.prompt_words, a.seed)

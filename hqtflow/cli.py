@@ -324,7 +324,7 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
 
     # oneDNN keeps a compiled primitive per matmul shape (1024 by default); a server sees a new prefill shape at
     # almost every step, so bound it (oneDNN's documented knob; read when the first primitive is made).
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
 
     from hqtflow.runtime.server import ServeSettings, serve
 

@@ -44,8 +44,18 @@ def build_dir() -> Path:
 def load() -> bool:
     """Build (first time on this machine) or load the kernel; True when `torch.ops.hqtflow.fp8_linear` exists."""
     global _error
+    import os
+    import shutil
+
     from torch.utils import cpp_extension
 
+    if shutil.which("ninja") is None:  # the pip `ninja` package's binary, when its bin dir is not on PATH
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
     try:
