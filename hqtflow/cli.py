@@ -342,7 +342,7 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
                              api_key=api_key or os.environ.get("HQTFLOW_API_KEY") or None,
                              batch_bucket_size=env(batch_bucket_size, "BATCH_BUCKET_SIZE", 1),
                              prefill_batch_bucket_size=env(prefill_batch_bucket_size, "PREFILL_BATCH_BUCKET_SIZE", 1),
-                             pad_sequence_to_multiple_of=env(pad_sequence_to_multiple_of, "PAD_SEQUENCE_TO_MULTIPLE_OF", 1),
+                             pad_sequence_to_multiple_of=env(pad_sequence_to_multiple_of, "PAD_SEQUENCE_TO_MULTIPLE_OF", 16),
                              warmup=env(warmup, "WARMUP_ENABLED", False))
     serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
           backend=backend)
@@ -363,7 +363,7 @@ def _serve_command(kind: str, doc: str):
         api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` [env HQTFLOW_API_KEY].")] = None,
         batch_bucket_size: Annotated[Optional[int], typer.Option(help="Round the decode batch up to a multiple [env BATCH_BUCKET_SIZE, 1].")] = None,
         prefill_batch_bucket_size: Annotated[Optional[int], typer.Option(help="Round the prefill batch up to a multiple [env PREFILL_BATCH_BUCKET_SIZE, 1].")] = None,
-        pad_sequence_to_multiple_of: Annotated[Optional[int], typer.Option(help="Left-pad prompts to a multiple [env PAD_SEQUENCE_TO_MULTIPLE_OF, 1].")] = None,
+        pad_sequence_to_multiple_of: Annotated[Optional[int], typer.Option(help="Left-pad prompts to a multiple: few distinct shapes, bounded per-shape caches [env PAD_SEQUENCE_TO_MULTIPLE_OF, 16].")] = None,
         warmup: Annotated[Optional[bool], typer.Option("--warmup/--no-warmup", help="Run the bucketed shapes once; /health is 503 until done [env WARMUP_ENABLED].")] = None,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
         backend: Backend = "auto",
