@@ -64,12 +64,14 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
         raise HqtflowError(f"Recipe {recipe} names no output directory; set `output` or pass -o.")
     ms = MeasureSettings(**values, overwrite=True)
     root = Path(ms.output).parent
-    if not force and measurement_is_current(ms):
+    kv_missing = r["meta"]["kv_cache"] == "fp8" and not (Path(ms.output) / "kv_cache_maxabs.json").exists()
+    if not force and not kv_missing and measurement_is_current(ms):
         echo(f"measure: {ms.output} is up to date, skipped.")
     else:
         echo(f"measure: writing {ms.output}")
         measure(ms)
-    qs = QuantizeSettings(measurement=ms.output, output=str(root / "fp8"), config=r["meta"]["quant_config"], overwrite=True)
+    qs = QuantizeSettings(measurement=ms.output, output=str(root / "fp8"), config=r["meta"]["quant_config"],
+                          kv_cache=r["meta"]["kv_cache"], overwrite=True)
     if not force and checkpoint_is_current(qs):
         echo(f"quantize: {qs.output} is up to date, skipped.")
     else:

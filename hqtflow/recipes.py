@@ -15,7 +15,7 @@ from typing import Any
 from hqtflow.errors import ConfigError
 
 TOP_KEYS = {"name", "model", "model_type", "cards", "dtype", "config", "calibration", "batch_size",
-            "max_length", "output", "quant_config", "eval", "notes"}
+            "max_length", "output", "quant_config", "kv_cache", "eval", "notes"}
 EVAL_KEYS = {"tasks", "include_path", "data_dir", "limit", "ppl_file", "ppl_windows", "batch_size"}
 CAL_KEYS = {"tasks", "include_path", "data_dir", "text", "text_field", "limit"}
 
@@ -97,6 +97,9 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         "ppl_windows": ev.get("ppl_windows"),
         "batch_size": ev.get("batch_size", out["batch_size"]),
     }
+    kv = raw.get("kv_cache", "bf16")
+    if kv not in ("bf16", "fp8"):
+        raise ConfigError(f"Recipe {path}: kv_cache must be bf16 or fp8, not {kv!r}.")
     meta = {"name": raw.get("name", path.stem), "model_type": raw.get("model_type"),
-            "quant_config": rel(raw.get("quant_config")), "eval": eval_settings}
+            "quant_config": rel(raw.get("quant_config")), "kv_cache": kv, "eval": eval_settings}
     return {"settings": out, "meta": meta}
