@@ -251,3 +251,14 @@ def test_smollm2_recipe_real_model(smollm2, data_dir, tmp_path):
     m = _manifest(out)
     assert Path(m["data"]["model_path"]).resolve() == smollm2.resolve()
     assert len(_nodes(out, m)) == 30 * 7 + 1  # q,k,v,o,gate,up,down per layer + lm_head
+
+
+def test_kv_cache_key(tmp_path):
+    from hqtflow.errors import ConfigError
+    from hqtflow.recipes import load_recipe
+
+    assert load_recipe(ROOT / "recipes" / "smollm2.yaml")["meta"]["kv_cache"] == "fp8"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: smollm2\noutput: out\nkv_cache: int4\n")
+    with pytest.raises(ConfigError, match="kv_cache must be bf16 or fp8"):
+        load_recipe(bad)
