@@ -123,7 +123,15 @@ def make_modes(args, model_dir, tmp):
         with session.batch(mask):
             return hq_model(input_ids=ids, attention_mask=mask).logits
 
-    modes = {"plain forward": run_plain, "hqtflow observers": run_hq}
+    from hqtflow.measure.kv import KVStats
+
+    kv = KVStats(hq_model)
+
+    def run_hq_kv(ids, mask):  # what `hqtflow measure` runs: Linear observers + KV-cache statistics
+        with session.batch(mask):
+            return hq_model(input_ids=ids, attention_mask=mask, past_key_values=kv.cache(mask), use_cache=True).logits
+
+    modes = {"plain forward": run_plain, "hqtflow observers": run_hq, "hqtflow observers + KV stats": run_hq_kv}
     extra = {"plain": plain, "session": session, "hq_model": hq_model}
     if not args.no_inc:
         try:
