@@ -88,10 +88,14 @@ def main() -> None:
     backend = next((m.backend for m in fp8.modules() if hasattr(m, "backend")), "?")
     batches = [int(b) for b in a.batch_sizes.split(",")]
     max_len = a.prompt_length + a.new_tokens
+    from fp8_linear import cpu_flags
+
     print(f"model {bf16_path.name}; FP8 {ckpt} (backend {backend}); prompt {a.prompt_length}, {a.new_tokens} new tokens, "
           f"greedy; threads {torch.get_num_threads()}; median of {a.runs} runs")
+    print(f"torch {torch.__version__}; CPU flags: {cpu_flags()}")
 
     engines = {"bf16 transformers generate": None,
+               "fp32 static": StaticDecoder(models.load_model(bf16_path, "fp32"), max_length=max_len),
                "bf16 static": StaticDecoder(bf16, max_length=max_len),
                "fp8 static": StaticDecoder(fp8, max_length=max_len)}
     if a.kv_cache:
@@ -129,6 +133,7 @@ def main() -> None:
     for name, r in results.items():
         print(f"{name:30}" + "".join(f"{r[b]:>16.1f}" for b in batches))
     ratios = [("fp8 static / bf16 static (same engine)", "fp8 static", "bf16 static", 1.0),
+              ("fp8 static / fp32 static (same engine)", "fp8 static", "fp32 static", None),
               ("fp8 compiled / bf16 compiled (same engine)", "fp8 static compiled", "bf16 static compiled", 1.0),
               ("fp8 compiled / bf16 transformers generate", "fp8 static compiled", "bf16 transformers generate", None),
               ("fp8 static / bf16 transformers generate", "fp8 static", "bf16 transformers generate", None),

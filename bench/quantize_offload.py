@@ -189,6 +189,10 @@ def main() -> None:
         rs, rn = min(read_all(files)[0] for _ in range(2)), total
         read_gbs = rn / rs / 1e9
         print(f"page cache: {cached_fraction(files)}")
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from fp8_linear import cpu_flags
+
+        print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} CPUs")
         print(f"sequential read of the safetensors files: {read_gbs:.2f} GB/s ({rs:.2f} s)")
         base = sample_process([sys.executable, "-c", "import torch, transformers, accelerate, safetensors, hqtflow.cli, hqtflow.quantize.run; "
                                "from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM"], env)
