@@ -134,6 +134,15 @@ def inc():
     return quantization
 
 
+@pytest.fixture(scope="session")
+def cpu_kernel_loaded():
+    """hqtflow's CPU FP8 kernel module, built (needs a C++ compiler: a failure under CI=true)."""
+    from hqtflow.quantize import cpu_kernel
+
+    need(cpu_kernel.available(), f"the CPU FP8 kernel could not be built: {cpu_kernel.build_error()}")
+    return cpu_kernel
+
+
 def run_cli(*args: str):
     """Invoke the CLI in-process; returns typer's Result (exit_code, stdout, stderr)."""
     from typer.testing import CliRunner

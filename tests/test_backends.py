@@ -56,17 +56,6 @@ def _pow2(t):
     return torch.exp2(torch.round(torch.log2(t.float()))).to(torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def cpu_kernel_loaded():
-    from hqtflow.quantize import cpu_kernel
-
-    if not cpu_kernel.available():
-        from conftest import need
-
-        need(False, f"the CPU FP8 kernel could not be built: {cpu_kernel.build_error()}")
-    return cpu_kernel
-
-
 @pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (100, 37), (128, 64)])
 @pytest.mark.parametrize("m", [1, 3, 8, 13, 40])
 @pytest.mark.parametrize("mode", ["w8a8", "weight-only", "per-channel", "e5m2"])

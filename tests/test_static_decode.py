@@ -54,16 +54,11 @@ def test_eos_stops_every_row(tiny_llama):
 
 
 @pytest.mark.slow
-def test_compiled_step_fp8_cpu_kernel(tiny_fp8):
+def test_compiled_step_fp8_cpu_kernel(tiny_fp8, cpu_kernel_loaded):
     """FP8 (CPU kernel) through the compiled decode step: the custom op stays one call in the graph; tokens equal
     the eager static decoder's up to ties (compiled RMSNorm/rotary round differently: >= 90% of tokens agree)."""
     from hqtflow.evaluate import load_any
-    from hqtflow.quantize import cpu_kernel
 
-    if not cpu_kernel.available():
-        from conftest import need
-
-        need(False, f"the CPU FP8 kernel could not be built: {cpu_kernel.build_error()}")
     model, tok, kind = load_any(str(tiny_fp8), backend="cpu")
     assert kind == "fp8"
     ids = torch.randint(5, 500, (2, 8), generator=torch.Generator().manual_seed(2))

@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from hqtflow.runtime.memory import trim
+
 
 @dataclass
 class SamplingParams:
@@ -131,8 +133,6 @@ class Engine:
 
     # -- engine thread -------------------------------------------------------------------------------------
     def _trim(self, idle: bool) -> None:
-        from hqtflow.runtime.memory import trim
-
         if self.trim_interval and (idle or time.monotonic() - self._last_trim > self.trim_interval):
             trim()
             self._last_trim = time.monotonic()
