@@ -1,17 +1,25 @@
-// FP8 Linear for CPUs: y = QDQ(x) @ (W_fp8 * s_w)^T + bias, with the FP8 weight read as FP8 (one byte per weight)
-// and widened in registers, never materialised per call on the decode path. Numerics follow hqtflow's QDQ
-// reference (hqtflow/scales.py): the input is quantized as cast(clamp(x / s_x, -F, F)) (round to nearest even,
-// saturating) and dequantized to the high-precision dtype; products are exact and sums are fp32.
+// FP8 Linear for CPUs, batch-invariant: y = QDQ(x) @ dequantize(W_fp8, s_w)^T + bias computes, for every output
+// element, the same sequence of floating-point operations whatever M is, whichever rows sit beside it and however
+// the work is split between threads. It is the function of hqtflow's QDQ reference (hqtflow/scales.py,
+// FP8Linear's "qdq" backend):
+//   x_q = hp(cast(clamp(x / s_x, -F, F)) * s_x)      (static W8A8; weight-only and dynamic inputs skip this)
+//   w_q = hp(W_fp8 * s_w)                             (s_w per tensor or per output row; fp32 multiply, one rounding)
+//   y   = hp(hp(sum_k x_q[k] * w_q[k]) + bias)        (products exact in fp32 for bf16/fp16; sums in fp32)
+// with hp the high-precision dtype (bf16, fp16 or fp32). Only the order of the fp32 sum differs from the reference's
+// GEMM (which changes its order with M); here it is fixed: each output accumulates its products in vector lanes
+// over k in ascending steps, then one halving tree across the lanes (`hsum`). So a row's output is bit-identical
+// whether it is computed alone, padded or inside a batch of 512.
 //
-// Two decode (small M) paths, picked at compile time from the CPU's flags:
-// - bf16 (AVX512-BF16 + AVX512-VBMI, bf16 activations): 64 weight bytes become 64 exact bf16 weights with two
-//   128-entry byte-table lookups (vpermi2b: high and low bytes), one OR for the sign and two unpacks; the unpack
-//   order interleaves 128-bit lanes, so the input rows are permuted the same way once per call. vdpbf16ps does
-//   32 multiply-adds per instruction into fp32.
-// - fp32 (any AVX2+F16C CPU): sign-extend the byte to 16 bits, shift left 7, clear bit 14: for E4M3 that is an
-//   IEEE half whose value is the E4M3 value * 2^-8 (subnormals included; the 2^8 goes into the output scale);
-//   for E5M2 the byte is the top half of an IEEE half. vcvtph2ps widens, fp32 FMAs accumulate.
-// Large M (prefill) widens the weight into the high-precision dtype in parallel blocks and calls ATen's GEMM.
+// Compute paths, picked at compile time from the CPU's flags (the kernel is built with -march=native):
+// - bf16 dot products (AVX512-BF16 + AVX512-VBMI, bf16 models): 64 FP8 bytes become 64 bf16 values of w_q with two
+//   128-entry byte-table lookups (vpermi2b, high and low bytes of hp(v * s_w) for the 128 non-negative codes), one
+//   OR for the sign and two unpacks; the unpacks interleave 128-bit lanes, so input rows are stored permuted the
+//   same way. vdpbf16ps does 32 exact multiply-adds per instruction into fp32.
+// - fp32 FMA (AVX-512F or AVX2+F16C; fp32 and fp16 models, and bf16 models on CPUs without bf16 dot products): the
+//   byte is sign-extended, shifted and masked into an IEEE half (E4M3 value * 2^-8, subnormals included), widened
+//   by vcvtph2ps, multiplied by s_w * 2^8 (exactly the fp32 product v * s_w) and rounded to hp.
+// The weights of a few rows are widened in registers for decode-sized M; for larger M each thread widens a panel of
+// rows once into an L2-sized buffer and sweeps every input row over it (the weight streams from memory once).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -20,12 +28,15 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define HQT_AVX512 1
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -35,14 +46,23 @@
 #if HQT_AVX512 && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define HQT_BF16 1
 #endif
+#ifndef HQT_REG_MAX_M
+#define HQT_REG_MAX_M 16
+#endif
+#ifndef HQT_OPS_NS
+#define HQT_OPS_NS hqtflow  // the torch op namespace (tests build an AVX2-only twin under another name)
+#endif
+
+#define HQT_INLINE inline __attribute__((always_inline))
+#define HQT_UNROLL _Pragma("GCC unroll 16")
 
 namespace {
 
-constexpr int64_t kGemvMaxM = 16;  // above this, widen the weight and use ATen's GEMM
-constexpr int64_t kL1Bytes = 16 * 1024;  // half of a 32 KB L1D: x blocks leave room for the weights
+constexpr int64_t kL2Bytes = 256 * 1024;  // widened weight panel per thread
 
-// ---- widening one byte (reference for the vector paths, and tails) ------------------------------------------
-inline float widen_scalar(uint8_t b, bool e4m3) {  // E4M3: value * 2^-8
+// ---- scalar definitions (the vector forms are tested against these) -----------------------------------------
+// E4M3: value * 2^-8 as an IEEE half (sign-extend, shift, clear bit 14); E5M2: the byte is the top of a half.
+inline float widen_scalar(uint8_t b, bool e4m3) {
   uint16_t h = e4m3 ? static_cast<uint16_t>((static_cast<uint16_t>(static_cast<int8_t>(b)) << 7) & 0xBFFF)
                     : static_cast<uint16_t>(b << 8);
   c10::Half half;
@@ -52,112 +72,145 @@ inline float widen_scalar(uint8_t b, bool e4m3) {  // E4M3: value * 2^-8
 
 inline float fp8_value(uint8_t b, bool e4m3) { return widen_scalar(b, e4m3) * (e4m3 ? 256.f : 1.f); }
 
-#if HQT_AVX512
-constexpr int kVec = 16;
-inline __m512 widen16(const uint8_t* p, bool e4m3) {
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  __m256i h = e4m3 ? _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
-                                      _mm256_set1_epi16(static_cast<short>(0xBFFF)))
-                   : _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
-  return _mm512_cvtph_ps(h);
-}
-#elif HQT_AVX2
-constexpr int kVec = 8;
-inline __m256 widen8(const uint8_t* p, bool e4m3) {
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  __m128i h = e4m3 ? _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(static_cast<short>(0xBFFF)))
-                   : _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
-  return _mm256_cvtph_ps(h);
-}
-#else
-constexpr int kVec = 1;
-#endif
-
-// ---- fp32 path ----------------------------------------------------------------------------------------------
-// y[m, r] (+)= sum_k x[m, k] * widen(w[r, k]) for NR weight rows and MB input rows: NR * MB independent
-// accumulators hide the FMA latency, and each widened weight vector feeds MB FMAs.
-template <int MB, int NR>
-inline void dot_f32(const float* x, int64_t ldx, int64_t K, const uint8_t* w, int64_t ldw, bool e4m3, float* y,
-                    int64_t ldy, bool accumulate) {
-  float out[NR][MB];
-  int64_t k = 0;
-#if HQT_AVX512
-  __m512 acc[NR][MB];
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (; k + kVec <= K; k += kVec) {
-    __m512 wv[NR];
-    for (int r = 0; r < NR; ++r) wv[r] = widen16(w + r * ldw + k, e4m3);
-    for (int m = 0; m < MB; ++m) {
-      __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
-      for (int r = 0; r < NR; ++r) acc[r][m] = _mm512_fmadd_ps(xv, wv[r], acc[r][m]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MB; ++m) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
-#elif HQT_AVX2
-  __m256 acc[NR][MB];
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
-  for (; k + kVec <= K; k += kVec) {
-    __m256 wv[NR];
-    for (int r = 0; r < NR; ++r) wv[r] = widen8(w + r * ldw + k, e4m3);
-    for (int m = 0; m < MB; ++m) {
-      __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
-      for (int r = 0; r < NR; ++r) acc[r][m] = _mm256_fmadd_ps(xv, wv[r], acc[r][m]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MB; ++m) {
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][m]), _mm256_extractf128_ps(acc[r][m], 1));
-      s = _mm_hadd_ps(s, s);
-      out[r][m] = _mm_cvtss_f32(_mm_hadd_ps(s, s));
-    }
-#else
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MB; ++m) out[r][m] = 0.f;
-#endif
-  for (; k < K; ++k)
-    for (int r = 0; r < NR; ++r) {
-      const float wk = widen_scalar(w[r * ldw + k], e4m3);
-      for (int m = 0; m < MB; ++m) out[r][m] += x[m * ldx + k] * wk;
-    }
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MB; ++m) y[m * ldy + r] = accumulate ? y[m * ldy + r] + out[r][m] : out[r][m];
+inline float round_to(float v, at::ScalarType hp) {
+  if (hp == at::kBFloat16) return static_cast<float>(c10::BFloat16(v));
+  if (hp == at::kHalf) return static_cast<float>(c10::Half(v));
+  return v;
 }
 
-// ---- bf16 path ----------------------------------------------------------------------------------------------
-#if HQT_BF16
-// bf16 bits of every non-negative FP8 code (0..127), split into high and low bytes for vpermi2b.
-struct Bf16Tables {
-  alignas(64) uint8_t hi[128];
-  alignas(64) uint8_t lo[128];
-  explicit Bf16Tables(bool e4m3) {
-    for (int j = 0; j < 128; ++j) {
-      float v = (e4m3 && j == 127) ? 0.f : fp8_value(static_cast<uint8_t>(j), e4m3);  // 0x7f is E4M3's NaN
-      uint32_t u;
-      std::memcpy(&u, &v, 4);
-      hi[j] = static_cast<uint8_t>(u >> 24);
-      lo[j] = static_cast<uint8_t>(u >> 16);  // exact: FP8 values have at most 3 mantissa bits
-    }
+// ---- fp32 vectors: one type per ISA, same operations ---------------------------------------------------------
+#if HQT_AVX512
+struct F32 {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float s) { return _mm512_set1_ps(s); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V widen(const uint8_t* p, bool e4m3) {  // W bytes -> fp32 (E4M3 scaled by 2^-8)
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    __m256i h = e4m3 ? _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                        _mm256_set1_epi16(static_cast<short>(0xBFFF)))
+                     : _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+    return _mm512_cvtph_ps(h);
+  }
+  static V round_bf16(V v) {  // round to nearest even at 16 bits (finite values)
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  static V round_fp16(V v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+  static HQT_INLINE float hsum(V v) {  // the halving tree: lanes j + j+8, then j + j+4, j + j+2, j + j+1
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
   }
 };
-const Bf16Tables& tables(bool e4m3) {
-  static const Bf16Tables e4(true), e5(false);
-  return e4m3 ? e4 : e5;
+#elif HQT_AVX2
+struct F32 {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float s) { return _mm256_set1_ps(s); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V widen(const uint8_t* p, bool e4m3) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    __m128i h = e4m3 ? _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(static_cast<short>(0xBFFF)))
+                     : _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
+    return _mm256_cvtph_ps(h);
+  }
+  static V round_bf16(V v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  static V round_fp16(V v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)); }
+  static HQT_INLINE float hsum(V v) {  // lanes j + j+4, then j + j+2, j + j+1
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+  }
+};
+#else
+struct F32 {  // portable fallback: one lane
+  using V = float;
+  static constexpr int W = 1;
+  static V zero() { return 0.f; }
+  static V set1(float s) { return s; }
+  static V load(const float* p) { return *p; }
+  static void store(float* p, V v) { *p = v; }
+  static V mul(V a, V b) { return a * b; }
+  static V fma(V a, V b, V c) { return std::fma(a, b, c); }
+  static V widen(const uint8_t* p, bool e4m3) { return widen_scalar(*p, e4m3); }
+  static V round_bf16(V v) { return round_to(v, at::kBFloat16); }
+  static V round_fp16(V v) { return round_to(v, at::kHalf); }
+  static HQT_INLINE float hsum(V v) { return v; }
+};
+#endif
+
+// ---- the weight, as the reference dequantizes it ---------------------------------------------------------------
+struct Weight {
+  const uint8_t* w;  // [N, K] FP8 bytes
+  int64_t N, K;
+  const float* scale;  // 1 or N values
+  bool per_channel, e4m3;
+  at::ScalarType hp;
+  float s(int64_t n) const { return per_channel ? scale[n] : scale[0]; }
+};
+
+// fp32 path: W fp32 values of w_q starting at row n, column k (bytes past K read as 0).
+inline F32::V widen_f32(const Weight& wt, int64_t n, int64_t k, F32::V sv) {
+  const uint8_t* p = wt.w + n * wt.K + k;
+  F32::V v;
+  if (k + F32::W <= wt.K) {
+    v = F32::widen(p, wt.e4m3);
+  } else {
+    alignas(64) uint8_t tail[64] = {0};
+    std::memcpy(tail, p, wt.K - k);
+    v = F32::widen(tail, wt.e4m3);
+  }
+  v = F32::mul(v, sv);  // (v * 2^-8) * (s * 2^8): the exact product v * s, rounded once to fp32
+  if (wt.hp == at::kBFloat16) return F32::round_bf16(v);
+  if (wt.hp == at::kHalf) return F32::round_fp16(v);
+  return v;
 }
 
+inline float widen_factor(const Weight& wt) { return wt.e4m3 ? 256.f : 1.f; }
+
+#if HQT_BF16
+// bf16 path: the high and low bytes of hp(v * s) for the 128 non-negative codes, for vpermi2b.
 struct Widener {
   __m512i hi0, hi1, lo0, lo1, sign;
-  explicit Widener(bool e4m3) {
-    const Bf16Tables& t = tables(e4m3);
-    hi0 = _mm512_load_si512(t.hi);
-    hi1 = _mm512_load_si512(t.hi + 64);
-    lo0 = _mm512_load_si512(t.lo);
-    lo1 = _mm512_load_si512(t.lo + 64);
+  Widener(bool e4m3, float s) {
+    static const std::array<std::array<float, 128>, 2> values = [] {  // the 128 non-negative codes, E5M2 and E4M3
+      std::array<std::array<float, 128>, 2> v{};
+      for (int j = 0; j < 128; ++j) {
+        v[0][j] = fp8_value(static_cast<uint8_t>(j), false);
+        v[1][j] = j == 127 ? 0.f : fp8_value(static_cast<uint8_t>(j), true);  // 0x7f: E4M3's NaN, never a weight
+      }
+      return v;
+    }();
+    alignas(64) uint8_t hi[128], lo[128];
+    for (int j = 0; j < 128; ++j) {
+      const uint16_t b = c10::BFloat16(values[e4m3][j] * s).x;
+      hi[j] = static_cast<uint8_t>(b >> 8);
+      lo[j] = static_cast<uint8_t>(b);
+    }
+    hi0 = _mm512_load_si512(hi);
+    hi1 = _mm512_load_si512(hi + 64);
+    lo0 = _mm512_load_si512(lo);
+    lo1 = _mm512_load_si512(lo + 64);
     sign = _mm512_set1_epi8(static_cast<char>(0x80));
   }
-  // 64 FP8 bytes -> two vectors of 32 bf16 (lane-interleaved order, see permute_row).
+  // 64 FP8 bytes -> two vectors of 32 bf16 (lane-interleaved order, see permuted_source).
   inline void widen64(const uint8_t* p, __m512bh& w0, __m512bh& w1) const {
     __m512i b = _mm512_loadu_si512(p);
     __m512i h = _mm512_permutex2var_epi8(hi0, b, hi1);  // index bits 6..0; the sign bit is ignored
@@ -166,127 +219,25 @@ struct Widener {
     w0 = (__m512bh)_mm512_unpacklo_epi8(l, h);
     w1 = (__m512bh)_mm512_unpackhi_epi8(l, h);
   }
+  // Bytes [k, k + 64) of a row of length K, zero past K.
+  inline void widen64_row(const uint8_t* row, int64_t k, int64_t K, __m512bh& w0, __m512bh& w1) const {
+    if (k + 64 <= K) return widen64(row + k, w0, w1);
+    alignas(64) uint8_t tail[64] = {0};
+    std::memcpy(tail, row + k, K - k);
+    widen64(tail, w0, w1);
+  }
 };
 
-// The order widen64 produces: position j < 32 holds byte 16 * (j / 8) + j % 8, position 32 + j byte 16 * (j / 8) + 8 + j % 8.
+// Position j of widen64's output holds byte permuted_source(j) of the 64.
 inline int64_t permuted_source(int64_t j) {
   const int64_t half = j / 32, i = j % 32;
   return 16 * (i / 8) + 8 * half + i % 8;
 }
 
-template <int MB, int NR>
-inline void dot_bf16(const uint16_t* x, int64_t ldx, int64_t K, const uint8_t* w, int64_t ldw, const Widener& wd,
-                     float* y, int64_t ldy, bool accumulate) {
-  __m512 acc[NR][MB];
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 64) {
-    __m512bh w0[NR], w1[NR];
-    for (int r = 0; r < NR; ++r) wd.widen64(w + r * ldw + k, w0[r], w1[r]);
-    for (int m = 0; m < MB; ++m) {
-      __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
-      __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + m * ldx + k + 32);
-      for (int r = 0; r < NR; ++r) acc[r][m] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[r][m], x0, w0[r]), x1, w1[r]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MB; ++m) {
-      const float s = _mm512_reduce_add_ps(acc[r][m]);
-      y[m * ldy + r] = accumulate ? y[m * ldy + r] + s : s;
-    }
-}
 #endif
 
-// ---- blocking over N (threads), K (L1) and M (registers) -----------------------------------------------------
-struct Problem {
-  const void* x;  // float [M, K] (fp32 path) or uint16 bf16 [M, K] permuted (bf16 path)
-  const uint8_t* w;
-  float* y;       // fp32 [M, N]
-  int64_t M, N, K;
-  bool e4m3, bf16;
-};
-
-struct Block {  // the part of the problem one dot call covers
-  int64_t m0, n, k0, kl;
-  bool accumulate;
-};
-
-template <int MB, int NR>
-inline void dot(const Problem& p, const Block& b, const void* widener) {
-  const uint8_t* w = p.w + b.n * p.K + b.k0;
-  float* y = p.y + b.m0 * p.N + b.n;
-#if HQT_BF16
-  if (p.bf16) {
-    dot_bf16<MB, NR>(static_cast<const uint16_t*>(p.x) + b.m0 * p.K + b.k0, p.K, b.kl, w, p.K,
-                     *static_cast<const Widener*>(widener), y, p.N, b.accumulate);
-    return;
-  }
-#endif
-  dot_f32<MB, NR>(static_cast<const float*>(p.x) + b.m0 * p.K + b.k0, p.K, b.kl, w, p.K, p.e4m3, y, p.N, b.accumulate);
-}
-
-template <int NR>
-inline void dot_rows(const Problem& p, int64_t mb, const Block& b, const void* widener) {
-  switch (mb) {
-    case 1: return dot<1, NR>(p, b, widener);
-    case 2: return dot<2, NR>(p, b, widener);
-    case 3: return dot<3, NR>(p, b, widener);
-    case 4: return dot<4, NR>(p, b, widener);
-    case 5: return dot<5, NR>(p, b, widener);
-    case 6: return dot<6, NR>(p, b, widener);
-    case 7: return dot<7, NR>(p, b, widener);
-    default: return dot<8, NR>(p, b, widener);
-  }
-}
-
-// Output columns [n0, n1) for all M rows (one thread's share). K is walked in blocks small enough that the block
-// of x (all M rows) stays in L1; for each group of NR weight rows every chunk of <= 8 input rows runs while those
-// weight bytes are still in L1, so the weights stream from memory once whatever M is.
-void gemv(const Problem& p, int64_t n0, int64_t n1) {
-  const int64_t elem = p.bf16 ? 2 : 4;
-  const int64_t kb = std::max<int64_t>(256, kL1Bytes / (elem * p.M) / 64 * 64);
-  const int64_t chunks = (p.M + 7) / 8, base = p.M / chunks, extra = p.M % chunks;  // near-equal chunks
-  const void* widener = nullptr;
-#if HQT_BF16
-  const Widener wd(p.e4m3);
-  widener = &wd;
-#endif
-  for (int64_t k0 = 0; k0 < p.K; k0 += kb) {
-    const int64_t kl = std::min(kb, p.K - k0);
-    auto rows = [&](auto nr_tag, int64_t n) {
-      constexpr int R = decltype(nr_tag)::value;
-      for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
-        const int64_t mb = base + (c < extra);
-        dot_rows<R>(p, mb, Block{m0, n, k0, kl, k0 > 0}, widener);
-        m0 += mb;
-      }
-    };
-    int64_t n = n0;
-    if (p.M == 1) {
-      for (; n + 4 <= n1; n += 4) rows(std::integral_constant<int, 4>{}, n);
-    } else {
-      for (; n + 2 <= n1; n += 2) rows(std::integral_constant<int, 2>{}, n);
-    }
-    for (; n < n1; ++n) rows(std::integral_constant<int, 1>{}, n);
-  }
-}
-
-// ---- the input: QDQ with the static scale, in the layout the GEMV wants --------------------------------------
-bool is_e4m3(const at::Tensor& w) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn || w.scalar_type() == at::kFloat8_e5m2,
-              "fp8_linear: weight must be float8_e4m3fn or float8_e5m2, not ", w.scalar_type());
-  return w.scalar_type() == at::kFloat8_e4m3fn;
-}
-
-inline float round_to(float v, at::ScalarType hp) {
-  if (hp == at::kBFloat16) return static_cast<float>(c10::BFloat16(v));
-  if (hp == at::kHalf) return static_cast<float>(c10::Half(v));
-  return v;
-}
-
-// x rounded to the FP8 grid with scale s and back, in float, then to the high-precision dtype: the reference's
-// dequantize(quantize(x, s), s, hp). Vectorised; the scalar form (c10's conversions) handles tails and is the
-// definition the vector form is tested against.
+// ---- the input, in the compute layout ------------------------------------------------------------------------
+// x [M, K] -> QDQ'd (static scale) -> [M, Kp] fp32 (fp32 path) or bf16 in widen64's order (bf16 path), zero past K.
 #if HQT_AVX512
 // cast(clamp(v / s, -F, F)) to the FP8 grid, as a float (16 lanes): the integer-bit round-to-nearest-even of the
 // normal range and a scaled rint of the subnormal range, exactly like c10's Float8 conversions.
@@ -335,6 +286,8 @@ struct Fp8Rounder {
 };
 #endif
 
+// x rounded to the FP8 grid with scale s and back, then to the high-precision dtype (the reference's
+// dequantize(quantize(x, s), s, hp)); in place is fine.
 void qdq_row(const float* x, int64_t n, float s, bool e4m3, at::ScalarType hp, float* out) {
   const float F = e4m3 ? 448.f : 57344.f;
   int64_t i = 0;
@@ -342,14 +295,8 @@ void qdq_row(const float* x, int64_t n, float s, bool e4m3, at::ScalarType hp, f
   const Fp8Rounder round(s, e4m3);
   for (; i + 16 <= n; i += 16) {
     __m512 d = _mm512_mul_ps(round(_mm512_loadu_ps(x + i)), round.sv);
-    if (hp == at::kBFloat16) {  // round to nearest even at 16 bits
-      __m512i du = _mm512_castps_si512(d);
-      __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(du, 16), _mm512_set1_epi32(1));
-      du = _mm512_add_epi32(du, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-      d = _mm512_castsi512_ps(_mm512_and_si512(du, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-    } else if (hp == at::kHalf) {
-      d = _mm512_cvtph_ps(_mm512_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
+    if (hp == at::kBFloat16) d = F32::round_bf16(d);
+    else if (hp == at::kHalf) d = F32::round_fp16(d);
     _mm512_storeu_ps(out + i, d);
   }
 #endif
@@ -381,7 +328,7 @@ void quantize_row(const T* x, int64_t n, float s, bool e4m3, uint8_t* out) {
   }
 }
 
-// Small tensors (scales, bias, input rows) read as float straight from their storage: no ATen op per call.
+// Small tensors (scales, bias) read as float straight from their storage: no ATen op per call.
 inline float load_float(const void* p, at::ScalarType t, int64_t i) {
   switch (t) {
     case at::kFloat: return static_cast<const float*>(p)[i];
@@ -398,117 +345,290 @@ std::vector<float> floats_of(const at::Tensor& t) {
   return v;
 }
 
-// The GEMV's input, from x [M, K] (contiguous): QDQ'd with the static scale when there is one, as fp32 [M, K]
-// (fp32 path) or as bf16 [M, K] in widen64's order (bf16 path; the values are bf16 already, so exactly).
-struct Input {
-  std::vector<float> f32;
-  std::vector<uint16_t> bf16;
-  const void* data() const { return bf16.empty() ? static_cast<const void*>(f32.data()) : bf16.data(); }
+// Row m of x as floats, QDQ'd when there is a static input scale.
+void input_row(const at::Tensor& x2d, int64_t m, const float* s_x, bool e4m3, float* out) {
+  const int64_t K = x2d.size(1);
+  const void* base = x2d.data_ptr();
+  switch (x2d.scalar_type()) {
+    case at::kBFloat16: {
+      const auto* p = static_cast<const c10::BFloat16*>(base) + m * K;
+      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<float>(p[k]);
+      break;
+    }
+    case at::kHalf: {
+      const auto* p = static_cast<const c10::Half*>(base) + m * K;
+      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<float>(p[k]);
+      break;
+    }
+    case at::kFloat: std::memcpy(out, static_cast<const float*>(base) + m * K, K * sizeof(float)); break;
+    default: TORCH_CHECK(false, "fp8_linear: unsupported input dtype ", x2d.scalar_type());
+  }
+  if (s_x) qdq_row(out, K, *s_x, e4m3, x2d.scalar_type(), out);
+}
+
+// ---- the tile: MR input rows x NR weight rows, full K ---------------------------------------------------------
+// Every output's accumulator sees the same operations in the same order in every tile shape and path.
+struct Out {  // the epilogue: y = hp(hp(acc) + bias)
+  void* y;
+  int64_t N;
+  at::ScalarType hp;
+  const float* bias;
+  inline void put(int64_t m, int64_t n, float acc) const {
+    float v = round_to(acc, hp);
+    if (bias) v = round_to(v + bias[n], hp);
+    if (hp == at::kBFloat16) static_cast<c10::BFloat16*>(y)[m * N + n] = c10::BFloat16(v);
+    else if (hp == at::kHalf) static_cast<c10::Half*>(y)[m * N + n] = c10::Half(v);
+    else static_cast<float*>(y)[m * N + n] = v;
+  }
 };
 
-template <typename T>
-void to_float(const T* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-Input prepare_input(const at::Tensor& x2d, const c10::optional<at::Tensor>& input_scale, bool e4m3, bool bf16) {
-  const int64_t M = x2d.size(0), K = x2d.size(1);
-  const auto hp = x2d.scalar_type();
-  Input in;
-#if HQT_BF16
-  static const std::array<int, 64> order = [] {
-    std::array<int, 64> o{};
-    for (int j = 0; j < 64; ++j) o[j] = static_cast<int>(permuted_source(j));
-    return o;
-  }();
-  if (bf16 && !input_scale.has_value()) {  // weight-only: the bf16 input is only reordered
-    const uint16_t* src = static_cast<const uint16_t*>(x2d.data_ptr());
-    in.bf16.resize(M * K);
-    for (int64_t i = 0; i < M * K; i += 64)
-      for (int j = 0; j < 64; ++j) in.bf16[i + j] = src[i + order[j]];
-    return in;
-  }
-#endif
-  in.f32.resize(M * K);
-  switch (hp) {
-    case at::kBFloat16: to_float(x2d.data_ptr<c10::BFloat16>(), M * K, in.f32.data()); break;
-    case at::kHalf: to_float(x2d.data_ptr<c10::Half>(), M * K, in.f32.data()); break;
-    case at::kFloat: std::memcpy(in.f32.data(), x2d.data_ptr<float>(), M * K * 4); break;
-    default: TORCH_CHECK(false, "fp8_linear: unsupported input dtype ", hp);
-  }
-  if (input_scale.has_value()) {
-    const float s = load_float(input_scale->data_ptr(), input_scale->scalar_type(), 0);
-    qdq_row(in.f32.data(), M * K, s, e4m3, hp, in.f32.data());  // elementwise: rows need no separate calls
-  }
-#if HQT_BF16
-  if (bf16) {
-    in.bf16.resize(M * K);
-    const uint32_t* u = reinterpret_cast<const uint32_t*>(in.f32.data());
-    for (int64_t i = 0; i < M * K; i += 64)
-      for (int j = 0; j < 64; ++j) in.bf16[i + j] = static_cast<uint16_t>(u[i + order[j]] >> 16);  // exact
-    in.f32.clear();
-  }
-#endif
-  return in;
-}
-
-// Weight rows [n0, n1) widened and scaled (fp32).
-void widen_rows(const uint8_t* w, const float* scale, bool per_channel, int64_t K, int64_t n0, int64_t n1, bool e4m3,
-                float* out) {
-  const float factor = e4m3 ? 256.f : 1.f;
-  for (int64_t n = n0; n < n1; ++n) {
-    const float s = (per_channel ? scale[n] : scale[0]) * factor;
-    const uint8_t* wr = w + n * K;
-    float* o = out + (n - n0) * K;
-    int64_t k = 0;
 #if HQT_AVX512
-    const __m512 sv = _mm512_set1_ps(s);
-    for (; k + kVec <= K; k += kVec) _mm512_storeu_ps(o + k, _mm512_mul_ps(widen16(wr + k, e4m3), sv));
-#elif HQT_AVX2
-    const __m256 sv = _mm256_set1_ps(s);
-    for (; k + kVec <= K; k += kVec) _mm256_storeu_ps(o + k, _mm256_mul_ps(widen8(wr + k, e4m3), sv));
-#endif
-    for (; k < K; ++k) o[k] = widen_scalar(wr[k], e4m3) * s;
+// The 16 accumulators of a 4 x 4 tile reduced together with the same halving tree as F32::hsum (lanes j + j+8,
+// j + j+4, j + j+2, j + j+1, per accumulator), returned with lane 4 * m + r holding tile element (m, r).
+HQT_INLINE __m512 hsum_4x4(const __m512 (&a)[4][4]) {
+  __m512 s[8], t[4], u[2];
+  HQT_UNROLL for (int i = 0; i < 8; ++i) {  // s_i: a[2i] level 1 in the low half, a[2i+1] in the high half
+    const __m512 A = a[(2 * i) / 4][(2 * i) % 4], B = a[(2 * i + 1) / 4][(2 * i + 1) % 4];
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(A, B, 0x44), _mm512_shuffle_f32x4(A, B, 0xEE));
   }
+  HQT_UNROLL for (int j = 0; j < 4; ++j)  // t_j: quarter c holds a[4j + c] level 2
+    t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88), _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
+  HQT_UNROLL for (int j = 0; j < 2; ++j) {  // level 3, 64-bit pairs
+    const __m512d P = _mm512_castps_pd(t[2 * j]), Q = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(P, Q)), _mm512_castpd_ps(_mm512_unpackhi_pd(P, Q)));
+  }
+  const __m512 v = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+  // lane 4c + e holds a[4e + c] = (m = e, r = c): transpose to 4m + r
+  const __m512i to_rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(to_rows, v);
+}
+
+HQT_INLINE __m512 round_hp(__m512 v, at::ScalarType hp) {
+#if HQT_BF16
+  if (hp == at::kBFloat16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+#else
+  if (hp == at::kBFloat16) return F32::round_bf16(v);
+#endif
+  if (hp == at::kHalf) return F32::round_fp16(v);
+  return v;
+}
+
+// A tile of up to 4 x 4 (missing accumulators are zeros, never stored): reduce, round, add the bias, round, store,
+// all in one vector.
+HQT_INLINE void store_4x4(const __m512 (&acc)[4][4], int64_t m0, int64_t n0, int mr, int nr, const Out& out) {
+  __m512 v = round_hp(hsum_4x4(acc), out.hp);
+  if (out.bias) {
+    alignas(16) float b[4] = {0.f, 0.f, 0.f, 0.f};
+    std::memcpy(b, out.bias + n0, nr * sizeof(float));
+    v = round_hp(_mm512_add_ps(v, _mm512_broadcast_f32x4(_mm_load_ps(b))), out.hp);
+  }
+  alignas(64) float f[16];
+  _mm512_store_ps(f, v);
+  for (int m = 0; m < mr; ++m) {
+    const int64_t at = (m0 + m) * out.N + n0;
+    if (out.hp == at::kFloat) {
+      std::memcpy(static_cast<float*>(out.y) + at, f + 4 * m, nr * sizeof(float));
+    } else {
+      uint16_t h[4];
+      for (int r = 0; r < 4; ++r) {
+        if (out.hp == at::kBFloat16) {
+          uint32_t u;
+          std::memcpy(&u, f + 4 * m + r, 4);
+          h[r] = static_cast<uint16_t>(u >> 16);  // exact: already rounded
+        } else {
+          h[r] = c10::Half(f[4 * m + r]).x;
+        }
+      }
+      std::memcpy(static_cast<uint16_t*>(out.y) + at, h, nr * sizeof(uint16_t));
+    }
+  }
+}
+#endif
+
+// Reduced first, stored after: no call may see `acc`, so the compiler keeps it in registers.
+template <int MR, int NR, class V>
+HQT_INLINE void store_tile(const V (&acc)[MR][NR], int64_t m0, int64_t n0, const Out& out) {
+#if HQT_AVX512
+  static_assert(MR <= 4, "tiles of at most 4 rows");
+  HQT_UNROLL for (int c = 0; c < NR; c += 4) {  // 4 columns at a time
+    __m512 full[4][4];
+    HQT_UNROLL for (int m = 0; m < 4; ++m)
+      HQT_UNROLL for (int r = 0; r < 4; ++r)
+        full[m][r] = (m < MR && c + r < NR) ? acc[m < MR ? m : 0][c + r < NR ? c + r : 0] : _mm512_setzero_ps();
+    store_4x4(full, m0, n0 + c, MR, NR - c < 4 ? NR - c : 4, out);
+  }
+#else
+  float res[MR][NR];
+  HQT_UNROLL for (int m = 0; m < MR; ++m)
+    HQT_UNROLL for (int r = 0; r < NR; ++r) res[m][r] = F32::hsum(acc[m][r]);
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) out.put(m0 + m, n0 + r, res[m][r]);
+#endif
+}
+
+// fp32 path. Weights come from `src(r, k)`: widened in registers or loaded from a widened panel.
+template <int MR, int NR, class Src>
+HQT_INLINE void tile_f32(const float* x, int64_t Kp, int64_t m0, int64_t n0, const Src& src, const Out& out) {
+  F32::V acc[MR][NR];
+  HQT_UNROLL for (int m = 0; m < MR; ++m)
+    HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = F32::zero();
+  for (int64_t k = 0; k < Kp; k += F32::W) {
+    F32::V w[NR];
+    HQT_UNROLL for (int r = 0; r < NR; ++r) w[r] = src(r, k);
+    HQT_UNROLL for (int m = 0; m < MR; ++m) {
+      const F32::V xv = F32::load(x + (m0 + m) * Kp + k);
+      HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = F32::fma(xv, w[r], acc[m][r]);
+    }
+  }
+  store_tile<MR, NR>(acc, m0, n0, out);
+}
+
+#if HQT_BF16
+template <int MR, int NR, class Src>
+HQT_INLINE void tile_bf16(const uint16_t* x, int64_t Kp, int64_t m0, int64_t n0, const Src& src, const Out& out) {
+  __m512 acc[MR][NR];
+  HQT_UNROLL for (int m = 0; m < MR; ++m)
+    HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < Kp; k += 64) {
+    __m512bh w0[NR], w1[NR];
+    HQT_UNROLL for (int r = 0; r < NR; ++r) src(r, k, w0[r], w1[r]);
+    HQT_UNROLL for (int m = 0; m < MR; ++m) {
+      const uint16_t* xm = x + (m0 + m) * Kp + k;
+      const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xm), x1 = (__m512bh)_mm512_loadu_si512(xm + 32);
+      HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[m][r], x0, w0[r]), x1, w1[r]);
+    }
+  }
+  store_tile<MR, NR>(acc, m0, n0, out);
+}
+#endif
+
+// Runs `tile<mr, nr>` for a block of up to MR x NR with the remainder shapes instantiated.
+template <int MR, int NR, class Tile>
+inline void dispatch(int64_t mr, int64_t nr, const Tile& tile) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return dispatch<MR - 1, NR>(mr, nr, tile);
+  }
+  if constexpr (NR > 1) {
+    if (nr < NR) return dispatch<MR, NR - 1>(mr, nr, tile);
+  }
+  tile(std::integral_constant<int, MR>{}, std::integral_constant<int, NR>{});
+}
+
+// Tile shapes: kMR x kNR in general; one input row takes kNR1 weight rows, enough independent accumulators to hide
+// the latency of the multiply-add chains.
+#if HQT_AVX512
+constexpr int kMR = 4, kNR = 4, kNR1 = 8;
+#else
+constexpr int kMR = 4, kNR = 3, kNR1 = 6;  // 16 ymm registers: 12 accumulators, 3 weights, 1 input
+#endif
+
+constexpr int64_t kRegisterMaxM = HQT_REG_MAX_M;
+
+// ---- the product over a range of output rows (one thread's share) --------------------------------------------
+struct Problem {
+  Weight wt;
+  const void* x;  // [M, Kp] float or permuted bf16
+  int64_t M, Kp;
+  bool bf16;
+  Out out;
+};
+
+// Decode-sized M: weights widened in registers, each group of NR rows once per kMR input rows.
+template <int NR>
+void rows_in_registers(const Problem& p, int64_t n0, int64_t n1) {
+  const Weight& wt = p.wt;
+#if HQT_BF16
+  if (p.bf16) {  // per-tensor scale only (one table)
+    const Widener wd(wt.e4m3, wt.s(0));
+    const uint16_t* x = static_cast<const uint16_t*>(p.x);
+    for (int64_t n = n0; n < n1; n += NR)
+      for (int64_t m = 0; m < p.M; m += kMR)
+        dispatch<kMR, NR>(std::min<int64_t>(kMR, p.M - m), std::min<int64_t>(NR, n1 - n), [&](auto MR, auto R) {
+          auto src = [&](int r, int64_t k, __m512bh& w0, __m512bh& w1) {
+            wd.widen64_row(wt.w + (n + r) * wt.K, k, wt.K, w0, w1);
+          };
+          tile_bf16<decltype(MR)::value, decltype(R)::value>(x, p.Kp, m, n, src, p.out);
+        });
+    return;
+  }
+#endif
+  const float* x = static_cast<const float*>(p.x);
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t nr = std::min<int64_t>(NR, n1 - n);
+    F32::V sv[NR];
+    for (int64_t r = 0; r < nr; ++r) sv[r] = F32::set1(wt.s(n + r) * widen_factor(wt));
+    for (int64_t m = 0; m < p.M; m += kMR)
+      dispatch<kMR, NR>(std::min<int64_t>(kMR, p.M - m), nr, [&](auto MR, auto R) {
+        auto src = [&](int r, int64_t k) { return widen_f32(wt, n + r, k, sv[r]); };
+        tile_f32<decltype(MR)::value, decltype(R)::value>(x, p.Kp, m, n, src, p.out);
+      });
+  }
+}
+
+// Larger M: a panel of rows widened once into `buf`, then every input row swept over it.
+void rows_from_panels(const Problem& p, int64_t n0, int64_t n1) {
+  const Weight& wt = p.wt;
+  const int64_t elem = p.bf16 ? 2 : 4;
+  const int64_t panel = std::max<int64_t>(kNR, kL2Bytes / (elem * p.Kp) / kNR * kNR);
+  std::vector<uint8_t> storage(std::min(panel, n1 - n0) * p.Kp * elem + 64);
+  void* buf = storage.data();
+  for (int64_t nb = n0; nb < n1; nb += panel) {
+    const int64_t ne = std::min(n1, nb + panel);
+#if HQT_BF16
+    if (p.bf16) {
+      uint16_t* wb = static_cast<uint16_t*>(buf);
+      auto widen_row = [&](const Widener& wd, int64_t n) {
+        for (int64_t k = 0; k < p.Kp; k += 64) {
+          __m512bh w0, w1;
+          wd.widen64_row(wt.w + n * wt.K, k, wt.K, w0, w1);
+          _mm512_storeu_si512(wb + (n - nb) * p.Kp + k, (__m512i)w0);
+          _mm512_storeu_si512(wb + (n - nb) * p.Kp + k + 32, (__m512i)w1);
+        }
+      };
+      if (wt.per_channel) {
+        for (int64_t n = nb; n < ne; ++n) widen_row(Widener(wt.e4m3, wt.s(n)), n);  // a 128-value table per row
+      } else {
+        const Widener wd(wt.e4m3, wt.s(0));
+        for (int64_t n = nb; n < ne; ++n) widen_row(wd, n);
+      }
+      const uint16_t* x = static_cast<const uint16_t*>(p.x);
+      for (int64_t m = 0; m < p.M; m += kMR)
+        for (int64_t n = nb; n < ne; n += kNR)
+          dispatch<kMR, kNR>(std::min<int64_t>(kMR, p.M - m), std::min<int64_t>(kNR, ne - n), [&](auto MR, auto NR) {
+            const uint16_t* rows = wb + (n - nb) * p.Kp;
+            auto src = [&](int r, int64_t k, __m512bh& w0, __m512bh& w1) {
+              w0 = (__m512bh)_mm512_loadu_si512(rows + r * p.Kp + k);
+              w1 = (__m512bh)_mm512_loadu_si512(rows + r * p.Kp + k + 32);
+            };
+            tile_bf16<decltype(MR)::value, decltype(NR)::value>(x, p.Kp, m, n, src, p.out);
+          });
+      continue;
+    }
+#endif
+    float* wb = static_cast<float*>(buf);
+    for (int64_t n = nb; n < ne; ++n) {
+      const F32::V sv = F32::set1(wt.s(n) * widen_factor(wt));
+      for (int64_t k = 0; k < p.Kp; k += F32::W) F32::store(wb + (n - nb) * p.Kp + k, widen_f32(wt, n, k, sv));
+    }
+    const float* x = static_cast<const float*>(p.x);
+    for (int64_t m = 0; m < p.M; m += kMR)
+      for (int64_t n = nb; n < ne; n += kNR)
+        dispatch<kMR, kNR>(std::min<int64_t>(kMR, p.M - m), std::min<int64_t>(kNR, ne - n), [&](auto MR, auto NR) {
+          const float* rows = wb + (n - nb) * p.Kp;
+          auto src = [&](int r, int64_t k) { return F32::load(rows + r * p.Kp + k); };
+          tile_f32<decltype(MR)::value, decltype(NR)::value>(x, p.Kp, m, n, src, p.out);
+        });
+  }
+}
+
+bool is_e4m3(const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn || w.scalar_type() == at::kFloat8_e5m2,
+              "fp8_linear: weight must be float8_e4m3fn or float8_e5m2, not ", w.scalar_type());
+  return w.scalar_type() == at::kFloat8_e4m3fn;
 }
 
 }  // namespace
-
-// The dequantized weight in `dtype`: W * scale in fp32, then cast (the reference's `dequantize`), in parallel.
-at::Tensor fp8_dequantize(const at::Tensor& w, const at::Tensor& scale, at::ScalarType dtype) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "fp8_dequantize: weight must be a contiguous 2-D tensor");
-  const bool e4m3 = is_e4m3(w);
-  const int64_t N = w.size(0), K = w.size(1);
-  at::Tensor sc = scale.to(at::kFloat).contiguous().reshape({-1});
-  const bool per_channel = sc.numel() > 1;
-  TORCH_CHECK(!per_channel || sc.numel() == N, "fp8_dequantize: weight_scale must have 1 or ", N, " values");
-  at::Tensor out = at::empty({N, K}, w.options().dtype(dtype));
-  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
-  const float* sp = sc.data_ptr<float>();
-  const int64_t rows = std::max<int64_t>(1, kL1Bytes / (4 * K));
-  at::parallel_for(0, (N + rows - 1) / rows, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> buf(rows * K);
-    for (int64_t c = b; c < e; ++c) {
-      const int64_t n0 = c * rows, n1 = std::min(N, n0 + rows);
-      widen_rows(wp, sp, per_channel, K, n0, n1, e4m3, buf.data());
-      if (dtype == at::kFloat) {
-        std::memcpy(out.data_ptr<float>() + n0 * K, buf.data(), (n1 - n0) * K * 4);
-      } else if (dtype == at::kBFloat16) {
-        auto* o = out.data_ptr<c10::BFloat16>() + n0 * K;
-        int64_t i = 0;
-#if HQT_BF16
-        for (; i + 16 <= (n1 - n0) * K; i += 16)  // vcvtneps2bf16 rounds to nearest even, like c10::BFloat16
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(buf.data() + i)));
-#endif
-        for (; i < (n1 - n0) * K; ++i) o[i] = c10::BFloat16(buf[i]);
-      } else {
-        auto* o = out.data_ptr<c10::Half>() + n0 * K;
-        for (int64_t i = 0; i < (n1 - n0) * K; ++i) o[i] = c10::Half(buf[i]);
-      }
-    }
-  });
-  return out;
-}
 
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& weight_scale,
                       const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& bias) {
@@ -517,49 +637,91 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(x.size(-1) == K, "fp8_linear: input has ", x.size(-1), " features, weight expects ", K);
   const auto hp = x.scalar_type();
+  TORCH_CHECK(hp == at::kBFloat16 || hp == at::kHalf || hp == at::kFloat, "fp8_linear: unsupported input dtype ", hp);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
-  at::Tensor x2d = x.reshape({-1, K}).contiguous();
+  const at::Tensor x2d = x.reshape({-1, K}).contiguous();
   const int64_t M = x2d.size(0);
   const std::vector<float> sc = floats_of(weight_scale);
-  const bool per_channel = sc.size() > 1;
-  TORCH_CHECK(!per_channel || static_cast<int64_t>(sc.size()) == N, "fp8_linear: weight_scale must have 1 or ", N, " values");
-
-  if (M > kGemvMaxM) {  // prefill: GEMM on the widened weight (compute-bound; widening is a small share)
-    at::Tensor xin = x2d;
-    if (input_scale.has_value()) {
-      Input in = prepare_input(x2d, input_scale, e4m3, false);
-      xin = at::from_blob(in.f32.data(), {M, K}, at::kFloat).to(hp);
-    }
-    at::Tensor wd = fp8_dequantize(w, weight_scale, hp);
-    at::Tensor y = bias.has_value() ? at::addmm(bias->to(hp), xin, wd.t()) : at::mm(xin, wd.t());
-    return y.reshape(out_shape);
-  }
+  TORCH_CHECK(sc.size() == 1 || static_cast<int64_t>(sc.size()) == N, "fp8_linear: weight_scale must have 1 or ", N, " values");
+  const std::vector<float> b = bias.has_value() ? floats_of(*bias) : std::vector<float>();
+  const bool has_sx = input_scale.has_value();
+  const float s_x = has_sx ? load_float(input_scale->data_ptr(), input_scale->scalar_type(), 0) : 0.f;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out.reshape(out_shape);
 
 #if HQT_BF16
-  const bool bf16 = hp == at::kBFloat16 && K % 64 == 0;
+  const bool bf16 = hp == at::kBFloat16;
 #else
   const bool bf16 = false;
 #endif
-  const Input in = prepare_input(x2d, input_scale, e4m3, bf16);
-  std::vector<float> acc(M * N);
-  const std::vector<float> b = bias.has_value() ? floats_of(*bias) : std::vector<float>();
-  at::Tensor out = at::empty({M, N}, x.options());
-  void* op = out.data_ptr();
-  const float factor = (e4m3 && !bf16) ? 256.f : 1.f;  // the fp32 path widens E4M3 to value * 2^-8
-  const Problem p{in.data(), reinterpret_cast<const uint8_t*>(w.data_ptr()), acc.data(), M, N, K, e4m3, bf16};
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    gemv(p, n0, n1);
-    for (int64_t m = 0; m < M; ++m)  // epilogue: scale, bias, cast; one rounding to the output dtype
-      for (int64_t n = n0; n < n1; ++n) {
-        float v = acc[m * N + n] * (per_channel ? sc[n] : sc[0]) * factor;
-        if (!b.empty()) v += b[n];
-        if (hp == at::kBFloat16) static_cast<c10::BFloat16*>(op)[m * N + n] = c10::BFloat16(v);
-        else if (hp == at::kHalf) static_cast<c10::Half*>(op)[m * N + n] = c10::Half(v);
-        else static_cast<float*>(op)[m * N + n] = v;
+  const int64_t step = bf16 ? 64 : F32::W;
+  const int64_t Kp = (K + step - 1) / step * step;
+
+  // the input in the compute layout, rows in parallel
+  std::vector<float> xf;
+  std::vector<uint16_t> xb;
+  (bf16 ? xb.resize(M * Kp) : xf.resize(M * Kp));
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    std::vector<float> row(Kp, 0.f);
+    for (int64_t m = m0; m < m1; ++m) {
+      input_row(x2d, m, has_sx ? &s_x : nullptr, e4m3, row.data());
+      if (!bf16) {
+        std::memcpy(xf.data() + m * Kp, row.data(), Kp * sizeof(float));
+        continue;
       }
+#if HQT_BF16
+      static const std::array<int, 64> order = [] {
+        std::array<int, 64> o{};
+        for (int j = 0; j < 64; ++j) o[j] = static_cast<int>(permuted_source(j));
+        return o;
+      }();
+      const uint32_t* u = reinterpret_cast<const uint32_t*>(row.data());
+      uint16_t* dst = xb.data() + m * Kp;
+      for (int64_t k = 0; k < Kp; k += 64)
+        for (int j = 0; j < 64; ++j) dst[k + j] = static_cast<uint16_t>(u[k + order[j]] >> 16);  // exact: bf16 values
+#endif
+    }
+  });
+
+  const Weight wt{reinterpret_cast<const uint8_t*>(w.data_ptr()), N, K, sc.data(), sc.size() > 1, e4m3, hp};
+  const Problem p{wt, bf16 ? static_cast<const void*>(xb.data()) : xf.data(), M, Kp, bf16,
+                  Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}};
+  const bool registers = M <= kRegisterMaxM && !(bf16 && wt.per_channel);
+  const int64_t threads = at::get_num_threads(), unit = 8;  // weight rows per work unit
+  const int64_t grain = registers ? 16 : std::max<int64_t>(unit, (N + threads - 1) / threads);
+  at::parallel_for(0, (N + unit - 1) / unit, (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
+    const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
+    if (!registers) return rows_from_panels(p, n0, n1);
+    M == 1 ? rows_in_registers<kNR1>(p, n0, n1) : rows_in_registers<kNR>(p, n0, n1);
   });
   return out.reshape(out_shape);
+}
+
+// The dequantized weight in `dtype`: hp(W * scale) (the reference's `dequantize`), rows in parallel.
+at::Tensor fp8_dequantize(const at::Tensor& w, const at::Tensor& scale, at::ScalarType dtype) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "fp8_dequantize: weight must be a contiguous 2-D tensor");
+  const bool e4m3 = is_e4m3(w);
+  const int64_t N = w.size(0), K = w.size(1);
+  const std::vector<float> sc = floats_of(scale);
+  TORCH_CHECK(sc.size() == 1 || static_cast<int64_t>(sc.size()) == N, "fp8_dequantize: weight_scale must have 1 or ", N, " values");
+  at::Tensor out = at::empty({N, K}, w.options().dtype(dtype));
+  const Weight wt{reinterpret_cast<const uint8_t*>(w.data_ptr()), N, K, sc.data(), sc.size() > 1, e4m3, dtype};
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    alignas(64) float v[F32::W];
+    for (int64_t n = n0; n < n1; ++n) {
+      const F32::V sv = F32::set1(wt.s(n) * widen_factor(wt));
+      for (int64_t k = 0; k < K; k += F32::W) {
+        F32::store(v, widen_f32(wt, n, k, sv));
+        for (int64_t j = 0; j < F32::W && k + j < K; ++j) {
+          if (dtype == at::kBFloat16) out.data_ptr<c10::BFloat16>()[n * K + k + j] = c10::BFloat16(v[j]);
+          else if (dtype == at::kHalf) out.data_ptr<c10::Half>()[n * K + k + j] = c10::Half(v[j]);
+          else out.data_ptr<float>()[n * K + k + j] = v[j];
+        }
+      }
+    }
+  });
+  return out;
 }
 
 // The reference's `quantize` for a whole weight (2-D; scale: one value or one per row), in parallel rows.
@@ -585,30 +747,35 @@ at::Tensor fp8_quantize(const at::Tensor& x, const at::Tensor& scale, bool e4m3)
   return out;
 }
 
-// The reference QDQ of a row, exposed for tests of the vector rounding against torch's casts.
+// The reference QDQ of a tensor, exposed for tests of the vector rounding against torch's casts.
 at::Tensor fp8_qdq(const at::Tensor& x, const at::Tensor& scale, bool e4m3) {
   at::Tensor xf = x.to(at::kFloat).contiguous().clone();
   qdq_row(xf.data_ptr<float>(), xf.numel(), scale.to(at::kFloat).item<float>(), e4m3, x.scalar_type(), xf.data_ptr<float>());
   return xf.to(x.scalar_type());
 }
 
-bool fp8_bf16_path() {
+// Which compute path a bf16 model takes here: "bf16-dot" (AVX512-BF16), "avx512-fma", "avx2-fma" or "scalar".
+std::string fp8_isa() {
 #if HQT_BF16
-  return true;
+  return "bf16-dot";
+#elif HQT_AVX512
+  return "avx512-fma";
+#elif HQT_AVX2
+  return "avx2-fma";
 #else
-  return false;
+  return "scalar";
 #endif
 }
 
-TORCH_LIBRARY(hqtflow, m) {
+TORCH_LIBRARY(HQT_OPS_NS, m) {
   m.def("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias) -> Tensor");
   m.def("fp8_dequantize(Tensor weight, Tensor weight_scale, ScalarType dtype) -> Tensor");
   m.def("fp8_qdq(Tensor x, Tensor scale, bool e4m3) -> Tensor");
   m.def("fp8_quantize(Tensor x, Tensor scale, bool e4m3) -> Tensor");
-  m.def("fp8_bf16_path() -> bool", &fp8_bf16_path);
+  m.def("fp8_isa() -> str", &fp8_isa);
 }
 
-TORCH_LIBRARY_IMPL(hqtflow, CPU, m) {
+TORCH_LIBRARY_IMPL(HQT_OPS_NS, CPU, m) {
   m.impl("fp8_linear", &fp8_linear);
   m.impl("fp8_dequantize", &fp8_dequantize);
   m.impl("fp8_qdq", &fp8_qdq);

@@ -1,0 +1,143 @@
+"""The CPU FP8 kernel computes the QDQ reference's function on every path, batch-invariantly.
+
+The kernel and the reference (FP8Linear's "qdq" backend: dequantize, then oneDNN/MKL's GEMM) see the same QDQ'd
+input and the same dequantized weight hp(W * s_w); for bf16 and fp16 every product is exact in fp32, for fp32 it is
+rounded once in both. Only the order of the fp32 sum differs, which gives the bound checked here, per element, with
+S = sum_k |x_k * w_k| (float64) and ulp(v) = 2^-p * v (p = 7 bf16, 10 fp16, 23 fp32):
+
+    |y_kernel - y_ref| <= 2 * K * 2^-24 * S + ulp(S) + ulp(S + |bias|)
+
+(the two fp32 sums' worst-case errors, then the rounding to hp before and after the bias). The kernel's own order is
+fixed per output element, so a row's result is bit-identical whatever M is, whichever rows are beside it and however
+the work is split: checked with torch.equal over M in {1, 2, 7, 8, 9, 16, 63, 64, 65, 256, 512}, both register and
+panel paths, and on both instruction sets: "native" (this machine's) and the AVX2-only twin (`load("avx2")`).
+"""
+
+import pytest
+import torch
+
+from hqtflow.quantize.fp8_linear import FP8Linear, set_backend
+from hqtflow.scales import dequantize, quantize
+
+MS = [1, 2, 7, 8, 9, 16, 63, 64, 65, 256, 512]
+HP = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+SHAPES = [(100, 37), (1537, 67), (576, 192)]  # (K, N): odd sizes, tails on every path, and a SmolLM2 width
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def ops(request, cpu_kernel_loaded):
+    variant = request.param
+    from conftest import need
+
+    need(cpu_kernel_loaded.load(variant), f"the {variant} kernel could not be built: {cpu_kernel_loaded.build_error(variant)}")
+    return cpu_kernel_loaded.ops(variant)
+
+
+def _layer(k, n, hp, mode, seed=0):
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=mode != "no-bias").to(hp)
+    fp8 = "E5M2" if mode == "e5m2" else "E4M3"
+    F = 57344.0 if fp8 == "E5M2" else 448.0
+    ws = lin.weight.abs().amax(1) if mode == "per-channel" else lin.weight.abs().max()
+    x = torch.randn(max(MS), k, dtype=hp) * 3
+    s_x = None if mode == "weight-only" else (x.abs().max() / (F / 4) * 1.37).to(hp)  # not a power of two
+    return FP8Linear.from_linear(lin, (ws / (F / 2) * 1.13).to(hp), s_x, fp8), x
+
+
+def _run(ops, mod, x):
+    return ops.fp8_linear(x, mod.weight, mod.weight_scale, mod.input_scale, mod.bias)
+
+
+def _bound(mod, x):
+    """The documented per-element bound between the kernel and the reference (see the module docstring)."""
+    xq = x if mod.input_scale is None else dequantize(quantize(x, mod.input_scale, mod.fp8), mod.input_scale, mod.hp_dtype)
+    S = xq.double().abs() @ mod.dequantized_weight().double().abs().t()
+    b = mod.bias.double().abs() if mod.bias is not None else 0.0
+    ulp = 2.0 ** -MANTISSA[mod.hp_dtype]
+    return 2 * mod.in_features * 2.0**-24 * S + ulp * S + ulp * (S + b)
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("hp", list(HP))
+@pytest.mark.parametrize("mode", ["w8a8", "weight-only", "per-channel", "e5m2", "no-bias"])
+def test_kernel_is_the_reference_and_batch_invariant(ops, k, n, hp, mode):
+    mod, x = _layer(k, n, HP[hp], mode)
+    with torch.inference_mode():
+        full = _run(ops, mod, x)
+        ref = mod(x)  # the QDQ reference
+        # the same function as the reference, within the fp32-ordering bound; mostly bit-identical after rounding
+        assert full.dtype == ref.dtype and full.shape == ref.shape
+        d = (full.double() - ref.double()).abs()
+        assert (d <= _bound(mod, x)).all(), f"worst excess {(d - _bound(mod, x)).max().item():.3g}"
+        if hp != "fp32":
+            assert (full == ref).float().mean() >= 0.98
+        # independent of M: every prefix of the batch gives the same rows, bit for bit
+        for m in MS:
+            assert torch.equal(_run(ops, mod, x[:m]), full[:m]), f"rows differ at M={m}"
+        # independent of neighbours and of padding rows: the same rows among others, reordered, or padded
+        other = torch.randn(40, k, dtype=x.dtype) * 100
+        mixed = torch.cat([other[:13], x[:7], other[13:], torch.zeros(9, k, dtype=x.dtype)])
+        assert torch.equal(_run(ops, mod, mixed)[13:20], full[:7])
+        assert torch.equal(_run(ops, mod, x.flip(0)), full.flip(0))
+        # 3-D input: the same rows
+        assert torch.equal(_run(ops, mod, x[:64].reshape(4, 16, k)), full[:64].reshape(4, 16, n))
+
+
+def test_thread_count_does_not_change_results(ops):
+    mod, x = _layer(576, 192, torch.bfloat16, "w8a8")
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        try:
+            torch.set_num_threads(1)
+            one = _run(ops, mod, x)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(_run(ops, mod, x), one)
+
+
+@pytest.mark.parametrize("activation", ["dynamic_token", None])
+def test_fp8linear_cpu_backend_rows_do_not_depend_on_the_batch(cpu_kernel_loaded, activation):
+    """Through FP8Linear (the runtime's layer): per-token dynamic activations and weight-only are batch-invariant too."""
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(576, 1536).to(torch.bfloat16)
+    mod = FP8Linear.from_linear(lin, (lin.weight.abs().max() / 448).to(torch.bfloat16), None)
+    mod.activation = activation
+    x = torch.randn(3, 70, 576, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ref = mod(x)
+        assert set_backend(mod, "cpu") == 1
+        full = mod(x)
+        assert (full.double() - ref.double()).abs().max() <= 2e-2 * ref.abs().max().item()
+        for rows in (1, 5, 70):
+            assert torch.equal(mod(x[:1, :rows]), full[:1, :rows])
+
+
+@pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
+@pytest.mark.parametrize("hp", list(HP))
+def test_input_qdq_is_bit_exact(ops, fp8, hp):
+    """The vectorised input rounding equals torch's FP8 casts bit for bit: normals, subnormals, saturation, ties."""
+    hp = HP[hp]
+    torch.manual_seed(2)
+    x = torch.cat([torch.randn(4000) * 10, torch.randn(4000) * 1e-3, torch.randn(2000) * 1e-6, torch.randn(2000) * 3e3,
+                   torch.tensor([0.0, -0.0, 448, 464, 500, -1e9, 1e-30, 0.0009765625 * 1.5])]).to(hp)
+    for s in (0.37, 1.0, 0.0625):
+        sc = torch.tensor(s, dtype=hp)
+        assert torch.equal(ops.fp8_qdq(x, sc, fp8 == "E4M3"), dequantize(quantize(x, sc, fp8), sc, hp))
+
+
+@pytest.mark.parametrize("hp", list(HP))
+def test_dequantize_and_quantize_are_the_reference(ops, hp):
+    hp = HP[hp]
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(200, 96).to(hp)
+    for ws in (lin.weight.abs().max() / 448 * 1.3, lin.weight.abs().amax(1) / 448 * 1.3):
+        ws = ws.to(hp)
+        mod = FP8Linear.from_linear(lin, ws, None)
+        assert torch.equal(mod.weight.view(torch.uint8), quantize(lin.weight, ws.reshape(-1, 1) if ws.dim() else ws).view(torch.uint8))
+        assert torch.equal(ops.fp8_quantize(lin.weight, ws.reshape(-1), True).view(torch.uint8), mod.weight.view(torch.uint8))
+        assert torch.equal(ops.fp8_dequantize(mod.weight, mod.weight_scale, hp), dequantize(mod.weight, mod.weight_scale, hp))
+
+
+def test_isa_is_reported(ops):
+    assert ops.fp8_isa() in ("bf16-dot", "avx512-fma", "avx2-fma", "scalar")
