@@ -52,7 +52,7 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     name = "fp8" if kind == "fp8" else kind
     names = list(candidates) + [name if name not in candidates else f"{name}-model"]
     for n in candidates:
-        bm, btok, _ = load_any(candidates[n])
+        bm, btok, _ = load_any(candidates[n], "bf16")  # the accuracy reference is the bf16 model
         results[n] = evaluate(bm, btok, settings, manager)
         paths[n] = str(candidates[n])
         del bm

@@ -89,10 +89,13 @@ def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_chann
 
 DROPPED_SUFFIXES = (".output_scale", ".weight_zero_point", ".input_zero_point")
 KV_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
+SCALE_SUFFIXES = (".weight_scale", ".input_scale") + KV_SUFFIXES
 
 
-def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
+def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
     """Build the model skeleton on the meta device, swap in FP8Linear where the checkpoint has FP8 weights, load.
+
+    `dtype`: the high-precision compute dtype (None: the checkpoint's own, bf16 if it names none).
 
     Reads hqtflow's own checkpoints and foreign FP8 ones: compressed-tensors (static per-tensor, dynamic per-token,
     per-tensor or per-group activations; per-tensor, per-channel or block-wise weights) and AutoFP8/vLLM
@@ -112,7 +115,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
     qc = parse_quantization_config(raw.get("quantization_config") or {})
     raw.pop("quantization_config", None)
     config = AutoConfig.for_model(**raw)
-    hp = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.bfloat16
+    hp = dtype or (config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.bfloat16)
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):  # parameters on meta; computed buffers (rotary) real
@@ -172,6 +175,9 @@ def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
         for leaf in (("k_scale", "v_scale") if leaf == "kv_scale" else (leaf,)):
             attn.register_buffer(leaf, torch.empty((), dtype=torch.float32, device="meta"))
             tensors[f"{mod_name}.{leaf}"] = value.float().reshape(())
+    for k, t in tensors.items():  # high-precision tensors in the compute dtype; FP8 weights and scales as stored
+        if t.is_floating_point() and t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) and not k.endswith(SCALE_SUFFIXES):
+            tensors[k] = t.to(hp)
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()

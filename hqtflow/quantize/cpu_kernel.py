@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import platform
 from pathlib import Path
 
 import torch
@@ -29,23 +28,16 @@ VARIANTS = {"native": ("hqtflow", []), "avx2": ("hqtflow_avx2", ["-mno-avx512f",
 _errors: dict[str, str] = {}
 
 
-def _cpu_flags() -> list[str]:
-    try:
-        line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
-        return sorted(f for f in line.split() if f.startswith(("avx", "f16c", "fma", "sse4")))
-    except (OSError, StopIteration):
-        return [platform.machine()]
-
-
 def _flags(variant: str) -> list[str]:
     return FLAGS + VARIANTS[variant][1]
 
 
 def build_dir(variant: str = "native") -> Path:
+    from hqtflow.hardware import cpu_flags
     from hqtflow.models import cache_dir
 
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags(variant)).encode() + torch.__version__.encode()
-                         + " ".join(_cpu_flags()).encode())
+                         + " ".join(cpu_flags()).encode())
     return cache_dir() / "kernels" / f"fp8_linear_cpu-{variant}-{key.hexdigest()[:16]}"
 
 

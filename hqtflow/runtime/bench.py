@@ -224,14 +224,14 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
     name = "fp8" if kind == "fp8" else kind
     models: dict[str, tuple] = {}
     if base_ref:
-        bm, btok, bkind = load_any(base_ref, "bf16")
+        bm, btok, bkind = load_any(base_ref)  # the fastest high-precision dtype here (bf16, or fp32 without native bf16)
         if bkind == "fp8":
             raise HqtflowError(f"The baseline {base_ref} is an FP8 checkpoint; give a bf16 model.")
-        models["bf16"] = (bm, btok)
+        models[bkind] = (bm, btok)
     models[name if name not in models else f"{name}-model"] = (m, tok)
     names = list(models)
     report = benchmark(models, settings, echo=echo)
-    report["models"] = {"bf16": str(base_ref)} if base_ref else {}
+    report["models"] = {names[0]: str(base_ref)} if base_ref else {}
     report["models"][names[-1]] = str(model or "smollm2")
     threads = torch.get_num_threads()
     device = next(m.parameters()).device

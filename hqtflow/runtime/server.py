@@ -379,7 +379,7 @@ def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.
         settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
         uvicorn.run(create_app(model, tok, settings), host=host, port=port, log_level="info")
         return
-    model, tok, loaded = load_any(model_ref, "bf16", backend=backend)
+    model, tok, loaded = load_any(model_ref, backend=backend)  # compute dtype: the fastest here
     if (loaded == "fp8") != (kind == "fp8"):
         raise HqtflowError(f"{model_ref or 'the default model'} is {'an FP8 checkpoint' if loaded == 'fp8' else 'not an FP8 checkpoint'}; "
                            f"use `hqtflow serve {'fp8' if loaded == 'fp8' else 'bf16'}`.")
