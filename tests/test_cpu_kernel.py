@@ -141,3 +141,36 @@ def test_dequantize_and_quantize_are_the_reference(ops, hp):
 
 def test_isa_is_reported(ops):
     assert ops.fp8_isa() in ("bf16-dot", "avx512-fma", "avx2-fma", "scalar")
+
+
+def test_auto_dtype_is_the_fastest_here(monkeypatch):
+    from hqtflow import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: ("avx", "avx2", "f16c", "fma"))  # an AVX2-only CPU
+    assert hardware.fastest_dtype("cpu") == "fp32" and hardware.resolve_dtype("auto") == "fp32"
+    assert hardware.resolve_dtype("bf16") == "bf16"
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: ("avx2", "avx512_bf16", "avx512f"))
+    assert hardware.fastest_dtype("cpu") == "bf16" and hardware.fastest_dtype("cuda") == "bf16"
+
+
+def test_fp8_checkpoint_runs_in_fp32(cpu_kernel_loaded, tiny_llama, wiki_text, tmp_path):
+    """What `auto` picks on CPUs without native bf16: the high-precision parts and the FP8 layers' dtype are fp32."""
+    import hqtflow
+    from conftest import run_cli
+
+    r = run_cli("measure", tiny_llama, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "4", "--max-length", "64")
+    assert r.exit_code == 0, r.output
+    r = run_cli("quantize", "-m", tmp_path / "m", "-o", tmp_path / "fp8")
+    assert r.exit_code == 0, r.output
+    ids = torch.randint(0, 500, (2, 33))
+    logits = {}
+    for dtype, backend in (("fp32", "cpu"), ("fp32", "qdq"), ("bf16", "qdq")):
+        model, _ = hqtflow.load(tmp_path / "fp8", dtype=dtype, backend=backend)
+        fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
+        assert fp8 and all(m.hp_dtype == HP[dtype] and m.backend == backend for m in fp8)
+        assert model.get_input_embeddings().weight.dtype == HP[dtype]
+        with torch.inference_mode():
+            logits[dtype, backend] = model(ids).logits.float()
+    ref = logits["fp32", "qdq"]
+    assert (logits["fp32", "cpu"] - ref).abs().max() <= 1e-4 * ref.abs().max()  # fp32 sums in another order
+    assert (logits["bf16", "qdq"] - ref).abs().max() <= 0.1 * ref.abs().max()  # bf16 vs fp32 compute

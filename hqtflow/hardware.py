@@ -1,0 +1,33 @@
+"""What the machine computes fastest: its CPU's vector flags, and the high-precision dtype the runtime uses when the
+user has not chosen one ("auto"): bf16 on GPUs and on CPUs with native bf16 dot products (AVX512-BF16, AMX-BF16),
+fp32 on other CPUs, where bf16 matmuls are emulated and run several times slower than fp32."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+BF16_NATIVE_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_flags() -> tuple[str, ...]:
+    """The CPU's vector-extension flags (x86 /proc/cpuinfo), sorted; the machine name elsewhere."""
+    try:
+        line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+        return tuple(sorted(f for f in line.split() if f.startswith(("avx", "amx", "f16c", "fma", "sse4"))))
+    except (OSError, StopIteration):
+        return (platform.machine(),)
+
+
+def fastest_dtype(device: str = "cpu") -> str:
+    """"bf16" or "fp32": the faster high-precision dtype on `device`."""
+    if not str(device).startswith("cpu"):
+        return "bf16"
+    return "bf16" if any(f in cpu_flags() for f in BF16_NATIVE_FLAGS) else "fp32"
+
+
+def resolve_dtype(dtype: str | None, device: str = "cpu") -> str:
+    """"auto" (or None) -> fastest_dtype(device); other names are returned unchanged (checked where used)."""
+    return fastest_dtype(device) if dtype in (None, "auto") else dtype
