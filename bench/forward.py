@@ -1,0 +1,68 @@
+"""A 16 x 512-token forward of SmolLM2 (the shape of a prefill batch and of lm-eval loglikelihood requests): the FP8
+checkpoint vs the bf16 and fp32 models, measured in one run on the same WikiText-2 tokens.
+
+The ratio's baseline is the faster of bf16 and fp32 here. The FP8 model runs its FP8 layers on `--backend` (auto:
+the CPU kernel) and its other parts in `--dtype auto`. Target (issue): FP8 >= 1.0x. Prints the CPU flags.
+
+    make demo   # makes out/smollm2/fp8
+    python bench/forward.py [--checkpoint out/smollm2/fp8] [--batch 16] [--length 512] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from hqtflow import models  # noqa: E402
+from hqtflow.eval_run import source_model  # noqa: E402
+from hqtflow.evaluate import load_any  # noqa: E402
+from hqtflow.hardware import cpu_flags, fastest_dtype  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=str(ROOT / "out" / "smollm2" / "fp8"))
+    p.add_argument("--text", default=str(ROOT.parent / "shared" / "data" / "wikitext2_test.txt"))
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--length", type=int, default=512)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--backend", default="auto")
+    a = p.parse_args()
+    ckpt = Path(a.checkpoint)
+    if not (ckpt / "hqtflow_manifest.json").is_file():
+        sys.exit(f"No FP8 checkpoint at {ckpt}: run `make demo` (or pass --checkpoint).")
+    base = models.resolve_model(source_model(str(ckpt)))
+    fp8, tok, _ = load_any(str(ckpt), backend=a.backend)
+    engines = {"bf16": models.load_model(base, "bf16"), "fp32": models.load_model(base, "fp32"), "fp8": fp8}
+    ids = tok.encode(Path(a.text).read_text()[: 40 * a.batch * a.length], add_special_tokens=False)
+    x = torch.tensor(ids[: a.batch * a.length]).reshape(a.batch, a.length)
+    print(f"model {base.name}; FP8 {ckpt} (backend {next(m.backend for m in fp8.modules() if hasattr(m, 'backend'))}, "
+          f"high-precision dtype {next(fp8.parameters()).dtype}); forward of {a.batch} x {a.length} tokens; "
+          f"threads {torch.get_num_threads()}; median of {a.runs} runs")
+    print(f"torch {torch.__version__}; CPU flags: {' '.join(cpu_flags())}; --dtype auto here: {fastest_dtype()}")
+    times: dict[str, list[float]] = {n: [] for n in engines}
+    with torch.inference_mode():
+        for n, m in engines.items():  # warm-up
+            m(x[:2])
+        for _ in range(a.runs):  # interleaved, so drift hits all alike
+            for n, m in engines.items():
+                t = time.perf_counter()
+                m(x)
+                times[n].append(time.perf_counter() - t)
+    med = {n: statistics.median(v) for n, v in times.items()}
+    for n, v in med.items():
+        print(f"{n:6} {v:8.2f} s  {a.batch * a.length / v:9.0f} tokens/s")
+    best = min(("bf16", "fp32"), key=med.get)
+    ratio = med[best] / med["fp8"]
+    print(f"\nfp8 / fastest high-precision ({best}): {ratio:.2f}x  target >= 1.0x: {'met' if ratio >= 1.0 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
