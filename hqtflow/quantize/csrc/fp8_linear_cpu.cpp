@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,9 @@
 #endif
 #ifndef HQT_REG_MAX_M
 #define HQT_REG_MAX_M 16
+#endif
+#ifndef HQT_PANEL_MR
+#define HQT_PANEL_MR 6
 #endif
 #ifndef HQT_OPS_NS
 #define HQT_OPS_NS hqtflow  // the torch op namespace (tests build an AVX2-only twin under another name)
@@ -366,6 +370,38 @@ void input_row(const at::Tensor& x2d, int64_t m, const float* s_x, bool e4m3, fl
   if (s_x) qdq_row(out, K, *s_x, e4m3, x2d.scalar_type(), out);
 }
 
+#if HQT_BF16
+// A bf16 row for the bf16 path: QDQ'd when there is a static input scale (the same rounding as qdq_row), zero past
+// K, and stored in widen64's order, 64 values at a time.
+void bf16_input_row(const uint16_t* x, int64_t K, int64_t Kp, const float* s_x, bool e4m3, uint16_t* out) {
+  static const std::array<__m512i, 2> order = [] {
+    alignas(64) uint16_t idx[64];
+    for (int j = 0; j < 64; ++j) idx[j] = static_cast<uint16_t>(permuted_source(j));
+    return std::array<__m512i, 2>{_mm512_load_si512(idx), _mm512_load_si512(idx + 32)};
+  }();
+  const Fp8Rounder round(s_x ? *s_x : 1.f, e4m3);
+  for (int64_t k = 0; k < Kp; k += 64) {
+    const int64_t left = K - k;
+    const __mmask32 m0 = left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+    const __mmask32 m1 = left >= 64 ? ~__mmask32(0) : (left <= 32 ? 0 : (__mmask32(1) << (left - 32)) - 1);
+    __m512i lo = _mm512_maskz_loadu_epi16(m0, x + k), hi = _mm512_maskz_loadu_epi16(m1, x + k + 32);
+    if (s_x) {
+      auto qdq32 = [&](__m512i v) {  // 32 bf16 -> QDQ'd -> 32 bf16
+        __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+        __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+        a = _mm512_mul_ps(round(a), round.sv);
+        b = _mm512_mul_ps(round(b), round.sv);
+        return _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(a)), (__m256i)_mm512_cvtneps_pbh(b), 1);
+      };
+      lo = qdq32(lo);
+      hi = qdq32(hi);
+    }
+    _mm512_storeu_si512(out + k, _mm512_permutex2var_epi16(lo, order[0], hi));
+    _mm512_storeu_si512(out + k + 32, _mm512_permutex2var_epi16(lo, order[1], hi));
+  }
+}
+#endif
+
 // ---- the tile: MR input rows x NR weight rows, full K ---------------------------------------------------------
 // Every output's accumulator sees the same operations in the same order in every tile shape and path.
 struct Out {  // the epilogue: y = hp(hp(acc) + bias)
@@ -423,26 +459,19 @@ HQT_INLINE void store_4x4(const __m512 (&acc)[4][4], int64_t m0, int64_t n0, int
     std::memcpy(b, out.bias + n0, nr * sizeof(float));
     v = round_hp(_mm512_add_ps(v, _mm512_broadcast_f32x4(_mm_load_ps(b))), out.hp);
   }
-  alignas(64) float f[16];
-  _mm512_store_ps(f, v);
-  for (int m = 0; m < mr; ++m) {
-    const int64_t at = (m0 + m) * out.N + n0;
-    if (out.hp == at::kFloat) {
-      std::memcpy(static_cast<float*>(out.y) + at, f + 4 * m, nr * sizeof(float));
-    } else {
-      uint16_t h[4];
-      for (int r = 0; r < 4; ++r) {
-        if (out.hp == at::kBFloat16) {
-          uint32_t u;
-          std::memcpy(&u, f + 4 * m + r, 4);
-          h[r] = static_cast<uint16_t>(u >> 16);  // exact: already rounded
-        } else {
-          h[r] = c10::Half(f[4 * m + r]).x;
-        }
-      }
-      std::memcpy(static_cast<uint16_t*>(out.y) + at, h, nr * sizeof(uint16_t));
-    }
+  if (out.hp == at::kFloat) {
+    alignas(64) float f[16];
+    _mm512_store_ps(f, v);
+    for (int m = 0; m < mr; ++m) std::memcpy(static_cast<float*>(out.y) + (m0 + m) * out.N + n0, f + 4 * m, nr * sizeof(float));
+    return;
   }
+  // bf16: the top halves (already rounded); fp16: a rounding conversion of values already on the fp16 grid (exact)
+  const __m256i h = out.hp == at::kBFloat16
+                        ? _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16))
+                        : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  alignas(32) uint16_t f[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(f), h);
+  for (int m = 0; m < mr; ++m) std::memcpy(static_cast<uint16_t*>(out.y) + (m0 + m) * out.N + n0, f + 4 * m, nr * sizeof(uint16_t));
 }
 #endif
 
@@ -450,14 +479,14 @@ HQT_INLINE void store_4x4(const __m512 (&acc)[4][4], int64_t m0, int64_t n0, int
 template <int MR, int NR, class V>
 HQT_INLINE void store_tile(const V (&acc)[MR][NR], int64_t m0, int64_t n0, const Out& out) {
 #if HQT_AVX512
-  static_assert(MR <= 4, "tiles of at most 4 rows");
-  HQT_UNROLL for (int c = 0; c < NR; c += 4) {  // 4 columns at a time
-    __m512 full[4][4];
-    HQT_UNROLL for (int m = 0; m < 4; ++m)
-      HQT_UNROLL for (int r = 0; r < 4; ++r)
-        full[m][r] = (m < MR && c + r < NR) ? acc[m < MR ? m : 0][c + r < NR ? c + r : 0] : _mm512_setzero_ps();
-    store_4x4(full, m0, n0 + c, MR, NR - c < 4 ? NR - c : 4, out);
-  }
+  HQT_UNROLL for (int b = 0; b < MR; b += 4)      // 4 x 4 blocks
+    HQT_UNROLL for (int c = 0; c < NR; c += 4) {
+      __m512 full[4][4];
+      HQT_UNROLL for (int m = 0; m < 4; ++m)
+        HQT_UNROLL for (int r = 0; r < 4; ++r)
+          full[m][r] = (b + m < MR && c + r < NR) ? acc[b + m < MR ? b + m : 0][c + r < NR ? c + r : 0] : _mm512_setzero_ps();
+      store_4x4(full, m0 + b, n0 + c, MR - b < 4 ? MR - b : 4, NR - c < 4 ? NR - c : 4, out);
+    }
 #else
   float res[MR][NR];
   HQT_UNROLL for (int m = 0; m < MR; ++m)
@@ -503,6 +532,27 @@ HQT_INLINE void tile_bf16(const uint16_t* x, int64_t Kp, int64_t m0, int64_t n0,
 }
 #endif
 
+#if HQT_BF16
+// tile_bf16 for weights already widened in a panel: the same operations per accumulator in the same order
+// (dp(x0, w0) then dp(x1, w1) each step), scheduled by halves so that only NR weight vectors are live.
+template <int MR, int NR>
+HQT_INLINE void tile_bf16_panel(const uint16_t* x, const uint16_t* w, int64_t Kp, int64_t m0, int64_t n0, const Out& out) {
+  __m512 acc[MR][NR];
+  HQT_UNROLL for (int m = 0; m < MR; ++m)
+    HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < Kp; k += 64)
+    HQT_UNROLL for (int h = 0; h < 64; h += 32) {
+      __m512bh wv[NR];
+      HQT_UNROLL for (int r = 0; r < NR; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * Kp + k + h);
+      HQT_UNROLL for (int m = 0; m < MR; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * Kp + k + h);
+        HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+      }
+    }
+  store_tile<MR, NR>(acc, m0, n0, out);
+}
+#endif
+
 // Runs `tile<mr, nr>` for a block of up to MR x NR with the remainder shapes instantiated.
 template <int MR, int NR, class Tile>
 inline void dispatch(int64_t mr, int64_t nr, const Tile& tile) {
@@ -519,6 +569,7 @@ inline void dispatch(int64_t mr, int64_t nr, const Tile& tile) {
 // the latency of the multiply-add chains.
 #if HQT_AVX512
 constexpr int kMR = 4, kNR = 4, kNR1 = 8;
+constexpr int kPanelMR = HQT_PANEL_MR;  // the bf16 panel tile: kPanelMR x 4 accumulators, 4 weights, 1 input live
 #else
 constexpr int kMR = 4, kNR = 3, kNR1 = 6;  // 16 ymm registers: 12 accumulators, 3 weights, 1 input
 #endif
@@ -593,15 +644,10 @@ void rows_from_panels(const Problem& p, int64_t n0, int64_t n1) {
         for (int64_t n = nb; n < ne; ++n) widen_row(wd, n);
       }
       const uint16_t* x = static_cast<const uint16_t*>(p.x);
-      for (int64_t m = 0; m < p.M; m += kMR)
+      for (int64_t m = 0; m < p.M; m += kPanelMR)
         for (int64_t n = nb; n < ne; n += kNR)
-          dispatch<kMR, kNR>(std::min<int64_t>(kMR, p.M - m), std::min<int64_t>(kNR, ne - n), [&](auto MR, auto NR) {
-            const uint16_t* rows = wb + (n - nb) * p.Kp;
-            auto src = [&](int r, int64_t k, __m512bh& w0, __m512bh& w1) {
-              w0 = (__m512bh)_mm512_loadu_si512(rows + r * p.Kp + k);
-              w1 = (__m512bh)_mm512_loadu_si512(rows + r * p.Kp + k + 32);
-            };
-            tile_bf16<decltype(MR)::value, decltype(NR)::value>(x, p.Kp, m, n, src, p.out);
+          dispatch<kPanelMR, kNR>(std::min<int64_t>(kPanelMR, p.M - m), std::min<int64_t>(kNR, ne - n), [&](auto MR, auto NR) {
+            tile_bf16_panel<decltype(MR)::value, decltype(NR)::value>(x, wb + (n - nb) * p.Kp, p.Kp, m, n, p.out);
           });
       continue;
     }
@@ -659,33 +705,25 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const int64_t Kp = (K + step - 1) / step * step;
 
   // the input in the compute layout, rows in parallel
-  std::vector<float> xf;
-  std::vector<uint16_t> xb;
-  (bf16 ? xb.resize(M * Kp) : xf.resize(M * Kp));
+  std::unique_ptr<float[]> xf(bf16 ? nullptr : new float[M * Kp]);
+  std::unique_ptr<uint16_t[]> xb(bf16 ? new uint16_t[M * Kp] : nullptr);
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
-    std::vector<float> row(Kp, 0.f);
     for (int64_t m = m0; m < m1; ++m) {
-      input_row(x2d, m, has_sx ? &s_x : nullptr, e4m3, row.data());
-      if (!bf16) {
-        std::memcpy(xf.data() + m * Kp, row.data(), Kp * sizeof(float));
+#if HQT_BF16
+      if (bf16) {
+        bf16_input_row(static_cast<const uint16_t*>(x2d.data_ptr()) + m * K, K, Kp, has_sx ? &s_x : nullptr, e4m3,
+                       xb.get() + m * Kp);
         continue;
       }
-#if HQT_BF16
-      static const std::array<int, 64> order = [] {
-        std::array<int, 64> o{};
-        for (int j = 0; j < 64; ++j) o[j] = static_cast<int>(permuted_source(j));
-        return o;
-      }();
-      const uint32_t* u = reinterpret_cast<const uint32_t*>(row.data());
-      uint16_t* dst = xb.data() + m * Kp;
-      for (int64_t k = 0; k < Kp; k += 64)
-        for (int j = 0; j < 64; ++j) dst[k + j] = static_cast<uint16_t>(u[k + order[j]] >> 16);  // exact: bf16 values
 #endif
+      float* row = xf.get() + m * Kp;
+      input_row(x2d, m, has_sx ? &s_x : nullptr, e4m3, row);
+      std::fill(row + K, row + Kp, 0.f);
     }
   });
 
   const Weight wt{reinterpret_cast<const uint8_t*>(w.data_ptr()), N, K, sc.data(), sc.size() > 1, e4m3, hp};
-  const Problem p{wt, bf16 ? static_cast<const void*>(xb.data()) : xf.data(), M, Kp, bf16,
+  const Problem p{wt, bf16 ? static_cast<const void*>(xb.get()) : xf.get(), M, Kp, bf16,
                   Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}};
   const bool registers = M <= kRegisterMaxM && !(bf16 && wt.per_channel);
   const int64_t threads = at::get_num_threads(), unit = 8;  // weight rows per work unit
