@@ -48,7 +48,7 @@
 #define HQT_BF16 1
 #endif
 #ifndef HQT_REG_MAX_M
-#define HQT_REG_MAX_M 16
+#define HQT_REG_MAX_M 2
 #endif
 #ifndef HQT_PANEL_MR
 #define HQT_PANEL_MR 6
