@@ -31,6 +31,10 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
         raise HqtflowError(f"--limit must be at least 1, not {limit}.")
     if ppl_file and not Path(ppl_file).is_file():
         raise HqtflowError(f"Perplexity file {ppl_file} does not exist.")
+    if ppl_file:
+        from hqtflow.evaluate import read_ppl_text
+
+        read_ppl_text(ppl_file)  # refuse a binary or empty file before any model is loaded
     if report is not None:
         from hqtflow.formats.artifact import check_output_dir
 

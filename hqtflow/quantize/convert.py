@@ -45,8 +45,7 @@ def kv_cache_scales(model: nn.Module, stats: dict, method: ScaleMethod, *, targe
         except AttributeError:
             raise ArtifactError(f"The KV-cache statistics name {name}, which this model does not have.") from None
         for x in "kv":
-            s = activation_scale(kv[x], method.activation, target=target, fp8=fp8, hp_dtype=hp_dtype).float()
-            s = s.clamp(min=torch.finfo(torch.float32).tiny).reshape(())  # an all-zero layer keeps a usable scale
+            s = activation_scale(kv[x], method.activation, target=target, fp8=fp8, hp_dtype=hp_dtype).float().reshape(())
             attn.register_buffer(f"{x}_scale", s.to(next(model.parameters()).device))
             out[f"{name}.{x}_scale"] = s
     return out
@@ -106,9 +105,12 @@ def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
 
     from hqtflow.errors import ArtifactError
     from hqtflow.formats.compressed_tensors import parse_quantization_config
+    from hqtflow.models import check_safetensors
 
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
+    from hqtflow.models import load_config
+
+    raw = load_config(path)
     qc = parse_quantization_config(raw.get("quantization_config") or {})
     raw.pop("quantization_config", None)
     config = AutoConfig.for_model(**raw)
@@ -120,6 +122,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
     files = sorted(path.glob("*.safetensors"))
     tensors = {}
     for f in files:
+        check_safetensors(f)
         with safe_open(f, framework="pt", device=device) as fh:
             for k in fh.keys():
                 tensors[k] = fh.get_tensor(k)
@@ -172,7 +175,11 @@ def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
         for leaf in (("k_scale", "v_scale") if leaf == "kv_scale" else (leaf,)):
             attn.register_buffer(leaf, torch.empty((), dtype=torch.float32, device="meta"))
             tensors[f"{mod_name}.{leaf}"] = value.float().reshape(())
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    except RuntimeError as e:  # a tensor whose shape disagrees with config.json (a foreign or edited checkpoint)
+        detail = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+        raise ArtifactError(f"Checkpoint {path} does not match its config.json: {detail}") from None
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
         missing = [k for k in missing if k != "lm_head.weight"]
