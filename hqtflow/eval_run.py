@@ -38,6 +38,8 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     if report is not None:
         from hqtflow.formats.artifact import check_output_dir
 
+        if model and Path(model).exists() and report.resolve().is_relative_to(Path(model).resolve()):
+            raise HqtflowError(f"Report {report} lies inside the evaluated model {model}, which is never modified.")
         if report.exists():
             raise HqtflowError(f"Report {report} already exists; remove it or pick another path.")
         check_output_dir(report.parent / ".probe", True)

@@ -93,6 +93,9 @@ def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[
         with safe_open(f, framework="pt") as fh:
             for k in fh.keys():
                 tensors[k] = fh.get_tensor(k)
+    from hqtflow.quantize.convert import check_scales
+
+    check_scales(path, tensors)
     linears = sorted(k[: -len(".weight")] for k, v in tensors.items()
                      if k.endswith(".weight") and v.dtype == torch.float8_e4m3fn)
     if not linears:

@@ -174,11 +174,14 @@ def _checkpoint_tensors(directory: Path) -> dict[str, dict]:
     """{layer: {weight, weight_scale, input_scale}} read from the safetensors files (torch tensors)."""
     from safetensors import safe_open
 
+    from hqtflow.models import check_safetensors
+
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise ArtifactError(f"{directory} has no .safetensors files.")
     layers: dict[str, dict] = {}
     for f in files:
+        check_safetensors(f)
         with safe_open(str(f), "pt") as sf:
             for key in sf.keys():
                 for suffix in ("weight_scale", "input_scale", "weight"):

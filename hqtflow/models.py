@@ -57,6 +57,7 @@ def resolve_model(ref: str | None) -> Path:
         check_not_partial(p)
         if not (p / "config.json").is_file():
             raise ModelError(f"Model directory {p} has no config.json; it is not a Hugging Face model folder.")
+        load_config(p)
         for f in sorted(p.glob("*.safetensors")):
             check_safetensors(f)
         return p
@@ -149,9 +150,13 @@ def check_safetensors(path: Path) -> None:
     path = Path(path)
     try:
         size = path.stat().st_size
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        if 8 + n > size:
+            raise ValueError("header longer than the file")
         start, header = _safetensors_header(path)
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (OSError, struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError):
+    except (OSError, struct.error, ValueError, OverflowError, MemoryError, KeyError, TypeError, IndexError, AttributeError):
         raise ArtifactError(f"{path} is not a readable safetensors file (corrupt header).") from None
     if start + end > size:
         raise ArtifactError(f"{path} is truncated: its tensors need {start + end} bytes but the file has {size}.")

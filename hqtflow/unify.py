@@ -102,8 +102,6 @@ def read_source(directory: Path, world_size: int | None = None) -> Source:
     from hqtflow.formats.artifact import check_not_partial
 
     check_not_partial(directory)
-    warnings.warn(f"{directory} has no hqtflow manifest: provenance (model, config, run) cannot be checked.",
-                  ProvenanceWarning, stacklevel=2)
     pat = re.compile(r"^(?P<base>.+_hooks_maxabs(?:_per_channel)?)_(?P<r>\d+)_(?P<w>\d+)\.json$")
     found: dict[int, dict[int, str]] = {}
     for p in directory.iterdir():
@@ -235,6 +233,9 @@ def unify(measurement: str | Path, groups: list[str], output: str | Path, *, ove
 
     check_output_dir(Path(output), overwrite, [src.directory])
     merged = [merge_group(src, g, plan) for g in parsed]
+    if src.manifest is None:  # said once every check passed, so a refusal stays one sentence
+        warnings.warn(f"{src.directory} has no hqtflow manifest: provenance (model, config, run) cannot be checked.",
+                      ProvenanceWarning, stacklevel=2)
     n = len(parsed)
     m = src.manifest or {}
     data = dict(m.get("data") or {})

@@ -241,8 +241,7 @@ def _check_finite(stats: dict, kv, model_dir: Path) -> None:
     try:
         hqt.check_statistics(hqt.Measurement(stats, None, 0, "DynamicRange"), f"Model {model_dir}")
     except ArtifactError as e:
-        raise ModelError(f"{str(e).split('; re-measure')[0]}: its weights or activations are NaN or inf; "
-                         "nothing was written.") from None
+        raise ModelError(f"{str(e).split('; re-measure')[0]}: its weights or the data are broken; nothing was written.") from None
     bad = kv.non_finite() if kv is not None else None
     if bad:
         raise ModelError(f"Model {model_dir}: the keys/values cached by {bad} are NaN or inf (broken weights?); "

@@ -90,6 +90,15 @@ DROPPED_SUFFIXES = (".output_scale", ".weight_zero_point", ".input_zero_point")
 KV_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 
 
+def check_scales(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Every scale of a checkpoint must be positive and finite (a zero or NaN scale cannot be right)."""
+    from hqtflow.errors import ArtifactError
+
+    for k, v in tensors.items():
+        if k.endswith(("_scale", ".scale", "_scale_inv")) and not bool((torch.isfinite(v.float()) & (v.float() > 0)).all()):
+            raise ArtifactError(f"{path}: {k} holds a zero, negative or non-finite scale, which cannot be right.")
+
+
 def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
     """Build the model skeleton on the meta device, swap in FP8Linear where the checkpoint has FP8 weights, load.
 
@@ -132,6 +141,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu") -> nn.Module:
             if k.endswith("_zero_point") and bool(tensors[k].float().abs().max() > 0):
                 raise ArtifactError(f"{path}: {k} is non-zero; asymmetric FP8 quantization is not supported.")
             dropped.append(tensors.pop(k))
+    check_scales(path, tensors)
     kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith(KV_SUFFIXES)}
     for name, mod in list(model.named_modules()):
         w = tensors.get(f"{name}.weight")

@@ -104,8 +104,6 @@ def load_measurement(directory: str | Path, *, trust_pickle: bool = False) -> Lo
         else:
             ranks.append(hqt.read_measurement(directory / f"{stem}.json"))
         stems.append(stem)
-    warnings.warn(f"{directory} has no hqtflow manifest: it is read as a foreign HQT/INC dump, and its provenance "
-                  "(model, calibration data, run) cannot be checked.", ProvenanceWarning, stacklevel=2)
     return LoadedMeasurement(directory, None, ranks, stems, world)
 
 
@@ -172,6 +170,8 @@ def plan_job(s: QuantizeSettings) -> Job:
     meas = load_measurement(s.measurement, trust_pickle=s.trust_pickle)
     for st, r in zip(meas.stems, meas.ranks):
         check_statistics(r, f"{meas.directory / st}.json")
+        if r.mode != "DynamicRange":
+            raise ArtifactError(f"{meas.directory / st}.json has Mode {r.mode!r}; a measurement file has Mode 'DynamicRange'.")
     model_ref = s.model or (meas.manifest.data.get("model_path") if meas.manifest else None)
     if model_ref is None:
         raise ArtifactError(f"{meas.directory} has no hqtflow manifest naming its model; pass the MODEL argument.")
@@ -190,6 +190,9 @@ def plan_job(s: QuantizeSettings) -> Job:
             raise ConfigError("compressed-tensors FP8 checkpoints are E4M3; fp8_config E5M2 is supported with --scales-only.")
     plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0])
     dtype = meas.manifest.data.get("model_dtype", "bf16") if meas.manifest else "bf16"
+    if meas.manifest is None:  # said once every check passed, so a refusal stays one sentence
+        warnings.warn(f"{meas.directory} has no hqtflow manifest: it is read as a foreign HQT/INC dump, and its "
+                      "provenance (model, calibration data, run) cannot be checked.", ProvenanceWarning, stacklevel=2)
     return Job(cfg, target, method, meas, model_dir, fp, plan, dtype)
 
 
