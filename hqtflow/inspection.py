@@ -225,7 +225,7 @@ def _ranges(stats: dict[str, dict], top: int) -> dict:
 def _pow2_flags(stats: dict[str, dict]) -> tuple[dict[str, dict], list[dict]]:
     import torch
 
-    from hqtflow.scales import activation_scale, scale_method
+    from hqtflow.scales import apply_rounding, full_scale, scale_method
 
     method = scale_method("maxabs_pow2")
     implied, flags = {}, []
@@ -234,7 +234,9 @@ def _pow2_flags(stats: dict[str, dict]) -> tuple[dict[str, dict], list[dict]]:
         for stat, rule in (("input", method.activation), ("output", method.activation), ("weight", method.weight)):
             if stat not in s:
                 continue
-            sc = float(activation_scale(torch.tensor(s[stat]), rule)) if s[stat] > 0 else 0.0
+            # the pow2 scale the statistic implies before hqtflow's SCALE_FLOOR: a near-zero statistic shows as tiny
+            raw = torch.tensor(s[stat]).to(torch.bfloat16) / (full_scale() * rule.backoff)
+            sc = float(apply_rounding(raw, rule.rounding, "cpu")) if s[stat] > 0 else 0.0
             row[stat] = sc
             why = "zero" if sc == 0 else "tiny" if sc < TINY_SCALE else "huge" if sc > HUGE_SCALE else None
             if why:
