@@ -126,11 +126,12 @@ def read_source(directory: Path, world_size: int | None = None) -> Source:
 _EXPERT = re.compile(r"(^|\.)experts?\.\d+(\.|$)")
 
 
-def check_same_run(src: Source, *, force: bool = False) -> None:
+def check_same_run(src: Source, *, force: bool = False) -> list[str]:
     """Every rank file must come from the same measurement run: rank number, Mode, NumSamples and node set agree
     with rank 0's (see the module doc); `force` turns the NumSamples and node-set refusals into warnings."""
     first = src.ranks[0]
     common = {n for n in first.nodes if not _EXPERT.search(n)}
+    overridden = []
     for r, meas in enumerate(src.ranks):
         where = f"{src.directory / src.stems[r]}.json"
         if meas.local_rank is not None and meas.local_rank != r:
@@ -150,6 +151,8 @@ def check_same_run(src: Source, *, force: bool = False) -> None:
                 raise ArtifactError(f"Rank {r} ({where}): {p}; refusing to merge ranks that do not belong together "
                                     "(--force merges them anyway).")
             warnings.warn(f"--force: merging rank {r} although {p}.", ProvenanceWarning, stacklevel=2)
+            overridden.append(f"rank {r}: {p}")
+    return overridden
 
 
 # ---- merging ------------------------------------------------------------------------------------
@@ -226,7 +229,7 @@ def _merged_info(info: dict, n: int) -> dict:
 def unify(measurement: str | Path, groups: list[str], output: str | Path, *, overwrite: bool = False,
           parallel_plan: str | Path | None = None, world_size: int | None = None, force: bool = False) -> Path:
     src = read_source(Path(measurement), world_size)
-    check_same_run(src, force=force)
+    forced = check_same_run(src, force=force)
     parsed = parse_groups(groups, src.world)
     plan = _read_plan(parallel_plan)
     from hqtflow.formats.artifact import check_output_dir
@@ -256,6 +259,7 @@ def unify(measurement: str | Path, groups: list[str], output: str | Path, *, ove
             "ranks": records,
             "unified_from": {"directory": str(src.directory.resolve()), "world_size": src.world, "groups": parsed,
                              "files": source_files, "provenance_known": src.manifest is not None},
+            "forced": forced,  # what --force overrode (empty: the ranks agreed)
             "merge": {"per_tensor": "max", "per_channel": "concatenated along sharded dims in rank order, max along replicated",
                       "row_parallel_outputs": "observed after the all-reduce: exact" if src.manifest else "max (foreign dump)"},
         })

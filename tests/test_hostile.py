@@ -525,6 +525,8 @@ def test_unify_force_says_what_it_overrides(base, tmp_path):
     r = run_cli("unify", "-g", "01", "-m", d, "-o", tmp_path / "u", "--force")
     assert r.exit_code == 0, r.output
     assert "--force: merging rank 1 although NumSamples 100 differs from rank 0's 7" in r.stderr
+    forced = json.loads((tmp_path / "u" / MANIFEST).read_text())["data"]["forced"]
+    assert forced == ["rank 1: NumSamples 100 differs from rank 0's 7"]
 
 
 def test_chunked_body_limit_holds_while_streaming(tiny_llama):
