@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from hqtflow.errors import HqtflowError
+from hqtflow.errors import HqtflowError, ProvenanceWarning
 
 app = typer.Typer(
     name="hqtflow",
@@ -21,15 +23,33 @@ model_app = typer.Typer(help="Prepare and locate models (the embedded default is
 app.add_typer(model_app, name="model")
 
 
+@contextmanager
+def _plain_warnings():
+    """hqtflow's own warnings (ProvenanceWarning) as one `Warning: ...` line on stderr; others as usual."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", ProvenanceWarning)
+        original = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, ProvenanceWarning):
+                typer.echo(f"Warning: {message}", err=True)
+            else:
+                original(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
+
+
 def user_errors(fn):
     """Print an HqtflowError as one sentence on stderr and exit 2 (no traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with _plain_warnings():
+                return fn(*args, **kwargs)
         except HqtflowError as e:
-            typer.echo(f"Error: {e}", err=True)
+            typer.echo("Error: " + " ".join(str(e).splitlines()), err=True)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             typer.echo("Interrupted; nothing was written.", err=True)
@@ -250,19 +270,14 @@ def unify(
     output: Annotated[Path, typer.Option("-o", "--output", help="Directory for the unified measurement.")] = ...,
     parallel_plan: Annotated[Optional[Path], typer.Option(help="JSON {module regex: column|row|replicated} for foreign dumps.")] = None,
     world_size: Annotated[Optional[int], typer.Option(help="Pick this world size when a foreign directory holds several.")] = None,
+    force: Annotated[bool, typer.Option(help="Merge rank files that disagree (NumSamples, node sets); each override is printed.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
 ) -> None:
     """Merge per-rank measurements of card groups: one measurement per group (e.g. 8 cards -> 2 or 1)."""
-    import warnings
-
     from hqtflow.unify import unify as run_unify
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = run_unify(measurement, [*(groups or []), *(more_groups or [])], output, overwrite=overwrite,
-                        parallel_plan=parallel_plan, world_size=world_size)
-    for w in caught:
-        typer.echo(f"Warning: {w.message}", err=True)
+    out = run_unify(measurement, [*(groups or []), *(more_groups or [])], output, overwrite=overwrite,
+                    parallel_plan=parallel_plan, world_size=world_size, force=force)
     typer.echo(f"Wrote {out}.")
 
 

@@ -21,3 +21,7 @@ class ModelError(HqtflowError):
 
 class CalibrationError(HqtflowError):
     """Calibration data is missing, empty or unusable."""
+
+
+class ProvenanceWarning(UserWarning):
+    """Something is read whose origin hqtflow cannot check (a foreign dump): the CLI prints it as one line."""

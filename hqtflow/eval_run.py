@@ -31,9 +31,15 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
         raise HqtflowError(f"--limit must be at least 1, not {limit}.")
     if ppl_file and not Path(ppl_file).is_file():
         raise HqtflowError(f"Perplexity file {ppl_file} does not exist.")
+    if ppl_file:
+        from hqtflow.evaluate import read_ppl_text
+
+        read_ppl_text(ppl_file)  # refuse a binary or empty file before any model is loaded
     if report is not None:
         from hqtflow.formats.artifact import check_output_dir
 
+        if model and Path(model).exists() and report.resolve().is_relative_to(Path(model).resolve()):
+            raise HqtflowError(f"Report {report} lies inside the evaluated model {model}, which is never modified.")
         if report.exists():
             raise HqtflowError(f"Report {report} already exists; remove it or pick another path.")
         check_output_dir(report.parent / ".probe", True)

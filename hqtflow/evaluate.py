@@ -51,6 +51,20 @@ def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto"):
     return models.load_model(path, dtype), models.load_tokenizer(path), dtype
 
 
+def read_ppl_text(path) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CalibrationError(f"Perplexity file {path} does not exist.") from None
+    except UnicodeDecodeError:
+        raise CalibrationError(f"Perplexity file {path} is not UTF-8 text (a binary file?).") from None
+    except OSError as e:
+        raise CalibrationError(f"Cannot read the perplexity file {path} ({e.strerror}).") from None
+    if not text.strip():
+        raise CalibrationError(f"Perplexity file {path} is empty.")
+    return text
+
+
 @torch.inference_mode()
 def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: int | None = None) -> dict:
     """Perplexity over disjoint `window`-token windows (each scored from its own start, no overlap)."""
@@ -90,7 +104,7 @@ def evaluate(model, tokenizer, s: EvalSettings, manager=None) -> dict:
         lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=s.max_length, generate=generate)
         out["tasks"] = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
     if s.ppl_file:
-        out["wikitext"] = perplexity(model, tokenizer, Path(s.ppl_file).read_text(), window=s.ppl_window,
+        out["wikitext"] = perplexity(model, tokenizer, read_ppl_text(s.ppl_file), window=s.ppl_window,
                                      max_windows=s.ppl_windows)
     return out
 

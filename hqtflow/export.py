@@ -68,10 +68,14 @@ def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[
 
     from hqtflow.formats.compressed_tensors import parse_quantization_config
 
+    from hqtflow.formats.artifact import check_not_partial
+    from hqtflow.models import check_safetensors, load_config
+
+    check_not_partial(path)
     if not (path / "config.json").is_file():
         raise ArtifactError(f"{path} is not a checkpoint directory (no config.json).")
     _source_manifest(path)
-    raw = json.loads((path / "config.json").read_text())
+    raw = load_config(path)
     qc = raw.get("quantization_config") or {}
     if qc.get("quant_method") != "compressed-tensors":
         raise ArtifactError(f"{path} is not a compressed-tensors FP8 checkpoint (quant_method {qc.get('quant_method')!r}).")
@@ -85,9 +89,13 @@ def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[
         raise ArtifactError(f"{path} has no .safetensors files.")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
+        check_safetensors(f)
         with safe_open(f, framework="pt") as fh:
             for k in fh.keys():
                 tensors[k] = fh.get_tensor(k)
+    from hqtflow.quantize.convert import check_scales
+
+    check_scales(path, tensors)
     linears = sorted(k[: -len(".weight")] for k, v in tensors.items()
                      if k.endswith(".weight") and v.dtype == torch.float8_e4m3fn)
     if not linears:
@@ -101,8 +109,11 @@ def _dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def scale_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """amax / 448 in `dtype`, rounded up (never below the float32 value, so x / s never exceeds 448); 1 for 0."""
-    s32 = torch.where(amax > 0, amax.float() / E4M3_MAX, torch.ones_like(amax, dtype=torch.float32))
+    """amax / 448 in `dtype`, rounded up (never below the float32 value, so x / s never exceeds 448), at least
+    hqtflow's SCALE_FLOOR (an all-zero tensor gets the floor, as in `hqtflow.scales`)."""
+    from hqtflow.scales import SCALE_FLOOR
+
+    s32 = torch.clamp(amax.float() / E4M3_MAX, min=SCALE_FLOOR)
     s = s32.to(dtype)
     low = s.float() < s32
     if low.any():
@@ -183,6 +194,9 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
         raise ConfigError("--per-channel applies to --format compressed-tensors; the fp8 (AutoFP8) layout has one scale per tensor.")
     if fmt == "inc" and per_channel is not None:
         raise ConfigError("--per-channel/--per-tensor apply to --format compressed-tensors; the inc layout has one scale per tensor.")
+    from hqtflow.formats.artifact import check_output_dir
+
+    check_output_dir(output, overwrite, [checkpoint])
     raw, parsed, tensors, linears = _read_source(checkpoint)
     src_pc, static = parsed["per_channel"], parsed["static_input"]
     ignore = parsed["ignore"]
@@ -246,7 +260,7 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
         qcfg = quantization_config(per_channel=target_pc, static_input=static, ignore=ignore)
         if raw.get("quantization_config", {}).get("kv_cache_scheme"):
             qcfg["kv_cache_scheme"] = raw["quantization_config"]["kv_cache_scheme"]
-    with staged_output(output, overwrite=overwrite) as tmp:
+    with staged_output(output, overwrite=overwrite, inputs=[checkpoint]) as tmp:
         save_file({k: v.contiguous() for k, v in out_t.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
         cfg = {**raw, "quantization_config": qcfg}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))

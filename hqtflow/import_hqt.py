@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hqtflow.errors import ArtifactError
 from hqtflow.formats import hqt
-from hqtflow.formats.artifact import staged_output, write_json_atomic, write_manifest
+from hqtflow.formats.artifact import check_not_partial, check_output_dir, staged_output, write_json_atomic, write_manifest
 
 SCHEMA, SCHEMA_VERSION = "hqtflow.measurement", 1
 _MEAS = re.compile(r"^(?P<base>.+)_hooks_(?P<obs>maxabs(?:_per_channel)?)(?:_(?P<r>\d+)_(?P<w>\d+))?(?P<ext>\.json|\.npz|_mod_list\.json)$")
@@ -44,6 +44,8 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
     directory, output = Path(directory), Path(output)
     if not directory.is_dir():
         raise ArtifactError(f"HQT measurement directory {directory} does not exist.")
+    check_not_partial(directory)
+    check_output_dir(output, overwrite, [directory])
     groups, scales = _scan(directory)
     if not groups:
         raise ArtifactError(f"{directory} holds no HQT/INC measurement files (*_hooks_maxabs[_<rank>_<world>].json).")
@@ -68,6 +70,10 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
         if not meas.nodes:
             raise ArtifactError(f"{ranks[r]['.json']} has no measured nodes.")
         parsed[r] = meas
+    from hqtflow.unify import Source, check_same_run
+
+    check_same_run(Source(directory, None, world, [ranks[r][".json"].name[:-5] for r in range(world)],
+                          [parsed[r] for r in range(world)], [{} for _ in range(world)]))
 
     fp, model_dir = None, None
     if model is not None:
@@ -80,7 +86,7 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
         if unknown:
             raise ArtifactError(f"Node {unknown[0]} of the measurement is not a module of {model_dir}; was it measured on another model?")
 
-    with staged_output(output, overwrite=overwrite) as tmp:
+    with staged_output(output, overwrite=overwrite, inputs=[directory, model_dir]) as tmp:
         records = []
         for r in range(world):
             stem = hqt.measurement_stem(base, observer, r if world > 1 else None, world)

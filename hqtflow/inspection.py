@@ -61,11 +61,12 @@ class InspectError(HqtflowError):
 
 # ---- reading -------------------------------------------------------------------------------------
 def _artifact_type(directory: Path) -> str:
-    from hqtflow.formats.artifact import MANIFEST
+    from hqtflow.formats.artifact import MANIFEST, check_not_partial
 
     directory = Path(directory)
     if not directory.is_dir():
         raise ArtifactError(f"Artifact directory {directory} does not exist.")
+    check_not_partial(directory)
     mpath = directory / MANIFEST
     if not mpath.is_file():
         raise ArtifactError(f"{directory} has no {MANIFEST}: it is not an hqtflow artifact, or its writing did not finish.")
@@ -108,13 +109,14 @@ def _stats_from_hqt(meas_list) -> dict[str, dict]:
 
 def _load_measurement(directory: Path, manifest=None) -> dict:
     from hqtflow.formats import hqt
-    from hqtflow.formats.artifact import read_manifest
+    from hqtflow.formats.artifact import confined, read_manifest
 
     m = manifest or read_manifest(directory, MEASUREMENT, SCHEMA_VERSION)
     ranks = m.data.get("ranks") or []
     if not ranks:
         raise ArtifactError(f"{directory} lists no ranks in its manifest.")
-    stats = _stats_from_hqt([hqt.read_measurement(Path(directory) / f"{r['stem']}.json") for r in ranks])
+    stems = [r.get("stem") if isinstance(r, dict) else None for r in ranks]
+    stats = _stats_from_hqt([hqt.read_measurement(confined(Path(directory), f"{s}.json")) for s in stems])
     types = {}
     skipped, unmeasured = {}, {}
     for r in ranks:
@@ -137,7 +139,7 @@ def _scale_value(v) -> float:
 
 def _load_scales(directory: Path) -> dict:
     from hqtflow.formats import hqt
-    from hqtflow.formats.artifact import read_manifest
+    from hqtflow.formats.artifact import confined, read_manifest
     from hqtflow.scales import full_scale
 
     m = read_manifest(directory, SCALES, SCHEMA_VERSION)
@@ -149,7 +151,7 @@ def _load_scales(directory: Path) -> dict:
         if not rel.endswith(".json") or rel.endswith("_mod_list.json"):
             continue
         try:
-            raw = json.loads((Path(directory) / rel).read_text())
+            raw = json.loads(confined(Path(directory), rel).read_text())
         except (OSError, json.JSONDecodeError, UnicodeDecodeError):
             raise ArtifactError(f"{Path(directory) / rel} is not readable JSON.") from None
         if raw.get("Mode") == "Scale":
@@ -161,7 +163,7 @@ def _load_scales(directory: Path) -> dict:
                     _merge(scales, name, "weight_scale", _scale_value(w))
                     weight_scales.setdefault(name, []).append(w)
         else:
-            meas.append(hqt.read_measurement(Path(directory) / rel))
+            meas.append(hqt.read_measurement(confined(Path(directory), rel)))
     F = full_scale(d.get("fp8", "E4M3"), d.get("target", "cpu"))
     return {"manifest": m, "scales": scales, "raw_weight_scales": weight_scales,
             "measured": _stats_from_hqt(meas) if meas else None, "full_scale": F, "skipped": d.get("skipped") or {},
@@ -172,11 +174,14 @@ def _checkpoint_tensors(directory: Path) -> dict[str, dict]:
     """{layer: {weight, weight_scale, input_scale}} read from the safetensors files (torch tensors)."""
     from safetensors import safe_open
 
+    from hqtflow.models import check_safetensors
+
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise ArtifactError(f"{directory} has no .safetensors files.")
     layers: dict[str, dict] = {}
     for f in files:
+        check_safetensors(f)
         with safe_open(str(f), "pt") as sf:
             for key in sf.keys():
                 for suffix in ("weight_scale", "input_scale", "weight"):
@@ -220,7 +225,7 @@ def _ranges(stats: dict[str, dict], top: int) -> dict:
 def _pow2_flags(stats: dict[str, dict]) -> tuple[dict[str, dict], list[dict]]:
     import torch
 
-    from hqtflow.scales import activation_scale, scale_method
+    from hqtflow.scales import apply_rounding, full_scale, scale_method
 
     method = scale_method("maxabs_pow2")
     implied, flags = {}, []
@@ -229,7 +234,9 @@ def _pow2_flags(stats: dict[str, dict]) -> tuple[dict[str, dict], list[dict]]:
         for stat, rule in (("input", method.activation), ("output", method.activation), ("weight", method.weight)):
             if stat not in s:
                 continue
-            sc = float(activation_scale(torch.tensor(s[stat]), rule)) if s[stat] > 0 else 0.0
+            # the pow2 scale the statistic implies before hqtflow's SCALE_FLOOR: a near-zero statistic shows as tiny
+            raw = torch.tensor(s[stat]).to(torch.bfloat16) / (full_scale() * rule.backoff)
+            sc = float(apply_rounding(raw, rule.rounding, "cpu")) if s[stat] > 0 else 0.0
             row[stat] = sc
             why = "zero" if sc == 0 else "tiny" if sc < TINY_SCALE else "huge" if sc > HUGE_SCALE else None
             if why:
@@ -560,11 +567,14 @@ def _write(path: Path, text: str) -> None:
         raise ArtifactError(f"Cannot write {path} ({e.strerror}).") from None
 
 
-def _check_writable(path: Path | None) -> None:
+def _check_writable(path: Path | None, inputs=()) -> None:
     import os
 
     if path is None:
         return
+    for i in inputs:
+        if i is not None and Path(path).resolve().is_relative_to(Path(i).resolve()):
+            raise ArtifactError(f"Cannot write {path}: it lies inside the inspected artifact {i}, which is never modified.")
     parent = Path(path).parent if str(Path(path).parent) else Path(".")
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise ArtifactError(f"Cannot write {path}: its directory {parent} does not exist or is not writable.")
@@ -574,8 +584,8 @@ def _check_writable(path: Path | None) -> None:
 
 def run_inspect(artifact, *, compare=None, json_path=None, html_path=None, top: int = 10) -> str:
     """Build the report, write --json / --html (only after everything succeeded), return the terminal text."""
-    _check_writable(json_path)
-    _check_writable(html_path)
+    _check_writable(json_path, (artifact, compare))
+    _check_writable(html_path, (artifact, compare))
     rep = inspect_artifact(artifact, compare=compare, top=top)
     html = None
     if html_path is not None:

@@ -8,6 +8,7 @@ Offline copies of common tasks ship as `<task>_local` YAMLs that read `--data-di
 from __future__ import annotations
 
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -161,14 +162,36 @@ def build_lm(forward: Forward, tokenizer, *, batch_size: int, max_length: int, g
     return HqtflowLM()
 
 
+@contextmanager
+def _patched(obj, name: str, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def _git_hash_quietly():
+    """lm-eval records `git describe` of the current directory by shelling out with git's stderr shown, so every
+    run outside a checkout printed `fatal: not a git repository`; the same probe, with that stderr dropped."""
+    import subprocess
+
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, OSError):
+        return None
+
+
 def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> dict:
     """Run lm-eval tasks through `lm`; return {task: {metric: value}}."""
-    from lm_eval.evaluator import simple_evaluate
+    import lm_eval.evaluator as evaluator
 
-    res = simple_evaluate(
-        model=lm, tasks=tasks, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False,
-        verbosity="ERROR",
-    )
+    with _patched(evaluator, "get_git_commit_hash", _git_hash_quietly):
+        res = evaluator.simple_evaluate(
+            model=lm, tasks=tasks, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False,
+            verbosity="ERROR",
+        )
     return {
         task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "alias"}
         for task, metrics in (res or {}).get("results", {}).items()

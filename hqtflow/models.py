@@ -52,8 +52,14 @@ def resolve_model(ref: str | None) -> Path:
         return d
     p = Path(ref).expanduser()
     if p.exists():
+        from hqtflow.formats.artifact import check_not_partial
+
+        check_not_partial(p)
         if not (p / "config.json").is_file():
             raise ModelError(f"Model directory {p} has no config.json; it is not a Hugging Face model folder.")
+        load_config(p)
+        for f in sorted(p.glob("*.safetensors")):
+            check_safetensors(f)
         return p
     if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
         raise ModelError(f"Model directory {ref} does not exist.")
@@ -76,9 +82,12 @@ def resolve_model(ref: str | None) -> Path:
 
 def load_config(path: Path) -> dict:
     try:
-        return json.loads((Path(path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelError(f"Cannot read {Path(path) / 'config.json'} ({e}).") from None
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"Cannot read {Path(path) / 'config.json'} ({type(e).__name__}).") from None
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{Path(path) / 'config.json'} is not a JSON object; it is not a model config.")
+    return cfg
 
 
 def load_tokenizer(path: Path):
@@ -107,7 +116,7 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
             kwargs["tp_plan"] = tp_plan
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:  # unreadable files, weights that do not fit the config
         raise ModelError(f"Cannot load the model in {path} ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
     model.eval()
     return model
@@ -131,6 +140,26 @@ def _safetensors_header(path: Path) -> tuple[int, dict]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         return 8 + n, json.loads(f.read(n))
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a .safetensors file whose header is unreadable or whose tensors run past its end (a truncated copy),
+    from the header alone (no tensor is read)."""
+    from hqtflow.errors import ArtifactError
+
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        if 8 + n > size:
+            raise ValueError("header longer than the file")
+        start, header = _safetensors_header(path)
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, struct.error, ValueError, OverflowError, MemoryError, KeyError, TypeError, IndexError, AttributeError):
+        raise ArtifactError(f"{path} is not a readable safetensors file (corrupt header).") from None
+    if start + end > size:
+        raise ArtifactError(f"{path} is truncated: its tensors need {start + end} bytes but the file has {size}.")
 
 
 def fingerprint(path: Path, *, sample_bytes: int = 4096, max_tensors: int = 256) -> dict:

@@ -9,6 +9,13 @@ is input scale * weight scale.
 Like INC, the raw scale of a measured statistic is computed in `hp_dtype` (bf16 by default): the statistic is cast
 to hp_dtype before dividing, so power-of-two scales equal INC's exactly.
 
+Every computed scale is at least SCALE_FLOOR = 2^-14 (weights, activations, KV alike): an all-zero tensor gets
+that floor instead of a zero scale (its values quantize to 0 exactly with any positive scale), and no scale is ever
+denormal: 2^-14 is the smallest normal float16, so it is normal in every hp_dtype, and a power of two, so every
+rounding keeps it. Only tensors with maxabs below 2^-14 * F * backoff (about 0.007 for E4M3 activations) are
+affected. Negative or non-finite statistics never get here: reading a measurement refuses them
+(`hqtflow.formats.hqt.check_statistics`).
+
 Off Gaudi ("cpu", "cuda") there is no hardware scale set: hqtflow defines HW_ALIGNED there as Gaudi3's rule (powers
 of two, k = 1, clamped to [2^-55, 2^7]), so `maxabs_hw` scales made for a CPU or CUDA checkpoint are the ones a
 Gaudi3 would use, and `hw_aligned_single_scale` is Gaudi3's first hardware scale (128).
@@ -26,6 +33,11 @@ TARGETS = ("gaudi2", "gaudi3", "cpu", "cuda")
 FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
 HP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 WEIGHT_BACKOFF, ACTIVATION_BACKOFF = 0.5, 0.25
+SCALE_FLOOR = 2.0**-14  # the least scale hqtflow writes (see the module doc)
+
+
+def floored(s: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(s, min=SCALE_FLOOR)
 
 
 def full_scale(fp8: str = "E4M3", target: str = "cpu") -> float:
@@ -175,7 +187,7 @@ def activation_scale(maxabs, rule: Rule, *, target: str = "cpu", fp8: str = "E4M
         return apply_rounding(base, rule.rounding, target) if rule.value == "FIXED_VALUE" else base
     m = torch.as_tensor(maxabs, dtype=torch.float32).to(hp).max()
     raw = m / (full_scale(fp8, target) * rule.backoff)
-    return apply_rounding(raw, rule.rounding, target)
+    return floored(apply_rounding(raw, rule.rounding, target))
 
 
 def weight_scale(w: torch.Tensor, rule: Rule, *, target: str = "cpu", fp8: str = "E4M3", hp_dtype: str = "bf16") -> torch.Tensor:
@@ -189,16 +201,14 @@ def weight_scale(w: torch.Tensor, rule: Rule, *, target: str = "cpu", fp8: str =
     if rule.value == "FIXED_VALUE":
         return apply_rounding(torch.tensor(1.0, dtype=hp, device=dev), rule.rounding, target)
     if rule.granularity == "PCS":
-        eps = torch.tensor(torch.finfo(torch.bfloat16).tiny, dtype=hp, device=dev)
-        ref = torch.maximum(w.abs().amax(dim=1) / (F * rule.backoff), eps)
-        ref = apply_rounding(ref, rule.rounding, target)
+        ref = floored(apply_rounding(w.abs().amax(dim=1) / (F * rule.backoff), rule.rounding, target))
         if rule.value != "OPT":
             return ref
-        return apply_rounding(_best_per_channel(w, ref, rule.candidates, fp8, F), rule.rounding, target)
+        return floored(apply_rounding(_best_per_channel(w, ref, rule.candidates, fp8, F), rule.rounding, target))
     if rule.value == "OPT":
-        return apply_rounding(_best_single(w, rule.candidates, fp8, F), rule.rounding, target)
+        return floored(apply_rounding(_best_single(w, rule.candidates, fp8, F), rule.rounding, target))
     raw = w.abs().max() / (F * rule.backoff)
-    return apply_rounding(raw, rule.rounding, target)
+    return floored(apply_rounding(raw, rule.rounding, target))
 
 
 def _best_single(w: torch.Tensor, candidates, fp8: str, F: float) -> torch.Tensor:

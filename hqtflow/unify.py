@@ -8,6 +8,11 @@ Merge rules, per node and statistic (the layer's style comes from what `hqtflow 
   value and the max is exact (recorded in the manifest);
 - a node present on only some ranks (MoE experts under expert parallelism): the union, from the ranks that have it.
 Foreign dumps (no hqtflow manifest): max for per-tensor statistics; per-channel ones need `--parallel-plan FILE`.
+
+Ranks that do not belong together are refused, naming the rank and the field: a Mode other than "DynamicRange"
+(a scale file is not a measurement; never merged), a different NumSamples, or a different set of nodes (expert
+nodes, `experts.<n>`, may differ: expert parallelism). `--force` merges the last two anyway and prints each
+override as a warning.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hqtflow.errors import ArtifactError, ConfigError
+from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning
 from hqtflow.formats import hqt
 from hqtflow.formats.artifact import sha256_file, staged_output, write_manifest
 
@@ -87,13 +92,16 @@ def read_source(directory: Path, world_size: int | None = None) -> Source:
     if not directory.is_dir():
         raise ArtifactError(f"Measurement directory {directory} does not exist.")
     if (directory / "hqtflow_manifest.json").exists():
+        from hqtflow.formats.artifact import confined
+        from hqtflow.quantize.run import manifest_ranks
+
         m = read_manifest(directory, SCHEMA, SCHEMA_VERSION)
-        ranks = m.data["ranks"]
-        world = int(m.data["world_size"])
-        stems = [r["stem"] for r in ranks]
-        return Source(directory, m.raw, world, stems, [hqt.read_measurement(directory / f"{s}.json") for s in stems],
-                      [r["layers"] for r in ranks])
-    warnings.warn(f"{directory} has no hqtflow manifest: provenance (model, config, run) cannot be checked.", stacklevel=2)
+        stems, world = manifest_ranks(m)
+        return Source(directory, m.raw, world, stems, [hqt.read_measurement(confined(directory, f"{s}.json")) for s in stems],
+                      [r.get("layers") or {} for r in m.data["ranks"]])
+    from hqtflow.formats.artifact import check_not_partial
+
+    check_not_partial(directory)
     pat = re.compile(r"^(?P<base>.+_hooks_maxabs(?:_per_channel)?)_(?P<r>\d+)_(?P<w>\d+)\.json$")
     found: dict[int, dict[int, str]] = {}
     for p in directory.iterdir():
@@ -115,11 +123,36 @@ def read_source(directory: Path, world_size: int | None = None) -> Source:
                   [{} for _ in stems])
 
 
-def check_same_run(src: Source) -> None:
-    """Every rank file must come from the same measurement run (hqtflow manifests say so)."""
+_EXPERT = re.compile(r"(^|\.)experts?\.\d+(\.|$)")
+
+
+def check_same_run(src: Source, *, force: bool = False) -> list[str]:
+    """Every rank file must come from the same measurement run: rank number, Mode, NumSamples and node set agree
+    with rank 0's (see the module doc); `force` turns the NumSamples and node-set refusals into warnings."""
+    first = src.ranks[0]
+    common = {n for n in first.nodes if not _EXPERT.search(n)}
+    overridden = []
     for r, meas in enumerate(src.ranks):
+        where = f"{src.directory / src.stems[r]}.json"
         if meas.local_rank is not None and meas.local_rank != r:
-            raise ArtifactError(f"{src.directory / src.stems[r]}.json says it is rank {meas.local_rank}, not {r}.")
+            raise ArtifactError(f"{where} says it is rank {meas.local_rank}, not {r}.")
+        if meas.mode != "DynamicRange":
+            raise ArtifactError(f"{where} (rank {r}) has Mode {meas.mode!r}; only measurement files (Mode 'DynamicRange') "
+                                "are merged.")
+        problems = []
+        if meas.num_samples != first.num_samples:
+            problems.append(f"NumSamples {meas.num_samples} differs from rank 0's {first.num_samples}")
+        nodes = {n for n in meas.nodes if not _EXPERT.search(n)}
+        if nodes != common:
+            odd = sorted(nodes ^ common)
+            problems.append(f"its nodes differ from rank 0's ({len(odd)} node(s), e.g. {odd[0]}): another model or run")
+        for p in problems:
+            if not force:
+                raise ArtifactError(f"Rank {r} ({where}): {p}; refusing to merge ranks that do not belong together "
+                                    "(--force merges them anyway).")
+            warnings.warn(f"--force: merging rank {r} although {p}.", ProvenanceWarning, stacklevel=2)
+            overridden.append(f"rank {r}: {p}")
+    return overridden
 
 
 # ---- merging ------------------------------------------------------------------------------------
@@ -194,21 +227,24 @@ def _merged_info(info: dict, n: int) -> dict:
 
 # ---- the stage ----------------------------------------------------------------------------------
 def unify(measurement: str | Path, groups: list[str], output: str | Path, *, overwrite: bool = False,
-          parallel_plan: str | Path | None = None, world_size: int | None = None) -> Path:
+          parallel_plan: str | Path | None = None, world_size: int | None = None, force: bool = False) -> Path:
     src = read_source(Path(measurement), world_size)
-    check_same_run(src)
+    forced = check_same_run(src, force=force)
     parsed = parse_groups(groups, src.world)
     plan = _read_plan(parallel_plan)
     from hqtflow.formats.artifact import check_output_dir
 
-    check_output_dir(Path(output), overwrite)
+    check_output_dir(Path(output), overwrite, [src.directory])
     merged = [merge_group(src, g, plan) for g in parsed]
+    if src.manifest is None:  # said once every check passed, so a refusal stays one sentence
+        warnings.warn(f"{src.directory} has no hqtflow manifest: provenance (model, config, run) cannot be checked.",
+                      ProvenanceWarning, stacklevel=2)
     n = len(parsed)
     m = src.manifest or {}
     data = dict(m.get("data") or {})
     observer = data.get("observer") or src.stems[0].split("_hooks_")[1].split("_")[0]
     base = src.stems[0].rsplit(f"_0_{src.world}", 1)[0] if src.world > 1 else src.stems[0]
-    with staged_output(Path(output), overwrite=overwrite) as tmp:
+    with staged_output(Path(output), overwrite=overwrite, inputs=[src.directory]) as tmp:
         records = []
         for i, (nodes, layers) in enumerate(merged):
             stem = f"{base}{hqt.rank_suffix(i, n)}"
@@ -223,6 +259,7 @@ def unify(measurement: str | Path, groups: list[str], output: str | Path, *, ove
             "ranks": records,
             "unified_from": {"directory": str(src.directory.resolve()), "world_size": src.world, "groups": parsed,
                              "files": source_files, "provenance_known": src.manifest is not None},
+            "forced": forced,  # what --force overrode (empty: the ranks agreed)
             "merge": {"per_tensor": "max", "per_channel": "concatenated along sharded dims in rank order, max along replicated",
                       "row_parallel_outputs": "observed after the all-reduce: exact" if src.manifest else "max (foreign dump)"},
         })

@@ -140,7 +140,8 @@ def test_export_fp8_refuses(checkpoint, tmp_path):
     assert r.exit_code == 2 and "valid values are fp8, compressed-tensors" in r.stderr
     r = run_cli("export", checkpoint, "--format", "fp8", "--per-channel", "-o", tmp_path / "o")
     assert r.exit_code == 2 and "one scale per tensor" in r.stderr
-    r = run_cli("export", tmp_path, "--format", "fp8", "-o", tmp_path / "o")
+    (tmp_path / "not_a_checkpoint").mkdir()
+    r = run_cli("export", tmp_path / "not_a_checkpoint", "--format", "fp8", "-o", tmp_path / "o")
     assert r.exit_code == 2 and "no config.json" in r.stderr
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -22,6 +23,9 @@ from hqtflow import __version__
 from hqtflow.errors import ArtifactError
 
 MANIFEST = "hqtflow_manifest.json"
+MIN_VERSION = 1  # every schema starts at v1
+PARTIAL_MARKER = ".hqtflow-partial"  # in a staging dir until its commit: a directory holding it is never an input
+_LEFTOVER = re.compile(r"^\..+\.(?:partial|old)-(\d+)-")  # `.<name>.partial-<pid>-*`, `.<name>.old-<pid>-*`
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -48,34 +52,51 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 class StagingDir:
     """A hidden temp dir beside `out`; `commit()` renames it onto `out`, `abort()` removes it.
 
+    The temp dir is `.<name>.partial-<pid>-*` and holds PARTIAL_MARKER until the commit, so a killed run's leftover
+    is never read as an artifact; leftovers of dead processes are removed by the next run into the same parent.
     With `overwrite`, an existing `out` is moved aside first and deleted only after the rename succeeded.
+    `inputs`: the paths this run reads; `out` may not be, contain or lie inside any of them.
     """
 
-    def __init__(self, out: Path, *, overwrite: bool = False, path: Path | None = None):
+    def __init__(self, out: Path, *, overwrite: bool = False, path: Path | None = None, inputs=()):
         self.out = Path(out)
         self.overwrite = overwrite
         self.path = path
+        self.inputs = tuple(inputs)
 
     def create(self) -> Path:
-        check_output_dir(self.out, self.overwrite)
+        check_output_dir(self.out, self.overwrite, self.inputs)
+        remove_stale_partials(self.out.parent)
         try:
-            self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(self.path, 0o777 & ~umask)  # mkdtemp makes 0700; the artifact gets normal permissions
+            self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-{os.getpid()}-", dir=self.out.parent))
+            os.chmod(self.path, 0o777 & ~_umask())  # mkdtemp makes 0700; the artifact gets normal permissions
+            (self.path / PARTIAL_MARKER).write_text(f"pid {os.getpid()}\n")
         except OSError as e:
+            self.abort()
             raise ArtifactError(f"Cannot write the output directory {self.out} ({e.strerror}).") from None
         return self.path
 
     def commit(self) -> Path:
+        """Rename the finished temp dir onto `out`; on any failure the temp dir is removed and `out` is untouched."""
         assert self.path is not None
         backup = None
-        if self.out.exists():
-            if not self.overwrite:
-                raise ArtifactError(f"Output {self.out} appeared while this run was writing it; nothing was replaced.")
-            backup = self.out.with_name(f".{self.out.name}.old-{os.getpid()}-{int(time.time())}")
-            os.rename(self.out, backup)
-        os.rename(self.path, self.out)
+        try:
+            _apply_umask(self.path)
+            (self.path / PARTIAL_MARKER).unlink(missing_ok=True)
+            if self.out.exists() or self.out.is_symlink():
+                if not self.overwrite:
+                    raise ArtifactError(f"Output {self.out} appeared while this run was writing it; nothing was replaced.")
+                backup = self.out.with_name(f".{self.out.name}.old-{os.getpid()}-{int(time.time())}")
+                os.rename(self.out, backup)
+            os.rename(self.path, self.out)
+        except BaseException as e:
+            self.abort()
+            if backup is not None and not self.out.exists():
+                os.rename(backup, self.out)
+            if isinstance(e, OSError):
+                raise ArtifactError(f"Cannot move the finished output into {self.out} ({e.strerror}); "
+                                    "nothing was replaced.") from None
+            raise
         if backup is not None:
             shutil.rmtree(backup, ignore_errors=True)
         return self.out
@@ -85,9 +106,81 @@ class StagingDir:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
-def check_output_dir(out: Path, overwrite: bool) -> None:
-    """Refuse an existing output (unless overwrite) or an unwritable parent, before any work is done."""
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def _apply_umask(directory: Path) -> None:
+    """Give every file the permissions the umask allows (some writers, e.g. safetensors, create files 0600)."""
+    mode = 0o666 & ~_umask()
+    for p in directory.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_partials(parent: Path) -> list[Path]:
+    """Remove `.<name>.partial-<pid>-*` / `.<name>.old-<pid>-*` directories whose process is gone."""
+    removed = []
+    try:
+        entries = list(Path(parent).iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        m = _LEFTOVER.match(p.name)
+        if m and p.is_dir() and not p.is_symlink() and int(m[1]) != os.getpid() and not _pid_alive(int(m[1])):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def is_partial(directory: Path) -> bool:
+    directory = Path(directory)
+    return bool(_LEFTOVER.match(directory.name)) or (directory / PARTIAL_MARKER).exists()
+
+
+def check_not_partial(directory: Path) -> None:
+    """Refuse a staging dir (of a killed, failed or running write): it is never an input to any stage."""
+    if is_partial(directory):
+        raise ArtifactError(f"{directory} is the unfinished output of an hqtflow run that was killed, failed or is "
+                            "still running; it is never read (run the stage again).")
+
+
+def confined(directory: Path, rel: str) -> Path:
+    """`directory / rel`, refused when `rel` is absolute or leads outside `directory` (`..`, symlinks)."""
+    directory = Path(directory)
+    if not isinstance(rel, str) or not rel or "\0" in rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        raise ArtifactError(f"{directory} names a file {rel!r} outside itself; refusing to read it.")
+    p = directory / rel
+    if not p.resolve().is_relative_to(directory.resolve()):
+        raise ArtifactError(f"{directory} names a file {rel!r} that leads outside it; refusing to read it.")
+    return p
+
+
+def check_output_dir(out: Path, overwrite: bool, inputs=()) -> None:
+    """Refuse an existing output (unless overwrite), an output that is, contains or lies inside one of `inputs`,
+    or an unwritable parent, before any work is done."""
     out = Path(out)
+    target = out.resolve()
+    for i in inputs:
+        if i is None:
+            continue
+        src = Path(i).resolve()
+        if target == src or target.is_relative_to(src) or src.is_relative_to(target):
+            how = "is" if target == src else ("lies inside" if target.is_relative_to(src) else "contains")
+            raise ArtifactError(f"Output {out} {how} the input {i}; choose an output outside every input "
+                                "(nothing was written).")
     if out.exists() and not overwrite:
         raise ArtifactError(f"Output {out} already exists; pass --overwrite to replace it.")
     if out.exists() and not out.is_dir():
@@ -103,9 +196,9 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
 
 
 @contextmanager
-def staged_output(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temp dir to fill; on success it replaces `out`, on any error it is removed."""
-    stage = StagingDir(out, overwrite=overwrite)
+def staged_output(out: Path, *, overwrite: bool = False, inputs=()) -> Iterator[Path]:
+    """Yield a temp dir to fill; on success it replaces `out`, on any error (the commit's too) it is removed."""
+    stage = StagingDir(out, overwrite=overwrite, inputs=inputs)
     path = stage.create()
     try:
         yield path
@@ -121,7 +214,7 @@ def write_manifest(directory: Path, type_: str, version: int, *, model: dict | N
     files = {
         str(p.relative_to(directory)): sha256_file(p)
         for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".") and not p.is_symlink()
     }
     manifest = {
         "_type": type_,
@@ -168,11 +261,15 @@ class Manifest:
 
 
 def read_manifest(directory: Path, type_: str, max_version: int, *, verify: bool = True) -> Manifest:
-    """Load and check an artifact's manifest; every failure is one ArtifactError sentence."""
+    """Load and check an artifact's manifest; every failure is one ArtifactError sentence.
+
+    Refused: a staging dir, a missing or corrupt manifest, another type, a schema version outside
+    MIN_VERSION..max_version, a listed file outside the directory and (with `verify`) a missing or changed file."""
     directory = Path(directory)
     kind = type_.split(".")[-1]
     if not directory.is_dir():
         raise ArtifactError(f"{kind.capitalize()} directory {directory} does not exist.")
+    check_not_partial(directory)
     mpath = directory / MANIFEST
     if not mpath.is_file():
         raise ArtifactError(
@@ -185,13 +282,21 @@ def read_manifest(directory: Path, type_: str, max_version: int, *, verify: bool
         raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).") from None
     if found_type != type_:
         raise ArtifactError(f"{directory} holds a {found_type!r} artifact, not the {type_!r} this step needs.")
-    if not isinstance(found_version, int) or found_version > max_version:
+    if type(found_version) is int and found_version > max_version:
         raise ArtifactError(
             f"{directory} was written with {type_} schema v{found_version} by a newer hqtflow "
             f"(this one reads up to v{max_version}); upgrade hqtflow."
         )
+    if type(found_version) is not int or found_version < MIN_VERSION:
+        raise ArtifactError(f"{mpath} has schema version {found_version!r}, which no hqtflow writes "
+                            f"(this one reads v{MIN_VERSION} to v{max_version}).")
+    files = raw.get("files", {})
+    if not isinstance(files, dict) or not isinstance(raw.get("data", {}), dict):
+        raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).")
+    for rel in files:
+        confined(directory, rel)
     if verify:
-        for rel, digest in raw.get("files", {}).items():
+        for rel, digest in files.items():
             p = directory / rel
             if not p.is_file():
                 raise ArtifactError(f"{directory} is incomplete: {rel} is listed in its manifest but missing.")

@@ -9,6 +9,7 @@ per-channel statistics are (C, 1).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,21 @@ class NodeStats:
             )
         except (TypeError, ValueError, AttributeError) as e:
             raise ArtifactError(f"{where} has a malformed node ({e}).") from None
+
+
+NODE_NAME = re.compile(r"^[\w\-]+(\.[\w\-]+)*$")  # a module path: never `..`, `/` or empty parts
+
+
+def check_statistics(meas: "Measurement", where: str) -> None:
+    """One rule for every statistic read or made: finite and non-negative (a maxabs), named by its node."""
+    for name, node in meas.nodes.items():
+        for kind, arrays in (("input", node.inputs), ("output", node.outputs), ("weight", list(node.params.values()))):
+            for a in arrays:
+                if not np.isfinite(a).all():
+                    raise ArtifactError(f"{where}: module {name} has a non-finite {kind} statistic (NaN or inf); re-measure it.")
+                if (a < 0).any():
+                    raise ArtifactError(f"{where}: module {name} has a negative {kind} statistic ({float(a.min())}), "
+                                        "which no maxabs can be; the file is corrupt.")
 
 
 def _array(x) -> np.ndarray:
@@ -113,11 +129,20 @@ def read_measurement(path: Path) -> Measurement:
         mode = raw.get("Mode", "DynamicRange")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         raise ArtifactError(f"{path} is not an HQT measurement file (corrupt JSON or no 'Nodes').") from None
-    if not isinstance(nodes, dict):
+    if not isinstance(nodes, dict) or not isinstance(raw, dict):
         raise ArtifactError(f"{path} is not an HQT measurement file ('Nodes' is not an object).")
-    return Measurement(
+    bad = next((k for k in nodes if not NODE_NAME.match(k)), None)
+    if bad is not None:
+        raise ArtifactError(f"{path} has a node named {bad!r}, which is not a module name; the file is corrupt or hostile.")
+    try:
+        samples = int(raw.get("NumSamples", 0))
+    except (TypeError, ValueError):
+        raise ArtifactError(f"{path} has NumSamples {raw.get('NumSamples')!r}, not a number.") from None
+    meas = Measurement(
         nodes={k: NodeStats.from_json(v, where=str(path)) for k, v in nodes.items()},
         local_rank=raw.get("LocalRank"),
-        num_samples=int(raw.get("NumSamples", 0)),
+        num_samples=samples,
         mode=mode,
     )
+    check_statistics(meas, str(path))
+    return meas

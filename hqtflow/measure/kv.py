@@ -11,6 +11,7 @@ them into `k_scale` / `v_scale` (the compressed-tensors / vLLM convention).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -32,7 +33,13 @@ class KVStats:
             k, v = k.masked_fill(~valid, 0), v.masked_fill(~valid, 0)
         ka, va = float(k.abs().amax()), float(v.abs().amax())
         old = self.maxabs.get(layer, [0.0, 0.0])
-        self.maxabs[layer] = [max(old[0], ka), max(old[1], va)]
+        # NaN stays NaN (Python's max would drop it), so broken weights cannot pass as statistics of 0
+        self.maxabs[layer] = [x if math.isnan(x) or math.isnan(o) else max(o, x) for o, x in ((old[0], ka), (old[1], va))]
+
+    def non_finite(self) -> str | None:
+        """The first attention module whose cached keys or values were NaN or inf, or None."""
+        bad = next((i for i, kv in sorted(self.maxabs.items()) if not all(map(math.isfinite, kv))), None)
+        return None if bad is None else self.names.get(bad, f"layer{bad}")
 
     def cache(self, mask: torch.Tensor | None = None) -> "KVObserverCache":
         return KVObserverCache(self, mask)
@@ -60,11 +67,19 @@ def read_kv_stats(directory: Path) -> dict[str, dict[str, float]] | None:
     path = Path(directory) / KV_FILE
     if not path.exists():
         return None
-    data = json.loads(path.read_text())
-    if data.get("format") != KV_FORMAT or int(data.get("version", 0)) > 1:
-        raise ArtifactError(f"{path} is not a KV-cache statistics file this hqtflow reads (format {data.get('format')!r}, "
-                            f"version {data.get('version')}).")
+    try:
+        data = json.loads(path.read_text())
+        ok = data.get("format") == KV_FORMAT and data.get("version") == 1 and isinstance(data["layers"], dict)
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError):
+        ok, data = False, {}
+    if not ok:
+        raise ArtifactError(f"{path} is not a KV-cache statistics file this hqtflow reads (format "
+                            f"{data.get('format') if isinstance(data, dict) else None!r}, "
+                            f"version {data.get('version') if isinstance(data, dict) else None}).")
     for name, kv in data["layers"].items():
-        if not all(isinstance(kv.get(x), (int, float)) and kv[x] == kv[x] and abs(kv[x]) != float("inf") for x in "kv"):
+        vals = [kv.get(x) if isinstance(kv, dict) else None for x in "kv"]
+        if not all(type(v) in (int, float) and math.isfinite(v) for v in vals):
             raise ArtifactError(f"{path}: the statistics of {name} are not finite numbers.")
+        if min(vals) < 0:
+            raise ArtifactError(f"{path}: the statistics of {name} are negative, which no maxabs can be; the file is corrupt.")
     return data["layers"]

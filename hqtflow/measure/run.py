@@ -85,8 +85,8 @@ def preflight(s: MeasureSettings):
 
     s.validate()
     cfg = load_measure_config(s.config)
-    check_output_dir(Path(s.output), s.overwrite)
     model_dir = models.resolve_model(s.model)
+    check_output_dir(Path(s.output), s.overwrite, inputs(s, model_dir))
     texts = [(f, _read(f, s.text_field)) for f in s.text]
     manager = None
     if s.tasks:
@@ -99,6 +99,11 @@ def preflight(s: MeasureSettings):
 
         check_tp_split(models.load_config(model_dir), s.tp)
     return cfg, model_dir, texts, manager
+
+
+def inputs(s: MeasureSettings, model_dir: Path) -> list:
+    """What a measurement reads: its output may be none of these, nor contain or lie inside one."""
+    return [model_dir, s.config, *s.text, *s.include_path, s.data_dir]
 
 
 def _read(path: str, text_field: str) -> list[str]:
@@ -131,7 +136,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
     from hqtflow.measure.kv import KV_FILE, KVStats
 
     torch.manual_seed(s.seed)
-    stage = StagingDir(Path(s.output), overwrite=s.overwrite)
+    stage = StagingDir(Path(s.output), overwrite=s.overwrite, inputs=inputs(s, model_dir))
     stage.path = distributed.broadcast_path(stage.create if rank == 0 else None)
     try:
         tokenizer = models.load_tokenizer(model_dir)
@@ -185,6 +190,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         if session.tokens == 0:
             raise CalibrationError("Calibration ran no tokens through the model.")
 
+        _check_finite(session.stats(), kv, model_dir)
         stem = hqt.measurement_stem(cfg.dump_stats_path, cfg.observer, rank if world > 1 else None, world)
         files = hqt.write_measurement(stage.path, stem, session.stats(), local_rank=rank if world > 1 else None,
                                       num_samples=session.samples)
@@ -226,6 +232,20 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         if rank == 0:
             stage.abort()
         raise
+
+
+def _check_finite(stats: dict, kv, model_dir: Path) -> None:
+    """NaN/inf weights or activations make statistics (and so scales) meaningless: refuse, naming the module."""
+    from hqtflow.errors import ArtifactError, ModelError
+
+    try:
+        hqt.check_statistics(hqt.Measurement(stats, None, 0, "DynamicRange"), f"Model {model_dir}")
+    except ArtifactError as e:
+        raise ModelError(f"{str(e).split('; re-measure')[0]}: its weights or the data are broken; nothing was written.") from None
+    bad = kv.non_finite() if kv is not None else None
+    if bad:
+        raise ModelError(f"Model {model_dir}: the keys/values cached by {bad} are NaN or inf (broken weights?); "
+                         "nothing was written.")
 
 
 def _sha(path) -> str:

@@ -45,8 +45,7 @@ def kv_cache_scales(model: nn.Module, stats: dict, method: ScaleMethod, *, targe
         except AttributeError:
             raise ArtifactError(f"The KV-cache statistics name {name}, which this model does not have.") from None
         for x in "kv":
-            s = activation_scale(kv[x], method.activation, target=target, fp8=fp8, hp_dtype=hp_dtype).float()
-            s = s.clamp(min=torch.finfo(torch.float32).tiny).reshape(())  # an all-zero layer keeps a usable scale
+            s = activation_scale(kv[x], method.activation, target=target, fp8=fp8, hp_dtype=hp_dtype).float().reshape(())
             attn.register_buffer(f"{x}_scale", s.to(next(model.parameters()).device))
             out[f"{name}.{x}_scale"] = s
     return out
@@ -92,6 +91,15 @@ KV_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 SCALE_SUFFIXES = (".weight_scale", ".input_scale") + KV_SUFFIXES
 
 
+def check_scales(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Every scale of a checkpoint must be positive and finite (a zero or NaN scale cannot be right)."""
+    from hqtflow.errors import ArtifactError
+
+    for k, v in tensors.items():
+        if k.endswith(("_scale", ".scale", "_scale_inv")) and not bool((torch.isfinite(v.float()) & (v.float() > 0)).all()):
+            raise ArtifactError(f"{path}: {k} holds a zero, negative or non-finite scale, which cannot be right.")
+
+
 def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
     """Build the model skeleton on the meta device, swap in FP8Linear where the checkpoint has FP8 weights, load.
 
@@ -109,9 +117,12 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
 
     from hqtflow.errors import ArtifactError
     from hqtflow.formats.compressed_tensors import parse_quantization_config
+    from hqtflow.models import check_safetensors
 
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
+    from hqtflow.models import load_config
+
+    raw = load_config(path)
     qc = parse_quantization_config(raw.get("quantization_config") or {})
     raw.pop("quantization_config", None)
     config = AutoConfig.for_model(**raw)
@@ -123,6 +134,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     files = sorted(path.glob("*.safetensors"))
     tensors = {}
     for f in files:
+        check_safetensors(f)
         with safe_open(f, framework="pt", device=device) as fh:
             for k in fh.keys():
                 tensors[k] = fh.get_tensor(k)
@@ -132,6 +144,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
             if k.endswith("_zero_point") and bool(tensors[k].float().abs().max() > 0):
                 raise ArtifactError(f"{path}: {k} is non-zero; asymmetric FP8 quantization is not supported.")
             dropped.append(tensors.pop(k))
+    check_scales(path, tensors)
     kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith(KV_SUFFIXES)}
     for name, mod in list(model.named_modules()):
         w = tensors.get(f"{name}.weight")
@@ -178,7 +191,11 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     for k, t in tensors.items():  # high-precision tensors in the compute dtype; FP8 weights and scales as stored
         if t.is_floating_point() and t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) and not k.endswith(SCALE_SUFFIXES):
             tensors[k] = t.to(hp)
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    except RuntimeError as e:  # a tensor whose shape disagrees with config.json (a foreign or edited checkpoint)
+        detail = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+        raise ArtifactError(f"Checkpoint {path} does not match its config.json: {detail}") from None
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
         missing = [k for k in missing if k != "lm_head.weight"]

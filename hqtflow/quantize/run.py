@@ -8,15 +8,15 @@ the source measurement's digest).
 from __future__ import annotations
 
 import json
-import math
 import shutil
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hqtflow.config import QuantConfig
-from hqtflow.errors import ArtifactError, ConfigError
+from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning
 from hqtflow.formats import hqt
-from hqtflow.formats.artifact import Manifest, read_manifest, staged_output, write_manifest
+from hqtflow.formats.artifact import Manifest, check_not_partial, confined, read_manifest, staged_output, write_manifest
 
 SCALES_SCHEMA, CHECKPOINT_SCHEMA, SCHEMA_VERSION = "hqtflow.scales", "hqtflow.checkpoint", 1
 MEASUREMENT_SCHEMA = "hqtflow.measurement"
@@ -79,9 +79,10 @@ def load_measurement(directory: str | Path, *, trust_pickle: bool = False) -> Lo
         raise ArtifactError(f"Measurement directory {directory} does not exist.")
     if (directory / "hqtflow_manifest.json").exists():
         m = read_manifest(directory, MEASUREMENT_SCHEMA, SCHEMA_VERSION)
-        stems = [r["stem"] for r in m.data["ranks"]]
-        ranks = [hqt.read_measurement(directory / f"{st}.json") for st in stems]
-        return LoadedMeasurement(directory, m, ranks, stems, int(m.data["world_size"]))
+        stems, world = manifest_ranks(m)
+        ranks = [hqt.read_measurement(confined(directory, f"{st}.json")) for st in stems]
+        return LoadedMeasurement(directory, m, ranks, stems, world)
+    check_not_partial(directory)
     # a foreign dump: find measurement JSONs (not scale files, not mod lists)
     import re
 
@@ -106,23 +107,39 @@ def load_measurement(directory: str | Path, *, trust_pickle: bool = False) -> Lo
     return LoadedMeasurement(directory, None, ranks, stems, world)
 
 
+def manifest_ranks(m: Manifest) -> tuple[list[str], int]:
+    """The rank stems and world size a measurement manifest records (checked: one stem per rank)."""
+    try:
+        stems, world = [str(r["stem"]) for r in m.data["ranks"]], int(m.data["world_size"])
+    except (KeyError, TypeError, ValueError):
+        raise ArtifactError(f"{m.path} is corrupt (no valid ranks / world_size).") from None
+    if len(stems) != world or world < 1:
+        raise ArtifactError(f"{m.path} lists {len(stems)} rank(s) for world size {world}; it is corrupt.")
+    return stems, world
+
+
 def _read_npz(path: Path) -> hqt.Measurement:
-    """Only with --trust-pickle: INC's np.savez of a dict is a pickled object array."""
+    """Only with --trust-pickle: INC's np.savez of a dict is a pickled object array. Opting in runs the pickle;
+    whatever it holds, a result that is not INC's measurement dict is one clean error."""
     import numpy as np
 
-    d = np.load(path, allow_pickle=True)["arr_0"].item()  # the user opted in with --trust-pickle
-    as_lists = lambda v: {k: as_lists(x) for k, x in v.items()} if isinstance(v, dict) else (
-        [as_lists(x) for x in v] if isinstance(v, (list, tuple)) else np.asarray(v).tolist())
-    nodes = {k: hqt.NodeStats.from_json(as_lists(n), where=str(path)) for k, n in d["Nodes"].items()}
-    return hqt.Measurement(nodes, d.get("LocalRank"), int(d.get("NumSamples", 0)), d.get("Mode", "DynamicRange"))
+    try:
+        d = np.load(path, allow_pickle=True)["arr_0"].item()  # the user opted in with --trust-pickle
+        as_lists = lambda v: {k: as_lists(x) for k, x in v.items()} if isinstance(v, dict) else (
+            [as_lists(x) for x in v] if isinstance(v, (list, tuple)) else np.asarray(v).tolist())
+        nodes = {k: hqt.NodeStats.from_json(as_lists(n), where=str(path)) for k, n in d["Nodes"].items()}
+        meas = hqt.Measurement(nodes, d.get("LocalRank"), int(d.get("NumSamples", 0)), d.get("Mode", "DynamicRange"))
+    except ArtifactError:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything a foreign pickle holds
+        raise ArtifactError(f"{path} is not an INC measurement .npz ({type(e).__name__}: {e}).") from None
+    bad = next((k for k in meas.nodes if not hqt.NODE_NAME.match(str(k))), None)
+    if bad is not None:
+        raise ArtifactError(f"{path} has a node named {bad!r}, which is not a module name.")
+    return meas
 
 
-def check_statistics(meas: hqt.Measurement, where: str) -> None:
-    for name, node in meas.nodes.items():
-        for kind, arrays in (("input", node.inputs), ("output", node.outputs), ("weight", list(node.params.values()))):
-            for a in arrays:
-                if not all(math.isfinite(float(v)) for v in a.flatten()):
-                    raise ArtifactError(f"{where}: module {name} has a non-finite {kind} statistic (NaN or inf); re-measure it.")
+check_statistics = hqt.check_statistics
 
 
 # ---- the stage ----------------------------------------------------------------------------------
@@ -153,6 +170,8 @@ def plan_job(s: QuantizeSettings) -> Job:
     meas = load_measurement(s.measurement, trust_pickle=s.trust_pickle)
     for st, r in zip(meas.stems, meas.ranks):
         check_statistics(r, f"{meas.directory / st}.json")
+        if r.mode != "DynamicRange":
+            raise ArtifactError(f"{meas.directory / st}.json has Mode {r.mode!r}; a measurement file has Mode 'DynamicRange'.")
     model_ref = s.model or (meas.manifest.data.get("model_path") if meas.manifest else None)
     if model_ref is None:
         raise ArtifactError(f"{meas.directory} has no hqtflow manifest naming its model; pass the MODEL argument.")
@@ -171,6 +190,9 @@ def plan_job(s: QuantizeSettings) -> Job:
             raise ConfigError("compressed-tensors FP8 checkpoints are E4M3; fp8_config E5M2 is supported with --scales-only.")
     plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0])
     dtype = meas.manifest.data.get("model_dtype", "bf16") if meas.manifest else "bf16"
+    if meas.manifest is None:  # said once every check passed, so a refusal stays one sentence
+        warnings.warn(f"{meas.directory} has no hqtflow manifest: it is read as a foreign HQT/INC dump, and its "
+                      "provenance (model, calibration data, run) cannot be checked.", ProvenanceWarning, stacklevel=2)
     return Job(cfg, target, method, meas, model_dir, fp, plan, dtype)
 
 
@@ -195,7 +217,7 @@ def quantize(s: QuantizeSettings) -> Path:
     from hqtflow import models
     from hqtflow.formats.artifact import check_output_dir
 
-    check_output_dir(Path(s.output), s.overwrite)
+    check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config])
     job = plan_job(s)
     cfg, target, method, meas, model_dir, fp, plan, dtype = (job.cfg, job.target, job.method, job.meas, job.model_dir,
                                                                job.fingerprint, job.plan, job.dtype)
@@ -228,7 +250,7 @@ def quantize(s: QuantizeSettings) -> Path:
         model = None
     else:
         model = models.load_model(model_dir, dtype)
-    with staged_output(Path(s.output), overwrite=s.overwrite) as tmp:
+    with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[meas.directory, model_dir, s.config]) as tmp:
         common = {"scale_method": method.name if method.name != "custom" else cfg.scale_method, "target": target,
                   "fp8": cfg.fp8_config, "hp_dtype": cfg.hp_dtype, "source_measurement": str(meas.directory.resolve()),
                   "source_digest": meas.digest(),

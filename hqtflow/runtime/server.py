@@ -157,9 +157,13 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
         return await call_next(req)
 
     async def body(req: Request) -> dict:
-        raw = await req.body()
-        if len(raw) > MAX_BODY:
-            raise ApiError(413, f"Request body larger than {MAX_BODY} bytes")
+        chunks, size = [], 0
+        async for chunk in req.stream():  # the limit holds while streaming (chunked bodies have no content-length)
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise ApiError(413, f"Request body larger than {MAX_BODY} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
             data = json.loads(raw)
         except ValueError:
@@ -358,12 +362,46 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     return app
 
 
+def listen_socket(host: str, port: int):
+    """Bind host:port before anything is loaded, so a bad or busy address is one sentence, not a late uvicorn error."""
+    import socket
+
+    from hqtflow.errors import HqtflowError
+
+    if not 1 <= port <= 65535:
+        raise HqtflowError(f"--port must be between 1 and 65535, not {port}.")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as e:
+        raise HqtflowError(f"Cannot resolve --host {host!r} ({getattr(e, 'strerror', None) or e}).") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a live listener still refuses
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise HqtflowError(f"Cannot listen on {host}:{port} ({e.strerror}); pick another --host or --port.") from None
+    return sock
+
+
 def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 3000, kind: str = "bf16",
           measurement: str | None = None, backend: str = "auto") -> None:
-    """Load MODEL (`kind` "fp8": an FP8 checkpoint, or a bf16 model quantized at start from `measurement`, like TGI
-    with QUANT_CONFIG; "bf16": a plain model) and serve it until interrupted. Artifacts are checked before binding."""
+    """Bind host:port, load MODEL (`kind` "fp8": an FP8 checkpoint, or a bf16 model quantized at start from
+    `measurement`, like TGI with QUANT_CONFIG; "bf16": a plain model) and serve it until interrupted."""
+    sock = listen_socket(host, port)
+    try:
+        _serve(sock, model_ref, settings, kind=kind, measurement=measurement, backend=backend)
+    finally:
+        sock.close()
+
+
+def _run(app, sock) -> None:
     import uvicorn
 
+    uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+
+
+def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: str | None, backend: str) -> None:
     from hqtflow.errors import HqtflowError
     from hqtflow.evaluate import load_any
 
@@ -377,11 +415,11 @@ def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.
         model, tok = quantize_in_memory(QuantizeSettings(measurement=measurement, output="-", model=model_ref))
         set_backend(model, backend)
         settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
-        uvicorn.run(create_app(model, tok, settings), host=host, port=port, log_level="info")
+        _run(create_app(model, tok, settings), sock)
         return
     model, tok, loaded = load_any(model_ref, backend=backend)  # compute dtype: the fastest here
     if (loaded == "fp8") != (kind == "fp8"):
         raise HqtflowError(f"{model_ref or 'the default model'} is {'an FP8 checkpoint' if loaded == 'fp8' else 'not an FP8 checkpoint'}; "
                            f"use `hqtflow serve {'fp8' if loaded == 'fp8' else 'bf16'}`.")
     settings.model_id, settings.dtype = model_ref or "smollm2", loaded
-    uvicorn.run(create_app(model, tok, settings), host=host, port=port, log_level="info")
+    _run(create_app(model, tok, settings), sock)

@@ -1,0 +1,548 @@
+"""Hostile inputs, table-driven, across every stage (issue #12).
+
+Each case builds one hostile input in a fresh work directory from shared artifacts (a measurement and an FP8
+checkpoint of the tiny random Llama, made once), runs the CLI, and asserts: exit code 2, one `Error: ...` sentence
+on stderr containing the expected words, no traceback, no output directory, and the work directory (the output's
+parent, which also holds every input the case made) exactly as it was: nothing written, nothing lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import stat
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from hqtflow.formats.artifact import MANIFEST, PARTIAL_MARKER, sha256_file
+
+PID = os.getpid()  # partial dirs named after a live process: never cleaned away under a case's feet
+STEM = "measure_hooks_maxabs"
+NODE = "model.layers.0.self_attn.q_proj"
+PROGRESS = re.compile(r"\d+%\|")
+
+
+# ---- shared artifacts ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def base(tiny_llama, wiki_text, tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile")
+    r = run_cli("measure", tiny_llama, "-o", d / "m", "--text", wiki_text, "--limit", "2", "--max-length", "32")
+    assert r.exit_code == 0, r.output
+    r = run_cli("quantize", tiny_llama, "-m", d / "m", "-o", d / "ck", "--kv-cache", "fp8")
+    assert r.exit_code == 0, r.output
+    f1, f2 = d / "f1", d / "f2"  # foreign (manifest-less) dumps: one rank, and the same statistics as two ranks
+    f1.mkdir()
+    f2.mkdir()
+    shutil.copy(d / "m" / f"{STEM}.json", f1)
+    raw = json.loads((d / "m" / f"{STEM}.json").read_text())
+    for r in range(2):
+        (f2 / f"{STEM}_{r}_2.json").write_text(json.dumps({**raw, "LocalRank": r}))
+    return {"model": tiny_llama, "text": wiki_text, "m": d / "m", "ck": d / "ck", "f1": f1, "f2": f2}
+
+
+class Ctx:
+    def __init__(self, base, work):
+        self.__dict__.update(base)
+        self.w = work
+        self.out = work / "out"
+        self.keep = []
+
+    def copy(self, key, name=None):
+        dst = self.w / (name or key)
+        shutil.copytree(getattr(self, key), dst)
+        return dst
+
+    def partial(self, key):
+        return self.copy(key, f".{key}.partial-{PID}-x1")
+
+
+# ---- helpers that make damage ------------------------------------------------------------------------------
+def edit_json(path, fn):
+    raw = json.loads(path.read_text())
+    raw = fn(raw) or raw
+    path.write_text(json.dumps(raw))
+
+
+def rehash(d):
+    """Rewrite the manifest's hashes, so the deeper checks (not the hash check) must catch the damage."""
+    edit_json(d / MANIFEST, lambda m: m.update(files={k: sha256_file(d / k) for k in m["files"] if (d / k).is_file()}))
+    return d
+
+
+def manifest(d, **changes):
+    edit_json(d / MANIFEST, lambda m: m.update(changes))
+    return d
+
+
+def node(value, kind="inputs"):
+    def fn(raw):
+        n = raw["Nodes"][NODE]
+        if kind == "params":
+            n["params"]["weight"] = [[value]]
+        else:
+            n[kind] = [[[value]]]
+    return fn
+
+
+def stats(d, fn, name=f"{STEM}.json"):
+    edit_json(d / name, fn)
+    return d
+
+
+def drop_node(raw):
+    del raw["Nodes"][NODE]
+
+
+def rename_node(raw, new="../../../../tmp/evil"):
+    raw["Nodes"][new] = raw["Nodes"].pop(NODE)
+
+
+def truncate(path, keep=0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def tensors(d, fn):
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(d / "model.safetensors")
+    fn(t)
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def set_weight(value):
+    def fn(t):
+        t["model.layers.0.mlp.up_proj.weight"][0, 0] = value
+    return fn
+
+
+def killed_quantize(c, name):
+    """What a kill -9 during quantize leaves: weights and config, no tokenizer, no manifest."""
+    d = c.copy("ck", name)
+    for p in d.iterdir():
+        if p.name.startswith(("tokenizer", "special_tokens")) or p.name == MANIFEST:
+            p.unlink()
+    return d
+
+
+def marked(d):
+    (d / PARTIAL_MARKER).write_text("pid 1\n")
+    return d
+
+
+def npz(c, obj):
+    d = c.w / "pk"
+    d.mkdir()
+    np.savez(d / f"{STEM}.npz", obj)
+    return d
+
+
+def wider_config(d):
+    edit_json(d / "config.json", lambda cfg: cfg.update(intermediate_size=256))
+    return d
+
+
+def busy_port(c):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    c.keep.append(s)
+    return s.getsockname()[1]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the cases: id -> (build(ctx) -> argv, expected words) --------------------------------------------------
+def measure(model, c, *extra):
+    return ["measure", model, "--text", c.text, "--limit", "2", "--max-length", "16", "-o", c.out, *extra]
+
+
+def quantize(c, m, *extra):
+    return ["quantize", c.model, "-m", m, "-o", c.out, *extra]
+
+
+def unify(c, m, groups="01", *extra):
+    return ["unify", "-g", groups, "-m", m, "-o", c.out, *extra]
+
+
+def gen(ck):
+    return ["generate", ck, "--max-new-tokens", "1"]
+
+
+def serve(target, *extra):
+    return ["serve", "fp8", target, "--port", str(free_port()), *extra]
+
+
+CASES = {
+    # measure
+    "measure/nan weights": (lambda c: measure(tensors(c.copy("model"), set_weight(float("nan"))), c), "NaN or inf"),
+    "measure/inf weights": (lambda c: measure(tensors(c.copy("model"), set_weight(float("inf"))), c), "NaN or inf"),
+    "measure/truncated weights": (lambda c: (truncate(c.copy("model") / "model.safetensors"), measure(c.w / "model", c))[1],
+                                  "is truncated"),
+    "measure/garbage weights": (lambda c: ((c.copy("model") / "model.safetensors").write_bytes(b"\xff" * 64),
+                                           measure(c.w / "model", c))[1], "not a readable safetensors file"),
+    "measure/-o is the model": (lambda c: measure(c.copy("model"), c)[:-1] + [c.w / "model", "--overwrite"],
+                                "is the input"),
+    "measure/-o inside the model": (lambda c: measure(c.copy("model"), c)[:-1] + [c.w / "model" / "sub"], "lies inside"),
+    "measure/-o contains the model": (lambda c: measure(c.copy("model", "p/model"), c)[:-1] + [c.w / "p", "--overwrite"],
+                                      "contains"),
+    "measure/-o is the text": (lambda c: (shutil.copy(c.text, c.w / "t.txt"),
+                                          ["measure", c.model, "--text", c.w / "t.txt", "-o", c.w / "t.txt", "--overwrite"])[1],
+                               "is the input"),
+    "measure/model is a partial dir": (lambda c: measure(c.partial("model"), c), "unfinished output"),
+    "measure/model holds the partial marker": (lambda c: measure(marked(c.copy("model")), c), "unfinished output"),
+    "measure/binary config.json": (lambda c: ((c.copy("model") / "config.json").write_bytes(b"\xff\xfe\x00"),
+                                              measure(c.w / "model", c))[1], "Cannot read"),
+    "measure/config.json a list": (lambda c: ((c.copy("model") / "config.json").write_text("[]"),
+                                              measure(c.w / "model", c))[1], "not a JSON object"),
+    "measure/binary text": (lambda c: ((c.w / "b.txt").write_bytes(b"\xff\xfe\x00\x81"),
+                                       ["measure", c.model, "--text", c.w / "b.txt", "-o", c.out])[1], "not UTF-8"),
+    # quantize
+    "quantize/negative statistic": (lambda c: quantize(c, stats(c.copy("f1"), node(-4.0))), "negative input statistic"),
+    "quantize/nan statistic": (lambda c: quantize(c, stats(c.copy("f1"), node(float("nan")))), "non-finite input"),
+    "quantize/inf weight statistic": (lambda c: quantize(c, stats(c.copy("f1"), node(float("inf"), "params"))),
+                                      "non-finite weight"),
+    "quantize/node path traversal": (lambda c: quantize(c, stats(c.copy("f1"), rename_node)), "not a module name"),
+    "quantize/negative, hashes rewritten": (lambda c: quantize(c, rehash(stats(c.copy("m"), node(-0.03)))), "negative"),
+    "quantize/manifest version 0": (lambda c: quantize(c, manifest(c.copy("m"), _version=0)), "schema version 0"),
+    "quantize/manifest version '1'": (lambda c: quantize(c, manifest(c.copy("m"), _version="1")), "schema version '1'"),
+    "quantize/manifest version 2": (lambda c: quantize(c, manifest(c.copy("m"), _version=2)), "newer hqtflow"),
+    "quantize/manifest file outside": (lambda c: ((c.w / "x.json").write_text("{}"),
+                                                  quantize(c, manifest(c.copy("m"), files={"../x.json": "0"})))[1],
+                                       "outside itself"),
+    "quantize/manifest stem outside": (lambda c: quantize(c, rehash_stem(c.copy("m"), "../../outside_dir/x")),
+                                       "outside itself"),
+    "quantize/manifest data not an object": (lambda c: quantize(c, manifest(c.copy("m"), data=[])), "corrupt"),
+    "quantize/ranks disagree with world size": (lambda c: quantize(c, edit_data(c.copy("m"), world_size=2)),
+                                                "1 rank(s) for world size 2"),
+    "quantize/-o is the measurement": (lambda c: quantize(c, c.copy("m"))[:-1] + [c.w / "m", "--overwrite"],
+                                       "is the input"),
+    "quantize/-o inside the measurement": (lambda c: quantize(c, c.copy("m"))[:-1] + [c.w / "m" / "x"], "lies inside"),
+    "quantize/-o is the model": (lambda c: ["quantize", c.copy("model"), "-m", c.m, "-o", c.w / "model", "--overwrite"],
+                                 "is the input"),
+    "quantize/measurement is a partial dir": (lambda c: quantize(c, c.partial("m")), "unfinished output"),
+    "quantize/measurement holds the marker": (lambda c: quantize(c, marked(c.copy("m"))), "unfinished output"),
+    "quantize/foreign partial dir": (lambda c: quantize(c, c.partial("f1")), "unfinished output"),
+    "quantize/pickle not a dict": (lambda c: quantize(c, npz(c, np.arange(3)), "--trust-pickle"),
+                                   "is not an INC measurement .npz"),
+    "quantize/pickle dict without Nodes": (lambda c: quantize(c, npz(c, {"x": 1}), "--trust-pickle"),
+                                           "is not an INC measurement .npz"),
+    "quantize/pickle refused without opt-in": (lambda c: quantize(c, npz(c, {"x": 1})), "--trust-pickle"),
+    "quantize/kv negative": (lambda c: quantize(c, rehash(kv(c.copy("m"), -1.0)), "--kv-cache", "fp8"), "negative"),
+    "quantize/kv nan": (lambda c: quantize(c, rehash(kv(c.copy("m"), float("nan"))), "--kv-cache", "fp8"), "not finite"),
+    "quantize/kv version 2": (lambda c: quantize(c, rehash(kv_file(c.copy("m"), version=2)), "--kv-cache", "fp8"),
+                              "not a KV-cache statistics file"),
+    "quantize/scale-mode file": (lambda c: quantize(c, stats(c.copy("f1"), lambda r: r.update(Mode="Scale"))),
+                                 "Mode 'Scale'"),
+    "quantize/truncated json": (lambda c: (truncate(c.copy("f1") / f"{STEM}.json"), quantize(c, c.w / "f1"))[1],
+                                "not an HQT measurement file"),
+    "quantize/NumSamples not a number": (lambda c: quantize(c, stats(c.copy("f1"), lambda r: r.update(NumSamples="many"))),
+                                         "not a number"),
+    # unify
+    "unify/mode Scale beside DynamicRange": (lambda c: unify(c, stats(c.copy("f2"), lambda r: r.update(Mode="Scale"),
+                                                                      f"{STEM}_1_2.json")), "rank 1) has Mode 'Scale'"),
+    "unify/NumSamples 7 vs 100": (lambda c: unify(c, numsamples(c.copy("f2"), 7, 100)), "NumSamples 100 differs"),
+    "unify/different node sets": (lambda c: unify(c, stats(c.copy("f2"), drop_node, f"{STEM}_1_2.json")),
+                                  "nodes differ"),
+    "unify/rank from another model": (lambda c: unify(c, stats(c.copy("f2"), other_model, f"{STEM}_1_2.json")),
+                                      "nodes differ"),
+    "unify/LocalRank wrong": (lambda c: unify(c, stats(c.copy("f2"), lambda r: r.update(LocalRank=0), f"{STEM}_1_2.json")),
+                              "says it is rank 0"),
+    "unify/node path traversal": (lambda c: unify(c, stats(c.copy("f2"), rename_node, f"{STEM}_0_2.json")),
+                                  "not a module name"),
+    "unify/negative statistic": (lambda c: unify(c, stats(c.copy("f2"), node(-1.0), f"{STEM}_1_2.json")), "negative"),
+    "unify/nan statistic": (lambda c: unify(c, stats(c.copy("f2"), node(float("nan")), f"{STEM}_0_2.json")), "non-finite"),
+    "unify/-o is the source": (lambda c: unify(c, c.copy("f2"))[:-1] + [c.w / "f2", "--overwrite"], "is the input"),
+    "unify/-o inside the source": (lambda c: unify(c, c.copy("f2"))[:-1] + [c.w / "f2" / "u"], "lies inside"),
+    "unify/source is a partial dir": (lambda c: unify(c, c.partial("f2")), "unfinished output"),
+    "unify/manifest version 0": (lambda c: unify(c, manifest(c.copy("m"), _version=0), "0"), "schema version 0"),
+    "unify/manifest stem outside": (lambda c: unify(c, rehash_stem(c.copy("m"), "../elsewhere/x"), "0"), "outside itself"),
+    # import-hqt
+    "import-hqt/node path traversal": (lambda c: ["import-hqt", stats(c.copy("f1"), rename_node), "-o", c.out],
+                                       "not a module name"),
+    "import-hqt/mode Scale": (lambda c: ["import-hqt", stats(c.copy("f1"), lambda r: r.update(Mode="Scale")), "-o", c.out],
+                              "Mode 'Scale'"),
+    "import-hqt/NumSamples differ": (lambda c: ["import-hqt", numsamples(c.copy("f2"), 7, 100), "-o", c.out],
+                                     "NumSamples 100 differs"),
+    "import-hqt/node sets differ": (lambda c: ["import-hqt", stats(c.copy("f2"), other_model, f"{STEM}_1_2.json"),
+                                               "-o", c.out], "nodes differ"),
+    "import-hqt/negative statistic": (lambda c: ["import-hqt", stats(c.copy("f1"), node(-2.0)), "-o", c.out], "negative"),
+    "import-hqt/nan statistic": (lambda c: ["import-hqt", stats(c.copy("f1"), node(float("nan"), "params")), "-o", c.out],
+                                 "non-finite weight"),
+    "import-hqt/-o is the directory": (lambda c: ["import-hqt", c.copy("f1"), "-o", c.w / "f1", "--overwrite"],
+                                       "is the input"),
+    "import-hqt/-o inside the directory": (lambda c: ["import-hqt", c.copy("f1"), "-o", c.w / "f1" / "o"], "lies inside"),
+    "import-hqt/directory is a partial dir": (lambda c: ["import-hqt", c.partial("f1"), "-o", c.out], "unfinished output"),
+    "import-hqt/truncated json": (lambda c: (truncate(c.copy("f1") / f"{STEM}.json"), ["import-hqt", c.w / "f1", "-o", c.out])[1],
+                                  "not an HQT measurement file"),
+    "import-hqt/Nodes not an object": (lambda c: ["import-hqt", stats(c.copy("f1"), lambda r: r.update(Nodes=[])), "-o", c.out],
+                                       "not an HQT measurement file"),
+    "import-hqt/NumSamples not a number": (lambda c: ["import-hqt", stats(c.copy("f1"), lambda r: r.update(NumSamples=[1])),
+                                                      "-o", c.out], "not a number"),
+    # export
+    "export/truncated weights, hashes rewritten": (lambda c: export(c, rehash(trunc_ck(c))), "is truncated"),
+    "export/truncated weights": (lambda c: export(c, trunc_ck(c)), "modified after it was written"),
+    "export/killed quantize (partial dir)": (lambda c: export(c, killed_quantize(c, f".ck.partial-{PID}-k")), "unfinished output"),
+    "export/killed quantize, renamed": (lambda c: export(c, marked(killed_quantize(c, "ck2"))), "unfinished output"),
+    "export/manifest version 0": (lambda c: export(c, manifest(c.copy("ck"), _version=0)), "schema version 0"),
+    "export/manifest file outside": (lambda c: export(c, manifest(c.copy("ck"), files={"/etc/passwd": "0"})),
+                                     "outside itself"),
+    "export/-o is the checkpoint": (lambda c: export(c, c.copy("ck"))[:-1] + [c.w / "ck", "--overwrite"], "is the input"),
+    "export/-o inside the checkpoint": (lambda c: export(c, c.copy("ck"))[:-1] + [c.w / "ck" / "e"], "lies inside"),
+    "export/binary config.json, hashes rewritten": (lambda c: export(c, rehash(binary_config(c.copy("ck")))), "Cannot read"),
+    "export/garbage weights, hashes rewritten": (lambda c: export(c, rehash(garbage_weights(c.copy("ck")))),
+                                                 "not a readable safetensors file"),
+    "export/zero input_scale, hashes rewritten": (lambda c: export(c, rehash(zero_scale(c.copy("ck")))), "cannot be right"),
+    # inspect
+    "inspect/partial dir": (lambda c: ["inspect", c.partial("m")], "unfinished output"),
+    "inspect/manifest version 0": (lambda c: ["inspect", manifest(c.copy("m"), _version=0)], "schema version 0"),
+    "inspect/manifest file outside": (lambda c: ["inspect", manifest(c.copy("m"), files={"../../outside_dir/x.json": "0"})],
+                                      "outside itself"),
+    "inspect/manifest stem outside": (lambda c: ["inspect", rehash_stem(c.copy("m"), "../outside_dir/x")], "outside itself"),
+    "inspect/--json inside the artifact": (lambda c: ["inspect", c.copy("m"), "--json", c.w / "m" / "r.json"], "lies inside"),
+    "inspect/--html inside the artifact": (lambda c: ["inspect", c.copy("ck"), "--html", c.w / "ck" / "r.html"], "lies inside"),
+    "inspect/nan statistic, hashes rewritten": (lambda c: ["inspect", rehash(stats(c.copy("m"), node(float("nan"))))],
+                                                "non-finite"),
+    "inspect/node path traversal, hashes rewritten": (lambda c: ["inspect", rehash(stats(c.copy("m"), rename_node))],
+                                                      "not a module name"),
+    "inspect/truncated checkpoint, hashes rewritten": (lambda c: ["inspect", rehash(trunc_ck(c))], "is truncated"),
+    # generate
+    "generate/killed quantize (partial dir)": (lambda c: gen(killed_quantize(c, f".ck.partial-{PID}-k")), "unfinished output"),
+    "generate/killed quantize, renamed": (lambda c: gen(marked(killed_quantize(c, "ck2"))), "unfinished output"),
+    "generate/loser's hidden copy": (lambda c: gen(c.copy("ck", f".ck.partial-{PID}-loser")), "unfinished output"),
+    "generate/truncated weights, hashes rewritten": (lambda c: gen(rehash(trunc_ck(c))), "is truncated"),
+    "generate/truncated weights": (lambda c: gen(trunc_ck(c)), "is truncated"),
+    "generate/shape disagrees with config, hashes rewritten": (lambda c: gen(rehash(wider_config(c.copy("ck")))),
+                                                               "does not match its config.json"),
+    "generate/foreign checkpoint, shape disagrees": (lambda c: gen(wider_config(foreign_ck(c))),
+                                                     "does not match its config.json"),
+    "generate/zero input_scale, hashes rewritten": (lambda c: gen(rehash(zero_scale(c.copy("ck")))), "cannot be right"),
+    "generate/negative k_scale, foreign": (lambda c: gen(kv_scale(foreign_ck(c), -0.5)), "cannot be right"),
+    "generate/manifest version 0": (lambda c: gen(manifest(c.copy("ck"), _version=0)), "schema version 0"),
+    "generate/garbage weights, foreign": (lambda c: gen(garbage_weights(foreign_ck(c))), "not a readable safetensors file"),
+    # eval
+    "eval/binary --ppl-file": (lambda c: ((c.w / "b.txt").write_bytes(bytes(range(256))),
+                                          ["eval", c.ck, "--no-baseline", "--ppl-file", c.w / "b.txt"])[1], "not UTF-8"),
+    "eval/empty --ppl-file": (lambda c: ((c.w / "e.txt").write_text(" \n"),
+                                         ["eval", c.ck, "--no-baseline", "--ppl-file", c.w / "e.txt"])[1], "is empty"),
+    "eval/partial checkpoint": (lambda c: ["eval", c.partial("ck"), "--no-baseline", "--ppl-file", c.text],
+                                "unfinished output"),
+    "eval/truncated checkpoint, hashes rewritten": (lambda c: ["eval", rehash(trunc_ck(c)), "--no-baseline",
+                                                               "--ppl-file", c.text], "is truncated"),
+    "eval/--report inside the checkpoint": (lambda c: ["eval", c.copy("ck"), "--no-baseline", "--ppl-file", c.text,
+                                                       "--report", c.w / "ck" / "r.json"], "lies inside"),
+    # serve
+    "serve/port 99999": (lambda c: ["serve", "fp8", c.ck, "--port", "99999"], "between 1 and 65535"),
+    "serve/port 0": (lambda c: ["serve", "fp8", c.ck, "--port", "0"], "between 1 and 65535"),
+    "serve/port -1": (lambda c: ["serve", "fp8", c.ck, "--port=-1"], "between 1 and 65535"),
+    "serve/port in use": (lambda c: ["serve", "fp8", c.ck, "--port", str(busy_port(c))], "Cannot listen on 127.0.0.1"),
+    "serve/partial checkpoint": (lambda c: serve(c.partial("ck")), "unfinished output"),
+    "serve/truncated checkpoint, hashes rewritten": (lambda c: serve(rehash(trunc_ck(c))), "is truncated"),
+    "serve/shape disagrees with config, hashes rewritten": (lambda c: serve(rehash(wider_config(c.copy("ck")))),
+                                                            "does not match its config.json"),
+    "serve/-m with a nan statistic": (lambda c: serve(c.model, "-m", stats(c.copy("f1"), node(float("nan")))), "non-finite"),
+    "serve/-m a partial measurement": (lambda c: serve(c.model, "-m", c.partial("m")), "unfinished output"),
+}
+
+
+def export(c, ck):
+    return ["export", ck, "-f", "fp8", "-o", c.out]
+
+
+def trunc_ck(c):
+    d = c.copy("ck")
+    truncate(d / "model.safetensors", 0.7)
+    return d
+
+
+def foreign_ck(c):
+    d = c.copy("ck", "foreign")
+    (d / MANIFEST).unlink()
+    return d
+
+
+def binary_config(d):
+    (d / "config.json").write_bytes(b"\x00\xff\xfe")
+    return d
+
+
+def garbage_weights(d):
+    (d / "model.safetensors").write_bytes(b"\xff" * 100)
+    return d
+
+
+def zero_scale(d):
+    return tensors(d, lambda t: t[f"{NODE}.input_scale"].zero_())
+
+
+def kv_scale(d, value):
+    return tensors(d, lambda t: t["model.layers.0.self_attn.k_scale"].fill_(value))
+
+
+def kv(d, value):
+    edit_json(d / "kv_cache_maxabs.json", lambda k: k["layers"]["model.layers.0.self_attn"].update(k=value))
+    return d
+
+
+def kv_file(d, **changes):
+    edit_json(d / "kv_cache_maxabs.json", lambda k: k.update(changes))
+    return d
+
+
+def rehash_stem(d, stem):
+    edit_json(d / MANIFEST, lambda m: m["data"]["ranks"][0].update(stem=stem))
+    return d
+
+
+def edit_data(d, **changes):
+    edit_json(d / MANIFEST, lambda m: m["data"].update(changes))
+    return d
+
+
+def numsamples(d, a, b):
+    stats(d, lambda r: r.update(NumSamples=a), f"{STEM}_0_2.json")
+    return stats(d, lambda r: r.update(NumSamples=b), f"{STEM}_1_2.json")
+
+
+def other_model(raw):
+    raw["Nodes"] = {f"model.layers.{i}.mlp.up_proj": raw["Nodes"][NODE] for i in range(30)}
+
+
+def snapshot(d):
+    return {str(p.relative_to(d)): (p.is_dir(), p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns)
+            for p in d.rglob("*")}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_hostile(base, tmp_path, case):
+    build, words = CASES[case]
+    c = Ctx(base, tmp_path / "work")
+    c.w.mkdir()
+    try:
+        argv = build(c)
+        before = snapshot(c.w)
+        r = run_cli(*argv)
+    finally:
+        for s in c.keep:
+            s.close()
+    err = [ln for ln in r.stderr.splitlines() if ln.strip() and not PROGRESS.search(ln)]  # tqdm bars aside
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and "Traceback" not in r.stderr
+    assert len(err) == 1 and err[0].startswith("Error: "), r.stderr
+    err = err[0]
+    assert words in err, err
+    assert not c.out.exists()
+    assert snapshot(c.w) == before, "the output's parent (holding the inputs) must be exactly as it was"
+
+
+def test_cases_cover_every_stage():
+    per_stage = {}
+    for case in CASES:
+        per_stage[case.split("/")[0]] = per_stage.get(case.split("/")[0], 0) + 1
+    assert set(per_stage) == {"measure", "quantize", "unify", "import-hqt", "export", "inspect", "generate", "eval", "serve"}
+    assert sum(per_stage.values()) >= 80, per_stage
+
+
+# ---- what must be accepted, and what must be left behind -----------------------------------------------------
+def test_stale_partials_of_dead_processes_are_removed(base, tmp_path):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".u.partial-{dead.pid}-abc"
+    old = tmp_path / f".x.old-{dead.pid}-123"
+    live = tmp_path / f".v.partial-{PID}-abc"
+    for d in (stale, old, live):
+        d.mkdir()
+        (d / "big.bin").write_bytes(b"0" * 1000)
+    r = run_cli("unify", "-g", "01", "-m", base["f2"], "-o", tmp_path / "u")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "u"])
+
+
+def test_losing_writer_leaves_nothing(tmp_path):
+    from hqtflow.errors import ArtifactError
+    from hqtflow.formats.artifact import StagingDir, staged_output
+
+    out = tmp_path / "o"
+    with pytest.raises(ArtifactError, match="appeared while this run was writing"):
+        with staged_output(out) as tmp:
+            (tmp / "a").write_text("x")
+            out.mkdir()  # the other writer won
+            (out / "theirs").write_text("y")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"] and [p.name for p in out.iterdir()] == ["theirs"]
+    stage = StagingDir(tmp_path / "p")
+    stage.create()
+    assert (stage.path / PARTIAL_MARKER).exists()
+    stage.commit()
+    assert not (tmp_path / "p" / PARTIAL_MARKER).exists()
+
+
+def test_files_follow_the_umask(base):
+    mode = 0o666 & ~(lambda u: (os.umask(u), u)[1])(os.umask(0))
+    for p in base["ck"].iterdir():
+        assert stat.S_IMODE(p.stat().st_mode) == mode, p.name
+
+
+def test_zero_statistics_get_the_floor(base, tmp_path):
+    from safetensors.torch import load_file
+
+    from hqtflow.scales import SCALE_FLOOR
+
+    m = tmp_path / "m"
+    shutil.copytree(base["m"], m)
+    stats(m, node(0.0))
+    kv(m, 0.0)
+    rehash(m)
+    r = run_cli("quantize", base["model"], "-m", m, "-o", tmp_path / "ck", "--kv-cache", "fp8")
+    assert r.exit_code == 0, r.output
+    t = load_file(tmp_path / "ck" / "model.safetensors")
+    assert float(t[f"{NODE}.input_scale"]) == SCALE_FLOOR
+    assert float(t["model.layers.0.self_attn.k_scale"]) == SCALE_FLOOR
+    assert all(float(v.float().min()) >= SCALE_FLOOR for k, v in t.items() if k.endswith("_scale"))
+
+
+def test_foreign_measurement_is_named_as_such(base, tmp_path):
+    r = run_cli("quantize", base["model"], "-m", base["f1"], "-o", tmp_path / "ck")
+    assert r.exit_code == 0, r.output
+    assert r.stderr.startswith("Warning: ") and "no hqtflow manifest" in r.stderr and "provenance" in r.stderr
+
+
+def test_unify_force_says_what_it_overrides(base, tmp_path):
+    d = tmp_path / "f2"
+    shutil.copytree(base["f2"], d)
+    numsamples(d, 7, 100)
+    r = run_cli("unify", "-g", "01", "-m", d, "-o", tmp_path / "u", "--force")
+    assert r.exit_code == 0, r.output
+    assert "--force: merging rank 1 although NumSamples 100 differs from rank 0's 7" in r.stderr
+    forced = json.loads((tmp_path / "u" / MANIFEST).read_text())["data"]["forced"]
+    assert forced == ["rank 1: NumSamples 100 differs from rank 0's 7"]
+
+
+def test_chunked_body_limit_holds_while_streaming(tiny_llama):
+    """A chunked body (no content-length) gets its 413 once it passes the limit, not after the client finished."""
+    from conftest import running
+    from hqtflow import models
+    from hqtflow.runtime.server import MAX_BODY, ServeSettings, create_app
+
+    app = create_app(models.load_model(tiny_llama, "fp32"), models.load_tokenizer(tiny_llama),
+                     ServeSettings(max_input_tokens=32, max_total_tokens=64))
+    with running(app) as url:
+        host, port = url.rsplit("/", 1)[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=20) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n")
+            chunk = b"x" * (64 << 10)
+            for _ in range((MAX_BODY * 3 // 2) // len(chunk)):  # 1.5x the limit, and the body never ends
+                s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            assert s.recv(64).startswith(b"HTTP/1.1 413")
