@@ -147,6 +147,8 @@ def test_api_key_overload_and_disconnect(lm):
 def test_cli_serve_help():
     r = run_cli("serve", "--help")
     assert r.exit_code == 0 and "fp8" in r.stdout and "bf16" in r.stdout
+    r = run_cli("serve", "fp8", "--help")  # the environment variables stay visible (not eaten as rich markup)
+    assert r.exit_code == 0 and "MAX_BATCH_SIZE" in r.stdout and "HQTFLOW_API_KEY" in r.stdout
 
 
 def test_engine_with_fp8_checkpoint(tiny_llama, wiki_text, tmp_path):

@@ -230,12 +230,26 @@ def test_lm_eval_local_completions_matches_in_process(tiny_llama, wiki_text, dat
     with running(create_app(model, tok, ServeSettings(model_id="fp8", max_input_tokens=1023, max_total_tokens=1024))) as base:
         res = simple_evaluate(model="local-completions", model_args=f"model=fp8,base_url={base}/v1/completions,tokenizer={ck},"
                               "num_concurrent=1,max_retries=1,batch_size=4,tokenized_requests=True", tasks=names, limit=limit,
-                              task_manager=lmeval.task_manager([tasks], data_dir, names), bootstrap_iters=0, verbosity="ERROR")
+                              task_manager=lmeval.task_manager([tasks], data_dir, names), bootstrap_iters=0, verbosity="ERROR",
+                              log_samples=True)
     served = {t: {k.split(",")[0]: v for k, v in m.items() if isinstance(v, (int, float))} for t, m in res["results"].items()}
     print("served", served, "local", local)
     assert served["lambada_openai_local"]["acc"] == pytest.approx(_metric(local, "lambada_openai_local", "acc"))
     assert served["lambada_openai_local"]["perplexity"] == pytest.approx(_metric(local, "lambada_openai_local", "perplexity"), rel=1e-2)
     assert served["lambada_gen"]["exact_match"] == _metric(local, "lambada_gen", "exact_match")
+    # a random model scores 0 either way: the generations themselves are the greedy in-process ones
+    samples = res["samples"]["lambada_gen"]
+    assert len(samples) == limit
+    for sample in samples:
+        args = sample["arguments"]
+        context = args["gen_args_0"]["arg_0"] if isinstance(args, dict) else args[0][0]
+        ids = tok(context, add_special_tokens=False)["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+        want = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+        for stop in ("\n", "."):
+            want = want.split(stop)[0]
+        assert sample["filtered_resps"][0] == want, sample
 
 
 GEN_TASK = """task: lambada_gen
