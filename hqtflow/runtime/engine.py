@@ -187,7 +187,7 @@ class Engine:
                          logits_to_keep=keep)  # 1: only the last position's logits, no [batch, prompt, vocab] tensor
         if self.on_step:
             self.on_step(kind, ids.shape[0], time.perf_counter() - t, tuple(ids.shape))
-        return out.logits, out.past_key_values
+        return (out.logits[:, -1].float() if keep == 1 else out.logits), out.past_key_values  # keep 0: every position
 
     def _padded_len(self, n: int) -> int:
         return n + (-n % self.pad_to_multiple)
@@ -224,7 +224,7 @@ class Engine:
         for row, req in enumerate(reqs):
             if scored[row]:
                 req.prompt = self._prompt_logprobs(req, logits[row, length - len(req.input_ids):])
-        logits = logits[:, -1].float()
+        logits = logits if logits.dim() == 2 else logits[:, -1].float()
         if dummies:
             keep = torch.arange(len(reqs), device=self.device)
             for layer in cache.layers:
@@ -276,7 +276,6 @@ class Engine:
             mask = torch.cat([mask, F.pad(mask.new_zeros(extra, mask.shape[1] - 1), (0, 1), value=1)])
             self._resize(list(range(b)) + [0] * extra)
         logits, self.cache = self._forward("decode", ids, mask, pos, self.cache)
-        logits = logits[:, -1].float()
         if extra:
             self._resize(list(range(b)))
         self.mask = mask[:b]
