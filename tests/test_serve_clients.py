@@ -169,6 +169,7 @@ REFUSED = [
     ("/generate", {"inputs": PROMPT, "parameters": {"grammar": {"type": "json", "value": "{"}}}, "grammar"),
     ("/generate", {"inputs": PROMPT, "parameters": {"foo": 1}}, "foo"),
     ("/generate_stream", {"inputs": PROMPT, "parameters": {"decoder_input_details": True}}, "decoder_input_details"),
+    ("/generate", {"inputs": PROMPT, "stream": True}, "stream"),
     ("/", {"inputs": PROMPT, "stream": True, "parameters": {"best_of": 2, "do_sample": True}}, "best_of"),
     ("/v1/completions", {"prompt": PROMPT, "temperature": 2.5}, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 6}, "logprobs"),

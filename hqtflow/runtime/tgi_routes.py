@@ -108,13 +108,18 @@ def tgi_router(ctx: Ctx) -> APIRouter:
             return generate_stream_response(req)
         return [await generate_json(req)]
 
+    def no_stream_field(req: TgiRequest, route: str) -> TgiRequest:
+        if "stream" in req.model_fields_set:  # only POST / switches on it; here it would be ignored
+            raise invalid(f"`stream` is not a parameter of {route} (use POST / or /generate_stream)")
+        return req
+
     @r.post("/generate")
     async def generate(request: Request):
-        return await generate_json(parse(TgiRequest, await request.body()))
+        return await generate_json(no_stream_field(parse(TgiRequest, await request.body()), "/generate"))
 
     @r.post("/generate_stream")
     async def generate_stream(request: Request):
-        return generate_stream_response(parse(TgiRequest, await request.body()))
+        return generate_stream_response(no_stream_field(parse(TgiRequest, await request.body()), "/generate_stream"))
 
     @r.get("/health")
     async def health():
