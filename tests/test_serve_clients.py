@@ -133,6 +133,16 @@ def test_openai_completions_score_text(url, lm):
     assert [x.text for x in again.choices] == [x.text for x in n.choices]
     best = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, n=1, best_of=3, temperature=1.0, logprobs=0)
     assert len(best.choices) == 1
+    greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, echo=True)
+    parts = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, echo=True,
+                                           stream=True, stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in parts if p.choices) == greedy.choices[0].text
+    streamed = [lp for p in parts if p.choices and p.choices[0].logprobs for lp in p.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(greedy.choices[0].logprobs.token_logprobs[len(ids):], abs=1e-5)
+    assert parts[-1].usage.completion_tokens == 6
+    with pytest.raises(openai.UnprocessableEntityError) as e:  # TGI's error body: the client keeps its "error"
+        client.completions.create(model="tiny", prompt=PROMPT, temperature=2.5)
+    assert "`temperature` must be >= 0.0 and <= 2.0" in e.value.body
 
 
 def test_openai_chat_n_logprobs_usage_and_json(url, lm):
