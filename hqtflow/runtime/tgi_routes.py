@@ -74,7 +74,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         best = max(seqs, key=lambda q: q.logprob)  # TGI: the sequence with the highest total logprob
         head = req.inputs if p.return_full_text else ""
         out = {"generated_text": head + best.last.generated_text}
-        if p.details or len(seqs) > 1:
+        if p.details:  # as TGI: the other sequences are in details.best_of_sequences, when details are asked for
             out["details"] = details(best, ids, p)
             if len(seqs) > 1:
                 out["details"]["best_of_sequences"] = [{"generated_text": head + q.last.generated_text, **details(q, ids, p)}
