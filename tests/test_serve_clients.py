@@ -285,3 +285,21 @@ metric_list:
 def _metric(report, task, metric):
     (results,) = report["results"].values()
     return results["tasks"][task][metric]
+
+
+@pytest.mark.slow
+def test_smollm2_json_schema_chat(smollm2):
+    """The real SmolLM2 answers in the asked JSON schema (xgrammar masks the logits), via the openai client."""
+    openai = client_lib("openai")
+    from hqtflow import models
+
+    app = create_app(models.load_model(smollm2, "bf16"), models.load_tokenizer(smollm2), ServeSettings(model_id="smollm2"))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    with running(app) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+        r = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+            max_tokens=40, temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    answer = json.loads(r.choices[0].message.content)
+    assert set(answer) == {"city", "country"} and r.choices[0].finish_reason == "stop", answer
