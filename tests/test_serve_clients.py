@@ -271,7 +271,7 @@ dataset_kwargs:
 test_split: test
 output_type: generate_until
 doc_to_text: "{{{{context}}}}"
-doc_to_target: "{{{{continuation}}}}"
+doc_to_target: "{{{{' ' + continuation}}}}"
 generation_kwargs:
   until: ["\\n", "."]
   max_gen_toks: 6
