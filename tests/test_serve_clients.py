@@ -95,6 +95,9 @@ def test_huggingface_hub_inference_client(url, lm, monkeypatch):
     d = c.text_generation(PROMPT, max_new_tokens=8, details=True, decoder_input_details=True)
     assert d.generated_text == want and len(d.details.prefill) == len(ids) and d.details.generated_tokens == 8
     assert "".join(c.text_generation(PROMPT, max_new_tokens=8, stream=True)) == want
+    events = list(c.text_generation(PROMPT, max_new_tokens=8, stream=True, details=True, top_n_tokens=2))
+    assert events[-1].generated_text == want and events[-1].details.finish_reason == "length"
+    assert all(len(e.top_tokens) == 2 for e in events)
     chat_ids = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     chat_want = tok.decode(alone(lm, tok(chat_ids, add_special_tokens=False)["input_ids"], 6), skip_special_tokens=True)
     v1 = hub.InferenceClient(base_url=f"{url}/v1", timeout=60)
@@ -187,6 +190,7 @@ REFUSED = [
     ("/v1/completions", {"prompt": [], "max_tokens": 1}, "prompt"),
     ("/v1/completions", {"prompt": [10**9], "max_tokens": 1}, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "presence_penalty": -3}, "presence_penalty"),
+    ("/v1/completions", {"prompt": [[1]] * 40, "n": 2, "max_tokens": 1}, "`prompt`"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format"),

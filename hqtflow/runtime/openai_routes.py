@@ -17,6 +17,7 @@ from hqtflow.runtime.grammar import GrammarError, compile_grammar
 from hqtflow.runtime.schemas import ApiError, ChatRequest, CompletionRequest, OpenAICommon, invalid, parse, stop_list
 
 FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+MAX_SEQUENCES = 64  # sequences one completions request may start (batched prompts x n)
 
 
 def chunk(data) -> str:
@@ -104,6 +105,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
         k = req.logprobs
         make = lambda n: params(req, n, req.max_tokens, top_n=k or 0, prompt_logprobs=k if req.echo and k is not None else None)  # noqa: E731
         per = req.best_of or req.n
+        if len(prompts) * per > MAX_SEQUENCES:
+            raise invalid(f"`prompt` x `best_of` (or `n`) must be <= {MAX_SEQUENCES} sequences. Given: {len(prompts)} x {per}")
         jobs = jobs_for(prompts, make, per, req.seed)
         texts = [tok.decode(ids) if req.echo else "" for ids in prompts]
         if req.stream:
