@@ -82,6 +82,10 @@ def test_text_generation_client(url, lm):
     # TGI's regex grammar through xgrammar: exactly three digits, then the grammar ends the sequence
     g = c.generate(PROMPT, max_new_tokens=10, grammar={"type": "regex", "value": "[0-9]{3}"})
     assert re.fullmatch("[0-9]{3}", g.generated_text) and g.details.finish_reason == "eos_token"
+    schema = {"name": "answer", "schema": {"enum": ["yes", "no"]}}  # TGI 3's json_schema grammar
+    r = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 10, "grammar": {"type": "json_schema", "value": schema}}}).json()
+    assert json.loads(r["generated_text"]) in ("yes", "no")
 
 
 def test_huggingface_hub_inference_client(url, lm, monkeypatch):
@@ -180,6 +184,8 @@ REFUSED = [
     ("/generate", {"inputs": PROMPT, "parameters": {"frequency_penalty": 3}}, "frequency_penalty"),
     ("/generate", {"inputs": PROMPT, "parameters": {"adapter_id": "lora"}}, "adapter_id"),
     ("/generate", {"inputs": PROMPT, "parameters": {"grammar": {"type": "json", "value": "{"}}}, "grammar"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"grammar": {"type": "regex", "value": ""}}}, "value"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"grammar": {"type": "lark", "value": "x"}}}, "grammar"),
     ("/generate", {"inputs": PROMPT, "parameters": {"foo": 1}}, "foo"),
     ("/generate_stream", {"inputs": PROMPT, "parameters": {"decoder_input_details": True}}, "decoder_input_details"),
     ("/generate", {"inputs": PROMPT, "stream": True}, "stream"),

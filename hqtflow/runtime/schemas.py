@@ -83,8 +83,9 @@ def check_range(name: str, v, lo=None, hi=None, lo_open=False, hi_open=False, te
 # ---- TGI ---------------------------------------------------------------------------------------------------
 
 class Grammar(Strict):
-    type: Literal["json", "regex", "json_object"]
-    value: Union[str, dict, None] = None
+    """TGI's grammar: "json" (value: a JSON schema), "regex" (a regex), "json_schema" (value: {"name", "schema"})."""
+    type: Literal["json", "regex", "json_schema"]
+    value: Union[str, dict]
 
 
 class TgiParameters(Strict):

@@ -22,10 +22,13 @@ def sse(data) -> str:
 def sampling(ctx: Ctx, p: TgiParameters, n_input: int, default_max_new: int = 100) -> SamplingParams:
     grammar = None
     if p.grammar is not None:
-        if p.grammar.type != "json_object" and not p.grammar.value:
+        kind, value = p.grammar.type, p.grammar.value
+        if kind == "json_schema":
+            kind, value = "json", value.get("schema") if isinstance(value, dict) else None
+        if not value:
             raise invalid(f"`value` cannot be empty for `{p.grammar.type}` grammar")
         try:
-            grammar = compile_grammar(ctx.tok, p.grammar.type, p.grammar.value)
+            grammar = compile_grammar(ctx.tok, kind, value)
         except GrammarError as e:
             raise invalid(f"`grammar`: {e}") from None
     return SamplingParams(
