@@ -12,6 +12,8 @@ $(BIN)/hqtflow: pyproject.toml
 	# CPU PyTorch first (a local wheel here); an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
+	# TGI's client pins huggingface-hub<1 (transformers>=5 needs >=1): without its dependencies (see pyproject.toml)
+	$(BIN)/python -m pip install -q --no-deps 'text-generation>=0.7'
 	touch $(BIN)/hqtflow
 
 setup: $(BIN)/hqtflow

@@ -161,3 +161,29 @@ def test_batched_prefill_and_prefill_bucket(lm):
         eng.stop()
     prefills = [shape for kind, shape in shapes if kind == "prefill"]
     assert all(b % 4 == 0 and b * n <= 4 * 40 for b, n in prefills) and prefills[0][0] == 4, prefills
+
+
+def test_warpers_and_processors_match_their_definitions():
+    """typical_p is transformers' TypicalLogitsWarper; TGI's frequency penalty, OpenAI's presence/frequency
+    penalties and TGI's watermark follow their documented formulas."""
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    from hqtflow.runtime.engine import Request, _warp
+
+    torch.manual_seed(0)
+    x = torch.randn(64) * 3
+    for mass in (0.2, 0.5, 0.9):
+        ours = _warp(x.clone(), SamplingParams(typical_p=mass))
+        ref = TypicalLogitsWarper(mass)(None, x.clone()[None])[0]
+        assert torch.equal(torch.isinf(ours), torch.isinf(ref)), mass
+    eng = Engine.__new__(Engine)
+    req = Request([1, 2, 2], SamplingParams(tgi_frequency_penalty=0.5), None, generated=[3, 2])
+    out = eng._process(req, torch.zeros(8))
+    assert out[2] == pytest.approx(-0.5 * 3 / 5) and out[1] == pytest.approx(-0.5 / 5) and out[0] == 0
+    req = Request([1], SamplingParams(presence_penalty=0.25, frequency_penalty=0.5), None, generated=[3, 3, 4])
+    out = eng._process(req, torch.zeros(8))
+    assert out[3] == pytest.approx(-1.25) and out[4] == pytest.approx(-0.75) and out[1] == 0  # generated tokens only
+    req = Request([5], SamplingParams(watermark=True), None)
+    out = eng._process(req, torch.zeros(8))
+    green = torch.randperm(8, generator=torch.Generator().manual_seed(15485863 * 5))[:4]
+    assert set(out.nonzero()[:, 0].tolist()) == set(green.tolist()) and out.max() == 2.0

@@ -34,6 +34,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    typical_p: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI: minus this once per token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count among the generated tokens
+    tgi_frequency_penalty: float = 0.0  # TGI: minus this times the token's frequency in prompt + generated tokens
+    logit_bias: dict[int, float] | None = None
+    watermark: bool = False  # TGI's Kirchenbauer et al. watermark (gamma 0.5, delta 2.0)
+    top_n: int = 0  # top-n logprobs of each generated token
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and the top k
+    grammar: object | None = None  # an xgrammar CompiledGrammar (see runtime/grammar.py)
 
 
 @dataclass
@@ -42,6 +51,7 @@ class Token:
     text: str
     logprob: float
     special: bool
+    top: list[tuple[int, float]] | None = None  # the top-n tokens of the distribution (id, logprob)
 
 
 @dataclass
@@ -52,6 +62,7 @@ class Event:
     finish_reason: str | None = None  # "length" | "eos_token" | "stop_sequence"
     generated_text: str | None = None
     error: str | None = None
+    prompt: list[tuple[float | None, list[tuple[int, float]]]] | None = None  # last event, if prompt_logprobs
 
 
 @dataclass
@@ -65,6 +76,11 @@ class Request:
     finished: bool = False
     generator: torch.Generator | None = None
     seed: int | None = None
+    matcher: object | None = None  # xgrammar GrammarMatcher
+    prompt: list | None = None
+    t_submit: float = 0.0
+    t_admit: float | None = None
+    t_first: float | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -109,7 +125,11 @@ class Engine:
             self._thread.join(timeout=30)
 
     def submit(self, input_ids: list[int], params: SamplingParams, emit: Callable[[Event], None]) -> Request:
-        req = Request(list(input_ids), params, emit)
+        req = Request(list(input_ids), params, emit, t_submit=time.monotonic())
+        if params.grammar is not None:
+            from hqtflow.runtime.grammar import matcher
+
+            req.matcher = matcher(params.grammar)
         if params.do_sample:
             req.seed = params.seed if params.seed is not None else random.randrange(2**63)
             req.generator = torch.Generator(device=self.device).manual_seed(req.seed)
@@ -161,13 +181,13 @@ class Engine:
                 self.active, self.cache, self.mask, self.last = [], None, None, None
             self._trim(idle=False)
 
-    def _forward(self, kind, ids, mask, pos, cache):
+    def _forward(self, kind, ids, mask, pos, cache, keep: int = 1):
         t = time.perf_counter()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                         logits_to_keep=1)  # only the last position's logits: no [batch, prompt, vocab] tensor
+                         logits_to_keep=keep)  # 1: only the last position's logits, no [batch, prompt, vocab] tensor
         if self.on_step:
             self.on_step(kind, ids.shape[0], time.perf_counter() - t, tuple(ids.shape))
-        return out.logits[:, -1].float(), out.past_key_values
+        return (out.logits[:, -1].float() if keep == 1 else out.logits), out.past_key_values  # keep 0: every position
 
     def _padded_len(self, n: int) -> int:
         return n + (-n % self.pad_to_multiple)
@@ -186,6 +206,7 @@ class Engine:
             if out and (rows + (-rows % self.prefill_bucket)) * length > self.max_prefill_tokens:
                 break
             out.append(self.pending.popleft())
+            out[-1].t_admit = time.monotonic()
         return out
 
     def _prefill(self, reqs: list[Request]) -> None:
@@ -198,14 +219,37 @@ class Engine:
         ids = torch.tensor(rows + rows[:1] * dummies, device=self.device)
         mask = torch.tensor(masks + masks[:1] * dummies, device=self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits, cache = self._forward("prefill", ids, mask, pos, DynamicCache())
+        scored = [r.params.prompt_logprobs is not None for r in reqs]
+        logits, cache = self._forward("prefill", ids, mask, pos, DynamicCache(), keep=0 if any(scored) else 1)
+        for row, req in enumerate(reqs):
+            if scored[row]:
+                req.prompt = self._prompt_logprobs(req, logits[row, length - len(req.input_ids):])
+        logits = logits if logits.dim() == 2 else logits[:, -1].float()
         if dummies:
             keep = torch.arange(len(reqs), device=self.device)
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys.index_select(0, keep), layer.values.index_select(0, keep)
         self._join(reqs, cache, mask[: len(reqs)])
-        for req, tok in zip(reqs, self._sample(reqs, logits[: len(reqs)])):
+        rows = [i for i, r in enumerate(reqs) if r.params.max_new_tokens > 0]
+        for req in reqs:
+            if req.params.max_new_tokens <= 0:  # prompt scoring only (OpenAI max_tokens=0 with echo)
+                req.finished = True
+                req.emit(Event(0, None, "length", "", prompt=req.prompt))
+        live = [reqs[i] for i in rows]
+        for req, tok in zip(live, self._sample(live, logits[rows])):
             self._emit(req, tok)
+
+    def _prompt_logprobs(self, req: Request, logits: torch.Tensor) -> list:
+        """[(logprob of prompt token i given the ones before, top-k [(id, logprob)])]; the first token has None."""
+        k, ids = req.params.prompt_logprobs, torch.tensor(req.input_ids[1:], device=logits.device)
+        out: list = [(None, [])]
+        for start in range(0, len(ids), 512):  # bounded float32 [chunk, vocab] at a time
+            lp = torch.log_softmax(logits[start: start + 512][: len(ids) - start].float(), dim=-1)
+            chosen = lp.gather(1, ids[start: start + 512, None])[:, 0].tolist()
+            top = lp.topk(k, dim=-1) if k else None
+            for j, c in enumerate(chosen):
+                out.append((c, list(zip(top.indices[j].tolist(), top.values[j].tolist())) if k else []))
+        return out
 
     def _join(self, reqs: list[Request], cache, mask) -> None:
         if self.cache is None:
@@ -260,38 +304,60 @@ class Engine:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[int, float]]:
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[int, float, list | None]]:
         logprobs = torch.log_softmax(logits, dim=-1)
         out = []
         for row, req in enumerate(reqs):
-            p, x = req.params, logits[row].clone()
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(req.input_ids + req.generated, device=x.device).unique()
-                s = x[seen]
-                x[seen] = torch.where(s < 0, s * p.repetition_penalty, s / p.repetition_penalty)
+            x = self._process(req, logits[row].clone())
+            p = req.params
             if not p.do_sample:
                 tok = int(x.argmax())
             else:
-                x = x / p.temperature
-                if p.top_k and p.top_k < x.numel():
-                    x[x < torch.topk(x, p.top_k).values[-1]] = -math.inf
-                if p.top_p < 1.0:
-                    sx, si = x.sort(descending=True)
-                    cum = sx.softmax(-1).cumsum(-1)
-                    drop = cum - sx.softmax(-1) > p.top_p  # keep the smallest set whose mass reaches top_p
-                    x[si[drop]] = -math.inf
+                x = _warp(x, p)
                 tok = int(torch.multinomial(x.softmax(-1), 1, generator=req.generator))
-            out.append((tok, float(logprobs[row, tok])))
+            if req.matcher is not None:
+                req.matcher.accept_token(tok)
+            top = None
+            if p.top_n:
+                t = logprobs[row].topk(p.top_n)
+                top = list(zip(t.indices.tolist(), t.values.tolist()))
+            out.append((tok, float(logprobs[row, tok]), top))
         return out
 
-    def _emit(self, req: Request, chosen: tuple[int, float]) -> None:
-        tok, logprob = chosen
+    def _process(self, req: Request, x: torch.Tensor) -> torch.Tensor:
+        """Logits processors in TGI's order: watermark, penalties, logit bias, grammar."""
+        p = req.params
+        if p.watermark and req.input_ids + req.generated:
+            rng = torch.Generator().manual_seed(15485863 * (req.input_ids + req.generated)[-1])
+            x[torch.randperm(x.numel(), generator=rng)[: int(x.numel() * 0.5)].to(x.device)] += 2.0
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(req.input_ids + req.generated, device=x.device).unique()
+            s = x[seen]
+            x[seen] = torch.where(s < 0, s * p.repetition_penalty, s / p.repetition_penalty)
+        if p.tgi_frequency_penalty:
+            every = torch.tensor(req.input_ids + req.generated, device=x.device)
+            x -= torch.bincount(every, minlength=x.numel())[: x.numel()].float() / every.numel() * p.tgi_frequency_penalty
+        if (p.presence_penalty or p.frequency_penalty) and req.generated:
+            counts = torch.bincount(torch.tensor(req.generated, device=x.device), minlength=x.numel())[: x.numel()].float()
+            x -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
+        if p.logit_bias:
+            for tok, bias in p.logit_bias.items():
+                x[tok] += bias
+        if req.matcher is not None:
+            from hqtflow.runtime.grammar import mask_logits
+
+            mask_logits(req.matcher, x)
+        return x
+
+    def _emit(self, req: Request, chosen: tuple[int, float, list | None]) -> None:
+        tok, logprob, top = chosen
+        req.t_first = req.t_first or time.monotonic()
         i = self.active.index(req)
         self.last[i] = tok
         req.generated.append(tok)
         special = tok in self.special
         finish = None
-        if tok in self.eos:
+        if tok in self.eos or (req.matcher is not None and req.matcher.is_terminated()):
             finish, text = "eos_token", self.tok.decode([tok])
         else:
             if len(req.generated) >= req.params.max_new_tokens:
@@ -303,5 +369,24 @@ class Engine:
             if cut >= 0:
                 req.text, finish = req.text[:cut], "stop_sequence"
         req.finished = finish is not None
-        req.emit(Event(len(req.generated) - 1, Token(tok, text, logprob, special), finish,
-                       req.text if finish else None))
+        req.emit(Event(len(req.generated) - 1, Token(tok, text, logprob, special, top), finish,
+                       req.text if finish else None, prompt=req.prompt if finish else None))
+
+
+def _warp(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p and typical-p (transformers' warpers, in TGI's order)."""
+    x = x / p.temperature
+    if p.top_k and p.top_k < x.numel():
+        x[x < torch.topk(x, p.top_k).values[-1]] = -math.inf
+    if p.top_p < 1.0:
+        sx, si = x.sort(descending=True)
+        drop = sx.softmax(-1).cumsum(-1) - sx.softmax(-1) > p.top_p  # keep the smallest set whose mass reaches top_p
+        x[si[drop]] = -math.inf
+    if p.typical_p < 1.0:  # transformers' TypicalLogitsWarper
+        logp = torch.log_softmax(x, -1)
+        entropy = -(logp * logp.exp()).nansum()
+        shifted, order = (-logp - entropy).abs().sort()
+        cum = x[order].softmax(-1).cumsum(-1)
+        last = int((cum < p.typical_p).sum().clamp(max=x.numel() - 1))
+        x[order[shifted > shifted[last]]] = -math.inf
+    return x

@@ -1,0 +1,110 @@
+"""What the TGI and OpenAI routes share: the served settings, prompt encoding and length checks, and running one
+HTTP request as one or several engine sequences (n / best_of) whose events are merged into one async stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from hqtflow.runtime.engine import Engine, Event, Request, SamplingParams
+from hqtflow.runtime.schemas import ApiError, invalid
+
+
+@dataclass
+class ServeSettings:
+    model_id: str = "model"
+    dtype: str = "bf16"
+    max_input_tokens: int = 4095
+    max_total_tokens: int = 4096
+    max_batch_size: int = 8
+    max_concurrent_requests: int = 128
+    api_key: str | None = None
+    batch_bucket_size: int = 1
+    prefill_batch_bucket_size: int = 1
+    max_batch_prefill_tokens: int = 4096
+    pad_sequence_to_multiple_of: int = 1
+    warmup: bool = False
+
+
+@dataclass
+class Sequence:
+    """The events of one engine sequence, once finished."""
+    events: list[Event] = field(default_factory=list)
+    handle: Request | None = None
+
+    @property
+    def last(self) -> Event:
+        return self.events[-1]
+
+    @property
+    def tokens(self):
+        return [e.token for e in self.events if e.token is not None]
+
+    @property
+    def logprob(self) -> float:
+        return sum(t.logprob for t in self.tokens)
+
+
+class Ctx:
+    def __init__(self, engine: Engine, tokenizer, settings: ServeSettings, metrics, state: dict):
+        self.engine, self.tok, self.s, self.metrics, self.state = engine, tokenizer, settings, metrics, state
+
+    def encode(self, text: str, name: str = "inputs", add_special_tokens: bool = True) -> list[int]:
+        if not text:
+            raise invalid(f"`{name}` cannot be empty")
+        return self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def check_ids(self, ids: list[int], name: str = "prompt") -> list[int]:
+        if not ids:
+            raise invalid(f"`{name}` cannot be empty")
+        if not all(0 <= i < len(self.tok) for i in ids):
+            raise invalid(f"`{name}` token ids must be in [0, {len(self.tok)})")
+        return ids
+
+    def max_new(self, n_input: int, max_new: int | None, default: int) -> int:
+        """TGI's length checks; returns max_new_tokens (default: `default`, capped to what fits)."""
+        s = self.s
+        if n_input > s.max_input_tokens:
+            raise invalid(f"`inputs` must have less than {s.max_input_tokens} tokens. Given: {n_input}")
+        if max_new is None:
+            max_new = max(1, min(default, s.max_total_tokens - n_input))
+        if n_input + max_new > s.max_total_tokens:
+            raise invalid(f"`inputs` tokens + `max_new_tokens` must be <= {s.max_total_tokens}. "
+                          f"Given: {n_input} `inputs` tokens and {max_new} `max_new_tokens`")
+        return max_new
+
+    def admit(self) -> None:
+        if self.state["in_flight"] >= self.s.max_concurrent_requests:
+            raise ApiError(429, "Model is overloaded", "overloaded")
+
+    async def stream(self, jobs: list[tuple[list[int], SamplingParams]]):
+        """Run the jobs as one request; yields (job index, event, handle) as tokens come; cancels what is left
+        when the consumer goes away."""
+        self.admit()
+        self.state["in_flight"] += 1
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        handles, counts, left, t0 = [], [0] * len(jobs), len(jobs), time.perf_counter()
+        try:
+            for i, (ids, params) in enumerate(jobs):
+                self.metrics.input_length.observe(len(ids))
+                handles.append(self.engine.submit(ids, params, lambda ev, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, ev))))
+            while left:
+                i, ev = await queue.get()
+                if ev.error:
+                    raise ApiError(424, ev.error, "generation")
+                counts[i] += ev.token is not None
+                left -= ev.finish_reason is not None
+                yield i, ev, handles[i]
+            self.metrics.finished(time.perf_counter() - t0, handles, counts)
+        finally:
+            self.state["in_flight"] -= 1
+            for h in handles:
+                h.cancel()  # a no-op for finished sequences
+
+    async def collect(self, jobs) -> list[Sequence]:
+        out = [Sequence() for _ in jobs]
+        async for i, ev, handle in self.stream(jobs):
+            out[i].events.append(ev)
+            out[i].handle = handle
+        return out

@@ -1,0 +1,77 @@
+"""Constrained decoding with xgrammar (a maintained grammar engine): TGI's `grammar` ({"type": "json"|"regex"}) and
+OpenAI's `response_format` ({"type": "json_object"|"json_schema"}) compile to a grammar once per tokenizer and
+schema; each request gets its own matcher, which masks the logits before sampling and accepts each chosen token.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+
+
+class GrammarError(ValueError):
+    pass
+
+
+def available() -> bool:
+    try:
+        import xgrammar  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed or broken
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=4)
+def _compiler(tokenizer):
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(tokenizer, kind: str, value: str):
+    c = _compiler(tokenizer)
+    try:
+        if kind == "json_object":
+            return c.compile_builtin_json_grammar()
+        if kind == "json":
+            return c.compile_json_schema(value, strict_mode=False)
+        if kind == "regex":
+            return c.compile_regex(value)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError on a bad schema or regex
+        raise GrammarError(f"{kind} grammar does not compile: {str(e).splitlines()[0][:200]}") from None
+    raise GrammarError(f"unknown grammar type {kind!r}")
+
+
+def compile_grammar(tokenizer, kind: str, value=None):
+    """kind: "json" (value: a JSON schema, dict or string), "regex" (value: a regex) or "json_object" (any JSON)."""
+    if not available():
+        raise GrammarError("constrained output needs xgrammar (`pip install xgrammar`)")
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise GrammarError("the json grammar's `value` is not valid JSON") from None
+        value = json.dumps(value, sort_keys=True)
+    return _compile(tokenizer, kind, value)
+
+
+def matcher(compiled):
+    import xgrammar as xgr
+
+    return xgr.GrammarMatcher(compiled)
+
+
+def mask_logits(m, logits: torch.Tensor) -> None:
+    """Set the logits of tokens the grammar forbids next to -inf (in place, 1-D)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, logits.numel())
+    m.fill_next_token_bitmask(bitmask)
+    row = logits[None].cpu()
+    xgr.apply_token_bitmask_inplace(row, bitmask)
+    logits.copy_(row[0])

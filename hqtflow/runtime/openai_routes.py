@@ -1,0 +1,215 @@
+"""OpenAI's /v1/completions (string, token-id and batched prompts; echo; logprobs with prompt scoring, which
+lm-eval's local-completions needs), /v1/chat/completions (logprobs/top_logprobs, response_format), n/best_of, and
+stream_options.include_usage."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from hqtflow.runtime.api import Ctx, Sequence
+from hqtflow.runtime.engine import SamplingParams
+from hqtflow.runtime.grammar import GrammarError, compile_grammar
+from hqtflow.runtime.schemas import ApiError, ChatRequest, CompletionRequest, OpenAICommon, invalid, parse, read_body, stop_list
+
+FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+MAX_SEQUENCES = 64  # sequences one completions request may start (batched prompts x n)
+
+
+def chunk(data) -> str:
+    return "data: " + json.dumps(data) + "\n\n"
+
+
+def openai_router(ctx: Ctx) -> APIRouter:
+    r, tok, s = APIRouter(), ctx.tok, ctx.s
+
+    def params(data: OpenAICommon, n_input: int, max_new: int | None, *, top_n=0, prompt_logprobs=None, grammar=None,
+               default_max_new=16) -> SamplingParams:
+        temperature = 1.0 if data.temperature is None else data.temperature  # OpenAI's default; 0 means greedy
+        bias = {int(k): v for k, v in (data.logit_bias or {}).items()}
+        if any(k >= len(tok) for k in bias):
+            raise invalid(f"`logit_bias` token ids must be < {len(tok)}")
+        if max_new == 0:  # scoring the prompt only
+            ctx.max_new(n_input, 1, 1)
+        else:
+            max_new = ctx.max_new(n_input, max_new, default_max_new)
+        return SamplingParams(max_new_tokens=max_new, do_sample=temperature > 0, temperature=temperature or 1.0,
+                              top_p=data.top_p or 1.0, presence_penalty=data.presence_penalty or 0.0,
+                              frequency_penalty=data.frequency_penalty or 0.0, logit_bias=bias or None,
+                              stop=stop_list(data.stop), seed=data.seed, top_n=top_n, prompt_logprobs=prompt_logprobs,
+                              grammar=grammar)
+
+    def jobs_for(prompts, make, count: int, seed):
+        """count sequences per prompt; with a seed, sequence j of a prompt samples with seed + j."""
+        out = []
+        for ids in prompts:
+            for j in range(count):
+                p = make(len(ids))
+                if seed is not None:
+                    p.seed = seed + j
+                out.append((ids, p))
+        return out
+
+    def head(chat: bool, stream: bool):
+        obj = "chat.completion" + (".chunk" if stream else "") if chat else "text_completion"
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
+                "model": s.model_id, "system_fingerprint": "hqtflow"}
+
+    def usage(prompts, seqs) -> dict:
+        p, c = sum(len(x) for x in prompts), sum(len(q.tokens) for q in seqs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    # -- completions ----------------------------------------------------------------------------------------
+    def prompts_of(req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [ctx.encode(p, "prompt")]
+        if not p:
+            raise invalid("`prompt` cannot be empty")
+        if all(isinstance(x, int) for x in p):
+            return [ctx.check_ids(p)]
+        if all(isinstance(x, str) for x in p):
+            return [ctx.encode(x, "prompt") for x in p]
+        return [ctx.check_ids(x) for x in p]
+
+    def completion_logprobs(tokens: list[tuple[int, float | None, list]], offset0: int) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = offset0
+        for i, (tid, lp, top) in enumerate(tokens):
+            text = tok.decode([tid])
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            if lp is None:
+                out["top_logprobs"].append(None)
+            else:
+                d = {tok.decode([t]): v for t, v in top}
+                d.setdefault(text, lp)  # the chosen token is always listed (as vLLM does)
+                out["top_logprobs"].append(d)
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    def scored(ids, prompt, seq_tokens):
+        """(id, logprob, top) for the prompt (when scored) then the generated tokens."""
+        out = [(i, lp, top) for i, (lp, top) in zip(ids, prompt)] if prompt else []
+        return out + [(t.id, t.logprob, t.top or []) for t in seq_tokens]
+
+    @r.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await read_body(request))
+        prompts = prompts_of(req)
+        k = req.logprobs
+        make = lambda n: params(req, n, req.max_tokens, top_n=k or 0, prompt_logprobs=k if req.echo and k is not None else None)  # noqa: E731
+        per = req.best_of or req.n
+        if len(prompts) * per > MAX_SEQUENCES:
+            raise invalid(f"`prompt` x `best_of` (or `n`) must be <= {MAX_SEQUENCES} sequences. Given: {len(prompts)} x {per}")
+        jobs = jobs_for(prompts, make, per, req.seed)
+        texts = [tok.decode(ids) if req.echo else "" for ids in prompts]
+        if req.stream:
+            return stream(jobs, prompts, req, chat=False, echo=texts)
+        seqs = await ctx.collect(jobs)
+        choices = []
+        for pi, ids in enumerate(prompts):
+            group = seqs[pi * per:(pi + 1) * per]
+            if per > req.n:  # best_of: the n with the highest total logprob
+                group = sorted(group, key=lambda q: -q.logprob)[: req.n]
+            for j, q in enumerate(group):
+                lp = None
+                if k is not None:
+                    lp = completion_logprobs(scored(ids, q.last.prompt if req.echo else None, q.tokens), 0)
+                choices.append({"index": pi * req.n + j, "text": texts[pi] + q.last.generated_text, "logprobs": lp,
+                                "finish_reason": FINISH[q.last.finish_reason]})
+        return {**head(False, False), "choices": choices, "usage": usage(prompts, seqs)}
+
+    # -- chat -----------------------------------------------------------------------------------------------
+    def chat_logprobs(tokens) -> dict:
+        def entry(tid, lp):
+            text = tok.decode([tid])
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in (t.top or [])]} for t in tokens]}
+
+    def chat_grammar(req: ChatRequest):
+        fmt = req.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        try:
+            if fmt.type == "json_object":
+                return compile_grammar(tok, "json_object")
+            return compile_grammar(tok, "json", fmt.json_schema["schema"])
+        except GrammarError as e:
+            raise invalid(f"`response_format`: {e}") from None
+
+    @r.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(ChatRequest, await read_body(request))
+        try:
+            prompt = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - no or broken template
+            raise invalid(f"`messages`: cannot apply the chat template: {e}") from None
+        ids = ctx.encode(prompt, "messages", add_special_tokens=False)
+        grammar = chat_grammar(req)
+        top_n = (req.top_logprobs or 0) if req.logprobs else 0
+        max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        make = lambda n: params(req, n, max_new, top_n=top_n, grammar=grammar, default_max_new=100)  # noqa: E731
+        jobs = jobs_for([ids], make, req.n, req.seed)
+        if req.stream:
+            return stream(jobs, [ids], req, chat=True)
+        seqs = await ctx.collect(jobs)
+        choices = [{"index": j, "message": {"role": "assistant", "content": q.last.generated_text},
+                    "logprobs": chat_logprobs(q.tokens) if req.logprobs else None, "finish_reason": FINISH[q.last.finish_reason]}
+                   for j, q in enumerate(seqs)]
+        return {**head(True, False), "choices": choices, "usage": usage([ids], seqs)}
+
+    # -- streaming (both) -----------------------------------------------------------------------------------
+    def stream(jobs, prompts, req, *, chat: bool, echo: list[str] | None = None) -> StreamingResponse:
+        ctx.admit()  # fail before the 200 of the stream
+        h = head(chat, True)
+        per = len(jobs) // len(prompts)
+        want_lp = bool(req.logprobs) if chat else req.logprobs is not None
+
+        def choice(j, text, finish, toks):
+            if chat:
+                delta = ({"role": "assistant", "content": text} if text else {}) if finish is None else {}
+                return {"index": j, "delta": delta, "logprobs": chat_logprobs(toks) if want_lp and toks else None,
+                        "finish_reason": finish}
+            return {"index": j, "text": text, "finish_reason": finish,
+                    "logprobs": completion_logprobs(scored(None, None, toks), 0) if want_lp and toks else None}
+
+        async def chunks():
+            sent, pending = [""] * len(jobs), [[] for _ in jobs]
+            seqs = [Sequence() for _ in jobs]
+            try:
+                if echo:
+                    for i in range(len(jobs)):
+                        yield chunk({**h, "choices": [choice(i, echo[i // per], None, [])]})
+                async for i, ev, _ in ctx.stream(jobs):
+                    seqs[i].events.append(ev)
+                    if ev.token is not None:
+                        pending[i].append(ev.token)
+                    # stream the visible text (stop sequences trimmed), so chunks concatenate to the final text
+                    visible = ev.generated_text if ev.finish_reason else sent[i] + ("" if ev.token.special else ev.token.text)
+                    if ev.finish_reason is None and any(stop in visible for stop in jobs[i][1].stop):
+                        continue
+                    delta, sent[i] = visible[len(sent[i]):], visible
+                    if delta or (pending[i] and ev.finish_reason):
+                        yield chunk({**h, "choices": [choice(i, delta, None, pending[i])]})
+                        pending[i] = []
+                    if ev.finish_reason:
+                        yield chunk({**h, "choices": [choice(i, "", FINISH[ev.finish_reason], [])]})
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    yield chunk({**h, "choices": [], "usage": usage(prompts, seqs)})
+                yield "data: [DONE]\n\n"
+            except ApiError as e:
+                yield chunk({"error": e.message, "error_type": e.error_type})
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    @r.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{"id": s.model_id, "object": "model", "created": 0, "owned_by": "hqtflow"}]}
+
+    return r

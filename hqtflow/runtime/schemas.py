@@ -1,0 +1,268 @@
+"""Request models (pydantic) for the TGI and OpenAI routes, and their translation to engine SamplingParams.
+
+Every field of TGI's `GenerateParameters` and of OpenAI's completions/chat requests is declared: implemented, or
+refused with a 422 that names it. Unknown fields are a 422 naming them too (extra="forbid"); null is "not given".
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_STOP = 4
+MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
+MAX_BEST_OF = 4
+MAX_BODY = 1 << 20
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, error_type: str = "validation"):
+        super().__init__(message)
+        self.status, self.message, self.error_type = status, message, error_type
+
+
+def invalid(message: str) -> ApiError:
+    return ApiError(422, f"Input validation error: {message}")
+
+
+async def read_body(request) -> bytes:
+    """The request body, refused with 413 as soon as it passes MAX_BODY while it streams in (a chunked body has no
+    content-length to check first)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise ApiError(413, f"Request body larger than {MAX_BODY} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """Validate a JSON body; the first problem becomes TGI's 422 naming the field."""
+    if len(raw) > MAX_BODY:
+        raise ApiError(413, f"Request body larger than {MAX_BODY} bytes")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise invalid("the body is not valid JSON") from None
+        if err["type"] == "model_type" and not err["loc"]:
+            raise invalid("the body must be a JSON object") from None
+        field = ".".join(str(x) for x in err["loc"] if not isinstance(x, int) and not str(x).startswith(("list[", "str", "int")))
+        if err["type"] == "extra_forbidden":
+            raise invalid(f"`{field}` is not a supported parameter") from None
+        if err["type"] == "missing":
+            raise invalid(f"`{field}` is required") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise invalid(msg if msg.startswith("`") else f"`{field or 'body'}`: {msg}") from None
+
+
+class Strict(BaseModel):
+    """Unknown fields are refused; REFUSED names declared fields refused when given (not null/false/empty)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    REFUSED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="after")
+    def _refused(self):
+        for name, why in self.REFUSED.items():
+            if getattr(self, name) not in (None, False, [], {}):
+                raise ValueError(f"`{name}` is not supported: {why}")
+        return self
+
+
+Stop = Union[str, list[str], None]
+
+
+def stop_list(stop: Stop) -> tuple[str, ...]:
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not all(stop):
+        raise invalid("`stop` sequences cannot be empty")
+    if len(stop) > MAX_STOP:
+        raise invalid(f"`stop` supports up to {MAX_STOP} stop sequences. Given: {len(stop)}")
+    return tuple(stop)
+
+
+def check_range(name: str, v, lo=None, hi=None, lo_open=False, hi_open=False, text=None):
+    if v is None:
+        return
+    bad = (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and (v >= hi if hi_open else v > hi))
+    if bad:
+        raise ValueError(text or f"`{name}` must be {'>' if lo_open else '>='} {lo} and {'<' if hi_open else '<='} {hi}. Given: {v}")
+
+
+# ---- TGI ---------------------------------------------------------------------------------------------------
+
+class Grammar(Strict):
+    """TGI's grammar: "json" (value: a JSON schema), "regex" (a regex), "json_schema" (value: {"name", "schema"})."""
+    type: Literal["json", "regex", "json_schema"]
+    value: Union[str, dict]
+
+
+class TgiParameters(Strict):
+    adapter_id: str | None = None
+    best_of: int | None = None
+    decoder_input_details: bool = False
+    details: bool = False
+    do_sample: bool = False
+    frequency_penalty: float | None = None
+    grammar: Grammar | None = None
+    max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
+    return_full_text: bool | None = False
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: list[str] | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_n_tokens: int | None = None
+    top_p: float | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    watermark: bool = False
+
+    REFUSED: ClassVar[dict[str, str]] = {"adapter_id": "no LoRA adapters are loaded"}
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        check_range("temperature", self.temperature, 0, None, lo_open=True, text="`temperature` must be strictly positive")
+        check_range("repetition_penalty", self.repetition_penalty, 0, None, lo_open=True,
+                    text="`repetition_penalty` must be strictly positive")
+        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, text="`frequency_penalty` must be >= -2.0 and <= 2.0")
+        check_range("top_p", self.top_p, 0, 1, lo_open=True, text="`top_p` must be > 0.0 and <= 1.0")
+        check_range("typical_p", self.typical_p, 0, 1, lo_open=True, text="`typical_p` must be > 0.0 and <= 1.0")
+        check_range("top_k", self.top_k, 0, None, lo_open=True, text="`top_k` must be strictly positive")
+        check_range("top_n_tokens", self.top_n_tokens, 0, MAX_TOP_N_TOKENS)
+        check_range("max_new_tokens", self.max_new_tokens, 0, None, lo_open=True, text="`max_new_tokens` must be strictly positive")
+        check_range("best_of", self.best_of, 0, MAX_BEST_OF, lo_open=True)
+        if (self.best_of or 1) > 1:
+            if self.seed is not None:
+                raise ValueError("`seed` must not be set when `best_of` > 1")
+            if not self.sampling:
+                raise ValueError("you must use sampling when `best_of` is > 1")
+        return self
+
+    @property
+    def sampling(self) -> bool:
+        warpers = (self.temperature not in (None, 1.0) or self.top_k is not None or self.top_p not in (None, 1.0)
+                   or self.typical_p not in (None, 1.0))
+        return self.do_sample or warpers
+
+
+class TgiRequest(Strict):
+    inputs: str
+    parameters: TgiParameters = Field(default_factory=TgiParameters)
+    stream: bool = False
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _none(cls, v):
+        return {} if v is None else v
+
+
+class TokenizeRequest(Strict):
+    inputs: str
+    parameters: TgiParameters | None = None
+
+
+# ---- OpenAI ------------------------------------------------------------------------------------------------
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    REFUSED: ClassVar[dict[str, str]] = {"continuous_usage_stats": "usage is reported once, in the last chunk"}
+
+
+class OpenAICommon(Strict):
+    model: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: Stop = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None  # an end-user id for abuse tracking: no effect on output
+
+    @model_validator(mode="after")
+    def _common(self):
+        check_range("temperature", self.temperature, 0.0, 2.0)
+        check_range("top_p", self.top_p, 0, 1, lo_open=True, text="`top_p` must be > 0.0 and <= 1.0")
+        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_range("n", self.n, 1, MAX_BEST_OF)
+        for k, v in (self.logit_bias or {}).items():
+            if not k.isdigit():
+                raise ValueError(f"`logit_bias` keys must be token ids. Given: {k!r}")
+            check_range("logit_bias", v, -100, 100)
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("`stream_options` is only allowed when `stream` is true")
+        return self
+
+
+class CompletionRequest(OpenAICommon):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    REFUSED: ClassVar[dict[str, str]] = {"suffix": "no fill-in-the-middle model is served"}
+
+    @model_validator(mode="after")
+    def _completion(self):
+        check_range("logprobs", self.logprobs, 0, 5)
+        check_range("max_tokens", self.max_tokens, 0, None)
+        check_range("best_of", self.best_of, self.n, MAX_BEST_OF, text=f"`best_of` must be >= `n` and <= {MAX_BEST_OF}")
+        if self.stream and (self.best_of or self.n) > self.n:
+            raise ValueError("`best_of` > `n` is not supported when streaming")
+        return self
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+
+class ChatRequest(OpenAICommon):
+    messages: list[dict[str, Any]]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: Union[str, dict, None] = None
+    tool_prompt: str | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict] | None = None
+    function_call: Union[str, dict, None] = None
+
+    REFUSED: ClassVar[dict[str, str]] = {name: "tool calling is not implemented" for name in (
+        "tools", "tool_prompt", "parallel_tool_calls", "functions", "function_call")}
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v not in (None, "none", "auto"):
+            raise ValueError("`tool_choice` is not supported: tool calling is not implemented")
+        return v
+
+    @model_validator(mode="after")
+    def _chat(self):
+        if not self.messages:
+            raise ValueError("`messages` must be a non-empty list")
+        check_range("top_logprobs", self.top_logprobs, 0, 20)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("`top_logprobs` needs `logprobs` set to true")
+        check_range("max_tokens", self.max_tokens, 1, None, text="`max_tokens` must be strictly positive")
+        check_range("max_completion_tokens", self.max_completion_tokens, 1, None,
+                    text="`max_completion_tokens` must be strictly positive")
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema" and not isinstance((fmt.json_schema or {}).get("schema"), dict):
+            raise ValueError("`response_format.json_schema.schema` must be a JSON schema object")
+        return self

@@ -1,0 +1,149 @@
+"""TGI's routes: POST / (what text_generation.Client and huggingface_hub.InferenceClient call), /generate,
+/generate_stream, /tokenize, /info, /health."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hqtflow.runtime.api import Ctx, Sequence
+from hqtflow.runtime.engine import SamplingParams
+from hqtflow.runtime.grammar import GrammarError, compile_grammar
+from hqtflow.runtime.schemas import (MAX_BEST_OF, MAX_STOP, MAX_TOP_N_TOKENS, ApiError, TgiParameters, TgiRequest,
+                                     TokenizeRequest, invalid, parse, read_body, stop_list)
+
+
+def sse(data) -> str:
+    return f"data:{json.dumps(data)}\n\n"
+
+
+def sampling(ctx: Ctx, p: TgiParameters, n_input: int, default_max_new: int = 100) -> SamplingParams:
+    grammar = None
+    if p.grammar is not None:
+        kind, value = p.grammar.type, p.grammar.value
+        if kind == "json_schema":
+            kind, value = "json", value.get("schema") if isinstance(value, dict) else None
+        if not value:
+            raise invalid(f"`value` cannot be empty for `{p.grammar.type}` grammar")
+        try:
+            grammar = compile_grammar(ctx.tok, kind, value)
+        except GrammarError as e:
+            raise invalid(f"`grammar`: {e}") from None
+    return SamplingParams(
+        max_new_tokens=ctx.max_new(n_input, p.max_new_tokens, default_max_new), do_sample=p.sampling,
+        temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
+        repetition_penalty=p.repetition_penalty or 1.0, tgi_frequency_penalty=p.frequency_penalty or 0.0,
+        stop=stop_list(p.stop), seed=p.seed, watermark=p.watermark, top_n=p.top_n_tokens or 0,
+        prompt_logprobs=0 if p.decoder_input_details else None, grammar=grammar)
+
+
+def tgi_router(ctx: Ctx) -> APIRouter:
+    r, tok, s = APIRouter(), ctx.tok, ctx.s
+
+    def token_json(t):
+        return {"id": t.id, "text": t.text, "logprob": t.logprob, "special": t.special}
+
+    def top_json(t):
+        return [{"id": i, "text": tok.decode([i]), "logprob": lp, "special": i in ctx.engine.special} for i, lp in t.top]
+
+    def prepare(req: TgiRequest, stream: bool):
+        p = req.parameters
+        if stream and (p.best_of or 1) > 1:
+            raise invalid("`best_of` != 1 is not supported when streaming tokens")
+        if stream and p.decoder_input_details:
+            raise invalid("`decoder_input_details` == true is not supported when streaming tokens")
+        ids = ctx.encode(req.inputs)
+        if p.truncate is not None:
+            if not 0 < p.truncate <= s.max_input_tokens:
+                raise invalid(f"`truncate` must be strictly positive and less than {s.max_input_tokens}. Given: {p.truncate}")
+            ids = ids[-p.truncate:]
+        return ids, p, sampling(ctx, p, len(ids))
+
+    def details(seq: Sequence, ids: list[int], p: TgiParameters) -> dict:
+        prefill = []
+        if p.decoder_input_details:
+            prefill = [{"id": i, "text": tok.decode([i]), "logprob": lp} for i, (lp, _) in zip(ids, seq.last.prompt)]
+        out = {"finish_reason": seq.last.finish_reason, "generated_tokens": len(seq.tokens), "seed": seq.handle.seed,
+               "prefill": prefill, "tokens": [token_json(t) for t in seq.tokens]}
+        if p.top_n_tokens:
+            out["top_tokens"] = [top_json(t) for t in seq.tokens]
+        return out
+
+    async def generate_json(req: TgiRequest) -> dict:
+        ids, p, params = prepare(req, stream=False)
+        seqs = await ctx.collect([(ids, params)] * (p.best_of or 1))
+        best = max(seqs, key=lambda q: q.logprob)  # TGI: the sequence with the highest total logprob
+        head = req.inputs if p.return_full_text else ""
+        out = {"generated_text": head + best.last.generated_text}
+        if p.details:  # as TGI: the other sequences are in details.best_of_sequences, when details are asked for
+            out["details"] = details(best, ids, p)
+            if len(seqs) > 1:
+                out["details"]["best_of_sequences"] = [{"generated_text": head + q.last.generated_text, **details(q, ids, p)}
+                                                       for q in seqs if q is not best]
+        return out
+
+    def generate_stream_response(req: TgiRequest) -> StreamingResponse:
+        ids, p, params = prepare(req, stream=True)
+        ctx.admit()  # fail before the 200 of the stream
+
+        async def events():
+            try:
+                async for _, ev, handle in ctx.stream([(ids, params)]):
+                    out = {"index": ev.index, "token": token_json(ev.token),
+                           "top_tokens": top_json(ev.token) if p.top_n_tokens else None, "generated_text": None, "details": None}
+                    if ev.finish_reason:
+                        out["generated_text"] = (req.inputs if p.return_full_text else "") + ev.generated_text
+                        out["details"] = {"finish_reason": ev.finish_reason, "generated_tokens": ev.index + 1,
+                                          "seed": handle.seed, "input_length": len(ids)}
+                    yield sse(out)
+            except ApiError as e:
+                yield sse({"error": e.message, "error_type": e.error_type})
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @r.post("/")
+    async def compat(request: Request):
+        """TGI's route for its clients: {"inputs", "parameters", "stream"}; a list of one result, or SSE."""
+        req = parse(TgiRequest, await read_body(request))
+        if req.stream:
+            return generate_stream_response(req)
+        return [await generate_json(req)]
+
+    def no_stream_field(req: TgiRequest, route: str) -> TgiRequest:
+        if "stream" in req.model_fields_set:  # only POST / switches on it; here it would be ignored
+            raise invalid(f"`stream` is not a parameter of {route} (use POST / or /generate_stream)")
+        return req
+
+    @r.post("/generate")
+    async def generate(request: Request):
+        return await generate_json(no_stream_field(parse(TgiRequest, await read_body(request)), "/generate"))
+
+    @r.post("/generate_stream")
+    async def generate_stream(request: Request):
+        return generate_stream_response(no_stream_field(parse(TgiRequest, await read_body(request)), "/generate_stream"))
+
+    @r.get("/health")
+    async def health():
+        if not ctx.state["ready"]:
+            return JSONResponse({"error": "warming up", "error_type": "unhealthy"}, 503)
+        return Response(status_code=200)
+
+    @r.get("/info")
+    async def info():
+        from hqtflow import __version__
+
+        return {"model_id": s.model_id, "model_sha": None, "model_dtype": s.dtype, "model_device_type": ctx.engine.device.type,
+                "max_concurrent_requests": s.max_concurrent_requests, "max_best_of": MAX_BEST_OF, "max_stop_sequences": MAX_STOP,
+                "max_input_tokens": s.max_input_tokens, "max_total_tokens": s.max_total_tokens, "validation_workers": 1,
+                "max_client_batch_size": 1, "max_top_n_tokens": MAX_TOP_N_TOKENS, "router": "hqtflow", "version": __version__}
+
+    @r.post("/tokenize")
+    async def tokenize(request: Request):
+        inputs = parse(TokenizeRequest, await read_body(request)).inputs
+        ctx.encode(inputs)
+        enc = tok(inputs, return_offsets_mapping=True)
+        return [{"id": i, "text": inputs[a:b], "start": a, "stop": b} for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
+
+    return r

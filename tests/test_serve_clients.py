@@ -1,0 +1,315 @@
+"""`hqtflow serve` driven by the official clients (text_generation, huggingface_hub, openai) and by lm-eval's
+local-completions, on a real uvicorn server over a tiny Llama; plus TGI's error contract on every status."""
+
+import json
+import re
+
+import httpx
+import pytest
+import torch
+
+from conftest import need, running
+from hqtflow.runtime.server import ServeSettings, create_app
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+PROMPT = "The tower is"
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_llama):
+    from hqtflow import models
+
+    tok = models.load_tokenizer(tiny_llama)
+    tok.chat_template = CHAT_TEMPLATE
+    return models.load_model(tiny_llama, "fp32"), tok
+
+
+@pytest.fixture(scope="module")
+def url(lm):
+    app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=48, max_total_tokens=96, max_batch_size=8))
+    with running(app) as base:
+        yield base
+
+
+def client_lib(name):
+    try:
+        return __import__(name)
+    except ImportError as e:
+        need(False, f"{name} is not installed ({e}); see the test extra in pyproject.toml")
+
+
+def alone(lm, ids, n):
+    model, tok = lm
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def prompt_logprobs(lm, ids):
+    with torch.inference_mode():
+        lp = torch.log_softmax(lm[0](torch.tensor([ids])).logits[0].float(), -1)
+    return [float(lp[i, t]) for i, t in enumerate(ids[1:])], lp
+
+
+def test_text_generation_client(url, lm):
+    tg = client_lib("text_generation")
+    tok = lm[1]
+    ids = tok(PROMPT)["input_ids"]
+    ref = alone(lm, ids, 8)
+    c = tg.Client(url, timeout=60)
+    r = c.generate(PROMPT, max_new_tokens=8, decoder_input_details=True, top_n_tokens=3)
+    assert [t.id for t in r.details.tokens] == ref and r.generated_text == tok.decode(ref, skip_special_tokens=True)
+    want, _ = prompt_logprobs(lm, ids)
+    prefill = r.details.prefill
+    assert [t.id for t in prefill] == ids and prefill[0].logprob is None
+    assert [t.logprob for t in prefill[1:]] == pytest.approx(want, abs=1e-4)
+    assert len(r.details.top_tokens) == 8 and all(len(top) == 3 for top in r.details.top_tokens)
+    for chosen, top in zip(r.details.tokens, r.details.top_tokens):  # greedy: the chosen token is the top one
+        assert top[0].id == chosen.id and top[0].logprob == pytest.approx(chosen.logprob)
+    best = c.generate(PROMPT, max_new_tokens=6, best_of=3, do_sample=True, temperature=1.5)
+    others = best.details.best_of_sequences
+    assert len(others) == 2
+    total = sum(t.logprob for t in best.details.tokens)
+    assert all(total >= sum(t.logprob for t in o.tokens) for o in others)
+    short = c.generate(PROMPT + " " + PROMPT, max_new_tokens=2, truncate=3, decoder_input_details=True)
+    assert [t.id for t in short.details.prefill] == tok(PROMPT + " " + PROMPT)["input_ids"][-3:]
+    streamed = list(c.generate_stream(PROMPT, max_new_tokens=8, top_n_tokens=2))
+    assert [e.token.id for e in streamed] == ref and all(len(e.top_tokens) == 2 for e in streamed)
+    assert streamed[-1].generated_text == r.generated_text and streamed[-1].details.finish_reason == "length"
+    with pytest.raises(tg.errors.ValidationError, match="best_of"):
+        c.generate(PROMPT, max_new_tokens=2, best_of=9, do_sample=True)
+    # TGI's regex grammar through xgrammar: exactly three digits, then the grammar ends the sequence
+    g = c.generate(PROMPT, max_new_tokens=10, grammar={"type": "regex", "value": "[0-9]{3}"})
+    assert re.fullmatch("[0-9]{3}", g.generated_text) and g.details.finish_reason == "eos_token"
+    schema = {"name": "answer", "schema": {"enum": ["yes", "no"]}}  # TGI 3's json_schema grammar
+    r = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 10, "grammar": {"type": "json_schema", "value": schema}}}).json()
+    assert json.loads(r["generated_text"]) in ("yes", "no")
+
+
+def test_huggingface_hub_inference_client(url, lm, monkeypatch):
+    hub = client_lib("huggingface_hub")
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)  # the tests run offline; the server is on loopback
+    tok = lm[1]
+    ids = tok(PROMPT)["input_ids"]
+    want = tok.decode(alone(lm, ids, 8), skip_special_tokens=True)
+    c = hub.InferenceClient(base_url=url, timeout=60)
+    assert c.text_generation(PROMPT, max_new_tokens=8) == want
+    d = c.text_generation(PROMPT, max_new_tokens=8, details=True, decoder_input_details=True)
+    assert d.generated_text == want and len(d.details.prefill) == len(ids) and d.details.generated_tokens == 8
+    assert "".join(c.text_generation(PROMPT, max_new_tokens=8, stream=True)) == want
+    events = list(c.text_generation(PROMPT, max_new_tokens=8, stream=True, details=True, top_n_tokens=2))
+    assert events[-1].generated_text == want and events[-1].details.finish_reason == "length"
+    assert all(len(e.top_tokens) == 2 for e in events)
+    chat_ids = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    chat_want = tok.decode(alone(lm, tok(chat_ids, add_special_tokens=False)["input_ids"], 6), skip_special_tokens=True)
+    v1 = hub.InferenceClient(base_url=f"{url}/v1", timeout=60)
+    out = v1.chat_completion(MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    assert out.choices[0].message.content == chat_want
+    content = out.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(x.top_logprobs) == 2 for x in content)
+    parts = [ch.choices[0].delta.content or "" for ch in v1.chat_completion(MESSAGES, max_tokens=6, temperature=0, stream=True)
+             if ch.choices]
+    assert "".join(parts) == chat_want
+
+
+def test_openai_completions_score_text(url, lm):
+    openai = client_lib("openai")
+    tok = lm[1]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    ids = tok(PROMPT)["input_ids"]
+    want, lp = prompt_logprobs(lm, ids)
+    # lm-eval's loglikelihood request: token ids, echo, logprobs=1, max_tokens=1, batched
+    other = tok("A river")["input_ids"]
+    c = client.completions.create(model="tiny", prompt=[ids, other], echo=True, logprobs=1, max_tokens=1, temperature=0)
+    assert [ch.index for ch in c.choices] == [0, 1]
+    ch = c.choices[0]
+    assert ch.logprobs.token_logprobs[0] is None and ch.logprobs.token_logprobs[1:-1] == pytest.approx(want, abs=1e-4)
+    assert len(ch.logprobs.tokens) == len(ids) + 1 and ch.text.startswith(tok.decode(ids))
+    assert max(ch.logprobs.top_logprobs[1].values()) == pytest.approx(float(lp[0].max()), abs=1e-4)
+    assert c.usage.prompt_tokens == len(ids) + len(other) and c.usage.completion_tokens == 2
+    zero = client.completions.create(model="tiny", prompt=PROMPT, echo=True, logprobs=0, max_tokens=0)
+    assert zero.choices[0].text == PROMPT and zero.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert zero.usage.completion_tokens == 0
+    strs = client.completions.create(model="tiny", prompt=[PROMPT, "A river"], max_tokens=4, temperature=0)
+    assert strs.choices[1].text == tok.decode(alone(lm, tok("A river")["input_ids"], 4), skip_special_tokens=True)
+    n = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, n=2, temperature=1.0, seed=1, logprobs=2)
+    assert [x.index for x in n.choices] == [0, 1] and all(len(x.logprobs.tokens) == len(x.logprobs.top_logprobs) for x in n.choices)
+    again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, n=2, temperature=1.0, seed=1, logprobs=2)
+    assert [x.text for x in again.choices] == [x.text for x in n.choices]
+    best = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, n=1, best_of=3, temperature=1.0, logprobs=0)
+    assert len(best.choices) == 1
+    greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, echo=True)
+    parts = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, echo=True,
+                                           stream=True, stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in parts if p.choices) == greedy.choices[0].text
+    streamed = [lp for p in parts if p.choices and p.choices[0].logprobs for lp in p.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(greedy.choices[0].logprobs.token_logprobs[len(ids):], abs=1e-5)
+    assert parts[-1].usage.completion_tokens == 6
+    with pytest.raises(openai.UnprocessableEntityError) as e:  # TGI's error body: the client keeps its "error"
+        client.completions.create(model="tiny", prompt=PROMPT, temperature=2.5)
+    assert "`temperature` must be >= 0.0 and <= 2.0" in e.value.body
+
+
+def test_openai_chat_n_logprobs_usage_and_json(url, lm):
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, n=2, temperature=0.9, seed=4,
+                                          logprobs=True, top_logprobs=3, presence_penalty=0.5, frequency_penalty=0.5)
+    assert len(chat.choices) == 2 and sum(len(c.logprobs.content) for c in chat.choices) == chat.usage.completion_tokens
+    for c in chat.choices:
+        assert all(len(t.top_logprobs) == 3 for t in c.logprobs.content)
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, n=2, temperature=0.9, seed=4,
+                                                 stream=True, stream_options={"include_usage": True}, presence_penalty=0.5,
+                                                 frequency_penalty=0.5))
+    texts = ["", ""]
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in chat.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    schema = {"enum": ["yes", "no"]}
+    js = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
+                                        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert json.loads(js.choices[0].message.content) in ("yes", "no") and js.choices[0].finish_reason == "stop"
+
+
+REFUSED = [
+    ("/generate", {"inputs": PROMPT, "parameters": {"typical_p": 1.5}}, "typical_p"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"truncate": -1}}, "truncate"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"best_of": 9, "do_sample": True}}, "best_of"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"best_of": 2}}, "best_of"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"top_n_tokens": 50}}, "top_n_tokens"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"frequency_penalty": 3}}, "frequency_penalty"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"adapter_id": "lora"}}, "adapter_id"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"grammar": {"type": "json", "value": "{"}}}, "grammar"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"grammar": {"type": "regex", "value": ""}}}, "value"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"grammar": {"type": "lark", "value": "x"}}}, "grammar"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"foo": 1}}, "foo"),
+    ("/generate_stream", {"inputs": PROMPT, "parameters": {"decoder_input_details": True}}, "decoder_input_details"),
+    ("/generate", {"inputs": PROMPT, "stream": True}, "stream"),
+    ("/", {"inputs": PROMPT, "stream": True, "parameters": {"best_of": 2, "do_sample": True}}, "best_of"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": 2.5}, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "suffix": "x"}, "suffix"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [10**9], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "presence_penalty": -3}, "presence_penalty"),
+    ("/v1/completions", {"prompt": [[1]] * 40, "n": 2, "max_tokens": 1}, "`prompt`"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 9}, "`n`"),
+]
+
+
+def test_refused_parameters_are_named(url):
+    for path, body, name in REFUSED:
+        r = httpx.post(f"{url}{path}", json=body)
+        assert r.status_code == 422, (path, body, r.text)
+        assert set(r.json()) == {"error", "error_type"} and name in r.json()["error"], (body, r.json())
+
+
+def test_error_json_and_content_type(url):
+    for r, status in ((httpx.get(f"{url}/nope"), 404), (httpx.get(f"{url}/generate"), 405),
+                      (httpx.post(f"{url}/generate", content=json.dumps({"inputs": PROMPT}), headers={"content-type": "text/plain"}), 415),
+                      (httpx.post(f"{url}/", content=json.dumps({"inputs": PROMPT})), 415),
+                      (httpx.post(f"{url}/generate", json={"inputs": ""}), 422)):
+        assert r.status_code == status and set(r.json()) == {"error", "error_type"}, (status, r.text)
+    text = httpx.get(f"{url}/metrics").text
+    for name in ("tgi_request_queue_duration_bucket", "tgi_request_mean_time_per_token_duration_count", "tgi_batch_next_size_sum",
+                 "# TYPE tgi_request_count counter", "# TYPE tgi_request_success counter", "# TYPE tgi_request_failure counter"):
+        assert name in text, name
+    count = lambda t: float(re.search(r"^tgi_request_count (\S+)", t, re.M).group(1))  # noqa: E731
+    before = count(text)
+    httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"typical_p": 2}})
+    assert count(httpx.get(f"{url}/metrics").text) == before + 1  # validation failures are counted
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions_matches_in_process(tiny_llama, wiki_text, data_dir, tmp_path):
+    """lm-eval's local-completions against the server gives the in-process `hqtflow eval` metrics (FP8 checkpoint)."""
+    from conftest import run_cli
+    from lm_eval.evaluator import simple_evaluate
+
+    from hqtflow import lmeval
+    from hqtflow.eval_run import run_eval
+    from hqtflow.evaluate import load_any
+
+    meas, ck, tasks = tmp_path / "m", tmp_path / "fp8", tmp_path / "tasks"
+    assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2").exit_code == 0
+    assert run_cli("quantize", "-m", meas, "-o", ck).exit_code == 0
+    tasks.mkdir()
+    (tasks / "lambada_gen.yaml").write_text(GEN_TASK.format(data=data_dir / "lambada_openai.jsonl"))
+    names, limit = ["lambada_openai_local", "lambada_gen"], 12
+    local = json.loads(run_eval(str(ck), baseline=None, use_source=False, tasks=tuple(names), include_path=(str(tasks),),
+                                data_dir=str(data_dir), limit=limit, batch_size=4, ppl_file=None, ppl_windows=None,
+                                report=tmp_path / "r.json", backend="auto") and (tmp_path / "r.json").read_text())
+    model, tok, _ = load_any(str(ck))
+    with running(create_app(model, tok, ServeSettings(model_id="fp8", max_input_tokens=1023, max_total_tokens=1024))) as base:
+        res = simple_evaluate(model="local-completions", model_args=f"model=fp8,base_url={base}/v1/completions,tokenizer={ck},"
+                              "num_concurrent=1,max_retries=1,batch_size=4,tokenized_requests=True", tasks=names, limit=limit,
+                              task_manager=lmeval.task_manager([tasks], data_dir, names), bootstrap_iters=0, verbosity="ERROR",
+                              log_samples=True)
+    served = {t: {k.split(",")[0]: v for k, v in m.items() if isinstance(v, (int, float))} for t, m in res["results"].items()}
+    print("served", served, "local", local)
+    assert served["lambada_openai_local"]["acc"] == pytest.approx(_metric(local, "lambada_openai_local", "acc"))
+    assert served["lambada_openai_local"]["perplexity"] == pytest.approx(_metric(local, "lambada_openai_local", "perplexity"), rel=1e-2)
+    assert served["lambada_gen"]["exact_match"] == _metric(local, "lambada_gen", "exact_match")
+    # a random model scores 0 either way: the generations themselves are the greedy in-process ones
+    samples = res["samples"]["lambada_gen"]
+    assert len(samples) == limit
+    for sample in samples:
+        args = sample["arguments"]
+        context = args["gen_args_0"]["arg_0"] if isinstance(args, dict) else args[0][0]
+        ids = tok(context, add_special_tokens=False)["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+        want = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+        for stop in ("\n", "."):
+            want = want.split(stop)[0]
+        assert sample["filtered_resps"][0] == want, sample
+
+
+GEN_TASK = """task: lambada_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: "{data}"
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{' ' + continuation}}}}"
+generation_kwargs:
+  until: ["\\n", "."]
+  max_gen_toks: 6
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def _metric(report, task, metric):
+    (results,) = report["results"].values()
+    return results["tasks"][task][metric]
+
+
+@pytest.mark.slow
+def test_smollm2_json_schema_chat(smollm2):
+    """The real SmolLM2 answers in the asked JSON schema (xgrammar masks the logits), via the openai client."""
+    openai = client_lib("openai")
+    from hqtflow import models
+
+    app = create_app(models.load_model(smollm2, "bf16"), models.load_tokenizer(smollm2), ServeSettings(model_id="smollm2"))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    with running(app) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+        r = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+            max_tokens=40, temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    answer = json.loads(r.choices[0].message.content)
+    assert set(answer) == {"city", "country"} and r.choices[0].finish_reason == "stop", answer
