@@ -150,7 +150,7 @@ def main() -> None:
     for label, num, den, target in ratios:
         if num in results and den in results:
             vals = [results[num][b] / results[den][b] for b in batches]
-            verdict = "" if target is None else ("  target >= %.0fx: %s" % (target, "met" if min(vals) >= target else "NOT met"))
+            verdict = "" if target is None else ("  target >= %gx: %s" % (target, "met" if min(vals) >= target else "NOT met"))
             missed |= target is not None and min(vals) < target
             print(f"{label:45}" + "".join(f"{f'b{b} {v:.2f}x':>12}" for b, v in zip(batches, vals)) + verdict)
     if a.profile or missed:

@@ -93,14 +93,14 @@ struct F32 {
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V widen(const uint8_t* p, bool e4m3) {  // W bytes -> fp32 (E4M3 scaled by 2^-8)
+  static HQT_INLINE V widen(const uint8_t* p, bool e4m3) {  // W bytes -> fp32 (E4M3 scaled by 2^-8)
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     __m256i h = e4m3 ? _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
                                         _mm256_set1_epi16(static_cast<short>(0xBFFF)))
                      : _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
     return _mm512_cvtph_ps(h);
   }
-  static V round_bf16(V v) {  // round to nearest even at 16 bits (finite values)
+  static HQT_INLINE V round_bf16(V v) {  // round to nearest even at 16 bits (finite values)
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
@@ -124,13 +124,13 @@ struct F32 {
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V widen(const uint8_t* p, bool e4m3) {
+  static HQT_INLINE V widen(const uint8_t* p, bool e4m3) {
     __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     __m128i h = e4m3 ? _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(static_cast<short>(0xBFFF)))
                      : _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
     return _mm256_cvtph_ps(h);
   }
-  static V round_bf16(V v) {
+  static HQT_INLINE V round_bf16(V v) {
     __m256i u = _mm256_castps_si256(v);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
@@ -153,8 +153,8 @@ struct F32 {  // portable fallback: one lane
   static void store(float* p, V v) { *p = v; }
   static V mul(V a, V b) { return a * b; }
   static V fma(V a, V b, V c) { return std::fma(a, b, c); }
-  static V widen(const uint8_t* p, bool e4m3) { return widen_scalar(*p, e4m3); }
-  static V round_bf16(V v) { return round_to(v, at::kBFloat16); }
+  static HQT_INLINE V widen(const uint8_t* p, bool e4m3) { return widen_scalar(*p, e4m3); }
+  static HQT_INLINE V round_bf16(V v) { return round_to(v, at::kBFloat16); }
   static V round_fp16(V v) { return round_to(v, at::kHalf); }
   static HQT_INLINE float hsum(V v) { return v; }
 };
@@ -170,17 +170,17 @@ struct Weight {
   float s(int64_t n) const { return per_channel ? scale[n] : scale[0]; }
 };
 
+// The last, partial vector of a row, zero past K.
+__attribute__((noinline)) F32::V widen_tail(const uint8_t* p, int64_t n, bool e4m3) {
+  alignas(64) uint8_t tail[64] = {0};
+  std::memcpy(tail, p, n);
+  return F32::widen(tail, e4m3);
+}
+
 // fp32 path: W fp32 values of w_q starting at row n, column k (bytes past K read as 0).
-inline F32::V widen_f32(const Weight& wt, int64_t n, int64_t k, F32::V sv) {
+HQT_INLINE F32::V widen_f32(const Weight& wt, int64_t n, int64_t k, F32::V sv) {
   const uint8_t* p = wt.w + n * wt.K + k;
-  F32::V v;
-  if (k + F32::W <= wt.K) {
-    v = F32::widen(p, wt.e4m3);
-  } else {
-    alignas(64) uint8_t tail[64] = {0};
-    std::memcpy(tail, p, wt.K - k);
-    v = F32::widen(tail, wt.e4m3);
-  }
+  F32::V v = k + F32::W <= wt.K ? F32::widen(p, wt.e4m3) : widen_tail(p, wt.K - k, wt.e4m3);
   v = F32::mul(v, sv);  // (v * 2^-8) * (s * 2^8): the exact product v * s, rounded once to fp32
   if (wt.hp == at::kBFloat16) return F32::round_bf16(v);
   if (wt.hp == at::kHalf) return F32::round_fp16(v);
@@ -605,14 +605,19 @@ void rows_in_registers(const Problem& p, int64_t n0, int64_t n1) {
   }
 #endif
   const float* x = static_cast<const float*>(p.x);
+  const F32::V s0 = F32::set1(wt.s(0) * widen_factor(wt));  // per-tensor: one scale register for every row
   for (int64_t n = n0; n < n1; n += NR) {
     const int64_t nr = std::min<int64_t>(NR, n1 - n);
     F32::V sv[NR];
     for (int64_t r = 0; r < nr; ++r) sv[r] = F32::set1(wt.s(n + r) * widen_factor(wt));
     for (int64_t m = 0; m < p.M; m += kMR)
       dispatch<kMR, NR>(std::min<int64_t>(kMR, p.M - m), nr, [&](auto MR, auto R) {
-        auto src = [&](int r, int64_t k) { return widen_f32(wt, n + r, k, sv[r]); };
-        tile_f32<decltype(MR)::value, decltype(R)::value>(x, p.Kp, m, n, src, p.out);
+        constexpr int mr = decltype(MR)::value, rr = decltype(R)::value;
+        if (wt.per_channel) {
+          tile_f32<mr, rr>(x, p.Kp, m, n, [&](int r, int64_t k) { return widen_f32(wt, n + r, k, sv[r]); }, p.out);
+        } else {
+          tile_f32<mr, rr>(x, p.Kp, m, n, [&](int r, int64_t k) { return widen_f32(wt, n + r, k, s0); }, p.out);
+        }
       });
   }
 }
