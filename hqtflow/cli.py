@@ -337,7 +337,7 @@ def handoff(
     measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="With a recipe SOURCE: the artifact (default: the recipe's output).")] = None,
     recipe: Annotated[Optional[Path], typer.Option("--recipe", help="With an artifact SOURCE: the recipe whose gaudi flags to use (default: the one recorded).")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Model id or folder for the commands (default: the recipe's / the artifact's).")] = None,
-    handoff_dir: Annotated[Optional[Path], typer.Option("--dir", help="Where the QUANT_CONFIG copies go (default: the script's folder, else ./hqtflow-handoff).")] = None,
+    handoff_dir: Annotated[Optional[Path], typer.Option("--dir", help="Where the QUANT_CONFIG copies go (default: beside the script, in a folder named after it; else ./hqtflow-handoff).")] = None,
     image: Annotated[str, typer.Option(help="TGI-Gaudi image.")] = "ghcr.io/huggingface/tgi-gaudi:2.0.1",
     port: Annotated[int, typer.Option(help="TGI-Gaudi: host port.")] = 8080,
     volume: Annotated[Optional[Path], typer.Option(help="TGI-Gaudi: host folder mounted at /data (hub cache; default DIR/data).")] = None,
@@ -347,10 +347,13 @@ def handoff(
 
     if to not in h.TARGETS:
         raise HqtflowError(f"Unknown --to {to!r}; valid values are {', '.join(h.TARGETS)}.")
-    if output is not None and (output.is_dir() or not output.parent.is_dir()):
-        raise HqtflowError(f"Cannot write the script {output}: it is a directory or its folder does not exist.")
+    if output is not None and (output.is_dir() or output.suffix == ""):
+        raise HqtflowError(f"Cannot write the script {output}: name a file with a suffix (e.g. run.sh), not a directory.")
     job = h.plan_job(source, mode=mode, world_size=world_size, model=model, measurement=measurement, recipe=recipe)
-    directory = handoff_dir or (output.parent if output is not None else Path("hqtflow-handoff"))
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    # each script gets its own folder of configs: two hand-offs never share (and overwrite) a QUANT_CONFIG copy
+    directory = handoff_dir or (output.with_suffix("") if output is not None else Path("hqtflow-handoff"))
     plan = h.optimum_habana(job, directory) if to == "optimum-habana" else \
         h.tgi_gaudi(job, directory, image=image, port=port, volume=volume)
     h.write_handoff(plan, directory)

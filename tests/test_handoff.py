@@ -153,7 +153,7 @@ def test_optimum_habana_paths_and_config(arts, name, world, inc, tmp_path):
     assert w == world
     assert script == "run_generation.py"
     qc = Path(env["QUANT_CONFIG"])
-    assert qc.is_absolute() and qc.is_file() and qc.parent.parent == tmp_path  # a copy beside the script
+    assert qc.is_absolute() and qc.is_file() and qc.parent.parent == tmp_path / "run"  # a copy beside the script
     raw = check_config(qc, inc, mode="QUANTIZE", files_base=art.resolve() / "measure", world=world)
     if name == "s2":  # scale files: used as they are
         assert raw["recalc_scales"] is False
@@ -195,9 +195,23 @@ def test_measure_handoff_round_trip(arts, inc, tmp_path):
     assert (world, script) == (8, "run_lm_eval.py")
     raw = check_config(Path(env["QUANT_CONFIG"]), inc, mode="MEASURE", files_base=None, world=8)
     dump = Path(raw["dump_stats_path"])
-    assert dump.parent == tmp_path / "hqt_output" and dump.parent.is_dir()
+    assert dump.parent == tmp_path / "run" / "hqt_output" and dump.parent.is_dir()
     text = (tmp_path / "run.sh").read_text()
-    assert f"hqtflow import-hqt {tmp_path / 'hqt_output'}" in text
+    assert f"hqtflow import-hqt {tmp_path / 'run' / 'hqt_output'}" in text
+
+
+def test_two_handoffs_keep_their_own_configs(arts, tmp_path):
+    """Scripts side by side (8 -> 1 and 8 -> 2, both maxabs_quant.json) each point at their own artifact."""
+    paths = {}
+    for name in ("m8to1", "m8to2"):
+        script = tmp_path / f"{name}.sh"
+        assert run_cli("handoff", RECIPES / "llama2-70b-8x.yaml", "-m", arts[name], "--to", "optimum-habana",
+                       "-o", script).exit_code == 0
+        [cmd] = commands(script.read_text())
+        paths[name] = Path(split_env(cmd)[0]["QUANT_CONFIG"])
+    assert paths["m8to1"] != paths["m8to2"]
+    for name, qc in paths.items():
+        assert json.loads(qc.read_text())["dump_stats_path"] == str(arts[name].resolve() / "measure")
 
 
 def seed_blocks(name: str) -> list[list[str]]:
@@ -285,6 +299,7 @@ def test_refusals(arts, tmp_path):
 
     refused([tmp_path / "nope", "--to", "optimum-habana"], "does not exist")
     refused([arts["m2"], "--to", "gaudi-cloud"], "Unknown --to 'gaudi-cloud'")
+    refused([arts["m2"], "--to", "tgi-gaudi", "-o", tmp_path], "not a directory")
     refused([arts["m2"], "--to", "tgi-gaudi", "--mode", "measure"], "TGI-Gaudi only serves")
     refused([arts["m2"], "--to", "optimum-habana", "--world-size", "1"], "unify it first")
     refused([arts["m2"], "--to", "optimum-habana", "--mode", "bake"], "Unknown --mode")
