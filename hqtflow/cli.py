@@ -326,6 +326,43 @@ def inspect(
     typer.echo(run_inspect(artifact, compare=compare, json_path=json_out, html_path=html_out, top=top))
 
 
+@app.command()
+@user_errors
+def handoff(
+    source: Annotated[Path, typer.Argument(help="Recipe (.yaml) or artifact: a measurement (measure, unify, import-hqt) or scale files (quantize --scales-only --scales-for gaudi2).")],
+    to: Annotated[str, typer.Option("--to", help="optimum-habana (run_generation.py / run_lm_eval.py) or tgi-gaudi (docker run).")] = ...,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Also write the commands as an executable script here.")] = None,
+    mode: Annotated[str, typer.Option(help="quantize (QUANT_CONFIG QUANTIZE, the artifact's files) or measure (optimum-habana measures on Gaudi).")] = "quantize",
+    world_size: Annotated[Optional[int], typer.Option(help="Cards; must equal the artifact's ranks in quantize mode (unify first).")] = None,
+    measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="With a recipe SOURCE: the artifact (default: the recipe's output).")] = None,
+    recipe: Annotated[Optional[Path], typer.Option("--recipe", help="With an artifact SOURCE: the recipe whose gaudi flags to use (default: the one recorded).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="Model id or folder for the commands (default: the recipe's / the artifact's).")] = None,
+    handoff_dir: Annotated[Optional[Path], typer.Option("--dir", help="Where the QUANT_CONFIG copies go (default: beside the script, in a folder named after it; else ./hqtflow-handoff).")] = None,
+    image: Annotated[str, typer.Option(help="TGI-Gaudi image.")] = "ghcr.io/huggingface/tgi-gaudi:2.0.1",
+    port: Annotated[int, typer.Option(help="TGI-Gaudi: host port.")] = 8080,
+    volume: Annotated[Optional[Path], typer.Option(help="TGI-Gaudi: host folder mounted at /data (hub cache; default DIR/data).")] = None,
+) -> None:
+    """Print the optimum-habana or TGI-Gaudi command lines (QUANT_CONFIG, world size, docker mounts) for a recipe or artifact."""
+    from hqtflow import handoff as h
+
+    if to not in h.TARGETS:
+        raise HqtflowError(f"Unknown --to {to!r}; valid values are {', '.join(h.TARGETS)}.")
+    if output is not None and (output.is_dir() or output.suffix == ""):
+        raise HqtflowError(f"Cannot write the script {output}: name a file with a suffix (e.g. run.sh), not a directory.")
+    job = h.plan_job(source, mode=mode, world_size=world_size, model=model, measurement=measurement, recipe=recipe)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    # each script gets its own folder of configs: two hand-offs never share (and overwrite) a QUANT_CONFIG copy
+    directory = handoff_dir or (output.with_suffix("") if output is not None else Path("hqtflow-handoff"))
+    plan = h.optimum_habana(job, directory) if to == "optimum-habana" else \
+        h.tgi_gaudi(job, directory, image=image, port=port, volume=volume)
+    h.write_handoff(plan, directory)
+    text = h.render_script(plan, target=to, source=str(source))
+    if output is not None:
+        h.write_script(text, output)
+    typer.echo(text.rstrip("\n"))
+
+
 serve_app = typer.Typer(help="Serve a model over HTTP: TGI routes (/generate, /generate_stream, /metrics ...) and OpenAI /v1.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
 

@@ -2,7 +2,8 @@
 
 Keys (all optional except `model`): name, model, model_type, cards, dtype, config, calibration {tasks,
 include_path, data_dir, text, text_field, limit}, batch_size, max_length, output, quant_config, eval {tasks,
-include_path, data_dir, limit, ppl_file, ppl_windows, batch_size} (for `hqtflow run`), notes.
+include_path, data_dir, limit, ppl_file, ppl_windows, batch_size} (for `hqtflow run`), gaudi (the optimum-habana /
+TGI-Gaudi commands of `hqtflow handoff`, see hqtflow/handoff.py), notes.
 Relative paths of inputs (config, calibration files, include paths, data dir) are resolved against the recipe's
 own directory; `output` is relative to where you run hqtflow. CLI flags override recipe values.
 """
@@ -15,7 +16,7 @@ from typing import Any
 from hqtflow.errors import ConfigError
 
 TOP_KEYS = {"name", "model", "model_type", "cards", "dtype", "config", "calibration", "batch_size",
-            "max_length", "output", "quant_config", "kv_cache", "eval", "notes"}
+            "max_length", "output", "quant_config", "kv_cache", "eval", "gaudi", "notes"}
 EVAL_KEYS = {"tasks", "include_path", "data_dir", "limit", "ppl_file", "ppl_windows", "batch_size"}
 CAL_KEYS = {"tasks", "include_path", "data_dir", "text", "text_field", "limit"}
 
@@ -101,5 +102,6 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     if kv not in ("bf16", "fp8"):
         raise ConfigError(f"Recipe {path}: kv_cache must be bf16 or fp8, not {kv!r}.")
     meta = {"name": raw.get("name", path.stem), "model_type": raw.get("model_type"),
-            "quant_config": rel(raw.get("quant_config")), "kv_cache": kv, "eval": eval_settings}
+            "quant_config": rel(raw.get("quant_config")), "kv_cache": kv, "eval": eval_settings,
+            "gaudi": raw.get("gaudi")}
     return {"settings": out, "meta": meta}
