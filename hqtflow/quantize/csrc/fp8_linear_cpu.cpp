@@ -62,7 +62,9 @@
 
 namespace {
 
-constexpr int64_t kL2Bytes = 256 * 1024;  // widened weight panel per thread
+// Widened weight panel per thread: half of a 1 MB L2 for short rows (every input row is swept over each panel, so
+// fewer panels mean fewer passes over the input), a quarter for long rows (the input rows' slivers need L2 too).
+inline int64_t panel_bytes(int64_t K) { return K <= 2048 ? 512 * 1024 : 256 * 1024; }
 
 // ---- scalar definitions (the vector forms are tested against these) -----------------------------------------
 // E4M3: value * 2^-8 as an IEEE half (sign-extend, shift, clear bit 14); E5M2: the byte is the top of a half.
@@ -626,7 +628,7 @@ void rows_in_registers(const Problem& p, int64_t n0, int64_t n1) {
 void rows_from_panels(const Problem& p, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
   const int64_t elem = p.bf16 ? 2 : 4;
-  const int64_t panel = std::max<int64_t>(kNR, kL2Bytes / (elem * p.Kp) / kNR * kNR);
+  const int64_t panel = std::max<int64_t>(kNR, panel_bytes(p.Kp) / (elem * p.Kp) / kNR * kNR);
   std::vector<uint8_t> storage(std::min(panel, n1 - n0) * p.Kp * elem + 64);
   void* buf = storage.data();
   for (int64_t nb = n0; nb < n1; nb += panel) {
