@@ -505,11 +505,20 @@ HQT_INLINE void tile_f32(const float* x, int64_t Kp, int64_t m0, int64_t n0, con
   HQT_UNROLL for (int m = 0; m < MR; ++m)
     HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = F32::zero();
   for (int64_t k = 0; k < Kp; k += F32::W) {
-    F32::V w[NR];
-    HQT_UNROLL for (int r = 0; r < NR; ++r) w[r] = src(r, k);
-    HQT_UNROLL for (int m = 0; m < MR; ++m) {
-      const F32::V xv = F32::load(x + (m0 + m) * Kp + k);
-      HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = F32::fma(xv, w[r], acc[m][r]);
+    if constexpr (MR <= 2) {  // few input rows (decode): each weight vector widened and used at once
+      F32::V xv[MR];
+      HQT_UNROLL for (int m = 0; m < MR; ++m) xv[m] = F32::load(x + (m0 + m) * Kp + k);
+      HQT_UNROLL for (int r = 0; r < NR; ++r) {
+        const F32::V w = src(r, k);
+        HQT_UNROLL for (int m = 0; m < MR; ++m) acc[m][r] = F32::fma(xv[m], w, acc[m][r]);
+      }
+    } else {  // the same operations per accumulator, weights loaded first
+      F32::V w[NR];
+      HQT_UNROLL for (int r = 0; r < NR; ++r) w[r] = src(r, k);
+      HQT_UNROLL for (int m = 0; m < MR; ++m) {
+        const F32::V xv = F32::load(x + (m0 + m) * Kp + k);
+        HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = F32::fma(xv, w[r], acc[m][r]);
+      }
     }
   }
   store_tile<MR, NR>(acc, m0, n0, out);
@@ -522,12 +531,15 @@ HQT_INLINE void tile_bf16(const uint16_t* x, int64_t Kp, int64_t m0, int64_t n0,
   HQT_UNROLL for (int m = 0; m < MR; ++m)
     HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < Kp; k += 64) {
-    __m512bh w0[NR], w1[NR];
-    HQT_UNROLL for (int r = 0; r < NR; ++r) src(r, k, w0[r], w1[r]);
+    __m512bh x0[MR], x1[MR];
     HQT_UNROLL for (int m = 0; m < MR; ++m) {
-      const uint16_t* xm = x + (m0 + m) * Kp + k;
-      const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xm), x1 = (__m512bh)_mm512_loadu_si512(xm + 32);
-      HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[m][r], x0, w0[r]), x1, w1[r]);
+      x0[m] = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * Kp + k);
+      x1[m] = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * Kp + k + 32);
+    }
+    HQT_UNROLL for (int r = 0; r < NR; ++r) {  // one weight row widened and used at once: few live registers
+      __m512bh w0, w1;
+      src(r, k, w0, w1);
+      HQT_UNROLL for (int m = 0; m < MR; ++m) acc[m][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[m][r], x0[m], w0), x1[m], w1);
     }
   }
   store_tile<MR, NR>(acc, m0, n0, out);
@@ -570,7 +582,7 @@ inline void dispatch(int64_t mr, int64_t nr, const Tile& tile) {
 // Tile shapes: kMR x kNR in general; one input row takes kNR1 weight rows, enough independent accumulators to hide
 // the latency of the multiply-add chains.
 #if HQT_AVX512
-constexpr int kMR = 4, kNR = 4, kNR1 = 8;
+constexpr int kMR = 4, kNR = 4, kNR1 = 4;
 constexpr int kPanelMR = HQT_PANEL_MR;  // the bf16 panel tile: kPanelMR x 4 accumulators, 4 weights, 1 input live
 #else
 constexpr int kMR = 4, kNR = 3, kNR1 = 6;  // 16 ymm registers: 12 accumulators, 3 weights, 1 input
