@@ -92,6 +92,19 @@ def tiny_llama(tmp_path_factory, tokenizer_dir) -> Path:
     return build_tiny("llama", tmp_path_factory.mktemp("tiny_llama"), tokenizer_dir)
 
 
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_llama):
+    """The tiny Llama in fp32 with a chat template: (model, tokenizer), for the server tests."""
+    from hqtflow import models
+
+    tok = models.load_tokenizer(tiny_llama)
+    tok.chat_template = CHAT_TEMPLATE
+    return models.load_model(tiny_llama, "fp32"), tok
+
+
 @pytest.fixture(scope="session")
 def tiny_factory(tmp_path_factory, tokenizer_dir):
     cache: dict = {}

@@ -11,18 +11,8 @@ import torch
 from conftest import need, running
 from hqtflow.runtime.server import ServeSettings, create_app
 
-CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 PROMPT = "The tower is"
 MESSAGES = [{"role": "user", "content": "Hello"}]
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_llama):
-    from hqtflow import models
-
-    tok = models.load_tokenizer(tiny_llama)
-    tok.chat_template = CHAT_TEMPLATE
-    return models.load_model(tiny_llama, "fp32"), tok
 
 
 @pytest.fixture(scope="module")
