@@ -175,6 +175,7 @@ def quantize(
 
 
 Backend = Annotated[str, typer.Option(help="FP8 matmul: auto (CPU kernel / CUDA _scaled_mm), cpu, scaled_mm, or qdq (the reference).")]
+ComputeDtype = Annotated[str, typer.Option("--dtype", help="High-precision compute dtype: auto (bf16 with native bf16 dot products or on GPUs, else fp32), bf16, fp16 or fp32.")]
 
 
 @app.command()
@@ -187,6 +188,7 @@ def generate(
     backend: Backend = "auto",
     engine: Annotated[str, typer.Option(help="transformers (generate), static (static KV cache) or compiled (static + torch.compile'd decode step).")] = "transformers",
     kv_cache: Annotated[str, typer.Option(help="bf16, or fp8 (the checkpoint's k/v scales; static and compiled engines).")] = "bf16",
+    dtype: ComputeDtype = "auto",
 ) -> None:
     """Greedy text generation from an FP8 checkpoint or a bf16 model."""
     import torch
@@ -201,7 +203,7 @@ def generate(
         raise HqtflowError(f"--kv-cache must be bf16 or fp8, not {kv_cache!r}.")
     if kv_cache == "fp8" and engine == "transformers":
         raise HqtflowError("--kv-cache fp8 runs in hqtflow's static decoder: add --engine static (or compiled).")
-    m, tok, _ = load_any(model, backend=backend)
+    m, tok, _ = load_any(model, dtype, backend=backend)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt
     ids = tok(text, return_tensors="pt", add_special_tokens=not chat)
     with torch.inference_mode():
@@ -234,6 +236,7 @@ def eval_(
     ppl_windows: Annotated[Optional[int], typer.Option(help="At most this many disjoint 512-token windows.")] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
     backend: Backend = "auto",
+    dtype: ComputeDtype = "auto",
 ) -> None:
     """lm-eval tasks and WikiText-2 perplexity of an FP8 model and its bf16 baseline, side by side."""
     from hqtflow.eval_run import run_eval
@@ -242,7 +245,7 @@ def eval_(
                         tasks=_csv(tasks) or (), include_path=tuple(map(str, include_path or ())),
                         data_dir=str(data_dir) if data_dir else None, limit=limit, batch_size=batch_size,
                         ppl_file=str(ppl_file) if ppl_file else None, ppl_windows=ppl_windows, report=report,
-                        backend=backend))
+                        backend=backend, dtype=dtype))
 
 
 @app.command()
@@ -371,7 +374,7 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
            max_batch_size: Optional[int], max_batch_prefill_tokens: int, max_concurrent_requests: int, api_key: Optional[str],
            batch_bucket_size: Optional[int], prefill_batch_bucket_size: Optional[int],
            pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool], measurement: Optional[Path] = None,
-           backend: str = "auto") -> None:
+           backend: str = "auto", dtype: str = "auto") -> None:
     import os
 
     # oneDNN keeps a compiled primitive per matmul shape (1024 by default); a server sees a new prefill shape at
@@ -397,7 +400,7 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
                              pad_sequence_to_multiple_of=env(pad_sequence_to_multiple_of, "PAD_SEQUENCE_TO_MULTIPLE_OF", 16),
                              warmup=env(warmup, "WARMUP_ENABLED", False))
     serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
-          backend=backend)
+          backend=backend, dtype=dtype)
 
 
 def _serve_command(kind: str, doc: str):
@@ -419,10 +422,12 @@ def _serve_command(kind: str, doc: str):
         warmup: Annotated[Optional[bool], typer.Option("--warmup/--no-warmup", help="Run the bucketed shapes once; /health is 503 until done (env WARMUP_ENABLED).")] = None,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
         backend: Backend = "auto",
+        dtype: ComputeDtype = "auto",
     ) -> None:
         _serve(kind, model, host, port, max_input_tokens, max_total_tokens, max_batch_size, max_batch_prefill_tokens,
                max_concurrent_requests, api_key,
-               batch_bucket_size, prefill_batch_bucket_size, pad_sequence_to_multiple_of, warmup, measurement, backend)
+               batch_bucket_size, prefill_batch_bucket_size, pad_sequence_to_multiple_of, warmup, measurement, backend,
+               dtype)
 
 
 _serve_command("fp8", "Serve an FP8 checkpoint with continuous batching.")
@@ -442,13 +447,14 @@ def bench(
     seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every figure as JSON here.")] = None,
     backend: Backend = "auto",
+    dtype: ComputeDtype = "auto",
 ) -> None:
     """Prefill/decode latency and throughput per batch size through the serving engine, FP8 vs bf16 side by side (text-generation-benchmark style)."""
     from hqtflow.runtime.bench import BenchSettings, parse_batch_sizes, run_bench
 
     settings = BenchSettings(batch_sizes=parse_batch_sizes(batch_sizes), prompt_length=prompt_length,
                              decode_length=decode_length, runs=runs, warmup=warmup, seed=seed)
-    typer.echo(run_bench(model, baseline=baseline, settings=settings, json_path=json_out, backend=backend,
+    typer.echo(run_bench(model, baseline=baseline, settings=settings, json_path=json_out, backend=backend, dtype=dtype,
                          echo=lambda m: typer.echo(m, err=True)))
 
 

@@ -28,6 +28,13 @@ def fastest_dtype(device: str = "cpu") -> str:
     return "bf16" if any(f in cpu_flags() for f in BF16_NATIVE_FLAGS) else "fp32"
 
 
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
 def resolve_dtype(dtype: str | None, device: str = "cpu") -> str:
-    """"auto" (or None) -> fastest_dtype(device); other names are returned unchanged (checked where used)."""
+    """"auto" (or None) -> fastest_dtype(device); bf16, fp16 and fp32 are returned as they are."""
+    if dtype not in (None, *DTYPES):
+        from hqtflow.errors import ConfigError
+
+        raise ConfigError(f"Unknown --dtype {dtype!r}; valid values are {', '.join(DTYPES)}.")
     return fastest_dtype(device) if dtype in (None, "auto") else dtype

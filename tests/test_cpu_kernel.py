@@ -174,3 +174,8 @@ def test_fp8_checkpoint_runs_in_fp32(cpu_kernel_loaded, tiny_llama, wiki_text, t
     ref = logits["fp32", "qdq"]
     assert (logits["fp32", "cpu"] - ref).abs().max() <= 1e-4 * ref.abs().max()  # fp32 sums in another order
     assert (logits["bf16", "qdq"] - ref).abs().max() <= 0.1 * ref.abs().max()  # bf16 vs fp32 compute
+    # the CLI's --dtype: chosen, or refused with one sentence
+    r = run_cli("generate", tmp_path / "fp8", "--dtype", "fp32", "--max-new-tokens", "3")
+    assert r.exit_code == 0, r.output
+    r = run_cli("generate", tmp_path / "fp8", "--dtype", "fp64")
+    assert r.exit_code == 2 and "Unknown --dtype 'fp64'" in r.output and "Traceback" not in r.output

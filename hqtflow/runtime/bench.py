@@ -202,7 +202,7 @@ def format_table(report: dict, names: list[str]) -> str:
 
 
 def run_bench(model: str | None, *, baseline: str | None, settings: BenchSettings, json_path: Path | None = None,
-              echo=None, backend: str = "auto") -> str:
+              echo=None, backend: str = "auto", dtype: str = "auto") -> str:
     """Load the FP8 checkpoint (MODEL) and its bf16 baseline, benchmark both, return the printed text."""
     from hqtflow import models as models_mod
     from hqtflow.eval_run import source_model
@@ -220,11 +220,11 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
         if pmax and settings.prompt_length + settings.decode_length + 1 > pmax:
             raise HqtflowError(f"--prompt-length + --decode-length ({settings.prompt_length + settings.decode_length}) "
                                f"exceeds the {pmax} positions of {ref or 'smollm2'}.")
-    m, tok, kind = load_any(model, backend=backend)
+    m, tok, kind = load_any(model, dtype, backend=backend)
     name = "fp8" if kind == "fp8" else kind
     models: dict[str, tuple] = {}
     if base_ref:
-        bm, btok, bkind = load_any(base_ref)  # the fastest high-precision dtype here (bf16, or fp32 without native bf16)
+        bm, btok, bkind = load_any(base_ref, dtype)  # auto: the fastest high-precision dtype here
         if bkind == "fp8":
             raise HqtflowError(f"The baseline {base_ref} is an FP8 checkpoint; give a bf16 model.")
         models[bkind] = (bm, btok)

@@ -187,12 +187,12 @@ def listen_socket(host: str, port: int):
 
 
 def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 3000, kind: str = "bf16",
-          measurement: str | None = None, backend: str = "auto") -> None:
+          measurement: str | None = None, backend: str = "auto", dtype: str = "auto") -> None:
     """Bind host:port, load MODEL (`kind` "fp8": an FP8 checkpoint, or a bf16 model quantized at start from
     `measurement`, like TGI with QUANT_CONFIG; "bf16": a plain model) and serve it until interrupted."""
     sock = listen_socket(host, port)
     try:
-        _serve(sock, model_ref, settings, kind=kind, measurement=measurement, backend=backend)
+        _serve(sock, model_ref, settings, kind=kind, measurement=measurement, backend=backend, dtype=dtype)
     finally:
         sock.close()
 
@@ -203,7 +203,8 @@ def _run(app, sock) -> None:
     uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
 
 
-def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: str | None, backend: str) -> None:
+def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: str | None, backend: str,
+           dtype: str) -> None:
     from hqtflow.errors import HqtflowError
     from hqtflow.evaluate import load_any
 
@@ -219,7 +220,7 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
         settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
         _run(create_app(model, tok, settings), sock)
         return
-    model, tok, loaded = load_any(model_ref, backend=backend)  # compute dtype: the fastest here
+    model, tok, loaded = load_any(model_ref, dtype, backend=backend)  # dtype auto: the fastest here
     if (loaded == "fp8") != (kind == "fp8"):
         raise HqtflowError(f"{model_ref or 'the default model'} is {'an FP8 checkpoint' if loaded == 'fp8' else 'not an FP8 checkpoint'}; "
                            f"use `hqtflow serve {'fp8' if loaded == 'fp8' else 'bf16'}`.")
