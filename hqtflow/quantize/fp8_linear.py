@@ -13,9 +13,10 @@ Dynamic scales are computed in float32. The static path is unchanged.
 
 Backends (`set_backend`):
 - "qdq": the reference, any layout, any device.
-- "cpu": hqtflow's CPU kernel (`cpu_kernel.py`): the FP8 weight stays FP8 in memory and is widened in registers;
-  static, dynamic or no activation quantization, per-tensor or per-channel weights. Same arithmetic as "qdq"
-  (input QDQ bit-identical; products exact, sums in fp32 in another order).
+- "cpu": hqtflow's CPU kernel (`cpu_kernel.py`): the FP8 weight stays FP8 in memory and is widened in registers or
+  per panel; static, dynamic or no activation quantization, per-tensor or per-channel weights. The same function
+  as "qdq" (input QDQ and dequantized weight bit-identical, products exact, fp32 sums in another but fixed order),
+  batch-invariant: a row's output does not depend on M, its neighbours or padding rows.
 - "scaled_mm": `torch._scaled_mm`, a real FP8 GEMM with fp32 accumulation on CUDA compute capability >= 8.9 (it
   also runs, slowly, on CPU, which lets CI check its layout and numerics); static per-tensor activations and
   per-tensor weights.
