@@ -30,9 +30,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from checkpoint import DEFAULT, fp8_and_source  # noqa: E402
 from hqtflow import models  # noqa: E402
-from hqtflow.eval_run import source_model  # noqa: E402
-from hqtflow.evaluate import load_any  # noqa: E402
 from hqtflow.runtime.static_decode import StaticDecoder  # noqa: E402
 
 
@@ -68,7 +67,7 @@ def profile_step(decoder: StaticDecoder, ids: torch.Tensor, top: int = 12) -> st
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(ROOT / "out" / "smollm2" / "fp8"))
+    p.add_argument("--checkpoint", default=str(DEFAULT))
     p.add_argument("--measurement", default=str(ROOT / "out" / "smollm2" / "measure"), help="for Neural Compressor")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--prompt-length", type=int, default=64)
@@ -81,18 +80,13 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    ckpt = Path(a.checkpoint)
-    if not (ckpt / "hqtflow_manifest.json").is_file():
-        sys.exit(f"No FP8 checkpoint at {ckpt}: run `make demo` (or pass --checkpoint).")
-    bf16_path = models.resolve_model(source_model(str(ckpt)))
-    fp8, tok, _ = load_any(str(ckpt), backend=a.backend)
+    fp8, tok, bf16_path, backend = fp8_and_source(a.checkpoint, a.backend)
     bf16 = models.load_model(bf16_path, "bf16")
-    backend = next((m.backend for m in fp8.modules() if hasattr(m, "backend")), "?")
     batches = [int(b) for b in a.batch_sizes.split(",")]
     max_len = a.prompt_length + a.new_tokens
     from hqtflow.hardware import cpu_flags, fastest_dtype
 
-    print(f"model {bf16_path.name}; FP8 {ckpt} (backend {backend}); prompt {a.prompt_length}, {a.new_tokens} new tokens, "
+    print(f"model {bf16_path.name}; FP8 {a.checkpoint} (backend {backend}); prompt {a.prompt_length}, {a.new_tokens} new tokens, "
           f"greedy; threads {torch.get_num_threads()}; median of {a.runs} runs")
     print(f"torch {torch.__version__}; CPU flags: {' '.join(cpu_flags())}; --dtype auto here: {fastest_dtype()} "
           f"(FP8 model's high-precision dtype: {next(fp8.parameters()).dtype})")

@@ -20,30 +20,25 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from checkpoint import DEFAULT, fp8_and_source  # noqa: E402
 from hqtflow import models  # noqa: E402
-from hqtflow.eval_run import source_model  # noqa: E402
-from hqtflow.evaluate import load_any  # noqa: E402
 from hqtflow.hardware import cpu_flags, fastest_dtype  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(ROOT / "out" / "smollm2" / "fp8"))
+    p.add_argument("--checkpoint", default=str(DEFAULT))
     p.add_argument("--text", default=str(ROOT.parent / "shared" / "data" / "wikitext2_test.txt"))
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--backend", default="auto")
     a = p.parse_args()
-    ckpt = Path(a.checkpoint)
-    if not (ckpt / "hqtflow_manifest.json").is_file():
-        sys.exit(f"No FP8 checkpoint at {ckpt}: run `make demo` (or pass --checkpoint).")
-    base = models.resolve_model(source_model(str(ckpt)))
-    fp8, tok, _ = load_any(str(ckpt), backend=a.backend)
+    fp8, tok, base, backend = fp8_and_source(a.checkpoint, a.backend)
     engines = {"bf16": models.load_model(base, "bf16"), "fp32": models.load_model(base, "fp32"), "fp8": fp8}
     ids = tok.encode(Path(a.text).read_text()[: 40 * a.batch * a.length], add_special_tokens=False)
     x = torch.tensor(ids[: a.batch * a.length]).reshape(a.batch, a.length)
-    print(f"model {base.name}; FP8 {ckpt} (backend {next(m.backend for m in fp8.modules() if hasattr(m, 'backend'))}, "
+    print(f"model {base.name}; FP8 {a.checkpoint} (backend {backend}, "
           f"high-precision dtype {next(fp8.parameters()).dtype}); forward of {a.batch} x {a.length} tokens; "
           f"threads {torch.get_num_threads()}; median of {a.runs} runs")
     print(f"torch {torch.__version__}; CPU flags: {' '.join(cpu_flags())}; --dtype auto here: {fastest_dtype()}")

@@ -21,3 +21,21 @@ def test_accuracy_smoke(smollm2, data_dir, tmp_path):
     assert set(res) == {"bf16", "maxabs_arbitrary"}
     # a real model stays a real model in FP8
     assert res["maxabs_arbitrary"]["wikitext"]["perplexity"] < 1.2 * res["bf16"]["wikitext"]["perplexity"]
+
+
+def test_forward_and_decode_smoke(smollm2, wiki_text, tmp_path):
+    """bench/forward.py and bench/decode.py on a small SmolLM2 FP8 checkpoint, shortest settings."""
+    from conftest import run_cli
+
+    r = run_cli("measure", smollm2, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2", "--max-length", "64")
+    assert r.exit_code == 0, r.output
+    r = run_cli("quantize", "-m", tmp_path / "m", "-o", tmp_path / "fp8")
+    assert r.exit_code == 0, r.output
+    runs = {"forward.py": ["--batch", "2", "--length", "32", "--runs", "1", "--text", str(wiki_text)],
+            "decode.py": ["--batch-sizes", "1", "--prompt-length", "8", "--new-tokens", "4", "--runs", "1",
+                          "--no-compile", "--no-inc"]}
+    for script, args in runs.items():
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--checkpoint", str(tmp_path / "fp8"), *args],
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "fastest high-precision" in r.stdout and "CPU flags" in r.stdout, r.stdout[-2000:]
