@@ -131,7 +131,6 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
 
     from hqtflow import models
     from hqtflow.measure import distributed
-    from hqtflow.measure.calibration import batches, token_chunks
     from hqtflow.measure.hooks import ObserverSession
     from hqtflow.measure.kv import KV_FILE, KVStats
 
@@ -165,26 +164,8 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
                                      pad_token_id=tokenizer.pad_token_id, **extra)
             return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
-        sources: list[dict] = []
         t0 = time.perf_counter()
-        for path, file_texts in texts:
-            chunks = token_chunks(file_texts, tokenizer, s.max_length, s.limit)
-            if not chunks:
-                raise CalibrationError(f"Calibration file {path} has no tokens.")
-            progress.start(f"text {Path(path).name}", len(chunks))
-            for b in batches(chunks, s.batch_size, tokenizer.pad_token_id):
-                forward(b.input_ids, b.attention_mask)
-            sources.append({"kind": "text", "path": str(path), "sha256": _sha(path), "chunks": len(chunks)})
-        task_results = {}
-        if s.tasks:
-            from hqtflow import lmeval
-
-            progress.start("lm-eval " + ",".join(s.tasks), None)
-            lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=s.max_length, generate=generate)
-            task_results = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
-            sources.append({"kind": "lm-eval", "tasks": list(s.tasks), "limit": s.limit,
-                            "include_path": list(s.include_path), "data_dir": s.data_dir, "results": task_results})
-        progress.close()
+        sources = run_sources(s, texts, manager, tokenizer, forward, generate, progress)
         seconds = time.perf_counter() - t0
         session.close()
         if session.tokens == 0:
@@ -202,29 +183,11 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         }
         records = distributed.gather(rank_record)
         if rank == 0:
-            out = Path(s.output).resolve()
-            # For a Gaudi run of INC (QUANT_CONFIG=DIR/quant_config.json): recalc_scales so INC never silently
-            # reuses a scale file left in DIR by an earlier run. On CPU, INC also needs use_qdq and a
-            # power-of-two or arbitrary scale_method (maxabs_hw has no hardware scale set there).
-            inc_cfg = {**cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(out / Path(cfg.dump_stats_path).name),
-                       "recalc_scales": True}
-            write_json_atomic(stage.path / INC_CONFIG, inc_cfg)
-            data = {
-                "world_size": world,
-                "observer": cfg.observer,
-                "dump_stats_path": cfg.dump_stats_path,
-                "statistics_dtype": "float32",
-                "model_dtype": s.dtype,
-                "model_path": str(model_dir),
-                "calibration": {"sources": sources, "samples": session.samples, "tokens": session.tokens,
-                                "batch_size": s.batch_size, "max_length": s.max_length, "seconds": round(seconds, 3)},
-                "ranks": records,
-                "parallel": "transformers tp_plan=auto; row-parallel outputs observed after the all-reduce"
-                if world > 1 else None,
-                "settings": s.to_json(),
-            }
-            write_manifest(stage.path, SCHEMA, SCHEMA_VERSION, model=models.fingerprint(model_dir),
-                           config=cfg.to_dict(), data=data)
+            calibration = {"sources": sources, "samples": session.samples, "tokens": session.tokens, "seconds": seconds}
+            extra = {"statistics_dtype": "float32",
+                     "parallel": "transformers tp_plan=auto; row-parallel outputs observed after the all-reduce"
+                     if world > 1 else None}
+            write_artifact_files(stage.path, s, cfg, model_dir, records, calibration, extra)
             stage.commit()
         distributed.barrier()
         return Path(s.output)
@@ -232,6 +195,60 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         if rank == 0:
             stage.abort()
         raise
+
+
+def write_artifact_files(path: Path, s: MeasureSettings, cfg: QuantConfig, model_dir: Path, records: list[dict],
+                         calibration: dict, extra: dict) -> None:
+    """The artifact's `quant_config.json` and its manifest (last), once every rank's files are in `path`."""
+    from hqtflow import models
+
+    out = Path(s.output).resolve()
+    # For a Gaudi run of INC (QUANT_CONFIG=DIR/quant_config.json): recalc_scales so INC never silently
+    # reuses a scale file left in DIR by an earlier run. On CPU, INC also needs use_qdq and a
+    # power-of-two or arbitrary scale_method (maxabs_hw has no hardware scale set there).
+    inc_cfg = {**cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(out / Path(cfg.dump_stats_path).name),
+               "recalc_scales": True}
+    write_json_atomic(path / INC_CONFIG, inc_cfg)
+    data = {
+        "world_size": len(records),
+        "observer": cfg.observer,
+        "dump_stats_path": cfg.dump_stats_path,
+        "model_dtype": s.dtype,
+        "model_path": str(model_dir),
+        "calibration": {**calibration, "batch_size": s.batch_size, "max_length": s.max_length,
+                        "seconds": round(calibration["seconds"], 3)},
+        "ranks": records,
+        **extra,
+        "settings": s.to_json(),
+    }
+    write_manifest(path, SCHEMA, SCHEMA_VERSION, model=models.fingerprint(model_dir), config=cfg.to_dict(), data=data)
+
+
+def run_sources(s: MeasureSettings, texts, manager, tokenizer, forward, generate, progress: _Progress) -> list[dict]:
+    """Feed every calibration source to `forward(ids, mask)` (text windows in right-padded batches, then the
+    lm-eval tasks, which may also call `generate(ids, max_new)`); return the sources as the manifest records them.
+    Both engines (hqtflow's observers, Neural Compressor's) calibrate through this one function."""
+    from hqtflow.measure.calibration import batches, token_chunks
+
+    sources: list[dict] = []
+    for path, file_texts in texts:
+        chunks = token_chunks(file_texts, tokenizer, s.max_length, s.limit)
+        if not chunks:
+            raise CalibrationError(f"Calibration file {path} has no tokens.")
+        progress.start(f"text {Path(path).name}", len(chunks))
+        for b in batches(chunks, s.batch_size, tokenizer.pad_token_id):
+            forward(b.input_ids, b.attention_mask)
+        sources.append({"kind": "text", "path": str(path), "sha256": _sha(path), "chunks": len(chunks)})
+    if s.tasks:
+        from hqtflow import lmeval
+
+        progress.start("lm-eval " + ",".join(s.tasks), None)
+        lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=s.max_length, generate=generate)
+        task_results = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
+        sources.append({"kind": "lm-eval", "tasks": list(s.tasks), "limit": s.limit,
+                        "include_path": list(s.include_path), "data_dir": s.data_dir, "results": task_results})
+    progress.close()
+    return sources
 
 
 def _check_finite(stats: dict, kv, model_dir: Path) -> None:

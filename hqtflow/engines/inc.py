@@ -1,0 +1,322 @@
+"""Neural Compressor (INC, `neural-compressor-pt`) as an engine hqtflow drives: `--engine inc`.
+
+- measure: INC's `prepare` (FP8Config MEASURE, its maxabs observers; `use_qdq` on CPU) + the calibration hqtflow's
+  own engine runs (`hqtflow.measure.run.run_sources`: text windows, lm-eval tasks) + `finalize_calibration`; the
+  files INC dumps become an hqtflow measurement artifact (same layout, checks and manifest, written atomically).
+- quantize / generate / eval / serve: INC's `convert` (QUANTIZE) of the bf16 model with hqtflow's measurement and
+  QUANT_CONFIG, after hqtflow's own checks (`hqtflow.quantize.run.plan_job`). `quantize` writes the FP8 weights and
+  scales INC's modules apply as hqtflow's compressed-tensors checkpoint.
+
+INC reads the measurement's `.npz` (a pickle): it is given one hqtflow writes from the verified JSON twin, in a
+private work directory (INC also writes its scale files there), never the artifact's own. INC caches the rank from
+the environment in module globals; every call here pins it to a single process. On CPU INC runs the QDQ path and
+only the power-of-two / arbitrary scale methods (`maxabs_hw` has no hardware scale set off Gaudi).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+from hqtflow.errors import ArtifactError, CalibrationError, ConfigError
+
+_HW_ROUNDINGS = ("HW_ALIGNED", "HW_ALIGNED_FIXED")
+
+
+def _quantization():
+    try:
+        from neural_compressor.torch import quantization
+    except Exception as e:  # noqa: BLE001 - any import failure means INC is unusable here
+        raise ConfigError(f"--engine inc needs Neural Compressor (pip install neural-compressor-pt), which does not "
+                          f"import here ({type(e).__name__}).") from None
+    return quantization
+
+
+def inc_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("neural-compressor-pt", "neural-compressor"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+@contextmanager
+def single_process():
+    """INC caches LOCAL_RANK / WORLD_SIZE (or torch.distributed's) in module globals the first time it looks:
+    pin them to "no rank" for this call and put the previous values back afterwards."""
+    from neural_compressor.torch.algorithms.fp8_quant.prepare_quant import prepare_model as pm
+
+    keys = ("_local_rank", "_world_size", "_local_rank_initialized", "_world_size_initialized")
+    saved = {k: getattr(pm, k) for k in keys}
+    pm._local_rank, pm._world_size, pm._local_rank_initialized, pm._world_size_initialized = -1, -1, True, True
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(pm, k, v)
+
+
+def fp8_config(cfg, drop: tuple[str, ...] = (), **changes):
+    """INC's FP8Config from an hqtflow QuantConfig (its `to_dict` is the JSON INC reads) less `drop`, plus `changes`."""
+    d = {k: v for k, v in {**cfg.to_dict(), **changes}.items() if k not in drop}
+    try:
+        return _quantization().FP8Config(**d)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"Neural Compressor refuses the QUANT_CONFIG ({e}).") from None
+
+
+def check_method(cfg, device: str) -> None:
+    """On CPU INC has no hardware scale set and its OPT weight search needs torch.hpu: refuse those methods in one
+    sentence (INC itself fails with a KeyError / ModuleNotFoundError)."""
+    from hqtflow.scales import scale_method
+
+    if device != "cpu":
+        return
+    m = scale_method(cfg.scale_method, "cpu")
+    rules = (m.weight, m.activation)
+    if any(r.rounding in _HW_ROUNDINGS or r.value == "OPT" for r in rules):
+        name = cfg.scale_method if isinstance(cfg.scale_method, str) else "this scale_method"
+        why = "it has no hardware scale set there" if any(r.rounding in _HW_ROUNDINGS for r in rules) else \
+            "its weight search calls torch.hpu"
+        raise ConfigError(f"Neural Compressor cannot run {name} on CPU ({why}); use "
+                          "maxabs_pow2, act_maxabs_pow2_weights_pcs_maxabs_pow2, unit_scale or maxabs_arbitrary, or "
+                          "--device hpu on Gaudi.")
+
+
+def _place(model, device: str):
+    if device == "hpu":
+        from hqtflow.engines import hpu
+
+        return hpu.to_hpu(model)
+    return model
+
+
+def _step(device: str) -> None:
+    if device == "hpu":
+        from hqtflow.engines import hpu
+
+        hpu.mark_step()
+
+
+# ---- measure --------------------------------------------------------------------------------------------
+def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
+    """`hqtflow measure --engine inc`: calibrate through INC's observers, write an hqtflow measurement artifact."""
+    import torch
+
+    from hqtflow import models
+    from hqtflow.formats import hqt
+    from hqtflow.formats.artifact import StagingDir
+    from hqtflow.measure.run import _Progress, inputs, preflight, run_sources, write_artifact_files
+
+    cfg, model_dir, texts, manager = preflight(s)
+    if s.tp > 1:
+        raise ConfigError("--engine inc measures on one card; run hqtflow's own engine for --tp N.")
+    q = _quantization()
+    torch.manual_seed(s.seed)
+    stage = StagingDir(Path(s.output), overwrite=s.overwrite, inputs=inputs(s, model_dir))
+    stage.create()
+    try:
+        tokenizer = models.load_tokenizer(model_dir)
+        model = models.load_model(model_dir, s.dtype)
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        if not any(cfg.selects(n, type(m).__name__) for n, m in linears.items()):
+            raise ConfigError("The config selects no module of this model: check its allowlist/blocklist.")
+        base = Path(cfg.dump_stats_path).name
+        inc_cfg = fp8_config(cfg, mode="MEASURE", dump_stats_path=str(stage.path / base), use_qdq=device == "cpu")
+        model = _place(model, device)
+        dev = next(model.parameters()).device
+        with single_process():
+            model = q.prepare(model, inc_cfg)
+        progress = _Progress(show_progress)
+        counts = {"samples": 0, "tokens": 0}
+
+        @torch.inference_mode()
+        def forward(ids, mask):
+            """INC's observers see every position: padded rows run alone, unpadded, so padding is never observed."""
+            counts["samples"] += ids.shape[0]
+            counts["tokens"] += int(mask.sum())
+            progress.update(ids.shape[0], int(mask.sum()))
+            if bool(mask.all()):
+                out = model(input_ids=ids.to(dev)).logits
+                _step(device)
+                return out
+            rows = []
+            for r in range(ids.shape[0]):
+                n = int(mask[r].sum())
+                if not bool(mask[r, :n].all()):
+                    raise CalibrationError("Calibration batches must be right-padded for --engine inc.")
+                rows.append(model(input_ids=ids[r:r + 1, :n].to(dev)).logits[0] if n else None)
+                _step(device)
+            width = next(x for x in rows if x is not None).shape[-1]
+            out = torch.zeros(ids.shape[0], ids.shape[1], width, dtype=rows[0].dtype if rows[0] is not None else torch.float32, device=dev)
+            for r, x in enumerate(rows):
+                if x is not None:
+                    out[r, : x.shape[0]] = x
+            return out
+
+        @torch.inference_mode()
+        def generate(ids, max_new):
+            counts["samples"] += 1
+            counts["tokens"] += ids.shape[1]
+            out = model.generate(ids.to(dev), max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            _step(device)
+            return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+        t0 = time.perf_counter()
+        sources = run_sources(s, texts, manager, tokenizer, forward, generate, progress)
+        seconds = time.perf_counter() - t0
+        if counts["tokens"] == 0:
+            raise CalibrationError("Calibration ran no tokens through the model.")
+        with single_process():
+            q.finalize_calibration(model)
+
+        stem = hqt.measurement_stem(base, cfg.observer, None, 1)
+        files = [f"{stem}{ext}" for ext in (".json", ".npz", "_mod_list.json")]
+        missing = [f for f in files if not (stage.path / f).is_file()]
+        if missing:  # INC's save swallows its own errors: its silence is not success
+            raise ArtifactError(f"Neural Compressor did not write {missing[0]} (its save failed silently).")
+        meas = hqt.read_measurement(stage.path / f"{stem}.json")
+        if not meas.nodes:
+            raise ArtifactError("Neural Compressor measured no module of this model.")
+        selected = [n for n, m in linears.items() if cfg.selects(n, type(m).__name__)]
+        layers = {n: {"type": type(linears[n]).__name__, "style": "replicated", "packed_parts": 1,
+                      "weight_shape": list(linears[n].weight.shape), "global_weight_shape": list(linears[n].weight.shape),
+                      "input_dim": linears[n].in_features, "output_dim": linears[n].out_features}
+                  for n in meas.nodes if n in linears}
+        record = {"rank": 0, "stem": stem, "files": files, "layers": layers,
+                  "unmeasured": [n for n in selected if n not in meas.nodes],
+                  "skipped": {n: "excluded by allowlist/blocklist" for n in linears if n not in selected}}
+        calibration = {"sources": sources, **counts, "seconds": seconds}
+        extra = {"statistics_dtype": cfg.hp_dtype, "parallel": None,
+                 "engine": {"name": "inc", "version": inc_version(), "device": device}}
+        write_artifact_files(stage.path, s, cfg, model_dir, [record], calibration, extra)
+        stage.commit()
+        return Path(s.output)
+    except BaseException:
+        stage.abort()
+        raise
+
+
+# ---- convert (quantize / run) ---------------------------------------------------------------------------
+def convert(job, model, device: str = "cpu"):
+    """INC's `convert` of `model` (bf16, on `device`) with `job`'s measurement (a `plan_job` result) and config.
+
+    Returns INC's model; every module the plan quantizes must be one INC patched."""
+    from hqtflow.formats import hqt
+
+    if job.meas.world_size > 1:
+        raise ArtifactError(f"{job.meas.directory} is a {job.meas.world_size}-rank measurement; --engine inc runs one "
+                            f"card: `hqtflow unify -g {''.join(map(str, range(job.meas.world_size)))}` it first.")
+    check_method(job.cfg, device)
+    q = _quantization()
+    stem = job.meas.stems[0]
+    base, _, observer = stem.rpartition("_hooks_")
+    with tempfile.TemporaryDirectory(prefix="hqtflow-inc-") as work:
+        # INC unpickles the .npz: give it one written here from the verified JSON (INC writes its scales here too)
+        meas = job.meas.ranks[0]
+        hqt.write_measurement(Path(work), stem, meas.nodes, local_rank=None, num_samples=meas.num_samples)
+        cfg = fp8_config(job.cfg, mode="QUANTIZE", observer=observer, dump_stats_path=str(Path(work) / base),
+                         use_qdq=device == "cpu", drop=("device_for_scales",) if device == "cpu" else ())
+        model = _place(model, device)
+        with single_process():
+            qmodel = q.convert(model, cfg)
+    patched = patched_linears(qmodel)
+    missing = sorted(set(job.plan["quantize"]) - set(patched))
+    if missing:
+        raise ArtifactError(f"Neural Compressor left {missing[0]} unquantized although the measurement covers it.")
+    return qmodel
+
+
+def patched_linears(model) -> dict:
+    return {n: m for n, m in model.named_modules() if type(m).__name__ == "PatchedLinear"}
+
+
+def _settings_check(s) -> None:
+    for flag, on in (("--scales-only", s.scales_only), ("--disk-offload", s.disk_offload),
+                     ("--weight-only", s.weight_only), ("--kv-cache fp8", s.kv_cache == "fp8")):
+        if on:
+            raise ConfigError(f"{flag} is not implemented with --engine inc; use hqtflow's own engine for it.")
+
+
+def load(s, device: str = "cpu"):
+    """(INC's quantized model, tokenizer) for generate / eval / serve: `s` is a QuantizeSettings (model,
+    measurement, config, scale method)."""
+    import torch
+
+    from hqtflow import models
+    from hqtflow.quantize.run import plan_job
+
+    _settings_check(s)
+    job = plan_job(s)
+    check_method(job.cfg, device)
+    model = models.load_model(job.model_dir, job.dtype)
+    with torch.no_grad():
+        qmodel = convert(job, model, device).eval()
+    return qmodel, models.load_tokenizer(job.model_dir)
+
+
+def quantize(s, device: str = "cpu") -> Path:
+    """`hqtflow quantize --engine inc`: INC converts the model; the FP8 weights and the scales its QDQ modules
+    apply are written as hqtflow's compressed-tensors checkpoint (same manifest and checks as hqtflow's engine)."""
+    import torch
+
+    from hqtflow import models
+    from hqtflow.formats.artifact import check_output_dir, staged_output, write_manifest
+    from hqtflow.quantize.convert import _set_module, _untie_if_needed, save_checkpoint
+    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, plan_job
+
+    check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config])
+    _settings_check(s)
+    if device != "cpu":
+        raise ConfigError("quantize --engine inc writes a checkpoint from INC's CPU (QDQ) modules; use --device cpu.")
+    job = plan_job(s)
+    check_method(job.cfg, device)
+    model = models.load_model(job.model_dir, job.dtype)
+    with torch.no_grad():
+        _untie_if_needed(model, job.plan["quantize"])
+        qmodel = convert(job, model, device)
+        per_channel = False
+        for name, mod in patched_linears(qmodel).items():
+            fp8 = fp8_linear(mod, job.cfg.fp8_config)
+            per_channel |= fp8.per_channel
+            _set_module(qmodel, name, fp8)
+    with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[job.meas.directory, job.model_dir, s.config]) as tmp:
+        save_checkpoint(qmodel, tmp, ignore=job.plan["ignore"], per_channel=per_channel, static_input=True)
+        models.load_tokenizer(job.model_dir).save_pretrained(tmp)
+        meas = job.meas
+        data = {"scale_method": job.cfg.scale_method if isinstance(job.cfg.scale_method, str) else "custom",
+                "target": device, "fp8": job.cfg.fp8_config, "hp_dtype": job.cfg.hp_dtype,
+                "source_measurement": str(meas.directory.resolve()), "source_digest": meas.digest(),
+                "provenance_known": meas.manifest is not None and meas.manifest.data.get("provenance_known", True),
+                "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]),
+                "model_path": str(job.model_dir), "kv_cache": "bf16", "mode": "w8a8-static",
+                "engine": {"name": "inc", "version": inc_version(), "device": device}, "settings": asdict(s)}
+        write_manifest(tmp, CHECKPOINT_SCHEMA, SCHEMA_VERSION, model=job.fingerprint, config=job.cfg.to_dict(), data=data)
+    return Path(s.output)
+
+
+def fp8_linear(mod, fp8: str = "E4M3"):
+    """hqtflow's FP8Linear holding what INC's CPU PatchedLinear applies: its FP8 weight (INC keeps it [in, out]),
+    the weight scale it dequantizes with and the input scale its QuantDequant uses."""
+    import torch
+
+    from hqtflow.quantize.fp8_linear import FP8Linear
+
+    w = mod.weight.detach().t()  # [out, in]
+    hp = mod._mod_extra_config.config_params["hp_dtype"] if hasattr(mod, "_mod_extra_config") else torch.bfloat16
+    w_scale = torch.as_tensor(mod.dequant_weights.scale).detach().to(hp)
+    bias = getattr(mod, "bias", None)
+    m = FP8Linear(w.shape[1], w.shape[0], bias=bias is not None, hp_dtype=hp, fp8=fp8, per_channel=w_scale.numel() > 1)
+    m.weight.copy_(w)
+    m.weight_scale.copy_(w_scale.reshape(m.weight_scale.shape))
+    m.input_scale.copy_(torch.as_tensor(float(mod.quant_input.scale), dtype=hp).reshape(1))
+    if bias is not None:
+        m.bias.copy_(bias.detach())
+    return m
