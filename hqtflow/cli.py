@@ -99,6 +99,17 @@ def _csv(values: Optional[list[str]]) -> Optional[tuple[str, ...]]:
     return tuple(v.strip() for item in values for v in item.split(",") if v.strip())
 
 
+Engine = Annotated[str, typer.Option(help="hqtflow (its own observers / FP8 runtime) or inc (Neural Compressor's prepare/convert, driven by hqtflow).")]
+Device = Annotated[Optional[str], typer.Option(help="--engine inc: cpu or hpu (default: hpu when habana_frameworks.torch imports, else cpu).")]
+
+
+def _inc_device(engine: str, device: Optional[str]) -> Optional[str]:
+    """The device Neural Compressor runs on for --engine inc; None for hqtflow's own engine."""
+    from hqtflow.engines import resolve
+
+    return resolve(engine, device)
+
+
 @app.command()
 @user_errors
 def measure(
@@ -117,6 +128,8 @@ def measure(
     tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel ranks (cards) to measure on.")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="Model dtype: bf16, fp16 or fp32.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
+    engine: Engine = "hqtflow",
+    device: Device = None,
     resolved_settings: Annotated[Optional[Path], typer.Option(hidden=True)] = None,
 ) -> None:
     """Calibrate a model with maxabs observers and write HQT/INC-compatible per-rank measurement files."""
@@ -143,7 +156,13 @@ def measure(
         if not values.get("output"):
             raise HqtflowError("No output directory: pass -o DIR (or set `output` in the recipe).")
         settings = MeasureSettings(**values, overwrite=overwrite)
-    out = run_measure(settings)
+    inc_device = _inc_device(engine, device)
+    if inc_device is not None:
+        from hqtflow.engines import inc
+
+        out = inc.measure(settings, inc_device)
+    else:
+        out = run_measure(settings)
     if resolved_settings is None:  # ranks stay quiet; the launcher reports
         typer.echo(measurement_summary(out))
 
@@ -163,6 +182,8 @@ def quantize(
     disk_offload: Annotated[bool, typer.Option(help="Stream weights from the safetensors files one tensor at a time (the bf16 model is never in RAM); output in 512 MB shards.")] = False,
     kv_cache: Annotated[str, typer.Option(help="fp8: also write k_scale/v_scale from the measured KV statistics (for the FP8 KV cache).")] = "bf16",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
+    engine: Engine = "hqtflow",
+    device: Device = None,
 ) -> None:
     """Turn a measurement into FP8 scales (INC files, --scales-only) or a compressed-tensors FP8 checkpoint."""
     from hqtflow.quantize.run import QuantizeSettings, quantize as run_quantize, summary
@@ -171,7 +192,13 @@ def quantize(
                          config=str(config) if config else None, scale_method=scale_method, scales_for=scales_for,
                          scales_only=scales_only, weight_only=weight_only, overwrite=overwrite, trust_pickle=trust_pickle,
                          disk_offload=disk_offload, kv_cache=kv_cache)
-    typer.echo(summary(run_quantize(s)))
+    inc_device = _inc_device(engine, device)
+    if inc_device is not None:
+        from hqtflow.engines import inc
+
+        typer.echo(summary(inc.quantize(s, inc_device)))
+    else:
+        typer.echo(summary(run_quantize(s)))
 
 
 Backend = Annotated[str, typer.Option(help="FP8 matmul: auto (CPU kernel / CUDA _scaled_mm), cpu, scaled_mm, or qdq (the reference).")]
@@ -186,9 +213,13 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (greedy).")] = 32,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
     backend: Backend = "auto",
-    engine: Annotated[str, typer.Option(help="transformers (generate), static (static KV cache) or compiled (static + torch.compile'd decode step).")] = "transformers",
+    engine: Annotated[str, typer.Option(help="transformers (generate; also 'hqtflow'), static (static KV cache), compiled (static + torch.compile'd decode step), or inc (Neural Compressor converts MODEL from -m at load).")] = "transformers",
     kv_cache: Annotated[str, typer.Option(help="bf16, or fp8 (the checkpoint's k/v scales; static and compiled engines).")] = "bf16",
     dtype: ComputeDtype = "auto",
+    measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="--engine inc: the measurement MODEL is quantized from.")] = None,
+    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="--engine inc: QUANT_CONFIG (QUANTIZE).")] = None,
+    scale_method: Annotated[Optional[str], typer.Option(help="--engine inc: override the config's scale_method.")] = None,
+    device: Device = None,
 ) -> None:
     """Greedy text generation from an FP8 checkpoint or a bf16 model."""
     import torch
@@ -197,17 +228,31 @@ def generate(
 
     if max_new_tokens < 1:
         raise HqtflowError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
-    if engine not in ("transformers", "static", "compiled"):
-        raise HqtflowError(f"Unknown --engine {engine!r}; valid values are transformers, static, compiled.")
+    engine = "transformers" if engine == "hqtflow" else engine
+    if engine not in ("transformers", "static", "compiled", "inc"):
+        raise HqtflowError(f"Unknown --engine {engine!r}; valid values are transformers (hqtflow), static, compiled, inc.")
     if kv_cache not in ("bf16", "fp8"):
         raise HqtflowError(f"--kv-cache must be bf16 or fp8, not {kv_cache!r}.")
-    if kv_cache == "fp8" and engine == "transformers":
+    if kv_cache == "fp8" and engine in ("transformers", "inc"):
         raise HqtflowError("--kv-cache fp8 runs in hqtflow's static decoder: add --engine static (or compiled).")
-    m, tok, _ = load_any(model, dtype, backend=backend)
+    inc_device = _inc_device("inc" if engine == "inc" else "hqtflow", device)
+    if inc_device is None and (measurement or config or scale_method):
+        raise HqtflowError("-m/--measurement, -c/--config and --scale-method quantize at load with --engine inc; "
+                           "for hqtflow's runtime, quantize first and generate from the checkpoint.")
+    if inc_device is not None:
+        from hqtflow.engines import inc
+
+        m, tok = inc.load_run(model, measurement, device=inc_device, config=config, scale_method=scale_method,
+                              backend=backend, dtype=dtype)
+    else:
+        m, tok, _ = load_any(model, dtype, backend=backend)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt
-    ids = tok(text, return_tensors="pt", add_special_tokens=not chat)
+    if inc_device is not None:
+        ids = inc.prompt_inputs(tok, text, inc_device, add_special_tokens=not chat)
+    else:
+        ids = tok(text, return_tensors="pt", add_special_tokens=not chat)
     with torch.inference_mode():
-        if engine == "transformers":
+        if engine in ("transformers", "inc"):
             new = m.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)[0, ids["input_ids"].shape[1]:]
         else:
             from hqtflow.runtime.static_decode import StaticDecoder
@@ -237,11 +282,25 @@ def eval_(
     report: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
     backend: Backend = "auto",
     dtype: ComputeDtype = "auto",
+    engine: Engine = "hqtflow",
+    device: Device = None,
+    measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="--engine inc: MODEL (bf16) is quantized at load from this measurement; MODEL itself is the baseline.")] = None,
+    scale_method: Annotated[Optional[str], typer.Option(help="--engine inc: override the measurement config's scale_method.")] = None,
 ) -> None:
     """lm-eval tasks and WikiText-2 perplexity of an FP8 model and its bf16 baseline, side by side."""
     from hqtflow.eval_run import run_eval
 
-    typer.echo(run_eval(model, baseline=None if no_baseline else baseline, use_source=not no_baseline,
+    inc_device = _inc_device(engine, device)
+    loaded = None
+    if inc_device is None and (measurement or scale_method):
+        raise HqtflowError("-m/--measurement and --scale-method quantize at load with --engine inc.")
+    if inc_device is not None:
+        from hqtflow.engines import inc
+
+        loaded = (*inc.load_run(model, measurement, device=inc_device, scale_method=scale_method, backend=backend,
+                                dtype=dtype), "fp8")
+        baseline = baseline or (None if no_baseline else model or "smollm2")
+    typer.echo(run_eval(model, baseline=None if no_baseline else baseline, use_source=not no_baseline, loaded=loaded,
                         tasks=_csv(tasks) or (), include_path=tuple(map(str, include_path or ())),
                         data_dir=str(data_dir) if data_dir else None, limit=limit, batch_size=batch_size,
                         ppl_file=str(ppl_file) if ppl_file else None, ppl_windows=ppl_windows, report=report,
@@ -374,7 +433,7 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
            max_batch_size: Optional[int], max_batch_prefill_tokens: int, max_concurrent_requests: int, api_key: Optional[str],
            batch_bucket_size: Optional[int], prefill_batch_bucket_size: Optional[int],
            pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool], measurement: Optional[Path] = None,
-           backend: str = "auto", dtype: str = "auto") -> None:
+           backend: str = "auto", dtype: str = "auto", engine: str = "hqtflow", device: Optional[str] = None) -> None:
     import os
 
     # oneDNN keeps a compiled primitive per matmul shape (1024 by default); a server sees a new prefill shape at
@@ -400,7 +459,7 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
                              pad_sequence_to_multiple_of=env(pad_sequence_to_multiple_of, "PAD_SEQUENCE_TO_MULTIPLE_OF", 16),
                              warmup=env(warmup, "WARMUP_ENABLED", False))
     serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
-          backend=backend, dtype=dtype)
+          backend=backend, dtype=dtype, inc_device=_inc_device(engine, device))
 
 
 def _serve_command(kind: str, doc: str):
@@ -423,11 +482,13 @@ def _serve_command(kind: str, doc: str):
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
         backend: Backend = "auto",
         dtype: ComputeDtype = "auto",
+        engine: Engine = "hqtflow",
+        device: Device = None,
     ) -> None:
         _serve(kind, model, host, port, max_input_tokens, max_total_tokens, max_batch_size, max_batch_prefill_tokens,
                max_concurrent_requests, api_key,
                batch_bucket_size, prefill_batch_bucket_size, pad_sequence_to_multiple_of, warmup, measurement, backend,
-               dtype)
+               dtype, engine, device)
 
 
 _serve_command("fp8", "Serve an FP8 checkpoint with continuous batching.")

@@ -115,9 +115,9 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
     from hqtflow.formats.artifact import StagingDir
     from hqtflow.measure.run import _Progress, inputs, preflight, run_sources, write_artifact_files
 
-    cfg, model_dir, texts, manager = preflight(s)
     if s.tp > 1:
         raise ConfigError("--engine inc measures on one card; run hqtflow's own engine for --tp N.")
+    cfg, model_dir, texts, manager = preflight(s)
     q = _quantization()
     torch.manual_seed(s.seed)
     stage = StagingDir(Path(s.output), overwrite=s.overwrite, inputs=inputs(s, model_dir))
@@ -320,3 +320,38 @@ def fp8_linear(mod, fp8: str = "E4M3"):
     if bias is not None:
         m.bias.copy_(bias.detach())
     return m
+
+
+# ---- running (generate / eval / serve --engine inc) -----------------------------------------------------
+def load_run(model_ref: str | None, measurement, *, device: str, config=None, scale_method: str | None = None,
+             backend: str = "auto", dtype: str = "auto"):
+    """(INC's quantized model, tokenizer): the bf16 MODEL converted at load from a measurement, like optimum-habana
+    and TGI-Gaudi with QUANT_CONFIG. hqtflow's runtime options do not apply to INC's modules and are refused."""
+    from hqtflow.quantize.run import QuantizeSettings
+
+    if measurement is None:
+        raise ConfigError("--engine inc quantizes the bf16 MODEL at load: give its measurement with -m DIR.")
+    for flag, value in (("--backend", backend), ("--dtype", dtype)):
+        if value != "auto":
+            raise ConfigError(f"{flag} sets hqtflow's FP8 runtime; --engine inc runs Neural Compressor's modules "
+                              "in the measured model's dtype.")
+    s = QuantizeSettings(measurement=str(measurement), output="-", model=model_ref,
+                         config=str(config) if config else None, scale_method=scale_method)
+    model, tok = load(s, device)
+    if device == "hpu":
+        from hqtflow.engines import hpu
+
+        model = hpu.wrap_in_hpu_graph(model)
+    return model, tok
+
+
+def prompt_inputs(tok, text: str, device: str, *, add_special_tokens: bool = True, pad_to_multiple: int = 128):
+    """Tokenized prompt on `device`; on HPU left-padded to a bucketed length (few shapes, few HPU graphs)."""
+    ids = tok(text, return_tensors="pt", add_special_tokens=add_special_tokens)
+    if device != "hpu":
+        return dict(ids)
+    from hqtflow.engines import hpu
+
+    input_ids, mask = hpu.pad_to_bucket(ids["input_ids"], ids["attention_mask"], tok.pad_token_id,
+                                        pad_to_multiple=pad_to_multiple)
+    return {"input_ids": hpu.to_hpu(input_ids), "attention_mask": hpu.to_hpu(mask)}

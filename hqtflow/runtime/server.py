@@ -187,12 +187,14 @@ def listen_socket(host: str, port: int):
 
 
 def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 3000, kind: str = "bf16",
-          measurement: str | None = None, backend: str = "auto", dtype: str = "auto") -> None:
+          measurement: str | None = None, backend: str = "auto", dtype: str = "auto", inc_device: str | None = None) -> None:
     """Bind host:port, load MODEL (`kind` "fp8": an FP8 checkpoint, or a bf16 model quantized at start from
-    `measurement`, like TGI with QUANT_CONFIG; "bf16": a plain model) and serve it until interrupted."""
+    `measurement`, like TGI with QUANT_CONFIG, by hqtflow or by Neural Compressor on `inc_device`; "bf16": a plain
+    model) and serve it until interrupted."""
     sock = listen_socket(host, port)
     try:
-        _serve(sock, model_ref, settings, kind=kind, measurement=measurement, backend=backend, dtype=dtype)
+        _serve(sock, model_ref, settings, kind=kind, measurement=measurement, backend=backend, dtype=dtype,
+               inc_device=inc_device)
     finally:
         sock.close()
 
@@ -204,9 +206,19 @@ def _run(app, sock) -> None:
 
 
 def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: str | None, backend: str,
-           dtype: str) -> None:
+           dtype: str, inc_device: str | None = None) -> None:
     from hqtflow.errors import HqtflowError
     from hqtflow.evaluate import load_any
+
+    if inc_device is not None:
+        if kind != "fp8":
+            raise HqtflowError("--engine inc quantizes at start: use it with `hqtflow serve fp8 MODEL -m DIR`.")
+        from hqtflow.engines import inc
+
+        model, tok = inc.load_run(model_ref, measurement, device=inc_device, backend=backend, dtype=dtype)
+        settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
+        _run(create_app(model, tok, settings), sock)
+        return
 
     if measurement is not None:
         if kind != "fp8":
