@@ -100,6 +100,26 @@ def test_padded_batches_are_not_observed(inc, tiny_llama, tmp_path):
         assert abs(x / y - 1) <= 2.0**-7, (name, x, y)
 
 
+def test_lm_eval_calibration_inc(inc, tiny_llama, data_dir, tmp_path):
+    """The lm-eval source through INC's observers: the same requests (padded batches of choices) and task results
+    as hqtflow's engine, and statistics equal within a bf16 rounding."""
+    from hqtflow.engines import inc as engine
+
+    kw = dict(model=str(tiny_llama), tasks=("piqa_local",), data_dir=str(data_dir), limit=3, batch_size=4)
+    ours = measure(MeasureSettings(output=str(tmp_path / "h"), **kw), show_progress=False)
+    theirs = engine.measure(MeasureSettings(output=str(tmp_path / "i"), **kw), "cpu", show_progress=False)
+    cal = lambda d: json.loads((d / "hqtflow_manifest.json").read_text())["data"]["calibration"]
+    a, b = cal(ours), cal(theirs)
+    assert b["samples"] == a["samples"] == 6 and b["tokens"] == a["tokens"] > 0
+    assert b["sources"][0]["kind"] == "lm-eval"
+    assert b["sources"][0]["results"]["piqa_local"]["acc,none"] == a["sources"][0]["results"]["piqa_local"]["acc,none"]
+    na, nb = _nodes(ours), _nodes(theirs)
+    assert set(na) == set(nb)
+    for name in na:
+        x, y = float(na[name].inputs[0].max()), float(nb[name].inputs[0].max())
+        assert abs(x / y - 1) <= 2.0**-7, (name, x, y)
+
+
 @pytest.mark.parametrize("method", POW2_METHODS)
 def test_inc_runtime_logits_equal_hqtflow_qdq(method, pair):
     from hqtflow.engines import inc as engine

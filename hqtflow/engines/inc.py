@@ -147,24 +147,22 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
                 out = model(input_ids=ids.to(dev)).logits
                 _step(device)
                 return out
-            rows = []
+            out = None
             for r in range(ids.shape[0]):
                 n = int(mask[r].sum())
                 if not bool(mask[r, :n].all()):
                     raise CalibrationError("Calibration batches must be right-padded for --engine inc.")
-                rows.append(model(input_ids=ids[r:r + 1, :n].to(dev)).logits[0] if n else None)
+                if n == 0:
+                    continue
+                logits = model(input_ids=ids[r:r + 1, :n].to(dev)).logits
                 _step(device)
-            width = next(x for x in rows if x is not None).shape[-1]
-            out = torch.zeros(ids.shape[0], ids.shape[1], width, dtype=rows[0].dtype if rows[0] is not None else torch.float32, device=dev)
-            for r, x in enumerate(rows):
-                if x is not None:
-                    out[r, : x.shape[0]] = x
+                if out is None:
+                    out = logits.new_zeros(ids.shape[0], ids.shape[1], logits.shape[-1])
+                out[r, :n] = logits[0]
             return out
 
         @torch.inference_mode()
-        def generate(ids, max_new):
-            counts["samples"] += 1
-            counts["tokens"] += ids.shape[1]
+        def generate(ids, max_new):  # observed, but not counted as samples (as hqtflow's engine does)
             out = model.generate(ids.to(dev), max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
             _step(device)
             return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
