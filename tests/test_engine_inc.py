@@ -160,6 +160,30 @@ def test_inc_checkpoint_equals_hqtflow_checkpoint(pair, tmp_path):
         json.loads((b / "config.json").read_text())["quantization_config"]
 
 
+@pytest.mark.parametrize("method", ["maxabs_pow2", "act_maxabs_pow2_weights_pcs_maxabs_pow2"])
+def test_inc_scale_files_equal_hqtflow(method, pair, tmp_path):
+    """quantize --engine inc --scales-only: the scale files INC wrote, laid out as hqtflow's engine lays out its own,
+    with the same scales."""
+    from hqtflow.engines import inc as engine
+    from hqtflow.formats.artifact import read_manifest
+    from hqtflow.quantize.run import quantize
+
+    ours, theirs = pair
+    s = dict(scale_method=method, scales_only=True)
+    a = engine.quantize(QuantizeSettings(measurement=str(theirs), output=str(tmp_path / "inc"), **s))
+    b = quantize(QuantizeSettings(measurement=str(ours), output=str(tmp_path / "hq"), **s))
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    stem = f"measure_hooks_maxabs_{method.upper()}"
+    ja, jb = (json.loads((d / f"{stem}.json").read_text()) for d in (a, b))
+    assert ja["Mode"] == jb["Mode"] == "Scale" and set(ja["Nodes"]) == set(jb["Nodes"])
+    assert ja["Nodes"] == jb["Nodes"]
+    ma = read_manifest(a, "hqtflow.scales", 1)
+    assert ma.data["engine"]["name"] == "inc" and ma.data["world_size"] == 1
+    assert set(ma.data["files"]) == set(read_manifest(b, "hqtflow.scales", 1).data["files"])
+    cfg = json.loads((a / "quant_config.json").read_text())
+    assert cfg["mode"] == "QUANTIZE" and cfg["use_qdq"] and cfg["dump_stats_path"] == str(a.resolve() / "measure")
+
+
 def test_cli_inc_end_to_end(inc, tiny_llama, wiki_text, tmp_path):
     meas, ckpt = tmp_path / "m", tmp_path / "fp8"
     r = run_cli("measure", tiny_llama, "-o", meas, "--engine", "inc", "--device", "cpu", "--text", wiki_text,
@@ -208,7 +232,8 @@ def test_cli_eval_and_serve_inc(pair, data_dir, tmp_path, monkeypatch):
 @pytest.mark.parametrize("args,message", [
     (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "inc", "--scale-method", "maxabs_hw"], "cannot run maxabs_hw on CPU"),
     (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "inc", "--scale-method", "maxabs_pow2_opt_weight"], "torch.hpu"),
-    (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "inc", "--scales-only"], "--scales-only is not implemented with --engine inc"),
+    (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "inc", "--scales-only", "--scale-method", "unit_scale"], "writes no scale file for unit_scale"),
+    (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "inc", "--disk-offload"], "--disk-offload is not implemented with --engine inc"),
     (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "inc", "--device", "hpu"], "habana_frameworks.torch"),
     (["quantize", "-m", "{m}", "-o", "{o}", "--device", "cpu"], "use it with --engine inc"),
     (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "tensorrt"], "Unknown --engine 'tensorrt'"),

@@ -25,6 +25,8 @@ from pathlib import Path
 from hqtflow.errors import ArtifactError, CalibrationError, ConfigError
 
 _HW_ROUNDINGS = ("HW_ALIGNED", "HW_ALIGNED_FIXED")
+_NO_SCALE_FILE = ("Neural Compressor writes no scale file for {} (it needs no statistics); use hqtflow's own engine "
+                  "for these scale files.")
 
 
 def _quantization():
@@ -203,10 +205,13 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
 
 
 # ---- convert (quantize / run) ---------------------------------------------------------------------------
-def convert(job, model, device: str = "cpu"):
+def convert(job, model, device: str = "cpu", *, scale_dir: Path | None = None):
     """INC's `convert` of `model` (bf16, on `device`) with `job`'s measurement (a `plan_job` result) and config.
 
-    Returns INC's model; every module the plan quantizes must be one INC patched."""
+    Returns INC's model; every module the plan quantizes must be one INC patched. `scale_dir`: copy the scale files
+    INC wrote (`<stem>_<SCALE_METHOD>.json/.npz`) there."""
+    import shutil
+
     from hqtflow.formats import hqt
 
     if job.meas.world_size > 1:
@@ -225,6 +230,13 @@ def convert(job, model, device: str = "cpu"):
         model = _place(model, device)
         with single_process():
             qmodel = q.convert(model, cfg)
+        if scale_dir is not None:
+            written = sorted(p for p in Path(work).iterdir() if p.name.startswith(f"{stem}_") and p.suffix in (".json", ".npz")
+                             and not p.name.endswith("_mod_list.json"))
+            if not written:
+                raise ArtifactError(_NO_SCALE_FILE.format(job.cfg.scale_method))
+            for p in written:
+                shutil.copy2(p, Path(scale_dir) / p.name)
     patched = patched_linears(qmodel)
     missing = sorted(set(job.plan["quantize"]) - set(patched))
     if missing:
@@ -237,7 +249,7 @@ def patched_linears(model) -> dict:
 
 
 def _settings_check(s) -> None:
-    for flag, on in (("--scales-only", s.scales_only), ("--disk-offload", s.disk_offload),
+    for flag, on in (("--disk-offload", s.disk_offload),
                      ("--weight-only", s.weight_only), ("--kv-cache fp8", s.kv_cache == "fp8")):
         if on:
             raise ConfigError(f"{flag} is not implemented with --engine inc; use hqtflow's own engine for it.")
@@ -252,6 +264,8 @@ def load(s, device: str = "cpu"):
     from hqtflow.quantize.run import plan_job
 
     _settings_check(s)
+    if s.scales_only:
+        raise ConfigError("--scales-only writes files; generate, eval and serve run the quantized model.")
     job = plan_job(s)
     check_method(job.cfg, device)
     model = models.load_model(job.model_dir, job.dtype)
@@ -262,7 +276,8 @@ def load(s, device: str = "cpu"):
 
 def quantize(s, device: str = "cpu") -> Path:
     """`hqtflow quantize --engine inc`: INC converts the model; the FP8 weights and the scales its QDQ modules
-    apply are written as hqtflow's compressed-tensors checkpoint (same manifest and checks as hqtflow's engine)."""
+    apply are written as hqtflow's compressed-tensors checkpoint, or with --scales-only the scale files INC wrote
+    (beside the measurement files and a QUANT_CONFIG, as hqtflow's engine lays them out); same manifests and checks."""
     import torch
 
     from hqtflow import models
@@ -272,11 +287,16 @@ def quantize(s, device: str = "cpu") -> Path:
 
     check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config])
     _settings_check(s)
-    if device != "cpu":
-        raise ConfigError("quantize --engine inc writes a checkpoint from INC's CPU (QDQ) modules; use --device cpu.")
+    if device != "cpu" and not s.scales_only:
+        raise ConfigError("quantize --engine inc writes a checkpoint from INC's CPU (QDQ) modules; use --device cpu, "
+                          "or --scales-only for the scale files INC computes on the card.")
     job = plan_job(s)
     check_method(job.cfg, device)
+    if s.scales_only and all(r.rounding == "SCALE_UNIT" for r in (job.method.weight, job.method.activation)):
+        raise ConfigError(_NO_SCALE_FILE.format(job.cfg.scale_method))
     model = models.load_model(job.model_dir, job.dtype)
+    if s.scales_only:
+        return _scales_only(s, job, model, device)
     with torch.no_grad():
         _untie_if_needed(model, job.plan["quantize"])
         qmodel = convert(job, model, device)
@@ -289,14 +309,43 @@ def quantize(s, device: str = "cpu") -> Path:
         save_checkpoint(qmodel, tmp, ignore=job.plan["ignore"], per_channel=per_channel, static_input=True)
         models.load_tokenizer(job.model_dir).save_pretrained(tmp)
         meas = job.meas
-        data = {"scale_method": job.cfg.scale_method if isinstance(job.cfg.scale_method, str) else "custom",
-                "target": device, "fp8": job.cfg.fp8_config, "hp_dtype": job.cfg.hp_dtype,
-                "source_measurement": str(meas.directory.resolve()), "source_digest": meas.digest(),
-                "provenance_known": meas.manifest is not None and meas.manifest.data.get("provenance_known", True),
-                "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]),
-                "model_path": str(job.model_dir), "kv_cache": "bf16", "mode": "w8a8-static",
-                "engine": {"name": "inc", "version": inc_version(), "device": device}, "settings": asdict(s)}
+        data = {**_common(job, device), "kv_cache": "bf16", "mode": "w8a8-static", "settings": asdict(s)}
         write_manifest(tmp, CHECKPOINT_SCHEMA, SCHEMA_VERSION, model=job.fingerprint, config=job.cfg.to_dict(), data=data)
+    return Path(s.output)
+
+
+def _common(job, device: str) -> dict:
+    """The manifest fields hqtflow's quantize records, plus the engine."""
+    meas = job.meas
+    return {"scale_method": job.cfg.scale_method if isinstance(job.cfg.scale_method, str) else "custom",
+            "target": device, "fp8": job.cfg.fp8_config, "hp_dtype": job.cfg.hp_dtype,
+            "source_measurement": str(meas.directory.resolve()), "source_digest": meas.digest(),
+            "provenance_known": meas.manifest is not None and meas.manifest.data.get("provenance_known", True),
+            "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]), "model_path": str(job.model_dir),
+            "engine": {"name": "inc", "version": inc_version(), "device": device}}
+
+
+def _scales_only(s, job, model, device: str) -> Path:
+    """INC's own scale files for the measurement, in hqtflow's scales artifact (measurement files beside them and a
+    QUANT_CONFIG for INC pointing at the directory)."""
+    import torch
+
+    from hqtflow.formats.artifact import staged_output, write_json_atomic, write_manifest
+    from hqtflow.quantize.run import SCALES_SCHEMA, SCHEMA_VERSION, copy_measurement_files
+
+    with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[job.meas.directory, job.model_dir, s.config]) as tmp:
+        with torch.no_grad():
+            convert(job, model, device, scale_dir=tmp)
+        scale_files = sorted(p.name for p in tmp.iterdir() if p.suffix in (".json", ".npz"))
+        files = copy_measurement_files(job.meas, tmp) + scale_files
+        base = job.meas.stems[0].rpartition("_hooks_")[0]
+        inc_cfg = {**job.cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(Path(s.output).resolve() / base)}
+        if device == "cpu":
+            inc_cfg.pop("device_for_scales", None)
+            inc_cfg["use_qdq"] = True  # INC refuses the CPU device without QDQ
+        write_json_atomic(tmp / "quant_config.json", inc_cfg)
+        write_manifest(tmp, SCALES_SCHEMA, SCHEMA_VERSION, model=job.fingerprint, config=job.cfg.to_dict(),
+                       data={**_common(job, device), "world_size": 1, "files": files})
     return Path(s.output)
 
 
