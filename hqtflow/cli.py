@@ -291,16 +291,18 @@ def eval_(
     from hqtflow.eval_run import run_eval
 
     inc_device = _inc_device(engine, device)
-    loaded = None
+    loader = None
     if inc_device is None and (measurement or scale_method):
         raise HqtflowError("-m/--measurement and --scale-method quantize at load with --engine inc.")
     if inc_device is not None:
         from hqtflow.engines import inc
 
-        loaded = (*inc.load_run(model, measurement, device=inc_device, scale_method=scale_method, backend=backend,
-                                dtype=dtype), "fp8")
+        def loader():  # called by run_eval once its own checks passed
+            return (*inc.load_run(model, measurement, device=inc_device, scale_method=scale_method, backend=backend,
+                                  dtype=dtype), "fp8")
+
         baseline = baseline or (None if no_baseline else model or "smollm2")
-    typer.echo(run_eval(model, baseline=None if no_baseline else baseline, use_source=not no_baseline, loaded=loaded,
+    typer.echo(run_eval(model, baseline=None if no_baseline else baseline, use_source=not no_baseline, loader=loader,
                         tasks=_csv(tasks) or (), include_path=tuple(map(str, include_path or ())),
                         data_dir=str(data_dir) if data_dir else None, limit=limit, batch_size=batch_size,
                         ppl_file=str(ppl_file) if ppl_file else None, ppl_windows=ppl_windows, report=report,

@@ -22,8 +22,8 @@ def source_model(checkpoint: str | None) -> str | None:
 def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks: tuple[str, ...],
              include_path: tuple[str, ...], data_dir: str | None, limit: int | None, batch_size: int,
              ppl_file: str | None, ppl_windows: int | None, report: Path | None, backend: str = "auto",
-             dtype: str = "auto", loaded: tuple | None = None) -> str:
-    """`loaded`: (model, tokenizer, kind) already loaded (e.g. by `--engine inc`) instead of loading MODEL."""
+             dtype: str = "auto", loader=None) -> str:
+    """`loader`: returns (model, tokenizer, kind) in place of loading MODEL here (`--engine inc`)."""
     from hqtflow import lmeval
     from hqtflow.evaluate import EvalSettings, comparison_rows, evaluate, format_table, load_any
 
@@ -56,7 +56,7 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     if base_ref:
         candidates["bf16"] = base_ref
     results, paths = {}, {}
-    m, tok, kind = loaded or load_any(model, dtype, backend=backend)
+    m, tok, kind = loader() if loader else load_any(model, dtype, backend=backend)
     name = "fp8" if kind == "fp8" else kind
     names = list(candidates) + [name if name not in candidates else f"{name}-model"]
     for n in candidates:

@@ -240,7 +240,8 @@ def test_cli_eval_and_serve_inc(pair, data_dir, tmp_path, monkeypatch):
     (["generate", "--engine", "inc"], "give its measurement with -m"),
     (["generate", "-m", "{m}"], "quantize at load with --engine inc"),
     (["generate", "--engine", "inc", "-m", "{m}", "--backend", "cpu"], "--backend sets hqtflow's FP8 runtime"),
-    (["eval", "--engine", "inc", "-m", "{m}", "--dtype", "fp32", "--ppl-file", "x"], "--dtype sets hqtflow's FP8 runtime"),
+    (["eval", "--engine", "inc", "-m", "{m}", "--dtype", "fp32", "--ppl-file", "{t}"], "--dtype sets hqtflow's FP8 runtime"),
+    (["eval", "--engine", "inc", "-m", "{m}"], "Nothing to evaluate"),
     (["measure", "-o", "{o}", "--engine", "inc", "--text", "{t}", "--tp", "2"], "measures on one card"),
 ])
 def test_cli_refusals(pair, wiki_text, tmp_path, args, message):
