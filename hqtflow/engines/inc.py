@@ -5,7 +5,8 @@
   files INC dumps become an hqtflow measurement artifact (same layout, checks and manifest, written atomically).
 - quantize / generate / eval / serve: INC's `convert` (QUANTIZE) of the bf16 model with hqtflow's measurement and
   QUANT_CONFIG, after hqtflow's own checks (`hqtflow.quantize.run.plan_job`). `quantize` writes the FP8 weights and
-  scales INC's modules apply as hqtflow's compressed-tensors checkpoint.
+  scales INC's modules apply as hqtflow's compressed-tensors checkpoint, or (`--scales-only`) the scale files INC
+  wrote, in hqtflow's scales artifact.
 
 INC reads the measurement's `.npz` (a pickle): it is given one hqtflow writes from the verified JSON twin, in a
 private work directory (INC also writes its scale files there), never the artifact's own. INC caches the rank from
@@ -15,7 +16,6 @@ only the power-of-two / arbitrary scale methods (`maxabs_hw` has no hardware sca
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from contextlib import contextmanager
