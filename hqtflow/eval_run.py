@@ -19,6 +19,13 @@ def source_model(checkpoint: str | None) -> str | None:
     return json.loads(mpath.read_text()).get("data", {}).get("model_path")
 
 
+def _where(model: str | None) -> str:
+    """A model as the report records it: an absolute path for a local folder (like the settings' paths), else its name."""
+    from hqtflow import models
+
+    return str(models.resolve_model(model).resolve())
+
+
 def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks: tuple[str, ...],
              include_path: tuple[str, ...], data_dir: str | None, limit: int | None, batch_size: int,
              ppl_file: str | None, ppl_windows: int | None, report: Path | None, backend: str = "auto",
@@ -44,8 +51,10 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
         if report.exists():
             raise HqtflowError(f"Report {report} already exists; remove it or pick another path.")
         check_output_dir(report.parent / ".probe", True)
-    settings = EvalSettings(tasks=tasks, include_path=include_path, data_dir=data_dir, limit=limit,
-                            batch_size=batch_size, ppl_file=ppl_file, ppl_windows=ppl_windows)
+    absolute = lambda p: None if p is None else str(Path(p).resolve())  # the report records every path absolute
+    settings = EvalSettings(tasks=tasks, include_path=tuple(absolute(p) for p in include_path),
+                            data_dir=absolute(data_dir), limit=limit, batch_size=batch_size,
+                            ppl_file=absolute(ppl_file), ppl_windows=ppl_windows)
     manager = None
     if tasks:
         manager = lmeval.task_manager(list(include_path), data_dir, list(tasks))
@@ -61,10 +70,10 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     for n in candidates:
         bm, btok, _ = load_any(candidates[n], "bf16")  # the accuracy reference is the bf16 model
         results[n] = evaluate(bm, btok, settings, manager)
-        paths[n] = str(candidates[n])
+        paths[n] = _where(candidates[n])
         del bm
     results[names[-1]] = evaluate(m, tok, settings, manager)
-    paths[names[-1]] = str(model)
+    paths[names[-1]] = _where(model)
     base = names[0]
     rows = comparison_rows(results, base)
     if report is not None:

@@ -87,7 +87,11 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     if report.exists() and not force:
         old = json.loads(report.read_text())
         if old.get("checkpoint_digest") == digest and old.get("eval") == ev_json:
+            from hqtflow.evaluate import format_table
+
             echo(f"eval: {report} is up to date, skipped.")
+            names = list(old["results"])
+            echo(format_table(old["comparison"], names, old["baseline"]))
             return root
     tmp = root / ".eval.json.partial"
     tmp.unlink(missing_ok=True)

@@ -1,6 +1,7 @@
 """`hqtflow run RECIPE` (stages skipped while current, redone when inputs change), `generate` and `eval`."""
 
 import json
+from pathlib import Path
 
 import yaml
 
@@ -29,6 +30,7 @@ def test_run_recipe_skips_current_stages(tiny_llama, data_dir, tmp_path):
     second = run_cli("run", recipe)
     assert second.exit_code == 0, second.output
     assert second.stdout.count("up to date, skipped") == 3
+    assert "wikitext2" in second.stdout and "Δ fp8" in second.stdout  # the table is printed again
     write_recipe(recipe, tiny_llama, data_dir, 3)  # an input changed: every stage is redone
     third = run_cli("run", recipe)
     assert "measure: writing" in third.stdout and "quantize: writing" in third.stdout
@@ -48,6 +50,8 @@ def test_generate_and_eval(tiny_llama, wiki_text, data_dir, tmp_path):
     assert "piqa_local" in e.stdout and "Δ fp8" in e.stdout
     data = json.loads(rep.read_text())
     assert data["models"]["bf16"] == str(tiny_llama) and data["results"]["fp8"]["tasks"]["piqa_local"]["sample_len"] == 4
+    recorded = [*data["models"].values(), data["settings"]["data_dir"], data["settings"]["ppl_file"]]
+    assert all(Path(p).is_absolute() for p in recorded), recorded  # one convention: absolute paths
     again = run_cli("eval", ck, "--ppl-file", data_dir / "wikitext2_test.txt", "--report", rep)
     assert again.exit_code == 2 and "already exists" in again.stderr
     none = run_cli("eval", ck)
