@@ -41,7 +41,7 @@ def _plain_warnings():
 
 
 def user_errors(fn):
-    """Print an HqtflowError as one sentence on stderr and exit 2 (no traceback)."""
+    """Print an HqtflowError as one sentence on stderr and exit with its kind's code (errors.py; no traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

@@ -66,9 +66,11 @@ def resolve_model(ref: str | None) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
         return Path(snapshot_download(ref, local_files_only=True))
-    except Exception:
-        pass
+    except (LocalEntryNotFoundError, HFValidationError):
+        pass  # not in the local cache (or not a valid hub id): the hub is asked next
     try:
         from huggingface_hub import snapshot_download
 

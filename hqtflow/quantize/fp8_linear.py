@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hqtflow.errors import ConfigError
+from hqtflow.errors import BackendError  # noqa: F401 - re-exported (it lived here)
 from hqtflow.quantize.cpu_kernel import quantize_weight
 from hqtflow.scales import FP8_DTYPES, dequantize, quantize
 
@@ -146,10 +146,6 @@ class FP8Linear(nn.Module):
         mode = {"static": "W8A8 static", None: "weight-only"}.get(self.activation, f"W8A8 {self.activation}")
         gran = f"block {self.block_size}" if self.block_size else ("per-channel" if self.per_channel else "per-tensor")
         return f"in={self.in_features}, out={self.out_features}, {self.fp8} {gran} weights, {mode}, bias={self.bias is not None}"
-
-
-class BackendError(ConfigError, ValueError):
-    """An FP8 backend that does not exist or cannot run here."""
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:

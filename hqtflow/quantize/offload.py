@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from hqtflow.errors import HqtflowError, ModelError
+from hqtflow.errors import ModelError, ResourceError
 
 DEFAULT_SHARD_SIZE = 512 * 2**20  # bytes of tensor data per output file
 QUANT_CHUNK_ELEMS = 1 << 20  # weights are cast to FP8 in row blocks of about this many elements
@@ -258,13 +258,13 @@ def check_resources(p: OffloadPlan, output: Path) -> None:
     need_mem = 3 * 4 * p.largest_source_elems + MEMORY_MARGIN  # the largest tensor in fp32, three times
     avail = free_memory_bytes()
     if avail is not None and avail < need_mem:
-        raise HqtflowError(f"Not enough free memory for --disk-offload: about {_gb(need_mem)} is needed "
+        raise ResourceError(f"Not enough free memory for --disk-offload: about {_gb(need_mem)} is needed "
                            f"(3x the largest tensor in float32 plus a margin) and {_gb(avail)} is available.")
     parent = Path(output).resolve().parent
     need_disk = p.total_bytes + 64 * 2**20  # FP8 weights, copied tensors, headers, tokenizer and config
     free = free_disk_bytes(parent)
     if free < need_disk:
-        raise HqtflowError(f"Not enough free disk space in {parent} for the FP8 checkpoint: about {_gb(need_disk)} "
+        raise ResourceError(f"Not enough free disk space in {parent} for the FP8 checkpoint: about {_gb(need_disk)} "
                            f"is needed and {_gb(free)} is free.")
 
 
