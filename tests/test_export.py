@@ -135,6 +135,21 @@ def test_export_fp8_loads_back_identically(checkpoint, tmp_path):
         assert torch.equal(ours(ids).logits, theirs(ids).logits)
 
 
+def test_generate_runs_exports(checkpoint, tmp_path):
+    """`generate` takes hqtflow's own fp8 and compressed-tensors exports (the same text as the source checkpoint);
+    an INC-layout export is refused as an artifact this runtime does not run."""
+    want = run_cli("generate", checkpoint, "-p", "The tower is", "--max-new-tokens", "6", "--backend", "qdq")
+    assert want.exit_code == 0, want.output
+    for fmt in ("fp8", "compressed-tensors"):
+        out = tmp_path / fmt
+        assert run_cli("export", checkpoint, "--format", fmt, "-o", out).exit_code == 0
+        got = run_cli("generate", out, "-p", "The tower is", "--max-new-tokens", "6", "--backend", "qdq")
+        assert got.exit_code == 0 and got.stdout == want.stdout, (fmt, got.output)
+    (out / "config.json").write_text((out / "config.json").read_text() + " ")  # a damaged export is still caught
+    r = run_cli("generate", out, "-p", "x")
+    assert r.exit_code == 3 and "Error: " in r.stderr, r.output
+
+
 def test_export_fp8_refuses(checkpoint, tmp_path):
     r = run_cli("export", checkpoint, "--format", "gguf", "-o", tmp_path / "o")
     assert r.exit_code == 2 and "valid values are fp8, compressed-tensors" in r.stderr
@@ -258,6 +273,8 @@ def test_export_inc_loads_in_inc(inc, checkpoint, tmp_path):
     ours, tok = hqtflow.load(checkpoint)
     patched = {n for n, m in theirs.named_modules() if type(m).__name__ == "PatchedLinear"}
     assert patched == set(read_manifest(out, "hqtflow.export", 1).data["quantized"])
+    r = run_cli("generate", out, "-p", "x")  # INC's layout runs in INC, not in hqtflow's runtime
+    assert r.exit_code == 3 and "runs in Neural Compressor" in r.stderr, r.output
     assert type(theirs.lm_head) is torch.nn.Linear
     ids = torch.tensor([tok.encode("The tower is 324 metres tall")])
     with torch.inference_mode():

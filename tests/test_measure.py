@@ -157,3 +157,19 @@ def test_overwrite(text_run, tiny_llama, wiki_text, tmp_path):
     measure(tiny_llama, out, "--text", wiki_text, "--limit", "2", "--max-length", "16", "--overwrite")
     assert read_manifest(out, "hqtflow.measurement", 1).data["calibration"]["samples"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["o"]
+
+
+def test_only_rank_0_draws_progress_bars():
+    """Under torchrun (RANK set) the other ranks' tqdm bars are off before anything imports tqdm."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import runpy, sys\nsys.argv = ['hqtflow', 'version']\ntry:\n    runpy.run_module('hqtflow', run_name='__main__')\n"
+            "except SystemExit:\n    pass\nfrom tqdm import tqdm\nprint(tqdm(range(2)).disable)")
+    for rank, disabled in (("0", "False"), ("1", "True"), ("2", "True")):
+        env = {k: v for k, v in __import__("os").environ.items() if k != "TQDM_DISABLE"}
+        env.update(RANK=rank, PYTHONPATH=str(ROOT))
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert r.stdout.split()[-1:] == [disabled], (rank, r.stdout, r.stderr)

@@ -19,6 +19,13 @@ from typing import Any, Callable
 from hqtflow.errors import HqtflowError, ModelError
 
 
+def quiet_other_ranks() -> None:
+    """Under torchrun, only rank 0 draws progress bars: the others' (theirs, transformers', lm-eval's, datasets')
+    would interleave with it. tqdm reads TQDM_DISABLE when it is imported, so this runs before anything imports it."""
+    if os.environ.get("RANK", "0") != "0":
+        os.environ["TQDM_DISABLE"] = "1"
+
+
 def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 

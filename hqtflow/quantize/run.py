@@ -16,10 +16,10 @@ from pathlib import Path
 from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning
 from hqtflow.formats import hqt
-from hqtflow.formats.artifact import Manifest, check_not_partial, confined, read_manifest, staged_output, write_manifest
+from hqtflow.formats.artifact import MANIFEST, ArtifactKind, Manifest, check_not_partial, confined, read_manifest, staged_output, write_manifest
 
-SCALES_SCHEMA, CHECKPOINT_SCHEMA, SCHEMA_VERSION = "hqtflow.scales", "hqtflow.checkpoint", 1
-MEASUREMENT_SCHEMA = "hqtflow.measurement"
+SCALES_SCHEMA, CHECKPOINT_SCHEMA, SCHEMA_VERSION = ArtifactKind.SCALES, ArtifactKind.CHECKPOINT, 1
+MEASUREMENT_SCHEMA = ArtifactKind.MEASUREMENT
 
 
 @dataclass(frozen=True)
@@ -77,26 +77,23 @@ def load_measurement(directory: str | Path, *, trust_pickle: bool = False) -> Lo
     directory = Path(directory)
     if not directory.is_dir():
         raise ArtifactError(f"Measurement directory {directory} does not exist.")
-    if (directory / "hqtflow_manifest.json").exists():
+    if (directory / MANIFEST).exists():
         m = read_manifest(directory, MEASUREMENT_SCHEMA, SCHEMA_VERSION)
         stems, world = manifest_ranks(m)
         ranks = [hqt.read_measurement(confined(directory, f"{st}.json")) for st in stems]
         return LoadedMeasurement(directory, m, ranks, stems, world)
     check_not_partial(directory)
     # a foreign dump: find measurement JSONs (not scale files, not mod lists)
-    import re
-
-    pat = re.compile(r"^(.+_hooks_maxabs(?:_per_channel)?)(?:_(\d+)_(\d+))?\.(json|npz)$")
     found: dict[str, tuple] = {}
     for p in sorted(directory.iterdir()):
-        mt = pat.match(p.name)
-        if mt and not p.name.endswith("_mod_list.json"):
-            found.setdefault(mt.group(1) + (f"_{mt.group(2)}_{mt.group(3)}" if mt.group(2) else ""), (mt, []))[1].append(p.suffix)
+        f = hqt.parse_measurement_file(p.name)
+        if f is not None and f.ext in (".json", ".npz"):
+            found.setdefault(f.stem, (f, []))[1].append(f.ext)
     if not found:
         raise ArtifactError(f"{directory} holds no measurement files (no hqtflow manifest, no *_hooks_maxabs*.json).")
     ranks, stems, world = [], [], 1
-    for stem, (mt, exts) in sorted(found.items(), key=lambda kv: int(kv[1][0].group(2) or 0)):
-        world = int(mt.group(3) or 1)
+    for stem, (f, exts) in sorted(found.items(), key=lambda kv: kv[1][0].rank or 0):
+        world = f.world or 1
         if ".json" not in exts:
             if not trust_pickle:
                 raise ArtifactError(f"{directory / stem}.json is missing; its .npz twin is a pickle, opened only with --trust-pickle.")
@@ -316,7 +313,7 @@ def plan_modules(model, cfg: QuantConfig, meas: hqt.Measurement) -> dict:
 
 
 def summary(out: Path) -> str:
-    m = json.loads((Path(out) / "hqtflow_manifest.json").read_text())
+    m = json.loads((Path(out) / MANIFEST).read_text())
     d = m["data"]
     what = "scale files" if m["_type"] == SCALES_SCHEMA else "FP8 checkpoint"
     return (f"Wrote {out}: {what}, {d['scale_method']} for {d['target']}, {len(d['quantized'])} modules quantized, "
