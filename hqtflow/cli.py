@@ -193,7 +193,7 @@ def generate(
     """Greedy text generation from an FP8 checkpoint or a bf16 model."""
     import torch
 
-    from hqtflow.evaluate import load_any
+    from hqtflow.api import load_any
 
     if max_new_tokens < 1:
         raise HqtflowError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")

@@ -33,7 +33,8 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
              ppl_file: str | None, ppl_windows: int | None, report: Path | None, backend: str = "auto",
              dtype: str = "auto") -> str:
     from hqtflow import lmeval
-    from hqtflow.evaluate import EvalSettings, comparison_rows, evaluate, format_table, load_any
+    from hqtflow.api import load_any
+    from hqtflow.evaluate import EvalSettings, comparison_rows, evaluate, format_table
 
     if not tasks and not ppl_file:
         raise HqtflowError("Nothing to evaluate: give --tasks and/or --ppl-file.")

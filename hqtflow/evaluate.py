@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from hqtflow.api import load_any  # noqa: F401 - the loader lives in hqtflow.api; re-exported for old callers
 from hqtflow.errors import CalibrationError
 
 
@@ -22,36 +23,6 @@ class EvalSettings:
     ppl_file: str | None = None
     ppl_window: int = 512
     ppl_windows: int | None = None  # at most this many windows (None: the whole file)
-
-
-def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto"):
-    """(model, tokenizer, kind): an hqtflow/compressed-tensors FP8 checkpoint (its FP8 layers on `backend`), or a
-    plain HF model (kind: its dtype). `dtype`: the high-precision compute dtype ("auto": the fastest on this CPU)."""
-    import json
-
-    from hqtflow import models
-    from hqtflow.hardware import resolve_dtype
-
-    dtype = resolve_dtype(dtype)
-
-    path = models.resolve_model(ref)
-    cfg = json.loads((path / "config.json").read_text())
-    from hqtflow.formats.artifact import MANIFEST
-
-    has_manifest = (path / MANIFEST).exists()  # an hqtflow checkpoint or export: hqtflow.load checks it
-    if has_manifest or (cfg.get("quantization_config") or {}).get("quant_method") in ("compressed-tensors", "fp8"):
-        from hqtflow.quantize.convert import load_checkpoint
-        from hqtflow.quantize.fp8_linear import set_backend
-
-        if has_manifest:
-            from hqtflow.api import load
-
-            model, tok = load(path, backend=backend, dtype=dtype)
-        else:
-            model, tok = load_checkpoint(path, dtype=models.torch_dtype(dtype)), models.load_tokenizer(path)
-            set_backend(model, backend)
-        return model, tok, "fp8"
-    return models.load_model(path, dtype), models.load_tokenizer(path), dtype
 
 
 def read_ppl_text(path) -> str:

@@ -142,6 +142,20 @@ def write_measurement(
     return [js, npz, mods]
 
 
+def copy_measurement_files(directory: Path, stems: list[str], out: Path) -> list[str]:
+    """Copy each rank's `.json`, `.npz` and `_mod_list.json` (those that exist) from `directory` into `out`."""
+    import shutil
+
+    names = []
+    for st in stems:
+        for suffix in (".json", ".npz", "_mod_list.json"):
+            p = Path(directory) / f"{st}{suffix}"
+            if p.exists():
+                shutil.copy2(p, Path(out) / p.name)
+                names.append(p.name)
+    return names
+
+
 @dataclass
 class Measurement:
     """A parsed measurement JSON file."""

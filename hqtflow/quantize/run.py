@@ -8,7 +8,6 @@ the source measurement's digest).
 from __future__ import annotations
 
 import json
-import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -318,14 +317,3 @@ def summary(out: Path) -> str:
     what = "scale files" if m["_type"] == SCALES_SCHEMA else "FP8 checkpoint"
     return (f"Wrote {out}: {what}, {d['scale_method']} for {d['target']}, {len(d['quantized'])} modules quantized, "
             f"{len(d['skipped'])} kept in high precision.")
-
-
-def copy_measurement_files(meas: LoadedMeasurement, out: Path) -> list[str]:
-    names = []
-    for st in meas.stems:
-        for suffix in (".json", ".npz", "_mod_list.json"):
-            p = meas.directory / f"{st}{suffix}"
-            if p.exists():
-                shutil.copy2(p, out / p.name)
-                names.append(p.name)
-    return names
