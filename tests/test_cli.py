@@ -66,3 +66,21 @@ def test_each_kind_exits_with_its_code(tmp_path, tiny_llama, busy_port):
         assert r.stderr.startswith("Error: ") and "Traceback" not in r.output
     usage = run_cli("measure", "--no-such-flag")  # click's own usage errors share the usage code
     assert usage.exit_code == 2
+
+
+def test_serve_defaults_come_from_serve_settings(monkeypatch):
+    """`hqtflow serve` with no flags builds exactly ServeSettings() (the tests' default is the users' default)."""
+    from hqtflow.runtime import server
+    from hqtflow.runtime.api import ServeSettings
+
+    for name in ("MAX_BATCH_SIZE", "BATCH_BUCKET_SIZE", "PREFILL_BATCH_BUCKET_SIZE", "PAD_SEQUENCE_TO_MULTIPLE_OF",
+                 "WARMUP_ENABLED", "HQTFLOW_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda model, settings, **kw: seen.update(settings=settings))
+    r = run_cli("serve", "fp8", "some-model")
+    assert r.exit_code == 0, r.output
+    assert seen["settings"] == ServeSettings() and seen["settings"].pad_sequence_to_multiple_of == 16
+    monkeypatch.setenv("PAD_SEQUENCE_TO_MULTIPLE_OF", "8")
+    assert run_cli("serve", "fp8", "some-model", "--max-batch-size", "3").exit_code == 0
+    assert seen["settings"] == ServeSettings(pad_sequence_to_multiple_of=8, max_batch_size=3)
