@@ -1,4 +1,4 @@
-from hqtflow.measure.distributed import quiet_other_ranks
+from hqtflow.environment import quiet_other_ranks
 
 quiet_other_ranks()  # before anything imports tqdm
 

@@ -376,13 +376,11 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
            batch_bucket_size: Optional[int], prefill_batch_bucket_size: Optional[int],
            pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool], measurement: Optional[Path] = None,
            backend: str = "auto", dtype: str = "auto") -> None:
-    import os
-
-    # oneDNN keeps a compiled primitive per matmul shape (1024 by default); a server sees a new prefill shape at
-    # almost every step, so bound it (oneDNN's documented knob; read when the first primitive is made).
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
-
     from dataclasses import fields
+
+    from hqtflow import environment
+
+    environment.bound_onednn_cache()
 
     from hqtflow.runtime.server import ServeSettings, serve
 
@@ -390,9 +388,7 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
     default = {f.name: f.default for f in fields(ServeSettings)}
 
     def env(value, name, field):  # flag, else TGI-on-Gaudi environment variable, else ServeSettings' default
-        d = default[field]
-        return value if value is not None else type(d)(os.environ.get(name, d)) if not isinstance(d, bool) \
-            else os.environ.get(name, str(d)).lower() in ("1", "true", "yes")
+        return value if value is not None else environment.tgi_knob(name, default[field])
 
     max_input_tokens = default["max_input_tokens"] if max_input_tokens is None else max_input_tokens
     max_total_tokens = default["max_total_tokens"] if max_total_tokens is None else max_total_tokens
@@ -407,7 +403,7 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
                              max_batch_size=env(max_batch_size, "MAX_BATCH_SIZE", "max_batch_size"),
                              max_concurrent_requests=max_concurrent_requests,
                              max_batch_prefill_tokens=max_batch_prefill_tokens,
-                             api_key=api_key or os.environ.get("HQTFLOW_API_KEY") or None,
+                             api_key=api_key or environment.api_key(),
                              batch_bucket_size=env(batch_bucket_size, "BATCH_BUCKET_SIZE", "batch_bucket_size"),
                              prefill_batch_bucket_size=env(prefill_batch_bucket_size, "PREFILL_BATCH_BUCKET_SIZE",
                                                            "prefill_batch_bucket_size"),
