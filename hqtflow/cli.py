@@ -127,11 +127,8 @@ def measure(
     if resolved_settings is not None:  # a rank started by `--tp N`
         settings = MeasureSettings.from_json(json.loads(resolved_settings.read_text()))
     else:
-        values: dict = {}
-        if recipe is not None:
-            from hqtflow.recipes import load_recipe
+        from hqtflow.recipes import load_recipe, merge_flags
 
-            values = {k: v for k, v in load_recipe(recipe)["settings"].items() if v is not None}
         flags = {
             "model": model, "output": str(output) if output else None, "config": str(config) if config else None,
             "tasks": _csv(tasks), "include_path": tuple(map(str, include_path)) if include_path else None,
@@ -139,9 +136,7 @@ def measure(
             "text_field": text_field, "limit": limit, "batch_size": batch_size, "max_length": max_length,
             "tp": tp, "dtype": dtype,
         }
-        values.update({k: v for k, v in flags.items() if v is not None})
-        if not values.get("output"):
-            raise HqtflowError("No output directory: pass -o DIR (or set `output` in the recipe).")
+        values = merge_flags(load_recipe(recipe)["settings"] if recipe is not None else None, flags)
         settings = MeasureSettings(**values, overwrite=overwrite)
     out = run_measure(settings)
     if resolved_settings is None:  # ranks stay quiet; the launcher reports

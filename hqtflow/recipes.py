@@ -21,6 +21,16 @@ EVAL_KEYS = {"tasks", "include_path", "data_dir", "limit", "ppl_file", "ppl_wind
 CAL_KEYS = {"tasks", "include_path", "data_dir", "text", "text_field", "limit"}
 
 
+def merge_flags(recipe_settings: dict[str, Any] | None, flags: dict[str, Any]) -> dict[str, Any]:
+    """The one recipe/flag merge (`measure --recipe`, `run`): MeasureSettings keyword arguments from the recipe's
+    values, each overridden by a flag that was given (not None). An output directory is required."""
+    values = {k: v for k, v in (recipe_settings or {}).items() if v is not None}
+    values.update({k: v for k, v in flags.items() if v is not None})
+    if not values.get("output"):
+        raise ConfigError("No output directory: pass -o DIR (or set `output` in the recipe).")
+    return values
+
+
 def load_recipe(path: str | Path) -> dict[str, Any]:
     """Read a recipe into MeasureSettings keyword arguments (plus `name`, `model_type`, `quant_config`)."""
     import yaml
