@@ -206,7 +206,7 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
     """Load the FP8 checkpoint (MODEL) and its bf16 baseline, benchmark both, return the printed text."""
     from hqtflow import models as models_mod
     from hqtflow.eval_run import source_model
-    from hqtflow.evaluate import load_any
+    from hqtflow.api import load_any
 
     settings.check()
     if json_path is not None and json_path.exists():

@@ -206,7 +206,7 @@ def _run(app, sock) -> None:
 def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: str | None, backend: str,
            dtype: str) -> None:
     from hqtflow.errors import HqtflowError, ModelError
-    from hqtflow.evaluate import load_any
+    from hqtflow.api import load_any
 
     if measurement is not None:
         if kind != "fp8":
