@@ -194,9 +194,10 @@ def generate(
         raise HqtflowError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
     if engine not in ("transformers", "static", "compiled"):
         raise HqtflowError(f"Unknown --engine {engine!r}; valid values are transformers, static, compiled.")
-    if kv_cache not in ("bf16", "fp8"):
-        raise HqtflowError(f"--kv-cache must be bf16 or fp8, not {kv_cache!r}.")
-    if kv_cache == "fp8" and engine == "transformers":
+    from hqtflow.choices import KVCache, parse
+
+    kv_cache = parse(KVCache, kv_cache, "--kv-cache")
+    if kv_cache == KVCache.FP8 and engine == "transformers":
         raise HqtflowError("--kv-cache fp8 runs in hqtflow's static decoder: add --engine static (or compiled).")
     m, tok, _ = load_any(model, dtype, backend=backend)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt

@@ -60,7 +60,9 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     r = load_recipe(recipe)
     ms = MeasureSettings(**merge_flags(r["settings"], overrides), overwrite=True)
     root = Path(ms.output).parent
-    kv_missing = r["meta"]["kv_cache"] == "fp8" and not (Path(ms.output) / "kv_cache_maxabs.json").exists()
+    from hqtflow.choices import KVCache
+
+    kv_missing = r["meta"]["kv_cache"] == KVCache.FP8 and not (Path(ms.output) / "kv_cache_maxabs.json").exists()
     if not force and not kv_missing and measurement_is_current(ms):
         echo(f"measure: {ms.output} is up to date, skipped.")
     else:

@@ -108,9 +108,9 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         "ppl_windows": ev.get("ppl_windows"),
         "batch_size": ev.get("batch_size", out["batch_size"]),
     }
-    kv = raw.get("kv_cache", "bf16")
-    if kv not in ("bf16", "fp8"):
-        raise ConfigError(f"Recipe {path}: kv_cache must be bf16 or fp8, not {kv!r}.")
+    from hqtflow.choices import KVCache, parse
+
+    kv = str(parse(KVCache, raw.get("kv_cache", "bf16"), f"Recipe {path}: kv_cache"))
     meta = {"name": raw.get("name", path.stem), "model_type": raw.get("model_type"),
             "quant_config": rel(raw.get("quant_config")), "kv_cache": kv, "eval": eval_settings,
             "gaudi": raw.get("gaudi")}

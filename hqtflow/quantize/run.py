@@ -12,6 +12,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hqtflow.choices import KVCache, parse
 from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning
 from hqtflow.formats import hqt
@@ -218,9 +219,7 @@ def quantize(s: QuantizeSettings) -> Path:
     cfg, target, method, meas, model_dir, fp, plan, dtype = (job.cfg, job.target, job.method, job.meas, job.model_dir,
                                                                job.fingerprint, job.plan, job.dtype)
     kv_stats = None
-    if s.kv_cache not in ("bf16", "fp8"):
-        raise ConfigError(f"--kv-cache must be bf16 or fp8, not {s.kv_cache!r}.")
-    if s.kv_cache == "fp8":
+    if parse(KVCache, s.kv_cache, "--kv-cache") == KVCache.FP8:
         from hqtflow.measure.kv import KV_FILE, read_kv_stats
 
         if s.scales_only:
