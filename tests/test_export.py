@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import ROOT, run_cli
+from hqtflow.errors import EXIT_CODES
 from hqtflow.formats.artifact import read_manifest
 
 CFG = ROOT / "quantization_config"
@@ -63,14 +64,14 @@ def test_import_hqt_then_quantize(measured, tiny_llama, tmp_path):
     bare = tmp_path / "bare"
     assert run_cli("import-hqt", gaudi, "-o", bare).exit_code == 0
     r = run_cli("quantize", "-m", bare, "-o", tmp_path / "x")
-    assert r.exit_code == 2 and "pass the MODEL argument" in r.stderr
+    assert r.exit_code == 3 and "pass the MODEL argument" in r.stderr
     assert run_cli("quantize", tiny_llama, "-m", bare, "-o", tmp_path / "y").exit_code == 0
 
 
 def test_import_hqt_refuses(measured, tmp_path):
     def refused(src, message):
         r = run_cli("import-hqt", src, "-o", tmp_path / "out")
-        assert r.exit_code == 2, r.output
+        assert r.exit_code in set(EXIT_CODES.values()), r.output  # usage (2) or artifact (3)
         assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert not (tmp_path / "out").exists()
 
@@ -157,7 +158,7 @@ def test_export_fp8_refuses(checkpoint, tmp_path):
     assert r.exit_code == 2 and "one scale per tensor" in r.stderr
     (tmp_path / "not_a_checkpoint").mkdir()
     r = run_cli("export", tmp_path / "not_a_checkpoint", "--format", "fp8", "-o", tmp_path / "o")
-    assert r.exit_code == 2 and "no config.json" in r.stderr
+    assert r.exit_code == 3 and "no config.json" in r.stderr
 
 
 # ---- export --format compressed-tensors --per-channel ------------------------------------------

@@ -153,7 +153,7 @@ def test_lm_eval_calibration(tiny_llama, data_dir, tmp_path):
 def test_overwrite(text_run, tiny_llama, wiki_text, tmp_path):
     out = measure(tiny_llama, tmp_path / "o", "--text", wiki_text, "--limit", "1", "--max-length", "16")
     r = run_cli("measure", tiny_llama, "-o", out, "--text", wiki_text, "--limit", "1")
-    assert r.exit_code == 2 and "already exists; pass --overwrite" in r.output
+    assert r.exit_code == 3 and "already exists; pass --overwrite" in r.output
     measure(tiny_llama, out, "--text", wiki_text, "--limit", "2", "--max-length", "16", "--overwrite")
     assert read_manifest(out, "hqtflow.measurement", 1).data["calibration"]["samples"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["o"]
