@@ -1,6 +1,6 @@
 """YAML recipes: one file per model and card count naming everything a run needs.
 
-Keys (all optional except `model`): name, model, model_type, cards, dtype, config, calibration {tasks,
+Keys (all optional except `model`): version (the recipe schema, 1; a newer one is refused), name, model, model_type, cards, dtype, config, calibration {tasks,
 include_path, data_dir, text, text_field, limit}, batch_size, max_length, output, quant_config, eval {tasks,
 include_path, data_dir, limit, ppl_file, ppl_windows, batch_size} (for `hqtflow run`), gaudi (the optimum-habana /
 TGI-Gaudi commands of `hqtflow handoff`, see hqtflow/handoff.py), notes.
@@ -15,7 +15,8 @@ from typing import Any
 
 from hqtflow.errors import ConfigError
 
-TOP_KEYS = {"name", "model", "model_type", "cards", "dtype", "config", "calibration", "batch_size",
+RECIPE_VERSION = 1
+TOP_KEYS = {"version", "name", "model", "model_type", "cards", "dtype", "config", "calibration", "batch_size",
             "max_length", "output", "quant_config", "kv_cache", "eval", "gaudi", "notes"}
 EVAL_KEYS = {"tasks", "include_path", "data_dir", "limit", "ppl_file", "ppl_windows", "batch_size"}
 CAL_KEYS = {"tasks", "include_path", "data_dir", "text", "text_field", "limit"}
@@ -47,6 +48,9 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     unknown = set(raw) - TOP_KEYS
     if unknown:
         raise ConfigError(f"Recipe {path} has unknown key(s) {', '.join(sorted(unknown))}; valid keys are {', '.join(sorted(TOP_KEYS))}.")
+    version = raw.get("version", RECIPE_VERSION)
+    if version != RECIPE_VERSION or isinstance(version, bool):
+        raise ConfigError(f"Recipe {path} has version {version!r}; this hqtflow reads recipe version {RECIPE_VERSION}.")
     cal = raw.get("calibration") or {}
     if not isinstance(cal, dict):
         raise ConfigError(f"Recipe {path}: 'calibration' must be a mapping.")

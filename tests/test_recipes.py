@@ -276,3 +276,14 @@ def test_one_recipe_flag_merge(tmp_path):
         merge_flags({"model": "m"}, {"output": None})
     with pytest.raises(ConfigError, match="No output directory"):
         merge_flags(None, {"model": "m"})
+
+
+def test_recipe_version(tmp_path):
+    from hqtflow.errors import ConfigError
+    from hqtflow.recipes import load_recipe
+
+    assert load_recipe(ROOT / "recipes" / "smollm2.yaml")["meta"]["name"] == "smollm2"  # `version: 1` is read
+    newer = tmp_path / "newer.yaml"
+    newer.write_text("version: 2\nmodel: smollm2\n")
+    with pytest.raises(ConfigError, match="has version 2; this hqtflow reads recipe version 1"):
+        load_recipe(newer)
