@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from hqtflow import models  # noqa: E402
 from hqtflow.eval_run import source_model  # noqa: E402
-from hqtflow.evaluate import load_any  # noqa: E402
+from hqtflow.api import load_any  # noqa: E402
 
 DEFAULT = ROOT / "out" / "smollm2" / "fp8"
 

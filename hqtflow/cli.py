@@ -41,7 +41,7 @@ def _plain_warnings():
 
 
 def user_errors(fn):
-    """Print an HqtflowError as one sentence on stderr and exit 2 (no traceback)."""
+    """Print an HqtflowError as one sentence on stderr and exit with its kind's code (errors.py; no traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -140,11 +140,8 @@ def measure(
     if resolved_settings is not None:  # a rank started by `--tp N`
         settings = MeasureSettings.from_json(json.loads(resolved_settings.read_text()))
     else:
-        values: dict = {}
-        if recipe is not None:
-            from hqtflow.recipes import load_recipe
+        from hqtflow.recipes import load_recipe, merge_flags
 
-            values = {k: v for k, v in load_recipe(recipe)["settings"].items() if v is not None}
         flags = {
             "model": model, "output": str(output) if output else None, "config": str(config) if config else None,
             "tasks": _csv(tasks), "include_path": tuple(map(str, include_path)) if include_path else None,
@@ -152,9 +149,7 @@ def measure(
             "text_field": text_field, "limit": limit, "batch_size": batch_size, "max_length": max_length,
             "tp": tp, "dtype": dtype,
         }
-        values.update({k: v for k, v in flags.items() if v is not None})
-        if not values.get("output"):
-            raise HqtflowError("No output directory: pass -o DIR (or set `output` in the recipe).")
+        values = merge_flags(load_recipe(recipe)["settings"] if recipe is not None else None, flags)
         settings = MeasureSettings(**values, overwrite=overwrite)
     inc_device = _inc_device(engine, device)
     if inc_device is not None:
@@ -224,16 +219,17 @@ def generate(
     """Greedy text generation from an FP8 checkpoint or a bf16 model."""
     import torch
 
-    from hqtflow.evaluate import load_any
+    from hqtflow.api import load_any
 
     if max_new_tokens < 1:
         raise HqtflowError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
     engine = "transformers" if engine == "hqtflow" else engine
     if engine not in ("transformers", "static", "compiled", "inc"):
         raise HqtflowError(f"Unknown --engine {engine!r}; valid values are transformers (hqtflow), static, compiled, inc.")
-    if kv_cache not in ("bf16", "fp8"):
-        raise HqtflowError(f"--kv-cache must be bf16 or fp8, not {kv_cache!r}.")
-    if kv_cache == "fp8" and engine in ("transformers", "inc"):
+    from hqtflow.choices import KVCache, parse
+
+    kv_cache = parse(KVCache, kv_cache, "--kv-cache")
+    if kv_cache == KVCache.FP8 and engine in ("transformers", "inc"):
         raise HqtflowError("--kv-cache fp8 runs in hqtflow's static decoder: add --engine static (or compiled).")
     inc_device = _inc_device("inc" if engine == "inc" else "hqtflow", device)
     if inc_device is None and (measurement or config or scale_method):
@@ -431,35 +427,46 @@ serve_app = typer.Typer(help="Serve a model over HTTP: TGI routes (/generate, /g
 app.add_typer(serve_app, name="serve")
 
 
-def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_tokens: int, max_total_tokens: int,
-           max_batch_size: Optional[int], max_batch_prefill_tokens: int, max_concurrent_requests: int, api_key: Optional[str],
+def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_tokens: Optional[int],
+           max_total_tokens: Optional[int], max_batch_size: Optional[int], max_batch_prefill_tokens: Optional[int],
+           max_concurrent_requests: Optional[int], api_key: Optional[str],
            batch_bucket_size: Optional[int], prefill_batch_bucket_size: Optional[int],
            pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool], measurement: Optional[Path] = None,
            backend: str = "auto", dtype: str = "auto", engine: str = "hqtflow", device: Optional[str] = None) -> None:
-    import os
+    from dataclasses import fields
 
-    # oneDNN keeps a compiled primitive per matmul shape (1024 by default); a server sees a new prefill shape at
-    # almost every step, so bound it (oneDNN's documented knob; read when the first primitive is made).
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
+    from hqtflow import environment
+
+    environment.bound_onednn_cache()
 
     from hqtflow.runtime.server import ServeSettings, serve
 
-    def env(value, name, default):  # flag, else TGI-on-Gaudi environment variable, else default
-        return value if value is not None else type(default)(os.environ.get(name, default)) if not isinstance(default, bool) \
-            else os.environ.get(name, str(default)).lower() in ("1", "true", "yes")
+    # every default comes from ServeSettings, so the CLI and the tests (which build ServeSettings) cannot drift
+    default = {f.name: f.default for f in fields(ServeSettings)}
+
+    def env(value, name, field):  # flag, else TGI-on-Gaudi environment variable, else ServeSettings' default
+        return value if value is not None else environment.tgi_knob(name, default[field])
+
+    max_input_tokens = default["max_input_tokens"] if max_input_tokens is None else max_input_tokens
+    max_total_tokens = default["max_total_tokens"] if max_total_tokens is None else max_total_tokens
+    max_batch_prefill_tokens = default["max_batch_prefill_tokens"] if max_batch_prefill_tokens is None else max_batch_prefill_tokens
+    max_concurrent_requests = default["max_concurrent_requests"] if max_concurrent_requests is None else max_concurrent_requests
 
     if max_input_tokens >= max_total_tokens:
         raise HqtflowError(f"--max-input-tokens ({max_input_tokens}) must be less than --max-total-tokens ({max_total_tokens}).")
     if max_batch_prefill_tokens < max_input_tokens:
         raise HqtflowError(f"--max-batch-prefill-tokens ({max_batch_prefill_tokens}) must be at least --max-input-tokens ({max_input_tokens}).")
     settings = ServeSettings(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
-                             max_batch_size=env(max_batch_size, "MAX_BATCH_SIZE", 8), max_concurrent_requests=max_concurrent_requests,
+                             max_batch_size=env(max_batch_size, "MAX_BATCH_SIZE", "max_batch_size"),
+                             max_concurrent_requests=max_concurrent_requests,
                              max_batch_prefill_tokens=max_batch_prefill_tokens,
-                             api_key=api_key or os.environ.get("HQTFLOW_API_KEY") or None,
-                             batch_bucket_size=env(batch_bucket_size, "BATCH_BUCKET_SIZE", 1),
-                             prefill_batch_bucket_size=env(prefill_batch_bucket_size, "PREFILL_BATCH_BUCKET_SIZE", 1),
-                             pad_sequence_to_multiple_of=env(pad_sequence_to_multiple_of, "PAD_SEQUENCE_TO_MULTIPLE_OF", 16),
-                             warmup=env(warmup, "WARMUP_ENABLED", False))
+                             api_key=api_key or environment.api_key(),
+                             batch_bucket_size=env(batch_bucket_size, "BATCH_BUCKET_SIZE", "batch_bucket_size"),
+                             prefill_batch_bucket_size=env(prefill_batch_bucket_size, "PREFILL_BATCH_BUCKET_SIZE",
+                                                           "prefill_batch_bucket_size"),
+                             pad_sequence_to_multiple_of=env(pad_sequence_to_multiple_of, "PAD_SEQUENCE_TO_MULTIPLE_OF",
+                                                             "pad_sequence_to_multiple_of"),
+                             warmup=env(warmup, "WARMUP_ENABLED", "warmup"))
     serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
           backend=backend, dtype=dtype, inc_device=_inc_device(engine, device))
 
@@ -471,11 +478,11 @@ def _serve_command(kind: str, doc: str):
         model: Annotated[Optional[str], typer.Argument(help="FP8 checkpoint (fp8) or HF model folder / 'smollm2' (bf16).")] = None,
         host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Port.")] = 3000,
-        max_input_tokens: Annotated[int, typer.Option(help="Longest prompt accepted (422 above).")] = 4095,
-        max_total_tokens: Annotated[int, typer.Option(help="Prompt + max_new_tokens limit (422 above).")] = 4096,
+        max_input_tokens: Annotated[Optional[int], typer.Option(help="Longest prompt accepted (422 above; default 4095).")] = None,
+        max_total_tokens: Annotated[Optional[int], typer.Option(help="Prompt + max_new_tokens limit (422 above; default 4096).")] = None,
         max_batch_size: Annotated[Optional[int], typer.Option(help="Requests decoded together (env MAX_BATCH_SIZE, 8).")] = None,
-        max_batch_prefill_tokens: Annotated[int, typer.Option(help="Padded prompt tokens prefilled together in one step (TGI's flag).")] = 4096,
-        max_concurrent_requests: Annotated[int, typer.Option(help="Requests in flight before 429.")] = 128,
+        max_batch_prefill_tokens: Annotated[Optional[int], typer.Option(help="Padded prompt tokens prefilled together in one step (TGI's flag; default 4096).")] = None,
+        max_concurrent_requests: Annotated[Optional[int], typer.Option(help="Requests in flight before 429 (default 128).")] = None,
         api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` (env HQTFLOW_API_KEY).")] = None,
         batch_bucket_size: Annotated[Optional[int], typer.Option(help="Round the decode batch up to a multiple (env BATCH_BUCKET_SIZE, 1).")] = None,
         prefill_batch_bucket_size: Annotated[Optional[int], typer.Option(help="Round the prefill batch up to a multiple (env PREFILL_BATCH_BUCKET_SIZE, 1).")] = None,

@@ -1,4 +1,15 @@
-"""User-facing errors: the CLI prints their message as one sentence and exits with code 2."""
+"""User-facing errors: the CLI prints their message as one sentence and exits with the code of their kind.
+
+| code | kind |
+|---|---|
+| 2 | usage or configuration: a wrong flag value, QUANT_CONFIG, recipe or backend (also click's usage errors) |
+| 3 | artifact: an input artifact missing, partial, damaged, of the wrong kind or stale; an output in the way |
+| 4 | model: a model that cannot be found, read, loaded or split as asked |
+| 5 | calibration or evaluation data: missing, empty, unreadable or unusable |
+| 6 | resource: not enough memory or disk, a port in use |
+
+1 is left to Python for bugs (a traceback) and 130 means interrupted.
+"""
 
 
 class HqtflowError(Exception):
@@ -8,19 +19,44 @@ class HqtflowError(Exception):
 
 
 class ConfigError(HqtflowError):
-    """A QUANT_CONFIG or recipe value is missing, unknown or out of range."""
+    """A flag, QUANT_CONFIG or recipe value is missing, unknown or out of range."""
+
+    exit_code = 2
+
+
+class BackendError(ConfigError, ValueError):
+    """An FP8 backend that does not exist or cannot run here."""
 
 
 class ArtifactError(HqtflowError):
-    """An artifact directory is missing, partial, mismatched or of a newer schema."""
+    """An artifact directory is missing, partial, mismatched or of a newer schema; or an output is in the way."""
+
+    exit_code = 3
+
+
+class InspectError(ArtifactError):
+    """The artifact(s) given to `hqtflow inspect` cannot be inspected as asked."""
 
 
 class ModelError(HqtflowError):
     """A model cannot be found, loaded or split as asked."""
 
+    exit_code = 4
+
 
 class CalibrationError(HqtflowError):
-    """Calibration data is missing, empty or unusable."""
+    """Calibration (or evaluation) data is missing, empty or unusable."""
+
+    exit_code = 5
+
+
+class ResourceError(HqtflowError):
+    """The machine lacks what the step needs: free memory, free disk, a free port."""
+
+    exit_code = 6
+
+
+EXIT_CODES = {"usage/config": 2, "artifact": 3, "model": 4, "calibration data": 5, "resource": 6}
 
 
 class ProvenanceWarning(UserWarning):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hqtflow.errors import HqtflowError
+from hqtflow.errors import ArtifactError, CalibrationError, HqtflowError
 
 
 def source_model(checkpoint: str | None) -> str | None:
@@ -13,10 +13,19 @@ def source_model(checkpoint: str | None) -> str | None:
     from hqtflow import models
 
     path = models.resolve_model(checkpoint)
-    mpath = path / "hqtflow_manifest.json"
+    from hqtflow.formats.artifact import MANIFEST
+
+    mpath = path / MANIFEST
     if not mpath.exists():
         return None
     return json.loads(mpath.read_text()).get("data", {}).get("model_path")
+
+
+def _where(model: str | None) -> str:
+    """A model as the report records it: an absolute path for a local folder (like the settings' paths), else its name."""
+    from hqtflow import models
+
+    return str(models.resolve_model(model).resolve())
 
 
 def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks: tuple[str, ...],
@@ -25,14 +34,15 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
              dtype: str = "auto", loader=None) -> str:
     """`loader`: returns (model, tokenizer, kind) in place of loading MODEL here (`--engine inc`)."""
     from hqtflow import lmeval
-    from hqtflow.evaluate import EvalSettings, comparison_rows, evaluate, format_table, load_any
+    from hqtflow.api import load_any
+    from hqtflow.evaluate import EvalSettings, comparison_rows, evaluate, format_table
 
     if not tasks and not ppl_file:
         raise HqtflowError("Nothing to evaluate: give --tasks and/or --ppl-file.")
     if limit is not None and limit < 1:
         raise HqtflowError(f"--limit must be at least 1, not {limit}.")
     if ppl_file and not Path(ppl_file).is_file():
-        raise HqtflowError(f"Perplexity file {ppl_file} does not exist.")
+        raise CalibrationError(f"Perplexity file {ppl_file} does not exist.")
     if ppl_file:
         from hqtflow.evaluate import read_ppl_text
 
@@ -41,12 +51,14 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
         from hqtflow.formats.artifact import check_output_dir
 
         if model and Path(model).exists() and report.resolve().is_relative_to(Path(model).resolve()):
-            raise HqtflowError(f"Report {report} lies inside the evaluated model {model}, which is never modified.")
+            raise ArtifactError(f"Report {report} lies inside the evaluated model {model}, which is never modified.")
         if report.exists():
-            raise HqtflowError(f"Report {report} already exists; remove it or pick another path.")
+            raise ArtifactError(f"Report {report} already exists; remove it or pick another path.")
         check_output_dir(report.parent / ".probe", True)
-    settings = EvalSettings(tasks=tasks, include_path=include_path, data_dir=data_dir, limit=limit,
-                            batch_size=batch_size, ppl_file=ppl_file, ppl_windows=ppl_windows)
+    absolute = lambda p: None if p is None else str(Path(p).resolve())  # the report records every path absolute
+    settings = EvalSettings(tasks=tasks, include_path=tuple(absolute(p) for p in include_path),
+                            data_dir=absolute(data_dir), limit=limit, batch_size=batch_size,
+                            ppl_file=absolute(ppl_file), ppl_windows=ppl_windows)
     manager = None
     if tasks:
         manager = lmeval.task_manager(list(include_path), data_dir, list(tasks))
@@ -61,11 +73,11 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     names = list(candidates) + [name if name not in candidates else f"{name}-model"]
     for n in candidates:
         bm, btok, _ = load_any(candidates[n], "bf16")  # the accuracy reference is the bf16 model
-        results[n] = evaluate(bm, btok, settings, manager)
-        paths[n] = str(candidates[n])
+        results[n] = evaluate(bm, btok, settings, manager, label=n)
+        paths[n] = _where(candidates[n])
         del bm
-    results[names[-1]] = evaluate(m, tok, settings, manager)
-    paths[names[-1]] = str(model)
+    results[names[-1]] = evaluate(m, tok, settings, manager, label=names[-1])
+    paths[names[-1]] = _where(model)
     base = names[0]
     rows = comparison_rows(results, base)
     if report is not None:

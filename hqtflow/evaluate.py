@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from hqtflow.api import load_any  # noqa: F401 - the loader lives in hqtflow.api; re-exported for old callers
 from hqtflow.errors import CalibrationError
 
 
@@ -22,33 +23,6 @@ class EvalSettings:
     ppl_file: str | None = None
     ppl_window: int = 512
     ppl_windows: int | None = None  # at most this many windows (None: the whole file)
-
-
-def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto"):
-    """(model, tokenizer, kind): an hqtflow/compressed-tensors FP8 checkpoint (its FP8 layers on `backend`), or a
-    plain HF model (kind: its dtype). `dtype`: the high-precision compute dtype ("auto": the fastest on this CPU)."""
-    import json
-
-    from hqtflow import models
-    from hqtflow.hardware import resolve_dtype
-
-    dtype = resolve_dtype(dtype)
-
-    path = models.resolve_model(ref)
-    cfg = json.loads((path / "config.json").read_text())
-    if (cfg.get("quantization_config") or {}).get("quant_method") in ("compressed-tensors", "fp8"):
-        from hqtflow.quantize.convert import load_checkpoint
-        from hqtflow.quantize.fp8_linear import set_backend
-
-        if (path / "hqtflow_manifest.json").exists():
-            from hqtflow.api import load
-
-            model, tok = load(path, backend=backend, dtype=dtype)
-        else:
-            model, tok = load_checkpoint(path, dtype=models.torch_dtype(dtype)), models.load_tokenizer(path)
-            set_backend(model, backend)
-        return model, tok, "fp8"
-    return models.load_model(path, dtype), models.load_tokenizer(path), dtype
 
 
 def read_ppl_text(path) -> str:
@@ -66,8 +40,10 @@ def read_ppl_text(path) -> str:
 
 
 @torch.inference_mode()
-def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: int | None = None) -> dict:
-    """Perplexity over disjoint `window`-token windows (each scored from its own start, no overlap)."""
+def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: int | None = None, progress=None,
+               label: str = "perplexity") -> dict:
+    """Perplexity over disjoint `window`-token windows (each scored from its own start, no overlap); `progress`
+    (a hqtflow.progress.Progress) gets a bar over the windows."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     n = len(ids) // window
     if max_windows:
@@ -76,19 +52,27 @@ def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: i
         raise CalibrationError(f"The perplexity text has {len(ids)} tokens, fewer than one {window}-token window.")
     nll, count = 0.0, 0
     device = next(model.parameters()).device
+    if progress is not None:
+        progress.start(label, n, unit="window")
     for i in range(n):
         x = torch.tensor([ids[i * window:(i + 1) * window]], device=device)
         logits = model(x).logits[0, :-1].float()
         nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
         count += window - 1
+        if progress is not None:
+            progress.update(1, window)
     return {"perplexity": math.exp(nll / count), "windows": n, "tokens": count}
 
 
-def evaluate(model, tokenizer, s: EvalSettings, manager=None) -> dict:
-    """{"tasks": {task: {metric: v}}, "wikitext": {...}} for one model."""
+def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = "", show_progress: bool = True) -> dict:
+    """{"tasks": {task: {metric: v}}, "wikitext": {...}} for one model; progress bars (named `label`) over
+    lm-eval's requests and the perplexity windows."""
     from hqtflow import lmeval
+    from hqtflow.progress import Progress
 
     out: dict = {}
+    progress = Progress(show_progress)
+    prefix = f"{label}: " if label else ""
     if s.tasks:
         device = next(model.parameters()).device
 
@@ -101,11 +85,14 @@ def evaluate(model, tokenizer, s: EvalSettings, manager=None) -> dict:
             o = model.generate(ids.to(device), max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
             return tokenizer.decode(o[0, ids.shape[1]:], skip_special_tokens=True)
 
-        lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=s.max_length, generate=generate)
+        progress.start(f"{prefix}lm-eval {','.join(s.tasks)}", 0, unit="request")
+        lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=s.max_length, generate=generate,
+                             progress=progress.update, announce=progress.add_total)
         out["tasks"] = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
     if s.ppl_file:
         out["wikitext"] = perplexity(model, tokenizer, read_ppl_text(s.ppl_file), window=s.ppl_window,
-                                     max_windows=s.ppl_windows)
+                                     max_windows=s.ppl_windows, progress=progress, label=f"{prefix}perplexity")
+    progress.close()
     return out
 
 

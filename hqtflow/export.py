@@ -44,10 +44,11 @@ from pathlib import Path
 import torch
 
 from hqtflow.errors import ArtifactError, ConfigError
-from hqtflow.formats.artifact import MANIFEST, read_manifest, staged_output, write_manifest
+from hqtflow.formats.artifact import MANIFEST, ArtifactKind, read_manifest, staged_output, write_manifest
 
-EXPORT_SCHEMA, SCHEMA_VERSION = "hqtflow.export", 1
+EXPORT_SCHEMA, SCHEMA_VERSION = ArtifactKind.EXPORT, 1
 FORMATS = ("fp8", "compressed-tensors", "inc")
+LOADABLE_FORMATS = ("fp8", "compressed-tensors")  # what hqtflow.load runs ("inc" is Neural Compressor's)
 E4M3_MAX = 448.0
 KV_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 
@@ -60,7 +61,7 @@ def _source_manifest(path: Path):
         kind = json.loads((path / MANIFEST).read_text()).get("_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         kind = None
-    return read_manifest(path, EXPORT_SCHEMA if kind == EXPORT_SCHEMA else "hqtflow.checkpoint", 1)
+    return read_manifest(path, EXPORT_SCHEMA if kind == EXPORT_SCHEMA else ArtifactKind.CHECKPOINT, 1)
 
 
 def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[str]]:
@@ -209,7 +210,7 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
                               "layout, which needs an input scale per Linear.")
         out_t, requantized = _inc_layout(tensors, linears)
         src_m = _source_manifest(checkpoint)
-        from_ck = src_m is not None and src_m.type == "hqtflow.checkpoint"
+        from_ck = src_m is not None and src_m.type == ArtifactKind.CHECKPOINT
         base = (src_m.raw.get("config") or {}) if from_ck else {}
         method = (src_m.data.get("scale_method") if from_ck else None) or "maxabs_arbitrary"
         if requantized:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hqtflow.errors import ArtifactError, ConfigError
+from hqtflow.formats.artifact import MANIFEST, ArtifactKind
 
 TARGETS = ("optimum-habana", "tgi-gaudi")
 MODES = ("measure", "quantize")
@@ -102,7 +103,7 @@ def _load_json(path: Path, what: str) -> dict:
 
 
 def _manifest(directory: Path) -> dict | None:
-    p = directory / "hqtflow_manifest.json"
+    p = directory / MANIFEST
     if not p.is_file():
         return None
     try:
@@ -135,7 +136,7 @@ def read_artifact(directory: str | Path) -> Artifact:
     if raw is None:
         raise ArtifactError(f"{directory} has no readable hqtflow manifest; wrap HQT/INC files made elsewhere with "
                             "`hqtflow import-hqt` first.")
-    kind = {"hqtflow.measurement": "measurement", "hqtflow.scales": "scales"}.get(raw.get("_type"))
+    kind = {ArtifactKind.MEASUREMENT: "measurement", ArtifactKind.SCALES: "scales"}.get(raw.get("_type"))
     if kind is None:
         raise ArtifactError(f"{directory} holds a {raw.get('_type')!r} artifact; a hand-off needs a measurement "
                             "(measure, unify, import-hqt) or scale files (quantize --scales-only).")
@@ -154,7 +155,7 @@ def read_artifact(directory: str | Path) -> Artifact:
             base = Path(str(config["dump_stats_path"])).name
             stems = [measurement_stem(base, observer, r if world > 1 else None, world) for r in range(world)]
     except (KeyError, TypeError, ValueError, IndexError):
-        raise ArtifactError(f"{directory / 'hqtflow_manifest.json'} is corrupt (no valid ranks / world_size).") from None
+        raise ArtifactError(f"{directory / MANIFEST} is corrupt (no valid ranks / world_size).") from None
     if len(stems) != world or world < 1:
         raise ArtifactError(f"{directory} lists {len(stems)} rank file(s) for world size {world}; it is corrupt.")
     needed = {r: [f"{s}.json", f"{s}.npz"] for r, s in enumerate(stems)}  # INC reads the .npz

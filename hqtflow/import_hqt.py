@@ -15,11 +15,9 @@ from pathlib import Path
 
 from hqtflow.errors import ArtifactError
 from hqtflow.formats import hqt
-from hqtflow.formats.artifact import check_not_partial, check_output_dir, staged_output, write_json_atomic, write_manifest
+from hqtflow.formats.artifact import MANIFEST, ArtifactKind, check_not_partial, check_output_dir, staged_output, write_json_atomic, write_manifest
 
-SCHEMA, SCHEMA_VERSION = "hqtflow.measurement", 1
-_MEAS = re.compile(r"^(?P<base>.+)_hooks_(?P<obs>maxabs(?:_per_channel)?)(?:_(?P<r>\d+)_(?P<w>\d+))?(?P<ext>\.json|\.npz|_mod_list\.json)$")
-_SCALE = re.compile(r"^.+_hooks_maxabs(?:_per_channel)?_[A-Z0-9_]*[A-Z][A-Z0-9_]*?(?:_\d+_\d+)?\.(json|npz)$")
+SCHEMA, SCHEMA_VERSION = ArtifactKind.MEASUREMENT, 1
 
 
 def _scan(directory: Path) -> tuple[dict, list[Path]]:
@@ -29,12 +27,10 @@ def _scan(directory: Path) -> tuple[dict, list[Path]]:
     for p in sorted(directory.iterdir()):
         if not p.is_file():
             continue
-        m = _MEAS.match(p.name)
-        if m:
-            world = int(m["w"]) if m["w"] else 1
-            rank = int(m["r"]) if m["r"] else 0
-            groups.setdefault((m["base"], m["obs"], world), {}).setdefault(rank, {})[m["ext"]] = p
-        elif _SCALE.match(p.name):
+        f = hqt.parse_measurement_file(p.name)
+        if f is not None:
+            groups.setdefault((f.base, f.observer, f.world or 1), {}).setdefault(f.rank or 0, {})[f.ext] = p
+        elif hqt.SCALE_FILE.match(p.name):
             scales.append(p)
     return groups, scales
 
@@ -127,7 +123,7 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
 def summary(out: Path) -> str:
     import json
 
-    d = json.loads((Path(out) / "hqtflow_manifest.json").read_text())["data"]
+    d = json.loads((Path(out) / MANIFEST).read_text())["data"]
     nodes = sum(r["nodes"] for r in d["ranks"])
     model = f", model {d['model_path']}" if d.get("model_path") else " (no model recorded: pass MODEL to quantize)"
     return f"Wrote {out}: {nodes} nodes over {d['world_size']} rank(s) imported{model}."

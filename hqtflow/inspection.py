@@ -36,9 +36,10 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from hqtflow.errors import ArtifactError, ConfigError, HqtflowError
+from hqtflow.errors import ArtifactError, ConfigError, HqtflowError, InspectError  # noqa: F401 - InspectError re-exported (it lived here)
+from hqtflow.formats.artifact import ArtifactKind
 
-MEASUREMENT, SCALES, CHECKPOINT = "hqtflow.measurement", "hqtflow.scales", "hqtflow.checkpoint"
+MEASUREMENT, SCALES, CHECKPOINT = ArtifactKind.MEASUREMENT, ArtifactKind.SCALES, ArtifactKind.CHECKPOINT
 KINDS = {MEASUREMENT: "measurement", SCALES: "scales", CHECKPOINT: "checkpoint"}
 SCHEMA_VERSION = 1
 OUTLIER_FACTOR = 8.0
@@ -53,10 +54,6 @@ RULES = {
     "weight_underflow": "max|q| / F < 1/256 or more than 50% of FP8 weights are 0",
     "weight_error": "relative RMS ||W - dq(q(W))|| / ||W||; SQNR dB = -20 log10(relative RMS)",
 }
-
-
-class InspectError(HqtflowError):
-    """The artifact(s) given to `hqtflow inspect` cannot be inspected as asked."""
 
 
 # ---- reading -------------------------------------------------------------------------------------

@@ -73,8 +73,12 @@ def check_tasks(tasks: list[str], manager, data_dir: str | Path | None) -> None:
         raise CalibrationError(f"Unknown lm-eval task {t!r}{hint}.")
 
 
-def build_lm(forward: Forward, tokenizer, *, batch_size: int, max_length: int, generate=None, progress=None):
-    """An `lm_eval.api.model.TemplateLM` over `forward` (class built lazily: lm-eval imports slowly)."""
+def build_lm(forward: Forward, tokenizer, *, batch_size: int, max_length: int, generate=None, progress=None,
+             announce=None):
+    """An `lm_eval.api.model.TemplateLM` over `forward` (class built lazily: lm-eval imports slowly).
+
+    `progress(samples, tokens)` after each forward or generation; `announce(n)` when lm-eval hands over n more
+    requests (for a progress bar's total)."""
     from lm_eval.api.model import TemplateLM
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
@@ -97,6 +101,8 @@ def build_lm(forward: Forward, tokenizer, *, batch_size: int, max_length: int, g
 
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
             # each request: ((context, continuation), context_enc, continuation_enc)
+            if announce:
+                announce(len(requests))
             items = []
             for i, (_, ctx, cont) in enumerate(requests):
                 whole = (ctx + cont)[-(self.max_length + 1):]
@@ -144,6 +150,8 @@ def build_lm(forward: Forward, tokenizer, *, batch_size: int, max_length: int, g
         def generate_until(self, requests, disable_tqdm: bool = False):
             if generate is None:
                 raise CalibrationError("This run cannot generate text; pick loglikelihood or multiple-choice tasks.")
+            if announce:
+                announce(len(requests))
             out = []
             for req in requests:
                 context, gen_kwargs = req.args

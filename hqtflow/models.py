@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -21,7 +20,9 @@ DTYPES = ("bf16", "fp16", "fp32")
 
 def cache_dir() -> Path:
     """Where prepared models live: $HQTFLOW_CACHE, else ~/.cache/hqtflow."""
-    return Path(os.environ.get("HQTFLOW_CACHE") or Path.home() / ".cache" / "hqtflow")
+    from hqtflow import environment
+
+    return environment.cache_dir()
 
 
 def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:
@@ -66,9 +67,11 @@ def resolve_model(ref: str | None) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
         return Path(snapshot_download(ref, local_files_only=True))
-    except Exception:
-        pass
+    except (LocalEntryNotFoundError, HFValidationError):
+        pass  # not in the local cache (or not a valid hub id): the hub is asked next
     try:
         from huggingface_hub import snapshot_download
 

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from hqtflow.errors import ArtifactError, HqtflowError
+from hqtflow.errors import ArtifactError
 
 
 def _same_settings(recorded: dict, current: dict) -> bool:
@@ -55,16 +55,14 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     from hqtflow.formats.artifact import read_manifest
     from hqtflow.measure.run import MeasureSettings, measure
     from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, QuantizeSettings, quantize
-    from hqtflow.recipes import load_recipe
+    from hqtflow.recipes import load_recipe, merge_flags
 
     r = load_recipe(recipe)
-    values = {k: v for k, v in r["settings"].items() if v is not None}
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    if not values.get("output"):
-        raise HqtflowError(f"Recipe {recipe} names no output directory; set `output` or pass -o.")
-    ms = MeasureSettings(**values, overwrite=True)
+    ms = MeasureSettings(**merge_flags(r["settings"], overrides), overwrite=True)
     root = Path(ms.output).parent
-    kv_missing = r["meta"]["kv_cache"] == "fp8" and not (Path(ms.output) / "kv_cache_maxabs.json").exists()
+    from hqtflow.choices import KVCache
+
+    kv_missing = r["meta"]["kv_cache"] == KVCache.FP8 and not (Path(ms.output) / "kv_cache_maxabs.json").exists()
     if not force and not kv_missing and measurement_is_current(ms):
         echo(f"measure: {ms.output} is up to date, skipped.")
     else:
@@ -87,7 +85,11 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     if report.exists() and not force:
         old = json.loads(report.read_text())
         if old.get("checkpoint_digest") == digest and old.get("eval") == ev_json:
+            from hqtflow.evaluate import format_table
+
             echo(f"eval: {report} is up to date, skipped.")
+            names = list(old["results"])
+            echo(format_table(old["comparison"], names, old["baseline"]))
             return root
     tmp = root / ".eval.json.partial"
     tmp.unlink(missing_ok=True)

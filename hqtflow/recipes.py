@@ -1,6 +1,6 @@
 """YAML recipes: one file per model and card count naming everything a run needs.
 
-Keys (all optional except `model`): name, model, model_type, cards, dtype, config, calibration {tasks,
+Keys (all optional except `model`): version (the recipe schema, 1; a newer one is refused), name, model, model_type, cards, dtype, config, calibration {tasks,
 include_path, data_dir, text, text_field, limit}, batch_size, max_length, output, quant_config, eval {tasks,
 include_path, data_dir, limit, ppl_file, ppl_windows, batch_size} (for `hqtflow run`), gaudi (the optimum-habana /
 TGI-Gaudi commands of `hqtflow handoff`, see hqtflow/handoff.py), notes.
@@ -15,10 +15,21 @@ from typing import Any
 
 from hqtflow.errors import ConfigError
 
-TOP_KEYS = {"name", "model", "model_type", "cards", "dtype", "config", "calibration", "batch_size",
+RECIPE_VERSION = 1
+TOP_KEYS = {"version", "name", "model", "model_type", "cards", "dtype", "config", "calibration", "batch_size",
             "max_length", "output", "quant_config", "kv_cache", "eval", "gaudi", "notes"}
 EVAL_KEYS = {"tasks", "include_path", "data_dir", "limit", "ppl_file", "ppl_windows", "batch_size"}
 CAL_KEYS = {"tasks", "include_path", "data_dir", "text", "text_field", "limit"}
+
+
+def merge_flags(recipe_settings: dict[str, Any] | None, flags: dict[str, Any]) -> dict[str, Any]:
+    """The one recipe/flag merge (`measure --recipe`, `run`): MeasureSettings keyword arguments from the recipe's
+    values, each overridden by a flag that was given (not None). An output directory is required."""
+    values = {k: v for k, v in (recipe_settings or {}).items() if v is not None}
+    values.update({k: v for k, v in flags.items() if v is not None})
+    if not values.get("output"):
+        raise ConfigError("No output directory: pass -o DIR (or set `output` in the recipe).")
+    return values
 
 
 def load_recipe(path: str | Path) -> dict[str, Any]:
@@ -37,6 +48,9 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     unknown = set(raw) - TOP_KEYS
     if unknown:
         raise ConfigError(f"Recipe {path} has unknown key(s) {', '.join(sorted(unknown))}; valid keys are {', '.join(sorted(TOP_KEYS))}.")
+    version = raw.get("version", RECIPE_VERSION)
+    if version != RECIPE_VERSION or isinstance(version, bool):
+        raise ConfigError(f"Recipe {path} has version {version!r}; this hqtflow reads recipe version {RECIPE_VERSION}.")
     cal = raw.get("calibration") or {}
     if not isinstance(cal, dict):
         raise ConfigError(f"Recipe {path}: 'calibration' must be a mapping.")
@@ -98,9 +112,9 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         "ppl_windows": ev.get("ppl_windows"),
         "batch_size": ev.get("batch_size", out["batch_size"]),
     }
-    kv = raw.get("kv_cache", "bf16")
-    if kv not in ("bf16", "fp8"):
-        raise ConfigError(f"Recipe {path}: kv_cache must be bf16 or fp8, not {kv!r}.")
+    from hqtflow.choices import KVCache, parse
+
+    kv = str(parse(KVCache, raw.get("kv_cache", "bf16"), f"Recipe {path}: kv_cache"))
     meta = {"name": raw.get("name", path.stem), "model_type": raw.get("model_type"),
             "quant_config": rel(raw.get("quant_config")), "kv_cache": kv, "eval": eval_settings,
             "gaudi": raw.get("gaudi")}

@@ -27,9 +27,9 @@ import numpy as np
 
 from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning
 from hqtflow.formats import hqt
-from hqtflow.formats.artifact import sha256_file, staged_output, write_manifest
+from hqtflow.formats.artifact import MANIFEST, ArtifactKind, sha256_file, staged_output, write_manifest
 
-SCHEMA, SCHEMA_VERSION = "hqtflow.measurement", 1
+SCHEMA, SCHEMA_VERSION = ArtifactKind.MEASUREMENT, 1
 
 
 # ---- groups -------------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def read_source(directory: Path, world_size: int | None = None) -> Source:
     directory = Path(directory)
     if not directory.is_dir():
         raise ArtifactError(f"Measurement directory {directory} does not exist.")
-    if (directory / "hqtflow_manifest.json").exists():
+    if (directory / MANIFEST).exists():
         from hqtflow.formats.artifact import confined
         from hqtflow.quantize.run import manifest_ranks
 
@@ -102,12 +102,11 @@ def read_source(directory: Path, world_size: int | None = None) -> Source:
     from hqtflow.formats.artifact import check_not_partial
 
     check_not_partial(directory)
-    pat = re.compile(r"^(?P<base>.+_hooks_maxabs(?:_per_channel)?)_(?P<r>\d+)_(?P<w>\d+)\.json$")
     found: dict[int, dict[int, str]] = {}
     for p in directory.iterdir():
-        mt = pat.match(p.name)
-        if mt and not p.name.endswith("_mod_list.json"):
-            found.setdefault(int(mt["w"]), {})[int(mt["r"])] = p.name[:-5]
+        f = hqt.parse_measurement_file(p.name)
+        if f is not None and f.ext == ".json" and f.rank is not None:
+            found.setdefault(f.world, {})[f.rank] = f.stem
     if not found:
         raise ArtifactError(f"{directory} holds no per-rank measurement files (*_hooks_maxabs_<rank>_<world>.json).")
     if world_size is None:

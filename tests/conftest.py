@@ -156,6 +156,23 @@ def cpu_kernel_loaded():
     return cpu_kernel
 
 
+def sqnr(ref, x) -> float:
+    """Signal-to-quantization-noise ratio of `x` against `ref`, in dB."""
+    import torch
+
+    ref, x = ref.float(), x.float()
+    return float(10 * torch.log10(ref.pow(2).mean() / (ref - x).pow(2).mean()))
+
+
+def refused_quantize(args, message: str, tmp_path: Path, code: int) -> None:
+    """`hqtflow quantize ARGS` refuses with one sentence containing `message`, exit `code`, and writes nothing."""
+    r = run_cli("quantize", *args)
+    assert r.exit_code == code, r.output
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
 def run_cli(*args: str):
     """Invoke the CLI in-process; returns typer's Result (exit_code, stdout, stderr)."""
     from typer.testing import CliRunner

@@ -1,4 +1,4 @@
-"""Every user error: one clear sentence on stderr, exit code 2, no traceback, nothing partial left behind."""
+"""Every user error: one clear sentence on stderr, the exit code of its kind, no traceback, nothing partial left behind."""
 
 import json
 
@@ -48,13 +48,19 @@ CASES = {
 }
 
 
+# the exit code of each case's kind (hqtflow/errors.py): 4 model, 5 calibration data; the rest are usage/config (2)
+CODES = {"missing model dir": 4, "not a model dir": 4, "offline hub id": 4, "tp does not divide": 4,
+         "empty calibration file": 5, "missing calibration file": 5, "jsonl without field": 5, "no calibration": 5,
+         "unknown task": 5, "local task without data": 5}
+
+
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_user_error(setup, case):
     work, model, text = setup
     args, message = CASES[case]
     before = _files(work)
     r = run_cli("measure", *args(work, model, text), "-o", work / "out")
-    assert r.exit_code == 2, r.output
+    assert r.exit_code == CODES.get(case, 2), r.output
     assert message in r.stderr, r.stderr
     err = r.stderr.strip()
     assert err.startswith("Error: ") and len(err.splitlines()) == 1 and "Traceback" not in r.output
@@ -64,13 +70,13 @@ def test_user_error(setup, case):
 def test_existing_output(setup):
     work, model, text = setup
     r = run_cli("measure", model, "--text", text, "-o", work / "a_file")
-    assert r.exit_code == 2 and "already exists" in r.stderr
+    assert r.exit_code == 3 and "already exists" in r.stderr
 
 
 def test_unwritable_output(setup):
     work, model, text = setup
     r = run_cli("measure", model, "--text", text, "-o", work / "a_file" / "out")
-    assert r.exit_code == 2 and "Cannot create the parent directory" in r.stderr
+    assert r.exit_code == 3 and "Cannot create the parent directory" in r.stderr
     assert (work / "a_file").read_text() == "x"
 
 
@@ -84,4 +90,4 @@ def test_default_model_not_prepared(setup, monkeypatch, tmp_path):
     work, model, text = setup
     monkeypatch.setenv("HQTFLOW_CACHE", str(tmp_path / "empty-cache"))
     r = run_cli("measure", "--text", text, "-o", work / "out")
-    assert r.exit_code == 2 and "hqtflow model prepare smollm2" in r.stderr
+    assert r.exit_code == 4 and "hqtflow model prepare smollm2" in r.stderr

@@ -55,7 +55,7 @@ def test_bench_explicit_baseline_and_bad_input(tiny_fp8, tiny_llama):
         r = run_cli("bench", tiny_fp8, *bad)
         assert r.exit_code == 2 and "Error: " in r.stderr, (bad, r.stdout, r.stderr)
     r = run_cli("bench", tiny_fp8, "--baseline", tiny_fp8, "--batch-sizes", "1")
-    assert r.exit_code == 2 and "is an FP8 checkpoint" in r.stderr
+    assert r.exit_code == 4 and "is an FP8 checkpoint" in r.stderr
 
 
 def test_bench_engine_decode_matches_generate(tiny_llama):

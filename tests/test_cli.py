@@ -1,9 +1,13 @@
-"""The CLI answers at once (heavy libraries are imported lazily) and maps user errors to exit code 2."""
+"""The CLI answers at once (heavy libraries are imported lazily) and maps each kind of user error to its exit code."""
 
+import socket
 import subprocess
 import sys
 
+import pytest
+
 from conftest import run_cli
+from hqtflow import errors
 
 
 def test_help_imports_nothing_heavy():
@@ -24,7 +28,59 @@ def test_version():
 
 def test_model_commands(tmp_path, monkeypatch):
     r = run_cli("model", "prepare", "llama-9000")
-    assert r.exit_code == 2 and "Unknown embedded model 'llama-9000'" in r.stderr
+    assert r.exit_code == 4 and "Unknown embedded model 'llama-9000'" in r.stderr
     monkeypatch.setenv("HQTFLOW_CACHE", str(tmp_path))
     r = run_cli("model", "path", "smollm2")
-    assert r.exit_code == 2 and "not prepared yet" in r.stderr
+    assert r.exit_code == 4 and "not prepared yet" in r.stderr
+
+
+def test_error_kinds_have_distinct_exit_codes():
+    kinds = [errors.ConfigError, errors.ArtifactError, errors.ModelError, errors.CalibrationError, errors.ResourceError]
+    assert [k.exit_code for k in kinds] == [2, 3, 4, 5, 6] == list(errors.EXIT_CODES.values())
+    assert errors.BackendError.exit_code == 2 and errors.InspectError.exit_code == 3
+
+
+@pytest.fixture
+def busy_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    yield s.getsockname()[1]
+    s.close()
+
+
+def test_each_kind_exits_with_its_code(tmp_path, tiny_llama, busy_port):
+    """One real refusal per kind, through the CLI: one `Error:` sentence, no traceback, the kind's code."""
+    text = tmp_path / "empty.txt"
+    text.write_text("")
+    cases = {
+        2: ("generate", tiny_llama, "--dtype", "fp64"),
+        3: ("quantize", "-m", tmp_path / "no-measurement", "-o", tmp_path / "ck"),
+        4: ("measure", tmp_path / "no-model", "-o", tmp_path / "m", "--text", text),
+        5: ("measure", tiny_llama, "-o", tmp_path / "m", "--text", text),
+        6: ("serve", "bf16", tiny_llama, "--port", busy_port),
+    }
+    for code, argv in cases.items():
+        r = run_cli(*argv)
+        assert r.exit_code == code, (argv, r.output)
+        assert r.stderr.startswith("Error: ") and "Traceback" not in r.output
+    usage = run_cli("measure", "--no-such-flag")  # click's own usage errors share the usage code
+    assert usage.exit_code == 2
+
+
+def test_serve_defaults_come_from_serve_settings(monkeypatch):
+    """`hqtflow serve` with no flags builds exactly ServeSettings() (the tests' default is the users' default)."""
+    from hqtflow.runtime import server
+    from hqtflow.runtime.api import ServeSettings
+
+    for name in ("MAX_BATCH_SIZE", "BATCH_BUCKET_SIZE", "PREFILL_BATCH_BUCKET_SIZE", "PAD_SEQUENCE_TO_MULTIPLE_OF",
+                 "WARMUP_ENABLED", "HQTFLOW_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda model, settings, **kw: seen.update(settings=settings))
+    r = run_cli("serve", "fp8", "some-model")
+    assert r.exit_code == 0, r.output
+    assert seen["settings"] == ServeSettings() and seen["settings"].pad_sequence_to_multiple_of == 16
+    monkeypatch.setenv("PAD_SEQUENCE_TO_MULTIPLE_OF", "8")
+    assert run_cli("serve", "fp8", "some-model", "--max-batch-size", "3").exit_code == 0
+    assert seen["settings"] == ServeSettings(pad_sequence_to_multiple_of=8, max_batch_size=3)

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import ROOT, run_cli
+from hqtflow.errors import EXIT_CODES
 from hqtflow.formats.artifact import read_manifest
 
 CFG = ROOT / "quantization_config"
@@ -63,14 +64,14 @@ def test_import_hqt_then_quantize(measured, tiny_llama, tmp_path):
     bare = tmp_path / "bare"
     assert run_cli("import-hqt", gaudi, "-o", bare).exit_code == 0
     r = run_cli("quantize", "-m", bare, "-o", tmp_path / "x")
-    assert r.exit_code == 2 and "pass the MODEL argument" in r.stderr
+    assert r.exit_code == 3 and "pass the MODEL argument" in r.stderr
     assert run_cli("quantize", tiny_llama, "-m", bare, "-o", tmp_path / "y").exit_code == 0
 
 
 def test_import_hqt_refuses(measured, tmp_path):
     def refused(src, message):
         r = run_cli("import-hqt", src, "-o", tmp_path / "out")
-        assert r.exit_code == 2, r.output
+        assert r.exit_code in set(EXIT_CODES.values()), r.output  # usage (2) or artifact (3)
         assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert not (tmp_path / "out").exists()
 
@@ -135,6 +136,21 @@ def test_export_fp8_loads_back_identically(checkpoint, tmp_path):
         assert torch.equal(ours(ids).logits, theirs(ids).logits)
 
 
+def test_generate_runs_exports(checkpoint, tmp_path):
+    """`generate` takes hqtflow's own fp8 and compressed-tensors exports (the same text as the source checkpoint);
+    an INC-layout export is refused as an artifact this runtime does not run."""
+    want = run_cli("generate", checkpoint, "-p", "The tower is", "--max-new-tokens", "6", "--backend", "qdq")
+    assert want.exit_code == 0, want.output
+    for fmt in ("fp8", "compressed-tensors"):
+        out = tmp_path / fmt
+        assert run_cli("export", checkpoint, "--format", fmt, "-o", out).exit_code == 0
+        got = run_cli("generate", out, "-p", "The tower is", "--max-new-tokens", "6", "--backend", "qdq")
+        assert got.exit_code == 0 and got.stdout == want.stdout, (fmt, got.output)
+    (out / "config.json").write_text((out / "config.json").read_text() + " ")  # a damaged export is still caught
+    r = run_cli("generate", out, "-p", "x")
+    assert r.exit_code == 3 and "Error: " in r.stderr, r.output
+
+
 def test_export_fp8_refuses(checkpoint, tmp_path):
     r = run_cli("export", checkpoint, "--format", "gguf", "-o", tmp_path / "o")
     assert r.exit_code == 2 and "valid values are fp8, compressed-tensors" in r.stderr
@@ -142,7 +158,7 @@ def test_export_fp8_refuses(checkpoint, tmp_path):
     assert r.exit_code == 2 and "one scale per tensor" in r.stderr
     (tmp_path / "not_a_checkpoint").mkdir()
     r = run_cli("export", tmp_path / "not_a_checkpoint", "--format", "fp8", "-o", tmp_path / "o")
-    assert r.exit_code == 2 and "no config.json" in r.stderr
+    assert r.exit_code == 3 and "no config.json" in r.stderr
 
 
 # ---- export --format compressed-tensors --per-channel ------------------------------------------
@@ -258,6 +274,8 @@ def test_export_inc_loads_in_inc(inc, checkpoint, tmp_path):
     ours, tok = hqtflow.load(checkpoint)
     patched = {n for n, m in theirs.named_modules() if type(m).__name__ == "PatchedLinear"}
     assert patched == set(read_manifest(out, "hqtflow.export", 1).data["quantized"])
+    r = run_cli("generate", out, "-p", "x")  # INC's layout runs in INC, not in hqtflow's runtime
+    assert r.exit_code == 3 and "runs in Neural Compressor" in r.stderr, r.output
     assert type(theirs.lm_head) is torch.nn.Linear
     ids = torch.tensor([tok.encode("The tower is 324 metres tall")])
     with torch.inference_mode():

@@ -12,17 +12,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from conftest import sqnr
 from hqtflow.quantize.convert import load_checkpoint
 from hqtflow.quantize.fp8_linear import FP8Linear
 
 F = 448.0
 PROMPT = "The tower is 324 metres tall, about the same height as an 81-storey building."
 FP8 = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}
-
-
-def sqnr(ref, x):
-    ref, x = ref.float(), x.float()
-    return float(10 * torch.log10(ref.pow(2).mean() / (ref - x).pow(2).mean()))
 
 
 @pytest.fixture(scope="module")

@@ -153,7 +153,23 @@ def test_lm_eval_calibration(tiny_llama, data_dir, tmp_path):
 def test_overwrite(text_run, tiny_llama, wiki_text, tmp_path):
     out = measure(tiny_llama, tmp_path / "o", "--text", wiki_text, "--limit", "1", "--max-length", "16")
     r = run_cli("measure", tiny_llama, "-o", out, "--text", wiki_text, "--limit", "1")
-    assert r.exit_code == 2 and "already exists; pass --overwrite" in r.output
+    assert r.exit_code == 3 and "already exists; pass --overwrite" in r.output
     measure(tiny_llama, out, "--text", wiki_text, "--limit", "2", "--max-length", "16", "--overwrite")
     assert read_manifest(out, "hqtflow.measurement", 1).data["calibration"]["samples"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["o"]
+
+
+def test_only_rank_0_draws_progress_bars():
+    """Under torchrun (RANK set) the other ranks' tqdm bars are off before anything imports tqdm."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import runpy, sys\nsys.argv = ['hqtflow', 'version']\ntry:\n    runpy.run_module('hqtflow', run_name='__main__')\n"
+            "except SystemExit:\n    pass\nfrom tqdm import tqdm\nprint(tqdm(range(2)).disable)")
+    for rank, disabled in (("0", "False"), ("1", "True"), ("2", "True")):
+        env = {k: v for k, v in __import__("os").environ.items() if k != "TQDM_DISABLE"}
+        env.update(RANK=rank, PYTHONPATH=str(ROOT))
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert r.stdout.split()[-1:] == [disabled], (rank, r.stdout, r.stderr)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, refused_quantize, run_cli
 from hqtflow.formats.artifact import read_manifest
 from hqtflow.quantize import offload
 
@@ -113,29 +113,21 @@ def test_offload_tied_embeddings(tiny_factory, wiki_text, tmp_path, monkeypatch,
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is (not quantize_lm_head)
 
 
-def _refused(args, message, tmp_path):
-    r = run_cli("quantize", *args)
-    assert r.exit_code == 2, r.output
-    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert not (tmp_path / "out").exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
-
-
 def test_offload_refuses_low_memory(measured, tmp_path, monkeypatch):
     monkeypatch.setattr(offload, "free_memory_bytes", lambda: 10 * 2**20)
-    _refused(["-m", measured, "-o", tmp_path / "out", "--disk-offload"], "Not enough free memory for --disk-offload", tmp_path)
+    refused_quantize(["-m", measured, "-o", tmp_path / "out", "--disk-offload"], "Not enough free memory for --disk-offload", tmp_path, code=6)
 
 
 def test_offload_refuses_low_disk(measured, tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(offload, "free_disk_bytes", lambda p: seen.append(p) or 1000)
-    _refused(["-m", measured, "-o", tmp_path / "out", "--disk-offload"], "Not enough free disk space", tmp_path)
+    refused_quantize(["-m", measured, "-o", tmp_path / "out", "--disk-offload"], "Not enough free disk space", tmp_path, code=6)
     assert seen == [tmp_path.resolve()]
 
 
 def test_offload_not_with_scales_only(measured, tmp_path):
-    _refused(["-m", measured, "-o", tmp_path / "out", "--disk-offload", "--scales-only"],
-             "cannot be combined with --scales-only", tmp_path)
+    refused_quantize(["-m", measured, "-o", tmp_path / "out", "--disk-offload", "--scales-only"],
+             "cannot be combined with --scales-only", tmp_path, code=2)
 
 
 def test_resource_estimates(measured, tiny_llama):

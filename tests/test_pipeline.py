@@ -1,6 +1,8 @@
 """`hqtflow run RECIPE` (stages skipped while current, redone when inputs change), `generate` and `eval`."""
 
 import json
+import re
+from pathlib import Path
 
 import yaml
 
@@ -29,6 +31,7 @@ def test_run_recipe_skips_current_stages(tiny_llama, data_dir, tmp_path):
     second = run_cli("run", recipe)
     assert second.exit_code == 0, second.output
     assert second.stdout.count("up to date, skipped") == 3
+    assert "wikitext2" in second.stdout and "Δ fp8" in second.stdout  # the table is printed again
     write_recipe(recipe, tiny_llama, data_dir, 3)  # an input changed: every stage is redone
     third = run_cli("run", recipe)
     assert "measure: writing" in third.stdout and "quantize: writing" in third.stdout
@@ -46,9 +49,14 @@ def test_generate_and_eval(tiny_llama, wiki_text, data_dir, tmp_path):
                 "--ppl-file", data_dir / "wikitext2_test.txt", "--ppl-windows", "1", "--report", rep)
     assert e.exit_code == 0, e.output
     assert "piqa_local" in e.stdout and "Δ fp8" in e.stdout
+    for bar in ("bf16: lm-eval piqa_local", "fp8: lm-eval piqa_local", "fp8: perplexity"):  # progress on stderr
+        assert bar in e.stderr, e.stderr
+    assert re.search(r"fp8: perplexity: 100%\|\S*\| 1/1 ", e.stderr) and re.search(r"fp8: lm-eval.* 8/8 ", e.stderr)
     data = json.loads(rep.read_text())
     assert data["models"]["bf16"] == str(tiny_llama) and data["results"]["fp8"]["tasks"]["piqa_local"]["sample_len"] == 4
+    recorded = [*data["models"].values(), data["settings"]["data_dir"], data["settings"]["ppl_file"]]
+    assert all(Path(p).is_absolute() for p in recorded), recorded  # one convention: absolute paths
     again = run_cli("eval", ck, "--ppl-file", data_dir / "wikitext2_test.txt", "--report", rep)
-    assert again.exit_code == 2 and "already exists" in again.stderr
+    assert again.exit_code == 3 and "already exists" in again.stderr
     none = run_cli("eval", ck)
     assert none.exit_code == 2 and "Nothing to evaluate" in none.stderr

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, refused_quantize, run_cli, sqnr
 from hqtflow.formats.artifact import read_manifest
 from hqtflow.quantize.fp8_linear import FP8Linear
 
@@ -55,11 +55,6 @@ def test_fp8_linear_qdq_reference():
         assert wo.input_scale is None and torch.equal(wo(x), torch.matmul(x, wq.t()) + lin.bias)
         pc = FP8Linear.from_linear(lin, torch.full((16,), sw, dtype=torch.bfloat16), s_x)
         assert pc.weight_scale.shape == (16, 1) and torch.equal(pc(x), ref)
-
-
-def sqnr(ref, x):
-    ref, x = ref.float(), x.float()
-    return float(10 * torch.log10(ref.pow(2).mean() / (ref - x).pow(2).mean()))
 
 
 def test_checkpoint_roundtrip(measured, tiny_llama, tmp_path):
@@ -177,16 +172,9 @@ def test_e5m2(measured, tmp_path):
 
 
 # ---- bad input ---------------------------------------------------------------------------------
-def _refused(args, message, tmp_path):
-    r = run_cli("quantize", *args)
-    assert r.exit_code == 2, r.output
-    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert not (tmp_path / "out").exists()
-
-
 def test_other_model_refused(measured, tiny_factory, tmp_path):
     other = tiny_factory("llama", seed=1)
-    _refused([other, "-m", measured, "-o", tmp_path / "out"], "was made on a different model", tmp_path)
+    refused_quantize([other, "-m", measured, "-o", tmp_path / "out"], "was made on a different model", tmp_path, code=3)
 
 
 def test_missing_statistics_refused(tiny_llama, wiki_text, tmp_path):
@@ -194,7 +182,7 @@ def test_missing_statistics_refused(tiny_llama, wiki_text, tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"mode": "MEASURE", "blocklist": {"names": ["down_proj"]}}))
     assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2", "-c", cfg).exit_code == 0
-    _refused(["-m", meas, "-o", tmp_path / "out"], "no input statistics for model.layers.0.mlp.down_proj", tmp_path)
+    refused_quantize(["-m", meas, "-o", tmp_path / "out"], "no input statistics for model.layers.0.mlp.down_proj", tmp_path, code=3)
     ok = tmp_path / "ok.json"
     ok.write_text(json.dumps({"mode": "QUANTIZE", "ignore_modules_wo_measures": True, "blocklist": {"names": ["lm_head"]}}))
     out = quantize_cli(meas, tmp_path / "out2", "-c", ok)
@@ -211,8 +199,8 @@ def test_nan_statistics_refused(measured, tmp_path):
     (bad / "measure_hooks_maxabs.json").write_text(json.dumps(js))
     (bad / "hqtflow_manifest.json").unlink()  # a foreign dump: read without provenance
     model = json.loads((measured / "hqtflow_manifest.json").read_text())["data"]["model_path"]
-    _refused([model, "-m", bad, "-o", tmp_path / "out"],
-             "module model.layers.1.self_attn.v_proj has a non-finite input statistic", tmp_path)
+    refused_quantize([model, "-m", bad, "-o", tmp_path / "out"],
+             "module model.layers.1.self_attn.v_proj has a non-finite input statistic", tmp_path, code=3)
 
 
 def test_npz_only_needs_trust_pickle(measured, tmp_path):
@@ -222,7 +210,7 @@ def test_npz_only_needs_trust_pickle(measured, tmp_path):
     dump = tmp_path / "dump"
     dump.mkdir()
     shutil.copy(measured / "measure_hooks_maxabs.npz", dump)
-    _refused([model, "-m", dump, "-o", tmp_path / "out"], "its .npz twin is a pickle, opened only with --trust-pickle", tmp_path)
+    refused_quantize([model, "-m", dump, "-o", tmp_path / "out"], "its .npz twin is a pickle, opened only with --trust-pickle", tmp_path, code=3)
     r = run_cli("quantize", model, "-m", dump, "-o", tmp_path / "trusted", "--trust-pickle")
     assert r.exit_code == 0, r.output
     assert read_manifest(tmp_path / "trusted", "hqtflow.checkpoint", 1).data["provenance_known"] is False
@@ -234,8 +222,8 @@ def test_partial_and_bad_method(measured, tmp_path):
     part = tmp_path / "part"
     shutil.copytree(measured, part)
     (part / "measure_hooks_maxabs.npz").unlink()
-    _refused(["-m", part, "-o", tmp_path / "out"], "is incomplete: measure_hooks_maxabs.npz", tmp_path)
-    _refused(["-m", measured, "-o", tmp_path / "out", "--scale-method", "maxabs_fast"],
-             "'scale_method' has value 'maxabs_fast'", tmp_path)
-    _refused(["-m", measured, "-o", tmp_path / "out", "--scales-for", "tpu"], "valid values are", tmp_path)
-    _refused(["-m", tmp_path / "nope", "-o", tmp_path / "out"], "does not exist", tmp_path)
+    refused_quantize(["-m", part, "-o", tmp_path / "out"], "is incomplete: measure_hooks_maxabs.npz", tmp_path, code=3)
+    refused_quantize(["-m", measured, "-o", tmp_path / "out", "--scale-method", "maxabs_fast"],
+             "'scale_method' has value 'maxabs_fast'", tmp_path, code=2)
+    refused_quantize(["-m", measured, "-o", tmp_path / "out", "--scales-for", "tpu"], "valid values are", tmp_path, code=2)
+    refused_quantize(["-m", tmp_path / "nope", "-o", tmp_path / "out"], "does not exist", tmp_path, code=3)

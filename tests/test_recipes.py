@@ -262,3 +262,28 @@ def test_kv_cache_key(tmp_path):
     bad.write_text("model: smollm2\noutput: out\nkv_cache: int4\n")
     with pytest.raises(ConfigError, match="kv_cache must be bf16 or fp8"):
         load_recipe(bad)
+
+
+def test_one_recipe_flag_merge(tmp_path):
+    """`measure --recipe` and `run` share recipes.merge_flags: flags given override, flags not given (None) keep the
+    recipe's value, and a run without any output directory is refused."""
+    from hqtflow.errors import ConfigError
+    from hqtflow.recipes import merge_flags
+
+    recipe = {"model": "m", "limit": 32, "output": "out/a", "data_dir": None}
+    assert merge_flags(recipe, {"limit": 4, "output": None, "model": None}) == {"model": "m", "limit": 4, "output": "out/a"}
+    with pytest.raises(ConfigError, match="No output directory"):
+        merge_flags({"model": "m"}, {"output": None})
+    with pytest.raises(ConfigError, match="No output directory"):
+        merge_flags(None, {"model": "m"})
+
+
+def test_recipe_version(tmp_path):
+    from hqtflow.errors import ConfigError
+    from hqtflow.recipes import load_recipe
+
+    assert load_recipe(ROOT / "recipes" / "smollm2.yaml")["meta"]["name"] == "smollm2"  # `version: 1` is read
+    newer = tmp_path / "newer.yaml"
+    newer.write_text("version: 2\nmodel: smollm2\n")
+    with pytest.raises(ConfigError, match="has version 2; this hqtflow reads recipe version 1"):
+        load_recipe(newer)

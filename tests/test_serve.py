@@ -178,7 +178,7 @@ def test_warmup_buckets_and_health(lm):
 
 def test_cli_serve_checks_kind(tiny_llama):
     r = run_cli("serve", "fp8", tiny_llama)
-    assert r.exit_code == 2 and "not an FP8 checkpoint" in r.stderr and "hqtflow serve bf16" in r.stderr
+    assert r.exit_code == 4 and "not an FP8 checkpoint" in r.stderr and "hqtflow serve bf16" in r.stderr
     r = run_cli("serve", "bf16", tiny_llama, "--max-input-tokens", "10", "--max-total-tokens", "10")
     assert r.exit_code == 2 and "must be less than" in r.stderr
 
@@ -198,6 +198,6 @@ def test_fp8_quantized_at_start_equals_checkpoint(tiny_llama, wiki_text, tmp_pat
         assert torch.equal(live(ids).logits, saved(ids).logits)
     # artifacts are checked before the port is bound
     r = run_cli("serve", "fp8", tiny_llama, "-m", tmp_path / "nope", "--port", "1")
-    assert r.exit_code == 2 and "does not exist" in r.stderr
+    assert r.exit_code == 3 and "does not exist" in r.stderr
     r = run_cli("serve", "bf16", tiny_llama, "-m", meas, "--port", "1")
     assert r.exit_code == 2 and "use it with `hqtflow serve fp8`" in r.stderr

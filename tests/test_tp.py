@@ -54,7 +54,7 @@ def test_two_ranks_match_one(tiny_factory, wiki_text, tmp_path):
             expect = meas[name]["params"]["weight"][0][0] / 224
             np.testing.assert_allclose(js["Nodes"][name]["params"]["weight"], expect, rtol=1e-2)
     ck = run_cli("quantize", "-m", out, "-o", tmp_path / "ck")
-    assert ck.exit_code == 2 and "2-rank measurement" in ck.stderr and "hqtflow unify -g 01" in ck.stderr
+    assert ck.exit_code == 3 and "2-rank measurement" in ck.stderr and "hqtflow unify -g 01" in ck.stderr
 
 
 def test_user_started_torchrun(tiny_llama, wiki_text, tmp_path):

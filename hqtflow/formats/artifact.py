@@ -16,6 +16,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,6 +24,17 @@ from hqtflow import __version__
 from hqtflow.errors import ArtifactError
 
 MANIFEST = "hqtflow_manifest.json"
+
+
+class ArtifactKind(StrEnum):
+    """Every artifact's schema name (its manifest's `_type`); a member is its string, in JSON too."""
+
+    MEASUREMENT = "hqtflow.measurement"  # measure, unify, import-hqt
+    SCALES = "hqtflow.scales"  # quantize --scales-only
+    CHECKPOINT = "hqtflow.checkpoint"  # quantize
+    EXPORT = "hqtflow.export"  # export
+
+
 MIN_VERSION = 1  # every schema starts at v1
 PARTIAL_MARKER = ".hqtflow-partial"  # in a staging dir until its commit: a directory holding it is never an input
 _LEFTOVER = re.compile(r"^\..+\.(?:partial|old)-(\d+)-")  # `.<name>.partial-<pid>-*`, `.<name>.old-<pid>-*`
@@ -217,7 +229,7 @@ def write_manifest(directory: Path, type_: str, version: int, *, model: dict | N
         if p.is_file() and p.name != MANIFEST and not p.name.startswith(".") and not p.is_symlink()
     }
     manifest = {
-        "_type": type_,
+        "_type": str(type_),
         "_version": version,
         "tool": tool_versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -281,7 +293,7 @@ def read_manifest(directory: Path, type_: str, max_version: int, *, verify: bool
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).") from None
     if found_type != type_:
-        raise ArtifactError(f"{directory} holds a {found_type!r} artifact, not the {type_!r} this step needs.")
+        raise ArtifactError(f"{directory} holds a {found_type!r} artifact, not the {str(type_)!r} this step needs.")
     if type(found_version) is int and found_version > max_version:
         raise ArtifactError(
             f"{directory} was written with {type_} schema v{found_version} by a newer hqtflow "

@@ -86,6 +86,40 @@ def measurement_stem(dump_stats_path: str, observer: str, rank: int | None, worl
     return f"{Path(dump_stats_path).name}_hooks_{observer}{rank_suffix(rank, world_size)}"
 
 
+# The one reading of measurement_stem's names (+ an extension): the inverse of the function above. Scale files
+# (`..._hooks_maxabs_MAXABS_HW_0_2.json`) do not match.
+MEASUREMENT_FILE = re.compile(r"^(?P<base>.+)_hooks_(?P<obs>maxabs(?:_per_channel)?)(?:_(?P<r>\d+)_(?P<w>\d+))?"
+                              r"(?P<ext>\.json|\.npz|_mod_list\.json)$")
+
+
+# INC's scale files: the measurement stem + `_<SCALE_METHOD>` (upper case) before the rank suffix.
+SCALE_FILE = re.compile(r"^.+_hooks_maxabs(?:_per_channel)?_[A-Z0-9_]*[A-Z][A-Z0-9_]*?(?:_\d+_\d+)?\.(json|npz)$")
+
+
+@dataclass(frozen=True)
+class MeasurementFile:
+    """A measurement file's name, parsed: `<base>_hooks_<observer>[_<rank>_<world>]<ext>`."""
+
+    base: str
+    observer: str
+    rank: int | None
+    world: int | None
+    ext: str
+
+    @property
+    def stem(self) -> str:
+        return f"{self.base}_hooks_{self.observer}" + ("" if self.rank is None else f"_{self.rank}_{self.world}")
+
+
+def parse_measurement_file(name: str) -> MeasurementFile | None:
+    """The parts of a measurement file name, or None for any other file (scale files included)."""
+    m = MEASUREMENT_FILE.match(name)
+    if m is None:
+        return None
+    rank, world = (int(m["r"]), int(m["w"])) if m["r"] is not None else (None, None)
+    return MeasurementFile(m["base"], m["obs"], rank, world, m["ext"])
+
+
 def write_measurement(
     directory: Path,
     stem: str,
@@ -106,6 +140,20 @@ def write_measurement(
     mods = directory / f"{stem}_mod_list.json"
     mods.write_text(json.dumps(list(nodes), indent=4))
     return [js, npz, mods]
+
+
+def copy_measurement_files(directory: Path, stems: list[str], out: Path) -> list[str]:
+    """Copy each rank's `.json`, `.npz` and `_mod_list.json` (those that exist) from `directory` into `out`."""
+    import shutil
+
+    names = []
+    for st in stems:
+        for suffix in (".json", ".npz", "_mod_list.json"):
+            p = Path(directory) / f"{st}{suffix}"
+            if p.exists():
+                shutil.copy2(p, Path(out) / p.name)
+                names.append(p.name)
+    return names
 
 
 @dataclass

@@ -8,7 +8,6 @@ OMP_NUM_THREADS=1, or by the user's own torchrun; each loads the model with tran
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,11 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from hqtflow import environment
+from hqtflow.environment import in_torchrun  # noqa: F401 - re-exported (callers ask distributed)
 from hqtflow.errors import HqtflowError, ModelError
-
-
-def in_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def check_tp_split(config: dict, tp: int) -> None:
@@ -43,13 +40,13 @@ def init(tp: int) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
-    world = int(os.environ["WORLD_SIZE"])
+    world = environment.world_size()
     if world != tp:
         raise HqtflowError(f"torchrun started {world} ranks but --tp is {tp}; they must match.")
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(environment.local_rank())
         dist.init_process_group(backend=backend)
     return dist.get_rank(), world
 
@@ -100,8 +97,7 @@ def launch(settings) -> Path:
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={settings.tp}",
             "-m", "hqtflow", "measure", "--resolved-settings", str(spec),
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        r = subprocess.run(cmd, env=env)
+        r = subprocess.run(cmd, env=environment.rank_env())
     if r.returncode != 0:
         for leftover in out.parent.glob(f".{out.name}.partial-*"):
             shutil.rmtree(leftover, ignore_errors=True)

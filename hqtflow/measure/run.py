@@ -14,9 +14,10 @@ from pathlib import Path
 from hqtflow.config import QuantConfig
 from hqtflow.errors import CalibrationError, ConfigError
 from hqtflow.formats import hqt
-from hqtflow.formats.artifact import StagingDir, check_output_dir, write_json_atomic, write_manifest
+from hqtflow.formats.artifact import MANIFEST, ArtifactKind, StagingDir, check_output_dir, write_json_atomic, write_manifest
+from hqtflow.progress import Progress
 
-SCHEMA = "hqtflow.measurement"
+SCHEMA = ArtifactKind.MEASUREMENT
 SCHEMA_VERSION = 1
 INC_CONFIG = "quant_config.json"
 
@@ -144,7 +145,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         if not session.nodes:
             raise ConfigError("The config selects no module of this model: check its allowlist/blocklist.")
         device = next(model.parameters()).device
-        progress = _Progress(show_progress)
+        progress = Progress(show_progress)
 
         kv = KVStats(model) if world == 1 else None  # tensor-parallel ranks hold head shards: not recorded
 
@@ -271,38 +272,8 @@ def _sha(path) -> str:
     return sha256_file(Path(path))
 
 
-class _Progress:
-    """A tqdm bar per calibration source with samples and tokens/s (rank 0 only)."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.bar = None
-        self.tokens = 0
-        self.t0 = time.perf_counter()
-
-    def start(self, desc: str, total: int | None) -> None:
-        self.close()
-        if self.enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, desc=desc, unit="sample", dynamic_ncols=True)
-            self.tokens, self.t0 = 0, time.perf_counter()
-
-    def update(self, samples: int, tokens: int) -> None:
-        if self.bar is not None:
-            self.tokens += tokens
-            self.bar.update(samples)
-            rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
-            self.bar.set_postfix(tokens=self.tokens, tok_s=f"{rate:.0f}", refresh=False)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
 def measurement_summary(out: Path) -> str:
-    m = json.loads((Path(out) / "hqtflow_manifest.json").read_text())
+    m = json.loads((Path(out) / MANIFEST).read_text())
     d = m["data"]
     nodes = sum(len(r["layers"]) for r in d["ranks"])
     return (f"Wrote {out}: {nodes} observed nodes over {d['world_size']} rank(s), "

@@ -49,24 +49,17 @@ def ops(variant: str = "native"):
 @functools.cache
 def load(variant: str = "native") -> bool:
     """Build (first time on this machine) or load the kernel; True when its ops exist."""
-    import os
-    import shutil
-
     from torch.utils import cpp_extension
 
-    if shutil.which("ninja") is None:  # the pip `ninja` package's binary, when its bin dir is not on PATH
-        try:
-            import ninja
+    from hqtflow.environment import path_prefixed
 
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
     out = build_dir(variant)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name=f"hqtflow_fp8_cpu_{variant}", sources=[str(SOURCE)], build_directory=str(out),
-                           extra_cflags=_flags(variant), extra_ldflags=["-fopenmp"], is_python_module=False,
-                           verbose=False)
+        with path_prefixed(_ninja_dir()):
+            cpp_extension.load(name=f"hqtflow_fp8_cpu_{variant}", sources=[str(SOURCE)], build_directory=str(out),
+                               extra_cflags=_flags(variant), extra_ldflags=["-fopenmp"], is_python_module=False,
+                               verbose=False)
     except Exception as e:  # no compiler, no headers: the caller falls back to the QDQ reference
         _errors[variant] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
         return False
@@ -82,6 +75,19 @@ def load(variant: str = "native") -> bool:
         return weight.new_empty(weight.shape, dtype=dtype)
 
     return True
+
+
+def _ninja_dir() -> str | None:
+    """The pip `ninja` package's bin dir when no `ninja` is on PATH (torch's build runs it by name), else None."""
+    import shutil
+
+    if shutil.which("ninja") is not None:
+        return None
+    try:
+        import ninja
+    except ImportError:
+        return None
+    return ninja.BIN_DIR
 
 
 def available() -> bool:

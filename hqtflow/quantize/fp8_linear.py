@@ -26,16 +26,49 @@ Layers a backend cannot run keep "qdq".
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Iterator
+
 import torch
 from torch import nn
 
-from hqtflow.errors import ConfigError
+from hqtflow.errors import BackendError  # noqa: F401 - re-exported (it lived here)
 from hqtflow.quantize.cpu_kernel import quantize_weight
 from hqtflow.scales import FP8_DTYPES, dequantize, quantize
 
 
 ACTIVATION_MODES = ("static", "dynamic_token", "dynamic_tensor", "dynamic_group", None)
 BACKENDS = ("qdq", "cpu", "scaled_mm")
+
+
+@dataclass
+class QuantizedLinear:
+    """A Linear's stored FP8 tensors: `weight_blocks` yields the FP8 weight in row blocks (concatenated: [out, in]);
+    `weight_scale` is [1] or [out, 1] and `input_scale` [1] or None, both in the weight's dtype."""
+
+    weight_blocks: Iterator[torch.Tensor]
+    weight_scale: torch.Tensor
+    input_scale: torch.Tensor | None
+
+
+def quantize_linear(w: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None, fp8: str = "E4M3",
+                    *, rows: int | None = None) -> QuantizedLinear:
+    """The one arithmetic that turns a 2-D weight and its scales into what an FP8Linear (or a checkpoint) stores,
+    shared by `FP8Linear.from_linear` (in memory) and `quantize --disk-offload` (streamed). The cast is element-wise,
+    so quantizing `rows` rows at a time gives the same bytes as the whole weight at once."""
+    per_channel = weight_scale.numel() > 1
+    ws = weight_scale.detach().to(w.dtype).reshape((w.shape[0], 1) if per_channel else (1,))
+    s_in = None if input_scale is None else input_scale.detach().to(w.dtype).reshape(1)
+    step = rows or max(1, w.shape[0])
+
+    def blocks() -> Iterator[torch.Tensor]:
+        if w.dim() != 2:  # not a Linear's matrix: the reference cast, whole
+            yield quantize(w, ws, fp8)
+            return
+        for r in range(0, w.shape[0], step):
+            yield quantize_weight(w[r:r + step], ws[r:r + step] if per_channel else ws, fp8)
+
+    return QuantizedLinear(blocks(), ws, s_in)
 
 
 class FP8Linear(nn.Module):
@@ -73,11 +106,11 @@ class FP8Linear(nn.Module):
         per_channel = weight_scale.numel() > 1
         m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, hp_dtype=w.dtype, fp8=fp8,
                 per_channel=per_channel, static_input=input_scale is not None, device=w.device)
-        ws = weight_scale.detach().to(w.dtype).reshape(m.weight_scale.shape)
-        m.weight_scale.copy_(ws)
-        m.weight.copy_(quantize_weight(w, ws, fp8) if w.dim() == 2 else quantize(w, ws, fp8))
-        if input_scale is not None:
-            m.input_scale.copy_(input_scale.detach().to(w.dtype).reshape(1))
+        q = quantize_linear(w, weight_scale, input_scale, fp8)
+        m.weight_scale.copy_(q.weight_scale)
+        m.weight.copy_(torch.cat(list(q.weight_blocks)))
+        if q.input_scale is not None:
+            m.input_scale.copy_(q.input_scale)
         if linear.bias is not None:
             m.bias.copy_(linear.bias.detach())
         return m
@@ -146,10 +179,6 @@ class FP8Linear(nn.Module):
         mode = {"static": "W8A8 static", None: "weight-only"}.get(self.activation, f"W8A8 {self.activation}")
         gran = f"block {self.block_size}" if self.block_size else ("per-channel" if self.per_channel else "per-tensor")
         return f"in={self.in_features}, out={self.out_features}, {self.fp8} {gran} weights, {mode}, bias={self.bias is not None}"
-
-
-class BackendError(ConfigError, ValueError):
-    """An FP8 backend that does not exist or cannot run here."""
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:

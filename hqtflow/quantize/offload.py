@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from hqtflow.errors import HqtflowError, ModelError
+from hqtflow.errors import ModelError, ResourceError
 
 DEFAULT_SHARD_SIZE = 512 * 2**20  # bytes of tensor data per output file
 QUANT_CHUNK_ELEMS = 1 << 20  # weights are cast to FP8 in row blocks of about this many elements
@@ -258,13 +258,13 @@ def check_resources(p: OffloadPlan, output: Path) -> None:
     need_mem = 3 * 4 * p.largest_source_elems + MEMORY_MARGIN  # the largest tensor in fp32, three times
     avail = free_memory_bytes()
     if avail is not None and avail < need_mem:
-        raise HqtflowError(f"Not enough free memory for --disk-offload: about {_gb(need_mem)} is needed "
+        raise ResourceError(f"Not enough free memory for --disk-offload: about {_gb(need_mem)} is needed "
                            f"(3x the largest tensor in float32 plus a margin) and {_gb(avail)} is available.")
     parent = Path(output).resolve().parent
     need_disk = p.total_bytes + 64 * 2**20  # FP8 weights, copied tensors, headers, tokenizer and config
     free = free_disk_bytes(parent)
     if free < need_disk:
-        raise HqtflowError(f"Not enough free disk space in {parent} for the FP8 checkpoint: about {_gb(need_disk)} "
+        raise ResourceError(f"Not enough free disk space in {parent} for the FP8 checkpoint: about {_gb(need_disk)} "
                            f"is needed and {_gb(free)} is free.")
 
 
@@ -300,7 +300,7 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
 
     from hqtflow.formats.compressed_tensors import quantization_config
     from hqtflow.scales import linear_scales
-    from hqtflow.quantize.cpu_kernel import quantize_weight
+    from hqtflow.quantize.fp8_linear import quantize_linear
 
     out = Path(out)
     t0 = time.perf_counter()
@@ -338,18 +338,17 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
                         w = src.to(hp)
                         del src
                         sc = linear_scales(method, meas.nodes[u.module].inputs[0], w, target=target, fp8=fp8, hp_dtype=hp_dtype)
-                        # exactly FP8Linear.from_linear's arithmetic, cast in row blocks (element-wise, so identical)
-                        scale_shape = (w.shape[0], 1) if p.per_channel else (1,)
-                        ws = sc.weight.detach().to(hp).reshape(scale_shape)
+                        # FP8Linear.from_linear's own arithmetic (quantize_linear), streamed in row blocks
+                        q = quantize_linear(w, sc.weight, None if p.weight_only else sc.input, fp8,
+                                            rows=max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[1])))
                         f.seek(base + offsets[f"{u.module}.weight"])
-                        rows = max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[1]))
-                        for r in range(0, w.shape[0], rows):
-                            _write(f, quantize_weight(w[r:r + rows], ws[r:r + rows] if p.per_channel else ws, fp8))
+                        for block in q.weight_blocks:
+                            _write(f, block)
                         f.seek(base + offsets[f"{u.module}.weight_scale"])
-                        _write(f, ws)
-                        if not p.weight_only:
+                        _write(f, q.weight_scale)
+                        if q.input_scale is not None:
                             f.seek(base + offsets[f"{u.module}.input_scale"])
-                            _write(f, sc.input.detach().to(hp).reshape(1))
+                            _write(f, q.input_scale)
                         if u.bias_source is not None:
                             f.seek(base + offsets[f"{u.module}.bias"])
                             _write(f, read(u.bias_source).to(hp))

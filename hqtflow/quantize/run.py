@@ -8,18 +8,18 @@ the source measurement's digest).
 from __future__ import annotations
 
 import json
-import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hqtflow.choices import KVCache, parse
 from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning
 from hqtflow.formats import hqt
-from hqtflow.formats.artifact import Manifest, check_not_partial, confined, read_manifest, staged_output, write_manifest
+from hqtflow.formats.artifact import MANIFEST, ArtifactKind, Manifest, check_not_partial, confined, read_manifest, staged_output, write_manifest
 
-SCALES_SCHEMA, CHECKPOINT_SCHEMA, SCHEMA_VERSION = "hqtflow.scales", "hqtflow.checkpoint", 1
-MEASUREMENT_SCHEMA = "hqtflow.measurement"
+SCALES_SCHEMA, CHECKPOINT_SCHEMA, SCHEMA_VERSION = ArtifactKind.SCALES, ArtifactKind.CHECKPOINT, 1
+MEASUREMENT_SCHEMA = ArtifactKind.MEASUREMENT
 
 
 @dataclass(frozen=True)
@@ -77,26 +77,23 @@ def load_measurement(directory: str | Path, *, trust_pickle: bool = False) -> Lo
     directory = Path(directory)
     if not directory.is_dir():
         raise ArtifactError(f"Measurement directory {directory} does not exist.")
-    if (directory / "hqtflow_manifest.json").exists():
+    if (directory / MANIFEST).exists():
         m = read_manifest(directory, MEASUREMENT_SCHEMA, SCHEMA_VERSION)
         stems, world = manifest_ranks(m)
         ranks = [hqt.read_measurement(confined(directory, f"{st}.json")) for st in stems]
         return LoadedMeasurement(directory, m, ranks, stems, world)
     check_not_partial(directory)
     # a foreign dump: find measurement JSONs (not scale files, not mod lists)
-    import re
-
-    pat = re.compile(r"^(.+_hooks_maxabs(?:_per_channel)?)(?:_(\d+)_(\d+))?\.(json|npz)$")
     found: dict[str, tuple] = {}
     for p in sorted(directory.iterdir()):
-        mt = pat.match(p.name)
-        if mt and not p.name.endswith("_mod_list.json"):
-            found.setdefault(mt.group(1) + (f"_{mt.group(2)}_{mt.group(3)}" if mt.group(2) else ""), (mt, []))[1].append(p.suffix)
+        f = hqt.parse_measurement_file(p.name)
+        if f is not None and f.ext in (".json", ".npz"):
+            found.setdefault(f.stem, (f, []))[1].append(f.ext)
     if not found:
         raise ArtifactError(f"{directory} holds no measurement files (no hqtflow manifest, no *_hooks_maxabs*.json).")
     ranks, stems, world = [], [], 1
-    for stem, (mt, exts) in sorted(found.items(), key=lambda kv: int(kv[1][0].group(2) or 0)):
-        world = int(mt.group(3) or 1)
+    for stem, (f, exts) in sorted(found.items(), key=lambda kv: kv[1][0].rank or 0):
+        world = f.world or 1
         if ".json" not in exts:
             if not trust_pickle:
                 raise ArtifactError(f"{directory / stem}.json is missing; its .npz twin is a pickle, opened only with --trust-pickle.")
@@ -222,9 +219,7 @@ def quantize(s: QuantizeSettings) -> Path:
     cfg, target, method, meas, model_dir, fp, plan, dtype = (job.cfg, job.target, job.method, job.meas, job.model_dir,
                                                                job.fingerprint, job.plan, job.dtype)
     kv_stats = None
-    if s.kv_cache not in ("bf16", "fp8"):
-        raise ConfigError(f"--kv-cache must be bf16 or fp8, not {s.kv_cache!r}.")
-    if s.kv_cache == "fp8":
+    if parse(KVCache, s.kv_cache, "--kv-cache") == KVCache.FP8:
         from hqtflow.measure.kv import KV_FILE, read_kv_stats
 
         if s.scales_only:
@@ -316,19 +311,8 @@ def plan_modules(model, cfg: QuantConfig, meas: hqt.Measurement) -> dict:
 
 
 def summary(out: Path) -> str:
-    m = json.loads((Path(out) / "hqtflow_manifest.json").read_text())
+    m = json.loads((Path(out) / MANIFEST).read_text())
     d = m["data"]
     what = "scale files" if m["_type"] == SCALES_SCHEMA else "FP8 checkpoint"
     return (f"Wrote {out}: {what}, {d['scale_method']} for {d['target']}, {len(d['quantized'])} modules quantized, "
             f"{len(d['skipped'])} kept in high precision.")
-
-
-def copy_measurement_files(meas: LoadedMeasurement, out: Path) -> list[str]:
-    names = []
-    for st in meas.stems:
-        for suffix in (".json", ".npz", "_mod_list.json"):
-            p = meas.directory / f"{st}{suffix}"
-            if p.exists():
-                shutil.copy2(p, out / p.name)
-                names.append(p.name)
-    return names

@@ -17,7 +17,7 @@ import torch
 from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError
 from hqtflow.formats.artifact import write_json_atomic
-from hqtflow.formats.hqt import rank_suffix
+from hqtflow.formats.hqt import copy_measurement_files, rank_suffix
 from hqtflow.scales import ScaleMethod, linear_scales
 
 
@@ -47,8 +47,6 @@ def _node_scales(sc, weight: torch.Tensor) -> dict:
 
 def write_scale_files(out: Path, final: Path, model, meas, cfg: QuantConfig, method: ScaleMethod, target: str) -> list[str]:
     """Write into `out` (a staging dir that becomes `final`)."""
-    from hqtflow.quantize.run import copy_measurement_files
-
     layers_by_rank = [r["layers"] for r in meas.manifest.data["ranks"]] if meas.manifest else [None] * len(meas.ranks)
     if meas.world_size > 1 and meas.manifest is None:
         raise ArtifactError("Scales for a multi-rank foreign dump need to know how each weight was sharded; "
@@ -56,7 +54,7 @@ def write_scale_files(out: Path, final: Path, model, meas, cfg: QuantConfig, met
     method_name = method.name if method.name != "custom" else "custom"
     observer = (meas.manifest.data.get("observer") if meas.manifest else None) or cfg.observer
     dump = (meas.manifest.data.get("dump_stats_path") if meas.manifest else None) or cfg.dump_stats_path
-    files = copy_measurement_files(meas, out)
+    files = copy_measurement_files(meas.directory, meas.stems, out)
     for rank, (rm, layers) in enumerate(zip(meas.ranks, layers_by_rank)):
         nodes = {}
         for name, node in rm.nodes.items():

@@ -23,7 +23,7 @@ class ServeSettings:
     batch_bucket_size: int = 1
     prefill_batch_bucket_size: int = 1
     max_batch_prefill_tokens: int = 4096
-    pad_sequence_to_multiple_of: int = 1
+    pad_sequence_to_multiple_of: int = 16  # `hqtflow serve`'s default too (the CLI reads it from here)
     warmup: bool = False
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hqtflow.errors import HqtflowError
+from hqtflow.errors import ArtifactError, HqtflowError, ModelError
 
 STATS = ("avg", "p50", "p90", "p99")
 METRICS = (  # key, label, unit, lower is better
@@ -206,14 +206,14 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
     """Load the FP8 checkpoint (MODEL) and its bf16 baseline, benchmark both, return the printed text."""
     from hqtflow import models as models_mod
     from hqtflow.eval_run import source_model
-    from hqtflow.evaluate import load_any
+    from hqtflow.api import load_any
 
     settings.check()
     if json_path is not None and json_path.exists():
-        raise HqtflowError(f"{json_path} already exists; remove it or pick another path.")
+        raise ArtifactError(f"{json_path} already exists; remove it or pick another path.")
     base_ref = baseline or source_model(model)
     if base_ref and baseline is None and not Path(base_ref).exists():
-        raise HqtflowError(f"The checkpoint's source model {base_ref} (from its manifest) does not exist; pass --baseline.")
+        raise ModelError(f"The checkpoint's source model {base_ref} (from its manifest) does not exist; pass --baseline.")
     for ref in (model, base_ref) if base_ref else (model,):  # cheap checks before loading anything
         cfg = models_mod.load_config(models_mod.resolve_model(ref))
         pmax = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
@@ -226,7 +226,7 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
     if base_ref:
         bm, btok, bkind = load_any(base_ref, dtype)  # auto: the fastest high-precision dtype here
         if bkind == "fp8":
-            raise HqtflowError(f"The baseline {base_ref} is an FP8 checkpoint; give a bf16 model.")
+            raise ModelError(f"The baseline {base_ref} is an FP8 checkpoint; give a bf16 model.")
         models[bkind] = (bm, btok)
     models[name if name not in models else f"{name}-model"] = (m, tok)
     names = list(models)

@@ -168,7 +168,7 @@ def listen_socket(host: str, port: int):
     """Bind host:port before anything is loaded, so a bad or busy address is one sentence, not a late uvicorn error."""
     import socket
 
-    from hqtflow.errors import HqtflowError
+    from hqtflow.errors import HqtflowError, ResourceError
 
     if not 1 <= port <= 65535:
         raise HqtflowError(f"--port must be between 1 and 65535, not {port}.")
@@ -182,7 +182,7 @@ def listen_socket(host: str, port: int):
         sock.bind(addr)
     except OSError as e:
         sock.close()
-        raise HqtflowError(f"Cannot listen on {host}:{port} ({e.strerror}); pick another --host or --port.") from None
+        raise ResourceError(f"Cannot listen on {host}:{port} ({e.strerror}); pick another --host or --port.") from None
     return sock
 
 
@@ -207,8 +207,8 @@ def _run(app, sock) -> None:
 
 def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: str | None, backend: str,
            dtype: str, inc_device: str | None = None) -> None:
-    from hqtflow.errors import HqtflowError
-    from hqtflow.evaluate import load_any
+    from hqtflow.errors import HqtflowError, ModelError
+    from hqtflow.api import load_any
 
     if inc_device is not None:
         if kind != "fp8":
@@ -234,7 +234,7 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
         return
     model, tok, loaded = load_any(model_ref, dtype, backend=backend)  # dtype auto: the fastest here
     if (loaded == "fp8") != (kind == "fp8"):
-        raise HqtflowError(f"{model_ref or 'the default model'} is {'an FP8 checkpoint' if loaded == 'fp8' else 'not an FP8 checkpoint'}; "
+        raise ModelError(f"{model_ref or 'the default model'} is {'an FP8 checkpoint' if loaded == 'fp8' else 'not an FP8 checkpoint'}; "
                            f"use `hqtflow serve {'fp8' if loaded == 'fp8' else 'bf16'}`.")
     settings.model_id, settings.dtype = model_ref or "smollm2", loaded
     _run(create_app(model, tok, settings), sock)

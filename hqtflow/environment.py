@@ -1,0 +1,87 @@
+"""Every environment variable hqtflow reads or sets, in one place (no heavy imports here).
+
+Read: HQTFLOW_CACHE, HQTFLOW_API_KEY, TGI-on-Gaudi's serving knobs (MAX_BATCH_SIZE, BATCH_BUCKET_SIZE,
+PREFILL_BATCH_BUCKET_SIZE, PAD_SEQUENCE_TO_MULTIPLE_OF, WARMUP_ENABLED) and torchrun's RANK, WORLD_SIZE,
+LOCAL_RANK, TORCHELASTIC_RUN_ID. Set, for libraries that only read the environment: TQDM_DISABLE (ranks other than
+0), ONEDNN_PRIMITIVE_CACHE_CAPACITY (serve), OMP_NUM_THREADS (the ranks `--tp` starts) and, while the CPU kernel
+builds, PATH (pip's ninja).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+TGI_KNOBS = ("MAX_BATCH_SIZE", "BATCH_BUCKET_SIZE", "PREFILL_BATCH_BUCKET_SIZE", "PAD_SEQUENCE_TO_MULTIPLE_OF",
+             "WARMUP_ENABLED")
+
+
+def cache_dir() -> Path:
+    """Prepared models, the built CPU kernel and the compile cache (default ~/.cache/hqtflow)."""
+    return Path(os.environ.get("HQTFLOW_CACHE") or Path.home() / ".cache" / "hqtflow")
+
+
+def api_key() -> str | None:
+    return os.environ.get("HQTFLOW_API_KEY") or None
+
+
+def tgi_knob(name: str, default):
+    """A TGI-on-Gaudi serving knob from the environment, typed like `default`; `default` when unset."""
+    if name not in TGI_KNOBS:
+        raise KeyError(name)
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if isinstance(default, bool):
+        return raw.lower() in ("1", "true", "yes")
+    return type(default)(raw)
+
+
+def bound_onednn_cache(capacity: int = 16) -> None:
+    """oneDNN keeps a compiled primitive per matmul shape (1024 by default); a server sees a new prefill shape at
+    almost every step, so bound it (oneDNN's documented knob; read when the first primitive is made)."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
+
+
+# ---- torchrun --------------------------------------------------------------------------------------------
+def in_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def world_size() -> int:
+    return int(os.environ["WORLD_SIZE"])
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def quiet_other_ranks() -> None:
+    """Under torchrun, only rank 0 draws progress bars: the others' (theirs, transformers', lm-eval's, datasets')
+    would interleave with it. tqdm reads TQDM_DISABLE when it is imported, so this runs before anything imports it."""
+    if os.environ.get("RANK", "0") != "0":
+        os.environ["TQDM_DISABLE"] = "1"
+
+
+def rank_env() -> dict[str, str]:
+    """The environment of the ranks `--tp` starts: one OpenMP thread each (they share the machine's cores)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@contextmanager
+def path_prefixed(directory: str | None) -> Iterator[None]:
+    """PATH with `directory` in front for the duration (a build tool found only by name); restored after."""
+    if directory is None:
+        yield
+        return
+    old = os.environ.get("PATH")
+    os.environ["PATH"] = directory + os.pathsep + (old or "")
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old
