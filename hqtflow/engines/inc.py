@@ -115,7 +115,8 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
     from hqtflow import models
     from hqtflow.formats import hqt
     from hqtflow.formats.artifact import StagingDir
-    from hqtflow.measure.run import _Progress, inputs, preflight, run_sources, write_artifact_files
+    from hqtflow.measure.run import inputs, preflight, run_sources, write_artifact_files
+    from hqtflow.progress import Progress
 
     if s.tp > 1:
         raise ConfigError("--engine inc measures on one card; run hqtflow's own engine for --tp N.")
@@ -136,7 +137,7 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
         dev = next(model.parameters()).device
         with single_process():
             model = q.prepare(model, inc_cfg)
-        progress = _Progress(show_progress)
+        progress = Progress(show_progress)
         counts = {"samples": 0, "tokens": 0}
 
         @torch.inference_mode()
@@ -331,13 +332,14 @@ def _scales_only(s, job, model, device: str) -> Path:
     import torch
 
     from hqtflow.formats.artifact import staged_output, write_json_atomic, write_manifest
-    from hqtflow.quantize.run import SCALES_SCHEMA, SCHEMA_VERSION, copy_measurement_files
+    from hqtflow.formats.hqt import copy_measurement_files
+    from hqtflow.quantize.run import SCALES_SCHEMA, SCHEMA_VERSION
 
     with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[job.meas.directory, job.model_dir, s.config]) as tmp:
         with torch.no_grad():
             convert(job, model, device, scale_dir=tmp)
         scale_files = sorted(p.name for p in tmp.iterdir() if p.suffix in (".json", ".npz"))
-        files = copy_measurement_files(job.meas, tmp) + scale_files
+        files = copy_measurement_files(job.meas.directory, job.meas.stems, tmp) + scale_files
         base = job.meas.stems[0].rpartition("_hooks_")[0]
         inc_cfg = {**job.cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(Path(s.output).resolve() / base)}
         if device == "cpu":

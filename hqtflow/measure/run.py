@@ -225,7 +225,7 @@ def write_artifact_files(path: Path, s: MeasureSettings, cfg: QuantConfig, model
     write_manifest(path, SCHEMA, SCHEMA_VERSION, model=models.fingerprint(model_dir), config=cfg.to_dict(), data=data)
 
 
-def run_sources(s: MeasureSettings, texts, manager, tokenizer, forward, generate, progress: _Progress) -> list[dict]:
+def run_sources(s: MeasureSettings, texts, manager, tokenizer, forward, generate, progress: Progress) -> list[dict]:
     """Feed every calibration source to `forward(ids, mask)` (text windows in right-padded batches, then the
     lm-eval tasks, which may also call `generate(ids, max_new)`); return the sources as the manifest records them.
     Both engines (hqtflow's observers, Neural Compressor's) calibrate through this one function."""
