@@ -134,6 +134,31 @@ def test_api_key_overload_and_disconnect(lm):
         assert ok.status_code == 200
 
 
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions"])
+def test_non_streaming_client_disconnect_leaves_the_batch(lm, route):
+    app = create_app(*lm, ServeSettings(max_total_tokens=256, max_input_tokens=32))
+    engine, running_counts = app.state.engine, []
+
+    def slow(*_):  # 200 tokens take >= 10 s; record the running batch size at every step
+        running_counts.append((time.monotonic(), len(engine.active)))
+        time.sleep(0.05)
+
+    engine.on_step = slow
+    body = ({"inputs": PROMPT, "parameters": {"max_new_tokens": 200}} if route == "/generate" else
+            {"model": "m", "prompt": PROMPT, "max_tokens": 200, "temperature": 0})
+    with running(app) as base:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(f"{base}{route}", json=body, timeout=httpx.Timeout(5, read=1.5))
+        assert max(n for _, n in running_counts) == 1  # it was running when the client left
+        t0 = time.monotonic()
+        while engine.active and time.monotonic() < t0 + 20:
+            time.sleep(0.02)
+        assert not engine.active and not engine.pending and time.monotonic() - t0 < 5
+        assert len(running_counts) < 100  # far fewer steps than its 200 tokens
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'tgi_request_failure{err="cancelled"} 1.0' in metrics and "tgi_request_success 0.0" in metrics
+
+
 def test_cli_serve_help():
     r = run_cli("serve", "--help")
     assert r.exit_code == 0 and "fp8" in r.stdout and "bf16" in r.stdout

@@ -3,7 +3,8 @@
 The app: TGI's error JSON on every status, 415 for a body that is not JSON, the API key, metrics with TGI's names
 (a per-app prometheus CollectorRegistry, counters rendered as TGI does). Routes live in tgi_routes.py and
 openai_routes.py, request models in schemas.py, the n/best_of runner in api.py. The engine thread hands events to
-asyncio queues through loop.call_soon_threadsafe; a client that disconnects mid-stream cancels its request.
+asyncio queues through loop.call_soon_threadsafe; a client that disconnects (mid-stream, or while it waits for a
+non-streaming answer: the ASGI `http.disconnect`) cancels its request, which leaves the batch at the next step.
 """
 
 from __future__ import annotations
