@@ -196,7 +196,8 @@ def test_warmup_buckets_and_health(lm):
         text = httpx.get(f"{base}/metrics").text
         for seq in (8, 16, 24, 32):  # every bucketed prefill length ran once
             assert f'hqtflow_batch_shape_runs{{batch="1",method="prefill",seq="{seq}"}} 1.0' in text
-        assert 'hqtflow_batch_shape_runs{batch="4",method="decode",seq="1"}' in text, [l for l in text.splitlines() if "shape" in l]
+        shapes = [line for line in text.splitlines() if "shape" in line]  # decode: 1 sequence, padded to 4 tokens
+        assert 'hqtflow_batch_shape_runs{batch="1",method="decode",seq="4"}' in text, shapes
         r = httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 6}})
         assert r.json()["generated_text"] == alone(lm, PROMPT, 6)  # padding and dummy rows change nothing
 

@@ -17,7 +17,9 @@ class ServeSettings:
     dtype: str = "bf16"
     max_input_tokens: int = 4095
     max_total_tokens: int = 4096
-    max_batch_size: int = 8
+    max_batch_size: int = 0  # 0: as many running sequences as the KV blocks hold
+    max_batch_total_tokens: int | None = None  # KV tokens of the paged cache (None: from free memory)
+    kv_cache: str = "bf16"  # or "fp8": the checkpoint's k_scale/v_scale
     max_concurrent_requests: int = 128
     api_key: str | None = None
     batch_bucket_size: int = 1

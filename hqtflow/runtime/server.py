@@ -74,8 +74,8 @@ class Metrics:
         self.shapes = Gauge("hqtflow_batch_shape_runs", "Forward passes per input shape run", ["method", "batch", "seq"], registry=r)
         Gauge("tgi_queue_size", "Requests waiting", registry=r).set_function(lambda: len(engine.pending))
         Gauge("tgi_batch_current_size", "Requests in the running batch", registry=r).set_function(lambda: len(engine.active))
-        Gauge("tgi_batch_current_max_tokens", "KV length of the running batch", registry=r).set_function(
-            lambda: 0 if engine.mask is None else engine.mask.shape[0] * engine.mask.shape[1])
+        Gauge("tgi_batch_current_max_tokens", "KV tokens held by the running batch (its blocks)", registry=r).set_function(
+            lambda: engine.kv_tokens)
 
     def on_step(self, kind: str, batch: int, seconds: float, shape: tuple) -> None:
         self.batch_duration.labels(kind).observe(seconds)
@@ -107,7 +107,8 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     s = settings
     engine = Engine(model, tokenizer, max_batch_size=s.max_batch_size, batch_bucket=s.batch_bucket_size,
                     pad_to_multiple=s.pad_sequence_to_multiple_of, prefill_bucket=s.prefill_batch_bucket_size,
-                    max_prefill_tokens=s.max_batch_prefill_tokens)
+                    max_prefill_tokens=s.max_batch_prefill_tokens, max_batch_total_tokens=s.max_batch_total_tokens,
+                    kv_cache=s.kv_cache)
     metrics = Metrics(engine)
     engine.on_step = metrics.on_step
     state = {"in_flight": 0, "ready": not s.warmup}
