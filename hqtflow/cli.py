@@ -374,7 +374,8 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
            max_batch_size: Optional[int], max_batch_prefill_tokens: int, max_concurrent_requests: int, api_key: Optional[str],
            batch_bucket_size: Optional[int], prefill_batch_bucket_size: Optional[int],
            pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool], measurement: Optional[Path] = None,
-           backend: str = "auto", dtype: str = "auto") -> None:
+           backend: str = "auto", dtype: str = "auto", max_batch_total_tokens: Optional[int] = None,
+           kv_cache: str = "bf16") -> None:
     import os
 
     # oneDNN keeps a compiled primitive per matmul shape (1024 by default); a server sees a new prefill shape at
@@ -389,11 +390,17 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
 
     if max_input_tokens >= max_total_tokens:
         raise HqtflowError(f"--max-input-tokens ({max_input_tokens}) must be less than --max-total-tokens ({max_total_tokens}).")
+    if kv_cache not in ("bf16", "fp8"):
+        raise HqtflowError(f"--kv-cache must be bf16 or fp8, not {kv_cache!r}.")
+    total = max_batch_total_tokens if max_batch_total_tokens is not None else (
+        int(os.environ["MAX_BATCH_TOTAL_TOKENS"]) if os.environ.get("MAX_BATCH_TOTAL_TOKENS") else None)
+    if total is not None and total < max_total_tokens:
+        raise HqtflowError(f"--max-batch-total-tokens ({total}) must be at least --max-total-tokens ({max_total_tokens}).")
     if max_batch_prefill_tokens < max_input_tokens:
         raise HqtflowError(f"--max-batch-prefill-tokens ({max_batch_prefill_tokens}) must be at least --max-input-tokens ({max_input_tokens}).")
     settings = ServeSettings(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
-                             max_batch_size=env(max_batch_size, "MAX_BATCH_SIZE", 8), max_concurrent_requests=max_concurrent_requests,
-                             max_batch_prefill_tokens=max_batch_prefill_tokens,
+                             max_batch_size=env(max_batch_size, "MAX_BATCH_SIZE", 0), max_concurrent_requests=max_concurrent_requests,
+                             max_batch_prefill_tokens=max_batch_prefill_tokens, max_batch_total_tokens=total, kv_cache=kv_cache,
                              api_key=api_key or os.environ.get("HQTFLOW_API_KEY") or None,
                              batch_bucket_size=env(batch_bucket_size, "BATCH_BUCKET_SIZE", 1),
                              prefill_batch_bucket_size=env(prefill_batch_bucket_size, "PREFILL_BATCH_BUCKET_SIZE", 1),
@@ -412,13 +419,15 @@ def _serve_command(kind: str, doc: str):
         port: Annotated[int, typer.Option(help="Port.")] = 3000,
         max_input_tokens: Annotated[int, typer.Option(help="Longest prompt accepted (422 above).")] = 4095,
         max_total_tokens: Annotated[int, typer.Option(help="Prompt + max_new_tokens limit (422 above).")] = 4096,
-        max_batch_size: Annotated[Optional[int], typer.Option(help="Requests decoded together (env MAX_BATCH_SIZE, 8).")] = None,
-        max_batch_prefill_tokens: Annotated[int, typer.Option(help="Padded prompt tokens prefilled together in one step (TGI's flag).")] = 4096,
+        max_batch_size: Annotated[Optional[int], typer.Option(help="Requests running together at most; 0: as many as the KV cache holds (env MAX_BATCH_SIZE, 0).")] = None,
+        max_batch_prefill_tokens: Annotated[int, typer.Option(help="Prompt tokens prefilled in one step, in chunks mixed with decode steps (TGI's flag).")] = 4096,
+        max_batch_total_tokens: Annotated[Optional[int], typer.Option(help="KV tokens of the paged cache (TGI's flag; env MAX_BATCH_TOTAL_TOKENS; default: from free memory).")] = None,
+        kv_cache: Annotated[str, typer.Option(help="bf16 (the model's dtype), or fp8: the checkpoint's k_scale/v_scale (refused without them).")] = "bf16",
         max_concurrent_requests: Annotated[int, typer.Option(help="Requests in flight before 429.")] = 128,
         api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` (env HQTFLOW_API_KEY).")] = None,
-        batch_bucket_size: Annotated[Optional[int], typer.Option(help="Round the decode batch up to a multiple (env BATCH_BUCKET_SIZE, 1).")] = None,
-        prefill_batch_bucket_size: Annotated[Optional[int], typer.Option(help="Round the prefill batch up to a multiple (env PREFILL_BATCH_BUCKET_SIZE, 1).")] = None,
-        pad_sequence_to_multiple_of: Annotated[Optional[int], typer.Option(help="Left-pad prompts to a multiple: few distinct shapes, bounded per-shape caches (env PAD_SEQUENCE_TO_MULTIPLE_OF, 16).")] = None,
+        batch_bucket_size: Annotated[Optional[int], typer.Option(help="Pad a decode step to a multiple of tokens (one per sequence) (env BATCH_BUCKET_SIZE, 1).")] = None,
+        prefill_batch_bucket_size: Annotated[Optional[int], typer.Option(help="A step with prefill is padded to a multiple of this x PAD_SEQUENCE_TO_MULTIPLE_OF tokens (env PREFILL_BATCH_BUCKET_SIZE, 1).")] = None,
+        pad_sequence_to_multiple_of: Annotated[Optional[int], typer.Option(help="Pad a step with prefill to a multiple of tokens: few distinct shapes, bounded per-shape caches (env PAD_SEQUENCE_TO_MULTIPLE_OF, 16).")] = None,
         warmup: Annotated[Optional[bool], typer.Option("--warmup/--no-warmup", help="Run the bucketed shapes once; /health is 503 until done (env WARMUP_ENABLED).")] = None,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
         backend: Backend = "auto",
@@ -427,7 +436,7 @@ def _serve_command(kind: str, doc: str):
         _serve(kind, model, host, port, max_input_tokens, max_total_tokens, max_batch_size, max_batch_prefill_tokens,
                max_concurrent_requests, api_key,
                batch_bucket_size, prefill_batch_bucket_size, pad_sequence_to_multiple_of, warmup, measurement, backend,
-               dtype)
+               dtype, max_batch_total_tokens, kv_cache)
 
 
 _serve_command("fp8", "Serve an FP8 checkpoint with continuous batching.")

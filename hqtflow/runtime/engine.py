@@ -333,7 +333,7 @@ class Engine:
         pos += [0] * (len(ids) - real)
         t = time.perf_counter()
         out = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=torch.tensor([pos], device=self.device),
-                         use_cache=False, logits_to_keep=torch.tensor(keep, device=self.device),
+                         use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
                          paged=StepPlan(self.pool, seqs, len(ids)))
         logits = out.logits[0].float()
         if self.on_step:

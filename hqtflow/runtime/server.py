@@ -220,11 +220,23 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
         model, tok = quantize_in_memory(QuantizeSettings(measurement=measurement, output="-", model=model_ref))
         set_backend(model, backend)
         settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
-        _run(create_app(model, tok, settings), sock)
+        _run(_app(model, tok, settings), sock)
         return
     model, tok, loaded = load_any(model_ref, dtype, backend=backend)  # dtype auto: the fastest here
     if (loaded == "fp8") != (kind == "fp8"):
         raise HqtflowError(f"{model_ref or 'the default model'} is {'an FP8 checkpoint' if loaded == 'fp8' else 'not an FP8 checkpoint'}; "
                            f"use `hqtflow serve {'fp8' if loaded == 'fp8' else 'bf16'}`.")
     settings.model_id, settings.dtype = model_ref or "smollm2", loaded
-    _run(create_app(model, tok, settings), sock)
+    _run(_app(model, tok, settings), sock)
+
+
+def _app(model, tok, settings: ServeSettings):
+    """create_app, with the engine's refusals (--kv-cache fp8 without scales, a model the paged cache does not
+    support) as one sentence."""
+    from hqtflow.errors import HqtflowError
+
+    try:
+        return create_app(model, tok, settings)
+    except ValueError as e:
+        raise HqtflowError(str(e).replace("quantize it with `--kv-cache fp8`", "serve it with --kv-cache bf16, or quantize it "
+                                          "with `hqtflow quantize --kv-cache fp8`")) from None
