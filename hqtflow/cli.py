@@ -186,8 +186,8 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (greedy).")] = 32,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
     backend: Backend = "auto",
-    engine: Annotated[str, typer.Option(help="transformers (generate), static (static KV cache) or compiled (static + torch.compile'd decode step).")] = "transformers",
-    kv_cache: Annotated[str, typer.Option(help="bf16, or fp8 (the checkpoint's k/v scales; static and compiled engines).")] = "bf16",
+    engine: Annotated[str, typer.Option(help="transformers (generate), static (static KV cache), compiled (static + torch.compile'd decode step) or serve (the serving engine, paged KV cache).")] = "transformers",
+    kv_cache: Annotated[str, typer.Option(help="bf16, or fp8 (the checkpoint's k/v scales; static, compiled and serve engines).")] = "bf16",
     dtype: ComputeDtype = "auto",
 ) -> None:
     """Greedy text generation from an FP8 checkpoint or a bf16 model."""
@@ -197,17 +197,33 @@ def generate(
 
     if max_new_tokens < 1:
         raise HqtflowError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
-    if engine not in ("transformers", "static", "compiled"):
-        raise HqtflowError(f"Unknown --engine {engine!r}; valid values are transformers, static, compiled.")
+    if engine not in ("transformers", "static", "compiled", "serve"):
+        raise HqtflowError(f"Unknown --engine {engine!r}; valid values are transformers, static, compiled, serve.")
     if kv_cache not in ("bf16", "fp8"):
         raise HqtflowError(f"--kv-cache must be bf16 or fp8, not {kv_cache!r}.")
     if kv_cache == "fp8" and engine == "transformers":
-        raise HqtflowError("--kv-cache fp8 runs in hqtflow's static decoder: add --engine static (or compiled).")
+        raise HqtflowError("--kv-cache fp8 runs in hqtflow's own engines: add --engine static (or compiled, or serve).")
     m, tok, _ = load_any(model, dtype, backend=backend)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt
     ids = tok(text, return_tensors="pt", add_special_tokens=not chat)
     with torch.inference_mode():
-        if engine == "transformers":
+        if engine == "serve":
+            from hqtflow.runtime.engine import Engine, SamplingParams
+
+            n = ids["input_ids"].shape[1]
+            try:
+                eng = Engine(m, tok, kv_cache=kv_cache, max_batch_total_tokens=n + max_new_tokens + 1,
+                             max_prefill_tokens=max(n, 1)).start()
+            except ValueError as e:
+                raise HqtflowError(str(e)) from None
+            try:
+                events = eng.generate(ids["input_ids"][0].tolist(), SamplingParams(max_new_tokens=max_new_tokens))
+            finally:
+                eng.stop()
+            if events[-1].error:
+                raise HqtflowError(f"Generation failed: {events[-1].error}.")
+            new = [e.token.id for e in events]
+        elif engine == "transformers":
             new = m.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)[0, ids["input_ids"].shape[1]:]
         else:
             from hqtflow.runtime.static_decode import StaticDecoder

@@ -54,6 +54,16 @@ def test_generate_and_stream(url, lm):
     assert sampled[0] == sampled[1] and sampled[0]["details"]["seed"] == 3
 
 
+def test_server_greedy_equals_hqtflow_generate(url, tiny_llama):
+    """One engine: the server's greedy text is what `hqtflow generate` prints, with transformers' generate or with
+    the serving engine (--engine serve)."""
+    served = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12}}).json()["generated_text"]
+    for engine in ("transformers", "serve"):
+        r = run_cli("generate", str(tiny_llama), "-p", PROMPT, "--max-new-tokens", "12", "--dtype", "fp32", "--engine", engine)
+        assert r.exit_code == 0, r.stdout + r.stderr
+        assert r.stdout.rstrip("\n") == served, engine
+
+
 def test_info_health_tokenize_and_validation(url, lm):
     assert httpx.get(f"{url}/health").status_code == 200
     info = httpx.get(f"{url}/info").json()
