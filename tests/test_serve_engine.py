@@ -323,3 +323,19 @@ def test_fp8_kv_cache_in_the_engine(tiny_llama, wiki_text, tmp_path):
         _app(plain, tok, ServeSettings(kv_cache="fp8"))
     r = run_cli("serve", "bf16", str(tiny_llama), "--kv-cache", "int8", "--port", "1")
     assert r.exit_code == 2 and "bf16 or fp8" in r.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_alone_in_a_batch_and_generate(smollm2):
+    """The real SmolLM2 (bf16): a greedy request gives model.generate's tokens, alone and among 5 others."""
+    from hqtflow import models
+
+    model, tok = models.load_model(smollm2, "bf16"), models.load_tokenizer(smollm2)
+    x = ids(tok, "The capital of France is")
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([x]), max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)[0, len(x):]
+    probe = (x, SamplingParams(max_new_tokens=12))
+    others = [(ids(tok, p), SamplingParams(max_new_tokens=6 + 2 * i)) for i, p in enumerate(PROMPTS + PROMPTS[:1])]
+    alone = run_all(Engine(model, tok), [probe])[0]
+    busy = run_all(Engine(model, tok, max_prefill_tokens=24), others[:2] + [probe] + others[2:])[2]
+    assert [e.token.id for e in alone] == [e.token.id for e in busy] == ref.tolist()[:len(alone)]
