@@ -38,11 +38,23 @@ class Seq:
     read: torch.Tensor   # [past + n] slots of the whole context
 
 
-@dataclass
 class StepPlan:
-    pool: "KVPool"
-    seqs: list[Seq]
-    tokens: int  # T, dummy padding tokens included (their attention output is zero, their KV is not stored)
+    """What `paged_attention` needs for one step; the index tensors are built once here, not once per layer."""
+
+    def __init__(self, pool: "KVPool", seqs: list[Seq], tokens: int):
+        self.pool, self.seqs, self.tokens = pool, seqs, tokens  # tokens: T, dummy padding tokens included
+        real = sum(s.n for s in seqs)
+        self.real = real  # the real tokens come first, in `seqs` order
+        self.write = torch.cat([s.write for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long, device=pool.device)
+        self.prefill = [s for s in seqs if s.n > 1 or not s.past]
+        dec = [s for s in seqs if s.n == 1 and s.past]
+        self.decode_rows = torch.tensor([s.start for s in dec], dtype=torch.long, device=pool.device)
+        self.decode_read = self.decode_mask = None
+        if dec:  # contexts padded to the longest with the sequence's own first slot, masked out (exact zeros)
+            width = max(len(s.read) for s in dec)
+            self.decode_read = torch.stack([torch.cat([s.read, s.read[:1].expand(width - len(s.read))]) for s in dec])
+            lengths = torch.tensor([len(s.read) for s in dec], device=pool.device)
+            self.decode_mask = torch.arange(width, device=pool.device)[None] < lengths[:, None]  # [B, width]
 
 
 class KVPool:
@@ -127,14 +139,13 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     layer, pool = module.layer_idx, plan.pool
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
+    pool.write(layer, plan.write, k_new[:plan.real], v_new[:plan.real])  # every real token's KV, one copy
     out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
-    for s in plan.seqs:
-        pool.write(layer, s.write, k_new[s.start:s.start + s.n], v_new[s.start:s.start + s.n])
-        if s.past:
+    for s in plan.prefill:  # SDPA per sequence
+        if s.past or pool.scales is not None:
             k, v = pool.read(layer, s.read, query.dtype)
-        else:  # the whole context is in this step: no need to read it back (same values for bf16; FP8 is read)
-            k, v = (pool.read(layer, s.read, query.dtype) if pool.scales is not None else
-                    (k_new[s.start:s.start + s.n], v_new[s.start:s.start + s.n]))
+        else:  # the whole context is this step's tokens: the same values as reading them back
+            k, v = k_new[s.start:s.start + s.n], v_new[s.start:s.start + s.n]
         q = query[0, :, s.start:s.start + s.n]  # [heads, n, d]
         mask = None
         if s.n > 1 and s.past:  # query i (position past + i) sees keys 0..past + i
@@ -143,7 +154,25 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                            is_causal=s.n > 1 and not s.past, scale=scaling,
                                            enable_gqa=q.shape[0] != k.shape[1])
         out[s.start:s.start + s.n] = o[0].transpose(0, 1)
+    if plan.decode_read is not None:  # every decoding sequence at once
+        b, width = plan.decode_read.shape
+        k, v = pool.read(layer, plan.decode_read.flatten(), query.dtype)
+        k, v = k.view(b, width, *k.shape[1:]), v.view(b, width, *v.shape[1:])  # [B, width, kv_heads, d]
+        q = query[0].index_select(1, plan.decode_rows).transpose(0, 1)  # [B, heads, d]
+        out[plan.decode_rows] = _attend_decode(q, k, v, plan.decode_mask, scaling)
     return out[None], None
+
+
+def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """One query per sequence q [B, heads, d] over its context k, v [B, width, kv_heads, d] (mask [B, width]: real
+    keys), grouped heads, float32 -> [B, heads, d]. Padded keys get probability exactly 0."""
+    b, heads, d = q.shape
+    kv_heads = k.shape[2]
+    scale = scaling if scaling is not None else d ** -0.5
+    qg = q.float().view(b, kv_heads, heads // kv_heads, d)  # query head h uses KV head h // groups, as repeat_kv
+    scores = torch.matmul(qg, k.float().permute(0, 2, 3, 1)) * scale  # [B, kv_heads, groups, width]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float().transpose(1, 2)).reshape(b, heads, d).to(q.dtype)
 
 
 def install(model) -> None:
