@@ -8,11 +8,12 @@ out and taken back by `KVPool.allocate/free`; the engine admits requests by free
 sequence's blocks, to recompute it later) when they run out.
 
 The model runs one flattened step: every scheduled sequence's new tokens side by side in one row ([1, T]) with their
-own positions, and attention is done per sequence by `paged_attention`, registered with transformers'
-`AttentionInterface` as "hqtflow_paged" (the masks' interface gets sdpa's). It writes the new keys/values into their
-slots, gathers the sequence's whole context from its blocks and runs SDPA for that sequence alone, so a sequence's
-attention never depends on its neighbours or on padding. Called without a step plan (a plain `model.generate` on
-the same model), it is transformers' SDPA attention.
+own positions, and attention is done by `paged_attention`, registered with transformers' `AttentionInterface` as
+"hqtflow_paged" (the masks' interface gets sdpa's). It writes the step's new keys/values into their slots (one copy
+per layer), runs SDPA per prefilling sequence on the context gathered from its blocks, and one batched float32
+attention for all decoding sequences (contexts padded to the longest, padded keys masked to probability 0), so a
+sequence's attention does not depend on its neighbours (tests compare the tokens alone and in a busy batch).
+Called without a step plan (a plain `model.generate` on the same model), it is transformers' SDPA attention.
 """
 
 from __future__ import annotations
