@@ -1,7 +1,17 @@
 #!/usr/bin/env python
-"""Load test of `hqtflow serve fp8`: errors, server memory growth and batching speed-up under concurrency.
+"""Load test of `hqtflow serve fp8`: errors, server memory growth and batching speed-up under concurrency (soak
+mode, the default), and streaming throughput / time to first token against bf16 and transformers (streams mode).
 
     python bench/serve_load.py [--checkpoint DIR] [--requests 1000] [--concurrency 16] [--max-new-tokens 16]
+                               [--prompt-tokens 16:1024]
+    python bench/serve_load.py --mode streams [--checkpoint DIR] [--baseline MODEL] [--streams 32] [--stream-tokens 64]
+
+Streams mode: the FP8 server, then the bf16 server of the baseline (default: the checkpoint's source model), each
+alone on the machine: `--streams` concurrent `/generate_stream` requests of `--stream-tokens` new tokens (greedy,
+the same prompts) vs one stream alone (the mean of --single-streams runs); aggregate tokens/s, time to first token
+p50/p95; then transformers' continuous batching (`generate_batch`, bf16 baseline, in this process, after the
+servers have stopped) on the same prompt tokens. Printed as ratios measured in this run (targets: >= 5x one
+stream, TTFT p95 <= 3 s, FP8 >= 1.2x bf16, ahead of transformers), with the CPU flags and the load average.
 
 Starts `hqtflow serve fp8 CHECKPOINT` as a subprocess on a free 127.0.0.1 port (default checkpoint: an FP8
 SmolLM2 in $HQTFLOW_CACHE/bench/smollm2-fp8, made with `hqtflow measure` + `hqtflow quantize` if missing), then
@@ -13,7 +23,7 @@ with httpx.AsyncClient on loopback only:
 3. concurrent: the N requests at concurrency C (VmRSS sampled every 0.5 s meanwhile); VmRSS read at the end.
 
 Every request is a TGI `/generate` with a short WikiText-2 prompt (`--prompt-words` words from the start of a
-paragraph), greedy, `max_new_tokens` fixed, `details: true` (generated tokens are counted from the server's
+paragraph; with `--prompt-tokens MIN:MAX`, a random WikiText-2 span of MIN..MAX tokens instead), greedy, `max_new_tokens` fixed, `details: true` (generated tokens are counted from the server's
 answer). Reported: errors (target 0), RSS growth end vs after warm-up (target < 5%; both read 1 s after the last
 request, when the server is idle; the peak sampled during the runs is printed too), aggregate generated tokens/s
 at concurrency C vs single stream (target >= 4x). Every loop is bounded: a per-request timeout and an overall
@@ -50,7 +60,15 @@ SETTLE_S = 1.0  # RSS is read this long after the last request: retained memory,
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("soak", "streams"), default="soak")
     p.add_argument("--checkpoint", default=None, help="FP8 checkpoint (default: FP8 SmolLM2 in the cache, built if missing)")
+    p.add_argument("--baseline", default=None, help="streams: the bf16 model (default: the checkpoint's source model)")
+    p.add_argument("--streams", type=int, default=32, help="streams: concurrent streams")
+    p.add_argument("--stream-tokens", type=int, default=64, help="streams: new tokens per stream")
+    p.add_argument("--single-streams", type=int, default=3, help="streams: one-stream runs averaged")
+    p.add_argument("--no-peer", action="store_true", help="streams: skip transformers' generate_batch")
+    p.add_argument("--prompt-tokens", default=None, help="soak: MIN:MAX prompt tokens (random WikiText-2 spans)")
+    p.add_argument("--server-arg", action="append", default=[], help="extra `hqtflow serve` argument (repeatable)")
     p.add_argument("--requests", type=int, default=1000, help="requests in the concurrent run")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--single-requests", type=int, default=None,
@@ -60,7 +78,8 @@ def parse_args(argv=None):
                         "each matmul shape, allocator arenas) to reach their steady state before RSS is read")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--prompt-words", type=int, default=12, help="words per prompt")
-    p.add_argument("--max-batch-size", type=int, default=None, help="server --max-batch-size (default: the concurrency)")
+    p.add_argument("--max-batch-size", type=int, default=None, help="server --max-batch-size (default: the server's, "
+                   "as many as its KV cache holds)")
     p.add_argument("--data", default=str(DATA), help="prompt source text (default: ../shared/data/wikitext2_valid.txt)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--deadline", type=float, default=3600.0, help="seconds for the whole run; stops early past it")
@@ -111,12 +130,38 @@ def rss_kb(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def token_prompts(path: str, tokenizer_dir: str, n: int, low: int, high: int, seed: int) -> list[str]:
+    """n texts of low..high tokens (uniform), spans of the WikiText-2 text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = tok(Path(path).read_text(encoding="utf-8")[:2_000_000])["input_ids"]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(low, high)
+        start = rng.randrange(0, len(ids) - length)
+        out.append(tok.decode(ids[start:start + length]))
+    return out
+
+
+def cpu_line() -> str:
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16") if f in flags]
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return f"CPU: {os.cpu_count()} cores, flags {' '.join(shown) or '-'}; load average {load}"
+
+
 class Server:
-    def __init__(self, checkpoint: Path, max_batch_size: int | None, log: Path):
+    def __init__(self, checkpoint: Path, max_batch_size: int | None, log: Path, kind: str = "fp8", extra: list[str] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = hqtflow_cmd("serve", "fp8", str(checkpoint), "--host", "127.0.0.1", "--port", str(self.port),
-                          "--max-concurrent-requests", "100000")
+        cmd = hqtflow_cmd("serve", kind, str(checkpoint), "--host", "127.0.0.1", "--port", str(self.port),
+                          "--max-concurrent-requests", "100000", *extra)
         if max_batch_size:
             cmd += ["--max-batch-size", str(max_batch_size)]
         self.log = log
@@ -191,6 +236,110 @@ async def drive(url: str, texts: list[str], concurrency: int, max_new: int, time
             "rss_samples_kb": samples}
 
 
+async def stream_run(url: str, texts: list[str], max_new: int, timeout: float) -> dict:
+    """Every text as a /generate_stream at once; aggregate tokens/s and time to first token per stream."""
+    ttft, tokens, errors = [], 0, []
+    limits = httpx.Limits(max_connections=len(texts) + 1, max_keepalive_connections=len(texts) + 1)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        async def one(i, text):
+            nonlocal tokens
+            t = time.perf_counter()
+            try:
+                async with client.stream("POST", "/generate_stream", json={"inputs": text, "parameters": {
+                        "max_new_tokens": max_new, "do_sample": False}}) as r:
+                    if r.status_code != 200:
+                        errors.append(f"stream {i}: HTTP {r.status_code}")
+                        return
+                    first = None
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        ev = json.loads(line[5:])
+                        if "error" in ev:
+                            errors.append(f"stream {i}: {ev['error']}")
+                            return
+                        first = first or time.perf_counter()
+                        tokens += 1
+                    ttft.append((first or time.perf_counter()) - t)
+            except Exception as e:  # noqa: BLE001 - counted
+                errors.append(f"stream {i}: {type(e).__name__}: {e}")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i, x) for i, x in enumerate(texts)))
+        seconds = time.perf_counter() - t0
+    q = sorted(ttft)
+    pct = lambda f: q[min(len(q) - 1, int(round(f * (len(q) - 1))))] if q else None  # noqa: E731
+    return {"streams": len(texts), "errors": len(errors), "error_examples": errors[:5], "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds else 0.0, "ttft_p50_s": pct(0.5), "ttft_p95_s": pct(0.95)}
+
+
+def streams_mode(a, ck: Path) -> int:
+    sys.path.insert(0, str(ROOT))
+    from hqtflow.eval_run import source_model
+
+    baseline = a.baseline or source_model(str(ck)) or "smollm2"
+    texts = prompts(a.data, a.streams, a.prompt_words, a.seed)
+    warm = prompts(a.data, 4, a.prompt_words, a.seed + 1)
+    print(cpu_line(), flush=True)
+    res = {}
+    for kind, model in (("fp8", str(ck)), ("bf16", str(baseline))):
+        with tempfile.TemporaryDirectory() as tmp:
+            server = Server(Path(model), a.max_batch_size, Path(tmp) / "server.log", kind, a.server_arg)
+            try:
+                server.wait_ready()
+                run = lambda xs: asyncio.run(stream_run(server.url, xs, a.stream_tokens, a.timeout))  # noqa: E731
+                run(warm)
+                singles = [run([texts[i % len(texts)]]) for i in range(a.single_streams)]
+                many = run(texts)
+            finally:
+                server.stop()
+        one = sum(r["tokens"] for r in singles) / sum(r["seconds"] for r in singles)
+        res[kind] = {"single_tokens_per_s": one, "single_ttft_s": sorted(r["ttft_p50_s"] or 0 for r in singles)[len(singles) // 2],
+                     "concurrent": many, "errors": many["errors"] + sum(r["errors"] for r in singles)}
+        print(f"{kind} server ({model}): one stream {one:.1f} tok/s (TTFT {res[kind]['single_ttft_s']:.2f} s); "
+              f"{a.streams} streams {many['tokens_per_s']:.1f} tok/s aggregate ({many['tokens']} tokens in {many['seconds']:.1f} s), "
+              f"TTFT p50 {many['ttft_p50_s'] or 0:.2f} s p95 {many['ttft_p95_s'] or 0:.2f} s, errors {res[kind]['errors']}", flush=True)
+    peer = None
+    if not a.no_peer:
+        import torch
+        from transformers import GenerationConfig
+
+        from hqtflow import models
+
+        path = models.resolve_model(None if baseline == "smollm2" else baseline)
+        tok, model = models.load_tokenizer(path), models.load_model(path, "bf16")
+        ids = [tok(x)["input_ids"] for x in texts]
+        cfg = GenerationConfig(max_new_tokens=a.stream_tokens, do_sample=False)
+        model.generate_batch(inputs=ids[:2], generation_config=cfg)  # warm-up
+        t = time.perf_counter()
+        out = model.generate_batch(inputs=ids, generation_config=cfg)
+        secs = time.perf_counter() - t
+        n = sum(len(o.generated_tokens) for o in out.values())
+        peer = {"tokens": n, "seconds": secs, "tokens_per_s": n / secs, "torch_threads": torch.get_num_threads()}
+        print(f"transformers generate_batch (bf16, in-process): {peer['tokens_per_s']:.1f} tok/s ({n} tokens in {secs:.1f} s)", flush=True)
+    f, b = res["fp8"], res["bf16"]
+    mark = lambda good: "OK" if good else "MISSED"  # noqa: E731
+    speedup = f["concurrent"]["tokens_per_s"] / f["single_tokens_per_s"]
+    p95 = f["concurrent"]["ttft_p95_s"] or float("inf")
+    fp8_vs_bf16 = f["concurrent"]["tokens_per_s"] / b["concurrent"]["tokens_per_s"]
+    lines = [f"serve_load streams: {a.streams} streams x {a.stream_tokens} new tokens, {a.prompt_words}-word prompts, greedy; "
+             f"figures from this one run on a shared machine (noisy)",
+             f"FP8 {a.streams} streams vs one stream: {speedup:.2f}x  [target >= 5x: {mark(speedup >= 5)}]",
+             f"FP8 TTFT at {a.streams} streams: p50 {f['concurrent']['ttft_p50_s'] or 0:.2f} s, p95 {p95:.2f} s  [target p95 <= 3 s: {mark(p95 <= 3)}]",
+             f"FP8 / bf16 server at {a.streams} streams: {fp8_vs_bf16:.2f}x  [target >= 1.2x: {mark(fp8_vs_bf16 >= 1.2)}]",
+             f"bf16 {a.streams} streams vs one stream: {b['concurrent']['tokens_per_s'] / b['single_tokens_per_s']:.2f}x"]
+    if peer:
+        lines.append(f"FP8 server / transformers generate_batch: {f['concurrent']['tokens_per_s'] / peer['tokens_per_s']:.2f}x, "
+                     f"bf16 server / generate_batch: {b['concurrent']['tokens_per_s'] / peer['tokens_per_s']:.2f}x  "
+                     f"[target > 1x: {mark(f['concurrent']['tokens_per_s'] > peer['tokens_per_s'])}]")
+    lines.append(f"errors: {f['errors'] + b['errors']}; " + cpu_line())
+    print("\n".join(lines), flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"settings": vars(a), "checkpoint": str(ck), "baseline": str(baseline),
+                                            "servers": res, "peer": peer, "cpu": cpu_line()}, indent=2))
+    return 0
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     for name in ("requests", "concurrency", "max_new_tokens", "prompt_words"):
@@ -199,14 +348,20 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
     deadline = t_start + a.deadline
     ck = Path(a.checkpoint) if a.checkpoint else default_checkpoint()
+    if a.mode == "streams":
+        return streams_mode(a, ck)
     n_warm = a.warmup_requests if a.warmup_requests is not None else max(400, 2 * a.concurrency)
-    a.max_batch_size = a.max_batch_size or a.concurrency
     n_single = min(a.single_requests or a.requests, a.requests)
-    texts = prompts(a.data, a.requests, a.prompt_words, a.seed)
-    warm_texts = prompts(a.data, n_warm, a.prompt_words, a.seed + 1)
+    if a.prompt_tokens:
+        low, high = (int(x) for x in a.prompt_tokens.split(":"))
+        texts = token_prompts(a.data, str(ck), a.requests, low, high, a.seed)
+        warm_texts = token_prompts(a.data, str(ck), n_warm, low, high, a.seed + 1)
+    else:
+        texts = prompts(a.data, a.requests, a.prompt_words, a.seed)
+        warm_texts = prompts(a.data, n_warm, a.prompt_words, a.seed + 1)
 
     with tempfile.TemporaryDirectory() as tmp:
-        server = Server(ck, a.max_batch_size, Path(tmp) / "server.log")
+        server = Server(ck, a.max_batch_size, Path(tmp) / "server.log", "fp8", a.server_arg)
         try:
             server.wait_ready()
             pid = server.proc.pid
@@ -237,7 +392,8 @@ def main(argv=None) -> int:
     mark = lambda good: "OK" if good else "MISSED"  # noqa: E731
     lines = [
         f"serve_load: {ck}, {a.requests} requests at concurrency {a.concurrency} "
-        f"(server max batch {a.max_batch_size}), max_new_tokens {a.max_new_tokens}, {a.prompt_words}-word prompts; "
+        f"(server max batch {a.max_batch_size or 'from its KV cache'}), max_new_tokens {a.max_new_tokens}, "
+        f"{a.prompt_tokens + ' token' if a.prompt_tokens else str(a.prompt_words) + '-word'} prompts; "
         f"single stream over the first {n_single} of the same requests",
         f"errors: {errors} (warm-up {warm['errors'] if warm else 0}, single {single['errors']}, concurrent {conc['errors']})"
         f"  [target 0: {mark(ok['errors'])}]",
@@ -248,7 +404,7 @@ def main(argv=None) -> int:
         f"concurrency {a.concurrency}: {conc['tokens']} tokens in {conc['seconds']:.1f} s = {conc['tokens_per_s']:.2f} tokens/s, "
         f"{conc['requests_per_s']:.2f} requests/s (p50 request {conc['latency_p50_s'] or 0:.2f} s, max {conc['latency_max_s'] or 0:.2f} s)",
         f"aggregate speed-up: {ratio:.2f}x  [target >= 4x: {mark(ok['speedup'])}]",
-        f"wall time {time.monotonic() - t_start:.0f} s",
+        f"wall time {time.monotonic() - t_start:.0f} s; " + cpu_line(),
     ]
     for e in (single["error_examples"] + conc["error_examples"])[:5]:
         lines.append(f"  error: {e}")

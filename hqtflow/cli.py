@@ -208,8 +208,8 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (greedy).")] = 32,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
     backend: Backend = "auto",
-    engine: Annotated[str, typer.Option(help="transformers (generate; also 'hqtflow'), static (static KV cache), compiled (static + torch.compile'd decode step), or inc (Neural Compressor converts MODEL from -m at load).")] = "transformers",
-    kv_cache: Annotated[str, typer.Option(help="bf16, or fp8 (the checkpoint's k/v scales; static and compiled engines).")] = "bf16",
+    engine: Annotated[str, typer.Option(help="transformers (generate; also 'hqtflow'), static (static KV cache), compiled (static + torch.compile'd decode step), serve (the serving engine, paged KV cache) or inc (Neural Compressor converts MODEL from -m at load).")] = "transformers",
+    kv_cache: Annotated[str, typer.Option(help="bf16, or fp8 (the checkpoint's k/v scales; static, compiled and serve engines).")] = "bf16",
     dtype: ComputeDtype = "auto",
     measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="--engine inc: the measurement MODEL is quantized from.")] = None,
     config: Annotated[Optional[Path], typer.Option("-c", "--config", help="--engine inc: QUANT_CONFIG (QUANTIZE).")] = None,
@@ -224,13 +224,13 @@ def generate(
     if max_new_tokens < 1:
         raise HqtflowError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
     engine = "transformers" if engine == "hqtflow" else engine
-    if engine not in ("transformers", "static", "compiled", "inc"):
-        raise HqtflowError(f"Unknown --engine {engine!r}; valid values are transformers (hqtflow), static, compiled, inc.")
+    if engine not in ("transformers", "static", "compiled", "serve", "inc"):
+        raise HqtflowError(f"Unknown --engine {engine!r}; valid values are transformers (hqtflow), static, compiled, serve, inc.")
     from hqtflow.choices import KVCache, parse
 
     kv_cache = parse(KVCache, kv_cache, "--kv-cache")
     if kv_cache == KVCache.FP8 and engine in ("transformers", "inc"):
-        raise HqtflowError("--kv-cache fp8 runs in hqtflow's static decoder: add --engine static (or compiled).")
+        raise HqtflowError("--kv-cache fp8 runs in hqtflow's own engines: add --engine static (or compiled, or serve).")
     inc_device = _inc_device("inc" if engine == "inc" else "hqtflow", device)
     if inc_device is None and (measurement or config or scale_method):
         raise HqtflowError("-m/--measurement, -c/--config and --scale-method quantize at load with --engine inc; "
@@ -248,7 +248,23 @@ def generate(
     else:
         ids = tok(text, return_tensors="pt", add_special_tokens=not chat)
     with torch.inference_mode():
-        if engine in ("transformers", "inc"):
+        if engine == "serve":
+            from hqtflow.runtime.engine import Engine, SamplingParams
+
+            n = ids["input_ids"].shape[1]
+            try:
+                eng = Engine(m, tok, kv_cache=kv_cache, max_batch_total_tokens=n + max_new_tokens + 1,
+                             max_prefill_tokens=max(n, 1)).start()
+            except ValueError as e:
+                raise HqtflowError(str(e)) from None
+            try:
+                events = eng.generate(ids["input_ids"][0].tolist(), SamplingParams(max_new_tokens=max_new_tokens))
+            finally:
+                eng.stop()
+            if events[-1].error:
+                raise HqtflowError(f"Generation failed: {events[-1].error}.")
+            new = [e.token.id for e in events]
+        elif engine in ("transformers", "inc"):
             new = m.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)[0, ids["input_ids"].shape[1]:]
         else:
             from hqtflow.runtime.static_decode import StaticDecoder
@@ -432,7 +448,8 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
            max_concurrent_requests: Optional[int], api_key: Optional[str],
            batch_bucket_size: Optional[int], prefill_batch_bucket_size: Optional[int],
            pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool], measurement: Optional[Path] = None,
-           backend: str = "auto", dtype: str = "auto", engine: str = "hqtflow", device: Optional[str] = None) -> None:
+           backend: str = "auto", dtype: str = "auto", engine: str = "hqtflow", device: Optional[str] = None,
+           max_batch_total_tokens: Optional[int] = None, kv_cache: str = "bf16") -> None:
     from dataclasses import fields
 
     from hqtflow import environment
@@ -454,12 +471,19 @@ def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_toke
 
     if max_input_tokens >= max_total_tokens:
         raise HqtflowError(f"--max-input-tokens ({max_input_tokens}) must be less than --max-total-tokens ({max_total_tokens}).")
+    from hqtflow.choices import KVCache, parse
+
+    kv_cache = parse(KVCache, kv_cache, "--kv-cache").value
+    total = environment.tgi_knob("MAX_BATCH_TOTAL_TOKENS", None) if max_batch_total_tokens is None else max_batch_total_tokens
+    if total is not None and total < max_total_tokens:
+        raise HqtflowError(f"--max-batch-total-tokens ({total}) must be at least --max-total-tokens ({max_total_tokens}).")
     if max_batch_prefill_tokens < max_input_tokens:
         raise HqtflowError(f"--max-batch-prefill-tokens ({max_batch_prefill_tokens}) must be at least --max-input-tokens ({max_input_tokens}).")
     settings = ServeSettings(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
                              max_batch_size=env(max_batch_size, "MAX_BATCH_SIZE", "max_batch_size"),
                              max_concurrent_requests=max_concurrent_requests,
-                             max_batch_prefill_tokens=max_batch_prefill_tokens,
+                             max_batch_prefill_tokens=max_batch_prefill_tokens, max_batch_total_tokens=total,
+                             kv_cache=kv_cache,
                              api_key=api_key or environment.api_key(),
                              batch_bucket_size=env(batch_bucket_size, "BATCH_BUCKET_SIZE", "batch_bucket_size"),
                              prefill_batch_bucket_size=env(prefill_batch_bucket_size, "PREFILL_BATCH_BUCKET_SIZE",
@@ -480,13 +504,15 @@ def _serve_command(kind: str, doc: str):
         port: Annotated[int, typer.Option(help="Port.")] = 3000,
         max_input_tokens: Annotated[Optional[int], typer.Option(help="Longest prompt accepted (422 above; default 4095).")] = None,
         max_total_tokens: Annotated[Optional[int], typer.Option(help="Prompt + max_new_tokens limit (422 above; default 4096).")] = None,
-        max_batch_size: Annotated[Optional[int], typer.Option(help="Requests decoded together (env MAX_BATCH_SIZE, 8).")] = None,
-        max_batch_prefill_tokens: Annotated[Optional[int], typer.Option(help="Padded prompt tokens prefilled together in one step (TGI's flag; default 4096).")] = None,
+        max_batch_size: Annotated[Optional[int], typer.Option(help="Requests running together at most; 0: as many as the KV cache holds (env MAX_BATCH_SIZE, 0).")] = None,
+        max_batch_prefill_tokens: Annotated[Optional[int], typer.Option(help="Prompt tokens prefilled in one step, in chunks mixed with decode steps (TGI's flag; default 4096).")] = None,
+        max_batch_total_tokens: Annotated[Optional[int], typer.Option(help="KV tokens of the paged cache (TGI's flag; env MAX_BATCH_TOTAL_TOKENS; default: from free memory).")] = None,
+        kv_cache: Annotated[str, typer.Option(help="bf16 (the model's dtype), or fp8: the checkpoint's k_scale/v_scale (refused without them).")] = "bf16",
         max_concurrent_requests: Annotated[Optional[int], typer.Option(help="Requests in flight before 429 (default 128).")] = None,
         api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` (env HQTFLOW_API_KEY).")] = None,
-        batch_bucket_size: Annotated[Optional[int], typer.Option(help="Round the decode batch up to a multiple (env BATCH_BUCKET_SIZE, 1).")] = None,
-        prefill_batch_bucket_size: Annotated[Optional[int], typer.Option(help="Round the prefill batch up to a multiple (env PREFILL_BATCH_BUCKET_SIZE, 1).")] = None,
-        pad_sequence_to_multiple_of: Annotated[Optional[int], typer.Option(help="Left-pad prompts to a multiple: few distinct shapes, bounded per-shape caches (env PAD_SEQUENCE_TO_MULTIPLE_OF, 16).")] = None,
+        batch_bucket_size: Annotated[Optional[int], typer.Option(help="Pad a decode step to a multiple of tokens (one per sequence) (env BATCH_BUCKET_SIZE, 1).")] = None,
+        prefill_batch_bucket_size: Annotated[Optional[int], typer.Option(help="A step with prefill is padded to a multiple of this x PAD_SEQUENCE_TO_MULTIPLE_OF tokens (env PREFILL_BATCH_BUCKET_SIZE, 1).")] = None,
+        pad_sequence_to_multiple_of: Annotated[Optional[int], typer.Option(help="Pad a step with prefill to a multiple of tokens: few distinct shapes, bounded per-shape caches (env PAD_SEQUENCE_TO_MULTIPLE_OF, 16).")] = None,
         warmup: Annotated[Optional[bool], typer.Option("--warmup/--no-warmup", help="Run the bucketed shapes once; /health is 503 until done (env WARMUP_ENABLED).")] = None,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
         backend: Backend = "auto",
@@ -497,7 +523,7 @@ def _serve_command(kind: str, doc: str):
         _serve(kind, model, host, port, max_input_tokens, max_total_tokens, max_batch_size, max_batch_prefill_tokens,
                max_concurrent_requests, api_key,
                batch_bucket_size, prefill_batch_bucket_size, pad_sequence_to_multiple_of, warmup, measurement, backend,
-               dtype, engine, device)
+               dtype, engine, device, max_batch_total_tokens, kv_cache)
 
 
 _serve_command("fp8", "Serve an FP8 checkpoint with continuous batching.")

@@ -1,6 +1,6 @@
 """Every environment variable hqtflow reads or sets, in one place (no heavy imports here).
 
-Read: HQTFLOW_CACHE, HQTFLOW_API_KEY, TGI-on-Gaudi's serving knobs (MAX_BATCH_SIZE, BATCH_BUCKET_SIZE,
+Read: HQTFLOW_CACHE, HQTFLOW_API_KEY, TGI-on-Gaudi's serving knobs (MAX_BATCH_SIZE, MAX_BATCH_TOTAL_TOKENS, BATCH_BUCKET_SIZE,
 PREFILL_BATCH_BUCKET_SIZE, PAD_SEQUENCE_TO_MULTIPLE_OF, WARMUP_ENABLED) and torchrun's RANK, WORLD_SIZE,
 LOCAL_RANK, TORCHELASTIC_RUN_ID. Set, for libraries that only read the environment: TQDM_DISABLE (ranks other than
 0), ONEDNN_PRIMITIVE_CACHE_CAPACITY (serve), OMP_NUM_THREADS (the ranks `--tp` starts) and, while the CPU kernel
@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-TGI_KNOBS = ("MAX_BATCH_SIZE", "BATCH_BUCKET_SIZE", "PREFILL_BATCH_BUCKET_SIZE", "PAD_SEQUENCE_TO_MULTIPLE_OF",
-             "WARMUP_ENABLED")
+TGI_KNOBS = ("MAX_BATCH_SIZE", "MAX_BATCH_TOTAL_TOKENS", "BATCH_BUCKET_SIZE", "PREFILL_BATCH_BUCKET_SIZE",
+             "PAD_SEQUENCE_TO_MULTIPLE_OF", "WARMUP_ENABLED")
 
 
 def cache_dir() -> Path:
@@ -28,15 +28,22 @@ def api_key() -> str | None:
 
 
 def tgi_knob(name: str, default):
-    """A TGI-on-Gaudi serving knob from the environment, typed like `default`; `default` when unset."""
+    """A TGI-on-Gaudi serving knob from the environment, typed like `default` (an int when `default` is None);
+    `default` when unset; a value of the wrong type is refused in one sentence."""
+    from hqtflow.errors import ConfigError
+
     if name not in TGI_KNOBS:
         raise KeyError(name)
     raw = os.environ.get(name)
-    if raw is None:
+    if raw is None or raw == "":
         return default
     if isinstance(default, bool):
         return raw.lower() in ("1", "true", "yes")
-    return type(default)(raw)
+    kind = int if default is None else type(default)
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"The environment variable {name}={raw!r} is not a valid {kind.__name__}.") from None
 
 
 def bound_onednn_cache(capacity: int = 16) -> None:

@@ -54,6 +54,16 @@ def test_generate_and_stream(url, lm):
     assert sampled[0] == sampled[1] and sampled[0]["details"]["seed"] == 3
 
 
+def test_server_greedy_equals_hqtflow_generate(url, tiny_llama):
+    """One engine: the server's greedy text is what `hqtflow generate` prints, with transformers' generate or with
+    the serving engine (--engine serve)."""
+    served = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12}}).json()["generated_text"]
+    for engine in ("transformers", "serve"):
+        r = run_cli("generate", str(tiny_llama), "-p", PROMPT, "--max-new-tokens", "12", "--dtype", "fp32", "--engine", engine)
+        assert r.exit_code == 0, r.stdout + r.stderr
+        assert r.stdout.rstrip("\n") == served, engine
+
+
 def test_info_health_tokenize_and_validation(url, lm):
     assert httpx.get(f"{url}/health").status_code == 200
     info = httpx.get(f"{url}/info").json()
@@ -134,6 +144,31 @@ def test_api_key_overload_and_disconnect(lm):
         assert ok.status_code == 200
 
 
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions"])
+def test_non_streaming_client_disconnect_leaves_the_batch(lm, route):
+    app = create_app(*lm, ServeSettings(max_total_tokens=256, max_input_tokens=32))
+    engine, running_counts = app.state.engine, []
+
+    def slow(*_):  # 200 tokens take >= 10 s; record the running batch size at every step
+        running_counts.append((time.monotonic(), len(engine.active)))
+        time.sleep(0.05)
+
+    engine.on_step = slow
+    body = ({"inputs": PROMPT, "parameters": {"max_new_tokens": 200}} if route == "/generate" else
+            {"model": "m", "prompt": PROMPT, "max_tokens": 200, "temperature": 0})
+    with running(app) as base:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(f"{base}{route}", json=body, timeout=httpx.Timeout(5, read=1.5))
+        assert max(n for _, n in running_counts) == 1  # it was running when the client left
+        t0 = time.monotonic()
+        while engine.active and time.monotonic() < t0 + 20:
+            time.sleep(0.02)
+        assert not engine.active and not engine.pending and time.monotonic() - t0 < 5
+        assert len(running_counts) < 100  # far fewer steps than its 200 tokens
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'tgi_request_failure{err="cancelled"} 1.0' in metrics and "tgi_request_success 0.0" in metrics
+
+
 def test_cli_serve_help():
     r = run_cli("serve", "--help")
     assert r.exit_code == 0 and "fp8" in r.stdout and "bf16" in r.stdout
@@ -171,7 +206,8 @@ def test_warmup_buckets_and_health(lm):
         text = httpx.get(f"{base}/metrics").text
         for seq in (8, 16, 24, 32):  # every bucketed prefill length ran once
             assert f'hqtflow_batch_shape_runs{{batch="1",method="prefill",seq="{seq}"}} 1.0' in text
-        assert 'hqtflow_batch_shape_runs{batch="4",method="decode",seq="1"}' in text, [l for l in text.splitlines() if "shape" in l]
+        shapes = [line for line in text.splitlines() if "shape" in line]  # decode: 1 sequence, padded to 4 tokens
+        assert 'hqtflow_batch_shape_runs{batch="1",method="decode",seq="4"}' in text, shapes
         r = httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 6}})
         assert r.json()["generated_text"] == alone(lm, PROMPT, 6)  # padding and dummy rows change nothing
 

@@ -17,7 +17,9 @@ class ServeSettings:
     dtype: str = "bf16"
     max_input_tokens: int = 4095
     max_total_tokens: int = 4096
-    max_batch_size: int = 8
+    max_batch_size: int = 0  # 0: as many running sequences as the KV blocks hold
+    max_batch_total_tokens: int | None = None  # KV tokens of the paged cache (None: from free memory)
+    kv_cache: str = "bf16"  # or "fp8": the checkpoint's k_scale/v_scale
     max_concurrent_requests: int = 128
     api_key: str | None = None
     batch_bucket_size: int = 1
@@ -44,6 +46,13 @@ class Sequence:
     @property
     def logprob(self) -> float:
         return sum(t.logprob for t in self.tokens)
+
+
+async def _disconnected(request, queue: asyncio.Queue) -> None:
+    """Wait for the ASGI `http.disconnect` of a request whose body has been read, then wake the stream (None)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    queue.put_nowait((None, None))
 
 
 class Ctx:
@@ -78,19 +87,25 @@ class Ctx:
         if self.state["in_flight"] >= self.s.max_concurrent_requests:
             raise ApiError(429, "Model is overloaded", "overloaded")
 
-    async def stream(self, jobs: list[tuple[list[int], SamplingParams]]):
+    async def stream(self, jobs: list[tuple[list[int], SamplingParams]], request=None):
         """Run the jobs as one request; yields (job index, event, handle) as tokens come; cancels what is left
-        when the consumer goes away."""
+        when the consumer goes away, or, given the HTTP `request` (a non-streaming one, whose body is read), as
+        soon as its client disconnects (the sequences leave the engine's batch at its next step)."""
         self.admit()
         self.state["in_flight"] += 1
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         handles, counts, left, t0 = [], [0] * len(jobs), len(jobs), time.perf_counter()
+        watcher = asyncio.ensure_future(_disconnected(request, queue)) if request is not None else None
         try:
             for i, (ids, params) in enumerate(jobs):
                 self.metrics.input_length.observe(len(ids))
                 handles.append(self.engine.submit(ids, params, lambda ev, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, ev))))
             while left:
                 i, ev = await queue.get()
+                if ev is None:  # the client is gone
+                    for h in handles:
+                        h.cancel()
+                    raise ApiError(499, "Client closed the request", "cancelled")
                 if ev.error:
                     raise ApiError(424, ev.error, "generation")
                 counts[i] += ev.token is not None
@@ -99,12 +114,15 @@ class Ctx:
             self.metrics.finished(time.perf_counter() - t0, handles, counts)
         finally:
             self.state["in_flight"] -= 1
+            if watcher is not None:
+                watcher.cancel()
             for h in handles:
                 h.cancel()  # a no-op for finished sequences
 
-    async def collect(self, jobs) -> list[Sequence]:
+    async def collect(self, jobs, request=None) -> list[Sequence]:
+        """Every event of the jobs; with the HTTP `request`, a client that disconnects cancels them."""
         out = [Sequence() for _ in jobs]
-        async for i, ev, handle in self.stream(jobs):
+        async for i, ev, handle in self.stream(jobs, request):
             out[i].events.append(ev)
             out[i].handle = handle
         return out

@@ -1,10 +1,10 @@
 """`hqtflow bench`: text-generation-benchmark style latency/throughput of an FP8 checkpoint vs its bf16 source.
 
-Both models run through hqtflow's continuous-batching `Engine`, driven synchronously (its thread is not started):
-a batch of `batch` random-token prompts of the same length is prefilled in one batched forward (the engine's
-`_forward("prefill", ...)`, left-padding-free since all prompts have the same length), installed as the engine's
-running batch, then `decode_length` steps of the engine's own batched `_decode()` run (sampling and token emission
-included). Step times come from the engine's `on_step` hook, which times the model forward of each step.
+Both models run through hqtflow's continuous-batching `Engine`, driven synchronously through its public API (its
+thread is not started): `batch` random-token prompts of the same length are submitted and prefilled in one step
+(the engine's prefill budget is sized to take them all), then `decode_length` decode steps run (`Engine.step()`,
+sampling and token emission included; `ignore_eos` keeps every request to the end). Step times come from the
+engine's `on_step` hook, which times the model forward of each step.
 
 Per batch size, like text-generation-benchmark: prefill latency and throughput (batch * prompt_length / latency),
 decode per-token latency, decode total latency and decode throughput (batch * steps / total latency), as
@@ -79,41 +79,40 @@ def random_prompts(tokenizer, batch: int, length: int, seed: int) -> torch.Tenso
 
 
 class _Runner:
-    """One model behind an Engine that is driven step by step from this thread."""
+    """One model behind an Engine that is driven step by step from this thread (its public `submit` and `step`)."""
 
     def __init__(self, name: str, model, tokenizer):
+        self.name, self.model, self.tok = name, model, tokenizer
+        self.times: list[tuple[str, int, float]] = []
+        self.engine = None
+
+    def _engine(self, tokens: int):
+        """An engine whose prefill budget takes the whole batch in one step."""
         from hqtflow.runtime.engine import Engine
 
-        self.name = name
-        self.times: list[tuple[str, int, float]] = []
-        self.engine = Engine(model, tokenizer, max_batch_size=1 << 30,
-                             on_step=lambda kind, b, secs, shape: self.times.append((kind, b, secs)))
+        if self.engine is None or self.engine.max_prefill_tokens < tokens:
+            self.engine = None
+            gc.collect()
+            self.engine = Engine(self.model, self.tok, max_prefill_tokens=tokens, max_batch_total_tokens=2 * tokens,
+                                 on_step=lambda kind, b, secs, shape: self.times.append((kind, b, secs)))
+        return self.engine
 
-    @torch.inference_mode()
     def run(self, prompts: torch.Tensor, decode_steps: int) -> tuple[float, list[float]]:
         """Batched prefill + `decode_steps` batched decode steps; (prefill seconds, [decode step seconds])."""
-        from transformers import DynamicCache
+        from hqtflow.runtime.engine import SamplingParams
 
-        from hqtflow.runtime.engine import Request, SamplingParams
-
-        eng = self.engine
         batch, n = prompts.shape
-        ids = prompts.to(eng.device)
-        mask = torch.ones_like(ids)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        params = SamplingParams(max_new_tokens=decode_steps + 1)  # greedy; rows stay in the batch even after EOS
-        reqs = [Request(row.tolist(), params, lambda ev: None) for row in prompts]
+        eng = self._engine(batch * (n + decode_steps + 1))
+        params = SamplingParams(max_new_tokens=decode_steps + 1, ignore_eos=True)  # greedy; every row runs every step
+        reqs = [eng.submit(row.tolist(), params, lambda ev: None) for row in prompts]
         self.times.clear()
         try:
-            logits, cache = eng._forward("prefill", ids, mask, pos, DynamicCache())
-            eng.cache, eng.mask, eng.active = cache, mask, reqs
-            eng.last = torch.zeros(batch, dtype=torch.long, device=eng.device)
-            for req, tok in zip(reqs, eng._sample(reqs, logits)):
-                eng._emit(req, tok)
-            for _ in range(decode_steps):
-                eng._decode()
+            while eng.step():
+                pass
         finally:
-            eng.active, eng.cache, eng.mask, eng.last = [], None, None, None
+            for r in reqs:
+                r.cancel()
+            eng.step()
         prefill = [s for kind, _, s in self.times if kind == "prefill"]
         decode = [s for kind, _, s in self.times if kind == "decode"]
         if len(prefill) != 1 or len(decode) != decode_steps:
@@ -150,7 +149,7 @@ def benchmark(models: dict[str, tuple], s: BenchSettings, echo=None) -> dict:
     results: dict = {}
     for batch in s.batch_sizes:
         samples = {r.name: Samples() for r in runners}
-        prompts = {r.name: random_prompts(r.engine.tok, batch, s.prompt_length, s.seed) for r in runners}
+        prompts = {r.name: random_prompts(r.tok, batch, s.prompt_length, s.seed) for r in runners}
         for i in range(s.warmup + s.runs):
             for r in runners:
                 prefill, steps = r.run(prompts[r.name], s.decode_length)

@@ -1,11 +1,16 @@
-"""A small continuous-batching engine over a transformers causal LM.
+"""The serving engine: continuous batching over a paged KV cache (see runtime/paged.py).
 
-One background thread owns the model and one batched DynamicCache with LEFT padding. Between decode steps waiting
-requests join: as many as fit in the batch and in `max_prefill_tokens` (padded prompt tokens) are prefilled
-together in one forward (left-padded to a common length; the prefill batch padded with dummy rows to a multiple of
-`prefill_bucket`), then their KV and the batch's KV are left-padded to the same length and concatenated along the
-batch. Finished or cancelled requests leave (their rows are dropped). Each generated token is reported to the
-request's `emit` callback (called on the engine thread).
+One background thread owns the model and a `KVPool` of fixed-size KV blocks (bf16, or FP8 with the checkpoint's
+k_scale/v_scale). Each step runs one flattened forward over every running sequence's next tokens: one token per
+decoding sequence and a prefill chunk (at most `max_prefill_tokens`, cut at fixed multiples of it, so a prompt's
+chunks are the same whatever else runs) for sequences still reading their prompt, up to `max_prefill_tokens`
+prompt tokens per step; several waiting requests can join in one step. Attention runs per sequence on its own
+blocks, so a request's output does not depend on its neighbours. Waiting requests are admitted (FIFO) while free
+blocks hold their prompt; when a decoding sequence needs a block and none is free, the most recently admitted
+sequence is preempted (its blocks freed, its prompt + generated tokens recomputed when it is admitted again).
+Cancelled and finished requests leave at the next step. Each generated token is reported to the request's `emit`
+callback (called on the engine thread). `step()` runs one step from the caller's thread when the engine thread is
+not started (benchmarks).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from hqtflow.runtime.memory import trim
 
@@ -43,6 +47,7 @@ class SamplingParams:
     top_n: int = 0  # top-n logprobs of each generated token
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and the top k
     grammar: object | None = None  # an xgrammar CompiledGrammar (see runtime/grammar.py)
+    ignore_eos: bool = False  # keep generating after EOS (benchmarks: every request runs max_new_tokens)
 
 
 @dataclass
@@ -81,32 +86,68 @@ class Request:
     t_submit: float = 0.0
     t_admit: float | None = None
     t_first: float | None = None
+    blocks: list[int] = field(default_factory=list)  # block table in the engine's KVPool
+    computed: int = 0  # tokens (prompt then generated) whose keys/values are in the blocks
+    preempted: int = 0  # times its blocks were taken back (it is then recomputed)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.input_ids + self.generated
 
     def cancel(self) -> None:
         self.cancelled = True
 
 
-class Engine:
-    """Continuous batching: one (batched) prefill of waiting requests per step, then one decode step for the batch."""
+@dataclass
+class Stats:
+    steps: int = 0
+    preemptions: int = 0
+    max_running: int = 0
 
-    def __init__(self, model, tokenizer, *, max_batch_size: int = 8, on_step: Callable[[str, int, float, tuple], None] | None = None,
+
+class Engine:
+    """Continuous batching over a paged KV cache; one flattened forward per step (decode tokens + prefill chunks)."""
+
+    def __init__(self, model, tokenizer, *, max_batch_size: int = 0, on_step: Callable[[str, int, float, tuple], None] | None = None,
                  batch_bucket: int = 1, pad_to_multiple: int = 1, prefill_bucket: int = 1, max_prefill_tokens: int = 4096,
+                 max_batch_total_tokens: int | None = None, kv_cache: str = "bf16", block_size: int = 16,
                  trim_interval: float = 2.0):
+        """max_batch_size: running sequences at most (0: as many as the KV blocks hold). max_batch_total_tokens: KV
+        tokens the pool holds (None: half the free memory, a quarter on CPU). kv_cache: "bf16" (the model's dtype)
+        or "fp8" (the checkpoint's k_scale/v_scale; ValueError without them). Static shapes (Gaudi-style): a
+        decode-only step is padded to a multiple of `batch_bucket` tokens, a step with prefill to a multiple of
+        `pad_to_multiple * prefill_bucket` tokens (dummy tokens whose KV is not stored)."""
+        from hqtflow.runtime import paged
+
+        if kv_cache not in ("bf16", "fp8"):
+            raise ValueError(f"kv_cache must be bf16 or fp8, not {kv_cache!r}.")
         self.model, self.tok = model.eval(), tokenizer
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
-        self.on_step = on_step  # (kind "prefill"|"decode", batch size, seconds, shape run)
+        self.on_step = on_step  # (kind "prefill"|"decode", sequences, seconds, (sequences, tokens) run)
         self.batch_bucket, self.pad_to_multiple = max(1, batch_bucket), max(1, pad_to_multiple)
-        self.prefill_bucket, self.max_prefill_tokens = max(1, prefill_bucket), max_prefill_tokens
+        self.prefill_bucket, self.max_prefill_tokens = max(1, prefill_bucket), max(1, max_prefill_tokens)
         self.trim_interval, self._last_trim = trim_interval, time.monotonic()  # see runtime/memory.py
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         self.special = set(tokenizer.all_special_ids)
+        scales = None
+        if kv_cache == "fp8":
+            from hqtflow.runtime.kv_cache import kv_scales
+
+            scales = kv_scales(model)
+        paged.install(model)
+        layers, kv_heads, head_dim = paged.geometry(model)
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)
+        fraction = 0.25 if self.device.type == "cpu" else 0.5
+        blocks = paged.num_blocks(model, block_size=block_size, dtype=dtype, fp8=scales is not None, device=self.device,
+                                  max_batch_total_tokens=max_batch_total_tokens, memory_fraction=fraction)
+        self.pool = paged.KVPool(layers=layers, kv_heads=kv_heads, head_dim=head_dim, num_blocks=blocks, block_size=block_size,
+                                 dtype=dtype, device=self.device, scales=scales)
+        self.kv_cache = kv_cache
+        self.stats = Stats()
         self.pending: deque[Request] = deque()
-        self.active: list[Request] = []
-        self.cache = None  # DynamicCache, rows = self.active
-        self.mask: torch.Tensor | None = None  # [B, L] 1 = real token
-        self.last: torch.Tensor | None = None  # [B] token to feed next
+        self.active: list[Request] = []  # running sequences in admission order, each holding its blocks
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -123,6 +164,16 @@ class Engine:
             self._cv.notify()
         if self._thread:
             self._thread.join(timeout=30)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """KV tokens the pool holds."""
+        return self.pool.num_blocks * self.pool.block_size
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens held by the running sequences (their blocks)."""
+        return sum(len(r.blocks) for r in self.active) * self.pool.block_size
 
     def submit(self, input_ids: list[int], params: SamplingParams, emit: Callable[[Event], None]) -> Request:
         req = Request(list(input_ids), params, emit, t_submit=time.monotonic())
@@ -151,6 +202,16 @@ class Engine:
         done.wait()
         return events
 
+    def step(self) -> bool:
+        """Admit what fits and run one step (from the caller's thread, when the engine thread is not started);
+        False when there was nothing to do."""
+        with self._cv:
+            self._admit()
+        if not self.active:
+            return False
+        self._run_step()
+        return True
+
     # -- engine thread -------------------------------------------------------------------------------------
     def _trim(self, idle: bool) -> None:
         if self.trim_interval and (idle or time.monotonic() - self._last_trim > self.trim_interval):
@@ -166,143 +227,156 @@ class Engine:
                     self._cv.wait()
                 if self._stop:
                     return
-                new = self._admit()
-            try:
-                with torch.inference_mode():
-                    if new:
-                        self._prefill(new)
-                    self._drop_finished()
-                    if self.active:
-                        self._decode()
-                        self._drop_finished()
-            except Exception as e:  # noqa: BLE001 - report to every request, keep serving
-                for r in self.active + [r for r in new if r not in self.active]:
-                    r.emit(Event(len(r.generated), None, error=f"{type(e).__name__}: {e}"))
-                self.active, self.cache, self.mask, self.last = [], None, None, None
+                self._admit()
+            if self.active:
+                self._run_step()
+            elif self.pending:  # nothing fits and nothing runs: the first waiting request can never fit
+                with self._cv:
+                    req = self.pending.popleft()
+                req.emit(Event(0, None, error=f"ValueError: the prompt ({len(req.tokens)} tokens) does not fit in the "
+                                              f"KV cache ({self.capacity_tokens} tokens)"))
             self._trim(idle=False)
 
-    def _forward(self, kind, ids, mask, pos, cache, keep: int = 1):
-        t = time.perf_counter()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                         logits_to_keep=keep)  # 1: only the last position's logits, no [batch, prompt, vocab] tensor
-        if self.on_step:
-            self.on_step(kind, ids.shape[0], time.perf_counter() - t, tuple(ids.shape))
-        return (out.logits[:, -1].float() if keep == 1 else out.logits), out.past_key_values  # keep 0: every position
+    def _run_step(self) -> None:
+        plan = []
+        try:
+            with torch.inference_mode():
+                plan = self._schedule()
+                if plan:
+                    self._forward(plan)
+        except Exception as e:  # noqa: BLE001 - report to every request, keep serving
+            for r in self.active:
+                r.emit(Event(len(r.generated), None, error=f"{type(e).__name__}: {e}"))
+                r.finished = True
+        self._drop_finished()
 
-    def _padded_len(self, n: int) -> int:
-        return n + (-n % self.pad_to_multiple)
-
-    def _admit(self) -> list[Request]:
-        """Waiting requests for this step's prefill (called under the lock): FIFO, while the batch has room and the
-        padded prefill batch stays within max_prefill_tokens (a longer prompt still goes, alone)."""
-        out: list[Request] = []
-        while self.pending and len(self.active) + len(out) < self.max_batch_size:
+    def _admit(self) -> None:
+        """Waiting requests join (called under the lock): FIFO, while the batch has room and free blocks hold
+        the request's tokens (its prompt, plus what it generated before a preemption) and its next one."""
+        while self.pending and (not self.max_batch_size or len(self.active) < self.max_batch_size):
             req = self.pending[0]
             if req.cancelled:
                 self.pending.popleft()
                 continue
-            rows = len(out) + 1
-            length = self._padded_len(max(len(r.input_ids) for r in out + [req]))
-            if out and (rows + (-rows % self.prefill_bucket)) * length > self.max_prefill_tokens:
+            need = self.pool.blocks_for(len(req.tokens) + 1)
+            if need > self.pool.num_free:
                 break
-            out.append(self.pending.popleft())
-            out[-1].t_admit = time.monotonic()
-        return out
+            self.pending.popleft()
+            req.blocks, req.computed = self.pool.allocate(need), 0
+            req.t_admit = req.t_admit or time.monotonic()
+            self.active.append(req)
+        self.stats.max_running = max(self.stats.max_running, len(self.active))
 
-    def _prefill(self, reqs: list[Request]) -> None:
-        from transformers import DynamicCache
+    def _preempt(self, req: Request) -> None:
+        """Give `req`'s blocks back; it waits at the head of the queue and is recomputed when admitted again."""
+        self.pool.free(req.blocks)
+        req.blocks, req.computed = [], 0
+        req.preempted += 1
+        self.stats.preemptions += 1
+        self.active.remove(req)
+        with self._cv:
+            self.pending.appendleft(req)
 
-        length = self._padded_len(max(len(r.input_ids) for r in reqs))  # left padding to the bucketed length
-        rows = [[self.tok.pad_token_id or 0] * (length - len(r.input_ids)) + r.input_ids for r in reqs]
-        masks = [[0] * (length - len(r.input_ids)) + [1] * len(r.input_ids) for r in reqs]
-        dummies = -len(reqs) % self.prefill_bucket  # dummy rows (copies of the first) up to the prefill bucket
-        ids = torch.tensor(rows + rows[:1] * dummies, device=self.device)
-        mask = torch.tensor(masks + masks[:1] * dummies, device=self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        scored = [r.params.prompt_logprobs is not None for r in reqs]
-        logits, cache = self._forward("prefill", ids, mask, pos, DynamicCache(), keep=0 if any(scored) else 1)
-        for row, req in enumerate(reqs):
-            if scored[row]:
-                req.prompt = self._prompt_logprobs(req, logits[row, length - len(req.input_ids):])
-        logits = logits if logits.dim() == 2 else logits[:, -1].float()
-        if dummies:
-            keep = torch.arange(len(reqs), device=self.device)
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys.index_select(0, keep), layer.values.index_select(0, keep)
-        self._join(reqs, cache, mask[: len(reqs)])
-        rows = [i for i, r in enumerate(reqs) if r.params.max_new_tokens > 0]
-        for req in reqs:
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """(request, new tokens) for this step: every decoding sequence's next token (growing its block table,
+        preempting the newest sequences when blocks run out), then prefill chunks within max_prefill_tokens."""
+        self._drop_finished()
+        plan: list[tuple[Request, int]] = []
+        for req in list(self.active):
+            if req not in self.active or not _decoding(req):
+                continue
+            while self.pool.blocks_for(req.computed + 1) > len(req.blocks):
+                if self.pool.num_free:
+                    req.blocks += self.pool.allocate(1)
+                    continue
+                victim = self.active[-1]
+                self._preempt(victim)
+                plan = [(r, n) for r, n in plan if r is not victim]
+                if victim is req:
+                    break
+            if req in self.active:
+                plan.append((req, 1))
+        budget, chunk = self.max_prefill_tokens, self.max_prefill_tokens
+        for req in self.active:
+            if _decoding(req):
+                continue
+            n = min(len(req.tokens) - req.computed, chunk - req.computed % chunk)  # chunks end at multiples of `chunk`: the same under any load
+            if n > budget:
+                break
+            budget -= n
+            plan.append((req, n))
+        return plan
+
+    def _forward(self, plan: list[tuple[Request, int]]) -> None:
+        from hqtflow.runtime.paged import Seq, StepPlan
+
+        ids, pos, seqs, keep, rows = [], [], [], [], []  # rows: (request, n, first kept row, scored prompt positions)
+        for req, n in plan:
+            past, toks = req.computed, req.tokens
+            start = len(ids)
+            ids += toks[past:past + n]
+            pos += range(past, past + n)
+            seqs.append(Seq(start, n, past, self.pool.slots(req.blocks, past, past + n), self.pool.slots(req.blocks, 0, past + n)))
+            scored = []
+            if req.params.prompt_logprobs is not None:  # logits at prompt position i score prompt token i + 1
+                done = len(req.prompt) if req.prompt else 1
+                scored = [i for i in range(past, past + n) if done - 1 <= i < len(req.input_ids) - 1]
+            first = len(keep)
+            keep += [start + i - past for i in scored]
+            if past + n == len(toks):
+                keep.append(start + n - 1)
+            rows.append((req, n, first, scored))
+        prefill = any(n > 1 or req.computed == 0 for req, n in plan)
+        multiple = self.pad_to_multiple * self.prefill_bucket if prefill else self.batch_bucket
+        real = len(ids)
+        ids += [0] * (-real % multiple)
+        pos += [0] * (len(ids) - real)
+        t = time.perf_counter()
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=torch.tensor([pos], device=self.device),
+                         use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                         paged=StepPlan(self.pool, seqs, len(ids)))
+        logits = out.logits[0].float()
+        if self.on_step:
+            self.on_step("prefill" if prefill else "decode", len(plan), time.perf_counter() - t, (len(plan), len(ids)))
+        self.stats.steps += 1
+        live, live_logits = [], []
+        for req, n, first, scored in rows:
+            req.computed += n
+            if scored:
+                req.prompt = (req.prompt or [(None, [])]) + self._prompt_logprobs(req, logits[first:first + len(scored)], scored)
+            if req.computed < len(req.tokens):
+                continue
             if req.params.max_new_tokens <= 0:  # prompt scoring only (OpenAI max_tokens=0 with echo)
                 req.finished = True
                 req.emit(Event(0, None, "length", "", prompt=req.prompt))
-        live = [reqs[i] for i in rows]
-        for req, tok in zip(live, self._sample(live, logits[rows])):
-            self._emit(req, tok)
+                continue
+            live.append(req)
+            live_logits.append(logits[first + len(scored)])
+        if live:
+            for req, tok in zip(live, self._sample(live, torch.stack(live_logits))):
+                self._emit(req, tok)
 
-    def _prompt_logprobs(self, req: Request, logits: torch.Tensor) -> list:
-        """[(logprob of prompt token i given the ones before, top-k [(id, logprob)])]; the first token has None."""
-        k, ids = req.params.prompt_logprobs, torch.tensor(req.input_ids[1:], device=logits.device)
-        out: list = [(None, [])]
+    def _prompt_logprobs(self, req: Request, logits: torch.Tensor, positions: list[int]) -> list:
+        """[(logprob of prompt token i + 1 given the ones before, top-k [(id, logprob)])] for the positions i."""
+        k, ids = req.params.prompt_logprobs, torch.tensor([req.input_ids[i + 1] for i in positions], device=logits.device)
+        out: list = []
         for start in range(0, len(ids), 512):  # bounded float32 [chunk, vocab] at a time
-            lp = torch.log_softmax(logits[start: start + 512][: len(ids) - start].float(), dim=-1)
+            lp = torch.log_softmax(logits[start: start + 512].float(), dim=-1)
             chosen = lp.gather(1, ids[start: start + 512, None])[:, 0].tolist()
             top = lp.topk(k, dim=-1) if k else None
             for j, c in enumerate(chosen):
                 out.append((c, list(zip(top.indices[j].tolist(), top.values[j].tolist())) if k else []))
         return out
 
-    def _join(self, reqs: list[Request], cache, mask) -> None:
-        if self.cache is None:
-            self.cache, self.mask = cache, mask
-        else:
-            lb, ln = self.mask.shape[1], mask.shape[1]
-            for lb_layer, ln_layer in zip(self.cache.layers, cache.layers):
-                for name in ("keys", "values"):
-                    a, b = getattr(lb_layer, name), getattr(ln_layer, name)
-                    a, b = F.pad(a, (0, 0, max(0, ln - lb), 0)), F.pad(b, (0, 0, max(0, lb - ln), 0))
-                    setattr(lb_layer, name, torch.cat([a, b]))
-            self.mask = torch.cat([F.pad(self.mask, (max(0, ln - lb), 0)), F.pad(mask, (max(0, lb - ln), 0))])
-        self.active.extend(reqs)
-        zeros = torch.zeros(len(reqs), dtype=torch.long, device=self.device)
-        self.last = torch.cat([self.last, zeros]) if self.last is not None else zeros
-
-    def _decode(self) -> None:
-        b = len(self.active)
-        extra = -b % self.batch_bucket  # dummy rows up to the decode batch bucket (Gaudi-style static shapes)
-        ids, mask = self.last[:, None], torch.cat([self.mask, self.mask.new_ones(b, 1)], dim=1)
-        pos = mask.cumsum(-1)[:, -1:] - 1
-        if extra:
-            ids, pos = F.pad(ids, (0, 0, 0, extra)), F.pad(pos, (0, 0, 0, extra))
-            mask = torch.cat([mask, F.pad(mask.new_zeros(extra, mask.shape[1] - 1), (0, 1), value=1)])
-            self._resize(list(range(b)) + [0] * extra)
-        logits, self.cache = self._forward("decode", ids, mask, pos, self.cache)
-        if extra:
-            self._resize(list(range(b)))
-        self.mask = mask[:b]
-        for req, tok in zip(self.active, self._sample(self.active, logits[:b])):
-            self._emit(req, tok)
-
-    def _resize(self, rows: list[int]) -> None:
-        idx = torch.tensor(rows, device=self.device)
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys.index_select(0, idx), layer.values.index_select(0, idx)
-
     def _drop_finished(self) -> None:
-        keep = [i for i, r in enumerate(self.active) if not (r.cancelled or r.finished)]
-        if len(keep) == len(self.active):
-            return
-        if not keep:
-            self.active, self.cache, self.mask, self.last = [], None, None, None
-            return
-        self._resize(keep)
-        idx = torch.tensor(keep, device=self.device)
-        self.active = [self.active[i] for i in keep]
-        self.mask, self.last = self.mask.index_select(0, idx), self.last.index_select(0, idx)
-        first = int(self.mask.any(0).nonzero()[0])  # columns padded in every row can go
-        if first:
-            self.mask = self.mask[:, first:]
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        keep = []
+        for req in self.active:
+            if req.cancelled or req.finished:
+                self.pool.free(req.blocks)
+                req.blocks = []
+            else:
+                keep.append(req)
+        self.active = keep
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[int, float, list | None]]:
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -352,12 +426,10 @@ class Engine:
     def _emit(self, req: Request, chosen: tuple[int, float, list | None]) -> None:
         tok, logprob, top = chosen
         req.t_first = req.t_first or time.monotonic()
-        i = self.active.index(req)
-        self.last[i] = tok
         req.generated.append(tok)
         special = tok in self.special
         finish = None
-        if tok in self.eos or (req.matcher is not None and req.matcher.is_terminated()):
+        if (tok in self.eos and not req.params.ignore_eos) or (req.matcher is not None and req.matcher.is_terminated()):
             finish, text = "eos_token", self.tok.decode([tok])
         else:
             if len(req.generated) >= req.params.max_new_tokens:
@@ -371,6 +443,11 @@ class Engine:
         req.finished = finish is not None
         req.emit(Event(len(req.generated) - 1, Token(tok, text, logprob, special, top), finish,
                        req.text if finish else None, prompt=req.prompt if finish else None))
+
+
+def _decoding(req: Request) -> bool:
+    """Its only token without KV is the one it generated last (else it still reads its prompt, or recomputes)."""
+    return bool(req.generated) and len(req.tokens) - req.computed == 1
 
 
 def _warp(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -111,7 +111,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
         texts = [tok.decode(ids) if req.echo else "" for ids in prompts]
         if req.stream:
             return stream(jobs, prompts, req, chat=False, echo=texts)
-        seqs = await ctx.collect(jobs)
+        seqs = await ctx.collect(jobs, request)
         choices = []
         for pi, ids in enumerate(prompts):
             group = seqs[pi * per:(pi + 1) * per]
@@ -158,7 +158,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
         jobs = jobs_for([ids], make, req.n, req.seed)
         if req.stream:
             return stream(jobs, [ids], req, chat=True)
-        seqs = await ctx.collect(jobs)
+        seqs = await ctx.collect(jobs, request)
         choices = [{"index": j, "message": {"role": "assistant", "content": q.last.generated_text},
                     "logprobs": chat_logprobs(q.tokens) if req.logprobs else None, "finish_reason": FINISH[q.last.finish_reason]}
                    for j, q in enumerate(seqs)]

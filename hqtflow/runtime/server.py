@@ -3,7 +3,8 @@
 The app: TGI's error JSON on every status, 415 for a body that is not JSON, the API key, metrics with TGI's names
 (a per-app prometheus CollectorRegistry, counters rendered as TGI does). Routes live in tgi_routes.py and
 openai_routes.py, request models in schemas.py, the n/best_of runner in api.py. The engine thread hands events to
-asyncio queues through loop.call_soon_threadsafe; a client that disconnects mid-stream cancels its request.
+asyncio queues through loop.call_soon_threadsafe; a client that disconnects (mid-stream, or while it waits for a
+non-streaming answer: the ASGI `http.disconnect`) cancels its request, which leaves the batch at the next step.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ class Metrics:
         self.shapes = Gauge("hqtflow_batch_shape_runs", "Forward passes per input shape run", ["method", "batch", "seq"], registry=r)
         Gauge("tgi_queue_size", "Requests waiting", registry=r).set_function(lambda: len(engine.pending))
         Gauge("tgi_batch_current_size", "Requests in the running batch", registry=r).set_function(lambda: len(engine.active))
-        Gauge("tgi_batch_current_max_tokens", "KV length of the running batch", registry=r).set_function(
-            lambda: 0 if engine.mask is None else engine.mask.shape[0] * engine.mask.shape[1])
+        Gauge("tgi_batch_current_max_tokens", "KV tokens held by the running batch (its blocks)", registry=r).set_function(
+            lambda: engine.kv_tokens)
 
     def on_step(self, kind: str, batch: int, seconds: float, shape: tuple) -> None:
         self.batch_duration.labels(kind).observe(seconds)
@@ -106,7 +107,8 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     s = settings
     engine = Engine(model, tokenizer, max_batch_size=s.max_batch_size, batch_bucket=s.batch_bucket_size,
                     pad_to_multiple=s.pad_sequence_to_multiple_of, prefill_bucket=s.prefill_batch_bucket_size,
-                    max_prefill_tokens=s.max_batch_prefill_tokens)
+                    max_prefill_tokens=s.max_batch_prefill_tokens, max_batch_total_tokens=s.max_batch_total_tokens,
+                    kv_cache=s.kv_cache)
     metrics = Metrics(engine)
     engine.on_step = metrics.on_step
     state = {"in_flight": 0, "ready": not s.warmup}
@@ -230,11 +232,23 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
         model, tok = quantize_in_memory(QuantizeSettings(measurement=measurement, output="-", model=model_ref))
         set_backend(model, backend)
         settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
-        _run(create_app(model, tok, settings), sock)
+        _run(_app(model, tok, settings), sock)
         return
     model, tok, loaded = load_any(model_ref, dtype, backend=backend)  # dtype auto: the fastest here
     if (loaded == "fp8") != (kind == "fp8"):
         raise ModelError(f"{model_ref or 'the default model'} is {'an FP8 checkpoint' if loaded == 'fp8' else 'not an FP8 checkpoint'}; "
                            f"use `hqtflow serve {'fp8' if loaded == 'fp8' else 'bf16'}`.")
     settings.model_id, settings.dtype = model_ref or "smollm2", loaded
-    _run(create_app(model, tok, settings), sock)
+    _run(_app(model, tok, settings), sock)
+
+
+def _app(model, tok, settings: ServeSettings):
+    """create_app, with the engine's refusals (--kv-cache fp8 without scales, a model the paged cache does not
+    support) as one sentence."""
+    from hqtflow.errors import HqtflowError
+
+    try:
+        return create_app(model, tok, settings)
+    except ValueError as e:
+        raise HqtflowError(str(e).replace("quantize it with `--kv-cache fp8`", "serve it with --kv-cache bf16, or quantize it "
+                                          "with `hqtflow quantize --kv-cache fp8`")) from None

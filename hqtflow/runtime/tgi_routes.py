@@ -71,9 +71,9 @@ def tgi_router(ctx: Ctx) -> APIRouter:
             out["top_tokens"] = [top_json(t) for t in seq.tokens]
         return out
 
-    async def generate_json(req: TgiRequest) -> dict:
+    async def generate_json(req: TgiRequest, request: Request) -> dict:
         ids, p, params = prepare(req, stream=False)
-        seqs = await ctx.collect([(ids, params)] * (p.best_of or 1))
+        seqs = await ctx.collect([(ids, params)] * (p.best_of or 1), request)
         best = max(seqs, key=lambda q: q.logprob)  # TGI: the sequence with the highest total logprob
         head = req.inputs if p.return_full_text else ""
         out = {"generated_text": head + best.last.generated_text}
@@ -109,7 +109,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         req = parse(TgiRequest, await read_body(request))
         if req.stream:
             return generate_stream_response(req)
-        return [await generate_json(req)]
+        return [await generate_json(req, request)]
 
     def no_stream_field(req: TgiRequest, route: str) -> TgiRequest:
         if "stream" in req.model_fields_set:  # only POST / switches on it; here it would be ignored
@@ -118,7 +118,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/generate")
     async def generate(request: Request):
-        return await generate_json(no_stream_field(parse(TgiRequest, await read_body(request)), "/generate"))
+        return await generate_json(no_stream_field(parse(TgiRequest, await read_body(request)), "/generate"), request)
 
     @r.post("/generate_stream")
     async def generate_stream(request: Request):

@@ -1,0 +1,220 @@
+"""A paged KV cache (vLLM/TGI design) and the attention function that reads it.
+
+Memory: per decoder layer one pool of `num_blocks * block_size` KV slots ([slots, kv_heads, head_dim], keys and
+values), bf16 (the model's dtype) or FP8 with the checkpoint's static per-layer `k_scale`/`v_scale` (stored as
+`cast(clamp(x / s))`, read back as `q * s`: hqtflow.scales). A sequence owns a list of blocks (its block table);
+token t of the sequence lives in slot `blocks[t // block_size] * block_size + t % block_size`. Blocks are handed
+out and taken back by `KVPool.allocate/free`; the engine admits requests by free blocks and preempts (frees a
+sequence's blocks, to recompute it later) when they run out.
+
+The model runs one flattened step: every scheduled sequence's new tokens side by side in one row ([1, T]) with their
+own positions, and attention is done by `paged_attention`, registered with transformers' `AttentionInterface` as
+"hqtflow_paged" (the masks' interface gets sdpa's). It writes the step's new keys/values into their slots (one copy
+per layer), runs SDPA per prefilling sequence on the context gathered from its blocks, and one batched float32
+attention for all decoding sequences (contexts padded to the longest, padded keys masked to probability 0), so a
+sequence's attention does not depend on its neighbours (tests compare the tokens alone and in a busy batch).
+Called without a step plan (a plain `model.generate` on the same model), it is transformers' SDPA attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hqtflow.scales import FP8_DTYPES, dequantize, quantize
+
+NAME = "hqtflow_paged"
+_registered = False
+
+
+@dataclass
+class Seq:
+    """One sequence's share of a step: tokens [start, start + n) of the flattened row, at positions past..past+n-1."""
+    start: int
+    n: int
+    past: int
+    write: torch.Tensor  # [n] slots of the new tokens
+    read: torch.Tensor   # [past + n] slots of the whole context
+
+
+class StepPlan:
+    """What `paged_attention` needs for one step; the index tensors are built once here, not once per layer."""
+
+    def __init__(self, pool: "KVPool", seqs: list[Seq], tokens: int):
+        self.pool, self.seqs, self.tokens = pool, seqs, tokens  # tokens: T, dummy padding tokens included
+        real = sum(s.n for s in seqs)
+        self.real = real  # the real tokens come first, in `seqs` order
+        self.write = torch.cat([s.write for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long, device=pool.device)
+        self.prefill = [s for s in seqs if s.n > 1 or not s.past]
+        dec = [s for s in seqs if s.n == 1 and s.past]
+        self.decode_rows = torch.tensor([s.start for s in dec], dtype=torch.long, device=pool.device)
+        self.decode_read = self.decode_mask = None
+        if dec:  # contexts padded to the longest with the sequence's own first slot, masked out (exact zeros)
+            width = max(len(s.read) for s in dec)
+            self.decode_read = torch.stack([torch.cat([s.read, s.read[:1].expand(width - len(s.read))]) for s in dec])
+            lengths = torch.tensor([len(s.read) for s in dec], device=pool.device)
+            self.decode_mask = torch.arange(width, device=pool.device)[None] < lengths[:, None]  # [B, width]
+
+
+class KVPool:
+    """Fixed-size blocks of KV slots for every layer, with a free list."""
+
+    def __init__(self, *, layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device, scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None, fp8: str = "E4M3"):
+        if num_blocks < 1:
+            raise ValueError("The paged KV cache needs at least one block.")
+        self.block_size, self.num_blocks, self.dtype, self.device = block_size, num_blocks, dtype, device
+        self.fp8 = fp8 if scales is not None else None
+        store = FP8_DTYPES[fp8] if scales is not None else dtype
+        shape = (num_blocks * block_size, kv_heads, head_dim)
+        # empty, not zeros: a slot is read only after it is written, and untouched pages cost no resident memory
+        self.keys = [torch.empty(shape, dtype=store, device=device) for _ in range(layers)]
+        self.values = [torch.empty(shape, dtype=store, device=device) for _ in range(layers)]
+        self.scales = None if scales is None else [(_per_head(k, kv_heads, device), _per_head(v, kv_heads, device)) for k, v in scales]
+        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+
+    @staticmethod
+    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, fp8: bool) -> int:
+        return 2 * layers * kv_heads * head_dim * (1 if fp8 else torch.empty((), dtype=dtype).element_size())
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_blocks):
+            raise MemoryError(f"{n} KV blocks asked, {len(self.free_blocks)} free")
+        return [self.free_blocks.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self.free_blocks.extend(reversed(blocks))
+
+    def slots(self, blocks: list[int], start: int, stop: int) -> torch.Tensor:
+        """Slot ids of token positions [start, stop) of a sequence with this block table."""
+        t = torch.arange(start, stop)
+        table = torch.tensor(blocks, dtype=torch.long)
+        return (table[t // self.block_size] * self.block_size + t % self.block_size).to(self.device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [n, kv_heads, head_dim]."""
+        if self.scales is None:
+            self.keys[layer].index_copy_(0, slots, k.to(self.dtype))
+            self.values[layer].index_copy_(0, slots, v.to(self.dtype))
+            return
+        ks, vs = self.scales[layer]
+        # float8 has no index_copy_ kernel on every device: copy the bytes
+        self.keys[layer].view(torch.uint8).index_copy_(0, slots, quantize(k, ks, self.fp8).view(torch.uint8))
+        self.values[layer].view(torch.uint8).index_copy_(0, slots, quantize(v, vs, self.fp8).view(torch.uint8))
+
+    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[len(slots), kv_heads, head_dim] keys and values in `dtype`."""
+        if self.scales is None:
+            return self.keys[layer].index_select(0, slots).to(dtype), self.values[layer].index_select(0, slots).to(dtype)
+        ks, vs = self.scales[layer]
+        k = self.keys[layer].view(torch.uint8).index_select(0, slots).view(self.keys[layer].dtype)
+        v = self.values[layer].view(torch.uint8).index_select(0, slots).view(self.values[layer].dtype)
+        return dequantize(k, ks, dtype), dequantize(v, vs, dtype)
+
+
+def _per_head(scale: torch.Tensor, kv_heads: int, device) -> torch.Tensor:
+    """A scalar scale, or one per KV head shaped to broadcast over [slots, kv_heads, head_dim]."""
+    s = scale.detach().float().to(device)
+    if s.numel() == 1:
+        return s.reshape(())
+    if s.numel() == kv_heads:
+        return s.reshape(kv_heads, 1)
+    raise ValueError(f"A KV scale with {s.numel()} values fits neither one per layer nor one per KV head ({kv_heads}).")
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [1, heads, T, d], key/value [1, kv_heads, T, d] of a flattened step -> ([1, T, heads, d], None)."""
+    plan: StepPlan | None = kwargs.pop("paged", None)
+    if plan is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    layer, pool = module.layer_idx, plan.pool
+    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
+    pool.write(layer, plan.write, k_new[:plan.real], v_new[:plan.real])  # every real token's KV, one copy
+    out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
+    for s in plan.prefill:  # SDPA per sequence
+        if s.past or pool.scales is not None:
+            k, v = pool.read(layer, s.read, query.dtype)
+        else:  # the whole context is this step's tokens: the same values as reading them back
+            k, v = k_new[s.start:s.start + s.n], v_new[s.start:s.start + s.n]
+        q = query[0, :, s.start:s.start + s.n]  # [heads, n, d]
+        mask = None
+        if s.n > 1 and s.past:  # query i (position past + i) sees keys 0..past + i
+            mask = torch.arange(s.past + s.n, device=q.device)[None] <= torch.arange(s.past, s.past + s.n, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+                                           is_causal=s.n > 1 and not s.past, scale=scaling,
+                                           enable_gqa=q.shape[0] != k.shape[1])
+        out[s.start:s.start + s.n] = o[0].transpose(0, 1)
+    if plan.decode_read is not None:  # every decoding sequence at once
+        b, width = plan.decode_read.shape
+        k, v = pool.read(layer, plan.decode_read.flatten(), query.dtype)
+        k, v = k.view(b, width, *k.shape[1:]), v.view(b, width, *v.shape[1:])  # [B, width, kv_heads, d]
+        q = query[0].index_select(1, plan.decode_rows).transpose(0, 1)  # [B, heads, d]
+        out[plan.decode_rows] = _attend_decode(q, k, v, plan.decode_mask, scaling)
+    return out[None], None
+
+
+def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """One query per sequence q [B, heads, d] over its context k, v [B, width, kv_heads, d] (mask [B, width]: real
+    keys), grouped heads, float32 -> [B, heads, d]. Padded keys get probability exactly 0."""
+    b, heads, d = q.shape
+    kv_heads = k.shape[2]
+    scale = scaling if scaling is not None else d ** -0.5
+    qg = q.float().view(b, kv_heads, heads // kv_heads, d)  # query head h uses KV head h // groups, as repeat_kv
+    scores = torch.matmul(qg, k.float().permute(0, 2, 3, 1)) * scale  # [B, kv_heads, groups, width]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float().transpose(1, 2)).reshape(b, heads, d).to(q.dtype)
+
+
+def install(model) -> None:
+    """Register "hqtflow_paged" with transformers' attention and mask interfaces and switch the model to it."""
+    global _registered
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if not _registered:
+        AttentionInterface.register(NAME, paged_attention)
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+        _registered = True
+    text = model.config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    sliding = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
+    if any(t != "full_attention" for t in types) or (sliding and not getattr(text, "layer_types", None)):
+        raise ValueError("The paged KV cache supports full-attention models only (this one has sliding-window layers).")
+    if model.config._attn_implementation != NAME:
+        model.set_attn_implementation(NAME)
+
+
+def geometry(model) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of the model's decoder."""
+    text = model.config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, kv, head_dim
+
+
+def num_blocks(model, *, block_size: int, dtype: torch.dtype, fp8: bool, device, max_batch_total_tokens: int | None,
+               memory_fraction: float = 0.5) -> int:
+    """Blocks for `max_batch_total_tokens` KV tokens (TGI's knob), or for `memory_fraction` of the free memory."""
+    layers, kv, head_dim = geometry(model)
+    per_token = KVPool.bytes_per_token(layers, kv, head_dim, dtype, fp8)
+    if max_batch_total_tokens is None:
+        if torch.device(device).type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        max_batch_total_tokens = int(free * memory_fraction) // per_token
+    return max(1, -(-max_batch_total_tokens // block_size))
