@@ -3,7 +3,7 @@
 Read: HQTFLOW_CACHE, HQTFLOW_API_KEY, TGI-on-Gaudi's serving knobs (MAX_BATCH_SIZE, MAX_BATCH_TOTAL_TOKENS, BATCH_BUCKET_SIZE,
 PREFILL_BATCH_BUCKET_SIZE, PAD_SEQUENCE_TO_MULTIPLE_OF, WARMUP_ENABLED) and torchrun's RANK, WORLD_SIZE,
 LOCAL_RANK, TORCHELASTIC_RUN_ID. Set, for libraries that only read the environment: TQDM_DISABLE (ranks other than
-0), ONEDNN_PRIMITIVE_CACHE_CAPACITY (serve), OMP_NUM_THREADS (the ranks `--tp` starts) and, while the CPU kernel
+0), ONEDNN_PRIMITIVE_CACHE_CAPACITY (serve), TORCHINDUCTOR_CACHE_DIR (the compiled decoder), OMP_NUM_THREADS (the ranks `--tp` starts) and, while the CPU kernel
 builds, PATH (pip's ninja).
 """
 
@@ -44,6 +44,11 @@ def tgi_knob(name: str, default):
         return kind(raw)
     except ValueError:
         raise ConfigError(f"The environment variable {name}={raw!r} is not a valid {kind.__name__}.") from None
+
+
+def use_inductor_cache() -> None:
+    """torch.compile's on-disk cache (torch's documented TORCHINDUCTOR_CACHE_DIR) inside hqtflow's cache."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
 
 def bound_onednn_cache(capacity: int = 16) -> None:

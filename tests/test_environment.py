@@ -8,12 +8,12 @@ import pytest
 
 from conftest import ROOT
 from hqtflow import environment
+from hqtflow.errors import ConfigError
 
 
 def test_no_other_module_touches_the_environment():
-    """os.environ / os.getenv appear only in environment.py (runtime/static_decode.py's inductor cache aside:
-    hqtflow/runtime/ is being reworked elsewhere and is switched over separately)."""
-    allowed = {"environment.py", "runtime/static_decode.py"}
+    """os.environ / os.getenv appear only in environment.py."""
+    allowed = {"environment.py"}
     found = []
     for p in sorted((ROOT / "hqtflow").rglob("*.py")):
         rel = p.relative_to(ROOT / "hqtflow").as_posix()
@@ -30,6 +30,11 @@ def test_tgi_knobs_are_typed_like_their_default(monkeypatch):
     assert environment.tgi_knob("MAX_BATCH_SIZE", 8) == 3 and environment.tgi_knob("WARMUP_ENABLED", False) is True
     with pytest.raises(KeyError):
         environment.tgi_knob("HOME", "")
+    monkeypatch.setenv("MAX_BATCH_TOTAL_TOKENS", "2048")
+    assert environment.tgi_knob("MAX_BATCH_TOTAL_TOKENS", None) == 2048  # no default: an int
+    monkeypatch.setenv("MAX_BATCH_SIZE", "eight")
+    with pytest.raises(ConfigError, match="MAX_BATCH_SIZE='eight' is not a valid int"):
+        environment.tgi_knob("MAX_BATCH_SIZE", 8)
 
 
 def test_cache_dir_and_path_prefix(monkeypatch, tmp_path):

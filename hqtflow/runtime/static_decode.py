@@ -14,7 +14,6 @@ Prompts in a batch have the same length (no padding); this engine is for latency
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -34,9 +33,9 @@ class DecodeResult:
 
 def use_persistent_compile_cache() -> None:
     """Point inductor's on-disk cache (torch's documented TORCHINDUCTOR_CACHE_DIR) into hqtflow's cache."""
-    from hqtflow.models import cache_dir
+    from hqtflow import environment
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    environment.use_inductor_cache()
 
 
 class StaticDecoder:
