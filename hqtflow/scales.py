@@ -100,6 +100,10 @@ class Rule:
     rounding: str = "IDENTITY"
     backoff: float = 1.0
     candidates: tuple[float, ...] | None = None  # OPT: scales (PTS) or multipliers (PCS) to search
+    # Activations computed at run time from each input instead of a measurement: None (static), "inc" (Neural
+    # Compressor's dynamic arithmetic, in the input's dtype) or "fp32" (compressed-tensors / vLLM: amax / F in
+    # float32). With granularity PCS the scale is per token (one per row of the last dimension), PTS per call.
+    dynamic: str | None = None
 
 
 @dataclass(frozen=True)
@@ -108,17 +112,53 @@ class ScaleMethod:
     weight: Rule
     activation: Rule
 
+    @property
+    def dynamic(self) -> bool:
+        return self.activation.dynamic is not None
+
+
+# Neural Compressor 3.10's methods that exist only with `dynamic_quantization: true` (it refuses them otherwise).
+INC_DYNAMIC_METHODS = ("act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw", "maxabs_pcs_pow2")
+# hqtflow's own: compressed-tensors FP8_DYNAMIC (llm-compressor's preset, vLLM's near-lossless default):
+# per-channel weights amax / F, per-token activations amax / F in float32, no backoff, no rounding.
+HQTFLOW_DYNAMIC_METHODS = ("fp8_dynamic",)
+DYNAMIC_METHODS = INC_DYNAMIC_METHODS + HQTFLOW_DYNAMIC_METHODS
+INC_DYNAMIC_BACKOFF = 0.5  # INC's ScaleMethodFactory forces this backoff on every dynamic activation scale
+
+
+def as_dynamic(method: ScaleMethod) -> ScaleMethod:
+    """`method` with `dynamic_quantization: true`, as INC applies it: its activation rule (PTS: one scale per call,
+    PCS: per token) computed at run time with backoff 0.5; HW_ALIGNED or fixed activation scales are refused."""
+    if method.dynamic:
+        return method
+    a = method.activation
+    if a.value != "MAXABS" or a.rounding not in ("IDENTITY", "POW2"):
+        raise ConfigError(f"Scale method {method.name} cannot run with dynamic_quantization (INC supports dynamic "
+                          "activations with MAXABS values and IDENTITY or POW2 rounding only).")
+    return replace(method, activation=replace(a, backoff=INC_DYNAMIC_BACKOFF, dynamic="inc"))
+
 
 def _hw_candidates(target: str) -> tuple[float, ...]:
     return tuple(hw_scales(target))
 
 
-def scale_method(spec: str | dict, target: str = "cpu") -> ScaleMethod:
-    """The weight and activation rules of a scale method name (or INC's dict form, its `default` section)."""
+def scale_method(spec: str | dict, target: str = "cpu", *, dynamic: bool = False) -> ScaleMethod:
+    """The weight and activation rules of a scale method name (or INC's dict form, its `default` section).
+
+    `dynamic`: INC's `dynamic_quantization` (see `as_dynamic`); INC's dynamic-only methods need it.
+    """
     if target not in TARGETS:
         raise ConfigError(f"Unknown scale target {target!r}; valid values are {', '.join(TARGETS)}.")
     if isinstance(spec, dict):
-        return _from_dict(spec)
+        m = _from_dict(spec)
+        return as_dynamic(m) if dynamic else m
+    if spec in INC_DYNAMIC_METHODS and not dynamic:
+        raise ConfigError(f"Scale method {spec} is supported only with dynamic_quantization: true (as in Neural Compressor).")
+    m = _named(spec, target)
+    return as_dynamic(m) if dynamic else m
+
+
+def _named(spec: str, target: str) -> ScaleMethod:
     w_pow2 = Rule(rounding="POW2", backoff=WEIGHT_BACKOFF)
     a_pow2 = Rule(rounding="POW2", backoff=ACTIVATION_BACKOFF)
     w_hw = Rule(rounding="HW_ALIGNED", backoff=WEIGHT_BACKOFF)
@@ -138,11 +178,16 @@ def scale_method(spec: str | dict, target: str = "cpu") -> ScaleMethod:
         "act_maxabs_pow2_weights_pcs_maxabs_pow2": (pcs_pow2, a_pow2),
         "act_maxabs_hw_weights_pcs_opt_pow2": (pcs_opt, a_hw),
         "act_maxabs_pow2_weights_pcs_opt_pow2": (pcs_opt, a_pow2),
+        # INC 3.10's dynamic methods (`as_dynamic` sets the activation backoff to 0.5 as INC does)
+        "act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw": (w_hw, Rule("PCS", rounding="POW2")),
+        "maxabs_pcs_pow2": (pcs_pow2, Rule("PCS", rounding="POW2")),
+        "fp8_dynamic": (Rule("PCS"), Rule("PCS", dynamic="fp32")),
     }
     if spec not in table:
         raise ConfigError(f"Unknown scale method {spec!r}; valid values are {', '.join(table)}.")
     weight, activation = table[spec]
     return ScaleMethod(spec, weight, activation)
+
 
 
 def _from_dict(spec: dict) -> ScaleMethod:
@@ -179,6 +224,26 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 # ---- computing scales --------------------------------------------------------------------------
+def dynamic_activation_scale(x: torch.Tensor, rule: Rule, *, fp8: str = "E4M3", target: str = "cpu") -> torch.Tensor:
+    """The run-time scale of activation `x` under a dynamic rule: [..., 1] per token (PCS) or 0-d (PTS).
+
+    "inc": Neural Compressor 3.10's MaxAbsDynamicPcs / MaxAbsDynamicPts off Gaudi's cguid path, in x's dtype:
+    amax(|x|) / (F * backoff), per token at least bf16's smallest normal (PCS), then the rounding.
+    "fp32": compressed-tensors / vLLM: amax(|x|) / F in float32, at least 1e-12.
+    """
+    F = full_scale(fp8, target)
+    if rule.dynamic == "fp32":
+        xf = x.float()
+        amax = xf.abs().amax(-1, keepdim=True) if rule.granularity == "PCS" else xf.abs().amax()
+        return (amax / F).clamp(min=1e-12)
+    if rule.granularity == "PCS":
+        s = torch.amax(torch.abs(x), dim=-1, keepdim=True) / (F * rule.backoff)
+        s = torch.max(s, torch.tensor(torch.finfo(torch.bfloat16).tiny, device=x.device))
+    else:
+        s = torch.max(torch.abs(x.detach())) / (F * rule.backoff)
+    return apply_rounding(s, rule.rounding, target)
+
+
 def activation_scale(maxabs, rule: Rule, *, target: str = "cpu", fp8: str = "E4M3", hp_dtype: str = "bf16") -> torch.Tensor:
     """A per-tensor activation scale (0-d tensor in hp_dtype) from a measured maxabs (scalar or array)."""
     hp = HP_DTYPES[hp_dtype]
@@ -238,9 +303,10 @@ def _best_per_channel(w: torch.Tensor, ref: torch.Tensor, multipliers, fp8: str,
 
 @dataclass(frozen=True)
 class LinearScales:
-    """Scales of one Linear: input (0-d), weight (0-d or [out]), output = input * weight."""
+    """Scales of one Linear: input (0-d; None for dynamic activations), weight (0-d or [out]), output = input *
+    weight."""
 
-    input: torch.Tensor
+    input: torch.Tensor | None
     weight: torch.Tensor
 
     @property
@@ -251,4 +317,5 @@ class LinearScales:
 def linear_scales(method: ScaleMethod, input_maxabs, weight: torch.Tensor, *, target: str = "cpu",
                   fp8: str = "E4M3", hp_dtype: str = "bf16") -> LinearScales:
     kw = dict(target=target, fp8=fp8, hp_dtype=hp_dtype)
-    return LinearScales(activation_scale(input_maxabs, method.activation, **kw), weight_scale(weight, method.weight, **kw))
+    s_in = None if method.dynamic else activation_scale(input_maxabs, method.activation, **kw)
+    return LinearScales(s_in, weight_scale(weight, method.weight, **kw))

@@ -50,6 +50,10 @@ def quant_config(s: QuantizeSettings) -> QuantConfig:
         from hqtflow.config import SCALE_METHODS, choice
 
         changes["scale_method"] = choice("scale_method", s.scale_method, SCALE_METHODS, source="--scale-method")
+        from hqtflow.config import INC_DYNAMIC_METHODS
+
+        if changes["scale_method"] in INC_DYNAMIC_METHODS:  # INC's dynamic-only methods imply its switch
+            changes["extra"] = {**cfg.extra, "dynamic_quantization": True}
     if s.scales_for:
         changes["device_for_scales"] = s.scales_for.upper()
     return cfg.with_changes(**changes) if changes else cfg
@@ -166,7 +170,13 @@ def plan_job(s: QuantizeSettings) -> Job:
     target = (cfg.device_for_scales or "cpu").lower()
     if target not in TARGETS:
         raise ConfigError(f"--scales-for {target!r} is not a valid target; valid values are {', '.join(TARGETS)}.")
-    method = scale_method(cfg.scale_method, target)
+    method = scale_method(cfg.scale_method, target, dynamic=cfg.dynamic_quantization)
+    if method.dynamic and s.scales_only:
+        raise ConfigError(f"{method.name} computes activation scales at run time; INC uses no scale files with "
+                          "dynamic_quantization, so --scales-only does not apply (hand the QUANT_CONFIG to INC as is).")
+    if method.dynamic and s.disk_offload:
+        raise ConfigError(f"--disk-offload writes static activation scales; it cannot be combined with the dynamic "
+                          f"method {method.name} yet.")
     meas = load_measurement(s.measurement, trust_pickle=s.trust_pickle)
     for st, r in zip(meas.stems, meas.ranks):
         check_statistics(r, f"{meas.directory / st}.json")
@@ -280,11 +290,13 @@ def quantize(s: QuantizeSettings) -> Path:
 
                         kv_cache_scales(model, kv_stats, method, target=target, fp8=cfg.fp8_config, hp_dtype=cfg.hp_dtype)
                 save_checkpoint(model, tmp, ignore=plan["ignore"], per_channel=method.weight.granularity == "PCS",
-                                static_input=not s.weight_only, kv_cache=bool(kv_stats))
+                                static_input=not s.weight_only, kv_cache=bool(kv_stats),
+                                dynamic=method if method.dynamic and not s.weight_only else None)
             common["kv_cache"] = s.kv_cache
             models.load_tokenizer(model_dir).save_pretrained(tmp)
             write_manifest(tmp, CHECKPOINT_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
-                           data={**common, "mode": "weight-only" if s.weight_only else "w8a8-static",
+                           data={**common, "mode": "weight-only" if s.weight_only else
+                                 ("w8a8-dynamic" if method.dynamic else "w8a8-static"),
                                  "settings": asdict(s)})
     return Path(s.output)
 
