@@ -23,7 +23,8 @@ Gaudi3 would use, and `hw_aligned_single_scale` is Gaudi3's first hardware scale
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import re
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -150,8 +151,9 @@ def scale_method(spec: str | dict, target: str = "cpu", *, dynamic: bool = False
     if target not in TARGETS:
         raise ConfigError(f"Unknown scale target {target!r}; valid values are {', '.join(TARGETS)}.")
     if isinstance(spec, dict):
-        m = _from_dict(spec)
-        return as_dynamic(m) if dynamic else m
+        if not isinstance(spec.get("default"), dict):
+            raise ConfigError("A scale_method object needs a 'default' section (as Neural Compressor requires).")
+        return _checked_dynamic(_from_dict(spec["default"], target), dynamic, "default")
     if spec in INC_DYNAMIC_METHODS and not dynamic:
         raise ConfigError(f"Scale method {spec} is supported only with dynamic_quantization: true (as in Neural Compressor).")
     m = _named(spec, target)
@@ -190,22 +192,101 @@ def _named(spec: str, target: str) -> ScaleMethod:
 
 
 
-def _from_dict(spec: dict) -> ScaleMethod:
-    default = spec.get("default") or {}
-    if spec.get("nodes") or spec.get("layers") or spec.get("layer_types"):
-        raise ConfigError("Per-layer sections (nodes/layers/layer_types) of a scale_method dict are not supported yet; use 'default'.")
+def _key(r: Rule) -> tuple[str, str, str]:
+    """What INC compares to recognise a method (ScaleMethodConfig.__eq__): backoff and params are not part of it."""
+    return (r.granularity, r.value, r.rounding)
 
-    def rule(d: dict, backoff: float) -> Rule:
-        r = Rule(d.get("granularity", "PTS"), d.get("scale_value_type", "MAXABS"), d.get("rounding_method", "IDENTITY"),
-                 d.get("backoff", backoff))
-        if r.value == "OPT":
-            cands = (d.get("params") or {}).get("weight_scales")
-            if not cands:
-                raise ConfigError("An OPT scale_value_type needs params.weight_scales (the candidate scales).")
-            r = replace(r, candidates=tuple(float(c) for c in cands))
-        return r
 
-    return ScaleMethod("custom", rule(default.get("weight", {}), 1.0), rule(default.get("activation", {}), 1.0))
+def _reference(weight: Rule, activation: Rule, target: str) -> ScaleMethod | None:
+    """The named INC method whose rules have the same granularity, value type and rounding (INC's
+    get_scale_method_from_config), or None."""
+    for name in [*SCALE_METHOD_NAMES]:
+        m = _named(name, target)
+        if name not in HQTFLOW_DYNAMIC_METHODS and (_key(m.weight), _key(m.activation)) == (_key(weight), _key(activation)):
+            return m
+    return None
+
+
+def _from_dict(spec: dict, target: str = "cpu", section: str = "default", base: ScaleMethod | None = None) -> ScaleMethod:
+    """One `{weight, activation}` entry of INC's dict form, as INC's parse_scale_method + validate_and_populate read
+    it: a missing key comes from `base` (the default entry; for the default itself: PTS, MAXABS, IDENTITY, backoff
+    1.0); the combination must be one of INC's named methods (whose OPT candidates fill in missing params)."""
+
+    def rule(d: dict, b: Rule | None) -> Rule:
+        b = b or Rule()
+        cands = (d.get("params") or {}).get("weight_scales") if "params" in d else b.candidates
+        return Rule(d.get("granularity", b.granularity), d.get("scale_value_type", b.value),
+                    d.get("rounding_method", b.rounding), float(d.get("backoff", b.backoff)),
+                    tuple(float(c) for c in cands) if cands else None)
+
+    w = rule(spec.get("weight") or {}, base.weight if base else None)
+    a = rule(spec.get("activation") or {}, base.activation if base else None)
+    ref = _reference(w, a, target)
+    if ref is None:
+        raise ConfigError(f"scale_method.{section}: weight {'/'.join(_key(w))} with activation {'/'.join(_key(a))} is not "
+                          "one of Neural Compressor's scale methods, which INC refuses.")
+    if w.value == "OPT" and not w.candidates:
+        w = replace(w, candidates=ref.weight.candidates)
+    return ScaleMethod(ref.name, w, a)
+
+
+SCALE_METHOD_NAMES = ("unit_scale", "hw_aligned_single_scale", "maxabs_hw", "maxabs_pow2", "maxabs_arbitrary",
+                      "maxabs_hw_opt_weight", "maxabs_pow2_opt_weight", "act_maxabs_hw_weights_pcs_maxabs_pow2",
+                      "act_maxabs_pow2_weights_pcs_maxabs_pow2", "act_maxabs_hw_weights_pcs_opt_pow2",
+                      "act_maxabs_pow2_weights_pcs_opt_pow2", *INC_DYNAMIC_METHODS)
+LAYER_INDEX = (re.compile(r"layers\.(\d+)"), re.compile(r"layers/(\d+)"))
+
+
+@dataclass(frozen=True)
+class ScaleRules:
+    """A scale method per module: INC 3.10's dict `scale_method` with `nodes` (module names), `layers` (decoder
+    layer indices, found by `layers.<i>` in the name) and `layer_types` (module class names) sections."""
+
+    default: ScaleMethod
+    nodes: dict = field(default_factory=dict)
+    layers: dict = field(default_factory=dict)
+    layer_types: dict = field(default_factory=dict)
+
+    def __call__(self, name: str, type_name: str = "Linear") -> ScaleMethod:
+        """INC's find_node_scale_method_config: a node entry, else the layer index's, else the type's, else default."""
+        if name in self.nodes:
+            return self.nodes[name]
+        for pattern in LAYER_INDEX:
+            match = pattern.search(name)
+            if match:
+                if match.group(1) in self.layers:
+                    return self.layers[match.group(1)]
+                break
+        return self.layer_types.get(type_name, self.default)
+
+    def methods(self) -> list[ScaleMethod]:
+        return [self.default, *self.nodes.values(), *self.layers.values(), *self.layer_types.values()]
+
+    @property
+    def uniform(self) -> bool:
+        return not (self.nodes or self.layers or self.layer_types)
+
+
+def scale_rules(spec: str | dict, target: str = "cpu", *, dynamic: bool = False) -> ScaleRules:
+    """The per-module scale methods of a `scale_method` (a name: the same method everywhere)."""
+    if not isinstance(spec, dict):
+        return ScaleRules(scale_method(spec, target, dynamic=dynamic))
+    default = scale_method(spec, target, dynamic=dynamic)
+    raw_default = _from_dict(spec["default"], target)
+    sections = {}
+    for section in ("nodes", "layers", "layer_types"):
+        entries = {}
+        for key, entry in (spec.get(section) or {}).items():
+            m = _from_dict(entry, target, f"{section}.{key}", raw_default)
+            entries[str(key)] = _checked_dynamic(m, dynamic, f"{section}.{key}")
+        sections[section] = entries
+    return ScaleRules(default, **sections)
+
+
+def _checked_dynamic(m: ScaleMethod, dynamic: bool, where: str) -> ScaleMethod:
+    if m.name in INC_DYNAMIC_METHODS and not dynamic:
+        raise ConfigError(f"scale_method.{where} is {m.name}, which INC supports only with dynamic_quantization: true.")
+    return as_dynamic(m) if dynamic else m
 
 
 # ---- FP8 casts (the QDQ reference) -------------------------------------------------------------

@@ -22,13 +22,13 @@ def convert_model(model: nn.Module, names: list[str], meas: hqt.Measurement, met
                   target: str, fp8: str, hp_dtype: str, weight_only: bool = False) -> dict[str, dict]:
     """Replace each named Linear by an FP8Linear with scales from `meas`; return the scales used.
 
-    `method` is one ScaleMethod or a function name -> ScaleMethod (per-layer rules). A dynamic method's
+    `method` is one ScaleMethod or per-module rules (`hqtflow.scales.ScaleRules`: (name, type name) -> ScaleMethod). A dynamic method's
     activations are quantized at run time (its measured input statistics are not used)."""
     used = {}
     _untie_if_needed(model, names)
     for name in names:
         lin = model.get_submodule(name)
-        m = method(name) if callable(method) else method
+        m = method(name, type(lin).__name__) if callable(method) else method
         stats = None if m.dynamic else meas.nodes[name].inputs[0]
         sc = linear_scales(m, stats, lin.weight, target=target, fp8=fp8, hp_dtype=hp_dtype)
         dynamic = None if weight_only or not m.dynamic else m.activation
@@ -83,6 +83,10 @@ def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_chann
 
     out = Path(out)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if per_channel:  # per-layer methods: a per-tensor weight scale written per channel is the same function
+        for name, mod in model.named_modules():
+            if isinstance(mod, FP8Linear) and mod.weight_scale.numel() == 1 and mod.out_features > 1:
+                state[f"{name}.weight_scale"] = mod.weight_scale.detach().reshape(1, 1).expand(mod.out_features, 1).contiguous()
     if getattr(model.config, "tie_word_embeddings", False):
         out_emb = model.get_output_embeddings()
         lm_name = next((n for n, m in model.named_modules() if m is out_emb), None)

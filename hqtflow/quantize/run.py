@@ -153,7 +153,7 @@ class Job:
 
     cfg: QuantConfig
     target: str
-    method: object  # hqtflow.scales.ScaleMethod
+    method: object  # hqtflow.scales.ScaleRules: (module name, type name) -> ScaleMethod; .default
     meas: LoadedMeasurement
     model_dir: Path
     fingerprint: dict
@@ -164,19 +164,20 @@ class Job:
 def plan_job(s: QuantizeSettings) -> Job:
     """Every check that needs no weights: config, target, measurement (complete, finite, same model), rank count."""
     from hqtflow import models
-    from hqtflow.scales import TARGETS, scale_method
+    from hqtflow.scales import TARGETS, scale_rules
 
     cfg = quant_config(s)
     target = (cfg.device_for_scales or "cpu").lower()
     if target not in TARGETS:
         raise ConfigError(f"--scales-for {target!r} is not a valid target; valid values are {', '.join(TARGETS)}.")
-    method = scale_method(cfg.scale_method, target, dynamic=cfg.dynamic_quantization)
-    if method.dynamic and s.scales_only:
+    rules = scale_rules(cfg.scale_method, target, dynamic=cfg.dynamic_quantization)
+    method = rules.default
+    if any(m.dynamic for m in rules.methods()) and s.scales_only:
         raise ConfigError(f"{method.name} computes activation scales at run time; INC uses no scale files with "
                           "dynamic_quantization, so --scales-only does not apply (hand the QUANT_CONFIG to INC as is).")
-    if method.dynamic and s.disk_offload:
-        raise ConfigError(f"--disk-offload writes static activation scales; it cannot be combined with the dynamic "
-                          f"method {method.name} yet.")
+    if s.disk_offload and (any(m.dynamic for m in rules.methods()) or not rules.uniform):
+        raise ConfigError("--disk-offload writes one static scale method everywhere; it cannot be combined with "
+                          "dynamic methods or per-layer scale_method sections yet.")
     meas = load_measurement(s.measurement, trust_pickle=s.trust_pickle)
     for st, r in zip(meas.stems, meas.ranks):
         check_statistics(r, f"{meas.directory / st}.json")
@@ -203,7 +204,13 @@ def plan_job(s: QuantizeSettings) -> Job:
     if meas.manifest is None:  # said once every check passed, so a refusal stays one sentence
         warnings.warn(f"{meas.directory} has no hqtflow manifest: it is read as a foreign HQT/INC dump, and its "
                       "provenance (model, calibration data, run) cannot be checked.", ProvenanceWarning, stacklevel=2)
-    return Job(cfg, target, method, meas, model_dir, fp, plan, dtype)
+    if not s.scales_only and not s.weight_only:
+        kinds = {(m.activation.granularity, m.activation.dynamic, m.activation.backoff, m.activation.rounding)
+                 if m.dynamic else None for m in (rules(n) for n in plan["quantize"])}
+        if len(kinds) > 1:
+            raise ConfigError("The per-layer scale methods mix static and dynamic activations (or different dynamic "
+                              "rules); an FP8 checkpoint has one activation scheme (--scales-only writes mixed INC scales).")
+    return Job(cfg, target, rules, meas, model_dir, fp, plan, dtype)
 
 
 def quantize_in_memory(s: QuantizeSettings):
@@ -229,8 +236,12 @@ def quantize(s: QuantizeSettings) -> Path:
 
     check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config])
     job = plan_job(s)
-    cfg, target, method, meas, model_dir, fp, plan, dtype = (job.cfg, job.target, job.method, job.meas, job.model_dir,
-                                                               job.fingerprint, job.plan, job.dtype)
+    cfg, target, rules, meas, model_dir, fp, plan, dtype = (job.cfg, job.target, job.method, job.meas, job.model_dir,
+                                                              job.fingerprint, job.plan, job.dtype)
+    method = rules.default
+    layer_methods = [rules(n) for n in plan["quantize"]]
+    per_channel = any(m.weight.granularity == "PCS" for m in layer_methods)
+    dynamic = next((m for m in layer_methods if m.dynamic), None) if not s.weight_only else None
     kv_stats = None
     if s.kv_cache not in ("bf16", "fp8"):
         raise ConfigError(f"--kv-cache must be bf16 or fp8, not {s.kv_cache!r}.")
@@ -261,7 +272,7 @@ def quantize(s: QuantizeSettings) -> Path:
     else:
         model = models.load_model(model_dir, dtype)
     with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[meas.directory, model_dir, s.config]) as tmp:
-        common = {"scale_method": method.name if method.name != "custom" else cfg.scale_method, "target": target,
+        common = {"scale_method": cfg.scale_method if isinstance(cfg.scale_method, dict) else method.name, "target": target,
                   "fp8": cfg.fp8_config, "hp_dtype": cfg.hp_dtype, "source_measurement": str(meas.directory.resolve()),
                   "source_digest": meas.digest(),
                   "provenance_known": meas.manifest is not None and meas.manifest.data.get("provenance_known", True),
@@ -269,7 +280,7 @@ def quantize(s: QuantizeSettings) -> Path:
         if s.scales_only:
             from hqtflow.quantize.scale_files import write_scale_files
 
-            files = write_scale_files(tmp, Path(s.output), model, meas, cfg, method, target)
+            files = write_scale_files(tmp, Path(s.output), model, meas, cfg, rules, target)
             write_manifest(tmp, SCALES_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
                            data={**common, "world_size": meas.world_size, "files": files})
         else:
@@ -283,20 +294,19 @@ def quantize(s: QuantizeSettings) -> Path:
                 common["disk_offload"] = True
             else:
                 with torch.no_grad():
-                    convert_model(model, plan["quantize"], meas.ranks[0], method, target=target, fp8=cfg.fp8_config,
+                    convert_model(model, plan["quantize"], meas.ranks[0], rules, target=target, fp8=cfg.fp8_config,
                                   hp_dtype=cfg.hp_dtype, weight_only=s.weight_only)
                     if kv_stats:
                         from hqtflow.quantize.convert import kv_cache_scales
 
                         kv_cache_scales(model, kv_stats, method, target=target, fp8=cfg.fp8_config, hp_dtype=cfg.hp_dtype)
-                save_checkpoint(model, tmp, ignore=plan["ignore"], per_channel=method.weight.granularity == "PCS",
-                                static_input=not s.weight_only, kv_cache=bool(kv_stats),
-                                dynamic=method if method.dynamic and not s.weight_only else None)
+                save_checkpoint(model, tmp, ignore=plan["ignore"], per_channel=per_channel,
+                                static_input=not s.weight_only, kv_cache=bool(kv_stats), dynamic=dynamic)
             common["kv_cache"] = s.kv_cache
             models.load_tokenizer(model_dir).save_pretrained(tmp)
             write_manifest(tmp, CHECKPOINT_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
                            data={**common, "mode": "weight-only" if s.weight_only else
-                                 ("w8a8-dynamic" if method.dynamic else "w8a8-static"),
+                                 ("w8a8-dynamic" if dynamic else "w8a8-static"),
                                  "settings": asdict(s)})
     return Path(s.output)
 
