@@ -2,7 +2,8 @@
 
 For each evaluated position t, with P the bf16 model's softmax and Q the quantized model's (computed in float32
 from each model's logits): KL(P || Q) = sum_v P_v (log P_v - log Q_v), and top-1 agreement = [argmax P == argmax Q].
-`mean_kl` and `top1` average over every position of every window. The evaluation text is a fixed slice: the first
+`mean_kl` and `top1` average over every position of every window; `nll` is the quantized model's mean negative
+log-likelihood of each window's actual next tokens (exp(nll) = its perplexity on the slice). The evaluation text is a fixed slice: the first
 `n_tokens` tokens of a file, in consecutive windows of `window` tokens (each window a separate sequence).
 """
 
@@ -19,9 +20,10 @@ class Divergence:
     mean_kl: float
     top1: float
     tokens: int
+    nll: float = float("nan")
 
     def as_dict(self) -> dict:
-        return {"mean_kl": self.mean_kl, "top1": self.top1, "tokens": self.tokens}
+        return {"mean_kl": self.mean_kl, "top1": self.top1, "tokens": self.tokens, "nll": self.nll}
 
 
 def token_windows(tokenizer, path: str | Path, n_tokens: int, window: int = 512) -> list[torch.Tensor]:
@@ -41,10 +43,12 @@ def log_probs(model, windows: list[torch.Tensor]) -> list[torch.Tensor]:
 def divergence(reference: list[torch.Tensor], model, windows: list[torch.Tensor]) -> Divergence:
     """KL(reference || model) and top-1 agreement, averaged over every position (see the module doc)."""
     device = next(model.parameters()).device
-    kl_sum, agree, n = 0.0, 0, 0
+    kl_sum, agree, n, nll, m = 0.0, 0, 0, 0.0, 0
     for ref, w in zip(reference, windows):
         q = torch.log_softmax(model(input_ids=w.to(device)).logits[0].float(), -1).cpu()
         kl_sum += float((ref.exp() * (ref - q)).sum())
         agree += int((ref.argmax(-1) == q.argmax(-1)).sum())
         n += ref.shape[0]
-    return Divergence(kl_sum / n, agree / n, n)
+        nll -= float(q[:-1].gather(-1, w[0, 1:, None]).sum())
+        m += ref.shape[0] - 1
+    return Divergence(kl_sum / n, agree / n, n, nll / max(m, 1))
