@@ -341,7 +341,7 @@ def export(
 @app.command()
 @user_errors
 def inspect(
-    artifact: Annotated[Path, typer.Argument(help="Measurement, scales or FP8 checkpoint artifact directory.")],
+    artifact: Annotated[Path, typer.Argument(help="Measurement, scales, FP8 checkpoint or tune artifact directory (tune: its sensitivity chart).")],
     compare: Annotated[Optional[Path], typer.Option("--compare", help="Another artifact of the same kind to compare with.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report as JSON here.")] = None,
     html_out: Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report here.")] = None,

@@ -149,3 +149,25 @@ def summary(out: Path) -> str:
     return (f"Wrote {out}: {len(r['kept_bf16'])} of {r['linear_layers']} Linear layers kept in bf16; mean KL "
             f"{a['mean_kl']:.5f} -> {t['mean_kl']:.5f}, ppl {a['ppl']:.3f} -> {t['ppl']:.3f} (bf16 {r['bf16_ppl']:.3f}) "
             f"on {r['tokens']} tokens; QUANT_CONFIG in quant_config.json, checkpoint in checkpoint/.")
+
+
+def sensitivity_chart(path: str | Path, top: int = 20) -> tuple[dict, str]:
+    """`hqtflow inspect` of a tune artifact: (the report, a text bar chart of the `top` most sensitive layers)."""
+    from hqtflow.formats.artifact import read_manifest
+
+    path = Path(path)
+    read_manifest(path, TUNE_SCHEMA, SCHEMA_VERSION)
+    r = json.loads((path / "sensitivity.json").read_text())
+    items = list(r["sensitivity"].items())[:top]
+    kept = set(r["kept_bf16"])
+    hi = max((v for _, v in items), default=0.0) or 1.0
+    width = max((len(n) for n, _ in items), default=4)
+    lines = [f"tune artifact {path.resolve()}", "",
+             f"  bf16 ppl {r['bf16_ppl']:.3f}; all quantized: KL {r['all_quantized']['mean_kl']:.5f}, "
+             f"top-1 {r['all_quantized']['top1']:.4f}, ppl {r['all_quantized']['ppl']:.3f}",
+             f"  tuned ({len(kept)} of {r['linear_layers']} Linear layers in bf16): KL {r['tuned']['mean_kl']:.5f}, "
+             f"top-1 {r['tuned']['top1']:.4f}, ppl {r['tuned']['ppl']:.3f}", "",
+             f"Sensitivity (mean KL vs bf16 with only that layer quantized), top {len(items)}; * = kept in bf16:"]
+    for n, v in items:
+        lines.append(f"  {'*' if n in kept else ' '} {n.ljust(width)}  {v:.6f}  {'#' * max(1, round(40 * v / hi))}")
+    return {"artifact": str(path.resolve()), "kind": "tune", **r}, "\n".join(lines)

@@ -19,7 +19,7 @@ def measured(tiny_llama, wiki_text, tmp_path_factory):
 
 
 def tune(measured, out, text, *extra):
-    r = run_cli("tune", "-m", measured, "-o", out, "--text", text, "--tokens", "128", "--window", "64", *extra)
+    r = run_cli("tune", "-m", measured, "-o", out, "--text", text, "--tokens", "96", "--window", "48", *extra)
     assert r.exit_code == 0, r.output
     return json.loads((out / "sensitivity.json").read_text())
 
@@ -49,6 +49,14 @@ def test_tune(measured, wiki_text, tmp_path, inc):
     assert isinstance(model.get_submodule(list(r["sensitivity"])[-1]), FP8Linear)
     manifest = json.loads((tmp_path / "tight" / "hqtflow_manifest.json").read_text())
     assert manifest["_type"] == "hqtflow.tune" and manifest["data"]["kept_bf16"] == kept
+    # inspect shows the sensitivity chart, most sensitive first, kept layers starred
+    out = run_cli("inspect", tmp_path / "tight", "--json", tmp_path / "t.json")
+    assert out.exit_code == 0, out.output
+    rows = [ln for ln in out.stdout.splitlines() if ln.strip().endswith("#") or "#" in ln]
+    assert rows and rows[0].strip().startswith("* " + kept[0])
+    assert json.loads((tmp_path / "t.json").read_text())["kept_bf16"] == kept
+    out = run_cli("inspect", tmp_path / "tight", "--html", tmp_path / "t.html")
+    assert out.exit_code == 2 and "do not apply" in out.stderr
 
 
 def test_tune_refusals(measured, wiki_text, tmp_path):
