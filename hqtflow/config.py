@@ -35,6 +35,10 @@ SCALE_METHODS = (
     "maxabs_pcs_pow2",
     # hqtflow's own (compressed-tensors FP8_DYNAMIC; not an INC name: hqtflow handoff/INC refuse it)
     "fp8_dynamic",
+    # the Habana Quantization Toolkit 1.17's SmoothQuant methods (not in INC 3.10; hqtflow folds the smoothing)
+    "smoothquant_weights_output_channel_maxabs_pow2",
+    "weaksmoothquant_weights_output_channel_maxabs_pow2",
+    "smoothquant_opt",
 )
 INC_DYNAMIC_METHODS = ("act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw", "maxabs_pcs_pow2")
 FP8_FORMATS = ("E4M3", "E5M2")

@@ -113,6 +113,8 @@ class ScaleMethod:
     weight: Rule
     activation: Rule
 
+    smoothquant: bool = False  # HQT 1.17's SmoothQuant (hqtflow.quantize.smoothquant); weight/activation: its fallback
+
     @property
     def dynamic(self) -> bool:
         return self.activation.dynamic is not None
@@ -124,6 +126,9 @@ INC_DYNAMIC_METHODS = ("act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw", "maxabs_
 # per-channel weights amax / F, per-token activations amax / F in float32, no backoff, no rounding.
 HQTFLOW_DYNAMIC_METHODS = ("fp8_dynamic",)
 DYNAMIC_METHODS = INC_DYNAMIC_METHODS + HQTFLOW_DYNAMIC_METHODS
+# The Habana Quantization Toolkit 1.17's SmoothQuant methods (hqtflow.quantize.smoothquant; not in INC 3.10)
+SMOOTHQUANT_METHODS = ("smoothquant_weights_output_channel_maxabs_pow2",
+                       "weaksmoothquant_weights_output_channel_maxabs_pow2", "smoothquant_opt")
 INC_DYNAMIC_BACKOFF = 0.5  # INC's ScaleMethodFactory forces this backoff on every dynamic activation scale
 
 
@@ -156,6 +161,11 @@ def scale_method(spec: str | dict, target: str = "cpu", *, dynamic: bool = False
         return _checked_dynamic(_from_dict(spec["default"], target), dynamic, "default")
     if spec in INC_DYNAMIC_METHODS and not dynamic:
         raise ConfigError(f"Scale method {spec} is supported only with dynamic_quantization: true (as in Neural Compressor).")
+    if spec in SMOOTHQUANT_METHODS:
+        if dynamic:
+            raise ConfigError(f"{spec} computes static smoothed scales; it cannot run with dynamic_quantization.")
+        fallback = _named("act_maxabs_pow2_weights_pcs_maxabs_pow2", target)
+        return ScaleMethod(spec, fallback.weight, fallback.activation, smoothquant=True)
     m = _named(spec, target)
     return as_dynamic(m) if dynamic else m
 

@@ -175,6 +175,9 @@ def plan_job(s: QuantizeSettings) -> Job:
     if any(m.dynamic for m in rules.methods()) and s.scales_only:
         raise ConfigError(f"{method.name} computes activation scales at run time; INC uses no scale files with "
                           "dynamic_quantization, so --scales-only does not apply (hand the QUANT_CONFIG to INC as is).")
+    if any(m.smoothquant for m in rules.methods()) and (s.scales_only or s.disk_offload or not rules.uniform):
+        raise ConfigError(f"{method.name} folds its smoothing into the model's weights: it writes FP8 checkpoints only "
+                          "(no --scales-only, --disk-offload or per-layer scale_method sections).")
     if s.disk_offload and (any(m.dynamic for m in rules.methods()) or not rules.uniform):
         raise ConfigError("--disk-offload writes one static scale method everywhere; it cannot be combined with "
                           "dynamic methods or per-layer scale_method sections yet.")
@@ -213,6 +216,21 @@ def plan_job(s: QuantizeSettings) -> Job:
     return Job(cfg, target, rules, meas, model_dir, fp, plan, dtype)
 
 
+def _convert(model, job: Job, *, weight_only: bool) -> None:
+    """Swap the planned Linears for FP8Linear: the scale method(s), or HQT's SmoothQuant folded into the model."""
+    from hqtflow.quantize.convert import convert_model
+
+    kw = dict(target=job.target, fp8=job.cfg.fp8_config, hp_dtype=job.cfg.hp_dtype)
+    if job.method.default.smoothquant:
+        from hqtflow.quantize.smoothquant import convert_smoothquant
+
+        if weight_only:
+            raise ConfigError(f"{job.method.default.name} smooths activations; it cannot be combined with --weight-only.")
+        convert_smoothquant(model, job.plan["quantize"], job.meas.ranks[0], job.method.default.name, **kw)
+    else:
+        convert_model(model, job.plan["quantize"], job.meas.ranks[0], job.method, weight_only=weight_only, **kw)
+
+
 def quantize_in_memory(s: QuantizeSettings):
     """bf16 model + measurement -> (FP8 model, tokenizer) in memory, nothing written (`serve fp8 MODEL -m DIR`)."""
     import torch
@@ -223,8 +241,7 @@ def quantize_in_memory(s: QuantizeSettings):
     job = plan_job(s)
     model = models.load_model(job.model_dir, job.dtype)
     with torch.no_grad():
-        convert_model(model, job.plan["quantize"], job.meas.ranks[0], job.method, target=job.target,
-                      fp8=job.cfg.fp8_config, hp_dtype=job.cfg.hp_dtype, weight_only=s.weight_only)
+        _convert(model, job, weight_only=s.weight_only)
     return model, models.load_tokenizer(job.model_dir)
 
 
@@ -294,8 +311,7 @@ def quantize(s: QuantizeSettings) -> Path:
                 common["disk_offload"] = True
             else:
                 with torch.no_grad():
-                    convert_model(model, plan["quantize"], meas.ranks[0], rules, target=target, fp8=cfg.fp8_config,
-                                  hp_dtype=cfg.hp_dtype, weight_only=s.weight_only)
+                    _convert(model, job, weight_only=s.weight_only)
                     if kv_stats:
                         from hqtflow.quantize.convert import kv_cache_scales
 
