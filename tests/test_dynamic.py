@@ -143,6 +143,8 @@ def test_dynamic_checkpoint(measured, tmp_path, name):
     assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
     assert ("hqtflow_dynamic_activations" in qc) == (name != "fp8_dynamic")
     assert json.loads((out / "hqtflow_manifest.json").read_text())["data"]["mode"] == "w8a8-dynamic"
+    r = run_cli("inspect", out)  # no static input scales: inspect still reports the weights
+    assert r.exit_code == 0, r.output
     saved, tok = hqtflow.load(out, backend="qdq")
     layers = [m for m in saved.modules() if isinstance(m, FP8Linear)]
     assert layers and all(m.activation == "dynamic_token" and m.input_scale is None for m in layers)
