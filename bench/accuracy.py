@@ -8,6 +8,13 @@ come from ../shared/reference/hqt-formats.md, measured with 16x256 calibration t
 
     python bench/accuracy.py                 # the full table (>= 500 examples per task)
     python bench/accuracy.py --smoke         # a minute-long version (CI runs it)
+    python bench/accuracy.py --kl            # mean KL / top-1 vs bf16 per method, hqtflow and INC side by side
+
+`--kl`: one hqtflow measurement (`--calib-chunks` x `--calib-len` tokens of WikiText-2 valid) feeds both sides;
+each method's mean KL(bf16 || FP8) and top-1 agreement on the first `--kl-tokens` tokens of WikiText-2 test
+(512-token windows, `hqtflow.accuracy`), for hqtflow (CPU kernel) and for Neural Compressor 3.10's `convert()`
+of the same method from the same measurement (CPU QDQ, lm_head in bf16 on both sides). INC refuses dynamic
+quantization on CPU, so its dynamic methods have no figure here; hqtflow's `fp8_dynamic` is not an INC method.
 """
 
 from __future__ import annotations
@@ -68,7 +75,11 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny limits: a check that the bench runs")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--kl", action="store_true", help="the KL / top-1 table instead of lm-eval and perplexity")
+    p.add_argument("--kl-tokens", type=int, default=8192)
     a = p.parse_args()
+    if a.kl:
+        return kl_table(a)
     if a.smoke:
         a.limit, a.ppl_windows, a.calib_chunks = 4, 1, 2
         a.methods, a.tasks = "maxabs_arbitrary", "piqa_local,winogrande_local"
@@ -95,6 +106,73 @@ def main() -> None:
     print_table(results, tasks, a)
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=2))
+
+
+KL_METHODS = ["maxabs_arbitrary", "maxabs_pow2", "act_maxabs_pow2_weights_pcs_maxabs_pow2", "fp8_dynamic",
+              "maxabs_pcs_pow2", "act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw"]
+
+
+def kl_table(a) -> None:
+    import platform
+    import shutil
+    import tempfile
+
+    from hqtflow.accuracy import divergence, log_probs, token_windows
+    from hqtflow.measure.run import MeasureSettings, measure
+    from hqtflow.quantize.fp8_linear import set_backend
+    from hqtflow.quantize.run import QuantizeSettings, quantize_in_memory
+    from hqtflow.scales import DYNAMIC_METHODS
+
+    data = Path(a.data_dir)
+    path = models.resolve_model(a.model)
+    methods = [m for m in (a.methods.split(",") if a.methods != ",".join(METHODS) else KL_METHODS) if m]
+    flags = sorted({f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+                    if f in Path("/proc/cpuinfo").read_text()}) if Path("/proc/cpuinfo").exists() else []
+    print(f"model {path.name}, torch {torch.__version__}, {platform.machine()} CPU flags {flags}, threads {torch.get_num_threads()}")
+    tmp = Path(tempfile.mkdtemp(prefix="hqtflow-kl-"))
+    try:
+        meas = measure(MeasureSettings(output=str(tmp / "meas"), model=str(path), text=(str(data / "wikitext2_valid.txt"),),
+                                       limit=a.calib_chunks, max_length=a.calib_len, batch_size=a.batch_size), show_progress=False)
+        tok = models.load_tokenizer(path)
+        bf16 = models.load_model(path, "bf16")
+        windows = token_windows(tok, data / "wikitext2_test.txt", a.kl_tokens, 512)
+        ref = log_probs(bf16, windows)
+        rows = {}
+        for method in methods:
+            model, _ = quantize_in_memory(QuantizeSettings(measurement=str(meas), output="-", scale_method=method))
+            set_backend(model, "auto")
+            ours = divergence(ref, model, windows)
+            del model
+            theirs = None
+            if method not in DYNAMIC_METHODS:
+                from neural_compressor.torch import quantization as inc
+
+                work = tmp / f"inc-{method}"
+                shutil.copytree(meas, work)
+                cfg = inc.FP8Config(mode="QUANTIZE", observer="maxabs", scale_method=method, use_qdq=True,
+                                    dump_stats_path=str(work / "measure"), blocklist={"names": ["lm_head"]})
+                qmodel = inc.convert(models.load_model(path, "bf16"), cfg)
+                theirs = divergence(ref, qmodel, windows)
+                del qmodel
+            rows[method] = {"hqtflow": ours.as_dict(), "inc": theirs.as_dict() if theirs else None}
+            print(f"  {method}: hqtflow KL {ours.mean_kl:.5f} top-1 {ours.top1:.4f}; INC "
+                  + (f"KL {theirs.mean_kl:.5f} top-1 {theirs.top1:.4f}" if theirs else "n/a"), flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    n = sum(w.shape[1] for w in windows)
+    print(f"\nmean KL(bf16 || FP8) and top-1 agreement on {n} tokens of WikiText-2 test; calibration "
+          f"{a.calib_chunks} x {a.calib_len} tokens of WikiText-2 valid; lm_head bf16")
+    head = ["method", "hqtflow KL", "hqtflow top-1", "INC KL", "INC top-1", "KL ratio hqtflow/INC"]
+    table = [head]
+    for m, r in rows.items():
+        h, i = r["hqtflow"], r["inc"]
+        table.append([m, f"{h['mean_kl']:.5f}", f"{h['top1']:.4f}", "n/a" if i is None else f"{i['mean_kl']:.5f}",
+                      "n/a" if i is None else f"{i['top1']:.4f}", "n/a" if i is None else f"{h['mean_kl'] / i['mean_kl']:.3f}"])
+    widths = [max(len(r[c]) for r in table) for c in range(len(head))]
+    for r in table:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "tokens": n, "results": rows}, indent=2))
 
 
 def print_table(results: dict, tasks: list[str], a) -> None:

@@ -196,6 +196,30 @@ def quantize(
         typer.echo(summary(run_quantize(s)))
 
 
+@app.command()
+@user_errors
+def tune(
+    model: Annotated[Optional[str], typer.Argument(help="Model folder (default: the one the measurement recorded).")] = None,
+    measurement: Annotated[Path, typer.Option("-m", "--measurement", help="Measurement artifact directory.")] = ...,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Directory to write (quant_config.json, sensitivity.json, checkpoint/).")] = ...,
+    text: Annotated[Path, typer.Option(help="Calibration text file for the KL measurements.")] = ...,
+    target_kl: Annotated[Optional[float], typer.Option(help="Largest mean KL vs bf16 allowed.")] = None,
+    max_ppl_increase: Annotated[Optional[float], typer.Option(help="Largest relative perplexity increase vs bf16 (0.01 = +1%).")] = None,
+    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="QUANT_CONFIG to start from (QUANTIZE mode).")] = None,
+    scale_method: Annotated[Optional[str], typer.Option(help="Override the config's scale_method.")] = None,
+    tokens: Annotated[int, typer.Option(help="Tokens of --text to measure on.")] = 1024,
+    window: Annotated[int, typer.Option(help="Tokens per evaluated sequence.")] = 256,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
+) -> None:
+    """Per-layer sensitivity, then the fewest Linear layers kept in bf16 that meet --target-kl / --max-ppl-increase."""
+    from hqtflow.tune import TuneSettings, summary, tune as run_tune
+
+    s = TuneSettings(measurement=str(measurement), output=str(output), text=str(text), model=model,
+                     config=str(config) if config else None, scale_method=scale_method, target_kl=target_kl,
+                     max_ppl_increase=max_ppl_increase, tokens=tokens, window=window, overwrite=overwrite)
+    typer.echo(summary(run_tune(s, progress=lambda m: typer.echo(m, err=True))))
+
+
 Backend = Annotated[str, typer.Option(help="FP8 matmul: auto (CPU kernel / CUDA _scaled_mm), cpu, scaled_mm, or qdq (the reference).")]
 ComputeDtype = Annotated[str, typer.Option("--dtype", help="High-precision compute dtype: auto (bf16 with native bf16 dot products or on GPUs, else fp32), bf16, fp16 or fp32.")]
 
@@ -390,7 +414,7 @@ def export(
 @app.command()
 @user_errors
 def inspect(
-    artifact: Annotated[Path, typer.Argument(help="Measurement, scales or FP8 checkpoint artifact directory.")],
+    artifact: Annotated[Path, typer.Argument(help="Measurement, scales, FP8 checkpoint or tune artifact directory (tune: its sensitivity chart).")],
     compare: Annotated[Optional[Path], typer.Option("--compare", help="Another artifact of the same kind to compare with.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report as JSON here.")] = None,
     html_out: Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report here.")] = None,

@@ -30,7 +30,17 @@ SCALE_METHODS = (
     "act_maxabs_pow2_weights_pcs_maxabs_pow2",
     "act_maxabs_hw_weights_pcs_opt_pow2",
     "act_maxabs_pow2_weights_pcs_opt_pow2",
+    # Neural Compressor 3.10's dynamic methods (only with dynamic_quantization: true, as INC requires)
+    "act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw",
+    "maxabs_pcs_pow2",
+    # hqtflow's own (compressed-tensors FP8_DYNAMIC; not an INC name: hqtflow handoff/INC refuse it)
+    "fp8_dynamic",
+    # the Habana Quantization Toolkit 1.17's SmoothQuant methods (not in INC 3.10; hqtflow folds the smoothing)
+    "smoothquant_weights_output_channel_maxabs_pow2",
+    "weaksmoothquant_weights_output_channel_maxabs_pow2",
+    "smoothquant_opt",
 )
+INC_DYNAMIC_METHODS = ("act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw", "maxabs_pcs_pow2")
 FP8_FORMATS = ("E4M3", "E5M2")
 HP_DTYPES = ("bf16", "fp16", "fp32")
 MEASURE_EXCLUDES = ("NONE", "INPUT", "OUTPUT", "PARAMS", "ALL")
@@ -242,6 +252,11 @@ class QuantConfig:
                 raise ConfigError(f"{source}: key 'calibration_sample_interval' must be an integer >= 0, not {n!r}.")
             v["calibration_sample_interval"] = n
         v["extra"] = {k: raw[k] for k in raw if k in INC_PASSTHROUGH_KEYS}
+        dynamic = _bool("dynamic_quantization", raw["dynamic_quantization"], source=source) \
+            if "dynamic_quantization" in raw else False
+        if v.get("scale_method") in INC_DYNAMIC_METHODS and not dynamic:
+            raise ConfigError(f"{source}: scale_method {v['scale_method']} is supported only with "
+                              "dynamic_quantization: true (as in Neural Compressor).")
         return cls(**v)
 
     @classmethod
@@ -281,6 +296,12 @@ class QuantConfig:
     @property
     def per_channel(self) -> bool:
         return self.observer == "maxabs_per_channel"
+
+    @property
+    def dynamic_quantization(self) -> bool:
+        """INC's `dynamic_quantization` (activation scales computed at run time); checked when parsed."""
+        v = self.extra.get("dynamic_quantization", False)
+        return v if isinstance(v, bool) else str(v).lower() == "true"
 
     # ---- writing -------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -76,6 +76,15 @@ def _artifact_type(directory: Path) -> str:
     return t
 
 
+def _is_tune(directory) -> bool:
+    from hqtflow.formats.artifact import MANIFEST
+
+    try:
+        return json.loads((Path(directory) / MANIFEST).read_text()).get("_type") == "hqtflow.tune"
+    except (OSError, ValueError, AttributeError):
+        return False  # _artifact_type says what is wrong
+
+
 def _fmax(a) -> float:
     import numpy as np
 
@@ -581,6 +590,16 @@ def _check_writable(path: Path | None, inputs=()) -> None:
 
 def run_inspect(artifact, *, compare=None, json_path=None, html_path=None, top: int = 10) -> str:
     """Build the report, write --json / --html (only after everything succeeded), return the terminal text."""
+    if _is_tune(artifact):  # `hqtflow tune` output: its sensitivity chart
+        if compare is not None or html_path is not None:
+            raise InspectError("A tune artifact is shown as its sensitivity chart (and --json); --compare and --html do not apply.")
+        from hqtflow.tune import sensitivity_chart
+
+        _check_writable(json_path, (artifact,))
+        rep, text = sensitivity_chart(artifact, top=max(top, 1))
+        if json_path is not None:
+            _write(Path(json_path), json.dumps(_clean(rep), indent=2) + "\n")
+        return text
     _check_writable(json_path, (artifact, compare))
     _check_writable(html_path, (artifact, compare))
     rep = inspect_artifact(artifact, compare=compare, top=top)

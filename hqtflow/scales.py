@@ -23,7 +23,8 @@ Gaudi3 would use, and `hw_aligned_single_scale` is Gaudi3's first hardware scale
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import re
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -100,6 +101,10 @@ class Rule:
     rounding: str = "IDENTITY"
     backoff: float = 1.0
     candidates: tuple[float, ...] | None = None  # OPT: scales (PTS) or multipliers (PCS) to search
+    # Activations computed at run time from each input instead of a measurement: None (static), "inc" (Neural
+    # Compressor's dynamic arithmetic, in the input's dtype) or "fp32" (compressed-tensors / vLLM: amax / F in
+    # float32). With granularity PCS the scale is per token (one per row of the last dimension), PTS per call.
+    dynamic: str | None = None
 
 
 @dataclass(frozen=True)
@@ -108,17 +113,64 @@ class ScaleMethod:
     weight: Rule
     activation: Rule
 
+    smoothquant: bool = False  # HQT 1.17's SmoothQuant (hqtflow.quantize.smoothquant); weight/activation: its fallback
+
+    @property
+    def dynamic(self) -> bool:
+        return self.activation.dynamic is not None
+
+
+# Neural Compressor 3.10's methods that exist only with `dynamic_quantization: true` (it refuses them otherwise).
+INC_DYNAMIC_METHODS = ("act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw", "maxabs_pcs_pow2")
+# hqtflow's own: compressed-tensors FP8_DYNAMIC (llm-compressor's preset, vLLM's near-lossless default):
+# per-channel weights amax / F, per-token activations amax / F in float32, no backoff, no rounding.
+HQTFLOW_DYNAMIC_METHODS = ("fp8_dynamic",)
+DYNAMIC_METHODS = INC_DYNAMIC_METHODS + HQTFLOW_DYNAMIC_METHODS
+# The Habana Quantization Toolkit 1.17's SmoothQuant methods (hqtflow.quantize.smoothquant; not in INC 3.10)
+SMOOTHQUANT_METHODS = ("smoothquant_weights_output_channel_maxabs_pow2",
+                       "weaksmoothquant_weights_output_channel_maxabs_pow2", "smoothquant_opt")
+INC_DYNAMIC_BACKOFF = 0.5  # INC's ScaleMethodFactory forces this backoff on every dynamic activation scale
+
+
+def as_dynamic(method: ScaleMethod) -> ScaleMethod:
+    """`method` with `dynamic_quantization: true`, as INC applies it: its activation rule (PTS: one scale per call,
+    PCS: per token) computed at run time with backoff 0.5; HW_ALIGNED or fixed activation scales are refused."""
+    if method.dynamic:
+        return method
+    a = method.activation
+    if a.value != "MAXABS" or a.rounding not in ("IDENTITY", "POW2"):
+        raise ConfigError(f"Scale method {method.name} cannot run with dynamic_quantization (INC supports dynamic "
+                          "activations with MAXABS values and IDENTITY or POW2 rounding only).")
+    return replace(method, activation=replace(a, backoff=INC_DYNAMIC_BACKOFF, dynamic="inc"))
+
 
 def _hw_candidates(target: str) -> tuple[float, ...]:
     return tuple(hw_scales(target))
 
 
-def scale_method(spec: str | dict, target: str = "cpu") -> ScaleMethod:
-    """The weight and activation rules of a scale method name (or INC's dict form, its `default` section)."""
+def scale_method(spec: str | dict, target: str = "cpu", *, dynamic: bool = False) -> ScaleMethod:
+    """The weight and activation rules of a scale method name (or INC's dict form, its `default` section).
+
+    `dynamic`: INC's `dynamic_quantization` (see `as_dynamic`); INC's dynamic-only methods need it.
+    """
     if target not in TARGETS:
         raise ConfigError(f"Unknown scale target {target!r}; valid values are {', '.join(TARGETS)}.")
     if isinstance(spec, dict):
-        return _from_dict(spec)
+        if not isinstance(spec.get("default"), dict):
+            raise ConfigError("A scale_method object needs a 'default' section (as Neural Compressor requires).")
+        return _checked_dynamic(_from_dict(spec["default"], target), dynamic, "default")
+    if spec in INC_DYNAMIC_METHODS and not dynamic:
+        raise ConfigError(f"Scale method {spec} is supported only with dynamic_quantization: true (as in Neural Compressor).")
+    if spec in SMOOTHQUANT_METHODS:
+        if dynamic:
+            raise ConfigError(f"{spec} computes static smoothed scales; it cannot run with dynamic_quantization.")
+        fallback = _named("act_maxabs_pow2_weights_pcs_maxabs_pow2", target)
+        return ScaleMethod(spec, fallback.weight, fallback.activation, smoothquant=True)
+    m = _named(spec, target)
+    return as_dynamic(m) if dynamic else m
+
+
+def _named(spec: str, target: str) -> ScaleMethod:
     w_pow2 = Rule(rounding="POW2", backoff=WEIGHT_BACKOFF)
     a_pow2 = Rule(rounding="POW2", backoff=ACTIVATION_BACKOFF)
     w_hw = Rule(rounding="HW_ALIGNED", backoff=WEIGHT_BACKOFF)
@@ -138,6 +190,10 @@ def scale_method(spec: str | dict, target: str = "cpu") -> ScaleMethod:
         "act_maxabs_pow2_weights_pcs_maxabs_pow2": (pcs_pow2, a_pow2),
         "act_maxabs_hw_weights_pcs_opt_pow2": (pcs_opt, a_hw),
         "act_maxabs_pow2_weights_pcs_opt_pow2": (pcs_opt, a_pow2),
+        # INC 3.10's dynamic methods (`as_dynamic` sets the activation backoff to 0.5 as INC does)
+        "act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw": (w_hw, Rule("PCS", rounding="POW2")),
+        "maxabs_pcs_pow2": (pcs_pow2, Rule("PCS", rounding="POW2")),
+        "fp8_dynamic": (Rule("PCS"), Rule("PCS", dynamic="fp32")),
     }
     if spec not in table:
         raise ConfigError(f"Unknown scale method {spec!r}; valid values are {', '.join(table)}.")
@@ -145,22 +201,102 @@ def scale_method(spec: str | dict, target: str = "cpu") -> ScaleMethod:
     return ScaleMethod(spec, weight, activation)
 
 
-def _from_dict(spec: dict) -> ScaleMethod:
-    default = spec.get("default") or {}
-    if spec.get("nodes") or spec.get("layers") or spec.get("layer_types"):
-        raise ConfigError("Per-layer sections (nodes/layers/layer_types) of a scale_method dict are not supported yet; use 'default'.")
 
-    def rule(d: dict, backoff: float) -> Rule:
-        r = Rule(d.get("granularity", "PTS"), d.get("scale_value_type", "MAXABS"), d.get("rounding_method", "IDENTITY"),
-                 d.get("backoff", backoff))
-        if r.value == "OPT":
-            cands = (d.get("params") or {}).get("weight_scales")
-            if not cands:
-                raise ConfigError("An OPT scale_value_type needs params.weight_scales (the candidate scales).")
-            r = replace(r, candidates=tuple(float(c) for c in cands))
-        return r
+def _key(r: Rule) -> tuple[str, str, str]:
+    """What INC compares to recognise a method (ScaleMethodConfig.__eq__): backoff and params are not part of it."""
+    return (r.granularity, r.value, r.rounding)
 
-    return ScaleMethod("custom", rule(default.get("weight", {}), 1.0), rule(default.get("activation", {}), 1.0))
+
+def _reference(weight: Rule, activation: Rule, target: str) -> ScaleMethod | None:
+    """The named INC method whose rules have the same granularity, value type and rounding (INC's
+    get_scale_method_from_config), or None."""
+    for name in [*SCALE_METHOD_NAMES]:
+        m = _named(name, target)
+        if name not in HQTFLOW_DYNAMIC_METHODS and (_key(m.weight), _key(m.activation)) == (_key(weight), _key(activation)):
+            return m
+    return None
+
+
+def _from_dict(spec: dict, target: str = "cpu", section: str = "default", base: ScaleMethod | None = None) -> ScaleMethod:
+    """One `{weight, activation}` entry of INC's dict form, as INC's parse_scale_method + validate_and_populate read
+    it: a missing key comes from `base` (the default entry; for the default itself: PTS, MAXABS, IDENTITY, backoff
+    1.0); the combination must be one of INC's named methods (whose OPT candidates fill in missing params)."""
+
+    def rule(d: dict, b: Rule | None) -> Rule:
+        b = b or Rule()
+        cands = (d.get("params") or {}).get("weight_scales") if "params" in d else b.candidates
+        return Rule(d.get("granularity", b.granularity), d.get("scale_value_type", b.value),
+                    d.get("rounding_method", b.rounding), float(d.get("backoff", b.backoff)),
+                    tuple(float(c) for c in cands) if cands else None)
+
+    w = rule(spec.get("weight") or {}, base.weight if base else None)
+    a = rule(spec.get("activation") or {}, base.activation if base else None)
+    ref = _reference(w, a, target)
+    if ref is None:
+        raise ConfigError(f"scale_method.{section}: weight {'/'.join(_key(w))} with activation {'/'.join(_key(a))} is not "
+                          "one of Neural Compressor's scale methods, which INC refuses.")
+    if w.value == "OPT" and not w.candidates:
+        w = replace(w, candidates=ref.weight.candidates)
+    return ScaleMethod(ref.name, w, a)
+
+
+SCALE_METHOD_NAMES = ("unit_scale", "hw_aligned_single_scale", "maxabs_hw", "maxabs_pow2", "maxabs_arbitrary",
+                      "maxabs_hw_opt_weight", "maxabs_pow2_opt_weight", "act_maxabs_hw_weights_pcs_maxabs_pow2",
+                      "act_maxabs_pow2_weights_pcs_maxabs_pow2", "act_maxabs_hw_weights_pcs_opt_pow2",
+                      "act_maxabs_pow2_weights_pcs_opt_pow2", *INC_DYNAMIC_METHODS)
+LAYER_INDEX = (re.compile(r"layers\.(\d+)"), re.compile(r"layers/(\d+)"))
+
+
+@dataclass(frozen=True)
+class ScaleRules:
+    """A scale method per module: INC 3.10's dict `scale_method` with `nodes` (module names), `layers` (decoder
+    layer indices, found by `layers.<i>` in the name) and `layer_types` (module class names) sections."""
+
+    default: ScaleMethod
+    nodes: dict = field(default_factory=dict)
+    layers: dict = field(default_factory=dict)
+    layer_types: dict = field(default_factory=dict)
+
+    def __call__(self, name: str, type_name: str = "Linear") -> ScaleMethod:
+        """INC's find_node_scale_method_config: a node entry, else the layer index's, else the type's, else default."""
+        if name in self.nodes:
+            return self.nodes[name]
+        for pattern in LAYER_INDEX:
+            match = pattern.search(name)
+            if match:
+                if match.group(1) in self.layers:
+                    return self.layers[match.group(1)]
+                break
+        return self.layer_types.get(type_name, self.default)
+
+    def methods(self) -> list[ScaleMethod]:
+        return [self.default, *self.nodes.values(), *self.layers.values(), *self.layer_types.values()]
+
+    @property
+    def uniform(self) -> bool:
+        return not (self.nodes or self.layers or self.layer_types)
+
+
+def scale_rules(spec: str | dict, target: str = "cpu", *, dynamic: bool = False) -> ScaleRules:
+    """The per-module scale methods of a `scale_method` (a name: the same method everywhere)."""
+    if not isinstance(spec, dict):
+        return ScaleRules(scale_method(spec, target, dynamic=dynamic))
+    default = scale_method(spec, target, dynamic=dynamic)
+    raw_default = _from_dict(spec["default"], target)
+    sections = {}
+    for section in ("nodes", "layers", "layer_types"):
+        entries = {}
+        for key, entry in (spec.get(section) or {}).items():
+            m = _from_dict(entry, target, f"{section}.{key}", raw_default)
+            entries[str(key)] = _checked_dynamic(m, dynamic, f"{section}.{key}")
+        sections[section] = entries
+    return ScaleRules(default, **sections)
+
+
+def _checked_dynamic(m: ScaleMethod, dynamic: bool, where: str) -> ScaleMethod:
+    if m.name in INC_DYNAMIC_METHODS and not dynamic:
+        raise ConfigError(f"scale_method.{where} is {m.name}, which INC supports only with dynamic_quantization: true.")
+    return as_dynamic(m) if dynamic else m
 
 
 # ---- FP8 casts (the QDQ reference) -------------------------------------------------------------
@@ -179,6 +315,26 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 # ---- computing scales --------------------------------------------------------------------------
+def dynamic_activation_scale(x: torch.Tensor, rule: Rule, *, fp8: str = "E4M3", target: str = "cpu") -> torch.Tensor:
+    """The run-time scale of activation `x` under a dynamic rule: [..., 1] per token (PCS) or 0-d (PTS).
+
+    "inc": Neural Compressor 3.10's MaxAbsDynamicPcs / MaxAbsDynamicPts off Gaudi's cguid path, in x's dtype:
+    amax(|x|) / (F * backoff), per token at least bf16's smallest normal (PCS), then the rounding.
+    "fp32": compressed-tensors / vLLM: amax(|x|) / F in float32, at least 1e-12.
+    """
+    F = full_scale(fp8, target)
+    if rule.dynamic == "fp32":
+        xf = x.float()
+        amax = xf.abs().amax(-1, keepdim=True) if rule.granularity == "PCS" else xf.abs().amax()
+        return (amax / F).clamp(min=1e-12)
+    if rule.granularity == "PCS":
+        s = torch.amax(torch.abs(x), dim=-1, keepdim=True) / (F * rule.backoff)
+        s = torch.max(s, torch.tensor(torch.finfo(torch.bfloat16).tiny, device=x.device))
+    else:
+        s = torch.max(torch.abs(x.detach())) / (F * rule.backoff)
+    return apply_rounding(s, rule.rounding, target)
+
+
 def activation_scale(maxabs, rule: Rule, *, target: str = "cpu", fp8: str = "E4M3", hp_dtype: str = "bf16") -> torch.Tensor:
     """A per-tensor activation scale (0-d tensor in hp_dtype) from a measured maxabs (scalar or array)."""
     hp = HP_DTYPES[hp_dtype]
@@ -238,9 +394,10 @@ def _best_per_channel(w: torch.Tensor, ref: torch.Tensor, multipliers, fp8: str,
 
 @dataclass(frozen=True)
 class LinearScales:
-    """Scales of one Linear: input (0-d), weight (0-d or [out]), output = input * weight."""
+    """Scales of one Linear: input (0-d; None for dynamic activations), weight (0-d or [out]), output = input *
+    weight."""
 
-    input: torch.Tensor
+    input: torch.Tensor | None
     weight: torch.Tensor
 
     @property
@@ -251,4 +408,5 @@ class LinearScales:
 def linear_scales(method: ScaleMethod, input_maxabs, weight: torch.Tensor, *, target: str = "cpu",
                   fp8: str = "E4M3", hp_dtype: str = "bf16") -> LinearScales:
     kw = dict(target=target, fp8=fp8, hp_dtype=hp_dtype)
-    return LinearScales(activation_scale(input_maxabs, method.activation, **kw), weight_scale(weight, method.weight, **kw))
+    s_in = None if method.dynamic else activation_scale(input_maxabs, method.activation, **kw)
+    return LinearScales(s_in, weight_scale(weight, method.weight, **kw))

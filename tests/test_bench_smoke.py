@@ -23,6 +23,22 @@ def test_accuracy_smoke(smollm2, data_dir, tmp_path):
     assert res["maxabs_arbitrary"]["wikitext"]["perplexity"] < 1.2 * res["bf16"]["wikitext"]["perplexity"]
 
 
+def test_accuracy_kl_smoke(smollm2, data_dir, tmp_path):
+    """bench/accuracy.py --kl: hqtflow and INC from one measurement; INC has no figure for a dynamic method."""
+    out = tmp_path / "kl.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "accuracy.py"), "--kl", "--model", str(smollm2),
+                        "--data-dir", str(data_dir), "--kl-tokens", "512", "--calib-chunks", "4",
+                        "--methods", "maxabs_pow2,fp8_dynamic", "--json", str(out)], capture_output=True, text=True,
+                       timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "KL ratio hqtflow/INC" in r.stdout
+    res = json.loads(out.read_text())["results"]
+    assert res["fp8_dynamic"]["inc"] is None and res["fp8_dynamic"]["hqtflow"]["tokens"] == 512
+    ours, inc = res["maxabs_pow2"]["hqtflow"], res["maxabs_pow2"]["inc"]
+    # power-of-two scales: hqtflow's FP8 model is INC's (tests/test_inc_equivalence.py), so the KL agrees closely
+    assert abs(ours["mean_kl"] - inc["mean_kl"]) <= 0.05 * inc["mean_kl"] + 1e-4
+
+
 def test_forward_and_decode_smoke(smollm2, wiki_text, tmp_path):
     """bench/forward.py and bench/decode.py on a small SmolLM2 FP8 checkpoint, shortest settings."""
     from conftest import run_cli

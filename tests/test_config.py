@@ -43,7 +43,10 @@ def test_every_key_parses_case_insensitively():
 
 @pytest.mark.parametrize("name", SCALE_METHODS)
 def test_every_scale_method_name(name):
-    assert QuantConfig.from_dict({"scale_method": name.upper()}).scale_method == name
+    from hqtflow.config import INC_DYNAMIC_METHODS
+
+    extra = {"dynamic_quantization": True} if name in INC_DYNAMIC_METHODS else {}
+    assert QuantConfig.from_dict({"scale_method": name.upper(), **extra}).scale_method == name
 
 
 def test_legacy_whitelist_blacklist():

@@ -14,10 +14,22 @@ KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic":
                    "strategy": "tensor"}
 
 
-def quantization_config(*, per_channel: bool, static_input: bool, ignore: list[str], kv_cache: bool = False) -> dict:
+# Top-level key of quantization_config (compressed-tensors ignores unknown top-level keys; transformers and vLLM
+# then quantize activations per token with amax / 448): the rule of Neural Compressor's dynamic methods, which
+# hqtflow's loader applies instead (backoff 0.5, power-of-two scales).
+INC_DYNAMIC_KEY = "hqtflow_dynamic_activations"
+
+
+def quantization_config(*, per_channel: bool, static_input: bool, ignore: list[str], kv_cache: bool = False,
+                        dynamic: str | None = None, inc_rule: dict | None = None) -> dict:
+    """`dynamic`: "token" or "tensor" for activations quantized at run time (`dynamic: true`); `inc_rule`: the
+    INC dynamic rule ({"scale_method", "backoff", "rounding"}) written under INC_DYNAMIC_KEY."""
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
            "strategy": "channel" if per_channel else "tensor"}
     activations = {**fp8, "strategy": "tensor"} if static_input else None
+    if dynamic is not None:
+        activations = {**fp8, "dynamic": True, "strategy": dynamic}
+    extra = {INC_DYNAMIC_KEY: dict(inc_rule)} if inc_rule else {}
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
@@ -26,6 +38,7 @@ def quantization_config(*, per_channel: bool, static_input: bool, ignore: list[s
                                       "output_activations": None, "format": "float-quantized"}},
         "ignore": sorted(ignore),
         "kv_cache_scheme": dict(KV_CACHE_SCHEME) if kv_cache else None,
+        **extra,
     }
 
 
@@ -94,7 +107,19 @@ def parse_quantization_config(qc: dict) -> dict:
     return {"per_channel": strategy == "channel", "static_input": activation == "static",
             "ignore": list(qc.get("ignore") or []), "strategy": strategy, "block_size": block,
             "activation": activation, "group_size": group_size, "method": "compressed-tensors",
-            "kv_cache": bool(qc.get("kv_cache_scheme"))}
+            "kv_cache": bool(qc.get("kv_cache_scheme")), "inc_rule": _inc_rule(qc.get(INC_DYNAMIC_KEY), activation)}
+
+
+def _inc_rule(raw, activation: str | None) -> dict | None:
+    """The INC dynamic rule a checkpoint names (checked), or None."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or activation not in ("dynamic_token", "dynamic_tensor") or \
+            raw.get("rounding") not in ("IDENTITY", "POW2") or not isinstance(raw.get("backoff"), (int, float)) or \
+            not 0 < raw["backoff"] <= 1:
+        raise ArtifactError(f"{INC_DYNAMIC_KEY} must be {{scale_method, backoff in (0, 1], rounding IDENTITY|POW2}} "
+                            f"on dynamic token/tensor activations, not {raw!r}.")
+    return {"scale_method": str(raw.get("scale_method")), "backoff": float(raw["backoff"]), "rounding": raw["rounding"]}
 
 
 def _parse_autofp8(qc: dict) -> dict:

@@ -20,14 +20,21 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def convert_model(model: nn.Module, names: list[str], meas: hqt.Measurement, method: ScaleMethod, *,
                   target: str, fp8: str, hp_dtype: str, weight_only: bool = False) -> dict[str, dict]:
-    """Replace each named Linear by an FP8Linear with scales from `meas`; return the scales used."""
+    """Replace each named Linear by an FP8Linear with scales from `meas`; return the scales used.
+
+    `method` is one ScaleMethod or per-module rules (`hqtflow.scales.ScaleRules`: (name, type name) -> ScaleMethod). A dynamic method's
+    activations are quantized at run time (its measured input statistics are not used)."""
     used = {}
     _untie_if_needed(model, names)
     for name in names:
         lin = model.get_submodule(name)
-        sc = linear_scales(method, meas.nodes[name].inputs[0], lin.weight, target=target, fp8=fp8, hp_dtype=hp_dtype)
-        _set_module(model, name, FP8Linear.from_linear(lin, sc.weight, None if weight_only else sc.input, fp8))
-        used[name] = {"input": float(sc.input), "weight": sc.weight.float().flatten().tolist()}
+        m = method(name, type(lin).__name__) if callable(method) else method
+        stats = None if m.dynamic else meas.nodes[name].inputs[0]
+        sc = linear_scales(m, stats, lin.weight, target=target, fp8=fp8, hp_dtype=hp_dtype)
+        dynamic = None if weight_only or not m.dynamic else m.activation
+        _set_module(model, name, FP8Linear.from_linear(lin, sc.weight, None if weight_only else sc.input, fp8,
+                                                       dynamic=dynamic))
+        used[name] = {"input": None if sc.input is None else float(sc.input), "weight": sc.weight.float().flatten().tolist()}
     return used
 
 
@@ -65,22 +72,35 @@ def _untie_if_needed(model: nn.Module, names: list[str]) -> None:
 
 
 def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_channel: bool, static_input: bool,
-                    kv_cache: bool = False) -> None:
-    """compressed-tensors FP8 safetensors + config.json with its quantization_config."""
+                    kv_cache: bool = False, dynamic: ScaleMethod | None = None) -> None:
+    """compressed-tensors FP8 safetensors + config.json with its quantization_config.
+
+    `dynamic`: the dynamic method the FP8Linears run (`dynamic: true`, strategy token or tensor; an INC method's
+    rule is recorded under INC_DYNAMIC_KEY)."""
     from safetensors.torch import save_file
 
     from hqtflow.formats.compressed_tensors import quantization_config
 
     out = Path(out)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if per_channel:  # per-layer methods: a per-tensor weight scale written per channel is the same function
+        for name, mod in model.named_modules():
+            if isinstance(mod, FP8Linear) and mod.weight_scale.numel() == 1 and mod.out_features > 1:
+                state[f"{name}.weight_scale"] = mod.weight_scale.detach().reshape(1, 1).expand(mod.out_features, 1).contiguous()
     if getattr(model.config, "tie_word_embeddings", False):
         out_emb = model.get_output_embeddings()
         lm_name = next((n for n, m in model.named_modules() if m is out_emb), None)
         state.pop(f"{lm_name}.weight", None)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     cfg = model.config.to_dict()
-    cfg["quantization_config"] = quantization_config(per_channel=per_channel, static_input=static_input, ignore=ignore,
-                                                     kv_cache=kv_cache)
+    kind = rule = None
+    if dynamic is not None:
+        a = dynamic.activation
+        kind = "token" if a.granularity == "PCS" else "tensor"
+        if a.dynamic == "inc":
+            rule = {"scale_method": dynamic.name, "backoff": a.backoff, "rounding": a.rounding}
+    cfg["quantization_config"] = quantization_config(per_channel=per_channel, static_input=static_input and not kind,
+                                                     ignore=ignore, kv_cache=kv_cache, dynamic=kind, inc_rule=rule)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
@@ -178,6 +198,12 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
                 raise ArtifactError(f"{path}: {name}.input_scale has {tensors[f'{name}.input_scale'].numel()} values; "
                                     "static activation scales must be per tensor.")
             tensors[f"{name}.input_scale"] = tensors[f"{name}.input_scale"].reshape(1)
+        if qc.get("inc_rule") and activation in ("dynamic_token", "dynamic_tensor"):
+            from hqtflow.scales import Rule
+
+            r = qc["inc_rule"]
+            new.dynamic_rule = Rule("PCS" if activation == "dynamic_token" else "PTS", rounding=r["rounding"],
+                                    backoff=r["backoff"], dynamic="inc")
         _set_module(model, name, new)
     for key, value in kv_scales.items():
         mod_name, _, leaf = key.rpartition(".")

@@ -9,7 +9,9 @@ For FP8 checkpoints made by other tools (`load_checkpoint`) it also runs: dynami
 "dynamic_token": each token row quantized with its own scale = row maxabs / F at run time, "dynamic_tensor": one
 scale = tensor maxabs / F per call, "dynamic_group": per token and per `group_size` input columns) and block-wise
 weights (`block_size` (b0, b1): weight_scale [ceil(out/b0), ceil(in/b1)], each scale applies to its block).
-Dynamic scales are computed in float32. The static path is unchanged.
+Dynamic scales are computed in float32 (amax / F, compressed-tensors' and vLLM's rule), or, when the layer has a
+`dynamic_rule` (`hqtflow.scales.Rule`, from Neural Compressor's dynamic methods: backoff 0.5, power-of-two
+rounding, INC's arithmetic), with `hqtflow.scales.dynamic_activation_scale`. The static path is unchanged.
 
 Backends (`set_backend`):
 - "qdq": the reference, any layout, any device.
@@ -19,7 +21,8 @@ Backends (`set_backend`):
   batch-invariant: a row's output does not depend on M, its neighbours or padding rows.
 - "scaled_mm": `torch._scaled_mm`, a real FP8 GEMM with fp32 accumulation on CUDA compute capability >= 8.9 (it
   also runs, slowly, on CPU, which lets CI check its layout and numerics); static per-tensor activations and
-  per-tensor weights.
+  per-tensor weights, or per-token dynamic activations with per-tensor or per-channel weights (row-wise scales:
+  [M, 1] for the input, [1, N] for the weight).
 - "auto": "scaled_mm" on a CUDA GPU with FP8 tensor cores, "cpu" on CPU when the kernel builds, else "qdq".
 Layers a backend cannot run keep "qdq".
 """
@@ -34,7 +37,7 @@ from torch import nn
 
 from hqtflow.errors import BackendError  # noqa: F401 - re-exported (it lived here)
 from hqtflow.quantize.cpu_kernel import quantize_weight
-from hqtflow.scales import FP8_DTYPES, dequantize, quantize
+from hqtflow.scales import FP8_DTYPES, Rule, dequantize, dynamic_activation_scale, quantize
 
 
 ACTIVATION_MODES = ("static", "dynamic_token", "dynamic_tensor", "dynamic_group", None)
@@ -73,6 +76,7 @@ def quantize_linear(w: torch.Tensor, weight_scale: torch.Tensor, input_scale: to
 
 class FP8Linear(nn.Module):
     backend = "qdq"
+    dynamic_rule: Rule | None = None  # INC's dynamic scale rule; None: amax / F in float32
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, hp_dtype: torch.dtype,
                  fp8: str = "E4M3", per_channel: bool = False, static_input: bool = True, device=None,
@@ -100,14 +104,20 @@ class FP8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-                    fp8: str = "E4M3") -> FP8Linear:
-        """Quantize `linear`'s weight with `weight_scale` (0-d or [out]); `input_scale` None = weight-only."""
+                    fp8: str = "E4M3", dynamic: Rule | None = None) -> FP8Linear:
+        """Quantize `linear`'s weight with `weight_scale` (0-d or [out]); `input_scale` None = weight-only, or
+        dynamic activations when `dynamic` is a dynamic activation rule (per token for PCS, per call for PTS)."""
         w = linear.weight.detach()
         per_channel = weight_scale.numel() > 1
+        activation = "static" if input_scale is not None else None
+        if dynamic is not None:
+            activation = "dynamic_token" if dynamic.granularity == "PCS" else "dynamic_tensor"
         m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, hp_dtype=w.dtype, fp8=fp8,
-                per_channel=per_channel, static_input=input_scale is not None, device=w.device)
+                per_channel=per_channel, activation=activation, device=w.device)
+        if dynamic is not None and dynamic.dynamic == "inc":
+            m.dynamic_rule = dynamic
         q = quantize_linear(w, weight_scale, input_scale, fp8)
-        m.weight_scale.copy_(q.weight_scale)
+        m.weight_scale.copy_(q.weight_scale.reshape(m.weight_scale.shape))
         m.weight.copy_(torch.cat(list(q.weight_blocks)))
         if q.input_scale is not None:
             m.input_scale.copy_(q.input_scale)
@@ -135,15 +145,24 @@ class FP8Linear(nn.Module):
             xf = xf.reshape(*shape[:-1], shape[-1] // g, g)
             scale = (xf.abs().amax(-1, keepdim=True) / F).clamp(min=1e-12)
             return dequantize(quantize(xf, scale, self.fp8), scale, self.hp_dtype).reshape(shape)
-        amax = xf.abs().amax(-1, keepdim=True) if self.activation == "dynamic_token" else xf.abs().amax()
-        scale = (amax / F).clamp(min=1e-12)
+        scale = self._dynamic_scale(x)
         return dequantize(quantize(xf, scale, self.fp8), scale, self.hp_dtype)
+
+    def _dynamic_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """Per token ([..., 1]) or per call (0-d) activation scale of a dynamic_token / dynamic_tensor layer."""
+        if self.dynamic_rule is not None:
+            return dynamic_activation_scale(x.to(self.hp_dtype), self.dynamic_rule, fp8=self.fp8)
+        F = float(torch.finfo(FP8_DTYPES[self.fp8]).max)
+        xf = x.float()
+        amax = xf.abs().amax(-1, keepdim=True) if self.activation == "dynamic_token" else xf.abs().amax()
+        return (amax / F).clamp(min=1e-12)
 
     def supports(self, backend: str) -> bool:
         if backend == "qdq":
             return True
         if backend == "scaled_mm":
-            return self.activation == "static" and self.block_size is None and not self.per_channel
+            return self.block_size is None and (
+                (self.activation == "static" and not self.per_channel) or self.activation == "dynamic_token")
         if backend == "cpu":
             return (self.weight.device.type == "cpu" and self.block_size is None
                     and self.activation in ("static", "dynamic_token", "dynamic_tensor", None))
@@ -156,11 +175,19 @@ class FP8Linear(nn.Module):
                                             self.bias)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x_fp8 [M, K] (row-major) @ W_fp8^T (a column-major view of the stored [N, K]), scaled in fp32."""
+        """x_fp8 [M, K] (row-major) @ W_fp8^T (a column-major view of the stored [N, K]), scaled in fp32.
+
+        Dynamic per-token activations use row-wise scaling: scale_a [M, 1] (one per token), scale_b [1, N]."""
         shape = x.shape
-        xq = quantize(x.reshape(-1, self.in_features), self.input_scale, self.fp8)
-        y = torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale.float().reshape(()),
-                             scale_b=self.weight_scale.float().reshape(()), bias=self.bias, out_dtype=self.hp_dtype)
+        x2 = x.reshape(-1, self.in_features)
+        if self.activation == "dynamic_token":
+            sa = self._dynamic_scale(x2).float().reshape(-1, 1)
+            sb = self.weight_scale.float().reshape(1, -1).expand(1, self.out_features).contiguous()
+            xq = quantize(x2, sa, self.fp8)
+        else:
+            sa, sb = self.input_scale.float().reshape(()), self.weight_scale.float().reshape(())
+            xq = quantize(x2, self.input_scale, self.fp8)
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=sa, scale_b=sb, bias=self.bias, out_dtype=self.hp_dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,6 +204,8 @@ class FP8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         mode = {"static": "W8A8 static", None: "weight-only"}.get(self.activation, f"W8A8 {self.activation}")
+        if self.dynamic_rule is not None:
+            mode += f" (INC rule: backoff {self.dynamic_rule.backoff}, {self.dynamic_rule.rounding})"
         gran = f"block {self.block_size}" if self.block_size else ("per-channel" if self.per_channel else "per-tensor")
         return f"in={self.in_features}, out={self.out_features}, {self.fp8} {gran} weights, {mode}, bias={self.bias is not None}"
 

@@ -50,6 +50,10 @@ def quant_config(s: QuantizeSettings) -> QuantConfig:
         from hqtflow.config import SCALE_METHODS, choice
 
         changes["scale_method"] = choice("scale_method", s.scale_method, SCALE_METHODS, source="--scale-method")
+        from hqtflow.config import INC_DYNAMIC_METHODS
+
+        if changes["scale_method"] in INC_DYNAMIC_METHODS:  # INC's dynamic-only methods imply its switch
+            changes["extra"] = {**cfg.extra, "dynamic_quantization": True}
     if s.scales_for:
         changes["device_for_scales"] = s.scales_for.upper()
     return cfg.with_changes(**changes) if changes else cfg
@@ -146,7 +150,7 @@ class Job:
 
     cfg: QuantConfig
     target: str
-    method: object  # hqtflow.scales.ScaleMethod
+    method: object  # hqtflow.scales.ScaleRules: (module name, type name) -> ScaleMethod; .default
     meas: LoadedMeasurement
     model_dir: Path
     fingerprint: dict
@@ -157,13 +161,23 @@ class Job:
 def plan_job(s: QuantizeSettings) -> Job:
     """Every check that needs no weights: config, target, measurement (complete, finite, same model), rank count."""
     from hqtflow import models
-    from hqtflow.scales import TARGETS, scale_method
+    from hqtflow.scales import TARGETS, scale_rules
 
     cfg = quant_config(s)
     target = (cfg.device_for_scales or "cpu").lower()
     if target not in TARGETS:
         raise ConfigError(f"--scales-for {target!r} is not a valid target; valid values are {', '.join(TARGETS)}.")
-    method = scale_method(cfg.scale_method, target)
+    rules = scale_rules(cfg.scale_method, target, dynamic=cfg.dynamic_quantization)
+    method = rules.default
+    if any(m.dynamic for m in rules.methods()) and s.scales_only:
+        raise ConfigError(f"{method.name} computes activation scales at run time; INC uses no scale files with "
+                          "dynamic_quantization, so --scales-only does not apply (hand the QUANT_CONFIG to INC as is).")
+    if any(m.smoothquant for m in rules.methods()) and (s.scales_only or s.disk_offload or not rules.uniform):
+        raise ConfigError(f"{method.name} folds its smoothing into the model's weights: it writes FP8 checkpoints only "
+                          "(no --scales-only, --disk-offload or per-layer scale_method sections).")
+    if s.disk_offload and (any(m.dynamic for m in rules.methods()) or not rules.uniform):
+        raise ConfigError("--disk-offload writes one static scale method everywhere; it cannot be combined with "
+                          "dynamic methods or per-layer scale_method sections yet.")
     meas = load_measurement(s.measurement, trust_pickle=s.trust_pickle)
     for st, r in zip(meas.stems, meas.ranks):
         check_statistics(r, f"{meas.directory / st}.json")
@@ -190,7 +204,28 @@ def plan_job(s: QuantizeSettings) -> Job:
     if meas.manifest is None:  # said once every check passed, so a refusal stays one sentence
         warnings.warn(f"{meas.directory} has no hqtflow manifest: it is read as a foreign HQT/INC dump, and its "
                       "provenance (model, calibration data, run) cannot be checked.", ProvenanceWarning, stacklevel=2)
-    return Job(cfg, target, method, meas, model_dir, fp, plan, dtype)
+    if not s.scales_only and not s.weight_only:
+        kinds = {(m.activation.granularity, m.activation.dynamic, m.activation.backoff, m.activation.rounding)
+                 if m.dynamic else None for m in (rules(n) for n in plan["quantize"])}
+        if len(kinds) > 1:
+            raise ConfigError("The per-layer scale methods mix static and dynamic activations (or different dynamic "
+                              "rules); an FP8 checkpoint has one activation scheme (--scales-only writes mixed INC scales).")
+    return Job(cfg, target, rules, meas, model_dir, fp, plan, dtype)
+
+
+def _convert(model, job: Job, *, weight_only: bool) -> None:
+    """Swap the planned Linears for FP8Linear: the scale method(s), or HQT's SmoothQuant folded into the model."""
+    from hqtflow.quantize.convert import convert_model
+
+    kw = dict(target=job.target, fp8=job.cfg.fp8_config, hp_dtype=job.cfg.hp_dtype)
+    if job.method.default.smoothquant:
+        from hqtflow.quantize.smoothquant import convert_smoothquant
+
+        if weight_only:
+            raise ConfigError(f"{job.method.default.name} smooths activations; it cannot be combined with --weight-only.")
+        convert_smoothquant(model, job.plan["quantize"], job.meas.ranks[0], job.method.default.name, **kw)
+    else:
+        convert_model(model, job.plan["quantize"], job.meas.ranks[0], job.method, weight_only=weight_only, **kw)
 
 
 def quantize_in_memory(s: QuantizeSettings):
@@ -203,8 +238,7 @@ def quantize_in_memory(s: QuantizeSettings):
     job = plan_job(s)
     model = models.load_model(job.model_dir, job.dtype)
     with torch.no_grad():
-        convert_model(model, job.plan["quantize"], job.meas.ranks[0], job.method, target=job.target,
-                      fp8=job.cfg.fp8_config, hp_dtype=job.cfg.hp_dtype, weight_only=s.weight_only)
+        _convert(model, job, weight_only=s.weight_only)
     return model, models.load_tokenizer(job.model_dir)
 
 
@@ -216,8 +250,12 @@ def quantize(s: QuantizeSettings) -> Path:
 
     check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config])
     job = plan_job(s)
-    cfg, target, method, meas, model_dir, fp, plan, dtype = (job.cfg, job.target, job.method, job.meas, job.model_dir,
-                                                               job.fingerprint, job.plan, job.dtype)
+    cfg, target, rules, meas, model_dir, fp, plan, dtype = (job.cfg, job.target, job.method, job.meas, job.model_dir,
+                                                              job.fingerprint, job.plan, job.dtype)
+    method = rules.default
+    layer_methods = [rules(n) for n in plan["quantize"]]
+    per_channel = any(m.weight.granularity == "PCS" for m in layer_methods)
+    dynamic = next((m for m in layer_methods if m.dynamic), None) if not s.weight_only else None
     kv_stats = None
     if parse(KVCache, s.kv_cache, "--kv-cache") == KVCache.FP8:
         from hqtflow.measure.kv import KV_FILE, read_kv_stats
@@ -246,7 +284,7 @@ def quantize(s: QuantizeSettings) -> Path:
     else:
         model = models.load_model(model_dir, dtype)
     with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[meas.directory, model_dir, s.config]) as tmp:
-        common = {"scale_method": method.name if method.name != "custom" else cfg.scale_method, "target": target,
+        common = {"scale_method": cfg.scale_method if isinstance(cfg.scale_method, dict) else method.name, "target": target,
                   "fp8": cfg.fp8_config, "hp_dtype": cfg.hp_dtype, "source_measurement": str(meas.directory.resolve()),
                   "source_digest": meas.digest(),
                   "provenance_known": meas.manifest is not None and meas.manifest.data.get("provenance_known", True),
@@ -254,7 +292,7 @@ def quantize(s: QuantizeSettings) -> Path:
         if s.scales_only:
             from hqtflow.quantize.scale_files import write_scale_files
 
-            files = write_scale_files(tmp, Path(s.output), model, meas, cfg, method, target)
+            files = write_scale_files(tmp, Path(s.output), model, meas, cfg, rules, target)
             write_manifest(tmp, SCALES_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
                            data={**common, "world_size": meas.world_size, "files": files})
         else:
@@ -268,18 +306,18 @@ def quantize(s: QuantizeSettings) -> Path:
                 common["disk_offload"] = True
             else:
                 with torch.no_grad():
-                    convert_model(model, plan["quantize"], meas.ranks[0], method, target=target, fp8=cfg.fp8_config,
-                                  hp_dtype=cfg.hp_dtype, weight_only=s.weight_only)
+                    _convert(model, job, weight_only=s.weight_only)
                     if kv_stats:
                         from hqtflow.quantize.convert import kv_cache_scales
 
                         kv_cache_scales(model, kv_stats, method, target=target, fp8=cfg.fp8_config, hp_dtype=cfg.hp_dtype)
-                save_checkpoint(model, tmp, ignore=plan["ignore"], per_channel=method.weight.granularity == "PCS",
-                                static_input=not s.weight_only, kv_cache=bool(kv_stats))
+                save_checkpoint(model, tmp, ignore=plan["ignore"], per_channel=per_channel,
+                                static_input=not s.weight_only, kv_cache=bool(kv_stats), dynamic=dynamic)
             common["kv_cache"] = s.kv_cache
             models.load_tokenizer(model_dir).save_pretrained(tmp)
             write_manifest(tmp, CHECKPOINT_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
-                           data={**common, "mode": "weight-only" if s.weight_only else "w8a8-static",
+                           data={**common, "mode": "weight-only" if s.weight_only else
+                                 ("w8a8-dynamic" if dynamic else "w8a8-static"),
                                  "settings": asdict(s)})
     return Path(s.output)
 

@@ -18,7 +18,7 @@ from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError
 from hqtflow.formats.artifact import write_json_atomic
 from hqtflow.formats.hqt import copy_measurement_files, rank_suffix
-from hqtflow.scales import ScaleMethod, linear_scales
+from hqtflow.scales import ScaleRules, linear_scales
 
 
 def scale_stem(dump_stats_path: str, observer: str, method_name: str, rank: int | None, world: int) -> str:
@@ -45,8 +45,10 @@ def _node_scales(sc, weight: torch.Tensor) -> dict:
     return {"inputs": [s_in], "outputs": [out], "params": {"weight": w}}
 
 
-def write_scale_files(out: Path, final: Path, model, meas, cfg: QuantConfig, method: ScaleMethod, target: str) -> list[str]:
-    """Write into `out` (a staging dir that becomes `final`)."""
+def write_scale_files(out: Path, final: Path, model, meas, cfg: QuantConfig, rules: ScaleRules, target: str) -> list[str]:
+    """Write into `out` (a staging dir that becomes `final`). Each node gets the scales of its own method
+    (`rules`, INC's per-node resolution); the files are named after the default method, as INC names them."""
+    method = rules.default
     layers_by_rank = [r["layers"] for r in meas.manifest.data["ranks"]] if meas.manifest else [None] * len(meas.ranks)
     if meas.world_size > 1 and meas.manifest is None:
         raise ArtifactError("Scales for a multi-rank foreign dump need to know how each weight was sharded; "
@@ -65,7 +67,8 @@ def write_scale_files(out: Path, final: Path, model, meas, cfg: QuantConfig, met
             if not hasattr(mod, "weight") or not node.inputs or not cfg.selects(name, type(mod).__name__):
                 continue
             w = _local_weight(mod.weight.detach(), (layers or {}).get(name), rank, meas.world_size)
-            sc = linear_scales(method, node.inputs[0], w, target=target, fp8=cfg.fp8_config, hp_dtype=cfg.hp_dtype)
+            sc = linear_scales(rules(name, type(mod).__name__), node.inputs[0], w, target=target, fp8=cfg.fp8_config,
+                               hp_dtype=cfg.hp_dtype)
             nodes[name] = _node_scales(sc, w)
         stem = scale_stem(dump, observer, method_name, rank if meas.world_size > 1 else None, meas.world_size)
         header = {"GlobalRank": None, "LocalRank": rank if meas.world_size > 1 else None, "Mode": "Scale"}
