@@ -592,7 +592,7 @@ def run_inspect(artifact, *, compare=None, json_path=None, html_path=None, top: 
     """Build the report, write --json / --html (only after everything succeeded), return the terminal text."""
     if _is_tune(artifact):  # `hqtflow tune` output: its sensitivity chart
         if compare is not None or html_path is not None:
-            raise InspectError("A tune artifact is shown as its sensitivity chart (and --json); --compare and --html do not apply.")
+            raise ConfigError("A tune artifact is shown as its sensitivity chart (and --json); --compare and --html do not apply.")
         from hqtflow.tune import sensitivity_chart
 
         _check_writable(json_path, (artifact,))

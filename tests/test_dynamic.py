@@ -36,7 +36,10 @@ def activations() -> torch.Tensor:
 @pytest.fixture
 def inc_factory(inc, monkeypatch):
     """INC's ScaleMethodFactory for a Linear under a named method (GAUDI3's scale set = hqtflow's "cpu" target)."""
+    from neural_compressor.torch.algorithms.fp8_quant._core import common
+
     monkeypatch.setenv("CALC_SCALE_WITH_CGUID", "false")
+    common.is_calc_scale_with_cguid.cache_clear()  # INC caches the variable on first read (lru_cache)
     from neural_compressor.torch.algorithms.fp8_quant._core.scale_methods.scale_method_config import (
         ScaleMethodString, scale_method_config_mapping)
     from neural_compressor.torch.algorithms.fp8_quant._core.scale_methods.scale_method_factory import (
@@ -49,7 +52,8 @@ def inc_factory(inc, monkeypatch):
         cfg = scale_method_config_mapping[ScaleMethodString[INC_NAMES[name]]]
         return ScaleMethodFactory(cfg, {"hp_dtype": torch.bfloat16, "lp_dtype": torch.float8_e4m3fn}, mod, "linear")
 
-    return make
+    yield make
+    common.is_calc_scale_with_cguid.cache_clear()
 
 
 @pytest.mark.parametrize("name", INC_DYNAMIC_METHODS)

@@ -293,7 +293,7 @@ def quantize(s, device: str = "cpu") -> Path:
                           "or --scales-only for the scale files INC computes on the card.")
     job = plan_job(s)
     check_method(job.cfg, device)
-    if s.scales_only and all(r.rounding == "SCALE_UNIT" for r in (job.method.weight, job.method.activation)):
+    if s.scales_only and all(r.rounding == "SCALE_UNIT" for m in job.method.methods() for r in (m.weight, m.activation)):
         raise ConfigError(_NO_SCALE_FILE.format(job.cfg.scale_method))
     model = models.load_model(job.model_dir, job.dtype)
     if s.scales_only:
