@@ -53,6 +53,9 @@
 #ifndef HQT_PANEL_MR
 #define HQT_PANEL_MR 6
 #endif
+#ifndef HQT_PANEL_NR
+#define HQT_PANEL_NR 4
+#endif
 #ifndef HQT_OPS_NS
 #define HQT_OPS_NS hqtflow  // the torch op namespace (tests build an AVX2-only twin under another name)
 #endif
@@ -583,7 +586,7 @@ inline void dispatch(int64_t mr, int64_t nr, const Tile& tile) {
 // the latency of the multiply-add chains.
 #if HQT_AVX512
 constexpr int kMR = 4, kNR = 4, kNR1 = 4;
-constexpr int kPanelMR = HQT_PANEL_MR;  // the bf16 panel tile: kPanelMR x 4 accumulators, 4 weights, 1 input live
+constexpr int kPanelMR = HQT_PANEL_MR, kPanelNR = HQT_PANEL_NR;  // the bf16 panel tile: MR x NR accumulators, NR weights, 1 input live
 #else
 constexpr int kMR = 4, kNR = 3, kNR1 = 6;  // 16 ymm registers: 12 accumulators, 3 weights, 1 input
 #endif
@@ -664,8 +667,8 @@ void rows_from_panels(const Problem& p, int64_t n0, int64_t n1) {
       }
       const uint16_t* x = static_cast<const uint16_t*>(p.x);
       for (int64_t m = 0; m < p.M; m += kPanelMR)
-        for (int64_t n = nb; n < ne; n += kNR)
-          dispatch<kPanelMR, kNR>(std::min<int64_t>(kPanelMR, p.M - m), std::min<int64_t>(kNR, ne - n), [&](auto MR, auto NR) {
+        for (int64_t n = nb; n < ne; n += kPanelNR)
+          dispatch<kPanelMR, kPanelNR>(std::min<int64_t>(kPanelMR, p.M - m), std::min<int64_t>(kPanelNR, ne - n), [&](auto MR, auto NR) {
             tile_bf16_panel<decltype(MR)::value, decltype(NR)::value>(x, wb + (n - nb) * p.Kp, p.Kp, m, n, p.out);
           });
       continue;
