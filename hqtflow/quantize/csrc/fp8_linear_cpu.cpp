@@ -607,7 +607,10 @@ void rows_from_panels(const Problem& p, int64_t n0, int64_t n1) {
 // the input pair is broadcast. Every M uses this one order: decode widens a chunk of 16 or 32 rows at a time and
 // uses it at once, larger M widen a panel of rows once and sweep every input row over it.
 constexpr int kBlock = 16;               // weight rows per pair vector
-constexpr int kOuterMR = 12;             // panel tile: 12 input rows x 2 blocks (24 accumulators, 2 weights, 1 input)
+#ifndef HQT_OUTER_MR
+#define HQT_OUTER_MR 12
+#endif
+constexpr int kOuterMR = HQT_OUTER_MR;   // panel tile: 12 input rows x 2 blocks (24 accumulators, 2 weights, 1 input)
 constexpr int64_t kOuterDecodeMaxM = 2;  // up to this M, chunks are widened per tile rather than per panel
 
 // 16 vectors of 16 dwords, transposed in place (out[j] lane i = in[i] lane j).
@@ -715,15 +718,17 @@ HQT_INLINE void store16(__m512 acc, int64_t m, int64_t n, int nr, const Out& out
   _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.y) + m * out.N + n, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-// MR input rows x NB blocks over pairs [t0, t1); `w` points at pair t0 of the first block, blocks `bstride` apart.
+// MR input rows x NB blocks over pairs [t0, t1). `xt`: the input tile, pair-major (pair t of its row i at
+// xt[t * MR + i]); `w` points at pair t0 of the first block, blocks `bstride` apart.
 template <int MR, int NB>
-HQT_INLINE void outer_steps(const uint32_t* const (&xr)[MR], const uint32_t* w, int64_t bstride, int64_t t0, int64_t t1,
+HQT_INLINE void outer_steps(const uint32_t* xt, const uint32_t* w, int64_t bstride, int64_t t0, int64_t t1,
                             __m512 (&acc)[MR][NB]) {
-  for (int64_t t = t0; t < t1; ++t, w += kBlock) {
+  xt += t0 * MR;
+  for (int64_t t = t0; t < t1; ++t, w += kBlock, xt += MR) {
     __m512bh wv[NB];
     HQT_UNROLL for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_load_si512(w + b * bstride);
     HQT_UNROLL for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[m][t]));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xt[m]));
       HQT_UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xb, wv[b]);
     }
   }
@@ -750,8 +755,7 @@ void outer_decode(const Problem& p, int64_t n0, int64_t n1) {
     for (int b = 0; b < nb; ++b) wd[b].set(wt, one.get(), n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)));
     dispatch<kOuterDecodeMaxM, 2>(p.M, nb, [&](auto MR, auto NB) {
       constexpr int mr = decltype(MR)::value, bn = decltype(NB)::value;
-      const uint32_t* xr[mr];
-      HQT_UNROLL for (int m = 0; m < mr; ++m) xr[m] = reinterpret_cast<const uint32_t*>(x + m * p.Kp);
+      const uint32_t* xt = reinterpret_cast<const uint32_t*>(x);  // one tile of M rows
       __m512 acc[mr][bn];
       HQT_UNROLL for (int m = 0; m < mr; ++m)
         HQT_UNROLL for (int b = 0; b < bn; ++b) acc[m][b] = _mm512_setzero_ps();
@@ -763,7 +767,7 @@ void outer_decode(const Problem& p, int64_t n0, int64_t n1) {
           for (int64_t k = 0; k < p.Kp; k += 64)
             widen_chunk_shared(wt, *one, n + b * kBlock, rows, k, [&](int t, __m512bh w) {
               HQT_UNROLL for (int m = 0; m < mr; ++m)
-                a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[m][k / 2 + t])), w);
+                a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_set1_epi32(static_cast<int>(xt[(k / 2 + t) * mr + m])), w);
             });
           HQT_UNROLL for (int m = 0; m < mr; ++m) acc[m][b] = a[m];
         }
@@ -772,7 +776,7 @@ void outer_decode(const Problem& p, int64_t n0, int64_t n1) {
       for (int64_t k = 0; k < p.Kp; k += 64) {
         HQT_UNROLL for (int b = 0; b < bn; ++b)
           widen_chunk(wt, wd[b], n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)), k, chunk[b]);
-        outer_steps<mr, bn>(xr, chunk[0], chunk[1] - chunk[0], k / 2, k / 2 + 32, acc);
+        outer_steps<mr, bn>(xt, chunk[0], chunk[1] - chunk[0], k / 2, k / 2 + 32, acc);
       }
       outer_store<mr, bn>(acc, 0, n, nr, p.out);
     });
@@ -803,12 +807,11 @@ void outer_panels(const Problem& p, int64_t n0, int64_t n1) {
         const int64_t nr = std::min<int64_t>(2 * kBlock, ne - n);
         dispatch<kOuterMR, 2>(std::min<int64_t>(kOuterMR, p.M - m), nr > kBlock ? 2 : 1, [&](auto MR, auto NB) {
           constexpr int mr = decltype(MR)::value, bn = decltype(NB)::value;
-          const uint32_t* xr[mr];
-          HQT_UNROLL for (int i = 0; i < mr; ++i) xr[i] = reinterpret_cast<const uint32_t*>(x + (m + i) * p.Kp);
+          const uint32_t* xt = reinterpret_cast<const uint32_t*>(x + m * p.Kp);  // the tile of rows m .. m + mr
           __m512 acc[mr][bn];
           HQT_UNROLL for (int i = 0; i < mr; ++i)
             HQT_UNROLL for (int b = 0; b < bn; ++b) acc[i][b] = _mm512_setzero_ps();
-          outer_steps<mr, bn>(xr, buf.get() + ((n - nb) / kBlock) * bstride, bstride, 0, pairs, acc);
+          outer_steps<mr, bn>(xt, buf.get() + ((n - nb) / kBlock) * bstride, bstride, 0, pairs, acc);
           outer_store<mr, bn>(acc, m, n, nr, p.out);
         });
       }
@@ -870,6 +873,22 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
     }
   });
 
+#if HQT_BF16
+  if (bf16) {  // tiles of kOuterMR rows (fewer for the last), pair-major: pair t of row i of a tile at t * rows + i
+    std::unique_ptr<uint16_t[]> tiled(new uint16_t[M * Kp]);
+    const int64_t pairs = Kp / 2;
+    at::parallel_for(0, (M + kOuterMR - 1) / kOuterMR, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t tile = t0; tile < t1; ++tile) {
+        const int64_t m0 = tile * kOuterMR, rows = std::min<int64_t>(kOuterMR, M - m0);
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(xb.get() + m0 * Kp);
+        uint32_t* dst = reinterpret_cast<uint32_t*>(tiled.get() + m0 * Kp);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t t = 0; t < pairs; ++t) dst[t * rows + i] = src[i * pairs + t];
+      }
+    });
+    xb = std::move(tiled);
+  }
+#endif
   const Weight wt{reinterpret_cast<const uint8_t*>(w.data_ptr()), N, K, sc.data(), sc.size() > 1, e4m3, hp};
   const Problem p{wt, bf16 ? static_cast<const void*>(xb.get()) : xf.get(), M, Kp, bf16,
                   Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}};
