@@ -6,15 +6,19 @@
 //   w_q = hp(W_fp8 * s_w)                             (s_w per tensor or per output row; fp32 multiply, one rounding)
 //   y   = hp(hp(sum_k x_q[k] * w_q[k]) + bias)        (products exact in fp32 for bf16/fp16; sums in fp32)
 // with hp the high-precision dtype (bf16, fp16 or fp32). Only the order of the fp32 sum differs from the reference's
-// GEMM (which changes its order with M); here it is fixed: each output accumulates its products in vector lanes
-// over k in ascending steps, then one halving tree across the lanes (`hsum`). So a row's output is bit-identical
-// whether it is computed alone, padded or inside a batch of 512.
+// GEMM (which changes its order with M); here it is fixed per output, the same on every path and for every M:
+// - bf16 path (bf16 models on CPUs with AVX512-BF16): each output owns one fp32 vector lane and adds its products
+//   pair of k after pair of k in ascending k (one vdpbf16ps lane per pair: acc + x[k] w[k] + x[k+1] w[k+1]), with
+//   no reduction across lanes (outer products: 16 outputs per vector, the input pair broadcast);
+// - fp32 path (everything else): each output accumulates its products in vector lanes over k in ascending steps,
+//   then one halving tree across the lanes (`hsum`).
+// So a row's output is bit-identical whether it is computed alone, padded or inside a batch of 512.
 //
 // Compute paths, picked at compile time from the CPU's flags (the kernel is built with -march=native):
 // - bf16 dot products (AVX512-BF16 + AVX512-VBMI, bf16 models): 64 FP8 bytes become 64 bf16 values of w_q with two
 //   128-entry byte-table lookups (vpermi2b, high and low bytes of hp(v * s_w) for the 128 non-negative codes), one
-//   OR for the sign and two unpacks; the unpacks interleave 128-bit lanes, so input rows are stored permuted the
-//   same way. vdpbf16ps does 32 exact multiply-adds per instruction into fp32.
+//   OR for the sign and two unpacks. The bytes of 16 weight rows are first transposed so that each widened vector
+//   holds one pair of k of 16 rows. vdpbf16ps does 32 exact multiply-adds per instruction into fp32.
 // - fp32 FMA (AVX-512F or AVX2+F16C; fp32 and fp16 models, and bf16 models on CPUs without bf16 dot products): the
 //   byte is sign-extended, shifted and masked into an IEEE half (E4M3 value * 2^-8, subnormals included), widened
 //   by vcvtph2ps, multiplied by s_w * 2^8 (exactly the fp32 product v * s_w) and rounded to hp.
@@ -32,6 +36,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -49,9 +54,6 @@
 #endif
 #ifndef HQT_REG_MAX_M
 #define HQT_REG_MAX_M 2
-#endif
-#ifndef HQT_PANEL_MR
-#define HQT_PANEL_MR 6
 #endif
 #ifndef HQT_OPS_NS
 #define HQT_OPS_NS hqtflow  // the torch op namespace (tests build an AVX2-only twin under another name)
@@ -217,8 +219,8 @@ struct Widener {
     sign = _mm512_set1_epi8(static_cast<char>(0x80));
   }
   // 64 FP8 bytes -> two vectors of 32 bf16 (lane-interleaved order, see permuted_source).
-  inline void widen64(const uint8_t* p, __m512bh& w0, __m512bh& w1) const {
-    __m512i b = _mm512_loadu_si512(p);
+  inline void widen64(const uint8_t* p, __m512bh& w0, __m512bh& w1) const { widen64(p, w0, w1, _mm512_loadu_si512(p)); }
+  inline void widen64(const uint8_t*, __m512bh& w0, __m512bh& w1, __m512i b) const {
     __m512i h = _mm512_permutex2var_epi8(hi0, b, hi1);  // index bits 6..0; the sign bit is ignored
     __m512i l = _mm512_permutex2var_epi8(lo0, b, lo1);
     h = _mm512_ternarylogic_epi32(h, b, sign, 0xF8);    // h | (b & 0x80)
@@ -374,13 +376,8 @@ void input_row(const at::Tensor& x2d, int64_t m, const float* s_x, bool e4m3, fl
 
 #if HQT_BF16
 // A bf16 row for the bf16 path: QDQ'd when there is a static input scale (the same rounding as qdq_row), zero past
-// K, and stored in widen64's order, 64 values at a time.
+// K (Kp, a multiple of 64).
 void bf16_input_row(const uint16_t* x, int64_t K, int64_t Kp, const float* s_x, bool e4m3, uint16_t* out) {
-  static const std::array<__m512i, 2> order = [] {
-    alignas(64) uint16_t idx[64];
-    for (int j = 0; j < 64; ++j) idx[j] = static_cast<uint16_t>(permuted_source(j));
-    return std::array<__m512i, 2>{_mm512_load_si512(idx), _mm512_load_si512(idx + 32)};
-  }();
   const Fp8Rounder round(s_x ? *s_x : 1.f, e4m3);
   for (int64_t k = 0; k < Kp; k += 64) {
     const int64_t left = K - k;
@@ -398,8 +395,8 @@ void bf16_input_row(const uint16_t* x, int64_t K, int64_t Kp, const float* s_x, 
       lo = qdq32(lo);
       hi = qdq32(hi);
     }
-    _mm512_storeu_si512(out + k, _mm512_permutex2var_epi16(lo, order[0], hi));
-    _mm512_storeu_si512(out + k + 32, _mm512_permutex2var_epi16(lo, order[1], hi));
+    _mm512_storeu_si512(out + k, lo);
+    _mm512_storeu_si512(out + k + 32, hi);
   }
 }
 #endif
@@ -524,49 +521,6 @@ HQT_INLINE void tile_f32(const float* x, int64_t Kp, int64_t m0, int64_t n0, con
   store_tile<MR, NR>(acc, m0, n0, out);
 }
 
-#if HQT_BF16
-template <int MR, int NR, class Src>
-HQT_INLINE void tile_bf16(const uint16_t* x, int64_t Kp, int64_t m0, int64_t n0, const Src& src, const Out& out) {
-  __m512 acc[MR][NR];
-  HQT_UNROLL for (int m = 0; m < MR; ++m)
-    HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < Kp; k += 64) {
-    __m512bh x0[MR], x1[MR];
-    HQT_UNROLL for (int m = 0; m < MR; ++m) {
-      x0[m] = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * Kp + k);
-      x1[m] = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * Kp + k + 32);
-    }
-    HQT_UNROLL for (int r = 0; r < NR; ++r) {  // one weight row widened and used at once: few live registers
-      __m512bh w0, w1;
-      src(r, k, w0, w1);
-      HQT_UNROLL for (int m = 0; m < MR; ++m) acc[m][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[m][r], x0[m], w0), x1[m], w1);
-    }
-  }
-  store_tile<MR, NR>(acc, m0, n0, out);
-}
-#endif
-
-#if HQT_BF16
-// tile_bf16 for weights already widened in a panel: the same operations per accumulator in the same order
-// (dp(x0, w0) then dp(x1, w1) each step), scheduled by halves so that only NR weight vectors are live.
-template <int MR, int NR>
-HQT_INLINE void tile_bf16_panel(const uint16_t* x, const uint16_t* w, int64_t Kp, int64_t m0, int64_t n0, const Out& out) {
-  __m512 acc[MR][NR];
-  HQT_UNROLL for (int m = 0; m < MR; ++m)
-    HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < Kp; k += 64)
-    HQT_UNROLL for (int h = 0; h < 64; h += 32) {
-      __m512bh wv[NR];
-      HQT_UNROLL for (int r = 0; r < NR; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * Kp + k + h);
-      HQT_UNROLL for (int m = 0; m < MR; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * Kp + k + h);
-        HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
-      }
-    }
-  store_tile<MR, NR>(acc, m0, n0, out);
-}
-#endif
-
 // Runs `tile<mr, nr>` for a block of up to MR x NR with the remainder shapes instantiated.
 template <int MR, int NR, class Tile>
 inline void dispatch(int64_t mr, int64_t nr, const Tile& tile) {
@@ -583,7 +537,6 @@ inline void dispatch(int64_t mr, int64_t nr, const Tile& tile) {
 // the latency of the multiply-add chains.
 #if HQT_AVX512
 constexpr int kMR = 4, kNR = 4, kNR1 = 4;
-constexpr int kPanelMR = HQT_PANEL_MR;  // the bf16 panel tile: kPanelMR x 4 accumulators, 4 weights, 1 input live
 #else
 constexpr int kMR = 4, kNR = 3, kNR1 = 6;  // 16 ymm registers: 12 accumulators, 3 weights, 1 input
 #endif
@@ -593,7 +546,7 @@ constexpr int64_t kRegisterMaxM = HQT_REG_MAX_M;
 // ---- the product over a range of output rows (one thread's share) --------------------------------------------
 struct Problem {
   Weight wt;
-  const void* x;  // [M, Kp] float or permuted bf16
+  const void* x;  // [M, Kp] float or bf16
   int64_t M, Kp;
   bool bf16;
   Out out;
@@ -603,21 +556,6 @@ struct Problem {
 template <int NR>
 void rows_in_registers(const Problem& p, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
-#if HQT_BF16
-  if (p.bf16) {  // per-tensor scale only (one table)
-    const Widener wd(wt.e4m3, wt.s(0));
-    const uint16_t* x = static_cast<const uint16_t*>(p.x);
-    for (int64_t n = n0; n < n1; n += NR)
-      for (int64_t m = 0; m < p.M; m += kMR)
-        dispatch<kMR, NR>(std::min<int64_t>(kMR, p.M - m), std::min<int64_t>(NR, n1 - n), [&](auto MR, auto R) {
-          auto src = [&](int r, int64_t k, __m512bh& w0, __m512bh& w1) {
-            wd.widen64_row(wt.w + (n + r) * wt.K, k, wt.K, w0, w1);
-          };
-          tile_bf16<decltype(MR)::value, decltype(R)::value>(x, p.Kp, m, n, src, p.out);
-        });
-    return;
-  }
-#endif
   const float* x = static_cast<const float*>(p.x);
   const F32::V s0 = F32::set1(wt.s(0) * widen_factor(wt));  // per-tensor: one scale register for every row
   for (int64_t n = n0; n < n1; n += NR) {
@@ -639,38 +577,12 @@ void rows_in_registers(const Problem& p, int64_t n0, int64_t n1) {
 // Larger M: a panel of rows widened once into `buf`, then every input row swept over it.
 void rows_from_panels(const Problem& p, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
-  const int64_t elem = p.bf16 ? 2 : 4;
+  const int64_t elem = 4;
   const int64_t panel = std::max<int64_t>(kNR, panel_bytes(p.Kp) / (elem * p.Kp) / kNR * kNR);
   std::vector<uint8_t> storage(std::min(panel, n1 - n0) * p.Kp * elem + 64);
   void* buf = storage.data();
   for (int64_t nb = n0; nb < n1; nb += panel) {
     const int64_t ne = std::min(n1, nb + panel);
-#if HQT_BF16
-    if (p.bf16) {
-      uint16_t* wb = static_cast<uint16_t*>(buf);
-      auto widen_row = [&](const Widener& wd, int64_t n) {
-        for (int64_t k = 0; k < p.Kp; k += 64) {
-          __m512bh w0, w1;
-          wd.widen64_row(wt.w + n * wt.K, k, wt.K, w0, w1);
-          _mm512_storeu_si512(wb + (n - nb) * p.Kp + k, (__m512i)w0);
-          _mm512_storeu_si512(wb + (n - nb) * p.Kp + k + 32, (__m512i)w1);
-        }
-      };
-      if (wt.per_channel) {
-        for (int64_t n = nb; n < ne; ++n) widen_row(Widener(wt.e4m3, wt.s(n)), n);  // a 128-value table per row
-      } else {
-        const Widener wd(wt.e4m3, wt.s(0));
-        for (int64_t n = nb; n < ne; ++n) widen_row(wd, n);
-      }
-      const uint16_t* x = static_cast<const uint16_t*>(p.x);
-      for (int64_t m = 0; m < p.M; m += kPanelMR)
-        for (int64_t n = nb; n < ne; n += kNR)
-          dispatch<kPanelMR, kNR>(std::min<int64_t>(kPanelMR, p.M - m), std::min<int64_t>(kNR, ne - n), [&](auto MR, auto NR) {
-            tile_bf16_panel<decltype(MR)::value, decltype(NR)::value>(x, wb + (n - nb) * p.Kp, p.Kp, m, n, p.out);
-          });
-      continue;
-    }
-#endif
     float* wb = static_cast<float*>(buf);
     for (int64_t n = nb; n < ne; ++n) {
       const F32::V sv = F32::set1(wt.s(n) * widen_factor(wt));
@@ -686,6 +598,226 @@ void rows_from_panels(const Problem& p, int64_t n0, int64_t n1) {
         });
   }
 }
+
+#if HQT_BF16
+// ---- the bf16 path: outer products, one output per vector lane ------------------------------------------------
+// Each output (m, n) owns one fp32 lane and adds its input/weight pairs of k with one vdpbf16ps lane each, pair after
+// pair in widen64's order (chunk by chunk of 64, pairs 0..31 of each chunk); nothing is reduced across lanes. The
+// weights of 16 rows are widened and transposed into pair vectors (pair t of the 16 rows, one 32-bit lane per row),
+// the input pair is broadcast. Every M uses this one order: decode widens a chunk of 16 or 32 rows at a time and
+// uses it at once, larger M widen a panel of rows once and sweep every input row over it.
+constexpr int kBlock = 16;               // weight rows per pair vector
+#ifndef HQT_OUTER_MR
+#define HQT_OUTER_MR 12
+#endif
+constexpr int kOuterMR = HQT_OUTER_MR;   // panel tile: 12 input rows x 2 blocks (24 accumulators, 2 weights, 1 input)
+constexpr int64_t kOuterDecodeMaxM = 2;  // up to this M, chunks are widened per tile rather than per panel
+
+// 16 vectors of 16 dwords, transposed in place (out[j] lane i = in[i] lane j).
+HQT_INLINE void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  HQT_UNROLL for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  HQT_UNROLL for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4q + j] holds, in each 128-bit lane c, element j of rows 4q .. 4q+3 at columns 4c + j: gather the lanes
+  HQT_UNROLL for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);       // lanes 0, 2 of rows 0-3 | lanes 0, 2 of rows 4-7
+    t[4 + j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);   // lanes 1, 3
+    t[8 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
+  }
+  HQT_UNROLL for (int j = 0; j < 4; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);          // column lane 0
+    r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);  // column lane 1
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xDD);      // column lane 2
+    r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xDD);  // column lane 3
+  }
+}
+
+// The per-row tables of a block (one shared table for a per-tensor scale).
+struct BlockWideners {
+  std::vector<Widener> rows;
+  const Widener* shared = nullptr;
+  const Widener& of(int r) const { return shared ? *shared : rows[r]; }
+  void set(const Weight& wt, const Widener* one, int64_t n, int nr) {
+    shared = one;
+    if (one) return;
+    rows.clear();
+    for (int r = 0; r < nr; ++r) rows.emplace_back(wt.e4m3, wt.s(n + r));
+  }
+};
+
+// Rows [n, n + nr) (nr <= 16, missing rows zero), bytes [k, k + 64): the 32 pair vectors of the chunk, pair t (bytes
+// k + 2t, k + 2t + 1 of the 16 rows) at out[t * 16].
+// One table (per-tensor scale): the FP8 bytes are transposed (16 x 16 dwords), then each vector's 16-bit pairs are put
+// where widen64's unpacks take them, so one widen64 gives pairs 2j and 2j + 1 of the 16 rows.
+template <class Use>
+HQT_INLINE void widen_chunk_shared(const Weight& wt, const Widener& wd, int64_t n, int nr, int64_t k, const Use& use) {
+  static const __m512i to_unpack = [] {  // per 128-bit lane: words lo0 hi0 lo1 hi1 .. -> lo0 lo1 lo2 lo3 hi0 .. hi3
+    alignas(64) uint8_t idx[64];
+    for (int c = 0; c < 4; ++c)
+      for (int e = 0; e < 4; ++e)
+        for (int h = 0; h < 2; ++h)
+          for (int b = 0; b < 2; ++b) idx[16 * c + 8 * h + 2 * e + b] = static_cast<uint8_t>(4 * e + 2 * h + b);
+    return _mm512_load_si512(idx);
+  }();
+  const int64_t left = wt.K - k;
+  const __mmask64 mask = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+  __m512i r[16];
+  HQT_UNROLL for (int i = 0; i < kBlock; ++i)
+    r[i] = i < nr ? _mm512_maskz_loadu_epi8(mask, wt.w + (n + i) * wt.K + k) : _mm512_setzero_si512();
+  transpose16(r);  // r[j] lane i: bytes 4j .. 4j + 3 of row i (pairs 2j and 2j + 1)
+  HQT_UNROLL for (int j = 0; j < 16; ++j) {
+    __m512bh w0, w1;
+    wd.widen64(nullptr, w0, w1, _mm512_shuffle_epi8(r[j], to_unpack));
+    use(2 * j, w0);
+    use(2 * j + 1, w1);
+  }
+}
+
+// A table per row (per-channel scales): each row widened, then the bf16 pairs transposed.
+HQT_INLINE void widen_chunk_rows(const Weight& wt, const BlockWideners& wd, int64_t n, int nr, int64_t k, uint32_t* out) {
+  __m512i lo[16];
+  alignas(64) uint32_t hi[16][16];
+  for (int r = 0; r < kBlock; ++r) {
+    if (r < nr) {
+      __m512bh w0, w1;
+      wd.of(r).widen64_row(wt.w + (n + r) * wt.K, k, wt.K, w0, w1);
+      lo[r] = (__m512i)w0;
+      _mm512_store_si512(hi[r], (__m512i)w1);
+    } else {
+      lo[r] = _mm512_setzero_si512();
+      _mm512_store_si512(hi[r], _mm512_setzero_si512());
+    }
+  }
+  transpose16(lo);  // lo[j]: dword j of w0, which holds bytes permuted_source(2j), + 1
+  HQT_UNROLL for (int j = 0; j < 16; ++j) _mm512_store_si512(out + (permuted_source(2 * j) / 2) * 16, lo[j]);
+  HQT_UNROLL for (int r = 0; r < 16; ++r) lo[r] = _mm512_load_si512(hi[r]);
+  transpose16(lo);
+  HQT_UNROLL for (int j = 0; j < 16; ++j) _mm512_store_si512(out + (permuted_source(32 + 2 * j) / 2) * 16, lo[j]);
+}
+
+HQT_INLINE void widen_chunk(const Weight& wt, const BlockWideners& wd, int64_t n, int nr, int64_t k, uint32_t* out) {
+  if (wd.shared)
+    return widen_chunk_shared(wt, *wd.shared, n, nr, k, [&](int t, __m512bh w) { _mm512_store_si512(out + t * 16, (__m512i)w); });
+  widen_chunk_rows(wt, wd, n, nr, k, out);
+}
+
+// The epilogue of 16 outputs of a row: y = hp(hp(acc) + bias), `nr` of them stored.
+HQT_INLINE void store16(__m512 acc, int64_t m, int64_t n, int nr, const Out& out) {
+  const __mmask16 mask = nr >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nr) - 1);
+  __m512 v = round_hp(acc, at::kBFloat16);
+  if (out.bias) v = round_hp(_mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, out.bias + n)), at::kBFloat16);
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.y) + m * out.N + n, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// MR input rows x NB blocks over pairs [t0, t1). `xt`: the input tile, pair-major (pair t of its row i at
+// xt[t * MR + i]); `w` points at pair t0 of the first block, blocks `bstride` apart.
+template <int MR, int NB>
+HQT_INLINE void outer_steps(const uint32_t* xt, const uint32_t* w, int64_t bstride, int64_t t0, int64_t t1,
+                            __m512 (&acc)[MR][NB]) {
+  xt += t0 * MR;
+  for (int64_t t = t0; t < t1; ++t, w += kBlock, xt += MR) {
+    __m512bh wv[NB];
+    HQT_UNROLL for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_load_si512(w + b * bstride);
+    HQT_UNROLL for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xt[m]));
+      HQT_UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xb, wv[b]);
+    }
+  }
+}
+
+template <int MR, int NB>
+HQT_INLINE void outer_store(const __m512 (&acc)[MR][NB], int64_t m0, int64_t n, int64_t nr, const Out& out) {
+  HQT_UNROLL for (int m = 0; m < MR; ++m)
+    HQT_UNROLL for (int b = 0; b < NB; ++b)
+      if (nr > b * kBlock) store16(acc[m][b], m0 + m, n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)), out);
+}
+
+// Decode-sized M: each chunk of 64 columns of 16 rows widened and used at once (per-channel scales: 32 rows through an
+// L1 buffer).
+void outer_decode(const Problem& p, int64_t n0, int64_t n1) {
+  const Weight& wt = p.wt;
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  std::unique_ptr<Widener> one(wt.per_channel ? nullptr : new Widener(wt.e4m3, wt.s(0)));
+  BlockWideners wd[2];
+  alignas(64) uint32_t chunk[2][32 * kBlock];
+  for (int64_t n = n0; n < n1; n += 2 * kBlock) {
+    const int64_t nr = std::min<int64_t>(2 * kBlock, n1 - n);
+    const int nb = nr > kBlock ? 2 : 1;
+    for (int b = 0; b < nb; ++b) wd[b].set(wt, one.get(), n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)));
+    dispatch<kOuterDecodeMaxM, 2>(p.M, nb, [&](auto MR, auto NB) {
+      constexpr int mr = decltype(MR)::value, bn = decltype(NB)::value;
+      const uint32_t* xt = reinterpret_cast<const uint32_t*>(x);  // one tile of M rows
+      __m512 acc[mr][bn];
+      HQT_UNROLL for (int m = 0; m < mr; ++m)
+        HQT_UNROLL for (int b = 0; b < bn; ++b) acc[m][b] = _mm512_setzero_ps();
+      if (one) {  // one table: each pair vector used as it is widened, block after block
+        HQT_UNROLL for (int b = 0; b < bn; ++b) {
+          __m512 a[mr];
+          HQT_UNROLL for (int m = 0; m < mr; ++m) a[m] = _mm512_setzero_ps();
+          const int rows = static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock));
+          for (int64_t k = 0; k < p.Kp; k += 64)
+            widen_chunk_shared(wt, *one, n + b * kBlock, rows, k, [&](int t, __m512bh w) {
+              HQT_UNROLL for (int m = 0; m < mr; ++m)
+                a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_set1_epi32(static_cast<int>(xt[(k / 2 + t) * mr + m])), w);
+            });
+          HQT_UNROLL for (int m = 0; m < mr; ++m) acc[m][b] = a[m];
+        }
+        return outer_store<mr, bn>(acc, 0, n, nr, p.out);
+      }
+      for (int64_t k = 0; k < p.Kp; k += 64) {
+        HQT_UNROLL for (int b = 0; b < bn; ++b)
+          widen_chunk(wt, wd[b], n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)), k, chunk[b]);
+        outer_steps<mr, bn>(xt, chunk[0], chunk[1] - chunk[0], k / 2, k / 2 + 32, acc);
+      }
+      outer_store<mr, bn>(acc, 0, n, nr, p.out);
+    });
+  }
+}
+
+// Larger M: a panel of rows widened once (blocks of 16 rows, pair-major) and every input row swept over it.
+void outer_panels(const Problem& p, int64_t n0, int64_t n1) {
+  const Weight& wt = p.wt;
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  const int64_t pairs = p.Kp / 2, bstride = pairs * kBlock;  // dwords per block
+  const int64_t panel = std::max<int64_t>(2 * kBlock, panel_bytes(p.Kp) / (2 * p.Kp) / (2 * kBlock) * (2 * kBlock));
+  const int64_t blocks = (std::min(panel, n1 - n0) + kBlock - 1) / kBlock;
+  std::unique_ptr<uint32_t, decltype(&std::free)> buf(
+      static_cast<uint32_t*>(std::aligned_alloc(64, blocks * bstride * sizeof(uint32_t))), &std::free);
+  std::unique_ptr<Widener> one(wt.per_channel ? nullptr : new Widener(wt.e4m3, wt.s(0)));
+  BlockWideners wd;
+  for (int64_t nb = n0; nb < n1; nb += panel) {
+    const int64_t ne = std::min(n1, nb + panel);
+    for (int64_t n = nb; n < ne; n += kBlock) {
+      const int nr = static_cast<int>(std::min<int64_t>(kBlock, ne - n));
+      wd.set(wt, one.get(), n, nr);
+      uint32_t* blk = buf.get() + ((n - nb) / kBlock) * bstride;
+      for (int64_t k = 0; k < p.Kp; k += 64) widen_chunk(wt, wd, n, nr, k, blk + (k / 2) * kBlock);
+    }
+    for (int64_t m = 0; m < p.M; m += kOuterMR)
+      for (int64_t n = nb; n < ne; n += 2 * kBlock) {
+        const int64_t nr = std::min<int64_t>(2 * kBlock, ne - n);
+        dispatch<kOuterMR, 2>(std::min<int64_t>(kOuterMR, p.M - m), nr > kBlock ? 2 : 1, [&](auto MR, auto NB) {
+          constexpr int mr = decltype(MR)::value, bn = decltype(NB)::value;
+          const uint32_t* xt = reinterpret_cast<const uint32_t*>(x + m * p.Kp);  // the tile of rows m .. m + mr
+          __m512 acc[mr][bn];
+          HQT_UNROLL for (int i = 0; i < mr; ++i)
+            HQT_UNROLL for (int b = 0; b < bn; ++b) acc[i][b] = _mm512_setzero_ps();
+          outer_steps<mr, bn>(xt, buf.get() + ((n - nb) / kBlock) * bstride, bstride, 0, pairs, acc);
+          outer_store<mr, bn>(acc, m, n, nr, p.out);
+        });
+      }
+  }
+}
+#endif
 
 bool is_e4m3(const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn || w.scalar_type() == at::kFloat8_e5m2,
@@ -741,11 +873,39 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
     }
   });
 
+#if HQT_BF16
+  if (bf16) {  // tiles of kOuterMR rows (fewer for the last), pair-major: pair t of row i of a tile at t * rows + i
+    std::unique_ptr<uint16_t[]> tiled(new uint16_t[M * Kp]);
+    const int64_t pairs = Kp / 2;
+    at::parallel_for(0, (M + kOuterMR - 1) / kOuterMR, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t tile = t0; tile < t1; ++tile) {
+        const int64_t m0 = tile * kOuterMR, rows = std::min<int64_t>(kOuterMR, M - m0);
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(xb.get() + m0 * Kp);
+        uint32_t* dst = reinterpret_cast<uint32_t*>(tiled.get() + m0 * Kp);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t t = 0; t < pairs; ++t) dst[t * rows + i] = src[i * pairs + t];
+      }
+    });
+    xb = std::move(tiled);
+  }
+#endif
   const Weight wt{reinterpret_cast<const uint8_t*>(w.data_ptr()), N, K, sc.data(), sc.size() > 1, e4m3, hp};
   const Problem p{wt, bf16 ? static_cast<const void*>(xb.get()) : xf.get(), M, Kp, bf16,
                   Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}};
-  const bool registers = M <= kRegisterMaxM && !(bf16 && wt.per_channel);
-  const int64_t threads = at::get_num_threads(), unit = 8;  // weight rows per work unit
+  const int64_t threads = at::get_num_threads();
+#if HQT_BF16
+  if (bf16) {  // the outer-product path, in blocks of 32 weight rows
+    const bool decode = M <= kOuterDecodeMaxM;
+    const int64_t unit = 2 * kBlock, grain = decode ? unit : std::max<int64_t>(unit, (N + threads - 1) / threads);
+    at::parallel_for(0, (N + unit - 1) / unit, (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
+      const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
+      decode ? outer_decode(p, n0, n1) : outer_panels(p, n0, n1);
+    });
+    return out.reshape(out_shape);
+  }
+#endif
+  const bool registers = M <= kRegisterMaxM;
+  const int64_t unit = 8;  // weight rows per work unit
   const int64_t grain = registers ? 16 : std::max<int64_t>(unit, (N + threads - 1) / threads);
   at::parallel_for(0, (N + unit - 1) / unit, (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
     const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
