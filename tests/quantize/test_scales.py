@@ -115,7 +115,7 @@ def test_every_method_gives_positive_finite_scales(name, w):
     from hqtflow.scales import DYNAMIC_METHODS, INC_DYNAMIC_METHODS
 
     sc = linear_scales(scale_method(name, dynamic=name in INC_DYNAMIC_METHODS), 2.5, w)
-    if name in DYNAMIC_METHODS:  # activation scales come at run time (tests/test_dynamic.py)
+    if name in DYNAMIC_METHODS:  # activation scales come at run time (tests/quantize/test_dynamic.py)
         assert sc.input is None and torch.isfinite(sc.weight).all() and (sc.weight > 0).all()
         return
     assert torch.isfinite(sc.input).all() and (sc.input > 0).all()
