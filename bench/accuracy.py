@@ -77,6 +77,8 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--kl", action="store_true", help="the KL / top-1 table instead of lm-eval and perplexity")
     p.add_argument("--kl-tokens", type=int, default=8192)
+    p.add_argument("--backend", default="auto", choices=("auto", "qdq", "cpu", "scaled_mm"),
+                   help="--kl: hqtflow's FP8 backend (qdq is Neural Compressor's arithmetic; auto the fastest here)")
     a = p.parse_args()
     if a.kl:
         return kl_table(a)
@@ -128,7 +130,8 @@ def kl_table(a) -> None:
     methods = [m for m in (a.methods.split(",") if a.methods != ",".join(METHODS) else KL_METHODS) if m]
     flags = sorted({f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
                     if f in Path("/proc/cpuinfo").read_text()}) if Path("/proc/cpuinfo").exists() else []
-    print(f"model {path.name}, torch {torch.__version__}, {platform.machine()} CPU flags {flags}, threads {torch.get_num_threads()}")
+    print(f"model {path.name}, torch {torch.__version__}, {platform.machine()} CPU flags {flags}, "
+          f"threads {torch.get_num_threads()}, hqtflow backend {a.backend}")
     tmp = Path(tempfile.mkdtemp(prefix="hqtflow-kl-"))
     try:
         meas = measure(MeasureSettings(output=str(tmp / "meas"), model=str(path), text=(str(data / "wikitext2_valid.txt"),),
@@ -140,7 +143,7 @@ def kl_table(a) -> None:
         rows = {}
         for method in methods:
             model, _ = quantize_in_memory(QuantizeSettings(measurement=str(meas), output="-", scale_method=method))
-            set_backend(model, "auto")
+            set_backend(model, a.backend)
             ours = divergence(ref, model, windows)
             del model
             theirs = None

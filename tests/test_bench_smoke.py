@@ -28,14 +28,17 @@ def test_accuracy_kl_smoke(smollm2, data_dir, tmp_path):
     out = tmp_path / "kl.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "accuracy.py"), "--kl", "--model", str(smollm2),
                         "--data-dir", str(data_dir), "--kl-tokens", "512", "--calib-chunks", "4",
-                        "--methods", "maxabs_pow2,fp8_dynamic", "--json", str(out)], capture_output=True, text=True,
+                        "--methods", "maxabs_pow2,fp8_dynamic", "--backend", "qdq", "--json", str(out)], capture_output=True, text=True,
                        timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "KL ratio hqtflow/INC" in r.stdout
     res = json.loads(out.read_text())["results"]
     assert res["fp8_dynamic"]["inc"] is None and res["fp8_dynamic"]["hqtflow"]["tokens"] == 512
     ours, inc = res["maxabs_pow2"]["hqtflow"], res["maxabs_pow2"]["inc"]
-    # power-of-two scales: hqtflow's FP8 model is INC's (tests/test_inc_equivalence.py), so the KL agrees closely
+    # power-of-two scales and the QDQ backend (INC's arithmetic): hqtflow's FP8 model is INC's
+    # (tests/test_inc_equivalence.py), so the KL agrees closely. The CPU kernel sums in fp32 where INC's QDQ runs a
+    # bf16 matmul: on these 512 tokens it gives KL 0.0279 vs QDQ 0.0304 (fp32 sums are closer to bf16), so it is not
+    # compared here (its own tests check it against QDQ).
     assert abs(ours["mean_kl"] - inc["mean_kl"]) <= 0.05 * inc["mean_kl"] + 1e-4
 
 
