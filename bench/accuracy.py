@@ -77,6 +77,8 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--kl", action="store_true", help="the KL / top-1 table instead of lm-eval and perplexity")
     p.add_argument("--kl-tokens", type=int, default=8192)
+    p.add_argument("--checkpoint", action="append", default=[],
+                   help="--kl: also an FP8 checkpoint made elsewhere (e.g. by `hqtflow tune`); repeatable")
     p.add_argument("--backend", default="auto", choices=("auto", "qdq", "cpu", "scaled_mm"),
                    help="--kl: hqtflow's FP8 backend (qdq is Neural Compressor's arithmetic; auto the fastest here)")
     a = p.parse_args()
@@ -160,6 +162,14 @@ def kl_table(a) -> None:
             rows[method] = {"hqtflow": ours.as_dict(), "inc": theirs.as_dict() if theirs else None}
             print(f"  {method}: hqtflow KL {ours.mean_kl:.5f} top-1 {ours.top1:.4f}; INC "
                   + (f"KL {theirs.mean_kl:.5f} top-1 {theirs.top1:.4f}" if theirs else "n/a"), flush=True)
+        for ckpt in a.checkpoint:
+            import hqtflow
+
+            model, _ = hqtflow.load(ckpt, backend=a.backend, dtype="bf16")
+            ours = divergence(ref, model, windows)
+            del model
+            rows[f"checkpoint {ckpt}"] = {"hqtflow": ours.as_dict(), "inc": None}
+            print(f"  {ckpt}: hqtflow KL {ours.mean_kl:.5f} top-1 {ours.top1:.4f}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     n = sum(w.shape[1] for w in windows)
