@@ -140,7 +140,7 @@ def measure(
     if resolved_settings is not None:  # a rank started by `--tp N`
         settings = MeasureSettings.from_json(json.loads(resolved_settings.read_text()))
     else:
-        from hqtflow.recipes import load_recipe, merge_flags
+        from hqtflow.recipes import load_recipe, measure_settings
 
         flags = {
             "model": model, "output": str(output) if output else None, "config": str(config) if config else None,
@@ -149,8 +149,7 @@ def measure(
             "text_field": text_field, "limit": limit, "batch_size": batch_size, "max_length": max_length,
             "tp": tp, "dtype": dtype,
         }
-        values = merge_flags(load_recipe(recipe)["settings"] if recipe is not None else None, flags)
-        settings = MeasureSettings(**values, overwrite=overwrite)
+        settings = measure_settings(load_recipe(recipe) if recipe is not None else None, flags, overwrite=overwrite)
     inc_device = _inc_device(engine, device)
     if inc_device is not None:
         from hqtflow.engines import inc
