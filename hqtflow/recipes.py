@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from hqtflow.choices import KVCache, parse
 from hqtflow.errors import ConfigError
-from hqtflow.measure.run import MeasureSettings
+from hqtflow.measure.settings import MeasureSettings
 from hqtflow.quantize.run import QuantizeSettings
 
 RECIPE_VERSION = 1
