@@ -88,6 +88,8 @@ class EvalSection:
 
 @dataclass(frozen=True)
 class Recipe:
+    """One recipe file, checked: its sections, and what describes it (`path` is the file, as given)."""
+
     path: str
     name: str
     version: int = RECIPE_VERSION
