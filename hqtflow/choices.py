@@ -17,10 +17,27 @@ class KVCache(StrEnum):
     FP8 = "fp8"
 
 
-def parse(enum: type[E], value: str, what: str) -> E:
-    """`value` as a member of `enum`, or a ConfigError naming `what`, the value and the valid values."""
+def parse(enum: type[E], value: str, what: str, error: type[ConfigError] = ConfigError) -> E:
+    """`value` as a member of `enum`, or an `error` naming `what`, the value and the valid values."""
     try:
         return enum(value)
     except ValueError:
-        valid = " or ".join(m.value for m in enum)
-        raise ConfigError(f"{what} must be {valid}, not {value!r}.") from None
+        *rest, last = [m.value for m in enum]
+        valid = f"{', '.join(rest)} or {last}" if rest else last
+        raise error(f"{what} must be {valid}, not {value!r}.") from None
+
+
+class Backend(StrEnum):
+    """The FP8 matmul: auto (the fastest here), qdq (the reference), cpu (hqtflow's kernel), scaled_mm (CUDA FP8 GEMM)."""
+
+    AUTO = "auto"
+    QDQ = "qdq"
+    CPU = "cpu"
+    SCALED_MM = "scaled_mm"
+
+
+class Engine(StrEnum):
+    """Who measures, quantizes and runs: hqtflow itself, or Neural Compressor driven by hqtflow."""
+
+    HQTFLOW = "hqtflow"
+    INC = "inc"

@@ -5,12 +5,15 @@ from __future__ import annotations
 import functools
 import warnings
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from hqtflow.errors import HqtflowError, ProvenanceWarning
+from hqtflow.measure.settings import MeasureSettings
+from hqtflow.runtime.settings import ServeSettings
 
 app = typer.Typer(
     name="hqtflow",
@@ -93,6 +96,12 @@ def model_path(name: Annotated[str, typer.Argument(help="Embedded model name or 
     typer.echo(str(resolve_model(name)))
 
 
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option `name` was given (command line or its environment variable), not left at its default."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
 def _csv(values: Optional[list[str]]) -> Optional[tuple[str, ...]]:
     if values is None:
         return None
@@ -110,47 +119,51 @@ def _inc_device(engine: str, device: Optional[str]) -> Optional[str]:
     return resolve(engine, device)
 
 
+def _measure_flags(ctx: typer.Context) -> dict:
+    """The measure options given, as MeasureSettings values (what is not given: the recipe's, else the default)."""
+    paths = lambda values: tuple(map(str, values))
+    convert = {"tasks": _csv, "include_path": paths, "text": paths, "output": str, "config": str, "data_dir": str}
+    names = {f.name for f in fields(MeasureSettings)} - {"overwrite", "recipe"}
+    return {name: value if value is None else convert.get(name, lambda v: v)(value)
+            for name, value in ctx.params.items() if name in names and _given(ctx, name)}
+
+
 @app.command()
 @user_errors
 def measure(
+    ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(help="HF model folder, hub id in the local cache, or 'smollm2' (default).")] = None,
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Artifact directory to write.")] = None,
     recipe: Annotated[Optional[Path], typer.Option("-r", "--recipe", help="YAML recipe; flags override its values.")] = None,
     config: Annotated[Optional[Path], typer.Option("-c", "--config", help="QUANT_CONFIG JSON (MEASURE mode). Default: maxabs, inputs and weights.")] = None,
-    tasks: Annotated[Optional[list[str]], typer.Option("--tasks", "-t", help="lm-eval tasks, comma separated (e.g. piqa_local,lambada_openai_local).")] = None,
-    include_path: Annotated[Optional[list[Path]], typer.Option("--include-path", help="Directory of lm-eval task YAMLs.")] = None,
-    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Data for the bundled <task>_local tasks (e.g. ../shared/data).")] = None,
-    text: Annotated[Optional[list[Path]], typer.Option("--text", help="Plain .txt or .jsonl calibration file (repeatable).")] = None,
-    text_field: Annotated[Optional[str], typer.Option(help="Field of .jsonl records that holds the text.")] = None,
-    limit: Annotated[Optional[int], typer.Option(help="Documents per lm-eval task, or text chunks per file.")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per forward.")] = None,
-    max_length: Annotated[Optional[int], typer.Option(help="Tokens per sequence (text chunk size).")] = None,
-    tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel ranks (cards) to measure on.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="Model dtype: bf16, fp16 or fp32.")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
+    tasks: Annotated[list[str], typer.Option("--tasks", "-t", help="lm-eval tasks, comma separated (e.g. piqa_local,lambada_openai_local).")] = MeasureSettings.tasks,
+    include_path: Annotated[list[Path], typer.Option("--include-path", help="Directory of lm-eval task YAMLs.")] = MeasureSettings.include_path,
+    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Data for the bundled <task>_local tasks (e.g. ../shared/data).")] = MeasureSettings.data_dir,
+    text: Annotated[list[Path], typer.Option("--text", help="Plain .txt or .jsonl calibration file (repeatable).")] = MeasureSettings.text,
+    text_field: Annotated[str, typer.Option(help="Field of .jsonl records that holds the text.")] = MeasureSettings.text_field,
+    limit: Annotated[Optional[int], typer.Option(help="Documents per lm-eval task, or text chunks per file.")] = MeasureSettings.limit,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward.")] = MeasureSettings.batch_size,
+    max_length: Annotated[int, typer.Option(help="Tokens per sequence (text chunk size).")] = MeasureSettings.max_length,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (cards) to measure on.")] = MeasureSettings.tp,
+    dtype: Annotated[str, typer.Option(help="Model dtype: bf16, fp16 or fp32.")] = MeasureSettings.dtype,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = MeasureSettings.overwrite,
     engine: Engine = "hqtflow",
     device: Device = None,
     resolved_settings: Annotated[Optional[Path], typer.Option(hidden=True)] = None,
 ) -> None:
-    """Calibrate a model with maxabs observers and write HQT/INC-compatible per-rank measurement files."""
+    """Calibrate a model with maxabs observers and write HQT/INC-compatible per-rank measurement files (flags given
+    override the recipe's values; flags not given: the recipe's, else their defaults)."""
     import json
 
-    from hqtflow.measure.run import MeasureSettings, measure as run_measure, measurement_summary
+    from hqtflow.measure.run import measure as run_measure, measurement_summary
 
     if resolved_settings is not None:  # a rank started by `--tp N`
         settings = MeasureSettings.from_json(json.loads(resolved_settings.read_text()))
     else:
-        from hqtflow.recipes import load_recipe, merge_flags
+        from hqtflow.recipes import load_recipe, measure_settings
 
-        flags = {
-            "model": model, "output": str(output) if output else None, "config": str(config) if config else None,
-            "tasks": _csv(tasks), "include_path": tuple(map(str, include_path)) if include_path else None,
-            "data_dir": str(data_dir) if data_dir else None, "text": tuple(map(str, text)) if text else None,
-            "text_field": text_field, "limit": limit, "batch_size": batch_size, "max_length": max_length,
-            "tp": tp, "dtype": dtype,
-        }
-        values = merge_flags(load_recipe(recipe)["settings"] if recipe is not None else None, flags)
-        settings = MeasureSettings(**values, overwrite=overwrite)
+        settings = measure_settings(load_recipe(recipe) if recipe is not None else None, _measure_flags(ctx),
+                                    overwrite=overwrite)
     inc_device = _inc_device(engine, device)
     if inc_device is not None:
         from hqtflow.engines import inc
@@ -467,87 +480,73 @@ serve_app = typer.Typer(help="Serve a model over HTTP: TGI routes (/generate, /g
 app.add_typer(serve_app, name="serve")
 
 
-def _serve(kind: str, model: Optional[str], host: str, port: int, max_input_tokens: Optional[int],
-           max_total_tokens: Optional[int], max_batch_size: Optional[int], max_batch_prefill_tokens: Optional[int],
-           max_concurrent_requests: Optional[int], api_key: Optional[str],
-           batch_bucket_size: Optional[int], prefill_batch_bucket_size: Optional[int],
-           pad_sequence_to_multiple_of: Optional[int], warmup: Optional[bool], measurement: Optional[Path] = None,
-           backend: str = "auto", dtype: str = "auto", engine: str = "hqtflow", device: Optional[str] = None,
-           max_batch_total_tokens: Optional[int] = None, kv_cache: str = "bf16") -> None:
-    from dataclasses import fields
+# TGI-on-Gaudi's environment variables for the serve options they share (read when the option is not given)
+TGI_ENV = {"max_batch_size": "MAX_BATCH_SIZE", "max_batch_total_tokens": "MAX_BATCH_TOTAL_TOKENS",
+           "batch_bucket_size": "BATCH_BUCKET_SIZE", "prefill_batch_bucket_size": "PREFILL_BATCH_BUCKET_SIZE",
+           "pad_sequence_to_multiple_of": "PAD_SEQUENCE_TO_MULTIPLE_OF", "warmup": "WARMUP_ENABLED"}
 
+
+def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
+    """ServeSettings from the serve options (whose defaults are ServeSettings'): an option not given takes its
+    TGI environment variable when it has one; the limits are checked against each other."""
     from hqtflow import environment
-
-    environment.bound_onednn_cache()
-
-    from hqtflow.runtime.server import ServeSettings, serve
-
-    # every default comes from ServeSettings, so the CLI and the tests (which build ServeSettings) cannot drift
-    default = {f.name: f.default for f in fields(ServeSettings)}
-
-    def env(value, name, field):  # flag, else TGI-on-Gaudi environment variable, else ServeSettings' default
-        return value if value is not None else environment.tgi_knob(name, default[field])
-
-    max_input_tokens = default["max_input_tokens"] if max_input_tokens is None else max_input_tokens
-    max_total_tokens = default["max_total_tokens"] if max_total_tokens is None else max_total_tokens
-    max_batch_prefill_tokens = default["max_batch_prefill_tokens"] if max_batch_prefill_tokens is None else max_batch_prefill_tokens
-    max_concurrent_requests = default["max_concurrent_requests"] if max_concurrent_requests is None else max_concurrent_requests
-
-    if max_input_tokens >= max_total_tokens:
-        raise HqtflowError(f"--max-input-tokens ({max_input_tokens}) must be less than --max-total-tokens ({max_total_tokens}).")
     from hqtflow.choices import KVCache, parse
 
-    kv_cache = parse(KVCache, kv_cache, "--kv-cache").value
-    total = environment.tgi_knob("MAX_BATCH_TOTAL_TOKENS", None) if max_batch_total_tokens is None else max_batch_total_tokens
-    if total is not None and total < max_total_tokens:
-        raise HqtflowError(f"--max-batch-total-tokens ({total}) must be at least --max-total-tokens ({max_total_tokens}).")
-    if max_batch_prefill_tokens < max_input_tokens:
-        raise HqtflowError(f"--max-batch-prefill-tokens ({max_batch_prefill_tokens}) must be at least --max-input-tokens ({max_input_tokens}).")
-    settings = ServeSettings(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
-                             max_batch_size=env(max_batch_size, "MAX_BATCH_SIZE", "max_batch_size"),
-                             max_concurrent_requests=max_concurrent_requests,
-                             max_batch_prefill_tokens=max_batch_prefill_tokens, max_batch_total_tokens=total,
-                             kv_cache=kv_cache,
-                             api_key=api_key or environment.api_key(),
-                             batch_bucket_size=env(batch_bucket_size, "BATCH_BUCKET_SIZE", "batch_bucket_size"),
-                             prefill_batch_bucket_size=env(prefill_batch_bucket_size, "PREFILL_BATCH_BUCKET_SIZE",
-                                                           "prefill_batch_bucket_size"),
-                             pad_sequence_to_multiple_of=env(pad_sequence_to_multiple_of, "PAD_SEQUENCE_TO_MULTIPLE_OF",
-                                                             "pad_sequence_to_multiple_of"),
-                             warmup=env(warmup, "WARMUP_ENABLED", "warmup"))
-    serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
-          backend=backend, dtype=dtype, inc_device=_inc_device(engine, device))
+    values = {name: value if _given(ctx, name) or name not in TGI_ENV else environment.tgi_knob(TGI_ENV[name], value)
+              for name, value in options.items()}
+    values["api_key"] = values["api_key"] or environment.api_key()
+    values["kv_cache"] = parse(KVCache, values["kv_cache"], "--kv-cache").value
+    s = ServeSettings(**values)
+    if s.max_input_tokens >= s.max_total_tokens:
+        raise HqtflowError(f"--max-input-tokens ({s.max_input_tokens}) must be less than --max-total-tokens ({s.max_total_tokens}).")
+    if s.max_batch_total_tokens is not None and s.max_batch_total_tokens < s.max_total_tokens:
+        raise HqtflowError(f"--max-batch-total-tokens ({s.max_batch_total_tokens}) must be at least --max-total-tokens ({s.max_total_tokens}).")
+    if s.max_batch_prefill_tokens < s.max_input_tokens:
+        raise HqtflowError(f"--max-batch-prefill-tokens ({s.max_batch_prefill_tokens}) must be at least --max-input-tokens ({s.max_input_tokens}).")
+    return s
 
 
 def _serve_command(kind: str, doc: str):
+    S = ServeSettings
+
     @serve_app.command(kind, help=doc)
     @user_errors
     def command(
+        ctx: typer.Context,
         model: Annotated[Optional[str], typer.Argument(help="FP8 checkpoint (fp8) or HF model folder / 'smollm2' (bf16).")] = None,
         host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Port.")] = 3000,
-        max_input_tokens: Annotated[Optional[int], typer.Option(help="Longest prompt accepted (422 above; default 4095).")] = None,
-        max_total_tokens: Annotated[Optional[int], typer.Option(help="Prompt + max_new_tokens limit (422 above; default 4096).")] = None,
-        max_batch_size: Annotated[Optional[int], typer.Option(help="Requests running together at most; 0: as many as the KV cache holds (env MAX_BATCH_SIZE, 0).")] = None,
-        max_batch_prefill_tokens: Annotated[Optional[int], typer.Option(help="Prompt tokens prefilled in one step, in chunks mixed with decode steps (TGI's flag; default 4096).")] = None,
-        max_batch_total_tokens: Annotated[Optional[int], typer.Option(help="KV tokens of the paged cache (TGI's flag; env MAX_BATCH_TOTAL_TOKENS; default: from free memory).")] = None,
-        kv_cache: Annotated[str, typer.Option(help="bf16 (the model's dtype), or fp8: the checkpoint's k_scale/v_scale (refused without them).")] = "bf16",
-        max_concurrent_requests: Annotated[Optional[int], typer.Option(help="Requests in flight before 429 (default 128).")] = None,
-        api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` (env HQTFLOW_API_KEY).")] = None,
-        batch_bucket_size: Annotated[Optional[int], typer.Option(help="Pad a decode step to a multiple of tokens (one per sequence) (env BATCH_BUCKET_SIZE, 1).")] = None,
-        prefill_batch_bucket_size: Annotated[Optional[int], typer.Option(help="A step with prefill is padded to a multiple of this x PAD_SEQUENCE_TO_MULTIPLE_OF tokens (env PREFILL_BATCH_BUCKET_SIZE, 1).")] = None,
-        pad_sequence_to_multiple_of: Annotated[Optional[int], typer.Option(help="Pad a step with prefill to a multiple of tokens: few distinct shapes, bounded per-shape caches (env PAD_SEQUENCE_TO_MULTIPLE_OF, 16).")] = None,
-        warmup: Annotated[Optional[bool], typer.Option("--warmup/--no-warmup", help="Run the bucketed shapes once; /health is 503 until done (env WARMUP_ENABLED).")] = None,
+        max_input_tokens: Annotated[int, typer.Option(help="Longest prompt accepted (422 above).")] = S.max_input_tokens,
+        max_total_tokens: Annotated[int, typer.Option(help="Prompt + max_new_tokens limit (422 above).")] = S.max_total_tokens,
+        max_batch_size: Annotated[int, typer.Option(help="Requests running together at most; 0: as many as the KV cache holds (env MAX_BATCH_SIZE).")] = S.max_batch_size,
+        max_batch_prefill_tokens: Annotated[int, typer.Option(help="Prompt tokens prefilled in one step, in chunks mixed with decode steps (TGI's flag).")] = S.max_batch_prefill_tokens,
+        max_batch_total_tokens: Annotated[Optional[int], typer.Option(help="KV tokens of the paged cache (TGI's flag; env MAX_BATCH_TOTAL_TOKENS; default: from free memory).")] = S.max_batch_total_tokens,
+        kv_cache: Annotated[str, typer.Option(help="bf16 (the model's dtype), or fp8: the checkpoint's k_scale/v_scale (refused without them).")] = S.kv_cache,
+        max_concurrent_requests: Annotated[int, typer.Option(help="Requests in flight before 429.")] = S.max_concurrent_requests,
+        api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` (env HQTFLOW_API_KEY).")] = S.api_key,
+        batch_bucket_size: Annotated[int, typer.Option(help="Pad a decode step to a multiple of tokens (one per sequence) (env BATCH_BUCKET_SIZE).")] = S.batch_bucket_size,
+        prefill_batch_bucket_size: Annotated[int, typer.Option(help="A step with prefill is padded to a multiple of this x PAD_SEQUENCE_TO_MULTIPLE_OF tokens (env PREFILL_BATCH_BUCKET_SIZE).")] = S.prefill_batch_bucket_size,
+        pad_sequence_to_multiple_of: Annotated[int, typer.Option(help="Pad a step with prefill to a multiple of tokens: few distinct shapes, bounded per-shape caches (env PAD_SEQUENCE_TO_MULTIPLE_OF).")] = S.pad_sequence_to_multiple_of,
+        warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Run the bucketed shapes once; /health is 503 until done (env WARMUP_ENABLED).")] = S.warmup,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
         backend: Backend = "auto",
         dtype: ComputeDtype = "auto",
         engine: Engine = "hqtflow",
         device: Device = None,
     ) -> None:
-        _serve(kind, model, host, port, max_input_tokens, max_total_tokens, max_batch_size, max_batch_prefill_tokens,
-               max_concurrent_requests, api_key,
-               batch_bucket_size, prefill_batch_bucket_size, pad_sequence_to_multiple_of, warmup, measurement, backend,
-               dtype, engine, device, max_batch_total_tokens, kv_cache)
+        from hqtflow import environment
+
+        environment.bound_onednn_cache()
+        settings = serve_settings(ctx, dict(
+            max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens, max_batch_size=max_batch_size,
+            max_batch_prefill_tokens=max_batch_prefill_tokens, max_batch_total_tokens=max_batch_total_tokens,
+            kv_cache=kv_cache, max_concurrent_requests=max_concurrent_requests, api_key=api_key,
+            batch_bucket_size=batch_bucket_size, prefill_batch_bucket_size=prefill_batch_bucket_size,
+            pad_sequence_to_multiple_of=pad_sequence_to_multiple_of, warmup=warmup))
+        from hqtflow.runtime.server import serve
+
+        serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
+              backend=backend, dtype=dtype, inc_device=_inc_device(engine, device))
 
 
 _serve_command("fp8", "Serve an FP8 checkpoint with continuous batching.")

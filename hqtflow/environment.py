@@ -1,18 +1,15 @@
 """Every environment variable hqtflow reads or sets, in one place (no heavy imports here).
 
-Read: HQTFLOW_CACHE, HQTFLOW_API_KEY, TGI-on-Gaudi's serving knobs (MAX_BATCH_SIZE, MAX_BATCH_TOTAL_TOKENS, BATCH_BUCKET_SIZE,
+Read: HQTFLOW_CACHE, HQTFLOW_API_KEY, CXX (the CPU kernel's compiler), TGI-on-Gaudi's serving knobs (MAX_BATCH_SIZE, MAX_BATCH_TOTAL_TOKENS, BATCH_BUCKET_SIZE,
 PREFILL_BATCH_BUCKET_SIZE, PAD_SEQUENCE_TO_MULTIPLE_OF, WARMUP_ENABLED) and torchrun's RANK, WORLD_SIZE,
 LOCAL_RANK, TORCHELASTIC_RUN_ID. Set, for libraries that only read the environment: TQDM_DISABLE (ranks other than
-0), ONEDNN_PRIMITIVE_CACHE_CAPACITY (serve), TORCHINDUCTOR_CACHE_DIR (the compiled decoder), OMP_NUM_THREADS (the ranks `--tp` starts) and, while the CPU kernel
-builds, PATH (pip's ninja).
+0), ONEDNN_PRIMITIVE_CACHE_CAPACITY (serve), TORCHINDUCTOR_CACHE_DIR (the compiled decoder), OMP_NUM_THREADS (the ranks `--tp` starts).
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 TGI_KNOBS = ("MAX_BATCH_SIZE", "MAX_BATCH_TOTAL_TOKENS", "BATCH_BUCKET_SIZE", "PREFILL_BATCH_BUCKET_SIZE",
              "PAD_SEQUENCE_TO_MULTIPLE_OF", "WARMUP_ENABLED")
@@ -21,6 +18,11 @@ TGI_KNOBS = ("MAX_BATCH_SIZE", "MAX_BATCH_TOTAL_TOKENS", "BATCH_BUCKET_SIZE", "P
 def cache_dir() -> Path:
     """Prepared models, the built CPU kernel and the compile cache (default ~/.cache/hqtflow)."""
     return Path(os.environ.get("HQTFLOW_CACHE") or Path.home() / ".cache" / "hqtflow")
+
+
+def cxx_compiler() -> str:
+    """The C++ compiler that builds the CPU kernel: $CXX, else `c++`."""
+    return os.environ.get("CXX") or "c++"
 
 
 def api_key() -> str | None:
@@ -82,18 +84,3 @@ def rank_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-@contextmanager
-def path_prefixed(directory: str | None) -> Iterator[None]:
-    """PATH with `directory` in front for the duration (a build tool found only by name); restored after."""
-    if directory is None:
-        yield
-        return
-    old = os.environ.get("PATH")
-    os.environ["PATH"] = directory + os.pathsep + (old or "")
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("PATH", None)
-        else:
-            os.environ["PATH"] = old

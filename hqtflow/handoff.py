@@ -236,7 +236,7 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
             raise ConfigError("SOURCE is already a recipe; --recipe goes with an artifact SOURCE.")
         recipe, art_dir = source, measurement
         if mode == "quantize" and art_dir is None:
-            out = load_recipe(recipe)["settings"].get("output")
+            out = load_recipe(recipe).measure.output
             if not out:
                 raise ConfigError(f"Recipe {recipe} names no `output` measurement; pass -m DIR.")
             art_dir = out
@@ -253,13 +253,13 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
         if recipe is None and artifact.recipe and Path(artifact.recipe).is_file():
             recipe = artifact.recipe
     r = load_recipe(recipe) if recipe is not None else None
-    gaudi = _gaudi_section(str(recipe), r["meta"].get("gaudi")) if r else {}
+    gaudi = _gaudi_section(str(recipe), r.gaudi) if r else {}
 
     if mode == "measure":
         if artifact is not None and artifact.kind != "measurement":
             raise ConfigError("--mode measure hands off a recipe (or a measurement's recipe), not scale files.")
-        world = world_size or (r["settings"]["tp"] if r else None) or (artifact.world_size if artifact else 1)
-        cfg_path = Path(r["settings"]["config"]) if r and r["settings"].get("config") else DEFAULT_MEASURE_CONFIG
+        world = world_size or (r.measure.tp if r else None) or (artifact.world_size if artifact else 1)
+        cfg_path = Path(r.measure.config) if r and r.measure.config else DEFAULT_MEASURE_CONFIG
         config = _load_json(cfg_path, "QUANT_CONFIG")
         name = cfg_path.name
     else:
@@ -267,7 +267,7 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
         if world_size is not None and world_size != world:
             raise ConfigError(f"{artifact.directory} holds {world} rank(s), not {world_size}; unify it first "
                               f"(`hqtflow unify -g ... -m {artifact.directory} -o DIR` makes {world_size} group(s)).")
-        quant = r["meta"].get("quant_config") if r else None
+        quant = r.quantize.config if r else None
         if artifact.kind == "measurement" and quant:
             config, name = _load_json(Path(quant), "QUANT_CONFIG"), Path(quant).name
             config = {**config, "recalc_scales": True}  # never reuse a stale scale file beside the measurement
@@ -278,7 +278,7 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
     if mode == "measure" and str(config.get("mode", "")).upper() != "MEASURE":
         raise ConfigError(f"QUANT_CONFIG {name} has mode {config.get('mode')!r}; --mode measure needs a MEASURE config.")
     if model is None:  # a recipe SOURCE names the model; an artifact, the folder it was made from
-        from_recipe = r["settings"]["model"] if r else None
+        from_recipe = r.measure.model if r else None
         model = from_recipe if recipe == source else (artifact.model if artifact else None) or from_recipe
     if not model:
         raise ConfigError("No model: the artifact records none; pass --model.")

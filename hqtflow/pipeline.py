@@ -51,33 +51,31 @@ def checkpoint_is_current(q) -> bool:
 
 
 def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo: Callable[[str], None] = print) -> Path:
+    from hqtflow.choices import KVCache
     from hqtflow.eval_run import run_eval
     from hqtflow.formats.artifact import read_manifest
-    from hqtflow.measure.run import MeasureSettings, measure
-    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, QuantizeSettings, quantize
-    from hqtflow.recipes import load_recipe, merge_flags
+    from hqtflow.measure.run import measure
+    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, quantize
+    from hqtflow.recipes import load_recipe, measure_settings
 
     r = load_recipe(recipe)
-    ms = MeasureSettings(**merge_flags(r["settings"], overrides), overwrite=True)
+    ms = measure_settings(r, overrides, overwrite=True)
     root = Path(ms.output).parent
-    from hqtflow.choices import KVCache
-
-    kv_missing = r["meta"]["kv_cache"] == KVCache.FP8 and not (Path(ms.output) / "kv_cache_maxabs.json").exists()
+    kv_missing = r.quantize.kv_cache == KVCache.FP8 and not (Path(ms.output) / "kv_cache_maxabs.json").exists()
     if not force and not kv_missing and measurement_is_current(ms):
         echo(f"measure: {ms.output} is up to date, skipped.")
     else:
         echo(f"measure: writing {ms.output}")
         measure(ms)
-    qs = QuantizeSettings(measurement=ms.output, output=str(root / "fp8"), config=r["meta"]["quant_config"],
-                          kv_cache=r["meta"]["kv_cache"], overwrite=True)
+    qs = r.quantize.settings(ms.output, str(root / "fp8"), overwrite=True)
     if not force and checkpoint_is_current(qs):
         echo(f"quantize: {qs.output} is up to date, skipped.")
     else:
         echo(f"quantize: writing {qs.output}")
         quantize(qs)
-    ev = r["meta"]["eval"]
-    ev_json = json.loads(json.dumps(ev))
-    if not ev["tasks"] and not ev["ppl_file"]:
+    ev = r.eval
+    ev_json = ev.to_json()
+    if ev.empty:
         echo("eval: the recipe has no `eval` section, skipped.")
         return root
     report = root / "eval.json"
@@ -93,9 +91,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
             return root
     tmp = root / ".eval.json.partial"
     tmp.unlink(missing_ok=True)
-    table = run_eval(qs.output, baseline=None, use_source=True, tasks=ev["tasks"], include_path=ev["include_path"],
-                     data_dir=ev["data_dir"], limit=ev["limit"], batch_size=ev["batch_size"], ppl_file=ev["ppl_file"],
-                     ppl_windows=ev["ppl_windows"], report=tmp)
+    table = run_eval(qs.output, baseline=None, use_source=True, **asdict(ev), report=tmp)
     data = json.loads(tmp.read_text())
     data.update({"checkpoint_digest": digest, "eval": ev_json})
     tmp.write_text(json.dumps(data, indent=2, default=str))

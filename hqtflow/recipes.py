@@ -1,39 +1,135 @@
-"""YAML recipes: one file per model and card count naming everything a run needs.
+"""YAML recipes: one file per model and card count naming everything a run needs, read into a typed `Recipe`.
 
-Keys (all optional except `model`): version (the recipe schema, 1; a newer one is refused), name, model, model_type, cards, dtype, config, calibration {tasks,
-include_path, data_dir, text, text_field, limit}, batch_size, max_length, output, quant_config, eval {tasks,
-include_path, data_dir, limit, ppl_file, ppl_windows, batch_size} (for `hqtflow run`), gaudi (the optimum-habana /
-TGI-Gaudi commands of `hqtflow handoff`, see hqtflow/handoff.py), notes.
-Relative paths of inputs (config, calibration files, include paths, data dir) are resolved against the recipe's
-own directory; `output` is relative to where you run hqtflow. CLI flags override recipe values.
+A recipe has a section per stage, whose fields are the stage settings' own (the YAML layout stays flat where it
+always was):
+
+- measure (MeasureSettings): model, config, cards (-> tp), dtype, batch_size, max_length, output, and the
+  `calibration` mapping {tasks, include_path, data_dir, text, text_field, limit};
+- quantize (QuantizeSettings): quant_config (-> config), kv_cache;
+- eval (`hqtflow run`'s run_eval): the `eval` mapping {tasks, include_path, data_dir, limit, ppl_file, ppl_windows,
+  batch_size (default: the measurement's)};
+- gaudi: the optimum-habana / TGI-Gaudi commands of `hqtflow handoff` (checked there, see hqtflow/handoff.py);
+- and version (the recipe schema, 1; a newer one is refused), name (default: the file's stem), model_type, notes.
+
+Relative paths of inputs (config, quant_config, calibration files, include paths, data dirs, ppl_file) are resolved
+against the recipe's own directory; `output` is relative to where you run hqtflow. CLI flags override recipe values
+through `measure_settings`, the one merge of `measure --recipe` and `run`.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
+from hqtflow.choices import KVCache, parse
 from hqtflow.errors import ConfigError
+from hqtflow.measure.settings import MeasureSettings
+from hqtflow.quantize.run import QuantizeSettings
 
 RECIPE_VERSION = 1
-TOP_KEYS = {"version", "name", "model", "model_type", "cards", "dtype", "config", "calibration", "batch_size",
-            "max_length", "output", "quant_config", "kv_cache", "eval", "gaudi", "notes"}
-EVAL_KEYS = {"tasks", "include_path", "data_dir", "limit", "ppl_file", "ppl_windows", "batch_size"}
-CAL_KEYS = {"tasks", "include_path", "data_dir", "text", "text_field", "limit"}
 
 
-def merge_flags(recipe_settings: dict[str, Any] | None, flags: dict[str, Any]) -> dict[str, Any]:
-    """The one recipe/flag merge (`measure --recipe`, `run`): MeasureSettings keyword arguments from the recipe's
-    values, each overridden by a flag that was given (not None). An output directory is required."""
-    values = {k: v for k, v in (recipe_settings or {}).items() if v is not None}
+def _value(kind: str, default: Any = None):
+    """A section field read from YAML as `kind`: text, path, paths, names, count or kv_cache."""
+    return field(default=default, metadata={"kind": kind})
+
+
+@dataclass(frozen=True)
+class MeasureSection:
+    """The recipe's measurement: MeasureSettings keyword arguments (defaults: MeasureSettings')."""
+
+    model: str | None = _value("text")
+    config: str | None = _value("path")
+    tasks: tuple[str, ...] = _value("names", ())
+    include_path: tuple[str, ...] = _value("paths", ())
+    data_dir: str | None = _value("path")
+    text: tuple[str, ...] = _value("paths", ())
+    text_field: str = _value("text", MeasureSettings.text_field)
+    limit: int | None = _value("count")
+    batch_size: int = _value("count", MeasureSettings.batch_size)
+    max_length: int = _value("count", MeasureSettings.max_length)
+    tp: int = _value("count", MeasureSettings.tp)
+    dtype: str = _value("text", MeasureSettings.dtype)
+    output: str | None = _value("text")
+
+
+@dataclass(frozen=True)
+class QuantizeSection:
+    """The recipe's quantization: QuantizeSettings' config (the QUANTIZE QUANT_CONFIG) and kv_cache."""
+
+    config: str | None = _value("path")
+    kv_cache: KVCache = _value("kv_cache", KVCache(QuantizeSettings.kv_cache))
+
+    def settings(self, measurement: str, output: str, **more: Any) -> QuantizeSettings:
+        return QuantizeSettings(measurement=measurement, output=output, config=self.config,
+                                kv_cache=self.kv_cache.value, **more)
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    """What `hqtflow run` evaluates the checkpoint on (run_eval's keyword arguments)."""
+
+    tasks: tuple[str, ...] = _value("names", ())
+    include_path: tuple[str, ...] = _value("paths", ())
+    data_dir: str | None = _value("path")
+    limit: int | None = _value("count")
+    ppl_file: str | None = _value("path")
+    ppl_windows: int | None = _value("count")
+    batch_size: int | None = _value("count")  # None in YAML: the measurement's batch size
+
+    @property
+    def empty(self) -> bool:
+        return not self.tasks and not self.ppl_file
+
+    def to_json(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One recipe file, checked: its sections, and what describes it (`path` is the file, as given)."""
+
+    path: str
+    name: str
+    version: int = RECIPE_VERSION
+    model_type: str | None = None
+    notes: str | None = None
+    measure: MeasureSection = MeasureSection()
+    quantize: QuantizeSection = QuantizeSection()
+    eval: EvalSection = EvalSection()
+    gaudi: Mapping[str, Any] | None = None
+
+
+# YAML layout: a top-level key -> (section, field); a nested mapping -> its section (fields named as in YAML)
+FLAT = {"model": ("measure", "model"), "config": ("measure", "config"), "cards": ("measure", "tp"),
+        "dtype": ("measure", "dtype"), "batch_size": ("measure", "batch_size"),
+        "max_length": ("measure", "max_length"), "output": ("measure", "output"),
+        "quant_config": ("quantize", "config"), "kv_cache": ("quantize", "kv_cache")}
+NESTED = {"calibration": ("measure", ("tasks", "include_path", "data_dir", "text", "text_field", "limit")),
+          "eval": ("eval", tuple(f.name for f in fields(EvalSection)))}
+META = ("version", "name", "model_type", "notes", "gaudi")
+TOP_KEYS = {*FLAT, *NESTED, *META}
+SECTIONS = {"measure": MeasureSection, "quantize": QuantizeSection, "eval": EvalSection}
+
+
+def merge_flags(recipe_values: Mapping[str, Any] | None, flags: Mapping[str, Any]) -> dict[str, Any]:
+    """The recipe's values, each overridden by a flag that was given (not None). An output directory is required."""
+    values = {k: v for k, v in (recipe_values or {}).items() if v is not None}
     values.update({k: v for k, v in flags.items() if v is not None})
     if not values.get("output"):
         raise ConfigError("No output directory: pass -o DIR (or set `output` in the recipe).")
     return values
 
 
-def load_recipe(path: str | Path) -> dict[str, Any]:
-    """Read a recipe into MeasureSettings keyword arguments (plus `name`, `model_type`, `quant_config`)."""
+def measure_settings(recipe: Recipe | None, flags: Mapping[str, Any], **fixed: Any) -> MeasureSettings:
+    """MeasureSettings of `measure [--recipe]` and `run`: the recipe's measure section (if any), flags over it."""
+    values = {**asdict(recipe.measure), "recipe": recipe.path} if recipe is not None else None
+    return MeasureSettings(**merge_flags(values, flags), **fixed)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and check a recipe file (one sentence, a ConfigError, for what is wrong)."""
     import yaml
 
     path = Path(path)
@@ -45,77 +141,88 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"Recipe {path} is not valid YAML ({str(e).splitlines()[0]}).") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"Recipe {path} must be a YAML mapping.")
-    unknown = set(raw) - TOP_KEYS
-    if unknown:
-        raise ConfigError(f"Recipe {path} has unknown key(s) {', '.join(sorted(unknown))}; valid keys are {', '.join(sorted(TOP_KEYS))}.")
-    version = raw.get("version", RECIPE_VERSION)
-    if version != RECIPE_VERSION or isinstance(version, bool):
-        raise ConfigError(f"Recipe {path} has version {version!r}; this hqtflow reads recipe version {RECIPE_VERSION}.")
-    cal = raw.get("calibration") or {}
-    if not isinstance(cal, dict):
-        raise ConfigError(f"Recipe {path}: 'calibration' must be a mapping.")
-    unknown = set(cal) - CAL_KEYS
-    if unknown:
-        raise ConfigError(f"Recipe {path}: 'calibration' has unknown key(s) {', '.join(sorted(unknown))}; valid keys are {', '.join(sorted(CAL_KEYS))}.")
-    base = path.parent
+    _refuse_unknown(f"Recipe {path} has", raw, TOP_KEYS)
+    _check_version(path, raw.get("version", RECIPE_VERSION))
+    read = _Reader(path)
+    entries: dict[str, dict[str, tuple[str, Any]]] = {name: {} for name in SECTIONS}  # field -> (YAML label, value)
+    for key, value in raw.items():
+        if key in FLAT:
+            section, name = FLAT[key]
+            entries[section][name] = (key, value)
+        elif key in NESTED and value is not None:
+            section, names = NESTED[key]
+            if not isinstance(value, dict):
+                raise ConfigError(f"Recipe {path}: '{key}' must be a mapping.")
+            _refuse_unknown(f"Recipe {path}: '{key}' has", value, set(names))
+            entries[section].update({k: (f"{key}.{k}", v) for k, v in value.items()})
+    sections = {name: read.section(cls, entries[name]) for name, cls in SECTIONS.items()}
+    if sections["eval"].batch_size is None:
+        sections["eval"] = EvalSection(**{**asdict(sections["eval"]), "batch_size": sections["measure"].batch_size})
+    return Recipe(path=str(path), name=read.one("text", "name", raw.get("name")) or path.stem,
+                  version=raw.get("version", RECIPE_VERSION), model_type=read.one("text", "model_type", raw.get("model_type")),
+                  notes=read.one("text", "notes", raw.get("notes")), gaudi=raw.get("gaudi"), **sections)
 
-    def rel(p: str | None) -> str | None:
-        if p is None:
-            return None
-        if not isinstance(p, str):
-            raise ConfigError(f"Recipe {path}: expected a path, got {p!r}.")
-        q = Path(p).expanduser()
-        return str(q if q.is_absolute() else (base / q).resolve())
 
-    def as_list(key: str, value: Any) -> list:
+def _refuse_unknown(where: str, mapping: dict, valid: set[str]) -> None:
+    unknown = set(map(str, mapping)) - valid
+    if unknown:
+        raise ConfigError(f"{where} unknown key(s) {', '.join(sorted(unknown))}; valid keys are {', '.join(sorted(valid))}.")
+
+
+def _check_version(path: Path, version: Any) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ConfigError(f"Recipe {path}: 'version' must be a positive integer, not {version!r}.")
+    if version > RECIPE_VERSION:
+        raise ConfigError(f"Recipe {path} has version {version}; this hqtflow reads recipe version {RECIPE_VERSION} "
+                          "(a newer hqtflow wrote it: upgrade to read it).")
+
+
+class _Reader:
+    """Checks and converts one recipe's YAML values by kind; paths are resolved against the recipe's folder."""
+
+    def __init__(self, path: Path):
+        self.file, self.base = path, path.parent
+
+    def section(self, cls: type, entries: dict[str, tuple[str, Any]]):
+        kinds = {f.name: f.metadata["kind"] for f in fields(cls)}
+        values = {name: self.one(kinds[name], label, value) for name, (label, value) in entries.items()}
+        return cls(**{k: v for k, v in values.items() if v is not None})
+
+    def one(self, kind: str, label: str, value: Any) -> Any:
         if value is None:
-            return []
-        if isinstance(value, str):
-            return [v.strip() for v in value.split(",") if v.strip()] if key == "tasks" else [value]
-        if not isinstance(value, list):
-            raise ConfigError(f"Recipe {path}: '{key}' must be a list.")
+            return None
+        return getattr(self, kind)(label, value)
+
+    def fail(self, label: str, what: str, value: Any):
+        raise ConfigError(f"Recipe {self.file}: '{label}' must be {what}, not {value!r}.")
+
+    def text(self, label: str, value: Any) -> str:
+        return value if isinstance(value, str) else self.fail(label, "a string", value)
+
+    def count(self, label: str, value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            self.fail(label, "a positive integer", value)
         return value
 
-    out: dict[str, Any] = {
-        "model": raw.get("model"),
-        "config": rel(raw.get("config")),
-        "tasks": tuple(as_list("tasks", cal.get("tasks"))),
-        "include_path": tuple(rel(p) for p in as_list("include_path", cal.get("include_path"))),
-        "data_dir": rel(cal.get("data_dir")),
-        "text": tuple(rel(p) for p in as_list("text", cal.get("text"))),
-        "text_field": cal.get("text_field", "text"),
-        "limit": cal.get("limit"),
-        "batch_size": raw.get("batch_size", 8),
-        "max_length": raw.get("max_length", 512),
-        "tp": raw.get("cards", 1),
-        "dtype": raw.get("dtype", "bf16"),
-        "output": raw.get("output"),
-        "recipe": str(path),
-    }
-    labels = {"tp": "cards", "limit": "calibration.limit"}
-    for key in ("limit", "batch_size", "max_length", "tp"):
-        v = out[key]
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ConfigError(f"Recipe {path}: '{labels.get(key, key)}' must be a positive integer, not {v!r}.")
-    for key in ("tasks",):
-        if not all(isinstance(t, str) for t in out[key]):
-            raise ConfigError(f"Recipe {path}: 'calibration.{key}' must be a list of names.")
-    ev = raw.get("eval") or {}
-    if not isinstance(ev, dict) or set(ev) - EVAL_KEYS:
-        raise ConfigError(f"Recipe {path}: 'eval' must be a mapping with keys among {', '.join(sorted(EVAL_KEYS))}.")
-    eval_settings = {
-        "tasks": tuple(as_list("tasks", ev.get("tasks"))),
-        "include_path": tuple(rel(p) for p in as_list("include_path", ev.get("include_path"))),
-        "data_dir": rel(ev.get("data_dir")),
-        "limit": ev.get("limit"),
-        "ppl_file": rel(ev.get("ppl_file")),
-        "ppl_windows": ev.get("ppl_windows"),
-        "batch_size": ev.get("batch_size", out["batch_size"]),
-    }
-    from hqtflow.choices import KVCache, parse
+    def kv_cache(self, label: str, value: Any) -> KVCache:
+        return parse(KVCache, value, f"Recipe {self.file}: {label}")
 
-    kv = str(parse(KVCache, raw.get("kv_cache", "bf16"), f"Recipe {path}: kv_cache"))
-    meta = {"name": raw.get("name", path.stem), "model_type": raw.get("model_type"),
-            "quant_config": rel(raw.get("quant_config")), "kv_cache": kv, "eval": eval_settings,
-            "gaudi": raw.get("gaudi")}
-    return {"settings": out, "meta": meta}
+    def path(self, label: str, value: Any) -> str:
+        if not isinstance(value, str):
+            self.fail(label, "a path", value)
+        p = Path(value).expanduser()
+        return str(p if p.is_absolute() else (self.base / p).resolve())
+
+    def paths(self, label: str, value: Any) -> tuple[str, ...]:
+        return tuple(self.path(label, v) for v in self._list(label, value))
+
+    def names(self, label: str, value: Any) -> tuple[str, ...]:
+        items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else self._list(label, value)
+        if not all(isinstance(v, str) for v in items):
+            self.fail(label, "a list of names", value)
+        return tuple(items)
+
+    def _list(self, label: str, value: Any) -> list:
+        if isinstance(value, str):
+            return [value]
+        return value if isinstance(value, list) else self.fail(label, "a list", value)

@@ -1,6 +1,5 @@
 """hqtflow/environment.py: every environment variable hqtflow reads or sets goes through it."""
 
-import os
 import re
 from pathlib import Path
 
@@ -37,13 +36,7 @@ def test_tgi_knobs_are_typed_like_their_default(monkeypatch):
         environment.tgi_knob("MAX_BATCH_SIZE", 8)
 
 
-def test_cache_dir_and_path_prefix(monkeypatch, tmp_path):
+def test_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("HQTFLOW_CACHE", str(tmp_path))
     assert environment.cache_dir() == tmp_path
-    before = os.environ["PATH"]
-    with environment.path_prefixed(str(tmp_path)):
-        assert os.environ["PATH"].split(os.pathsep)[0] == str(tmp_path)
-    assert os.environ["PATH"] == before  # restored: the build's PATH change does not leak into the process
-    with environment.path_prefixed(None):
-        assert os.environ["PATH"] == before
     assert Path(environment.__file__).parent == ROOT / "hqtflow"

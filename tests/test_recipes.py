@@ -65,17 +65,17 @@ def _fused_experts(model_dir: Path) -> dict[str, int]:
     return out
 
 
-def _calibration_overrides(settings: dict, data_dir: Path, wiki: Path) -> list[str]:
+def _calibration_overrides(settings, data_dir: Path, wiki: Path) -> list[str]:
     """Flags replacing calibration sources this machine cannot use (hub tasks, absent local paths)."""
     from hqtflow.lmeval import LOCAL_TASKS
 
     args: list[str] = []
-    tasks = settings["tasks"]
-    if tasks and (any(t not in LOCAL_TASKS for t in tasks) and not settings["include_path"]):
+    tasks = settings.tasks
+    if tasks and (any(t not in LOCAL_TASKS for t in tasks) and not settings.include_path):
         args += ["--tasks", "piqa_local", "--data-dir", data_dir]  # the offline copy of a hub task
-    elif settings["data_dir"] and not Path(settings["data_dir"]).is_dir():
+    elif settings.data_dir and not Path(settings.data_dir).is_dir():
         args += ["--data-dir", data_dir]
-    if settings["text"] and not all(Path(t).is_file() for t in settings["text"]):
+    if settings.text and not all(Path(t).is_file() for t in settings.text):
         args += ["--text", wiki]
     return args
 
@@ -91,16 +91,16 @@ def test_recipe_is_complete(path):
     from hqtflow.recipes import load_recipe
 
     raw = _raw(path)
-    loaded = load_recipe(path)
-    s, meta = loaded["settings"], loaded["meta"]
-    assert meta["name"] == path.stem, "the recipe's name should match its file name"
-    assert raw.get("model") and isinstance(raw["model"], str)
-    assert meta["model_type"] in TINY, f"model_type must be one of {sorted(TINY)} so it can be dry-run"
-    assert isinstance(raw.get("cards"), int) and raw["cards"] >= 1
-    assert QuantConfig.from_file(s["config"]).mode == "MEASURE"
-    assert QuantConfig.from_file(meta["quant_config"]).mode == "QUANTIZE"
-    assert s["tasks"] or s["text"], "a recipe needs calibration data"
-    assert s["output"] and raw.get("notes"), "output and notes (the seed command followed) are expected"
+    r = load_recipe(path)
+    s = r.measure
+    assert r.name == path.stem, "the recipe's name should match its file name"
+    assert raw.get("model") and isinstance(raw["model"], str) and s.model == raw["model"]
+    assert r.model_type in TINY, f"model_type must be one of {sorted(TINY)} so it can be dry-run"
+    assert isinstance(raw.get("cards"), int) and raw["cards"] >= 1 and s.tp == raw["cards"]
+    assert QuantConfig.from_file(s.config).mode == "MEASURE"
+    assert QuantConfig.from_file(r.quantize.config).mode == "QUANTIZE"
+    assert s.tasks or s.text, "a recipe needs calibration data"
+    assert s.output and r.notes, "output and notes (the seed command followed) are expected"
 
 
 @pytest.mark.parametrize("path", [p for p in RECIPES if _raw(p).get("model") == "smollm2"],
@@ -122,7 +122,7 @@ def test_recipe_dry_run(path, tiny_factory, data_dir, tmp_path):
     from hqtflow.recipes import load_recipe
 
     raw = _raw(path)
-    recipe = load_recipe(path)["settings"]
+    recipe = load_recipe(path).measure
     model_dir = tiny_factory(raw["model_type"])
     out = tmp_path / "m"
     r = run_cli("measure", "--recipe", path, model_dir, "-o", out, "--tp", "1", "--limit", str(TINY_LIMIT),
@@ -134,12 +134,12 @@ def test_recipe_dry_run(path, tiny_factory, data_dir, tmp_path):
     s = m["data"]["settings"]
     # the recipe is recorded, its config is the one used, and unoverridden values come from it
     assert s["recipe"] == str(path)
-    assert Path(s["config"]).resolve() == Path(recipe["config"]).resolve()
-    cfg = QuantConfig.from_file(recipe["config"])
+    assert Path(s["config"]).resolve() == Path(recipe.config).resolve()
+    cfg = QuantConfig.from_file(recipe.config)
     assert m["config"] == cfg.to_dict()
     assert (s["tp"], s["limit"], s["max_length"], s["model"]) == (1, TINY_LIMIT, TINY_MAX_LENGTH, str(model_dir))
-    assert (s["dtype"], s["batch_size"]) == (recipe["dtype"], recipe["batch_size"])
-    assert m["data"]["model_dtype"] == recipe["dtype"]
+    assert (s["dtype"], s["batch_size"]) == (recipe.dtype, recipe.batch_size)
+    assert m["data"]["model_dtype"] == recipe.dtype
     assert m["model"]["model_type"] == raw["model_type"]
     assert m["data"]["world_size"] == 1 and m["data"]["calibration"]["tokens"] > 0
     inc_cfg = json.loads((out / "quant_config.json").read_text())
@@ -188,7 +188,7 @@ def test_flags_override_recipe_values(tiny_factory, data_dir, tmp_path):
     from hqtflow.recipes import load_recipe
 
     path = ROOT / "recipes" / "smollm2.yaml"
-    recipe = load_recipe(path)["settings"]
+    recipe = load_recipe(path).measure
     need_local = _calibration_overrides(recipe, data_dir, data_dir / "wikitext2_valid.txt")
     out = tmp_path / "m"
     r = run_cli("measure", "--recipe", path, tiny_factory("llama"), "-o", out, "--tp", "1",
@@ -197,14 +197,14 @@ def test_flags_override_recipe_values(tiny_factory, data_dir, tmp_path):
     d = _manifest(out)["data"]
     s = d["settings"]
     assert (s["limit"], s["batch_size"], s["dtype"], s["tp"]) == (3, 2, "fp32", 1)
-    assert recipe["limit"] != 3 and recipe["batch_size"] != 2 and recipe["dtype"] != "fp32"
+    assert recipe.limit != 3 and recipe.batch_size != 2 and recipe.dtype != "fp32"
     assert d["calibration"]["batch_size"] == 2 and d["model_dtype"] == "fp32"
     # what no flag overrode still comes from the recipe
-    assert s["max_length"] == recipe["max_length"] == d["calibration"]["max_length"]
-    assert tuple(s["tasks"]) == recipe["tasks"]
+    assert s["max_length"] == recipe.max_length == d["calibration"]["max_length"]
+    assert tuple(s["tasks"]) == recipe.tasks
     by_kind = {src["kind"]: src for src in d["calibration"]["sources"]}
     assert by_kind["text"]["chunks"] == 3 and by_kind["lm-eval"]["limit"] == 3
-    assert set(by_kind["lm-eval"]["results"]) == set(recipe["tasks"])
+    assert set(by_kind["lm-eval"]["results"]) == set(recipe.tasks)
 
 
 # ---- invalid recipes are refused with one sentence ------------------------------------------------
@@ -243,7 +243,7 @@ def test_smollm2_recipe_real_model(smollm2, data_dir, tmp_path):
     path = ROOT / "recipes" / "smollm2.yaml"
     from hqtflow.recipes import load_recipe
 
-    recipe = load_recipe(path)["settings"]
+    recipe = load_recipe(path).measure
     out = tmp_path / "m"
     r = run_cli("measure", "--recipe", path, "-o", out, "--limit", "2", "--max-length", "64",
                 *_calibration_overrides(recipe, data_dir, data_dir / "wikitext2_valid.txt"))
@@ -257,7 +257,7 @@ def test_kv_cache_key(tmp_path):
     from hqtflow.errors import ConfigError
     from hqtflow.recipes import load_recipe
 
-    assert load_recipe(ROOT / "recipes" / "smollm2.yaml")["meta"]["kv_cache"] == "fp8"
+    assert load_recipe(ROOT / "recipes" / "smollm2.yaml").quantize.kv_cache == "fp8"
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: smollm2\noutput: out\nkv_cache: int4\n")
     with pytest.raises(ConfigError, match="kv_cache must be bf16 or fp8"):
@@ -282,8 +282,65 @@ def test_recipe_version(tmp_path):
     from hqtflow.errors import ConfigError
     from hqtflow.recipes import load_recipe
 
-    assert load_recipe(ROOT / "recipes" / "smollm2.yaml")["meta"]["name"] == "smollm2"  # `version: 1` is read
+    assert load_recipe(ROOT / "recipes" / "smollm2.yaml").name == "smollm2"  # `version: 1` is read
     newer = tmp_path / "newer.yaml"
     newer.write_text("version: 2\nmodel: smollm2\n")
     with pytest.raises(ConfigError, match="has version 2; this hqtflow reads recipe version 1"):
         load_recipe(newer)
+    for bad, msg in (("version: 0\n", "'version' must be a positive integer, not 0"),
+                     ("version: one\n", "'version' must be a positive integer, not 'one'")):
+        newer.write_text(bad + "model: smollm2\n")
+        with pytest.raises(ConfigError, match=msg):
+            load_recipe(newer)
+
+
+def test_recipe_sections_are_the_stage_settings():
+    """Each stage's section is typed and its fields are the stage settings' own: the flat YAML keys land in the
+    measure section (cards -> tp), quant_config/kv_cache in quantize, `eval` in eval (batch size: the recipe's)."""
+    from dataclasses import fields
+
+    from hqtflow.choices import KVCache
+    from hqtflow.measure.run import MeasureSettings
+    from hqtflow.quantize.run import QuantizeSettings
+    from hqtflow.recipes import MeasureSection, QuantizeSection, load_recipe, measure_settings
+
+    assert {f.name for f in fields(MeasureSection)} <= {f.name for f in fields(MeasureSettings)}
+    assert {f.name for f in fields(QuantizeSection)} <= {f.name for f in fields(QuantizeSettings)}
+    for section, settings in ((MeasureSection, MeasureSettings), (QuantizeSection, QuantizeSettings)):
+        defaults = {f.name: f.default for f in fields(settings)}
+        assert all(f.default == defaults[f.name] for f in fields(section) if f.default is not None), section
+
+    path = ROOT / "recipes" / "smollm2.yaml"
+    r = load_recipe(path)
+    data = (ROOT / "../shared/data").resolve()
+    assert r.measure.tp == 1 and r.measure.tasks == ("piqa_local", "lambada_openai_local")
+    assert r.measure.data_dir == str(data) and r.measure.text == (str(data / "wikitext2_valid.txt"),)
+    assert r.quantize.kv_cache is KVCache.FP8
+    assert r.quantize.config == str((ROOT / "quantization_config" / "cpu_quant.json").resolve())
+    assert (r.eval.limit, r.eval.ppl_windows, r.eval.batch_size) == (50, 8, r.measure.batch_size)
+    q = r.quantize.settings("m", "q")
+    assert (q.config, q.kv_cache, q.measurement, q.output) == (r.quantize.config, "fp8", "m", "q")
+    s = measure_settings(r, {"limit": 4, "output": None}, overwrite=True)
+    assert (s.limit, s.output, s.recipe, s.overwrite, s.max_length) == (4, "out/smollm2/measure", str(path), True, 256)
+    assert measure_settings(None, {"output": "o", "tasks": ("piqa_local",)}) == MeasureSettings(output="o", tasks=("piqa_local",))
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("eval: {tasks: [piqa_local], limt: 3}", "'eval' has unknown key(s) limt; valid keys are batch_size, data_dir, include_path"),
+    ("calibration: [a]", "'calibration' must be a mapping"),
+    ("eval: {limit: 0}", "'eval.limit' must be a positive integer, not 0"),
+    ("calibration: {tasks: [1, 2]}", "'calibration.tasks' must be a list of names"),
+    ("calibration: {text: 3}", "'calibration.text' must be a list, not 3"),
+    ("config: [a]", "'config' must be a path"),
+    ("dtype: 16", "'dtype' must be a string, not 16"),
+])
+def test_recipe_values_refused(tmp_path, text, msg):
+    import re
+
+    from hqtflow.errors import ConfigError
+    from hqtflow.recipes import load_recipe
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: smollm2\n" + text + "\n")
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        load_recipe(bad)

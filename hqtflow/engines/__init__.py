@@ -5,9 +5,9 @@
 
 from __future__ import annotations
 
+from hqtflow.choices import Engine, parse
 from hqtflow.errors import ConfigError
 
-ENGINES = ("hqtflow", "inc")
 DEVICES = ("cpu", "hpu")
 
 
@@ -20,9 +20,7 @@ def default_device() -> str:
 
 def resolve(engine: str, device: str | None) -> str | None:
     """Check `--engine` and `--device`; the device INC runs on (None for hqtflow's own engine)."""
-    if engine not in ENGINES:
-        raise ConfigError(f"Unknown --engine {engine!r}; valid values are {', '.join(ENGINES)}.")
-    if engine == "hqtflow":
+    if parse(Engine, engine, "--engine") == Engine.HQTFLOW:
         if device is not None:
             raise ConfigError("--device selects where Neural Compressor runs: use it with --engine inc.")
         return None

@@ -1,4 +1,5 @@
-"""The CPU FP8 kernel (`csrc/fp8_linear_cpu.cpp`): built once per machine with the system C++ compiler and kept in
+"""The CPU FP8 kernel (`csrc/fp8_linear_cpu.cpp`): built once per machine by the system C++ compiler (`$CXX`, else `c++`; one
+compile-and-link command, no build tool) and kept in
 `$HQTFLOW_CACHE/kernels/<hash>` (the hash covers the source, torch's version and the CPU's vector flags), so later
 processes load it in milliseconds. It registers these torch ops:
 
@@ -17,6 +18,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import torch
@@ -25,7 +29,6 @@ SOURCE = Path(__file__).with_name("csrc") / "fp8_linear_cpu.cpp"
 # OpenMP: at::parallel_for runs on torch's threads; no FMA contraction: every path must do the same operations.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 VARIANTS = {"native": ("hqtflow", []), "avx2": ("hqtflow_avx2", ["-mno-avx512f", "-DHQT_OPS_NS=hqtflow_avx2"])}
-_errors: dict[str, str] = {}
 
 
 def _flags(variant: str) -> list[str]:
@@ -41,30 +44,61 @@ def build_dir(variant: str = "native") -> Path:
     return cache_dir() / "kernels" / f"fp8_linear_cpu-{variant}-{key.hexdigest()[:16]}"
 
 
+def library_path(variant: str = "native") -> Path:
+    return build_dir(variant) / f"hqtflow_fp8_cpu_{variant}.so"
+
+
 def ops(variant: str = "native"):
     """The op namespace of a built variant (`torch.ops.hqtflow` for the native one)."""
     return getattr(torch.ops, VARIANTS[variant][0])
 
 
+def compile_command(compiler: str, variant: str, output: Path) -> list[str]:
+    """One compile-and-link command of the shared library against torch's headers and libraries."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    includes = [a for p in include_paths() for a in ("-isystem", p)]
+    libs = [f"-L{p}" for p in library_paths()]
+    return [compiler, "-shared", "-fPIC", "-std=c++20", *includes, *_flags(variant), str(SOURCE), "-o", str(output),
+            *libs, "-lc10", "-ltorch_cpu", "-ltorch"]
+
+
+def _build(variant: str, library: Path) -> None:
+    """Compile `library` (written beside itself, then renamed: a concurrent process never loads half a file)."""
+    from hqtflow.environment import cxx_compiler
+
+    name = cxx_compiler()
+    compiler = shutil.which(name)
+    if compiler is None:
+        raise OSError(f"no C++ compiler {name!r} found")
+    library.parent.mkdir(parents=True, exist_ok=True)
+    partial = library.with_name(f".{library.name}.{os.getpid()}.partial")
+    done = subprocess.run(compile_command(compiler, variant, partial), cwd=library.parent, capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        lines = [l for l in done.stderr.splitlines() if "error" in l] or done.stderr.strip().splitlines() or ["?"]
+        raise OSError(f"{Path(compiler).name} failed: {lines[0].strip()}")
+    partial.replace(library)
+
+
 @functools.cache
-def load(variant: str = "native") -> bool:
-    """Build (first time on this machine) or load the kernel; True when its ops exist."""
-    from torch.utils import cpp_extension
-
-    from hqtflow.environment import path_prefixed
-
-    out = build_dir(variant)
-    out.mkdir(parents=True, exist_ok=True)
+def _load(variant: str) -> str | None:
+    """Build (first time on this machine) and load the kernel once per process: None, or why it cannot be."""
+    library = library_path(variant)
     try:
-        with path_prefixed(_ninja_dir()):
-            cpp_extension.load(name=f"hqtflow_fp8_cpu_{variant}", sources=[str(SOURCE)], build_directory=str(out),
-                               extra_cflags=_flags(variant), extra_ldflags=["-fopenmp"], is_python_module=False,
-                               verbose=False)
-    except Exception as e:  # no compiler, no headers: the caller falls back to the QDQ reference
-        _errors[variant] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
-        return False
-    if variant != "native":
-        return True
+        if not library.is_file():
+            _build(variant, library)
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as e:  # no compiler, no headers: the caller falls back to the QDQ reference
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+    if variant == "native":
+        _register_fakes()
+    return None
+
+
+def _register_fakes() -> None:
+    """Shapes of the ops' outputs for torch.compile's tracing (meta tensors)."""
 
     @torch.library.register_fake("hqtflow::fp8_linear")
     def _(x, weight, weight_scale, input_scale, bias):
@@ -74,20 +108,10 @@ def load(variant: str = "native") -> bool:
     def _(weight, weight_scale, dtype):
         return weight.new_empty(weight.shape, dtype=dtype)
 
-    return True
 
-
-def _ninja_dir() -> str | None:
-    """The pip `ninja` package's bin dir when no `ninja` is on PATH (torch's build runs it by name), else None."""
-    import shutil
-
-    if shutil.which("ninja") is not None:
-        return None
-    try:
-        import ninja
-    except ImportError:
-        return None
-    return ninja.BIN_DIR
+def load(variant: str = "native") -> bool:
+    """Build (first time on this machine) or load the kernel; True when its ops exist."""
+    return _load(variant) is None
 
 
 def available() -> bool:
@@ -95,8 +119,7 @@ def available() -> bool:
 
 
 def build_error(variant: str = "native") -> str | None:
-    load(variant)
-    return _errors.get(variant)
+    return _load(variant)
 
 
 def quantize_weight(w: torch.Tensor, scale: torch.Tensor, fp8: str = "E4M3") -> torch.Tensor:

@@ -35,13 +35,13 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from hqtflow.choices import Backend, parse
 from hqtflow.errors import BackendError  # noqa: F401 - re-exported (it lived here)
 from hqtflow.quantize.cpu_kernel import quantize_weight
 from hqtflow.scales import FP8_DTYPES, Rule, dequantize, dynamic_activation_scale, quantize
 
 
 ACTIVATION_MODES = ("static", "dynamic_token", "dynamic_tensor", "dynamic_group", None)
-BACKENDS = ("qdq", "cpu", "scaled_mm")
 
 
 @dataclass
@@ -210,19 +210,18 @@ class FP8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {self.fp8} {gran} weights, {mode}, bias={self.bias is not None}"
 
 
-def resolve_backend(backend: str, device: torch.device | str) -> str:
+def resolve_backend(backend: str, device: torch.device | str) -> Backend:
     """"auto" -> the fastest backend for `device`; other names are checked and returned."""
     device = torch.device(device)
+    backend = parse(Backend, backend, "FP8 backend", BackendError)
     if backend == "auto":
         if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
-            return "scaled_mm"
+            return Backend.SCALED_MM
         if device.type == "cpu":
             from hqtflow.quantize import cpu_kernel
 
-            return "cpu" if cpu_kernel.available() else "qdq"
-        return "qdq"
-    if backend not in BACKENDS:
-        raise BackendError(f"Unknown FP8 backend {backend!r}; valid values are auto, {', '.join(BACKENDS)}.")
+            return Backend.CPU if cpu_kernel.available() else Backend.QDQ
+        return Backend.QDQ
     if backend == "cpu":
         from hqtflow.quantize import cpu_kernel
 

@@ -9,24 +9,7 @@ from dataclasses import dataclass, field
 
 from hqtflow.runtime.engine import Engine, Event, Request, SamplingParams
 from hqtflow.runtime.schemas import ApiError, invalid
-
-
-@dataclass
-class ServeSettings:
-    model_id: str = "model"
-    dtype: str = "bf16"
-    max_input_tokens: int = 4095
-    max_total_tokens: int = 4096
-    max_batch_size: int = 0  # 0: as many running sequences as the KV blocks hold
-    max_batch_total_tokens: int | None = None  # KV tokens of the paged cache (None: from free memory)
-    kv_cache: str = "bf16"  # or "fp8": the checkpoint's k_scale/v_scale
-    max_concurrent_requests: int = 128
-    api_key: str | None = None
-    batch_bucket_size: int = 1
-    prefill_batch_bucket_size: int = 1
-    max_batch_prefill_tokens: int = 4096
-    pad_sequence_to_multiple_of: int = 16  # `hqtflow serve`'s default too (the CLI reads it from here)
-    warmup: bool = False
+from hqtflow.runtime.settings import ServeSettings
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """TGI- and OpenAI-compatible HTTP server over the continuous-batching engine (FastAPI; run with uvicorn).
 
-The app: TGI's error JSON on every status, 415 for a body that is not JSON, the API key, metrics with TGI's names
-(a per-app prometheus CollectorRegistry, counters rendered as TGI does). Routes live in tgi_routes.py and
-openai_routes.py, request models in schemas.py, the n/best_of runner in api.py. The engine thread hands events to
+The app composes: TGI's error JSON on every status, a guard (415 for a body that is not JSON, 413, the API key), the
+engine's lifespan (and warmup), and the routers of tgi_routes.py, openai_routes.py and metrics.py (TGI's metric
+names). Request models live in schemas.py, the n/best_of runner in api.py. The engine thread hands events to
 asyncio queues through loop.call_soon_threadsafe; a client that disconnects (mid-stream, or while it waits for a
 non-streaming answer: the ASGI `http.disconnect`) cancels its request, which leaves the batch at the next step.
 """
@@ -10,16 +10,15 @@ non-streaming answer: the ASGI `http.disconnect`) cancels its request, which lea
 from __future__ import annotations
 
 import asyncio
-import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from hqtflow.runtime.api import Ctx, ServeSettings
 from hqtflow.runtime.engine import Engine, SamplingParams
+from hqtflow.runtime.metrics import Metrics, metrics_router
 from hqtflow.runtime.openai_routes import openai_router
 from hqtflow.runtime.schemas import MAX_BODY, MAX_STOP, ApiError  # noqa: F401 - re-exported
 from hqtflow.runtime.tgi_routes import tgi_router
@@ -30,107 +29,13 @@ ERROR_TYPES = {401: "authentication_error", 404: "not_found", 405: "method_not_a
                415: "unsupported_media_type", 422: "validation", 429: "overloaded"}
 
 
-class Counters:
-    """TGI's counters, exposed as TGI does: `# TYPE name counter` and the sample under the same name (no _total,
-    which prometheus_client's Counter would add)."""
-
-    def __init__(self):
-        self.values: dict[tuple[str, tuple], float] = {}
-        self.help = {"tgi_request_count": "Generation requests received (validation failures included)",
-                     "tgi_request_success": "Requests that succeeded", "tgi_request_failure": "Requests that failed"}
-
-    def inc(self, name: str, **labels) -> None:
-        key = (name, tuple(sorted(labels.items())))
-        self.values[key] = self.values.get(key, 0.0) + 1
-
-    def render(self) -> str:
-        out = []
-        for name, doc in self.help.items():
-            out += [f"# HELP {name} {doc}", f"# TYPE {name} counter"]
-            rows = [(lab, v) for (n, lab), v in sorted(self.values.items()) if n == name] or ([((), 0.0)] if name != "tgi_request_failure" else [])
-            for lab, v in rows:
-                tags = "{" + ",".join(f'{k}="{x}"' for k, x in lab) + "}" if lab else ""
-                out.append(f"{name}{tags} {v}")
-        return "\n".join(out) + "\n"
-
-
-class Metrics:
-    """TGI's metric names."""
-
-    def __init__(self, engine: Engine):
-        r = self.registry = CollectorRegistry()
-        self.counters = Counters()
-        secs = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60)
-        toks = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-        self.duration = Histogram("tgi_request_duration", "End-to-end request seconds", buckets=secs, registry=r)
-        self.queue = Histogram("tgi_request_queue_duration", "Seconds a sequence waited before its prefill", buckets=secs, registry=r)
-        self.per_token = Histogram("tgi_request_mean_time_per_token_duration", "Mean seconds per generated token after the first",
-                                   buckets=secs, registry=r)
-        self.generated = Histogram("tgi_request_generated_tokens", "Generated tokens per request", buckets=toks, registry=r)
-        self.input_length = Histogram("tgi_request_input_length", "Input tokens per request", buckets=toks, registry=r)
-        self.batch_duration = Histogram("tgi_batch_inference_duration", "Forward seconds", ["method"], buckets=secs, registry=r)
-        self.batch_size = Histogram("tgi_batch_inference_size", "Batch size run (after bucketing)", ["method"], buckets=toks, registry=r)
-        self.next_size = Histogram("tgi_batch_next_size", "Sequences joining the batch per prefill", buckets=toks, registry=r)
-        self.shapes = Gauge("hqtflow_batch_shape_runs", "Forward passes per input shape run", ["method", "batch", "seq"], registry=r)
-        Gauge("tgi_queue_size", "Requests waiting", registry=r).set_function(lambda: len(engine.pending))
-        Gauge("tgi_batch_current_size", "Requests in the running batch", registry=r).set_function(lambda: len(engine.active))
-        Gauge("tgi_batch_current_max_tokens", "KV tokens held by the running batch (its blocks)", registry=r).set_function(
-            lambda: engine.kv_tokens)
-
-    def on_step(self, kind: str, batch: int, seconds: float, shape: tuple) -> None:
-        self.batch_duration.labels(kind).observe(seconds)
-        self.batch_size.labels(kind).observe(batch)
-        if kind == "prefill":
-            self.next_size.observe(batch)
-        self.shapes.labels(kind, str(shape[0]), str(shape[1])).inc()
-
-    def finished(self, seconds: float, handles, counts) -> None:
-        self.counters.inc("tgi_request_success")
-        self.duration.observe(seconds)
-        self.generated.observe(sum(counts))
-        for h, n in zip(handles, counts):
-            if h.t_admit is not None:
-                self.queue.observe(h.t_admit - h.t_submit)
-            if h.t_first is not None and n > 1:
-                self.per_token.observe((time.monotonic() - h.t_first) / (n - 1))
-
-    def render(self) -> bytes:
-        return self.counters.render().encode() + generate_latest(self.registry)
-
-
 def error(status: int, message: str, error_type: str | None = None) -> JSONResponse:
     """TGI's error body, on every route and status."""
     return JSONResponse({"error": message, "error_type": error_type or ERROR_TYPES.get(status, "error")}, status)
 
 
-def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
-    s = settings
-    engine = Engine(model, tokenizer, max_batch_size=s.max_batch_size, batch_bucket=s.batch_bucket_size,
-                    pad_to_multiple=s.pad_sequence_to_multiple_of, prefill_bucket=s.prefill_batch_bucket_size,
-                    max_prefill_tokens=s.max_batch_prefill_tokens, max_batch_total_tokens=s.max_batch_total_tokens,
-                    kv_cache=s.kv_cache)
-    metrics = Metrics(engine)
-    engine.on_step = metrics.on_step
-    state = {"in_flight": 0, "ready": not s.warmup}
-
-    @asynccontextmanager
-    async def lifespan(_app):
-        engine.start()
-        if s.warmup:
-            asyncio.get_running_loop().run_in_executor(None, _warmup)
-        yield
-        engine.stop()
-
-    app = FastAPI(title="hqtflow serve", lifespan=lifespan)
-    app.state.engine, app.state.metrics = engine, metrics
-
-    def _warmup():
-        """Run each bucketed prefill length once (and one decode at the smallest batch bucket), then report healthy."""
-        step = max(1, s.pad_sequence_to_multiple_of)
-        filler = next(i for i in range(len(tokenizer)) if i not in engine.eos and i not in engine.special)
-        for n in range(step, s.max_input_tokens + 1, step) if step > 1 else [1]:
-            engine.generate([filler] * n, SamplingParams(max_new_tokens=2))
-        state["ready"] = True
+def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """TGI's error JSON for hqtflow's ApiError (counted as a failure) and for Starlette's HTTP errors (404, 405...)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(req: Request, e: ApiError):
@@ -141,8 +46,12 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     async def _http_error(req: Request, e: HTTPException):
         return error(e.status_code, str(e.detail))
 
-    @app.middleware("http")
-    async def _guard(req: Request, call_next):
+
+def request_guard(s: ServeSettings, metrics: Metrics):
+    """The HTTP middleware before every route: counts generation requests, checks the API key, the body size and
+    that a POST body is JSON."""
+
+    async def guard(req: Request, call_next):
         if req.method == "POST" and req.url.path in GENERATION_ROUTES:
             metrics.counters.inc("tgi_request_count")
         if s.api_key and req.url.path not in ("/health", "/metrics") and req.headers.get("authorization") != f"Bearer {s.api_key}":
@@ -155,14 +64,48 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
             return error(415, "Expected request with `Content-Type: application/json`")
         return await call_next(req)
 
+    return guard
+
+
+def warm_up(engine: Engine, tokenizer, s: ServeSettings, state: dict) -> None:
+    """Run each bucketed prefill length once (and one decode at the smallest batch bucket), then report healthy."""
+    step = max(1, s.pad_sequence_to_multiple_of)
+    filler = next(i for i in range(len(tokenizer)) if i not in engine.eos and i not in engine.special)
+    for n in range(step, s.max_input_tokens + 1, step) if step > 1 else [1]:
+        engine.generate([filler] * n, SamplingParams(max_new_tokens=2))
+    state["ready"] = True
+
+
+def lifespan(engine: Engine, tokenizer, s: ServeSettings, state: dict):
+    """The engine thread runs while the app does; with warmup, the shapes are run in the background at start."""
+
+    @asynccontextmanager
+    async def run(_app):
+        engine.start()
+        if s.warmup:
+            asyncio.get_running_loop().run_in_executor(None, warm_up, engine, tokenizer, s, state)
+        yield
+        engine.stop()
+
+    return run
+
+
+def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
+    s = settings
+    engine = Engine(model, tokenizer, max_batch_size=s.max_batch_size, batch_bucket=s.batch_bucket_size,
+                    pad_to_multiple=s.pad_sequence_to_multiple_of, prefill_bucket=s.prefill_batch_bucket_size,
+                    max_prefill_tokens=s.max_batch_prefill_tokens, max_batch_total_tokens=s.max_batch_total_tokens,
+                    kv_cache=s.kv_cache)
+    metrics = Metrics(engine)
+    engine.on_step = metrics.on_step
+    state = {"in_flight": 0, "ready": not s.warmup}
+    app = FastAPI(title="hqtflow serve", lifespan=lifespan(engine, tokenizer, s, state))
+    app.state.engine, app.state.metrics = engine, metrics
+    add_error_handlers(app, metrics)
+    app.middleware("http")(request_guard(s, metrics))
     ctx = Ctx(engine, tokenizer, s, metrics, state)
-    app.include_router(tgi_router(ctx))
-    app.include_router(openai_router(ctx))
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
+    for router in (tgi_router(ctx), openai_router(ctx), metrics_router(metrics)):
+        app.include_router(router)
     return app
 
 

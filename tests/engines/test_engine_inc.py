@@ -236,7 +236,7 @@ def test_cli_eval_and_serve_inc(pair, data_dir, tmp_path, monkeypatch):
     (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "inc", "--disk-offload"], "--disk-offload is not implemented with --engine inc"),
     (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "inc", "--device", "hpu"], "habana_frameworks.torch"),
     (["quantize", "-m", "{m}", "-o", "{o}", "--device", "cpu"], "use it with --engine inc"),
-    (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "tensorrt"], "Unknown --engine 'tensorrt'"),
+    (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "tensorrt"], "--engine must be hqtflow or inc, not 'tensorrt'"),
     (["generate", "--engine", "inc"], "give its measurement with -m"),
     (["generate", "-m", "{m}"], "quantize at load with --engine inc"),
     (["generate", "--engine", "inc", "-m", "{m}", "--backend", "cpu"], "--backend sets hqtflow's FP8 runtime"),

@@ -35,7 +35,7 @@ def test_scaled_mm_only_where_it_applies():
     model = torch.nn.Sequential(m, wo)
     assert set_backend(model, "scaled_mm") == 1
     assert m.backend == "scaled_mm" and wo.backend == "qdq"
-    with pytest.raises(ValueError, match="Unknown FP8 backend"):
+    with pytest.raises(ValueError, match="FP8 backend must be auto, qdq, cpu or scaled_mm"):
         set_backend(model, "triton")
 
 

@@ -80,4 +80,4 @@ def test_generate_engines_cli(tiny_fp8):
     r = run_cli("generate", tiny_fp8, "--engine", "vllm")
     assert r.exit_code == 2 and "Unknown --engine" in r.stderr
     r = run_cli("generate", tiny_fp8, "--backend", "triton")
-    assert r.exit_code == 2 and "Unknown FP8 backend" in r.stderr
+    assert r.exit_code == 2 and "FP8 backend must be auto, qdq, cpu or scaled_mm, not 'triton'" in r.stderr

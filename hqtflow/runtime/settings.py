@@ -1,0 +1,25 @@
+"""The serving settings (no heavy imports: the CLI reads its option defaults from here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServeSettings:
+    """What `hqtflow serve` serves with; its CLI options take their defaults from here (so tests and users agree)."""
+
+    model_id: str = "model"
+    dtype: str = "bf16"
+    max_input_tokens: int = 4095
+    max_total_tokens: int = 4096
+    max_batch_size: int = 0  # 0: as many running sequences as the KV blocks hold
+    max_batch_total_tokens: int | None = None  # KV tokens of the paged cache (None: from free memory)
+    kv_cache: str = "bf16"  # or "fp8": the checkpoint's k_scale/v_scale
+    max_concurrent_requests: int = 128
+    api_key: str | None = None
+    batch_bucket_size: int = 1
+    prefill_batch_bucket_size: int = 1
+    max_batch_prefill_tokens: int = 4096
+    pad_sequence_to_multiple_of: int = 16
+    warmup: bool = False
