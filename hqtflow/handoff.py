@@ -126,7 +126,7 @@ def _recorded_recipe(data: dict, hops: int = 3) -> str | None:
 def read_artifact(directory: str | Path) -> Artifact:
     """An hqtflow measurement or scales artifact, checked: every rank's files INC reads are there and unchanged."""
     from hqtflow.formats.artifact import read_manifest
-    from hqtflow.formats.hqt import measurement_stem
+    from hqtflow.formats.measurement import measurement_stem
     from hqtflow.quantize.scale_files import scale_stem
 
     directory = Path(directory)

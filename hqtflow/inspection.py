@@ -113,27 +113,21 @@ def _stats_from_hqt(meas_list) -> dict[str, dict]:
     return out
 
 
-def _load_measurement(directory: Path, manifest=None) -> dict:
-    from hqtflow.formats import hqt
-    from hqtflow.formats.artifact import confined, read_manifest
-
-    m = manifest or read_manifest(directory, MEASUREMENT, SCHEMA_VERSION)
-    ranks = m.data.get("ranks") or []
-    if not ranks:
-        raise ArtifactError(f"{directory} lists no ranks in its manifest.")
-    stems = [r.get("stem") if isinstance(r, dict) else None for r in ranks]
-    stats = _stats_from_hqt([hqt.read_measurement(confined(Path(directory), f"{s}.json")) for s in stems])
+def _measurement_view(meas) -> dict:
+    """What the report shows of a measurement (`hqtflow.formats.measurement.LoadedMeasurement`)."""
+    m = meas.manifest
+    stats = _stats_from_hqt(meas.ranks)
     types = {}
     skipped, unmeasured = {}, {}
-    for r in ranks:
+    for r in meas.records:
         for name, info in (r.get("layers") or {}).items():
             types[name] = info.get("type")
         skipped.update(r.get("skipped") or {})
         for name in r.get("unmeasured") or []:
             unmeasured[name] = "registered but never called during calibration (no statistics)"
-    cal = m.data.get("calibration") or {}
+    cal = (m.data if m else {}).get("calibration") or {}
     return {"manifest": m, "stats": stats, "types": types, "skipped": skipped, "unmeasured": unmeasured,
-            "world_size": m.data.get("world_size", len(ranks)), "samples": cal.get("samples"), "tokens": cal.get("tokens")}
+            "world_size": meas.world_size, "samples": cal.get("samples"), "tokens": cal.get("tokens")}
 
 
 def _scale_value(v) -> float:
@@ -144,8 +138,8 @@ def _scale_value(v) -> float:
 
 
 def _load_scales(directory: Path) -> dict:
-    from hqtflow.formats import hqt
     from hqtflow.formats.artifact import confined, read_manifest
+    from hqtflow.formats.measurement import read_measurement
     from hqtflow.scales import full_scale
 
     m = read_manifest(directory, SCALES, SCHEMA_VERSION)
@@ -169,7 +163,7 @@ def _load_scales(directory: Path) -> dict:
                     _merge(scales, name, "weight_scale", _scale_value(w))
                     weight_scales.setdefault(name, []).append(w)
         else:
-            meas.append(hqt.read_measurement(confined(Path(directory), rel)))
+            meas.append(read_measurement(confined(Path(directory), rel)))
     F = full_scale(d.get("fp8", "E4M3"), d.get("target", "cpu"))
     return {"manifest": m, "scales": scales, "raw_weight_scales": weight_scales,
             "measured": _stats_from_hqt(meas) if meas else None, "full_scale": F, "skipped": d.get("skipped") or {},
@@ -312,7 +306,9 @@ def _source_weight(model, name: str):
 
 # ---- the three kinds -----------------------------------------------------------------------------
 def _inspect_measurement(directory: Path, top: int) -> dict:
-    ld = _load_measurement(directory)
+    from hqtflow.formats.measurement import load_measurement
+
+    ld = _measurement_view(load_measurement(directory))
     stats = ld["stats"]
     implied, flags = _pow2_flags(stats)
     measured = sorted(n for n, s in stats.items() if "input" in s or "output" in s)
@@ -349,12 +345,14 @@ def _inspect_checkpoint(directory: Path, top: int) -> dict:
     if not src or not Path(src).is_dir():
         notes.append(f"source measurement {src or '(not recorded)'} is gone; saturation check against measured maxabs skipped")
     else:
+        from hqtflow.formats.measurement import load_measurement
+
         try:
-            sm = read_manifest(Path(src), MEASUREMENT, SCHEMA_VERSION)
+            sm = load_measurement(src)
             if d.get("source_digest") and sm.digest() != d["source_digest"]:
                 notes.append(f"source measurement {src} changed since quantization; saturation check skipped")
             else:
-                measured = _load_measurement(Path(src), sm)["stats"]
+                measured = _measurement_view(sm)["stats"]
         except HqtflowError as e:
             notes.append(f"source measurement {src} is unusable ({e}); saturation check skipped")
     scales = {n: {"weight_scale": float(t["weight_scale"].float().max()),

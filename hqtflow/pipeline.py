@@ -18,11 +18,12 @@ def _same_settings(recorded: dict, current: dict) -> bool:
 
 def measurement_is_current(s) -> bool:
     from hqtflow import models
-    from hqtflow.formats.artifact import read_manifest, sha256_file
-    from hqtflow.measure.run import SCHEMA, SCHEMA_VERSION, load_measure_config
+    from hqtflow.formats.artifact import ArtifactKind, read_manifest, sha256_file
+    from hqtflow.formats.measurement import SCHEMA_VERSION
+    from hqtflow.measure.run import load_measure_config
 
     try:
-        m = read_manifest(Path(s.output), SCHEMA, SCHEMA_VERSION)
+        m = read_manifest(Path(s.output), ArtifactKind.MEASUREMENT, SCHEMA_VERSION)
     except ArtifactError:
         return False
     if not _same_settings(m.data.get("settings", {}), s.to_json()):
@@ -39,7 +40,8 @@ def measurement_is_current(s) -> bool:
 
 def checkpoint_is_current(q) -> bool:
     from hqtflow.formats.artifact import read_manifest
-    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, load_measurement, quant_config
+    from hqtflow.formats.measurement import load_measurement
+    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, quant_config
 
     try:
         m = read_manifest(Path(q.output), CHECKPOINT_SCHEMA, SCHEMA_VERSION)
@@ -61,8 +63,9 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     ms = MeasureSettings(**merge_flags(r["settings"], overrides), overwrite=True)
     root = Path(ms.output).parent
     from hqtflow.choices import KVCache
+    from hqtflow.formats.measurement import KV_FILE
 
-    kv_missing = r["meta"]["kv_cache"] == KVCache.FP8 and not (Path(ms.output) / "kv_cache_maxabs.json").exists()
+    kv_missing = r["meta"]["kv_cache"] == KVCache.FP8 and not (Path(ms.output) / KV_FILE).exists()
     if not force and not kv_missing and measurement_is_current(ms):
         echo(f"measure: {ms.output} is up to date, skipped.")
     else:

@@ -259,7 +259,7 @@ def test_nodes_on_some_ranks_are_unioned():
     """Experts under expert parallelism live on one rank each: union, not KeyError."""
     from pathlib import Path
 
-    from hqtflow.formats.hqt import Measurement, NodeStats
+    from hqtflow.formats.measurement import Measurement, NodeStats
     from hqtflow.unify import Source, merge_group
 
     def stats(v):

@@ -113,7 +113,7 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
     import torch
 
     from hqtflow import models
-    from hqtflow.formats import hqt
+    from hqtflow.formats import measurement as mf
     from hqtflow.formats.artifact import StagingDir
     from hqtflow.measure.run import inputs, preflight, run_sources, write_artifact_files
     from hqtflow.progress import Progress
@@ -178,12 +178,12 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
         with single_process():
             q.finalize_calibration(model)
 
-        stem = hqt.measurement_stem(base, cfg.observer, None, 1)
-        files = [f"{stem}{ext}" for ext in (".json", ".npz", "_mod_list.json")]
+        stem = mf.measurement_stem(base, cfg.observer, None, 1)
+        files = [f"{stem}{ext}" for ext in mf.RANK_FILES]
         missing = [f for f in files if not (stage.path / f).is_file()]
         if missing:  # INC's save swallows its own errors: its silence is not success
             raise ArtifactError(f"Neural Compressor did not write {missing[0]} (its save failed silently).")
-        meas = hqt.read_measurement(stage.path / f"{stem}.json")
+        meas = mf.read_measurement(stage.path / f"{stem}.json")
         if not meas.nodes:
             raise ArtifactError("Neural Compressor measured no module of this model.")
         selected = [n for n, m in linears.items() if cfg.selects(n, type(m).__name__)]
@@ -213,7 +213,7 @@ def convert(job, model, device: str = "cpu", *, scale_dir: Path | None = None):
     INC wrote (`<stem>_<SCALE_METHOD>.json/.npz`) there."""
     import shutil
 
-    from hqtflow.formats import hqt
+    from hqtflow.formats import measurement as mf
 
     if job.meas.world_size > 1:
         raise ArtifactError(f"{job.meas.directory} is a {job.meas.world_size}-rank measurement; --engine inc runs one "
@@ -225,7 +225,7 @@ def convert(job, model, device: str = "cpu", *, scale_dir: Path | None = None):
     with tempfile.TemporaryDirectory(prefix="hqtflow-inc-") as work:
         # INC unpickles the .npz: give it one written here from the verified JSON (INC writes its scales here too)
         meas = job.meas.ranks[0]
-        hqt.write_measurement(Path(work), stem, meas.nodes, local_rank=None, num_samples=meas.num_samples)
+        mf.write_measurement(Path(work), stem, meas.nodes, local_rank=None, num_samples=meas.num_samples)
         cfg = fp8_config(job.cfg, mode="QUANTIZE", observer=observer, dump_stats_path=str(Path(work) / base),
                          use_qdq=device == "cpu", drop=("device_for_scales",) if device == "cpu" else ())
         model = _place(model, device)
@@ -332,7 +332,7 @@ def _scales_only(s, job, model, device: str) -> Path:
     import torch
 
     from hqtflow.formats.artifact import staged_output, write_json_atomic, write_manifest
-    from hqtflow.formats.hqt import copy_measurement_files
+    from hqtflow.formats.measurement import copy_measurement_files
     from hqtflow.quantize.run import SCALES_SCHEMA, SCHEMA_VERSION
 
     with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[job.meas.directory, job.model_dir, s.config]) as tmp:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hqtflow.formats import hqt
+from hqtflow.formats.measurement import Measurement
 from hqtflow.quantize.fp8_linear import FP8Linear
 from hqtflow.scales import ScaleMethod, linear_scales
 
@@ -18,7 +18,7 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def convert_model(model: nn.Module, names: list[str], meas: hqt.Measurement, method: ScaleMethod, *,
+def convert_model(model: nn.Module, names: list[str], meas: Measurement, method: ScaleMethod, *,
                   target: str, fp8: str, hp_dtype: str, weight_only: bool = False) -> dict[str, dict]:
     """Replace each named Linear by an FP8Linear with scales from `meas`; return the scales used.
 

@@ -17,7 +17,7 @@ import torch
 from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError
 from hqtflow.formats.artifact import write_json_atomic
-from hqtflow.formats.hqt import copy_measurement_files, rank_suffix
+from hqtflow.formats.measurement import copy_measurement_files, rank_suffix
 from hqtflow.scales import ScaleRules, linear_scales
 
 

@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 
 from conftest import run_cli
-from hqtflow.measure.kv import KV_FILE, KVStats
+from hqtflow.formats.measurement import KV_FILE
+from hqtflow.measure.kv import KVStats
 from hqtflow.scales import dequantize, quantize
 
 
