@@ -14,7 +14,7 @@ def load(path: str | Path, *, device: str = "cpu", verify: bool = True, backend:
     `dtype`: the high-precision compute dtype, bf16/fp16/fp32 ("auto": the fastest here, see hqtflow.hardware)."""
     from hqtflow import models
     from hqtflow.hardware import resolve_dtype
-    from hqtflow.quantize.convert import load_checkpoint
+    from hqtflow.formats.checkpoint import load_checkpoint
     from hqtflow.quantize.fp8_linear import set_backend
     path = Path(path)
     _check_manifest(path, verify)
@@ -61,7 +61,7 @@ def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto"):
     cfg = json.loads((path / "config.json").read_text())
     has_manifest = (path / MANIFEST).exists()  # an hqtflow checkpoint or export: hqtflow.load checks it
     if has_manifest or (cfg.get("quantization_config") or {}).get("quant_method") in ("compressed-tensors", "fp8"):
-        from hqtflow.quantize.convert import load_checkpoint
+        from hqtflow.formats.checkpoint import load_checkpoint
         from hqtflow.quantize.fp8_linear import set_backend
 
         if has_manifest:

@@ -172,22 +172,14 @@ def _load_scales(directory: Path) -> dict:
 
 def _checkpoint_tensors(directory: Path) -> dict[str, dict]:
     """{layer: {weight, weight_scale, input_scale}} read from the safetensors files (torch tensors)."""
-    from safetensors import safe_open
+    from hqtflow.formats.checkpoint import read_tensors
 
-    from hqtflow.models import check_safetensors
-
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise ArtifactError(f"{directory} has no .safetensors files.")
     layers: dict[str, dict] = {}
-    for f in files:
-        check_safetensors(f)
-        with safe_open(str(f), "pt") as sf:
-            for key in sf.keys():
-                for suffix in ("weight_scale", "input_scale", "weight"):
-                    if key.endswith("." + suffix):
-                        layers.setdefault(key[: -len(suffix) - 1], {})[suffix] = sf.get_tensor(key)
-                        break
+    for key, t in read_tensors(directory).items():
+        for suffix in ("weight_scale", "input_scale", "weight"):
+            if key.endswith("." + suffix):
+                layers.setdefault(key[: -len(suffix) - 1], {})[suffix] = t
+                break
     return {k: v for k, v in layers.items() if "weight_scale" in v and "weight" in v}
 
 
@@ -359,8 +351,9 @@ def _inspect_checkpoint(directory: Path, top: int) -> dict:
                   **({"input_scale": float(t["input_scale"].float().max())} if "input_scale" in t else {})}
               for n, t in tensors.items()}
     weights = {n: _weight_stats(t["weight"], t["weight_scale"], F) for n, t in tensors.items()}
-    dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}.get(
-        str(next(iter(tensors.values()))["weight_scale"].dtype) if tensors else "", "bf16")
+    from hqtflow.formats.checkpoint import HP_DTYPE_NAMES
+
+    dtype = HP_DTYPE_NAMES.get(next(iter(tensors.values()))["weight_scale"].dtype, "bf16") if tensors else "bf16"
     model, note = _source_model(d, m.model, dtype)
     notes.append(note)
     errors = {}

@@ -283,7 +283,8 @@ def quantize(s, device: str = "cpu") -> Path:
 
     from hqtflow import models
     from hqtflow.formats.artifact import check_output_dir, staged_output, write_manifest
-    from hqtflow.quantize.convert import _set_module, _untie_if_needed, save_checkpoint
+    from hqtflow.formats.checkpoint import save_checkpoint
+    from hqtflow.quantize.convert import _set_module, _untie_if_needed
     from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, plan_job
 
     check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config])

@@ -146,7 +146,6 @@ def quantize_in_memory(s: QuantizeSettings):
     import torch
 
     from hqtflow import models
-    from hqtflow.quantize.convert import convert_model
 
     job = plan_job(s)
     model = models.load_model(job.model_dir, job.dtype)
@@ -209,7 +208,7 @@ def quantize(s: QuantizeSettings) -> Path:
             write_manifest(tmp, SCALES_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
                            data={**common, "world_size": meas.world_size, "files": files})
         else:
-            from hqtflow.quantize.convert import convert_model, save_checkpoint
+            from hqtflow.formats.checkpoint import save_checkpoint
 
             if offload_plan is not None:
                 from hqtflow.quantize.offload import write_offloaded
