@@ -123,7 +123,7 @@ def write_measurement(meas: Path, model_dir: Path, cfg) -> None:
     import numpy as np
 
     from hqtflow.formats import measurement as mf
-    from hqtflow.formats.artifact import write_manifest
+    from hqtflow.formats.artifact import ArtifactKind, write_manifest
     from hqtflow.models import fingerprint
 
     rng = np.random.default_rng(0)
@@ -135,7 +135,7 @@ def write_measurement(meas: Path, model_dir: Path, cfg) -> None:
     dump = "./hqt_output/measure"
     stem = mf.measurement_stem(dump, "maxabs", None, 1)
     files = mf.write_measurement(meas, stem, nodes, local_rank=None, num_samples=16)
-    write_manifest(meas, "hqtflow.measurement", 1, model=fingerprint(model_dir),
+    write_manifest(meas, ArtifactKind.MEASUREMENT, model=fingerprint(model_dir),
                    config={"mode": "MEASURE", "observer": "maxabs", "dump_stats_path": dump},
                    data={"world_size": 1, "ranks": [{"rank": 0, "stem": stem, "files": [f.name for f in files],
                                                      "layers": {}, "unmeasured": [], "skipped": {}}],

@@ -28,18 +28,17 @@ def _check_manifest(path: Path, verify: bool) -> None:
     import json
 
     from hqtflow.errors import ArtifactError
-    from hqtflow.export import EXPORT_SCHEMA, LOADABLE_FORMATS
-    from hqtflow.formats.artifact import MANIFEST, read_manifest
-    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION
+    from hqtflow.export import LOADABLE_FORMATS
+    from hqtflow.formats.artifact import MANIFEST, ArtifactKind, read_manifest
 
     try:
         kind = json.loads((path / MANIFEST).read_text()).get("_type")
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         kind = None  # read_manifest names what is wrong
-    if kind != EXPORT_SCHEMA:
-        read_manifest(path, CHECKPOINT_SCHEMA, SCHEMA_VERSION, verify=verify)
+    if kind != ArtifactKind.EXPORT:
+        read_manifest(path, ArtifactKind.CHECKPOINT, verify=verify)
         return
-    m = read_manifest(path, EXPORT_SCHEMA, SCHEMA_VERSION, verify=verify)
+    m = read_manifest(path, ArtifactKind.EXPORT, verify=verify)
     fmt = m.data.get("format")
     if fmt not in LOADABLE_FORMATS:
         raise ArtifactError(f"{path} is an `export --format {fmt}` artifact, which runs in Neural Compressor; "

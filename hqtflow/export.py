@@ -47,7 +47,6 @@ from hqtflow.errors import ArtifactError, ConfigError
 from hqtflow.formats.artifact import MANIFEST, ArtifactKind, read_manifest, staged_output, write_manifest
 from hqtflow.formats.checkpoint import HP_DTYPE_NAMES, KV_SUFFIXES, check_scales, read_tensors, write_safetensors
 
-EXPORT_SCHEMA, SCHEMA_VERSION = ArtifactKind.EXPORT, 1
 FORMATS = ("fp8", "compressed-tensors", "inc")
 LOADABLE_FORMATS = ("fp8", "compressed-tensors")  # what hqtflow.load runs ("inc" is Neural Compressor's)
 E4M3_MAX = 448.0
@@ -61,7 +60,7 @@ def _source_manifest(path: Path):
         kind = json.loads((path / MANIFEST).read_text()).get("_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         kind = None
-    return read_manifest(path, EXPORT_SCHEMA if kind == EXPORT_SCHEMA else ArtifactKind.CHECKPOINT, 1)
+    return read_manifest(path, ArtifactKind.EXPORT if kind == ArtifactKind.EXPORT else ArtifactKind.CHECKPOINT)
 
 
 def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[str]]:
@@ -254,7 +253,7 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
                     and not p.name.startswith(".") and not p.name.endswith(".safetensors.index.json"):
                 shutil.copy2(p, tmp / p.name)
         src_manifest = _source_manifest(checkpoint)
-        write_manifest(tmp, EXPORT_SCHEMA, SCHEMA_VERSION, model=src_manifest.model if src_manifest else None,
+        write_manifest(tmp, ArtifactKind.EXPORT, model=src_manifest.model if src_manifest else None,
                        config={"format": fmt, "per_channel": target_pc},
                        data={"source": str(checkpoint.resolve()),
                              "source_digest": src_manifest.digest() if src_manifest else None,

@@ -171,7 +171,7 @@ def read_artifact(directory: str | Path) -> Artifact:
     if missing:
         raise ArtifactError(f"{directory} is a {world}-rank {kind} but the files of rank(s) "
                             f"{', '.join(map(str, missing))} are missing.")
-    read_manifest(directory, raw["_type"], 1)  # every listed file present and unchanged
+    read_manifest(directory, raw["_type"])  # every listed file present and unchanged
     return Artifact(directory.resolve(), kind, world, base, config, data.get("model_path"), _recorded_recipe(data))
 
 

@@ -41,7 +41,6 @@ from hqtflow.formats.artifact import ArtifactKind
 
 MEASUREMENT, SCALES, CHECKPOINT = ArtifactKind.MEASUREMENT, ArtifactKind.SCALES, ArtifactKind.CHECKPOINT
 KINDS = {MEASUREMENT: "measurement", SCALES: "scales", CHECKPOINT: "checkpoint"}
-SCHEMA_VERSION = 1
 OUTLIER_FACTOR = 8.0
 TINY_SCALE, HUGE_SCALE = 2.0**-20, 2.0**7
 SATURATE_BELOW, WIDE_ABOVE = 1.0, 2.0**10
@@ -80,7 +79,7 @@ def _is_tune(directory) -> bool:
     from hqtflow.formats.artifact import MANIFEST
 
     try:
-        return json.loads((Path(directory) / MANIFEST).read_text()).get("_type") == "hqtflow.tune"
+        return json.loads((Path(directory) / MANIFEST).read_text()).get("_type") == ArtifactKind.TUNE
     except (OSError, ValueError, AttributeError):
         return False  # _artifact_type says what is wrong
 
@@ -142,7 +141,7 @@ def _load_scales(directory: Path) -> dict:
     from hqtflow.formats.measurement import read_measurement
     from hqtflow.scales import full_scale
 
-    m = read_manifest(directory, SCALES, SCHEMA_VERSION)
+    m = read_manifest(directory, SCALES)
     d = m.data
     scales: dict[str, dict] = {}
     weight_scales: dict[str, list] = {}
@@ -327,7 +326,7 @@ def _inspect_checkpoint(directory: Path, top: int) -> dict:
     from hqtflow.formats.artifact import read_manifest
     from hqtflow.scales import full_scale
 
-    m = read_manifest(directory, CHECKPOINT, SCHEMA_VERSION)
+    m = read_manifest(directory, CHECKPOINT)
     d = m.data
     F = full_scale(d.get("fp8", "E4M3"), "cpu")  # compressed-tensors checkpoints are float8_e4m3fn
     tensors = _checkpoint_tensors(directory)

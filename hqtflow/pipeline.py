@@ -19,11 +19,10 @@ def _same_settings(recorded: dict, current: dict) -> bool:
 def measurement_is_current(s) -> bool:
     from hqtflow import models
     from hqtflow.formats.artifact import ArtifactKind, read_manifest, sha256_file
-    from hqtflow.formats.measurement import SCHEMA_VERSION
     from hqtflow.measure.run import load_measure_config
 
     try:
-        m = read_manifest(Path(s.output), ArtifactKind.MEASUREMENT, SCHEMA_VERSION)
+        m = read_manifest(Path(s.output), ArtifactKind.MEASUREMENT)
     except ArtifactError:
         return False
     if not _same_settings(m.data.get("settings", {}), s.to_json()):
@@ -39,12 +38,12 @@ def measurement_is_current(s) -> bool:
 
 
 def checkpoint_is_current(q) -> bool:
-    from hqtflow.formats.artifact import read_manifest
+    from hqtflow.formats.artifact import ArtifactKind, read_manifest
     from hqtflow.formats.measurement import load_measurement
-    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, quant_config
+    from hqtflow.quantize.run import quant_config
 
     try:
-        m = read_manifest(Path(q.output), CHECKPOINT_SCHEMA, SCHEMA_VERSION)
+        m = read_manifest(Path(q.output), ArtifactKind.CHECKPOINT)
         meas = load_measurement(q.measurement)
     except ArtifactError:
         return False
@@ -54,9 +53,9 @@ def checkpoint_is_current(q) -> bool:
 
 def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo: Callable[[str], None] = print) -> Path:
     from hqtflow.eval_run import run_eval
-    from hqtflow.formats.artifact import read_manifest
+    from hqtflow.formats.artifact import ArtifactKind, read_manifest
     from hqtflow.measure.run import MeasureSettings, measure
-    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, QuantizeSettings, quantize
+    from hqtflow.quantize.run import QuantizeSettings, quantize
     from hqtflow.recipes import load_recipe, merge_flags
 
     r = load_recipe(recipe)
@@ -84,7 +83,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
         echo("eval: the recipe has no `eval` section, skipped.")
         return root
     report = root / "eval.json"
-    digest = read_manifest(Path(qs.output), CHECKPOINT_SCHEMA, SCHEMA_VERSION).digest()
+    digest = read_manifest(Path(qs.output), ArtifactKind.CHECKPOINT).digest()
     if report.exists() and not force:
         old = json.loads(report.read_text())
         if old.get("checkpoint_digest") == digest and old.get("eval") == ev_json:

@@ -220,8 +220,7 @@ def convert(job, model, device: str = "cpu", *, scale_dir: Path | None = None):
                             f"card: `hqtflow unify -g {''.join(map(str, range(job.meas.world_size)))}` it first.")
     check_method(job.cfg, device)
     q = _quantization()
-    stem = job.meas.stems[0]
-    base, _, observer = stem.rpartition("_hooks_")
+    stem, base, observer = job.meas.stems[0], job.meas.base, job.meas.observer
     with tempfile.TemporaryDirectory(prefix="hqtflow-inc-") as work:
         # INC unpickles the .npz: give it one written here from the verified JSON (INC writes its scales here too)
         meas = job.meas.ranks[0]
@@ -285,7 +284,8 @@ def quantize(s, device: str = "cpu") -> Path:
     from hqtflow.formats.artifact import check_output_dir, staged_output, write_manifest
     from hqtflow.formats.checkpoint import save_checkpoint
     from hqtflow.quantize.convert import _set_module, _untie_if_needed
-    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, plan_job
+    from hqtflow.formats.artifact import ArtifactKind
+    from hqtflow.quantize.run import plan_job
 
     check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config])
     _settings_check(s)
@@ -312,7 +312,7 @@ def quantize(s, device: str = "cpu") -> Path:
         models.load_tokenizer(job.model_dir).save_pretrained(tmp)
         meas = job.meas
         data = {**_common(job, device), "kv_cache": "bf16", "mode": "w8a8-static", "settings": asdict(s)}
-        write_manifest(tmp, CHECKPOINT_SCHEMA, SCHEMA_VERSION, model=job.fingerprint, config=job.cfg.to_dict(), data=data)
+        write_manifest(tmp, ArtifactKind.CHECKPOINT, model=job.fingerprint, config=job.cfg.to_dict(), data=data)
     return Path(s.output)
 
 
@@ -332,22 +332,17 @@ def _scales_only(s, job, model, device: str) -> Path:
     QUANT_CONFIG for INC pointing at the directory)."""
     import torch
 
-    from hqtflow.formats.artifact import staged_output, write_json_atomic, write_manifest
+    from hqtflow.formats.artifact import ArtifactKind, staged_output, write_manifest
     from hqtflow.formats.measurement import copy_measurement_files
-    from hqtflow.quantize.run import SCALES_SCHEMA, SCHEMA_VERSION
+    from hqtflow.quantize.scale_files import write_quant_config
 
     with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[job.meas.directory, job.model_dir, s.config]) as tmp:
         with torch.no_grad():
             convert(job, model, device, scale_dir=tmp)
         scale_files = sorted(p.name for p in tmp.iterdir() if p.suffix in (".json", ".npz"))
         files = copy_measurement_files(job.meas.directory, job.meas.stems, tmp) + scale_files
-        base = job.meas.stems[0].rpartition("_hooks_")[0]
-        inc_cfg = {**job.cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(Path(s.output).resolve() / base)}
-        if device == "cpu":
-            inc_cfg.pop("device_for_scales", None)
-            inc_cfg["use_qdq"] = True  # INC refuses the CPU device without QDQ
-        write_json_atomic(tmp / "quant_config.json", inc_cfg)
-        write_manifest(tmp, SCALES_SCHEMA, SCHEMA_VERSION, model=job.fingerprint, config=job.cfg.to_dict(),
+        write_quant_config(tmp, Path(s.output), job.cfg, job.meas.base, device)
+        write_manifest(tmp, ArtifactKind.SCALES, model=job.fingerprint, config=job.cfg.to_dict(),
                        data={**_common(job, device), "world_size": 1, "files": files})
     return Path(s.output)
 

@@ -272,7 +272,6 @@ def read_kv_stats(directory: Path) -> dict[str, dict[str, float]] | None:
 
 
 # ---- the artifact: written --------------------------------------------------------------------------
-SCHEMA_VERSION = 1  # of ArtifactKind.MEASUREMENT
 INC_CONFIG = "quant_config.json"
 
 
@@ -283,7 +282,7 @@ def write_artifact(directory: Path, output: Path, *, base: str, inc_config: dict
     run) and the manifest, last."""
     write_json_atomic(Path(directory) / INC_CONFIG, {**inc_config, "mode": "QUANTIZE", "recalc_scales": True,
                                                      "dump_stats_path": str(Path(output).resolve() / base)})
-    write_manifest(directory, ArtifactKind.MEASUREMENT, SCHEMA_VERSION, model=model, config=config, data=data)
+    write_manifest(directory, ArtifactKind.MEASUREMENT, model=model, config=config, data=data)
 
 
 # ---- the artifact: read -----------------------------------------------------------------------------
@@ -344,7 +343,7 @@ def load_measurement(directory: str | Path, *, trust_pickle: bool = False, world
         raise ArtifactError(f"Measurement directory {directory} does not exist.")
     if not (directory / MANIFEST).exists():
         return read_dump(directory, trust_pickle=trust_pickle, world_size=world_size)
-    m = read_manifest(directory, ArtifactKind.MEASUREMENT, SCHEMA_VERSION)
+    m = read_manifest(directory, ArtifactKind.MEASUREMENT)
     stems, world = manifest_ranks(m)
     return LoadedMeasurement(directory, m, [read_measurement(confined(directory, f"{s}.json")) for s in stems], stems, world)
 

@@ -18,7 +18,6 @@ from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning
 from hqtflow.formats.artifact import MANIFEST, ArtifactKind, staged_output, write_manifest
 from hqtflow.formats.measurement import LoadedMeasurement, Measurement, load_measurement, require_dynamic_range
 
-SCALES_SCHEMA, CHECKPOINT_SCHEMA, SCHEMA_VERSION = ArtifactKind.SCALES, ArtifactKind.CHECKPOINT, 1
 
 
 @dataclass(frozen=True)
@@ -205,7 +204,7 @@ def quantize(s: QuantizeSettings) -> Path:
             from hqtflow.quantize.scale_files import write_scale_files
 
             files = write_scale_files(tmp, Path(s.output), model, meas, cfg, rules, target)
-            write_manifest(tmp, SCALES_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
+            write_manifest(tmp, ArtifactKind.SCALES, model=fp, config=cfg.to_dict(),
                            data={**common, "world_size": meas.world_size, "files": files})
         else:
             from hqtflow.formats.checkpoint import save_checkpoint
@@ -227,7 +226,7 @@ def quantize(s: QuantizeSettings) -> Path:
                                 static_input=not s.weight_only, kv_cache=bool(kv_stats), dynamic=dynamic)
             common["kv_cache"] = s.kv_cache
             models.load_tokenizer(model_dir).save_pretrained(tmp)
-            write_manifest(tmp, CHECKPOINT_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
+            write_manifest(tmp, ArtifactKind.CHECKPOINT, model=fp, config=cfg.to_dict(),
                            data={**common, "mode": "weight-only" if s.weight_only else
                                  ("w8a8-dynamic" if dynamic else "w8a8-static"),
                                  "settings": asdict(s)})
@@ -263,6 +262,6 @@ def plan_modules(model, cfg: QuantConfig, meas: Measurement) -> dict:
 def summary(out: Path) -> str:
     m = json.loads((Path(out) / MANIFEST).read_text())
     d = m["data"]
-    what = "scale files" if m["_type"] == SCALES_SCHEMA else "FP8 checkpoint"
+    what = "scale files" if m["_type"] == ArtifactKind.SCALES else "FP8 checkpoint"
     return (f"Wrote {out}: {what}, {d['scale_method']} for {d['target']}, {len(d['quantized'])} modules quantized, "
             f"{len(d['skipped'])} kept in high precision.")
