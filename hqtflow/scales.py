@@ -32,7 +32,7 @@ from hqtflow.errors import ConfigError
 
 TARGETS = ("gaudi2", "gaudi3", "cpu", "cuda")
 FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
-HP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # config.HP_DTYPES' torch dtypes
 WEIGHT_BACKOFF, ACTIVATION_BACKOFF = 0.5, 0.25
 SCALE_FLOOR = 2.0**-14  # the least scale hqtflow writes (see the module doc)
 

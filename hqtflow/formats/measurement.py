@@ -386,10 +386,10 @@ def read_dump(directory: Path, *, trust_pickle: bool = False, world_size: int | 
     if len(groups) > 1:
         shown = ", ".join(f"{b}_hooks_{o} ({w} rank(s))" for b, o, w in sorted(groups))
         worlds = sorted({w for _, _, w in groups})
-        hint = f"; world sizes {worlds}: pick one with --world-size" if len(worlds) > 1 else ""
+        hint = f"; world sizes {worlds}: `unify --world-size` picks one" if len(worlds) > 1 else ""
         raise ArtifactError(f"{directory} holds several measurements ({shown}{hint}); copy one of them into a directory "
                             "of its own.")
-    (base, observer, world), files = next(iter(groups.items()))
+    (_, _, world), files = next(iter(groups.items()))
     missing = [r for r in range(world) if r not in files]
     if missing:
         raise ArtifactError(f"{directory} is a {world}-rank measurement but rank(s) {', '.join(map(str, missing))} are missing.")
@@ -404,9 +404,11 @@ def read_dump(directory: Path, *, trust_pickle: bool = False, world_size: int | 
             ranks.append(read_measurement(twins[".json"]))
         elif ".npz" in twins and trust_pickle:
             ranks.append(_read_npz(twins[".npz"]))
-        else:
+        elif ".npz" in twins:
             raise ArtifactError(f"Rank {r} of {directory} has no measurement .json; its .npz twin is a pickle, opened "
-                                "only with --trust-pickle (`hqtflow quantize`), which hqtflow does not open otherwise: "
-                                "copy the JSON twin INC writes beside it.")
+                                "only with --trust-pickle (of `hqtflow quantize`): a file which hqtflow does not open "
+                                "otherwise, so copy the JSON twin INC writes beside it.")
+        else:
+            raise ArtifactError(f"Rank {r} of {directory} has no measurement .json (only {stem}_mod_list.json).")
         stems.append(stem)
     return LoadedMeasurement(directory, None, ranks, stems, world)
