@@ -239,13 +239,11 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     from hqtflow.quantize.fp8_linear import FP8Linear
 
     path = Path(path)
-
     raw = load_config(path)
     qc = parse_quantization_config(raw.get("quantization_config") or {})
     raw.pop("quantization_config", None)
     config = AutoConfig.for_model(**raw)
     hp = dtype or (config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.bfloat16)
-
     with init_empty_weights(include_buffers=False):  # parameters on meta; computed buffers (rotary) real
         model = AutoModelForCausalLM.from_config(config, dtype=hp)
     tensors = read_tensors(path, device=device)

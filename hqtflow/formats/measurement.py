@@ -392,7 +392,9 @@ def read_dump(directory: Path, *, trust_pickle: bool = False, world_size: int | 
     (_, _, world), files = next(iter(groups.items()))
     missing = [r for r in range(world) if r not in files]
     if missing:
-        raise ArtifactError(f"{directory} is a {world}-rank measurement but rank(s) {', '.join(map(str, missing))} are missing.")
+        shown = ", ".join(map(str, missing))
+        raise ArtifactError(f"{directory} is missing the rank file(s) {shown} of its {world}-rank measurement: "
+                            f"rank(s) {shown} are missing.")
     extra = sorted(set(files) - set(range(world)))
     if extra:
         raise ArtifactError(f"{directory} has files for rank {extra[0]}, outside its world size {world}.")
