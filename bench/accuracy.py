@@ -56,7 +56,7 @@ def calibrate(model, tok, data: Path, chunks: int, length: int, batch: int):
             with session.batch(b.attention_mask):
                 model(input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device))
     session.close()
-    from hqtflow.formats.hqt import Measurement
+    from hqtflow.formats.measurement import Measurement
 
     return Measurement(session.stats(), None, session.samples, "DynamicRange")
 

@@ -122,20 +122,20 @@ def write_model(out: Path, size_gb: float, shard_bytes: int = 512 * 2**20) -> tu
 def write_measurement(meas: Path, model_dir: Path, cfg) -> None:
     import numpy as np
 
-    from hqtflow.formats import hqt
-    from hqtflow.formats.artifact import write_manifest
+    from hqtflow.formats import measurement as mf
+    from hqtflow.formats.artifact import ArtifactKind, write_manifest
     from hqtflow.models import fingerprint
 
     rng = np.random.default_rng(0)
     names = [f"model.layers.{i}.{m}" for i in range(cfg.num_hidden_layers)
              for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")] + ["lm_head"]
-    nodes = {n: hqt.NodeStats(inputs=[np.array([[float(rng.uniform(0.5, 20))]], dtype=np.float32)]) for n in names}
+    nodes = {n: mf.NodeStats(inputs=[np.array([[float(rng.uniform(0.5, 20))]], dtype=np.float32)]) for n in names}
     meas.mkdir(parents=True)
     dump = "./hqt_output/measure"
-    stem = hqt.measurement_stem(dump, "maxabs", None, 1)
-    files = hqt.write_measurement(meas, stem, nodes, local_rank=None, num_samples=16)
-    write_manifest(meas, "hqtflow.measurement", 1, model=fingerprint(model_dir),
+    stem = mf.measurement_stem(dump, "maxabs", None, 1)
+    files = mf.write_measurement(meas, stem, nodes, local_rank=None, num_samples=16)
+    write_manifest(meas, ArtifactKind.MEASUREMENT, model=fingerprint(model_dir),
                    config={"mode": "MEASURE", "observer": "maxabs", "dump_stats_path": dump},
                    data={"world_size": 1, "ranks": [{"rank": 0, "stem": stem, "files": [f.name for f in files],
                                                      "layers": {}, "unmeasured": [], "skipped": {}}],

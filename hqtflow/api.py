@@ -14,7 +14,7 @@ def load(path: str | Path, *, device: str = "cpu", verify: bool = True, backend:
     `dtype`: the high-precision compute dtype, bf16/fp16/fp32 ("auto": the fastest here, see hqtflow.hardware)."""
     from hqtflow import models
     from hqtflow.hardware import resolve_dtype
-    from hqtflow.quantize.convert import load_checkpoint
+    from hqtflow.formats.checkpoint import load_checkpoint
     from hqtflow.quantize.fp8_linear import set_backend
     path = Path(path)
     _check_manifest(path, verify)
@@ -28,18 +28,17 @@ def _check_manifest(path: Path, verify: bool) -> None:
     import json
 
     from hqtflow.errors import ArtifactError
-    from hqtflow.export import EXPORT_SCHEMA, LOADABLE_FORMATS
-    from hqtflow.formats.artifact import MANIFEST, read_manifest
-    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION
+    from hqtflow.export import LOADABLE_FORMATS
+    from hqtflow.formats.artifact import MANIFEST, ArtifactKind, read_manifest
 
     try:
         kind = json.loads((path / MANIFEST).read_text()).get("_type")
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         kind = None  # read_manifest names what is wrong
-    if kind != EXPORT_SCHEMA:
-        read_manifest(path, CHECKPOINT_SCHEMA, SCHEMA_VERSION, verify=verify)
+    if kind != ArtifactKind.EXPORT:
+        read_manifest(path, ArtifactKind.CHECKPOINT, verify=verify)
         return
-    m = read_manifest(path, EXPORT_SCHEMA, SCHEMA_VERSION, verify=verify)
+    m = read_manifest(path, ArtifactKind.EXPORT, verify=verify)
     fmt = m.data.get("format")
     if fmt not in LOADABLE_FORMATS:
         raise ArtifactError(f"{path} is an `export --format {fmt}` artifact, which runs in Neural Compressor; "
@@ -61,7 +60,7 @@ def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto"):
     cfg = json.loads((path / "config.json").read_text())
     has_manifest = (path / MANIFEST).exists()  # an hqtflow checkpoint or export: hqtflow.load checks it
     if has_manifest or (cfg.get("quantization_config") or {}).get("quant_method") in ("compressed-tensors", "fp8"):
-        from hqtflow.quantize.convert import load_checkpoint
+        from hqtflow.formats.checkpoint import load_checkpoint
         from hqtflow.quantize.fp8_linear import set_backend
 
         if has_manifest:

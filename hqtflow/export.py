@@ -45,12 +45,11 @@ import torch
 
 from hqtflow.errors import ArtifactError, ConfigError
 from hqtflow.formats.artifact import MANIFEST, ArtifactKind, read_manifest, staged_output, write_manifest
+from hqtflow.formats.checkpoint import HP_DTYPE_NAMES, KV_SUFFIXES, check_scales, read_tensors, write_safetensors
 
-EXPORT_SCHEMA, SCHEMA_VERSION = ArtifactKind.EXPORT, 1
 FORMATS = ("fp8", "compressed-tensors", "inc")
 LOADABLE_FORMATS = ("fp8", "compressed-tensors")  # what hqtflow.load runs ("inc" is Neural Compressor's)
 E4M3_MAX = 448.0
-KV_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 
 
 def _source_manifest(path: Path):
@@ -61,16 +60,13 @@ def _source_manifest(path: Path):
         kind = json.loads((path / MANIFEST).read_text()).get("_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         kind = None
-    return read_manifest(path, EXPORT_SCHEMA if kind == EXPORT_SCHEMA else ArtifactKind.CHECKPOINT, 1)
+    return read_manifest(path, ArtifactKind.EXPORT if kind == ArtifactKind.EXPORT else ArtifactKind.CHECKPOINT)
 
 
 def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[str]]:
-    from safetensors import safe_open
-
-    from hqtflow.formats.compressed_tensors import parse_quantization_config
-
     from hqtflow.formats.artifact import check_not_partial
-    from hqtflow.models import check_safetensors, load_config
+    from hqtflow.formats.compressed_tensors import parse_quantization_config
+    from hqtflow.models import load_config
 
     check_not_partial(path)
     if not (path / "config.json").is_file():
@@ -85,17 +81,7 @@ def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[
             parsed.get("activation", "static" if parsed["static_input"] else None) not in ("static", None):
         raise ArtifactError(f"{path} has block-wise weights or dynamic activations; export reads hqtflow's own "
                             "checkpoints (per-tensor or per-channel weights, static or no activation quantization).")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ArtifactError(f"{path} has no .safetensors files.")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        check_safetensors(f)
-        with safe_open(f, framework="pt") as fh:
-            for k in fh.keys():
-                tensors[k] = fh.get_tensor(k)
-    from hqtflow.quantize.convert import check_scales
-
+    tensors = read_tensors(path)
     check_scales(path, tensors)
     linears = sorted(k[: -len(".weight")] for k, v in tensors.items()
                      if k.endswith(".weight") and v.dtype == torch.float8_e4m3fn)
@@ -128,9 +114,6 @@ def requantize(q: torch.Tensor, scale: torch.Tensor, per_channel: bool) -> tuple
     amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)
     s = scale_for(amax, scale.dtype)
     return (w / s.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
-
-
-INC_HP_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def inc_quantization_config(*, scale_method: str, hp_dtype: str, blocklist: list[str], base: dict | None = None) -> dict:
@@ -182,8 +165,6 @@ def _inc_layout(tensors: dict[str, torch.Tensor], linears: list[str]) -> tuple[d
 
 def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel: bool | None = None,
            overwrite: bool = False) -> Path:
-    from safetensors.torch import save_file
-
     from hqtflow.formats.compressed_tensors import quantization_config
 
     checkpoint, output = Path(checkpoint), Path(output)
@@ -220,11 +201,11 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
         if any(k.endswith(KV_SUFFIXES) for k in tensors):
             notes.append("KV-cache scales dropped (INC's KV-cache layout is not written)")
         hp = tensors[f"{linears[0]}.weight_scale"].dtype
-        if hp not in INC_HP_DTYPES:
+        if hp not in HP_DTYPE_NAMES:
             raise ArtifactError(f"{checkpoint}: scales in {hp}; INC's hp_dtype is bf16, fp16 or fp32.")
         if from_ck and src_m.data.get("target") != "gaudi2":
             notes.append("weights use the full float8_e4m3fn range (448): for Gaudi2 (+-240) quantize with --scales-for gaudi2")
-        qcfg = inc_quantization_config(scale_method=method, hp_dtype=INC_HP_DTYPES[hp], blocklist=ignore, base=base)
+        qcfg = inc_quantization_config(scale_method=method, hp_dtype=HP_DTYPE_NAMES[hp], blocklist=ignore, base=base)
         extra_files["quantization_config.json"] = json.dumps(qcfg, indent=2)
         target_pc = False
     elif fmt == "fp8":
@@ -262,7 +243,7 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
         if raw.get("quantization_config", {}).get("kv_cache_scheme"):
             qcfg["kv_cache_scheme"] = raw["quantization_config"]["kv_cache_scheme"]
     with staged_output(output, overwrite=overwrite, inputs=[checkpoint]) as tmp:
-        save_file({k: v.contiguous() for k, v in out_t.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        write_safetensors(tmp / "model.safetensors", out_t)
         cfg = {**raw, "quantization_config": qcfg}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         for name, text in extra_files.items():
@@ -272,7 +253,7 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
                     and not p.name.startswith(".") and not p.name.endswith(".safetensors.index.json"):
                 shutil.copy2(p, tmp / p.name)
         src_manifest = _source_manifest(checkpoint)
-        write_manifest(tmp, EXPORT_SCHEMA, SCHEMA_VERSION, model=src_manifest.model if src_manifest else None,
+        write_manifest(tmp, ArtifactKind.EXPORT, model=src_manifest.model if src_manifest else None,
                        config={"format": fmt, "per_channel": target_pc},
                        data={"source": str(checkpoint.resolve()),
                              "source_digest": src_manifest.digest() if src_manifest else None,

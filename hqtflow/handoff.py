@@ -126,7 +126,7 @@ def _recorded_recipe(data: dict, hops: int = 3) -> str | None:
 def read_artifact(directory: str | Path) -> Artifact:
     """An hqtflow measurement or scales artifact, checked: every rank's files INC reads are there and unchanged."""
     from hqtflow.formats.artifact import read_manifest
-    from hqtflow.formats.hqt import measurement_stem
+    from hqtflow.formats.measurement import measurement_stem
     from hqtflow.quantize.scale_files import scale_stem
 
     directory = Path(directory)
@@ -171,7 +171,7 @@ def read_artifact(directory: str | Path) -> Artifact:
     if missing:
         raise ArtifactError(f"{directory} is a {world}-rank {kind} but the files of rank(s) "
                             f"{', '.join(map(str, missing))} are missing.")
-    read_manifest(directory, raw["_type"], 1)  # every listed file present and unchanged
+    read_manifest(directory, raw["_type"])  # every listed file present and unchanged
     return Artifact(directory.resolve(), kind, world, base, config, data.get("model_path"), _recorded_recipe(data))
 
 

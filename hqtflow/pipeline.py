@@ -18,11 +18,11 @@ def _same_settings(recorded: dict, current: dict) -> bool:
 
 def measurement_is_current(s) -> bool:
     from hqtflow import models
-    from hqtflow.formats.artifact import read_manifest, sha256_file
-    from hqtflow.measure.run import SCHEMA, SCHEMA_VERSION, load_measure_config
+    from hqtflow.formats.artifact import ArtifactKind, read_manifest, sha256_file
+    from hqtflow.measure.run import load_measure_config
 
     try:
-        m = read_manifest(Path(s.output), SCHEMA, SCHEMA_VERSION)
+        m = read_manifest(Path(s.output), ArtifactKind.MEASUREMENT)
     except ArtifactError:
         return False
     if not _same_settings(m.data.get("settings", {}), s.to_json()):
@@ -38,11 +38,12 @@ def measurement_is_current(s) -> bool:
 
 
 def checkpoint_is_current(q) -> bool:
-    from hqtflow.formats.artifact import read_manifest
-    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, load_measurement, quant_config
+    from hqtflow.formats.artifact import ArtifactKind, read_manifest
+    from hqtflow.formats.measurement import load_measurement
+    from hqtflow.quantize.run import quant_config
 
     try:
-        m = read_manifest(Path(q.output), CHECKPOINT_SCHEMA, SCHEMA_VERSION)
+        m = read_manifest(Path(q.output), ArtifactKind.CHECKPOINT)
         meas = load_measurement(q.measurement)
     except ArtifactError:
         return False
@@ -53,15 +54,16 @@ def checkpoint_is_current(q) -> bool:
 def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo: Callable[[str], None] = print) -> Path:
     from hqtflow.choices import KVCache
     from hqtflow.eval_run import run_eval
-    from hqtflow.formats.artifact import read_manifest
+    from hqtflow.formats.artifact import ArtifactKind, read_manifest
+    from hqtflow.formats.measurement import KV_FILE
     from hqtflow.measure.run import measure
-    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, quantize
+    from hqtflow.quantize.run import quantize
     from hqtflow.recipes import load_recipe, measure_settings
 
     r = load_recipe(recipe)
     ms = measure_settings(r, overrides, overwrite=True)
     root = Path(ms.output).parent
-    kv_missing = r.quantize.kv_cache == KVCache.FP8 and not (Path(ms.output) / "kv_cache_maxabs.json").exists()
+    kv_missing = r.quantize.kv_cache == KVCache.FP8 and not (Path(ms.output) / KV_FILE).exists()
     if not force and not kv_missing and measurement_is_current(ms):
         echo(f"measure: {ms.output} is up to date, skipped.")
     else:
@@ -79,7 +81,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
         echo("eval: the recipe has no `eval` section, skipped.")
         return root
     report = root / "eval.json"
-    digest = read_manifest(Path(qs.output), CHECKPOINT_SCHEMA, SCHEMA_VERSION).digest()
+    digest = read_manifest(Path(qs.output), ArtifactKind.CHECKPOINT).digest()
     if report.exists() and not force:
         old = json.loads(report.read_text())
         if old.get("checkpoint_digest") == digest and old.get("eval") == ev_json:

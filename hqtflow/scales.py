@@ -14,7 +14,7 @@ that floor instead of a zero scale (its values quantize to 0 exactly with any po
 denormal: 2^-14 is the smallest normal float16, so it is normal in every hp_dtype, and a power of two, so every
 rounding keeps it. Only tensors with maxabs below 2^-14 * F * backoff (about 0.007 for E4M3 activations) are
 affected. Negative or non-finite statistics never get here: reading a measurement refuses them
-(`hqtflow.formats.hqt.check_statistics`).
+(`hqtflow.formats.measurement.check_statistics`).
 
 Off Gaudi ("cpu", "cuda") there is no hardware scale set: hqtflow defines HW_ALIGNED there as Gaudi3's rule (powers
 of two, k = 1, clamped to [2^-55, 2^7]), so `maxabs_hw` scales made for a CPU or CUDA checkpoint are the ones a
@@ -32,7 +32,7 @@ from hqtflow.errors import ConfigError
 
 TARGETS = ("gaudi2", "gaudi3", "cpu", "cuda")
 FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
-HP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # config.HP_DTYPES' torch dtypes
 WEIGHT_BACKOFF, ACTIVATION_BACKOFF = 0.5, 0.25
 SCALE_FLOOR = 2.0**-14  # the least scale hqtflow writes (see the module doc)
 

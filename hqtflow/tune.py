@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hqtflow.errors import ConfigError
+from hqtflow.formats.artifact import ArtifactKind
 
-TUNE_SCHEMA, SCHEMA_VERSION = "hqtflow.tune", 1
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def tune(s: TuneSettings, progress=None) -> Path:
         (tmp / "sensitivity.json").write_text(json.dumps(report, indent=2))
         quantize(QuantizeSettings(measurement=s.measurement, output=str(tmp / "checkpoint"), model=s.model,
                                   config=str(tmp / "quant_config.json")))
-        write_manifest(tmp, TUNE_SCHEMA, SCHEMA_VERSION, model=job.fingerprint, config=raw,
+        write_manifest(tmp, ArtifactKind.TUNE, model=job.fingerprint, config=raw,
                        data={**{k: v for k, v in report.items() if k != "sensitivity"}, "settings": asdict(s)})
     return out
 
@@ -156,7 +156,7 @@ def sensitivity_chart(path: str | Path, top: int = 20) -> tuple[dict, str]:
     from hqtflow.formats.artifact import read_manifest
 
     path = Path(path)
-    read_manifest(path, TUNE_SCHEMA, SCHEMA_VERSION)
+    read_manifest(path, ArtifactKind.TUNE)
     r = json.loads((path / "sensitivity.json").read_text())
     items = list(r["sensitivity"].items())[:top]
     kept = set(r["kept_bf16"])

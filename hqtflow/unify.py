@@ -20,16 +20,13 @@ from __future__ import annotations
 import json
 import re
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning
-from hqtflow.formats import hqt
-from hqtflow.formats.artifact import MANIFEST, ArtifactKind, sha256_file, staged_output, write_manifest
-
-SCHEMA, SCHEMA_VERSION = ArtifactKind.MEASUREMENT, 1
+from hqtflow.formats.artifact import check_output_dir, sha256_file, staged_output
+from hqtflow.formats.measurement import LoadedMeasurement, NodeStats, load_measurement, rank_suffix, write_artifact, write_measurement
 
 
 # ---- groups -------------------------------------------------------------------------------------
@@ -74,58 +71,10 @@ def _ranks(rs: list[int]) -> str:
     return ", ".join(map(str, rs))
 
 
-# ---- reading the source -------------------------------------------------------------------------
-@dataclass
-class Source:
-    directory: Path
-    manifest: dict | None
-    world: int
-    stems: list[str]
-    ranks: list[hqt.Measurement]
-    layers: list[dict]  # per rank: node -> info (style, shapes), empty for foreign dumps
-
-
-def read_source(directory: Path, world_size: int | None = None) -> Source:
-    from hqtflow.formats.artifact import read_manifest
-
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ArtifactError(f"Measurement directory {directory} does not exist.")
-    if (directory / MANIFEST).exists():
-        from hqtflow.formats.artifact import confined
-        from hqtflow.quantize.run import manifest_ranks
-
-        m = read_manifest(directory, SCHEMA, SCHEMA_VERSION)
-        stems, world = manifest_ranks(m)
-        return Source(directory, m.raw, world, stems, [hqt.read_measurement(confined(directory, f"{s}.json")) for s in stems],
-                      [r.get("layers") or {} for r in m.data["ranks"]])
-    from hqtflow.formats.artifact import check_not_partial
-
-    check_not_partial(directory)
-    found: dict[int, dict[int, str]] = {}
-    for p in directory.iterdir():
-        f = hqt.parse_measurement_file(p.name)
-        if f is not None and f.ext == ".json" and f.rank is not None:
-            found.setdefault(f.world, {})[f.rank] = f.stem
-    if not found:
-        raise ArtifactError(f"{directory} holds no per-rank measurement files (*_hooks_maxabs_<rank>_<world>.json).")
-    if world_size is None:
-        if len(found) > 1:
-            raise ArtifactError(f"{directory} holds measurements of world sizes {sorted(found)}; pick one with --world-size.")
-        world_size = next(iter(found))
-    rs = found.get(world_size, {})
-    missing = sorted(set(range(world_size)) - set(rs))
-    if missing:
-        raise ArtifactError(f"{directory} is missing the rank file(s) {_ranks(missing)} of its {world_size}-rank measurement.")
-    stems = [rs[r] for r in range(world_size)]
-    return Source(directory, None, world_size, stems, [hqt.read_measurement(directory / f"{s}.json") for s in stems],
-                  [{} for _ in stems])
-
-
 _EXPERT = re.compile(r"(^|\.)experts?\.\d+(\.|$)")
 
 
-def check_same_run(src: Source, *, force: bool = False) -> list[str]:
+def check_same_run(src: LoadedMeasurement, *, force: bool = False) -> list[str]:
     """Every rank file must come from the same measurement run: rank number, Mode, NumSamples and node set agree
     with rank 0's (see the module doc); `force` turns the NumSamples and node-set refusals into warnings."""
     first = src.ranks[0]
@@ -184,7 +133,7 @@ def merge_stat(kind: str, arrays: list[np.ndarray], info: dict | None, plan_styl
     return _concat(arrays, packed) if sharded else np.max(np.stack(arrays), axis=0)
 
 
-def merge_group(src: Source, group: list[int], plan: dict[str, str]) -> tuple[dict[str, hqt.NodeStats], dict[str, dict]]:
+def merge_group(src: LoadedMeasurement, group: list[int], plan: dict[str, str]) -> tuple[dict[str, NodeStats], dict[str, dict]]:
     names: list[str] = []
     for r in group:
         names += [n for n in src.ranks[r].nodes if n not in names]
@@ -202,7 +151,7 @@ def merge_group(src: Source, group: list[int], plan: dict[str, str]) -> tuple[di
             raise ArtifactError(f"Node {name}: {e}") from None
         except (ValueError, IndexError):
             raise ArtifactError(f"Node {name} has statistics of different shapes or counts on ranks {have}.") from None
-        nodes[name] = hqt.NodeStats(inputs, outputs, params)
+        nodes[name] = NodeStats(inputs, outputs, params)
         if info:
             layers[name] = _merged_info(info, len(have))
     return nodes, layers
@@ -227,28 +176,26 @@ def _merged_info(info: dict, n: int) -> dict:
 # ---- the stage ----------------------------------------------------------------------------------
 def unify(measurement: str | Path, groups: list[str], output: str | Path, *, overwrite: bool = False,
           parallel_plan: str | Path | None = None, world_size: int | None = None, force: bool = False) -> Path:
-    src = read_source(Path(measurement), world_size)
+    src = load_measurement(Path(measurement), world_size=world_size)
     forced = check_same_run(src, force=force)
-    parsed = parse_groups(groups, src.world)
+    parsed = parse_groups(groups, src.world_size)
     plan = _read_plan(parallel_plan)
-    from hqtflow.formats.artifact import check_output_dir
-
     check_output_dir(Path(output), overwrite, [src.directory])
     merged = [merge_group(src, g, plan) for g in parsed]
     if src.manifest is None:  # said once every check passed, so a refusal stays one sentence
         warnings.warn(f"{src.directory} has no hqtflow manifest: provenance (model, config, run) cannot be checked.",
                       ProvenanceWarning, stacklevel=2)
     n = len(parsed)
-    m = src.manifest or {}
+    m = src.manifest.raw if src.manifest else {}
     data = dict(m.get("data") or {})
-    observer = data.get("observer") or src.stems[0].split("_hooks_")[1].split("_")[0]
-    base = src.stems[0].rsplit(f"_0_{src.world}", 1)[0] if src.world > 1 else src.stems[0]
+    observer = data.get("observer") or src.observer
+    prefix = f"{src.base}_hooks_{src.observer}"  # each merged rank's stem: prefix + rank suffix
     with staged_output(Path(output), overwrite=overwrite, inputs=[src.directory]) as tmp:
         records = []
         for i, (nodes, layers) in enumerate(merged):
-            stem = f"{base}{hqt.rank_suffix(i, n)}"
+            stem = f"{prefix}{rank_suffix(i, n)}"
             samples = sum(src.ranks[r].num_samples for r in parsed[i]) // len(parsed[i])
-            files = hqt.write_measurement(tmp, stem, nodes, local_rank=i if n > 1 else None, num_samples=samples)
+            files = write_measurement(tmp, stem, nodes, local_rank=i if n > 1 else None, num_samples=samples)
             records.append({"rank": i, "stem": stem, "files": [f.name for f in files], "layers": layers,
                             "unmeasured": [], "skipped": {}, "source_ranks": parsed[i]})
         source_files = {f"{s}.json": sha256_file(src.directory / f"{s}.json") for s in src.stems}
@@ -256,17 +203,14 @@ def unify(measurement: str | Path, groups: list[str], output: str | Path, *, ove
             "world_size": n,
             "observer": observer,
             "ranks": records,
-            "unified_from": {"directory": str(src.directory.resolve()), "world_size": src.world, "groups": parsed,
+            "unified_from": {"directory": str(src.directory.resolve()), "world_size": src.world_size, "groups": parsed,
                              "files": source_files, "provenance_known": src.manifest is not None},
             "forced": forced,  # what --force overrode (empty: the ranks agreed)
             "merge": {"per_tensor": "max", "per_channel": "concatenated along sharded dims in rank order, max along replicated",
                       "row_parallel_outputs": "observed after the all-reduce: exact" if src.manifest else "max (foreign dump)"},
         })
-        dump = str(Path(output).resolve() / base.split("_hooks_")[0])
-        (tmp / "quant_config.json").write_text(json.dumps({**(m.get("config") or {"observer": observer}),
-                                                           "mode": "QUANTIZE", "dump_stats_path": dump,
-                                                           "recalc_scales": True}, indent=2))
-        write_manifest(tmp, SCHEMA, SCHEMA_VERSION, model=m.get("model"), config=m.get("config"), data=data)
+        write_artifact(tmp, Path(output), base=src.base, inc_config=m.get("config") or {"observer": observer},
+                       model=m.get("model"), config=m.get("config"), data=data)
     return Path(output)
 
 

@@ -125,7 +125,7 @@ def test_export_fp8_layout(checkpoint, tmp_path):
 def test_export_fp8_loads_back_identically(checkpoint, tmp_path):
     """hqtflow's loader reads the AutoFP8 layout: the same logits as the source checkpoint, bit for bit."""
     import hqtflow
-    from hqtflow.quantize.convert import load_checkpoint
+    from hqtflow.formats.checkpoint import load_checkpoint
 
     out = tmp_path / "vllm"
     assert run_cli("export", checkpoint, "--format", "fp8", "-o", out).exit_code == 0
@@ -164,7 +164,7 @@ def test_export_fp8_refuses(checkpoint, tmp_path):
 # ---- export --format compressed-tensors --per-channel ------------------------------------------
 def test_export_per_channel_and_back(checkpoint, tmp_path):
     import hqtflow
-    from hqtflow.quantize.convert import load_checkpoint
+    from hqtflow.formats.checkpoint import load_checkpoint
 
     pc = tmp_path / "pc"
     r = run_cli("export", checkpoint, "--format", "compressed-tensors", "--per-channel", "-o", pc)
@@ -201,7 +201,7 @@ def test_export_per_channel_transformers_same_text(checkpoint, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from hqtflow import models
-    from hqtflow.quantize.convert import load_checkpoint
+    from hqtflow.formats.checkpoint import load_checkpoint
 
     pc = tmp_path / "pc"
     assert run_cli("export", checkpoint, "--format", "compressed-tensors", "--per-channel", "-o", pc).exit_code == 0
@@ -292,7 +292,7 @@ def test_export_inc_loads_in_inc(inc, checkpoint, tmp_path):
 
 def test_export_inc_per_channel_and_refusals(inc, measured, checkpoint, tmp_path):
     from hqtflow import models
-    from hqtflow.quantize.convert import load_checkpoint
+    from hqtflow.formats.checkpoint import load_checkpoint
 
     # a per-channel source is re-quantized to one scale per tensor; INC still loads it and runs close to hqtflow
     pc = tmp_path / "pc"

@@ -28,7 +28,7 @@ def smol_fp8(smollm2, data_dir, tmp_path_factory):
 
 def test_every_layout_round_trips(smol_fp8, inc, tmp_path):
     import hqtflow
-    from hqtflow.quantize.convert import load_checkpoint
+    from hqtflow.formats.checkpoint import load_checkpoint
 
     # the reference path in bf16, like load_checkpoint's default and INC's QDQ modules: greedy text is compared on
     # one backend (the CPU kernel computes the same function, but its fp32 sums run in another order than oneDNN's)

@@ -28,7 +28,7 @@ COMMON = ["--text", None, "--limit", "4", "--max-length", "32", "--batch-size", 
 def arts(tiny_llama, wiki_text, tmp_path_factory):
     """Real artifacts of the tiny Llama: a 2-rank measurement, its Gaudi2 scale files, it unified to 1; and an
     8-rank measurement (the 1-rank statistics written as 8 INC rank files, imported) unified to 2 and to 1."""
-    from hqtflow.formats import hqt
+    from hqtflow.formats import measurement as mf
 
     base = tmp_path_factory.mktemp("handoff")
     common = [wiki_text if a is None else a for a in COMMON]
@@ -42,11 +42,11 @@ def arts(tiny_llama, wiki_text, tmp_path_factory):
     for args in steps:
         r = run_cli(*args)
         assert r.exit_code == 0, r.output
-    one = hqt.read_measurement(base / "m1" / "measure_hooks_maxabs.json")
+    one = mf.read_measurement(base / "m1" / "measure_hooks_maxabs.json")
     dump = base / "dump8"
     dump.mkdir()
     for rank in range(8):
-        hqt.write_measurement(dump, f"measure_hooks_maxabs_{rank}_8", one.nodes, local_rank=rank, num_samples=one.num_samples)
+        mf.write_measurement(dump, f"measure_hooks_maxabs_{rank}_8", one.nodes, local_rank=rank, num_samples=one.num_samples)
     steps = [("import-hqt", dump, "-o", base / "m8", "--model", tiny_llama),
              ("unify", "-g", "0123", "4567", "-m", base / "m8", "-o", base / "m8to2"),
              ("unify", "-g", "01234567", "-m", base / "m8", "-o", base / "m8to1")]

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from hqtflow.formats import hqt
+from hqtflow.formats import measurement as mf
 from hqtflow.measure.run import MeasureSettings, measure
 from hqtflow.quantize.fp8_linear import FP8Linear
 from hqtflow.scales import dequantize, linear_scales, quantize, scale_method
@@ -44,7 +44,7 @@ def measured(tiny_llama, wiki_text, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def stats(measured) -> dict:
-    return hqt.read_measurement(measured / "measure_hooks_maxabs.json").nodes
+    return mf.read_measurement(measured / "measure_hooks_maxabs.json").nodes
 
 
 def load_bf16(model_dir: Path):

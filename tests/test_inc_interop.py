@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hqtflow.formats import hqt
+from hqtflow.formats import measurement as mf
 from hqtflow.measure.run import MeasureSettings, measure
 
 F_E4M3 = 448.0  # float8_e4m3fn full scale (CPU)
@@ -56,7 +56,7 @@ def test_inc_convert_accepts_hqtflow_measurement(inc, tiny_llama, wiki_text, tmp
     assert prefix == "measure"
     inc_cfg.update(dump_stats_path=str(work / prefix), scale_method="maxabs_pow2", use_qdq=True)
 
-    stats = hqt.read_measurement(work / f"{prefix}_hooks_maxabs.json").nodes
+    stats = mf.read_measurement(work / f"{prefix}_hooks_maxabs.json").nodes
     assert stats, "hqtflow measured nothing"
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()

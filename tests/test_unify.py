@@ -259,15 +259,15 @@ def test_nodes_on_some_ranks_are_unioned():
     """Experts under expert parallelism live on one rank each: union, not KeyError."""
     from pathlib import Path
 
-    from hqtflow.formats.hqt import Measurement, NodeStats
-    from hqtflow.unify import Source, merge_group
+    from hqtflow.formats.measurement import LoadedMeasurement, Measurement, NodeStats
+    from hqtflow.unify import merge_group
 
     def stats(v):
         return NodeStats([np.array([[v]], dtype=np.float32)], [], {"weight": np.array([[v / 2]], dtype=np.float32)})
 
     r0 = Measurement({"attn": stats(1.0), "experts.0": stats(3.0)}, 0, 4, "DynamicRange")
     r1 = Measurement({"attn": stats(2.0), "experts.1": stats(5.0)}, 1, 4, "DynamicRange")
-    src = Source(Path("."), None, 2, ["a_0_2", "a_1_2"], [r0, r1], [{}, {}])
+    src = LoadedMeasurement(Path("."), None, [r0, r1], ["a_0_2", "a_1_2"], 2)
     merged, _ = merge_group(src, [0, 1], {})
     assert set(merged) == {"attn", "experts.0", "experts.1"}
     assert merged["attn"].inputs[0][0, 0] == 2.0 and merged["experts.1"].params["weight"][0, 0] == 2.5

@@ -113,7 +113,7 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
     import torch
 
     from hqtflow import models
-    from hqtflow.formats import hqt
+    from hqtflow.formats import measurement as mf
     from hqtflow.formats.artifact import StagingDir
     from hqtflow.measure.run import inputs, preflight, run_sources, write_artifact_files
     from hqtflow.progress import Progress
@@ -178,12 +178,12 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
         with single_process():
             q.finalize_calibration(model)
 
-        stem = hqt.measurement_stem(base, cfg.observer, None, 1)
-        files = [f"{stem}{ext}" for ext in (".json", ".npz", "_mod_list.json")]
+        stem = mf.measurement_stem(base, cfg.observer, None, 1)
+        files = [f"{stem}{ext}" for ext in mf.RANK_FILES]
         missing = [f for f in files if not (stage.path / f).is_file()]
         if missing:  # INC's save swallows its own errors: its silence is not success
             raise ArtifactError(f"Neural Compressor did not write {missing[0]} (its save failed silently).")
-        meas = hqt.read_measurement(stage.path / f"{stem}.json")
+        meas = mf.read_measurement(stage.path / f"{stem}.json")
         if not meas.nodes:
             raise ArtifactError("Neural Compressor measured no module of this model.")
         selected = [n for n, m in linears.items() if cfg.selects(n, type(m).__name__)]
@@ -213,19 +213,18 @@ def convert(job, model, device: str = "cpu", *, scale_dir: Path | None = None):
     INC wrote (`<stem>_<SCALE_METHOD>.json/.npz`) there."""
     import shutil
 
-    from hqtflow.formats import hqt
+    from hqtflow.formats import measurement as mf
 
     if job.meas.world_size > 1:
         raise ArtifactError(f"{job.meas.directory} is a {job.meas.world_size}-rank measurement; --engine inc runs one "
                             f"card: `hqtflow unify -g {''.join(map(str, range(job.meas.world_size)))}` it first.")
     check_method(job.cfg, device)
     q = _quantization()
-    stem = job.meas.stems[0]
-    base, _, observer = stem.rpartition("_hooks_")
+    stem, base, observer = job.meas.stems[0], job.meas.base, job.meas.observer
     with tempfile.TemporaryDirectory(prefix="hqtflow-inc-") as work:
         # INC unpickles the .npz: give it one written here from the verified JSON (INC writes its scales here too)
         meas = job.meas.ranks[0]
-        hqt.write_measurement(Path(work), stem, meas.nodes, local_rank=None, num_samples=meas.num_samples)
+        mf.write_measurement(Path(work), stem, meas.nodes, local_rank=None, num_samples=meas.num_samples)
         cfg = fp8_config(job.cfg, mode="QUANTIZE", observer=observer, dump_stats_path=str(Path(work) / base),
                          use_qdq=device == "cpu", drop=("device_for_scales",) if device == "cpu" else ())
         model = _place(model, device)
@@ -283,8 +282,10 @@ def quantize(s, device: str = "cpu") -> Path:
 
     from hqtflow import models
     from hqtflow.formats.artifact import check_output_dir, staged_output, write_manifest
-    from hqtflow.quantize.convert import _set_module, _untie_if_needed, save_checkpoint
-    from hqtflow.quantize.run import CHECKPOINT_SCHEMA, SCHEMA_VERSION, plan_job
+    from hqtflow.formats.checkpoint import save_checkpoint
+    from hqtflow.quantize.convert import _set_module, _untie_if_needed
+    from hqtflow.formats.artifact import ArtifactKind
+    from hqtflow.quantize.run import plan_job
 
     check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config])
     _settings_check(s)
@@ -309,9 +310,8 @@ def quantize(s, device: str = "cpu") -> Path:
     with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[job.meas.directory, job.model_dir, s.config]) as tmp:
         save_checkpoint(qmodel, tmp, ignore=job.plan["ignore"], per_channel=per_channel, static_input=True)
         models.load_tokenizer(job.model_dir).save_pretrained(tmp)
-        meas = job.meas
         data = {**_common(job, device), "kv_cache": "bf16", "mode": "w8a8-static", "settings": asdict(s)}
-        write_manifest(tmp, CHECKPOINT_SCHEMA, SCHEMA_VERSION, model=job.fingerprint, config=job.cfg.to_dict(), data=data)
+        write_manifest(tmp, ArtifactKind.CHECKPOINT, model=job.fingerprint, config=job.cfg.to_dict(), data=data)
     return Path(s.output)
 
 
@@ -331,22 +331,17 @@ def _scales_only(s, job, model, device: str) -> Path:
     QUANT_CONFIG for INC pointing at the directory)."""
     import torch
 
-    from hqtflow.formats.artifact import staged_output, write_json_atomic, write_manifest
-    from hqtflow.formats.hqt import copy_measurement_files
-    from hqtflow.quantize.run import SCALES_SCHEMA, SCHEMA_VERSION
+    from hqtflow.formats.artifact import ArtifactKind, staged_output, write_manifest
+    from hqtflow.formats.measurement import copy_measurement_files
+    from hqtflow.quantize.scale_files import write_quant_config
 
     with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[job.meas.directory, job.model_dir, s.config]) as tmp:
         with torch.no_grad():
             convert(job, model, device, scale_dir=tmp)
         scale_files = sorted(p.name for p in tmp.iterdir() if p.suffix in (".json", ".npz"))
         files = copy_measurement_files(job.meas.directory, job.meas.stems, tmp) + scale_files
-        base = job.meas.stems[0].rpartition("_hooks_")[0]
-        inc_cfg = {**job.cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(Path(s.output).resolve() / base)}
-        if device == "cpu":
-            inc_cfg.pop("device_for_scales", None)
-            inc_cfg["use_qdq"] = True  # INC refuses the CPU device without QDQ
-        write_json_atomic(tmp / "quant_config.json", inc_cfg)
-        write_manifest(tmp, SCALES_SCHEMA, SCHEMA_VERSION, model=job.fingerprint, config=job.cfg.to_dict(),
+        write_quant_config(tmp, Path(s.output), job.cfg, job.meas.base, device)
+        write_manifest(tmp, ArtifactKind.SCALES, model=job.fingerprint, config=job.cfg.to_dict(),
                        data={**_common(job, device), "world_size": 1, "files": files})
     return Path(s.output)
 

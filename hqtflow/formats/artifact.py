@@ -33,6 +33,12 @@ class ArtifactKind(StrEnum):
     SCALES = "hqtflow.scales"  # quantize --scales-only
     CHECKPOINT = "hqtflow.checkpoint"  # quantize
     EXPORT = "hqtflow.export"  # export
+    TUNE = "hqtflow.tune"  # tune
+
+    @property
+    def version(self) -> int:
+        """The schema version this hqtflow writes, and the newest it reads."""
+        return 1
 
 
 MIN_VERSION = 1  # every schema starts at v1
@@ -220,9 +226,11 @@ def staged_output(out: Path, *, overwrite: bool = False, inputs=()) -> Iterator[
     stage.commit()
 
 
-def write_manifest(directory: Path, type_: str, version: int, *, model: dict | None, config: Any, data: dict) -> dict:
-    """Hash every file in `directory` and write the manifest last."""
+def write_manifest(directory: Path, type_: str, version: int | None = None, *, model: dict | None, config: Any,
+                   data: dict) -> dict:
+    """Hash every file in `directory` and write the manifest last (`version`: the kind's current one by default)."""
     directory = Path(directory)
+    version = ArtifactKind(type_).version if version is None else version
     files = {
         str(p.relative_to(directory)): sha256_file(p)
         for p in sorted(directory.rglob("*"))
@@ -272,12 +280,14 @@ class Manifest:
         return hashlib.sha256(json.dumps(self.files, sort_keys=True).encode()).hexdigest()
 
 
-def read_manifest(directory: Path, type_: str, max_version: int, *, verify: bool = True) -> Manifest:
+def read_manifest(directory: Path, type_: str, max_version: int | None = None, *, verify: bool = True) -> Manifest:
     """Load and check an artifact's manifest; every failure is one ArtifactError sentence.
 
     Refused: a staging dir, a missing or corrupt manifest, another type, a schema version outside
-    MIN_VERSION..max_version, a listed file outside the directory and (with `verify`) a missing or changed file."""
+    MIN_VERSION..max_version (the kind's current version by default), a listed file outside the directory and (with
+    `verify`) a missing or changed file."""
     directory = Path(directory)
+    max_version = ArtifactKind(type_).version if max_version is None else max_version
     kind = type_.split(".")[-1]
     if not directory.is_dir():
         raise ArtifactError(f"{kind.capitalize()} directory {directory} does not exist.")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hqtflow.config import QuantConfig
-from hqtflow.formats.hqt import NodeStats
+from hqtflow.formats.measurement import NodeStats
 from hqtflow.measure.observers import make_observer, weight_stat
 
 

@@ -3,22 +3,18 @@
 transformers hands every layer's keys (after rotary embedding) and values to `past_key_values.update(...)`, so a
 cache that observes those calls sees exactly what an FP8 KV cache would hold. `KVObserverCache` is a DynamicCache
 that records them (padding excluded: positions where the batch's attention mask is 0) into a `KVStats`, keyed by
-the attention module's name. The stats go to `kv_cache_maxabs.json` in the measurement artifact (hqtflow's own file,
-beside the HQT/INC ones, which have no KV nodes for Hugging Face models); `hqtflow quantize --kv-cache fp8` turns
-them into `k_scale` / `v_scale` (the compressed-tensors / vLLM convention).
+the attention module's name. The stats go to the measurement artifact's `kv_cache_maxabs.json`
+(`hqtflow.formats.measurement.write_kv_stats`: hqtflow's own file, beside the HQT/INC ones, which have no KV nodes
+for Hugging Face models); `hqtflow quantize --kv-cache fp8` turns them into `k_scale` / `v_scale` (the
+compressed-tensors / vLLM convention).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
-
-KV_FILE = "kv_cache_maxabs.json"
-KV_FORMAT = "hqtflow-kv-maxabs"
 
 
 class KVStats:
@@ -44,10 +40,9 @@ class KVStats:
     def cache(self, mask: torch.Tensor | None = None) -> "KVObserverCache":
         return KVObserverCache(self, mask)
 
-    def to_json(self) -> dict:
-        layers = {self.names.get(i, f"layer{i}"): {"k": k, "v": v} for i, (k, v) in sorted(self.maxabs.items())}
-        return {"format": KV_FORMAT, "version": 1, "statistic": "maxabs of cached keys (after rotary) and values",
-                "layers": layers}
+    def layers(self) -> dict[str, dict[str, float]]:
+        """{attention module: {"k": maxabs, "v": maxabs}}."""
+        return {self.names.get(i, f"layer{i}"): {"k": k, "v": v} for i, (k, v) in sorted(self.maxabs.items())}
 
 
 class KVObserverCache(DynamicCache):
@@ -58,28 +53,3 @@ class KVObserverCache(DynamicCache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self._stats.record(layer_idx, key_states, value_states, self._mask)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-
-def read_kv_stats(directory: Path) -> dict[str, dict[str, float]] | None:
-    """{attention module: {"k": maxabs, "v": maxabs}} from a measurement artifact, None when it has none."""
-    from hqtflow.errors import ArtifactError
-
-    path = Path(directory) / KV_FILE
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-        ok = data.get("format") == KV_FORMAT and data.get("version") == 1 and isinstance(data["layers"], dict)
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError):
-        ok, data = False, {}
-    if not ok:
-        raise ArtifactError(f"{path} is not a KV-cache statistics file this hqtflow reads (format "
-                            f"{data.get('format') if isinstance(data, dict) else None!r}, "
-                            f"version {data.get('version') if isinstance(data, dict) else None}).")
-    for name, kv in data["layers"].items():
-        vals = [kv.get(x) if isinstance(kv, dict) else None for x in "kv"]
-        if not all(type(v) in (int, float) and math.isfinite(v) for v in vals):
-            raise ArtifactError(f"{path}: the statistics of {name} are not finite numbers.")
-        if min(vals) < 0:
-            raise ArtifactError(f"{path}: the statistics of {name} are negative, which no maxabs can be; the file is corrupt.")
-    return data["layers"]

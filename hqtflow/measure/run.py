@@ -12,14 +12,10 @@ from pathlib import Path
 
 from hqtflow.config import QuantConfig
 from hqtflow.errors import CalibrationError, ConfigError
-from hqtflow.formats import hqt
-from hqtflow.formats.artifact import MANIFEST, ArtifactKind, StagingDir, check_output_dir, write_json_atomic, write_manifest
+from hqtflow.formats import measurement as mf
+from hqtflow.formats.artifact import MANIFEST, StagingDir, check_output_dir
 from hqtflow.measure.settings import MeasureSettings
 from hqtflow.progress import Progress
-
-SCHEMA = ArtifactKind.MEASUREMENT
-SCHEMA_VERSION = 1
-INC_CONFIG = "quant_config.json"
 
 
 def load_measure_config(path: str | None) -> QuantConfig:
@@ -88,7 +84,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
     from hqtflow import models
     from hqtflow.measure import distributed
     from hqtflow.measure.hooks import ObserverSession
-    from hqtflow.measure.kv import KV_FILE, KVStats
+    from hqtflow.measure.kv import KVStats
 
     torch.manual_seed(s.seed)
     stage = StagingDir(Path(s.output), overwrite=s.overwrite, inputs=inputs(s, model_dir))
@@ -128,11 +124,11 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
             raise CalibrationError("Calibration ran no tokens through the model.")
 
         _check_finite(session.stats(), kv, model_dir)
-        stem = hqt.measurement_stem(cfg.dump_stats_path, cfg.observer, rank if world > 1 else None, world)
-        files = hqt.write_measurement(stage.path, stem, session.stats(), local_rank=rank if world > 1 else None,
+        stem = mf.measurement_stem(cfg.dump_stats_path, cfg.observer, rank if world > 1 else None, world)
+        files = mf.write_measurement(stage.path, stem, session.stats(), local_rank=rank if world > 1 else None,
                                       num_samples=session.samples)
         if kv is not None and kv.maxabs:
-            write_json_atomic(stage.path / KV_FILE, kv.to_json())
+            mf.write_kv_stats(stage.path, kv.layers())
         rank_record = {
             "rank": rank, "stem": stem, "files": [f.name for f in files],
             "layers": session.layer_info(), "unmeasured": session.unused(), "skipped": session.skipped,
@@ -158,13 +154,6 @@ def write_artifact_files(path: Path, s: MeasureSettings, cfg: QuantConfig, model
     """The artifact's `quant_config.json` and its manifest (last), once every rank's files are in `path`."""
     from hqtflow import models
 
-    out = Path(s.output).resolve()
-    # For a Gaudi run of INC (QUANT_CONFIG=DIR/quant_config.json): recalc_scales so INC never silently
-    # reuses a scale file left in DIR by an earlier run. On CPU, INC also needs use_qdq and a
-    # power-of-two or arbitrary scale_method (maxabs_hw has no hardware scale set there).
-    inc_cfg = {**cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(out / Path(cfg.dump_stats_path).name),
-               "recalc_scales": True}
-    write_json_atomic(path / INC_CONFIG, inc_cfg)
     data = {
         "world_size": len(records),
         "observer": cfg.observer,
@@ -177,7 +166,10 @@ def write_artifact_files(path: Path, s: MeasureSettings, cfg: QuantConfig, model
         **extra,
         "settings": s.to_json(),
     }
-    write_manifest(path, SCHEMA, SCHEMA_VERSION, model=models.fingerprint(model_dir), config=cfg.to_dict(), data=data)
+    # On CPU, INC's QUANTIZE also needs use_qdq and a power-of-two or arbitrary scale_method (maxabs_hw has no
+    # hardware scale set there).
+    mf.write_artifact(path, Path(s.output), base=Path(cfg.dump_stats_path).name, inc_config=cfg.to_dict(),
+                      model=models.fingerprint(model_dir), config=cfg.to_dict(), data=data)
 
 
 def run_sources(s: MeasureSettings, texts, manager, tokenizer, forward, generate, progress: Progress) -> list[dict]:
@@ -212,7 +204,7 @@ def _check_finite(stats: dict, kv, model_dir: Path) -> None:
     from hqtflow.errors import ArtifactError, ModelError
 
     try:
-        hqt.check_statistics(hqt.Measurement(stats, None, 0, "DynamicRange"), f"Model {model_dir}")
+        mf.check_statistics(mf.Measurement(stats, None, 0, "DynamicRange"), f"Model {model_dir}")
     except ArtifactError as e:
         raise ModelError(f"{str(e).split('; re-measure')[0]}: its weights or the data are broken; nothing was written.") from None
     bad = kv.non_finite() if kv is not None else None

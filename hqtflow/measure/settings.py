@@ -36,10 +36,10 @@ class MeasureSettings:
                                  ("--max-length", self.max_length, 2), ("--tp", self.tp, 1)):
             if value is not None and value < low:
                 raise ConfigError(f"{name} must be at least {low}, not {value}.")
-        from hqtflow.models import DTYPES
+        from hqtflow.config import HP_DTYPES
 
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
+        if self.dtype not in HP_DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(HP_DTYPES)}, not {self.dtype!r}.")
 
     def to_json(self) -> dict:
         return asdict(self)

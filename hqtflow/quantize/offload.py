@@ -1,18 +1,18 @@
 """`hqtflow quantize --disk-offload`: the FP8 checkpoint written without ever holding the model in RAM.
 
 The model exists only as a skeleton on the meta device (names, shapes, the dtypes `from_pretrained` would give).
-Each weight is read from the source safetensors files through `safe_open` (memory-mapped: its pages are file
-pages, reclaimable, not anonymous memory), quantized with `hqtflow.scales.linear_scales` and the measurement's
-input statistics exactly as `convert_model` does (bit-identical tensors), and written straight into its place in
-an output shard. Non-quantized tensors are copied through (cast to the model dtype, as loading would). A tied
-`lm_head` is dropped like `save_checkpoint` does, or untied (quantized from the embedding) when it is quantized.
+Each weight is read from the source safetensors files (`hqtflow.formats.checkpoint.TensorFiles`, memory-mapped: its
+pages are file pages, reclaimable, not anonymous memory), quantized with `hqtflow.scales.linear_scales` and the
+measurement's input statistics exactly as `convert_model` does (bit-identical tensors), and written straight into
+its place in an output shard. Non-quantized tensors are copied through (cast to the model dtype, as loading would).
+A tied `lm_head` is dropped like `save_checkpoint` does, or untied (quantized from the embedding) when it is quantized.
 
 Output: `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards of at most `shard_size` bytes of tensor
 data each (a single tensor larger than that gets a shard of its own) plus `model.safetensors.index.json`. The
-default shard size is DEFAULT_SHARD_SIZE (512 MiB). Each shard's safetensors header is computed up front (every
-output shape and dtype is known from the plan), so tensors are written to their offsets one at a time: memory does
-not grow with the shard size. Peak anonymous memory is about one weight in bf16 (for its maxabs) plus a chunk of
-QUANT_CHUNK_ELEMS elements in float32, on top of the torch/transformers import baseline.
+default shard size is DEFAULT_SHARD_SIZE (512 MiB). Each shard is a `SafetensorsWriter`: its header is computed up
+front (every output shape and dtype is known from the plan), so tensors are written to their offsets one at a time
+and memory does not grow with the shard size. Peak anonymous memory is about one weight in bf16 (for its maxabs)
+plus a chunk of QUANT_CHUNK_ELEMS elements in float32, on top of the torch/transformers import baseline.
 
 Before anything is written, free memory (/proc/meminfo MemAvailable) and free disk (of the output's parent) are
 checked; `free_memory_bytes` and `free_disk_bytes` are the probes (tests monkeypatch them).
@@ -20,26 +20,18 @@ checked; `free_memory_bytes` and `free_disk_bytes` are the probes (tests monkeyp
 
 from __future__ import annotations
 
-import json
 import shutil
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from hqtflow.errors import ModelError, ResourceError
+from hqtflow.formats.checkpoint import ST_DTYPES, SafetensorsWriter, TensorEntry, TensorFiles, TensorSpec, shard_names
 
 DEFAULT_SHARD_SIZE = 512 * 2**20  # bytes of tensor data per output file
 QUANT_CHUNK_ELEMS = 1 << 20  # weights are cast to FP8 in row blocks of about this many elements
 MEMORY_MARGIN = 256 * 2**20  # working memory besides the largest tensor (interpreter, headers, the plan)
-
-ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-ST_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-               "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
-
 
 # ---- resource probes (monkeypatched by tests) ----------------------------------------------------
 def free_memory_bytes() -> int | None:
@@ -64,36 +56,13 @@ def _gb(n: int) -> str:
 
 # ---- the plan ------------------------------------------------------------------------------------
 @dataclass
-class Source:
-    file: Path
-    key: str
-    dtype: str  # safetensors dtype string
-    shape: list[int]
-    nbytes: int
-
-
-@dataclass
-class OutTensor:
-    key: str
-    dtype: torch.dtype
-    shape: list[int]
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
-
-
-@dataclass
 class Unit:
     """What one step writes: a quantized Linear (its 2-4 tensors) or one copied tensor."""
 
     kind: str  # "quant" | "copy" | "value" (a persistent buffer the checkpoint lacks: the skeleton's value)
-    outputs: list[OutTensor]
-    source: Source | None = None
-    bias_source: Source | None = None
+    outputs: list[TensorSpec]
+    source: TensorEntry | None = None
+    bias_source: TensorEntry | None = None
     module: str | None = None
     value: torch.Tensor | None = None
 
@@ -117,23 +86,11 @@ class OffloadPlan:
     stats: dict = field(default_factory=dict)
 
 
-def read_sources(model_dir: Path) -> dict[str, Source]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
+def read_sources(model_dir: Path) -> dict[str, TensorEntry]:
+    tf = TensorFiles(model_dir)
+    if not tf.files:
         raise ModelError(f"--disk-offload reads safetensors weights, and {model_dir} has no *.safetensors file.")
-    out: dict[str, Source] = {}
-    for f in files:
-        with open(f, "rb") as fh:
-            try:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-            except (struct.error, json.JSONDecodeError, UnicodeDecodeError):
-                raise ModelError(f"{f} is not a valid safetensors file.") from None
-        for k, info in header.items():
-            if k != "__metadata__":
-                b, e = info["data_offsets"]
-                out[k] = Source(f, k, info["dtype"], list(info["shape"]), e - b)
-    return out
+    return tf.entries
 
 
 def _skeleton(model_dir: Path, dtype: torch.dtype):
@@ -181,7 +138,7 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
         config.tie_word_embeddings = False  # as convert_model's untying does
     prefix = getattr(skel, "base_model_prefix", "") or ""
 
-    def find(key: str) -> Source | None:
+    def find(key: str) -> TensorEntry | None:
         if key in sources:
             return sources[key]
         if prefix and key.startswith(prefix + ".") and key[len(prefix) + 1:] in sources:
@@ -190,7 +147,7 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
             return sources[f"{prefix}.{key}"]
         return None
 
-    def need(key: str, shape) -> Source:
+    def need(key: str, shape) -> TensorEntry:
         src = find(key)
         if src is None:
             raise ModelError(f"--disk-offload cannot find {key} in the safetensors files of {model_dir} "
@@ -213,14 +170,14 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
             out_f, in_f = lin.out_features, lin.in_features
             # a tied lm_head is loaded as the embedding, then untied by convert_model: quantize the embedding
             src = need(emb_key if (untie and mod == lm_name) else key, v.shape)
-            outs = [OutTensor(f"{mod}.weight", FP8_DTYPES["E4M3"], [out_f, in_f]),
-                    OutTensor(f"{mod}.weight_scale", hp, [out_f, 1] if per_channel else [1])]
+            outs = [TensorSpec(f"{mod}.weight", FP8_DTYPES["E4M3"], [out_f, in_f]),
+                    TensorSpec(f"{mod}.weight_scale", hp, [out_f, 1] if per_channel else [1])]
             if not weight_only:
-                outs.append(OutTensor(f"{mod}.input_scale", hp, [1]))
+                outs.append(TensorSpec(f"{mod}.input_scale", hp, [1]))
             bias_src = None
             if lin.bias is not None:
                 bias_src = need(f"{mod}.bias", lin.bias.shape)
-                outs.append(OutTensor(f"{mod}.bias", hp, [out_f]))
+                outs.append(TensorSpec(f"{mod}.bias", hp, [out_f]))
             units.append(Unit("quant", outs, src, bias_src, mod))
             largest = max(largest, out_f * in_f)
         elif tied and not untie and key == f"{lm_name}.weight":
@@ -228,13 +185,13 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
         else:
             src = find(key)
             if src is None and v.device.type != "meta":
-                units.append(Unit("value", [OutTensor(key, v.dtype, list(v.shape))], value=v))
+                units.append(Unit("value", [TensorSpec(key, v.dtype, list(v.shape))], value=v))
                 continue
             src = need(key, v.shape)
-            units.append(Unit("copy", [OutTensor(key, v.dtype, list(v.shape))], src))
+            units.append(Unit("copy", [TensorSpec(key, v.dtype, list(v.shape))], src))
             largest = max(largest, v.numel())
     for key, v in (extra_values or {}).items():  # computed tensors the source lacks (KV-cache scales)
-        units.append(Unit("value", [OutTensor(key, v.dtype, list(v.shape))], value=v))
+        units.append(Unit("value", [TensorSpec(key, v.dtype, list(v.shape))], value=v))
     for u in units:
         for t in u.outputs:
             if t.dtype not in ST_DTYPES:
@@ -247,9 +204,7 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
             size = 0
         shards[-1].append(i)
         size += u.nbytes
-    n = len(shards)
-    shard_names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    return OffloadPlan(model_dir, config, _generation_config(model_dir, skel), units, shards, shard_names,
+    return OffloadPlan(model_dir, config, _generation_config(model_dir, skel), units, shards, shard_names(len(shards)),
                        sum(u.nbytes for u in units), largest, weight_only, per_channel)
 
 
@@ -269,106 +224,55 @@ def check_resources(p: OffloadPlan, output: Path) -> None:
 
 
 # ---- writing -------------------------------------------------------------------------------------
-def _as_bytes(t: torch.Tensor):
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-def _write(f, t: torch.Tensor, chunk: int = 64 * 2**20) -> None:
-    buf = memoryview(_as_bytes(t))
-    for i in range(0, len(buf), chunk):
-        f.write(buf[i:i + chunk])
-
-
-def _header(outs: list[OutTensor]) -> tuple[bytes, dict[str, int]]:
-    """safetensors header (largest items first so every tensor is aligned), and each tensor's data offset."""
-    order = sorted(outs, key=lambda t: (-t.dtype.itemsize, t.key))
-    header, offsets, pos = {"__metadata__": {"format": "pt"}}, {}, 0
-    for t in order:
-        header[t.key] = {"dtype": ST_DTYPES[t.dtype], "shape": t.shape, "data_offsets": [pos, pos + t.nbytes]}
-        offsets[t.key] = pos
-        pos += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * ((-(8 + len(raw))) % 8)
-    return struct.pack("<Q", len(raw)) + raw, offsets
-
-
 def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8: str, hp_dtype: str) -> dict:
     """Write the shards, index, config.json and generation config of `p` into `out`; return timing stats."""
     import time
 
-    from safetensors import safe_open
-
+    from hqtflow.formats.checkpoint import write_config, write_index
     from hqtflow.formats.compressed_tensors import quantization_config
-    from hqtflow.scales import linear_scales
     from hqtflow.quantize.fp8_linear import quantize_linear
+    from hqtflow.scales import linear_scales
 
     out = Path(out)
     t0 = time.perf_counter()
-    handles: dict[Path, object] = {}
-
-    def read(src: Source) -> torch.Tensor:
-        if src.file not in handles:
-            handles[src.file] = safe_open(src.file, framework="pt").__enter__()
-        return handles[src.file].get_tensor(src.key)  # memory-mapped: file pages, not anonymous memory
-
     weight_map: dict[str, str] = {}
     read_bytes = 0
-    try:
-        with torch.no_grad():
-            for name, idx in zip(p.shard_names, p.shards):
-                outs = [t for i in idx for t in p.units[i].outputs]
-                head, offsets = _header(outs)
-                with open(out / name, "wb") as f:
-                    f.write(head)
-                    base = len(head)
-                    for i in idx:
-                        u = p.units[i]
-                        if u.kind == "value":
-                            f.seek(base + offsets[u.outputs[0].key])
-                            _write(f, u.value.to(u.outputs[0].dtype))
-                            continue
-                        src = read(u.source)
-                        read_bytes += u.source.nbytes
-                        if u.kind == "copy":
-                            f.seek(base + offsets[u.outputs[0].key])
-                            _write(f, src.to(u.outputs[0].dtype))
-                            del src
-                            continue
-                        hp = u.outputs[1].dtype
-                        w = src.to(hp)
+    with TensorFiles(p.model_dir) as source, torch.no_grad():
+        for name, idx in zip(p.shard_names, p.shards):
+            outs = [t for i in idx for t in p.units[i].outputs]
+            with SafetensorsWriter(out / name, outs) as shard:
+                for i in idx:
+                    u = p.units[i]
+                    if u.kind == "value":
+                        shard.write(u.outputs[0].key, u.value.to(u.outputs[0].dtype))
+                        continue
+                    src = source.get(u.source.key)  # memory-mapped: file pages, not anonymous memory
+                    read_bytes += u.source.nbytes
+                    if u.kind == "copy":
+                        shard.write(u.outputs[0].key, src.to(u.outputs[0].dtype))
                         del src
-                        sc = linear_scales(method, meas.nodes[u.module].inputs[0], w, target=target, fp8=fp8, hp_dtype=hp_dtype)
-                        # FP8Linear.from_linear's own arithmetic (quantize_linear), streamed in row blocks
-                        q = quantize_linear(w, sc.weight, None if p.weight_only else sc.input, fp8,
-                                            rows=max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[1])))
-                        f.seek(base + offsets[f"{u.module}.weight"])
-                        for block in q.weight_blocks:
-                            _write(f, block)
-                        f.seek(base + offsets[f"{u.module}.weight_scale"])
-                        _write(f, q.weight_scale)
-                        if q.input_scale is not None:
-                            f.seek(base + offsets[f"{u.module}.input_scale"])
-                            _write(f, q.input_scale)
-                        if u.bias_source is not None:
-                            f.seek(base + offsets[f"{u.module}.bias"])
-                            _write(f, read(u.bias_source).to(hp))
-                            read_bytes += u.bias_source.nbytes
-                        del w
-                    f.truncate(base + sum(t.nbytes for t in outs))
-                weight_map.update({t.key: name for t in outs})
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
+                        continue
+                    hp = u.outputs[1].dtype
+                    w = src.to(hp)
+                    del src
+                    sc = linear_scales(method, meas.nodes[u.module].inputs[0], w, target=target, fp8=fp8, hp_dtype=hp_dtype)
+                    # FP8Linear.from_linear's own arithmetic (quantize_linear), streamed in row blocks
+                    q = quantize_linear(w, sc.weight, None if p.weight_only else sc.input, fp8,
+                                        rows=max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[1])))
+                    shard.write_blocks(f"{u.module}.weight", q.weight_blocks)
+                    shard.write(f"{u.module}.weight_scale", q.weight_scale)
+                    if q.input_scale is not None:
+                        shard.write(f"{u.module}.input_scale", q.input_scale)
+                    if u.bias_source is not None:
+                        shard.write(f"{u.module}.bias", source.get(u.bias_source.key).to(hp))
+                        read_bytes += u.bias_source.nbytes
+                    del w
+            weight_map.update({t.key: name for t in outs})
     if len(p.shard_names) > 1:
-        index = {"metadata": {"total_size": p.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    cfg = p.config.to_dict()
-    ignore = p.stats.get("ignore", [])
-    cfg["quantization_config"] = quantization_config(per_channel=p.per_channel, static_input=not p.weight_only, ignore=ignore,
-                                                     kv_cache=p.stats.get("kv_cache", False))
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
-    if p.generation_config is not None:
-        p.generation_config.save_pretrained(out)
+        write_index(out, p.total_bytes, weight_map)
+    qc = quantization_config(per_channel=p.per_channel, static_input=not p.weight_only, ignore=p.stats.get("ignore", []),
+                             kv_cache=p.stats.get("kv_cache", False))
+    write_config(out, p.config, qc, p.generation_config)
     return {"seconds": time.perf_counter() - t0, "bytes_read": read_bytes, "bytes_written": p.total_bytes,
             "shards": len(p.shard_names)}
 

@@ -15,11 +15,9 @@ from pathlib import Path
 from hqtflow.choices import KVCache, parse
 from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning
-from hqtflow.formats import hqt
-from hqtflow.formats.artifact import MANIFEST, ArtifactKind, Manifest, check_not_partial, confined, read_manifest, staged_output, write_manifest
+from hqtflow.formats.artifact import MANIFEST, ArtifactKind, staged_output, write_manifest
+from hqtflow.formats.measurement import LoadedMeasurement, Measurement, load_measurement, require_dynamic_range
 
-SCALES_SCHEMA, CHECKPOINT_SCHEMA, SCHEMA_VERSION = ArtifactKind.SCALES, ArtifactKind.CHECKPOINT, 1
-MEASUREMENT_SCHEMA = ArtifactKind.MEASUREMENT
 
 
 @dataclass(frozen=True)
@@ -59,90 +57,6 @@ def quant_config(s: QuantizeSettings) -> QuantConfig:
     return cfg.with_changes(**changes) if changes else cfg
 
 
-# ---- reading a measurement ----------------------------------------------------------------------
-@dataclass
-class LoadedMeasurement:
-    directory: Path
-    manifest: Manifest | None  # None: a foreign HQT/INC dump (provenance unknown)
-    ranks: list[hqt.Measurement]
-    stems: list[str]
-    world_size: int
-
-    def digest(self) -> str:
-        if self.manifest is not None:
-            return self.manifest.digest()
-        from hqtflow.formats.artifact import sha256_file
-
-        files = [self.directory / f"{s}{ext}" for s in self.stems for ext in (".json", ".npz")]
-        return "sha256:" + "".join(sha256_file(f)[:16] for f in files if f.exists())
-
-
-def load_measurement(directory: str | Path, *, trust_pickle: bool = False) -> LoadedMeasurement:
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ArtifactError(f"Measurement directory {directory} does not exist.")
-    if (directory / MANIFEST).exists():
-        m = read_manifest(directory, MEASUREMENT_SCHEMA, SCHEMA_VERSION)
-        stems, world = manifest_ranks(m)
-        ranks = [hqt.read_measurement(confined(directory, f"{st}.json")) for st in stems]
-        return LoadedMeasurement(directory, m, ranks, stems, world)
-    check_not_partial(directory)
-    # a foreign dump: find measurement JSONs (not scale files, not mod lists)
-    found: dict[str, tuple] = {}
-    for p in sorted(directory.iterdir()):
-        f = hqt.parse_measurement_file(p.name)
-        if f is not None and f.ext in (".json", ".npz"):
-            found.setdefault(f.stem, (f, []))[1].append(f.ext)
-    if not found:
-        raise ArtifactError(f"{directory} holds no measurement files (no hqtflow manifest, no *_hooks_maxabs*.json).")
-    ranks, stems, world = [], [], 1
-    for stem, (f, exts) in sorted(found.items(), key=lambda kv: kv[1][0].rank or 0):
-        world = f.world or 1
-        if ".json" not in exts:
-            if not trust_pickle:
-                raise ArtifactError(f"{directory / stem}.json is missing; its .npz twin is a pickle, opened only with --trust-pickle.")
-            ranks.append(_read_npz(directory / f"{stem}.npz"))
-        else:
-            ranks.append(hqt.read_measurement(directory / f"{stem}.json"))
-        stems.append(stem)
-    return LoadedMeasurement(directory, None, ranks, stems, world)
-
-
-def manifest_ranks(m: Manifest) -> tuple[list[str], int]:
-    """The rank stems and world size a measurement manifest records (checked: one stem per rank)."""
-    try:
-        stems, world = [str(r["stem"]) for r in m.data["ranks"]], int(m.data["world_size"])
-    except (KeyError, TypeError, ValueError):
-        raise ArtifactError(f"{m.path} is corrupt (no valid ranks / world_size).") from None
-    if len(stems) != world or world < 1:
-        raise ArtifactError(f"{m.path} lists {len(stems)} rank(s) for world size {world}; it is corrupt.")
-    return stems, world
-
-
-def _read_npz(path: Path) -> hqt.Measurement:
-    """Only with --trust-pickle: INC's np.savez of a dict is a pickled object array. Opting in runs the pickle;
-    whatever it holds, a result that is not INC's measurement dict is one clean error."""
-    import numpy as np
-
-    try:
-        d = np.load(path, allow_pickle=True)["arr_0"].item()  # the user opted in with --trust-pickle
-        as_lists = lambda v: {k: as_lists(x) for k, x in v.items()} if isinstance(v, dict) else (
-            [as_lists(x) for x in v] if isinstance(v, (list, tuple)) else np.asarray(v).tolist())
-        nodes = {k: hqt.NodeStats.from_json(as_lists(n), where=str(path)) for k, n in d["Nodes"].items()}
-        meas = hqt.Measurement(nodes, d.get("LocalRank"), int(d.get("NumSamples", 0)), d.get("Mode", "DynamicRange"))
-    except ArtifactError:
-        raise
-    except Exception as e:  # noqa: BLE001 - anything a foreign pickle holds
-        raise ArtifactError(f"{path} is not an INC measurement .npz ({type(e).__name__}: {e}).") from None
-    bad = next((k for k in meas.nodes if not hqt.NODE_NAME.match(str(k))), None)
-    if bad is not None:
-        raise ArtifactError(f"{path} has a node named {bad!r}, which is not a module name.")
-    return meas
-
-
-check_statistics = hqt.check_statistics
-
-
 # ---- the stage ----------------------------------------------------------------------------------
 @dataclass
 class Job:
@@ -180,9 +94,7 @@ def plan_job(s: QuantizeSettings) -> Job:
                           "dynamic methods or per-layer scale_method sections yet.")
     meas = load_measurement(s.measurement, trust_pickle=s.trust_pickle)
     for st, r in zip(meas.stems, meas.ranks):
-        check_statistics(r, f"{meas.directory / st}.json")
-        if r.mode != "DynamicRange":
-            raise ArtifactError(f"{meas.directory / st}.json has Mode {r.mode!r}; a measurement file has Mode 'DynamicRange'.")
+        require_dynamic_range(r, f"{meas.directory / st}.json")
     model_ref = s.model or (meas.manifest.data.get("model_path") if meas.manifest else None)
     if model_ref is None:
         raise ArtifactError(f"{meas.directory} has no hqtflow manifest naming its model; pass the MODEL argument.")
@@ -233,7 +145,6 @@ def quantize_in_memory(s: QuantizeSettings):
     import torch
 
     from hqtflow import models
-    from hqtflow.quantize.convert import convert_model
 
     job = plan_job(s)
     model = models.load_model(job.model_dir, job.dtype)
@@ -258,11 +169,11 @@ def quantize(s: QuantizeSettings) -> Path:
     dynamic = next((m for m in layer_methods if m.dynamic), None) if not s.weight_only else None
     kv_stats = None
     if parse(KVCache, s.kv_cache, "--kv-cache") == KVCache.FP8:
-        from hqtflow.measure.kv import KV_FILE, read_kv_stats
+        from hqtflow.formats.measurement import KV_FILE
 
         if s.scales_only:
             raise ConfigError("--kv-cache fp8 puts KV scales into an FP8 checkpoint; it cannot be combined with --scales-only.")
-        kv_stats = read_kv_stats(meas.directory)
+        kv_stats = meas.kv_stats()
         if not kv_stats:
             raise ArtifactError(f"{meas.directory} has no KV-cache statistics ({KV_FILE}): measure again with this hqtflow "
                                 "(one rank) to use --kv-cache fp8.")
@@ -293,10 +204,10 @@ def quantize(s: QuantizeSettings) -> Path:
             from hqtflow.quantize.scale_files import write_scale_files
 
             files = write_scale_files(tmp, Path(s.output), model, meas, cfg, rules, target)
-            write_manifest(tmp, SCALES_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
+            write_manifest(tmp, ArtifactKind.SCALES, model=fp, config=cfg.to_dict(),
                            data={**common, "world_size": meas.world_size, "files": files})
         else:
-            from hqtflow.quantize.convert import convert_model, save_checkpoint
+            from hqtflow.formats.checkpoint import save_checkpoint
 
             if offload_plan is not None:
                 from hqtflow.quantize.offload import write_offloaded
@@ -315,14 +226,14 @@ def quantize(s: QuantizeSettings) -> Path:
                                 static_input=not s.weight_only, kv_cache=bool(kv_stats), dynamic=dynamic)
             common["kv_cache"] = s.kv_cache
             models.load_tokenizer(model_dir).save_pretrained(tmp)
-            write_manifest(tmp, CHECKPOINT_SCHEMA, SCHEMA_VERSION, model=fp, config=cfg.to_dict(),
+            write_manifest(tmp, ArtifactKind.CHECKPOINT, model=fp, config=cfg.to_dict(),
                            data={**common, "mode": "weight-only" if s.weight_only else
                                  ("w8a8-dynamic" if dynamic else "w8a8-static"),
                                  "settings": asdict(s)})
     return Path(s.output)
 
 
-def plan_modules(model, cfg: QuantConfig, meas: hqt.Measurement) -> dict:
+def plan_modules(model, cfg: QuantConfig, meas: Measurement) -> dict:
     """Which Linear modules get quantized; the rest are kept in high precision with a reason."""
     from torch import nn
 
@@ -351,6 +262,6 @@ def plan_modules(model, cfg: QuantConfig, meas: hqt.Measurement) -> dict:
 def summary(out: Path) -> str:
     m = json.loads((Path(out) / MANIFEST).read_text())
     d = m["data"]
-    what = "scale files" if m["_type"] == SCALES_SCHEMA else "FP8 checkpoint"
+    what = "scale files" if m["_type"] == ArtifactKind.SCALES else "FP8 checkpoint"
     return (f"Wrote {out}: {what}, {d['scale_method']} for {d['target']}, {len(d['quantized'])} modules quantized, "
             f"{len(d['skipped'])} kept in high precision.")

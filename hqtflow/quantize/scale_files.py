@@ -17,7 +17,7 @@ import torch
 from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError
 from hqtflow.formats.artifact import write_json_atomic
-from hqtflow.formats.hqt import copy_measurement_files, rank_suffix
+from hqtflow.formats.measurement import INC_CONFIG, copy_measurement_files, rank_suffix
 from hqtflow.scales import ScaleRules, linear_scales
 
 
@@ -75,13 +75,18 @@ def write_scale_files(out: Path, final: Path, model, meas, cfg: QuantConfig, rul
         (out / f"{stem}.json").write_text(json.dumps({**header, "Nodes": nodes}, indent=4))
         np.savez(out / f"{stem}.npz", {**header, "Nodes": _to_numpy(nodes)})
         files += [f"{stem}.json", f"{stem}.npz"]
-    inc = {**cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(Path(final).resolve() / Path(dump).name)}
+    write_quant_config(out, final, cfg, Path(dump).name, target)
+    return files
+
+
+def write_quant_config(out: Path, final: Path, cfg: QuantConfig, base: str, target: str) -> None:
+    """INC's QUANTIZE config for the scales artifact `final` (being written in `out`), pointing at its files."""
+    inc = {**cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(Path(final).resolve() / base)}
     if target in ("cpu", "cuda"):
         inc.pop("device_for_scales", None)
     if target == "cpu":
         inc["use_qdq"] = True  # INC refuses the CPU device without QDQ
-    write_json_atomic(out / "quant_config.json", inc)
-    return files
+    write_json_atomic(Path(out) / INC_CONFIG, inc)
 
 
 def _to_numpy(nodes: dict) -> dict:

@@ -18,7 +18,7 @@ import torch
 
 from conftest import run_cli
 from hqtflow.errors import HqtflowError
-from hqtflow.formats import hqt
+from hqtflow.formats import measurement as mf
 from hqtflow.measure.run import MeasureSettings, measure
 from hqtflow.quantize.run import QuantizeSettings
 
@@ -42,7 +42,7 @@ def pair(inc, tiny_llama, wiki_text, tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _nodes(d: Path) -> dict:
-    return hqt.read_measurement(d / "measure_hooks_maxabs.json").nodes
+    return mf.read_measurement(d / "measure_hooks_maxabs.json").nodes
 
 
 def test_inc_measurement_equals_hqtflow(pair):

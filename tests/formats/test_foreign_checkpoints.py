@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import sqnr
-from hqtflow.quantize.convert import load_checkpoint
+from hqtflow.formats.checkpoint import load_checkpoint
 from hqtflow.quantize.fp8_linear import FP8Linear
 
 F = 448.0

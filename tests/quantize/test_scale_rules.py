@@ -78,7 +78,7 @@ CKPT_RULES = {"default": {"weight": {"rounding_method": "POW2", "backoff": 0.5},
 
 def test_quantize_with_rules(measured, tmp_path):
     import hqtflow
-    from hqtflow.formats import hqt
+    from hqtflow.formats import measurement as mf
     from hqtflow.quantize.run import QuantizeSettings, quantize_in_memory
     from hqtflow.scales import linear_scales
 
@@ -92,7 +92,7 @@ def test_quantize_with_rules(measured, tmp_path):
     assert json.loads((out / "hqtflow_manifest.json").read_text())["data"]["scale_method"] == CKPT_RULES
     model, tok = hqtflow.load(out, backend="qdq")
     live, _ = quantize_in_memory(QuantizeSettings(measurement=str(measured), output="-", config=str(cfg)))
-    stats = hqt.read_measurement(measured / "measure_hooks_maxabs.json").nodes
+    stats = mf.read_measurement(measured / "measure_hooks_maxabs.json").nodes
     rules = scale_rules(CKPT_RULES)
     for name in ("model.layers.0.mlp.down_proj", "model.layers.1.mlp.up_proj", "model.layers.0.self_attn.k_proj"):
         mod = model.get_submodule(name)

@@ -34,7 +34,7 @@ def measured(tiny_llama, wiki_text, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stats(measured):
-    from hqtflow.quantize.run import load_measurement
+    from hqtflow.formats.measurement import load_measurement
 
     return load_measurement(measured).ranks[0]
 

@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 
 from conftest import run_cli
-from hqtflow.measure.kv import KV_FILE, KVStats
+from hqtflow.formats.measurement import KV_FILE
+from hqtflow.measure.kv import KVStats
 from hqtflow.scales import dequantize, quantize
 
 
@@ -38,7 +39,7 @@ def test_observer_cache_sees_what_is_cached_without_padding(tiny_llama):
         k = layer.keys.masked_fill(~valid, 0).abs().amax().item()
         v = layer.values.masked_fill(~valid, 0).abs().amax().item()
         assert stats.maxabs[i] == [k, v]
-    names = stats.to_json()["layers"]
+    names = stats.layers()
     assert list(names) == [f"model.layers.{i}.self_attn" for i in range(model.config.num_hidden_layers)]
 
 

@@ -1,0 +1,320 @@
+"""The FP8 checkpoint on disk (`quantize`, `export`): safetensors files + config.json, written and read here.
+
+Its tensors are compressed-tensors FP8 (what config.json's `quantization_config` says: `compressed_tensors.py`).
+- Writing: `SafetensorsWriter`, the one safetensors writer: the header is computed up front from every tensor's
+  `TensorSpec` (largest items first, so every tensor is aligned), then each tensor is written to its offset, in any
+  order and in row blocks, so memory does not grow with the file (`--disk-offload` streams its shards through it);
+  `write_safetensors` writes tensors held in memory. `save_checkpoint` writes a converted model; shards are named by
+  `shard_names` and listed by `write_index`.
+- Reading: `TensorFiles`, the one tensor reader: a folder's safetensors files, listed from their (checked) headers
+  and read one tensor at a time, memory-mapped; `read_tensors` reads them all; `load_checkpoint` builds the model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from hqtflow.errors import ArtifactError
+from hqtflow.scales import FP8_DTYPES, HP_DTYPES, ScaleMethod
+
+ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}  # safetensors' names
+HP_DTYPE_NAMES = {dtype: name for name, dtype in HP_DTYPES.items()}  # torch.bfloat16 -> "bf16"
+FP8_WEIGHT_DTYPES = tuple(FP8_DTYPES.values())
+
+KV_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")  # KV-cache scales of an attention module (kv_scale: both)
+SCALE_SUFFIXES = (".weight_scale", ".input_scale") + KV_SUFFIXES
+DROPPED_SUFFIXES = (".output_scale", ".weight_zero_point", ".input_zero_point")
+INDEX = "model.safetensors.index.json"
+
+
+# ---- writing -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorSpec:
+    key: str
+    dtype: torch.dtype
+    shape: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def _layout(specs: list[TensorSpec]) -> tuple[bytes, dict[str, int]]:
+    """The safetensors header (largest items first so every tensor is aligned) and each tensor's data offset."""
+    order = sorted(specs, key=lambda t: (-t.dtype.itemsize, t.key))
+    header, offsets, pos = {"__metadata__": {"format": "pt"}}, {}, 0
+    for t in order:
+        header[t.key] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        offsets[t.key] = pos
+        pos += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((-(8 + len(raw))) % 8)
+    return len(raw).to_bytes(8, "little") + raw, offsets
+
+
+class SafetensorsWriter:
+    """One safetensors file: `write(key, tensor)` or `write_blocks(key, row blocks)` each tensor of `specs`."""
+
+    CHUNK = 64 * 2**20  # bytes handed to the file per write
+
+    def __init__(self, path: Path, specs: list[TensorSpec]):
+        bad = next((t for t in specs if t.dtype not in ST_DTYPES), None)
+        if bad is not None:
+            raise ArtifactError(f"{bad.key} has dtype {bad.dtype}, which safetensors cannot store.")
+        head, self.offsets = _layout(specs)
+        self.base, self.size = len(head), sum(t.nbytes for t in specs)
+        self.file = open(path, "wb")
+        self.file.write(head)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        self.write_blocks(key, [tensor])
+
+    def write_blocks(self, key: str, blocks: Iterable[torch.Tensor]) -> None:
+        self.file.seek(self.base + self.offsets[key])
+        for t in blocks:
+            buf = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
+            for i in range(0, len(buf), self.CHUNK):
+                self.file.write(buf[i:i + self.CHUNK])
+
+    def close(self) -> None:
+        self.file.truncate(self.base + self.size)
+        self.file.close()
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    with SafetensorsWriter(path, [TensorSpec(k, t.dtype, list(t.shape)) for k, t in tensors.items()]) as w:
+        for k, t in tensors.items():
+            w.write(k, t)
+
+
+def shard_names(n: int) -> list[str]:
+    return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def write_index(out: Path, total_size: int, weight_map: dict[str, str]) -> None:
+    """The index of a sharded checkpoint: which file holds each tensor."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (Path(out) / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_config(out: Path, config, quantization_config: dict, generation_config=None) -> None:
+    """config.json (the model's transformers config with its `quantization_config`) and the generation config."""
+    cfg = config.to_dict()
+    cfg["quantization_config"] = quantization_config
+    (Path(out) / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    if generation_config is not None:
+        generation_config.save_pretrained(out)
+
+
+def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_channel: bool, static_input: bool,
+                    kv_cache: bool = False, dynamic: ScaleMethod | None = None) -> None:
+    """compressed-tensors FP8 safetensors + config.json with its quantization_config.
+
+    `dynamic`: the dynamic method the FP8Linears run (`dynamic: true`, strategy token or tensor; an INC method's
+    rule is recorded under INC_DYNAMIC_KEY)."""
+    from hqtflow.formats.compressed_tensors import quantization_config
+    from hqtflow.quantize.fp8_linear import FP8Linear
+
+    out = Path(out)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if per_channel:  # per-layer methods: a per-tensor weight scale written per channel is the same function
+        for name, mod in model.named_modules():
+            if isinstance(mod, FP8Linear) and mod.weight_scale.numel() == 1 and mod.out_features > 1:
+                state[f"{name}.weight_scale"] = mod.weight_scale.detach().reshape(1, 1).expand(mod.out_features, 1).contiguous()
+    if getattr(model.config, "tie_word_embeddings", False):
+        out_emb = model.get_output_embeddings()
+        lm_name = next((n for n, m in model.named_modules() if m is out_emb), None)
+        state.pop(f"{lm_name}.weight", None)
+    write_safetensors(out / "model.safetensors", state)
+    kind = rule = None
+    if dynamic is not None:
+        a = dynamic.activation
+        kind = "token" if a.granularity == "PCS" else "tensor"
+        if a.dynamic == "inc":
+            rule = {"scale_method": dynamic.name, "backoff": a.backoff, "rounding": a.rounding}
+    qc = quantization_config(per_channel=per_channel, static_input=static_input and not kind, ignore=ignore,
+                             kv_cache=kv_cache, dynamic=kind, inc_rule=rule)
+    write_config(out, model.config, qc, getattr(model, "generation_config", None))
+
+
+# ---- reading -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as a safetensors header lists it."""
+
+    file: Path
+    key: str
+    dtype: str  # safetensors' name (ST_DTYPES)
+    shape: list[int]
+    nbytes: int
+
+
+class TensorFiles:
+    """The tensors of a folder's `*.safetensors` files: `entries` from the headers (each file checked first, no tensor
+    read), `get(key)` one tensor, memory-mapped (its pages are file pages, reclaimable, not anonymous memory)."""
+
+    def __init__(self, directory: Path, *, device: str = "cpu"):
+        from hqtflow.models import check_safetensors, safetensors_header
+
+        self.directory, self.device = Path(directory), device
+        self.files = sorted(self.directory.glob("*.safetensors"))
+        self.entries: dict[str, TensorEntry] = {}
+        for f in self.files:
+            check_safetensors(f)
+            for k, info in safetensors_header(f)[1].items():
+                if k != "__metadata__":
+                    b, e = info["data_offsets"]
+                    self.entries[k] = TensorEntry(f, k, info["dtype"], list(info["shape"]), e - b)
+        self._handles: dict[Path, object] = {}
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        f = self.entries[key].file
+        if f not in self._handles:
+            self._handles[f] = safe_open(f, framework="pt", device=self.device).__enter__()
+        return self._handles[f].get_tensor(key)
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            h.__exit__(None, None, None)
+        self._handles.clear()
+
+    def __enter__(self) -> TensorFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_tensors(directory: Path, *, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder (refused: no safetensors file, a corrupt or truncated one)."""
+    with TensorFiles(directory, device=device) as tf:
+        if not tf.files:
+            raise ArtifactError(f"{directory} has no .safetensors files.")
+        return {k: tf.get(k) for k in tf.entries}
+
+
+def check_scales(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Every scale of a checkpoint must be positive and finite (a zero or NaN scale cannot be right)."""
+    for k, v in tensors.items():
+        if k.endswith(("_scale", ".scale", "_scale_inv")) and not bool((torch.isfinite(v.float()) & (v.float() > 0)).all()):
+            raise ArtifactError(f"{path}: {k} holds a zero, negative or non-finite scale, which cannot be right.")
+
+
+def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+    """Build the model skeleton on the meta device, swap in FP8Linear where the checkpoint has FP8 weights, load.
+
+    `dtype`: the high-precision compute dtype (None: the checkpoint's own, bf16 if it names none).
+
+    Reads hqtflow's own checkpoints and foreign FP8 ones: compressed-tensors (static per-tensor, dynamic per-token,
+    per-tensor or per-group activations; per-tensor, per-channel or block-wise weights) and AutoFP8/vLLM
+    `quant_method: fp8` (scalar float32 scales, static or dynamic per-tensor activations, `weight_block_size`).
+    KV-cache scales (`k_scale`/`v_scale`, or one `kv_scale` for both) become float32 buffers of their attention
+    module (the static decoder's FP8 KV cache uses them); `output_scale` and all-zero zero points are dropped.
+    Unsupported schemes are refused by parse_quantization_config.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hqtflow.formats.compressed_tensors import parse_quantization_config
+    from hqtflow.models import load_config
+    from hqtflow.quantize.fp8_linear import FP8Linear
+
+    path = Path(path)
+    raw = load_config(path)
+    qc = parse_quantization_config(raw.get("quantization_config") or {})
+    raw.pop("quantization_config", None)
+    config = AutoConfig.for_model(**raw)
+    hp = dtype or (config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.bfloat16)
+    with init_empty_weights(include_buffers=False):  # parameters on meta; computed buffers (rotary) real
+        model = AutoModelForCausalLM.from_config(config, dtype=hp)
+    tensors = read_tensors(path, device=device)
+    dropped = []
+    for k in list(tensors):
+        if k.endswith(DROPPED_SUFFIXES):
+            if k.endswith("_zero_point") and bool(tensors[k].float().abs().max() > 0):
+                raise ArtifactError(f"{path}: {k} is non-zero; asymmetric FP8 quantization is not supported.")
+            dropped.append(tensors.pop(k))
+    check_scales(path, tensors)
+    kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith(KV_SUFFIXES)}
+    for name, mod in list(model.named_modules()):
+        w = tensors.get(f"{name}.weight")
+        if not isinstance(mod, nn.Linear) or w is None or w.dtype not in FP8_WEIGHT_DTYPES:
+            continue
+        if f"{name}.weight_scale_inv" in tensors:  # DeepSeek / transformers FineGrainedFP8 name; a multiplier too
+            tensors[f"{name}.weight_scale"] = tensors.pop(f"{name}.weight_scale_inv")
+        if f"{name}.weight_scale" not in tensors:
+            raise ArtifactError(f"{path}: the FP8 weight {name}.weight has no weight_scale.")
+        fp8 = "E4M3" if w.dtype == torch.float8_e4m3fn else "E5M2"
+        activation = qc["activation"]
+        if activation == "static" and f"{name}.input_scale" not in tensors:
+            raise ArtifactError(f"{path}: {name} has no input_scale although the config says static activations.")
+        if activation != "static" and f"{name}.input_scale" in tensors:
+            if qc["method"] == "fp8":  # AutoFP8 dynamic checkpoints sometimes carry unused input scales
+                tensors.pop(f"{name}.input_scale")
+            else:
+                activation = "static"
+        if activation == "dynamic_group" and mod.in_features % qc["group_size"]:
+            raise ArtifactError(f"{path}: {name} has {mod.in_features} inputs, not a multiple of the activation group size {qc['group_size']}.")
+        ws = tensors[f"{name}.weight_scale"]
+        new = FP8Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, hp_dtype=hp, fp8=fp8,
+                        per_channel=qc["strategy"] != "block" and ws.numel() > 1, activation=activation,
+                        block_size=qc["block_size"], group_size=qc["group_size"], device="meta")
+        if ws.numel() != new.weight_scale.numel():
+            raise ArtifactError(f"{path}: {name}.weight_scale has shape {list(ws.shape)}, expected {list(new.weight_scale.shape)} "
+                                f"for {qc['strategy']} weights.")
+        tensors[f"{name}.weight_scale"] = ws.reshape(new.weight_scale.shape)
+        if f"{name}.input_scale" in tensors:
+            if tensors[f"{name}.input_scale"].numel() != 1:
+                raise ArtifactError(f"{path}: {name}.input_scale has {tensors[f'{name}.input_scale'].numel()} values; "
+                                    "static activation scales must be per tensor.")
+            tensors[f"{name}.input_scale"] = tensors[f"{name}.input_scale"].reshape(1)
+        if qc.get("inc_rule") and activation in ("dynamic_token", "dynamic_tensor"):
+            from hqtflow.scales import Rule
+
+            r = qc["inc_rule"]
+            new.dynamic_rule = Rule("PCS" if activation == "dynamic_token" else "PTS", rounding=r["rounding"],
+                                    backoff=r["backoff"], dynamic="inc")
+        model.set_submodule(name, new)
+    for key, value in kv_scales.items():
+        mod_name, _, leaf = key.rpartition(".")
+        try:
+            attn = model.get_submodule(mod_name)
+        except AttributeError:
+            raise ArtifactError(f"{path}: {key} belongs to no module of this model.") from None
+        for leaf in (("k_scale", "v_scale") if leaf == "kv_scale" else (leaf,)):
+            attn.register_buffer(leaf, torch.empty((), dtype=torch.float32, device="meta"))
+            tensors[f"{mod_name}.{leaf}"] = value.float().reshape(())
+    for k, t in tensors.items():  # high-precision tensors in the compute dtype; FP8 weights and scales as stored
+        if t.is_floating_point() and t.dtype not in FP8_WEIGHT_DTYPES and not k.endswith(SCALE_SUFFIXES):
+            tensors[k] = t.to(hp)
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    except RuntimeError as e:  # a tensor whose shape disagrees with config.json (a foreign or edited checkpoint)
+        detail = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+        raise ArtifactError(f"Checkpoint {path} does not match its config.json: {detail}") from None
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ArtifactError(f"Checkpoint {path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}.")
+    model.hqtflow_quantization = {**qc, "dropped_tensors": len(dropped)}
+    return model.eval()

@@ -1,0 +1,416 @@
+"""The measurement artifact (`hqtflow.measurement`: measure, unify, import-hqt): its files, written and read here.
+
+Per rank, HQT / Neural Compressor's files, named and laid out exactly as INC writes them:
+`<dump_stats_path>_hooks_<observer>[_<rank>_<world>]` + `.json` (canonical, what hqtflow reads), `.npz` (INC's
+QUANTIZE reads it; it is `np.savez(path, dict)`, a pickled object array, so hqtflow writes it but reads one only
+from a foreign dump with --trust-pickle) and `_mod_list.json`. Each per-tensor statistic is the observer's (1, 1)
+state as nested lists; per-channel statistics are (C, 1). Beside them: `kv_cache_maxabs.json` (hqtflow's KV-cache
+statistics, one rank), `quant_config.json` (INC's QUANTIZE config pointing at the files) and the manifest, last.
+
+`load_measurement` is the one reader: an artifact through its manifest, or a foreign dump (no manifest) by its file
+names (`read_dump`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hqtflow.errors import ArtifactError
+from hqtflow.formats.artifact import (MANIFEST, ArtifactKind, Manifest, check_not_partial, confined, read_manifest,
+                                      sha256_file, write_json_atomic, write_manifest)
+
+
+@dataclass
+class NodeStats:
+    """One observed module: maxabs of each input, each output (if measured) and each parameter."""
+
+    inputs: list[np.ndarray] = field(default_factory=list)
+    outputs: list[np.ndarray] = field(default_factory=list)
+    params: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d: dict = {"inputs": [a.tolist() for a in self.inputs]}
+        if self.outputs:
+            d["outputs"] = [a.tolist() for a in self.outputs]
+        if self.params:
+            d["params"] = {k: v.tolist() for k, v in self.params.items()}
+        return d
+
+    def to_numpy(self) -> dict:
+        d: dict = {"inputs": list(self.inputs)}
+        if self.outputs:
+            d["outputs"] = list(self.outputs)
+        if self.params:
+            d["params"] = dict(self.params)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict, *, where: str) -> NodeStats:
+        try:
+            return cls(
+                inputs=[_array(x) for x in d.get("inputs", [])],
+                outputs=[_array(x) for x in d.get("outputs", [])],
+                params={k: _array(v) for k, v in d.get("params", {}).items()},
+            )
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ArtifactError(f"{where} has a malformed node ({e}).") from None
+
+
+NODE_NAME = re.compile(r"^[\w\-]+(\.[\w\-]+)*$")  # a module path: never `..`, `/` or empty parts
+
+
+def check_statistics(meas: "Measurement", where: str) -> None:
+    """One rule for every statistic read or made: finite and non-negative (a maxabs), named by its node."""
+    for name, node in meas.nodes.items():
+        for kind, arrays in (("input", node.inputs), ("output", node.outputs), ("weight", list(node.params.values()))):
+            for a in arrays:
+                if not np.isfinite(a).all():
+                    raise ArtifactError(f"{where}: module {name} has a non-finite {kind} statistic (NaN or inf); re-measure it.")
+                if (a < 0).any():
+                    raise ArtifactError(f"{where}: module {name} has a negative {kind} statistic ({float(a.min())}), "
+                                        "which no maxabs can be; the file is corrupt.")
+
+
+def _array(x) -> np.ndarray:
+    a = np.asarray(x, dtype=np.float32)
+    if a.ndim != 2:
+        raise ValueError(f"expected a 2-D statistic, got shape {a.shape}")
+    return a
+
+
+def rank_suffix(rank: int | None, world_size: int) -> str:
+    """INC's per-rank suffix: `_<local_rank>_<world_size>`, none for a single process."""
+    return "" if rank is None or world_size <= 1 else f"_{rank}_{world_size}"
+
+
+def measurement_stem(dump_stats_path: str, observer: str, rank: int | None, world_size: int) -> str:
+    """File stem (without extension) INC uses for a measurement: `measure_hooks_maxabs_0_8`."""
+    return f"{Path(dump_stats_path).name}_hooks_{observer}{rank_suffix(rank, world_size)}"
+
+
+# The one reading of measurement_stem's names (+ an extension): the inverse of the function above. Scale files
+# (`..._hooks_maxabs_MAXABS_HW_0_2.json`) do not match.
+MEASUREMENT_FILE = re.compile(r"^(?P<base>.+)_hooks_(?P<obs>maxabs(?:_per_channel)?)(?:_(?P<r>\d+)_(?P<w>\d+))?"
+                              r"(?P<ext>\.json|\.npz|_mod_list\.json)$")
+
+
+# INC's scale files: the measurement stem + `_<SCALE_METHOD>` (upper case) before the rank suffix.
+SCALE_FILE = re.compile(r"^.+_hooks_maxabs(?:_per_channel)?_[A-Z0-9_]*[A-Z][A-Z0-9_]*?(?:_\d+_\d+)?\.(json|npz)$")
+
+
+@dataclass(frozen=True)
+class MeasurementFile:
+    """A measurement file's name, parsed: `<base>_hooks_<observer>[_<rank>_<world>]<ext>`."""
+
+    base: str
+    observer: str
+    rank: int | None
+    world: int | None
+    ext: str
+
+    @property
+    def stem(self) -> str:
+        return f"{self.base}_hooks_{self.observer}" + ("" if self.rank is None else f"_{self.rank}_{self.world}")
+
+
+def parse_measurement_file(name: str) -> MeasurementFile | None:
+    """The parts of a measurement file name, or None for any other file (scale files included)."""
+    m = MEASUREMENT_FILE.match(name)
+    if m is None:
+        return None
+    rank, world = (int(m["r"]), int(m["w"])) if m["r"] is not None else (None, None)
+    return MeasurementFile(m["base"], m["obs"], rank, world, m["ext"])
+
+
+def write_measurement(
+    directory: Path,
+    stem: str,
+    nodes: dict[str, NodeStats],
+    *,
+    local_rank: int | None,
+    num_samples: int,
+) -> list[Path]:
+    """Write `<stem>.json`, `<stem>.npz` and `<stem>_mod_list.json`; return their paths."""
+    directory = Path(directory)
+    header = {"GlobalRank": None, "LocalRank": local_rank, "Mode": "DynamicRange"}
+    if num_samples > 0:
+        header = {"NumSamples": num_samples, **header}
+    js = directory / f"{stem}.json"
+    js.write_text(json.dumps({**header, "Nodes": {k: v.to_json() for k, v in nodes.items()}}, indent=4))
+    npz = directory / f"{stem}.npz"
+    np.savez(npz, {**header, "Nodes": {k: v.to_numpy() for k, v in nodes.items()}})
+    mods = directory / f"{stem}_mod_list.json"
+    mods.write_text(json.dumps(list(nodes), indent=4))
+    return [js, npz, mods]
+
+
+RANK_FILES = (".json", ".npz", "_mod_list.json")  # what INC writes per rank, after the stem
+
+
+def copy_measurement_files(directory: Path, stems: list[str], out: Path, new_stems: list[str] | None = None) -> list[str]:
+    """Copy each rank's `.json`, `.npz` and `_mod_list.json` (those that exist) from `directory` into `out`, renamed
+    to `new_stems` if given; return the new names."""
+    import shutil
+
+    names = []
+    for st, new in zip(stems, new_stems or stems):
+        for suffix in RANK_FILES:
+            p = Path(directory) / f"{st}{suffix}"
+            if p.exists():
+                shutil.copy2(p, Path(out) / f"{new}{suffix}")
+                names.append(f"{new}{suffix}")
+    return names
+
+
+@dataclass
+class Measurement:
+    """A parsed measurement JSON file."""
+
+    nodes: dict[str, NodeStats]
+    local_rank: int | None
+    num_samples: int
+    mode: str
+
+
+def read_measurement(path: Path) -> Measurement:
+    """Read a measurement `.json` (never the pickled `.npz`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"Measurement file {path} does not exist.")
+    try:
+        raw = json.loads(path.read_text())
+        nodes = raw["Nodes"]
+        mode = raw.get("Mode", "DynamicRange")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise ArtifactError(f"{path} is not an HQT measurement file (corrupt JSON or no 'Nodes').") from None
+    if not isinstance(nodes, dict) or not isinstance(raw, dict):
+        raise ArtifactError(f"{path} is not an HQT measurement file ('Nodes' is not an object).")
+    bad = next((k for k in nodes if not NODE_NAME.match(k)), None)
+    if bad is not None:
+        raise ArtifactError(f"{path} has a node named {bad!r}, which is not a module name; the file is corrupt or hostile.")
+    try:
+        samples = int(raw.get("NumSamples", 0))
+    except (TypeError, ValueError):
+        raise ArtifactError(f"{path} has NumSamples {raw.get('NumSamples')!r}, not a number.") from None
+    meas = Measurement(
+        nodes={k: NodeStats.from_json(v, where=str(path)) for k, v in nodes.items()},
+        local_rank=raw.get("LocalRank"),
+        num_samples=samples,
+        mode=mode,
+    )
+    check_statistics(meas, str(path))
+    return meas
+
+
+def require_dynamic_range(meas: Measurement, where: str) -> None:
+    """A measurement file has Mode 'DynamicRange' (a scale file, Mode 'Scale', is not one)."""
+    if meas.mode != "DynamicRange":
+        raise ArtifactError(f"{where} has Mode {meas.mode!r}; a measurement file has Mode 'DynamicRange'.")
+
+
+def _read_npz(path: Path) -> Measurement:
+    """Only with --trust-pickle: INC's np.savez of a dict is a pickled object array. Opting in runs the pickle;
+    whatever it holds, a result that is not INC's measurement dict is one clean error."""
+    try:
+        d = np.load(path, allow_pickle=True)["arr_0"].item()  # the user opted in with --trust-pickle
+        as_lists = lambda v: {k: as_lists(x) for k, x in v.items()} if isinstance(v, dict) else (
+            [as_lists(x) for x in v] if isinstance(v, (list, tuple)) else np.asarray(v).tolist())
+        nodes = {k: NodeStats.from_json(as_lists(n), where=str(path)) for k, n in d["Nodes"].items()}
+        meas = Measurement(nodes, d.get("LocalRank"), int(d.get("NumSamples", 0)), d.get("Mode", "DynamicRange"))
+    except ArtifactError:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything a foreign pickle holds
+        raise ArtifactError(f"{path} is not an INC measurement .npz ({type(e).__name__}: {e}).") from None
+    bad = next((k for k in meas.nodes if not NODE_NAME.match(str(k))), None)
+    if bad is not None:
+        raise ArtifactError(f"{path} has a node named {bad!r}, which is not a module name.")
+    check_statistics(meas, str(path))
+    return meas
+
+
+# ---- KV-cache statistics (hqtflow's own file; one rank) -------------------------------------------
+KV_FILE = "kv_cache_maxabs.json"
+KV_FORMAT = "hqtflow-kv-maxabs"
+
+
+def write_kv_stats(directory: Path, layers: dict[str, dict[str, float]]) -> Path:
+    """`layers`: {attention module: {"k": maxabs of its cached keys (after rotary), "v": of its values}}."""
+    path = Path(directory) / KV_FILE
+    write_json_atomic(path, {"format": KV_FORMAT, "version": 1,
+                             "statistic": "maxabs of cached keys (after rotary) and values", "layers": layers})
+    return path
+
+
+def read_kv_stats(directory: Path) -> dict[str, dict[str, float]] | None:
+    """{attention module: {"k": maxabs, "v": maxabs}} from a measurement artifact, None when it has none."""
+    import math
+
+    path = Path(directory) / KV_FILE
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        ok = data.get("format") == KV_FORMAT and data.get("version") == 1 and isinstance(data["layers"], dict)
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError):
+        ok, data = False, {}
+    if not ok:
+        raise ArtifactError(f"{path} is not a KV-cache statistics file this hqtflow reads (format "
+                            f"{data.get('format') if isinstance(data, dict) else None!r}, "
+                            f"version {data.get('version') if isinstance(data, dict) else None}).")
+    for name, kv in data["layers"].items():
+        vals = [kv.get(x) if isinstance(kv, dict) else None for x in "kv"]
+        if not all(type(v) in (int, float) and math.isfinite(v) for v in vals):
+            raise ArtifactError(f"{path}: the statistics of {name} are not finite numbers.")
+        if min(vals) < 0:
+            raise ArtifactError(f"{path}: the statistics of {name} are negative, which no maxabs can be; the file is corrupt.")
+    return data["layers"]
+
+
+# ---- the artifact: written --------------------------------------------------------------------------
+INC_CONFIG = "quant_config.json"
+
+
+def write_artifact(directory: Path, output: Path, *, base: str, inc_config: dict, model: dict | None, config,
+                   data: dict) -> None:
+    """Once every rank's files are in `directory` (a staging dir that becomes `output`): INC's QUANTIZE config
+    pointing at them (`recalc_scales`, so INC never silently reuses a scale file left in the directory by an earlier
+    run) and the manifest, last."""
+    write_json_atomic(Path(directory) / INC_CONFIG, {**inc_config, "mode": "QUANTIZE", "recalc_scales": True,
+                                                     "dump_stats_path": str(Path(output).resolve() / base)})
+    write_manifest(directory, ArtifactKind.MEASUREMENT, model=model, config=config, data=data)
+
+
+# ---- the artifact: read -----------------------------------------------------------------------------
+@dataclass
+class LoadedMeasurement:
+    """A measurement artifact, or a foreign HQT/INC dump (`manifest` None: provenance unknown), read and checked."""
+
+    directory: Path
+    manifest: Manifest | None
+    ranks: list[Measurement]
+    stems: list[str]
+    world_size: int
+
+    @property
+    def records(self) -> list[dict]:
+        """The manifest's per-rank records (stem, files, layers, skipped, unmeasured); none for a foreign dump."""
+        return list(self.manifest.data["ranks"]) if self.manifest is not None else []
+
+    @property
+    def layers(self) -> list[dict]:
+        """Per rank: node -> what `measure` recorded of its layer (type, parallel style, shapes); empty if foreign."""
+        return [r.get("layers") or {} for r in self.records] or [{} for _ in self.stems]
+
+    @property
+    def base(self) -> str:
+        """dump_stats_path's basename: the files are `<base>_hooks_<observer>...`."""
+        return self.stems[0].rpartition("_hooks_")[0]
+
+    @property
+    def observer(self) -> str:
+        return parse_measurement_file(f"{self.stems[0]}.json").observer
+
+    def digest(self) -> str:
+        if self.manifest is not None:
+            return self.manifest.digest()
+        files = [self.directory / f"{s}{ext}" for s in self.stems for ext in (".json", ".npz")]
+        return "sha256:" + "".join(sha256_file(f)[:16] for f in files if f.exists())
+
+    def kv_stats(self) -> dict[str, dict[str, float]] | None:
+        return read_kv_stats(self.directory)
+
+
+def manifest_ranks(m: Manifest) -> tuple[list[str], int]:
+    """The rank stems and world size a measurement manifest records (checked: one stem per rank)."""
+    try:
+        stems, world = [str(r["stem"]) for r in m.data["ranks"]], int(m.data["world_size"])
+    except (KeyError, TypeError, ValueError):
+        raise ArtifactError(f"{m.path} is corrupt (no valid ranks / world_size).") from None
+    if len(stems) != world or world < 1:
+        raise ArtifactError(f"{m.path} lists {len(stems)} rank(s) for world size {world}; it is corrupt.")
+    return stems, world
+
+
+def load_measurement(directory: str | Path, *, trust_pickle: bool = False, world_size: int | None = None) -> LoadedMeasurement:
+    """The one reader: an artifact through its manifest (every file's hash checked), else a foreign dump."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"Measurement directory {directory} does not exist.")
+    if not (directory / MANIFEST).exists():
+        return read_dump(directory, trust_pickle=trust_pickle, world_size=world_size)
+    m = read_manifest(directory, ArtifactKind.MEASUREMENT)
+    stems, world = manifest_ranks(m)
+    return LoadedMeasurement(directory, m, [read_measurement(confined(directory, f"{s}.json")) for s in stems], stems, world)
+
+
+@dataclass
+class DumpFiles:
+    """A directory's HQT/INC files by name: {(base, observer, world): {rank: {ext: path}}}, and its scale files."""
+
+    groups: dict[tuple[str, str, int], dict[int, dict[str, Path]]]
+    scale_files: list[Path]
+
+
+def scan_dump(directory: Path) -> DumpFiles:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"HQT measurement directory {directory} does not exist.")
+    check_not_partial(directory)
+    groups: dict = {}
+    scales = []
+    for p in sorted(directory.iterdir()):
+        if not p.is_file():
+            continue
+        f = parse_measurement_file(p.name)
+        if f is not None:
+            groups.setdefault((f.base, f.observer, f.world or 1), {}).setdefault(f.rank or 0, {})[f.ext] = p
+        elif SCALE_FILE.match(p.name):
+            scales.append(p)
+    return DumpFiles(groups, scales)
+
+
+def read_dump(directory: Path, *, trust_pickle: bool = False, world_size: int | None = None) -> LoadedMeasurement:
+    """A foreign dump (no manifest): one measurement's files (`world_size` picks among several), every rank present,
+    each read from its JSON twin (its `.npz` only with `trust_pickle`)."""
+    directory = Path(directory)
+    groups = scan_dump(directory).groups
+    if not groups:
+        raise ArtifactError(f"{directory} holds no HQT/INC measurement files (*_hooks_maxabs[_<rank>_<world>].json).")
+    if world_size is not None:
+        groups = {k: v for k, v in groups.items() if k[2] == world_size} or {("", "", world_size): {}}
+    if len(groups) > 1:
+        shown = ", ".join(f"{b}_hooks_{o} ({w} rank(s))" for b, o, w in sorted(groups))
+        worlds = sorted({w for _, _, w in groups})
+        hint = f"; world sizes {worlds}: `unify --world-size` picks one" if len(worlds) > 1 else ""
+        raise ArtifactError(f"{directory} holds several measurements ({shown}{hint}); copy one of them into a directory "
+                            "of its own.")
+    (_, _, world), files = next(iter(groups.items()))
+    missing = [r for r in range(world) if r not in files]
+    if missing:
+        shown = ", ".join(map(str, missing))
+        raise ArtifactError(f"{directory} is missing the rank file(s) {shown} of its {world}-rank measurement: "
+                            f"rank(s) {shown} are missing.")
+    extra = sorted(set(files) - set(range(world)))
+    if extra:
+        raise ArtifactError(f"{directory} has files for rank {extra[0]}, outside its world size {world}.")
+    ranks, stems = [], []
+    for r in range(world):
+        twins = files[r]
+        stem = parse_measurement_file(next(iter(twins.values())).name).stem
+        if ".json" in twins:
+            ranks.append(read_measurement(twins[".json"]))
+        elif ".npz" in twins and trust_pickle:
+            ranks.append(_read_npz(twins[".npz"]))
+        elif ".npz" in twins:
+            raise ArtifactError(f"Rank {r} of {directory} has no measurement .json; its .npz twin is a pickle, opened "
+                                "only with --trust-pickle (of `hqtflow quantize`): a file which hqtflow does not open "
+                                "otherwise, so copy the JSON twin INC writes beside it.")
+        else:
+            raise ArtifactError(f"Rank {r} of {directory} has no measurement .json (only {stem}_mod_list.json).")
+        stems.append(stem)
+    return LoadedMeasurement(directory, None, ranks, stems, world)
