@@ -154,83 +154,125 @@ def quantize_in_memory(s: QuantizeSettings):
 
 
 def quantize(s: QuantizeSettings) -> Path:
-    import torch
-
-    from hqtflow import models
+    """Plan (`plan_job`), then the one writer of the output kind asked for (INC scale files, a checkpoint streamed
+    from disk, a checkpoint converted in memory), then the manifest, all inside one staged output directory."""
     from hqtflow.formats.artifact import check_output_dir
 
     check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config])
     job = plan_job(s)
-    cfg, target, rules, meas, model_dir, fp, plan, dtype = (job.cfg, job.target, job.method, job.meas, job.model_dir,
-                                                              job.fingerprint, job.plan, job.dtype)
-    method = rules.default
-    layer_methods = [rules(n) for n in plan["quantize"]]
-    per_channel = any(m.weight.granularity == "PCS" for m in layer_methods)
-    dynamic = next((m for m in layer_methods if m.dynamic), None) if not s.weight_only else None
-    kv_stats = None
-    if parse(KVCache, s.kv_cache, "--kv-cache") == KVCache.FP8:
-        from hqtflow.formats.measurement import KV_FILE
-
-        if s.scales_only:
-            raise ConfigError("--kv-cache fp8 puts KV scales into an FP8 checkpoint; it cannot be combined with --scales-only.")
-        kv_stats = meas.kv_stats()
-        if not kv_stats:
-            raise ArtifactError(f"{meas.directory} has no KV-cache statistics ({KV_FILE}): measure again with this hqtflow "
-                                "(one rank) to use --kv-cache fp8.")
-    offload_plan = None
-    if s.disk_offload:
-        if s.scales_only:
+    kv_stats = _kv_stats(s, job)
+    if s.scales_only:
+        if s.disk_offload:
             raise ConfigError("--disk-offload writes an FP8 checkpoint; it cannot be combined with --scales-only.")
-        from hqtflow.quantize.offload import prepare
-
-        kv_values = None
-        if kv_stats:
-            from hqtflow.quantize.convert import kv_cache_scales
-
-            kv_values = kv_cache_scales(models.skeleton(model_dir), kv_stats, method, target=target, fp8=cfg.fp8_config,
-                                        hp_dtype=cfg.hp_dtype)
-        offload_plan = prepare(model_dir, plan, Path(s.output), dtype=dtype, weight_only=s.weight_only,
-                               per_channel=method.weight.granularity == "PCS", extra_values=kv_values)
-        model = None
+        writer = _scale_files_writer(s, job)
+    elif s.disk_offload:
+        writer = _offload_writer(s, job, kv_stats)
     else:
-        model = models.load_model(model_dir, dtype)
-    with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[meas.directory, model_dir, s.config]) as tmp:
-        common = {"scale_method": cfg.scale_method if isinstance(cfg.scale_method, dict) else method.name, "target": target,
-                  "fp8": cfg.fp8_config, "hp_dtype": cfg.hp_dtype, "source_measurement": str(meas.directory.resolve()),
-                  "source_digest": meas.digest(),
-                  "provenance_known": meas.manifest is not None and meas.manifest.data.get("provenance_known", True),
-                  "skipped": plan["skipped"], "quantized": sorted(plan["quantize"]), "model_path": str(model_dir)}
-        if s.scales_only:
-            from hqtflow.quantize.scale_files import write_scale_files
-
-            files = write_scale_files(tmp, Path(s.output), model, meas, cfg, rules, target)
-            write_manifest(tmp, ArtifactKind.SCALES, model=fp, config=cfg.to_dict(),
-                           data={**common, "world_size": meas.world_size, "files": files})
-        else:
-            from hqtflow.formats.checkpoint import save_checkpoint
-
-            if offload_plan is not None:
-                from hqtflow.quantize.offload import write_offloaded
-
-                write_offloaded(offload_plan, tmp, meas.ranks[0], method, target=target, fp8=cfg.fp8_config,
-                                hp_dtype=cfg.hp_dtype)
-                common["disk_offload"] = True
-            else:
-                with torch.no_grad():
-                    _convert(model, job, weight_only=s.weight_only)
-                    if kv_stats:
-                        from hqtflow.quantize.convert import kv_cache_scales
-
-                        kv_cache_scales(model, kv_stats, method, target=target, fp8=cfg.fp8_config, hp_dtype=cfg.hp_dtype)
-                save_checkpoint(model, tmp, ignore=plan["ignore"], per_channel=per_channel,
-                                static_input=not s.weight_only, kv_cache=bool(kv_stats), dynamic=dynamic)
-            common["kv_cache"] = s.kv_cache
-            models.load_tokenizer(model_dir).save_pretrained(tmp)
-            write_manifest(tmp, ArtifactKind.CHECKPOINT, model=fp, config=cfg.to_dict(),
-                           data={**common, "mode": "weight-only" if s.weight_only else
-                                 ("w8a8-dynamic" if dynamic else "w8a8-static"),
-                                 "settings": asdict(s)})
+        writer = _in_memory_writer(s, job, kv_stats)
+    with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[job.meas.directory, job.model_dir, s.config]) as tmp:
+        kind, data = writer(tmp)
+        write_manifest(tmp, kind, model=job.fingerprint, config=job.cfg.to_dict(), data={**_provenance(job), **data})
     return Path(s.output)
+
+
+def _kv_stats(s: QuantizeSettings, job: Job) -> dict | None:
+    """The measurement's KV-cache statistics when `--kv-cache fp8` asks for KV scales, else None."""
+    if parse(KVCache, s.kv_cache, "--kv-cache") != KVCache.FP8:
+        return None
+    from hqtflow.formats.measurement import KV_FILE
+
+    if s.scales_only:
+        raise ConfigError("--kv-cache fp8 puts KV scales into an FP8 checkpoint; it cannot be combined with --scales-only.")
+    stats = job.meas.kv_stats()
+    if not stats:
+        raise ArtifactError(f"{job.meas.directory} has no KV-cache statistics ({KV_FILE}): measure again with this "
+                            "hqtflow (one rank) to use --kv-cache fp8.")
+    return stats
+
+
+def _provenance(job: Job) -> dict:
+    """What every quantize artifact's manifest records about its method, inputs and plan."""
+    meas, cfg = job.meas, job.cfg
+    return {"scale_method": cfg.scale_method if isinstance(cfg.scale_method, dict) else job.method.default.name,
+            "target": job.target, "fp8": cfg.fp8_config, "hp_dtype": cfg.hp_dtype,
+            "source_measurement": str(meas.directory.resolve()), "source_digest": meas.digest(),
+            "provenance_known": meas.manifest is not None and meas.manifest.data.get("provenance_known", True),
+            "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]), "model_path": str(job.model_dir)}
+
+
+def _scale_files_writer(s: QuantizeSettings, job: Job):
+    """Per-rank INC scale files and the QUANTIZE QUANT_CONFIG (`--scales-only`)."""
+    from hqtflow import models
+    from hqtflow.quantize.scale_files import write_scale_files
+
+    model = models.load_model(job.model_dir, job.dtype)
+
+    def write(tmp: Path):
+        files = write_scale_files(tmp, Path(s.output), model, job.meas, job.cfg, job.method, job.target)
+        return ArtifactKind.SCALES, {"world_size": job.meas.world_size, "files": files}
+    return write
+
+
+def _checkpoint_data(s: QuantizeSettings, job: Job, dynamic) -> dict:
+    return {"kv_cache": s.kv_cache, "mode": "weight-only" if s.weight_only else
+            ("w8a8-dynamic" if dynamic else "w8a8-static"), "settings": asdict(s)}
+
+
+def _dynamic_rule(s: QuantizeSettings, job: Job):
+    """The checkpoint's dynamic activation method, None for static activations or weight-only."""
+    if s.weight_only:
+        return None
+    return next((m for m in (job.method(n) for n in job.plan["quantize"]) if m.dynamic), None)
+
+
+def _offload_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
+    """A checkpoint streamed from the model's files one tensor at a time (`--disk-offload`)."""
+    from hqtflow import models
+    from hqtflow.quantize.offload import prepare, write_offloaded
+
+    cfg, method = job.cfg, job.method.default
+    kv_values = None
+    if kv_stats:
+        from hqtflow.quantize.convert import kv_cache_scales
+
+        kv_values = kv_cache_scales(models.skeleton(job.model_dir), kv_stats, method, target=job.target,
+                                    fp8=cfg.fp8_config, hp_dtype=cfg.hp_dtype)
+    plan = prepare(job.model_dir, job.plan, Path(s.output), dtype=job.dtype, weight_only=s.weight_only,
+                   per_channel=method.weight.granularity == "PCS", extra_values=kv_values)
+
+    def write(tmp: Path):
+        write_offloaded(plan, tmp, job.meas.ranks[0], method, target=job.target, fp8=cfg.fp8_config,
+                        hp_dtype=cfg.hp_dtype)
+        models.load_tokenizer(job.model_dir).save_pretrained(tmp)
+        return ArtifactKind.CHECKPOINT, {**_checkpoint_data(s, job, _dynamic_rule(s, job)), "disk_offload": True}
+    return write
+
+
+def _in_memory_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
+    """A checkpoint from the model converted in memory (every method, SmoothQuant and per-layer rules included)."""
+    import torch
+
+    from hqtflow import models
+    from hqtflow.formats.checkpoint import save_checkpoint
+
+    cfg = job.cfg
+    model = models.load_model(job.model_dir, job.dtype)
+    per_channel = any(job.method(n).weight.granularity == "PCS" for n in job.plan["quantize"])
+    dynamic = _dynamic_rule(s, job)
+
+    def write(tmp: Path):
+        with torch.no_grad():
+            _convert(model, job, weight_only=s.weight_only)
+            if kv_stats:
+                from hqtflow.quantize.convert import kv_cache_scales
+
+                kv_cache_scales(model, kv_stats, job.method.default, target=job.target, fp8=cfg.fp8_config,
+                                hp_dtype=cfg.hp_dtype)
+        save_checkpoint(model, tmp, ignore=job.plan["ignore"], per_channel=per_channel,
+                        static_input=not s.weight_only, kv_cache=bool(kv_stats), dynamic=dynamic)
+        models.load_tokenizer(job.model_dir).save_pretrained(tmp)
+        return ArtifactKind.CHECKPOINT, _checkpoint_data(s, job, dynamic)
+    return write
 
 
 def plan_modules(model, cfg: QuantConfig, meas: Measurement) -> dict:
