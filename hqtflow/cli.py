@@ -13,6 +13,7 @@ import typer
 
 from hqtflow.errors import HqtflowError, ProvenanceWarning
 from hqtflow.measure.settings import MeasureSettings
+from hqtflow.quantize.settings import QuantizeSettings
 from hqtflow.runtime.settings import ServeSettings
 
 app = typer.Typer(
@@ -181,20 +182,20 @@ def quantize(
     model: Annotated[Optional[str], typer.Argument(help="Model folder (default: the one the measurement recorded).")] = None,
     measurement: Annotated[Path, typer.Option("-m", "--measurement", help="Measurement artifact directory.")] = ...,
     output: Annotated[Path, typer.Option("-o", "--output", help="Artifact directory to write.")] = ...,
-    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="QUANT_CONFIG JSON (QUANTIZE mode). Default: maxabs_arbitrary, lm_head in bf16.")] = None,
-    scale_method: Annotated[Optional[str], typer.Option(help="Override the config's scale_method.")] = None,
-    scales_for: Annotated[Optional[str], typer.Option(help="Device the scales are for: gaudi2, gaudi3, cpu, cuda.")] = None,
-    scales_only: Annotated[bool, typer.Option(help="Write INC scale files per rank instead of a checkpoint.")] = False,
-    weight_only: Annotated[bool, typer.Option(help="FP8 weights, high-precision activations.")] = False,
-    trust_pickle: Annotated[bool, typer.Option(help="Allow reading an .npz measurement (a pickle) when its JSON twin is missing.")] = False,
-    disk_offload: Annotated[bool, typer.Option(help="Stream weights from the safetensors files one tensor at a time (the bf16 model is never in RAM); output in 512 MB shards.")] = False,
-    kv_cache: Annotated[str, typer.Option(help="fp8: also write k_scale/v_scale from the measured KV statistics (for the FP8 KV cache).")] = "bf16",
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
+    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="QUANT_CONFIG JSON (QUANTIZE mode). Default: maxabs_arbitrary, lm_head in bf16.")] = QuantizeSettings.config,
+    scale_method: Annotated[Optional[str], typer.Option(help="Override the config's scale_method.")] = QuantizeSettings.scale_method,
+    scales_for: Annotated[Optional[str], typer.Option(help="Device the scales are for: gaudi2, gaudi3, cpu, cuda.")] = QuantizeSettings.scales_for,
+    scales_only: Annotated[bool, typer.Option(help="Write INC scale files per rank instead of a checkpoint.")] = QuantizeSettings.scales_only,
+    weight_only: Annotated[bool, typer.Option(help="FP8 weights, high-precision activations.")] = QuantizeSettings.weight_only,
+    trust_pickle: Annotated[bool, typer.Option(help="Allow reading an .npz measurement (a pickle) when its JSON twin is missing.")] = QuantizeSettings.trust_pickle,
+    disk_offload: Annotated[bool, typer.Option(help="Stream weights from the safetensors files one tensor at a time (the bf16 model is never in RAM); output in 512 MB shards.")] = QuantizeSettings.disk_offload,
+    kv_cache: Annotated[str, typer.Option(help="fp8: also write k_scale/v_scale from the measured KV statistics (for the FP8 KV cache).")] = QuantizeSettings.kv_cache,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = QuantizeSettings.overwrite,
     engine: Engine = "hqtflow",
     device: Device = None,
 ) -> None:
     """Turn a measurement into FP8 scales (INC files, --scales-only) or a compressed-tensors FP8 checkpoint."""
-    from hqtflow.quantize.run import QuantizeSettings, quantize as run_quantize, summary
+    from hqtflow.quantize.run import quantize as run_quantize, summary
 
     s = QuantizeSettings(measurement=str(measurement), output=str(output), model=model,
                          config=str(config) if config else None, scale_method=scale_method, scales_for=scales_for,

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 from hqtflow.choices import KVCache, parse
 from hqtflow.errors import ConfigError
 from hqtflow.measure.settings import MeasureSettings
-from hqtflow.quantize.run import QuantizeSettings
+from hqtflow.quantize.settings import QuantizeSettings
 
 RECIPE_VERSION = 1
 

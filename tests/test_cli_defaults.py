@@ -9,7 +9,7 @@ import typer
 from conftest import run_cli
 from hqtflow.cli import app
 from hqtflow.measure.run import MeasureSettings
-from hqtflow.quantize.run import QuantizeSettings
+from hqtflow.quantize.settings import QuantizeSettings
 from hqtflow.runtime.api import ServeSettings
 
 # same name, different meaning: serve's --dtype is the compute dtype; ServeSettings.dtype is what /info reports
