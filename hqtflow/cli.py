@@ -530,6 +530,8 @@ def _serve_command(kind: str, doc: str):
         pad_sequence_to_multiple_of: Annotated[int, typer.Option(help="Pad a step with prefill to a multiple of tokens: few distinct shapes, bounded per-shape caches (env PAD_SEQUENCE_TO_MULTIPLE_OF).")] = S.pad_sequence_to_multiple_of,
         warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Run the bucketed shapes once; /health is 503 until done (env WARMUP_ENABLED).")] = S.warmup,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
+        config: Annotated[Optional[Path], typer.Option("-c", "--config", help="With -m: the QUANTIZE QUANT_CONFIG (default: maxabs_arbitrary, lm_head in bf16).")] = None,
+        scale_method: Annotated[Optional[str], typer.Option(help="With -m: override the config's scale_method.")] = None,
         backend: Backend = "auto",
         dtype: ComputeDtype = "auto",
         engine: Engine = "hqtflow",
@@ -547,7 +549,8 @@ def _serve_command(kind: str, doc: str):
         from hqtflow.runtime.server import serve
 
         serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
-              backend=backend, dtype=dtype, inc_device=_inc_device(engine, device))
+              backend=backend, dtype=dtype, inc_device=_inc_device(engine, device), config=str(config) if config else None,
+          scale_method=scale_method)
 
 
 _serve_command("fp8", "Serve an FP8 checkpoint with continuous batching.")

@@ -132,14 +132,15 @@ def listen_socket(host: str, port: int):
 
 
 def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 3000, kind: str = "bf16",
-          measurement: str | None = None, backend: str = "auto", dtype: str = "auto", inc_device: str | None = None) -> None:
+          measurement: str | None = None, backend: str = "auto", dtype: str = "auto", inc_device: str | None = None,
+          config: str | None = None, scale_method: str | None = None) -> None:
     """Bind host:port, load MODEL (`kind` "fp8": an FP8 checkpoint, or a bf16 model quantized at start from
-    `measurement`, like TGI with QUANT_CONFIG, by hqtflow or by Neural Compressor on `inc_device`; "bf16": a plain
-    model) and serve it until interrupted."""
+    `measurement` with the QUANTIZE `config` / `scale_method`, like TGI with QUANT_CONFIG, by hqtflow or by Neural
+    Compressor on `inc_device`; "bf16": a plain model) and serve it until interrupted."""
     sock = listen_socket(host, port)
     try:
         _serve(sock, model_ref, settings, kind=kind, measurement=measurement, backend=backend, dtype=dtype,
-               inc_device=inc_device)
+               inc_device=inc_device, config=config, scale_method=scale_method)
     finally:
         sock.close()
 
@@ -151,16 +152,20 @@ def _run(app, sock) -> None:
 
 
 def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: str | None, backend: str,
-           dtype: str, inc_device: str | None = None) -> None:
+           dtype: str, inc_device: str | None = None, config: str | None = None, scale_method: str | None = None) -> None:
     from hqtflow.errors import HqtflowError, ModelError
     from hqtflow.api import load_any
+
+    if measurement is None and (config or scale_method):
+        raise HqtflowError("-c/--config and --scale-method quantize a bf16 MODEL at start: give its measurement with -m DIR.")
 
     if inc_device is not None:
         if kind != "fp8":
             raise HqtflowError("--engine inc quantizes at start: use it with `hqtflow serve fp8 MODEL -m DIR`.")
         from hqtflow.engines import inc
 
-        model, tok = inc.load_run(model_ref, measurement, device=inc_device, backend=backend, dtype=dtype)
+        model, tok = inc.load_run(model_ref, measurement, device=inc_device, config=config, scale_method=scale_method,
+                                  backend=backend, dtype=dtype)
         settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
         _run(create_app(model, tok, settings), sock)
         return
@@ -172,7 +177,8 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
 
         from hqtflow.quantize.fp8_linear import set_backend
 
-        model, tok = quantize_in_memory(QuantizeSettings(measurement=measurement, output="-", model=model_ref))
+        model, tok = quantize_in_memory(QuantizeSettings(measurement=measurement, output="-", model=model_ref,
+                                                         config=config, scale_method=scale_method))
         set_backend(model, backend)
         settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
         _run(_app(model, tok, settings), sock)

@@ -221,7 +221,7 @@ def test_cli_eval_and_serve_inc(pair, data_dir, tmp_path, monkeypatch):
     served = {}
     monkeypatch.setattr(server, "_run", lambda app, sock: served.update(app=app))
     server._serve(None, model, server.ServeSettings(), kind="fp8", measurement=str(theirs), backend="auto",
-                  dtype="auto", inc_device="cpu")
+                  dtype="auto", inc_device="cpu", scale_method="maxabs_pow2")
     assert served["app"] is not None
     with pytest.raises(HqtflowError, match="serve fp8 MODEL -m DIR"):
         server._serve(None, model, server.ServeSettings(), kind="bf16", measurement=str(theirs), backend="auto",

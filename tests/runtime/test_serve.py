@@ -237,3 +237,29 @@ def test_fp8_quantized_at_start_equals_checkpoint(tiny_llama, wiki_text, tmp_pat
     assert r.exit_code == 3 and "does not exist" in r.stderr
     r = run_cli("serve", "bf16", tiny_llama, "-m", meas, "--port", "1")
     assert r.exit_code == 2 and "use it with `hqtflow serve fp8`" in r.stderr
+
+
+def test_fp8_quantized_at_start_with_a_method(tiny_llama, wiki_text, tmp_path, monkeypatch):
+    """`serve fp8 MODEL -m DIR --scale-method M` (or -c CONFIG) quantizes at start with that method; either
+    without -m is refused."""
+    from hqtflow.quantize.fp8_linear import FP8Linear
+    from hqtflow.runtime import server
+
+    meas = tmp_path / "m"
+    assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2").exit_code == 0
+    served = {}
+    monkeypatch.setattr(server, "_app", lambda model, tok, settings: served.update(model=model))
+    monkeypatch.setattr(server, "_run", lambda app, sock: None)
+    server._serve(None, str(tiny_llama), ServeSettings(), kind="fp8", measurement=str(meas), backend="auto",
+                  dtype="auto", scale_method="fp8_dynamic")
+    layers = [m for m in served["model"].modules() if isinstance(m, FP8Linear)]
+    assert layers and {m.activation for m in layers} == {"dynamic_token"}
+    cfg = tmp_path / "pow2.json"
+    cfg.write_text(json.dumps({"mode": "QUANTIZE", "scale_method": "maxabs_pow2", "blocklist": {"names": ["lm_head"]}}))
+    server._serve(None, str(tiny_llama), ServeSettings(), kind="fp8", measurement=str(meas), backend="auto",
+                  dtype="auto", config=str(cfg))
+    scales = [float(m.input_scale) for m in served["model"].modules() if isinstance(m, FP8Linear)]
+    assert scales and all(torch.log2(torch.tensor(v)).frac() == 0 for v in scales)  # power-of-two scales
+    for flag in (["-c", str(cfg)], ["--scale-method", "maxabs_pow2"]):
+        r = run_cli("serve", "fp8", tiny_llama, *flag, "--port", "1")
+        assert r.exit_code == 2 and "give its measurement with -m DIR" in r.stderr, r.stderr
