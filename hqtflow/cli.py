@@ -187,7 +187,6 @@ def quantize(
     scales_for: Annotated[Optional[str], typer.Option(help="Device the scales are for: gaudi2, gaudi3, cpu, cuda.")] = QuantizeSettings.scales_for,
     scales_only: Annotated[bool, typer.Option(help="Write INC scale files per rank instead of a checkpoint.")] = QuantizeSettings.scales_only,
     weight_only: Annotated[bool, typer.Option(help="FP8 weights, high-precision activations.")] = QuantizeSettings.weight_only,
-    trust_pickle: Annotated[bool, typer.Option(help="Allow reading an .npz measurement (a pickle) when its JSON twin is missing.")] = QuantizeSettings.trust_pickle,
     disk_offload: Annotated[bool, typer.Option(help="Stream weights from the safetensors files one tensor at a time (the bf16 model is never in RAM); output in 512 MB shards.")] = QuantizeSettings.disk_offload,
     kv_cache: Annotated[str, typer.Option(help="fp8: also write k_scale/v_scale from the measured KV statistics (for the FP8 KV cache).")] = QuantizeSettings.kv_cache,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = QuantizeSettings.overwrite,
@@ -199,7 +198,7 @@ def quantize(
 
     s = QuantizeSettings(measurement=str(measurement), output=str(output), model=model,
                          config=str(config) if config else None, scale_method=scale_method, scales_for=scales_for,
-                         scales_only=scales_only, weight_only=weight_only, overwrite=overwrite, trust_pickle=trust_pickle,
+                         scales_only=scales_only, weight_only=weight_only, overwrite=overwrite,
                          disk_offload=disk_offload, kv_cache=kv_cache)
     inc_device = _inc_device(engine, device)
     if inc_device is not None:
@@ -382,8 +381,7 @@ def unify(
     groups: Annotated[Optional[list[str]], typer.Option("-g", "--groups", help="A group of ranks: 0123 (one digit each), 0-7, or 0,1,2,3.")] = None,
     measurement: Annotated[Path, typer.Option("-m", "--measurement", help="Per-rank measurement directory.")] = ...,
     output: Annotated[Path, typer.Option("-o", "--output", help="Directory for the unified measurement.")] = ...,
-    parallel_plan: Annotated[Optional[Path], typer.Option(help="JSON {module regex: column|row|replicated} for foreign dumps.")] = None,
-    world_size: Annotated[Optional[int], typer.Option(help="Pick this world size when a foreign directory holds several.")] = None,
+    parallel_plan: Annotated[Optional[Path], typer.Option(help="JSON {module regex: column|row|replicated} for per-channel statistics of imported dumps (no recorded parallel style).")] = None,
     force: Annotated[bool, typer.Option(help="Merge rank files that disagree (NumSamples, node sets); each override is printed.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
 ) -> None:
@@ -391,7 +389,7 @@ def unify(
     from hqtflow.unify import unify as run_unify
 
     out = run_unify(measurement, [*(groups or []), *(more_groups or [])], output, overwrite=overwrite,
-                    parallel_plan=parallel_plan, world_size=world_size, force=force)
+                    parallel_plan=parallel_plan, force=force)
     typer.echo(f"Wrote {out}.")
 
 
@@ -402,12 +400,16 @@ def import_hqt(
     output: Annotated[Path, typer.Option("-o", "--output", help="Measurement artifact directory to write.")] = ...,
     model: Annotated[Optional[str], typer.Option("--model", help="The model the files were measured on (recorded with its fingerprint).")] = None,
     dtype: Annotated[str, typer.Option(help="Model dtype of the measuring run: bf16, fp16 or fp32.")] = "bf16",
+    world_size: Annotated[Optional[int], typer.Option(help="Pick this world size when the directory holds several measurements.")] = None,
+    trust_pickle: Annotated[bool, typer.Option(help="Read a rank's .npz (a pickle) when its JSON twin is missing; the JSON twin is written into the artifact.")] = False,
+    force: Annotated[bool, typer.Option(help="Import rank files that disagree (NumSamples, node sets); each override is printed.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
 ) -> None:
-    """Wrap HQT/INC measurement files made elsewhere (e.g. on Gaudi) into an hqtflow measurement artifact (JSON read, .npz never unpickled)."""
+    """Wrap HQT/INC measurement files made elsewhere (e.g. on Gaudi) into an hqtflow measurement artifact (JSON read; .npz unpickled only with --trust-pickle)."""
     from hqtflow.import_hqt import import_hqt as run_import, summary
 
-    typer.echo(summary(run_import(directory, output, model=model, dtype=dtype, overwrite=overwrite)))
+    typer.echo(summary(run_import(directory, output, model=model, dtype=dtype, overwrite=overwrite,
+                                  trust_pickle=trust_pickle, world_size=world_size, force=force)))
 
 
 @app.command()

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hqtflow.errors import ArtifactError, ConfigError
-from hqtflow.formats.artifact import MANIFEST, ArtifactKind
+from hqtflow.formats.artifact import ArtifactKind
 
 TARGETS = ("optimum-habana", "tgi-gaudi")
 MODES = ("measure", "quantize")
@@ -102,49 +102,43 @@ def _load_json(path: Path, what: str) -> dict:
     return raw
 
 
-def _manifest(directory: Path) -> dict | None:
-    p = directory / MANIFEST
-    if not p.is_file():
-        return None
-    try:
-        raw = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return raw if isinstance(raw, dict) else None
-
-
 def _recorded_recipe(data: dict, hops: int = 3) -> str | None:
     """The recipe a measurement was made with, following unified_from / source_measurement back to it."""
     recipe = (data.get("settings") or {}).get("recipe") if isinstance(data.get("settings"), dict) else None
     if recipe or hops == 0:
         return recipe
     parent = (data.get("unified_from") or {}).get("directory") or data.get("source_measurement")
-    m = _manifest(Path(parent)) if isinstance(parent, str) else None
-    return _recorded_recipe(m.get("data") or {}, hops - 1) if m else None
+    if not isinstance(parent, str):
+        return None
+    from hqtflow.formats.artifact import read_manifest
+
+    try:  # the parent is only a hint: gone or changed since, it names no recipe
+        return _recorded_recipe(read_manifest(Path(parent), ArtifactKind.MEASUREMENT, verify=False).data, hops - 1)
+    except ArtifactError:
+        return None
 
 
 def read_artifact(directory: str | Path) -> Artifact:
     """An hqtflow measurement or scales artifact, checked: every rank's files INC reads are there and unchanged."""
-    from hqtflow.formats.artifact import read_manifest
-    from hqtflow.formats.measurement import measurement_stem
-    from hqtflow.quantize.scale_files import scale_stem
+    from hqtflow.formats.artifact import artifact_kind, read_manifest
+    from hqtflow.formats.measurement import INC_CONFIG, measurement_stem, refuse_foreign_dump
+    from hqtflow.formats.scale_files import scale_stem
 
     directory = Path(directory)
     if not directory.is_dir():
         raise ArtifactError(f"Artifact {directory} does not exist.")
-    raw = _manifest(directory)
-    if raw is None:
-        raise ArtifactError(f"{directory} has no readable hqtflow manifest; wrap HQT/INC files made elsewhere with "
-                            "`hqtflow import-hqt` first.")
-    kind = {ArtifactKind.MEASUREMENT: "measurement", ArtifactKind.SCALES: "scales"}.get(raw.get("_type"))
+    refuse_foreign_dump(directory)
+    type_ = artifact_kind(directory)
+    kind = {ArtifactKind.MEASUREMENT: "measurement", ArtifactKind.SCALES: "scales"}.get(type_)
     if kind is None:
-        raise ArtifactError(f"{directory} holds a {raw.get('_type')!r} artifact; a hand-off needs a measurement "
+        raise ArtifactError(f"{directory} holds a {type_!r} artifact; a hand-off needs a measurement "
                             "(measure, unify, import-hqt) or scale files (quantize --scales-only).")
+    m = read_manifest(directory, type_, verify=False)  # the files are verified last, after naming missing ranks
+    raw = m.raw
     data = raw.get("data") or {}
-    config = _load_json(directory / "quant_config.json", "QUANT_CONFIG") if (directory / "quant_config.json").is_file() \
-        else None
-    if config is None:
-        raise ArtifactError(f"{directory} has no quant_config.json; it is not a complete hqtflow {kind} artifact.")
+    if not (directory / INC_CONFIG).is_file():
+        raise ArtifactError(f"{directory} has no {INC_CONFIG}; it is not a complete hqtflow {kind} artifact.")
+    config = _load_json(directory / INC_CONFIG, "QUANT_CONFIG")
     try:
         world = int(data["world_size"])
         observer = str(data.get("observer") or config.get("observer") or "maxabs")
@@ -155,7 +149,7 @@ def read_artifact(directory: str | Path) -> Artifact:
             base = Path(str(config["dump_stats_path"])).name
             stems = [measurement_stem(base, observer, r if world > 1 else None, world) for r in range(world)]
     except (KeyError, TypeError, ValueError, IndexError):
-        raise ArtifactError(f"{directory / MANIFEST} is corrupt (no valid ranks / world_size).") from None
+        raise ArtifactError(f"{m.path} is corrupt (no valid ranks / world_size).") from None
     if len(stems) != world or world < 1:
         raise ArtifactError(f"{directory} lists {len(stems)} rank file(s) for world size {world}; it is corrupt.")
     needed = {r: [f"{s}.json", f"{s}.npz"] for r, s in enumerate(stems)}  # INC reads the .npz
@@ -171,7 +165,7 @@ def read_artifact(directory: str | Path) -> Artifact:
     if missing:
         raise ArtifactError(f"{directory} is a {world}-rank {kind} but the files of rank(s) "
                             f"{', '.join(map(str, missing))} are missing.")
-    read_manifest(directory, raw["_type"])  # every listed file present and unchanged
+    read_manifest(directory, type_)  # every listed file present and unchanged
     return Artifact(directory.resolve(), kind, world, base, config, data.get("model_path"), _recorded_recipe(data))
 
 

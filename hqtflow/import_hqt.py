@@ -1,8 +1,12 @@
 """`hqtflow import-hqt`: wrap HQT / Neural Compressor measurement files made elsewhere (e.g. on Gaudi) into an
 hqtflow measurement artifact, so `hqtflow quantize -m OUT` (and unify) read them with a manifest.
 
-Only the JSON twins are parsed (`hqtflow.formats.measurement.read_dump`); `.npz` files are pickles and are copied
-byte for byte, never opened. Scale files (`*_hooks_maxabs_<SCALE_METHOD>[_r_W].json/.npz`) found beside the
+This is the only door for foreign dumps: `quantize`, `unify`, `inspect` and `handoff` read artifacts only. The JSON
+twins are parsed (`hqtflow.formats.measurement.read_dump`); `.npz` files are pickles and are copied byte for byte,
+never opened, unless a rank has no JSON twin and the user passes `--trust-pickle`: then its `.npz` is unpickled once,
+here, and its JSON twin is written into the artifact, so no later stage ever opens a pickle. `--world-size` picks one
+measurement when the directory holds several (e.g. 8-rank and 2-rank files side by side). Ranks that disagree
+(NumSamples, node sets) are refused as `unify` refuses them; `--force` imports them anyway, recorded in `forced`. Scale files (`*_hooks_maxabs_<SCALE_METHOD>[_r_W].json/.npz`) found beside the
 measurement are copied too and listed in the manifest (`scale_files`), but not interpreted. The manifest says
 `"provenance_known": false`: hqtflow did not see the calibration, so model, data and dtype are the user's word.
 """
@@ -19,13 +23,14 @@ from hqtflow.formats.artifact import MANIFEST, check_not_partial, check_output_d
 
 
 def import_hqt(directory: str | Path, output: str | Path, *, model: str | None = None, dtype: str = "bf16",
-               overwrite: bool = False) -> Path:
+               overwrite: bool = False, trust_pickle: bool = False, world_size: int | None = None,
+               force: bool = False) -> Path:
     directory, output = Path(directory), Path(output)
     if not directory.is_dir():
         raise ArtifactError(f"HQT measurement directory {directory} does not exist.")
     check_not_partial(directory)
     check_output_dir(output, overwrite, [directory])
-    meas = mf.read_dump(directory)  # JSON twins only: an .npz is never opened here
+    meas = mf.read_dump(directory, trust_pickle=trust_pickle, world_size=world_size)  # an .npz only with trust_pickle
     world = meas.world_size
     for st, r in zip(meas.stems, meas.ranks):
         mf.require_dynamic_range(r, f"{directory / st}.json")
@@ -33,7 +38,7 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
             raise ArtifactError(f"{directory / st}.json has no measured nodes.")
     from hqtflow.unify import check_same_run
 
-    check_same_run(meas)
+    forced = check_same_run(meas, force=force)
 
     fp, model_dir = None, None
     if model is not None:
@@ -52,6 +57,10 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
         records = []
         for r, stem in enumerate(stems):
             files = mf.copy_measurement_files(directory, meas.stems[r:r + 1], tmp, [stem])
+            if f"{stem}.json" not in files:  # read from its .npz (--trust-pickle): write the JSON twin stages read
+                js = mf.write_measurement(tmp, stem, meas.ranks[r].nodes, local_rank=meas.ranks[r].local_rank,
+                                          num_samples=meas.ranks[r].num_samples, twins=(".json",))
+                files = sorted({*files, *(p.name for p in js)})
             records.append({"rank": r, "stem": stem, "files": files, "layers": {}, "unmeasured": [], "skipped": {},
                             "nodes": len(meas.ranks[r].nodes), "num_samples": meas.ranks[r].num_samples})
         scale_names = []
@@ -68,6 +77,7 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
             "scale_files": scale_names,
             "imported_from": str(directory.resolve()),
             "provenance_known": False,
+            "forced": forced,  # what --force overrode (empty: the ranks agreed)
             "calibration": {"sources": [], "samples": meas.ranks[0].num_samples, "tokens": None},
         }
         if model_dir is not None:

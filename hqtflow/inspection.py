@@ -57,30 +57,20 @@ RULES = {
 
 # ---- reading -------------------------------------------------------------------------------------
 def _artifact_type(directory: Path) -> str:
-    from hqtflow.formats.artifact import MANIFEST, check_not_partial
+    from hqtflow.formats.artifact import artifact_kind
 
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ArtifactError(f"Artifact directory {directory} does not exist.")
-    check_not_partial(directory)
-    mpath = directory / MANIFEST
-    if not mpath.is_file():
-        raise ArtifactError(f"{directory} has no {MANIFEST}: it is not an hqtflow artifact, or its writing did not finish.")
-    try:
-        t = json.loads(mpath.read_text())["_type"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-        raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).") from None
+    t = artifact_kind(directory)
     if t not in KINDS:
         raise InspectError(f"{directory} holds a {t!r} artifact; inspect reads {', '.join(KINDS)}.")
     return t
 
 
 def _is_tune(directory) -> bool:
-    from hqtflow.formats.artifact import MANIFEST
+    from hqtflow.formats.artifact import artifact_kind
 
     try:
-        return json.loads((Path(directory) / MANIFEST).read_text()).get("_type") == ArtifactKind.TUNE
-    except (OSError, ValueError, AttributeError):
+        return artifact_kind(directory) == ArtifactKind.TUNE
+    except ArtifactError:
         return False  # _artifact_type says what is wrong
 
 
@@ -139,6 +129,7 @@ def _scale_value(v) -> float:
 def _load_scales(directory: Path) -> dict:
     from hqtflow.formats.artifact import confined, read_manifest
     from hqtflow.formats.measurement import read_measurement
+    from hqtflow.formats.scale_files import is_scale_file, read_scale_file
     from hqtflow.scales import full_scale
 
     m = read_manifest(directory, SCALES)
@@ -149,20 +140,17 @@ def _load_scales(directory: Path) -> dict:
     for rel in d.get("files") or []:
         if not rel.endswith(".json") or rel.endswith("_mod_list.json"):
             continue
-        try:
-            raw = json.loads(confined(Path(directory), rel).read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-            raise ArtifactError(f"{Path(directory) / rel} is not readable JSON.") from None
-        if raw.get("Mode") == "Scale":
-            for name, n in (raw.get("Nodes") or {}).items():
-                if n.get("inputs"):
-                    _merge(scales, name, "input_scale", max(_scale_value(x) for x in n["inputs"]))
-                w = (n.get("params") or {}).get("weight")
-                if w is not None:
-                    _merge(scales, name, "weight_scale", _scale_value(w))
-                    weight_scales.setdefault(name, []).append(w)
-        else:
-            meas.append(read_measurement(confined(Path(directory), rel)))
+        path = confined(Path(directory), rel)
+        if not is_scale_file(path):
+            meas.append(read_measurement(path))
+            continue
+        for name, n in read_scale_file(path).items():
+            if n.get("inputs"):
+                _merge(scales, name, "input_scale", max(_scale_value(x) for x in n["inputs"]))
+            w = (n.get("params") or {}).get("weight")
+            if w is not None:
+                _merge(scales, name, "weight_scale", _scale_value(w))
+                weight_scales.setdefault(name, []).append(w)
     F = full_scale(d.get("fp8", "E4M3"), d.get("target", "cpu"))
     return {"manifest": m, "scales": scales, "raw_weight_scales": weight_scales,
             "measured": _stats_from_hqt(meas) if meas else None, "full_scale": F, "skipped": d.get("skipped") or {},

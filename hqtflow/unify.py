@@ -7,7 +7,8 @@ Merge rules, per node and statistic (the layer's style comes from what `hqtflow 
 - row-parallel outputs: hqtflow observes them after transformers' all-reduce, so every rank holds the exact full
   value and the max is exact (recorded in the manifest);
 - a node present on only some ranks (MoE experts under expert parallelism): the union, from the ranks that have it.
-Foreign dumps (no hqtflow manifest): max for per-tensor statistics; per-channel ones need `--parallel-plan FILE`.
+Imported HQT dumps (`import-hqt`: no recorded styles): max for per-tensor statistics; per-channel ones need
+`--parallel-plan FILE`.
 
 Ranks that do not belong together are refused, naming the rank and the field: a Mode other than "DynamicRange"
 (a scale file is not a measurement; never merged), a different NumSamples, or a different set of nodes (expert
@@ -175,19 +176,17 @@ def _merged_info(info: dict, n: int) -> dict:
 
 # ---- the stage ----------------------------------------------------------------------------------
 def unify(measurement: str | Path, groups: list[str], output: str | Path, *, overwrite: bool = False,
-          parallel_plan: str | Path | None = None, world_size: int | None = None, force: bool = False) -> Path:
-    src = load_measurement(Path(measurement), world_size=world_size)
+          parallel_plan: str | Path | None = None, force: bool = False) -> Path:
+    src = load_measurement(Path(measurement))
     forced = check_same_run(src, force=force)
     parsed = parse_groups(groups, src.world_size)
     plan = _read_plan(parallel_plan)
     check_output_dir(Path(output), overwrite, [src.directory])
     merged = [merge_group(src, g, plan) for g in parsed]
-    if src.manifest is None:  # said once every check passed, so a refusal stays one sentence
-        warnings.warn(f"{src.directory} has no hqtflow manifest: provenance (model, config, run) cannot be checked.",
-                      ProvenanceWarning, stacklevel=2)
     n = len(parsed)
-    m = src.manifest.raw if src.manifest else {}
+    m = src.manifest.raw
     data = dict(m.get("data") or {})
+    known = data.get("provenance_known", True)
     observer = data.get("observer") or src.observer
     prefix = f"{src.base}_hooks_{src.observer}"  # each merged rank's stem: prefix + rank suffix
     with staged_output(Path(output), overwrite=overwrite, inputs=[src.directory]) as tmp:
@@ -204,10 +203,10 @@ def unify(measurement: str | Path, groups: list[str], output: str | Path, *, ove
             "observer": observer,
             "ranks": records,
             "unified_from": {"directory": str(src.directory.resolve()), "world_size": src.world_size, "groups": parsed,
-                             "files": source_files, "provenance_known": src.manifest is not None},
+                             "files": source_files, "provenance_known": known},
             "forced": forced,  # what --force overrode (empty: the ranks agreed)
             "merge": {"per_tensor": "max", "per_channel": "concatenated along sharded dims in rank order, max along replicated",
-                      "row_parallel_outputs": "observed after the all-reduce: exact" if src.manifest else "max (foreign dump)"},
+                      "row_parallel_outputs": "observed after the all-reduce: exact" if known else "max (imported dump)"},
         })
         write_artifact(tmp, Path(output), base=src.base, inc_config=m.get("config") or {"observer": observer},
                        model=m.get("model"), config=m.get("config"), data=data)

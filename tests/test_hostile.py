@@ -44,7 +44,11 @@ def base(tiny_llama, wiki_text, tmp_path_factory):
     raw = json.loads((d / "m" / f"{STEM}.json").read_text())
     for r in range(2):
         (f2 / f"{STEM}_{r}_2.json").write_text(json.dumps({**raw, "LocalRank": r}))
-    return {"model": tiny_llama, "text": wiki_text, "m": d / "m", "ck": d / "ck", "f1": f1, "f2": f2}
+    for f in ("f1", "f2"):  # the same dumps brought in: what quantize and unify read
+        r = run_cli("import-hqt", d / f, "-o", d / f"i{f[1]}", "--model", tiny_llama)
+        assert r.exit_code == 0, r.output
+    return {"model": tiny_llama, "text": wiki_text, "m": d / "m", "ck": d / "ck", "f1": f1, "f2": f2,
+            "i1": d / "i1", "i2": d / "i2"}
 
 
 class Ctx:
@@ -210,11 +214,11 @@ CASES = {
     "measure/binary text": (lambda c: ((c.w / "b.txt").write_bytes(b"\xff\xfe\x00\x81"),
                                        ["measure", c.model, "--text", c.w / "b.txt", "-o", c.out])[1], "not UTF-8"),
     # quantize
-    "quantize/negative statistic": (lambda c: quantize(c, stats(c.copy("f1"), node(-4.0))), "negative input statistic"),
-    "quantize/nan statistic": (lambda c: quantize(c, stats(c.copy("f1"), node(float("nan")))), "non-finite input"),
-    "quantize/inf weight statistic": (lambda c: quantize(c, stats(c.copy("f1"), node(float("inf"), "params"))),
+    "quantize/negative statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(-4.0)))), "negative input statistic"),
+    "quantize/nan statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(float("nan"))))), "non-finite input"),
+    "quantize/inf weight statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(float("inf"), "params")))),
                                       "non-finite weight"),
-    "quantize/node path traversal": (lambda c: quantize(c, stats(c.copy("f1"), rename_node)), "not a module name"),
+    "quantize/node path traversal": (lambda c: quantize(c, rehash(stats(c.copy("i1"), rename_node))), "not a module name"),
     "quantize/negative, hashes rewritten": (lambda c: quantize(c, rehash(stats(c.copy("m"), node(-0.03)))), "negative"),
     "quantize/manifest version 0": (lambda c: quantize(c, manifest(c.copy("m"), _version=0)), "schema version 0"),
     "quantize/manifest version '1'": (lambda c: quantize(c, manifest(c.copy("m"), _version="1")), "schema version '1'"),
@@ -235,41 +239,47 @@ CASES = {
     "quantize/measurement is a partial dir": (lambda c: quantize(c, c.partial("m")), "unfinished output"),
     "quantize/measurement holds the marker": (lambda c: quantize(c, marked(c.copy("m"))), "unfinished output"),
     "quantize/foreign partial dir": (lambda c: quantize(c, c.partial("f1")), "unfinished output"),
-    "quantize/pickle not a dict": (lambda c: quantize(c, npz(c, np.arange(3)), "--trust-pickle"),
-                                   "is not an INC measurement .npz"),
-    "quantize/pickle dict without Nodes": (lambda c: quantize(c, npz(c, {"x": 1}), "--trust-pickle"),
-                                           "is not an INC measurement .npz"),
-    "quantize/pickle refused without opt-in": (lambda c: quantize(c, npz(c, {"x": 1})), "--trust-pickle"),
+    "quantize/foreign dump": (lambda c: quantize(c, c.copy("f1")), "bring them in first with `hqtflow import-hqt"),
+    "quantize/pickle-only dump": (lambda c: quantize(c, npz(c, {"x": 1})), "`hqtflow import-hqt"),
     "quantize/kv negative": (lambda c: quantize(c, rehash(kv(c.copy("m"), -1.0)), "--kv-cache", "fp8"), "negative"),
     "quantize/kv nan": (lambda c: quantize(c, rehash(kv(c.copy("m"), float("nan"))), "--kv-cache", "fp8"), "not finite"),
     "quantize/kv version 2": (lambda c: quantize(c, rehash(kv_file(c.copy("m"), version=2)), "--kv-cache", "fp8"),
                               "not a KV-cache statistics file"),
-    "quantize/scale-mode file": (lambda c: quantize(c, stats(c.copy("f1"), lambda r: r.update(Mode="Scale"))),
+    "quantize/scale-mode file": (lambda c: quantize(c, rehash(stats(c.copy("i1"), lambda r: r.update(Mode="Scale")))),
                                  "Mode 'Scale'"),
-    "quantize/truncated json": (lambda c: (truncate(c.copy("f1") / f"{STEM}.json"), quantize(c, c.w / "f1"))[1],
+    "quantize/truncated json": (lambda c: (truncate(c.copy("i1") / f"{STEM}.json"), quantize(c, rehash(c.w / "i1")))[1],
                                 "not an HQT measurement file"),
-    "quantize/NumSamples not a number": (lambda c: quantize(c, stats(c.copy("f1"), lambda r: r.update(NumSamples="many"))),
+    "quantize/NumSamples not a number": (lambda c: quantize(c, rehash(stats(c.copy("i1"), lambda r: r.update(NumSamples="many")))),
                                          "not a number"),
     # unify
-    "unify/mode Scale beside DynamicRange": (lambda c: unify(c, stats(c.copy("f2"), lambda r: r.update(Mode="Scale"),
-                                                                      f"{STEM}_1_2.json")), "rank 1) has Mode 'Scale'"),
-    "unify/NumSamples 7 vs 100": (lambda c: unify(c, numsamples(c.copy("f2"), 7, 100)), "NumSamples 100 differs"),
-    "unify/different node sets": (lambda c: unify(c, stats(c.copy("f2"), drop_node, f"{STEM}_1_2.json")),
+    "unify/mode Scale beside DynamicRange": (lambda c: unify(c, rehash(stats(c.copy("i2"), lambda r: r.update(Mode="Scale"),
+                                                                             f"{STEM}_1_2.json"))), "rank 1) has Mode 'Scale'"),
+    "unify/NumSamples 7 vs 100": (lambda c: unify(c, rehash(numsamples(c.copy("i2"), 7, 100))), "NumSamples 100 differs"),
+    "unify/foreign dump": (lambda c: unify(c, c.copy("f2")), "bring them in first with `hqtflow import-hqt"),
+    "unify/different node sets": (lambda c: unify(c, rehash(stats(c.copy("i2"), drop_node, f"{STEM}_1_2.json"))),
                                   "nodes differ"),
-    "unify/rank from another model": (lambda c: unify(c, stats(c.copy("f2"), other_model, f"{STEM}_1_2.json")),
+    "unify/rank from another model": (lambda c: unify(c, rehash(stats(c.copy("i2"), other_model, f"{STEM}_1_2.json"))),
                                       "nodes differ"),
-    "unify/LocalRank wrong": (lambda c: unify(c, stats(c.copy("f2"), lambda r: r.update(LocalRank=0), f"{STEM}_1_2.json")),
+    "unify/LocalRank wrong": (lambda c: unify(c, rehash(stats(c.copy("i2"), lambda r: r.update(LocalRank=0), f"{STEM}_1_2.json"))),
                               "says it is rank 0"),
-    "unify/node path traversal": (lambda c: unify(c, stats(c.copy("f2"), rename_node, f"{STEM}_0_2.json")),
+    "unify/node path traversal": (lambda c: unify(c, rehash(stats(c.copy("i2"), rename_node, f"{STEM}_0_2.json"))),
                                   "not a module name"),
-    "unify/negative statistic": (lambda c: unify(c, stats(c.copy("f2"), node(-1.0), f"{STEM}_1_2.json")), "negative"),
-    "unify/nan statistic": (lambda c: unify(c, stats(c.copy("f2"), node(float("nan")), f"{STEM}_0_2.json")), "non-finite"),
-    "unify/-o is the source": (lambda c: unify(c, c.copy("f2"))[:-1] + [c.w / "f2", "--overwrite"], "is the input"),
-    "unify/-o inside the source": (lambda c: unify(c, c.copy("f2"))[:-1] + [c.w / "f2" / "u"], "lies inside"),
-    "unify/source is a partial dir": (lambda c: unify(c, c.partial("f2")), "unfinished output"),
+    "unify/negative statistic": (lambda c: unify(c, rehash(stats(c.copy("i2"), node(-1.0), f"{STEM}_1_2.json"))), "negative"),
+    "unify/nan statistic": (lambda c: unify(c, rehash(stats(c.copy("i2"), node(float("nan")), f"{STEM}_0_2.json"))), "non-finite"),
+    "unify/-o is the source": (lambda c: unify(c, c.copy("i2"))[:-1] + [c.w / "i2", "--overwrite"], "is the input"),
+    "unify/-o inside the source": (lambda c: unify(c, c.copy("i2"))[:-1] + [c.w / "i2" / "u"], "lies inside"),
+    "unify/source is a partial dir": (lambda c: unify(c, c.partial("i2")), "unfinished output"),
+    "unify/foreign partial dir": (lambda c: unify(c, c.partial("f2")), "unfinished output"),
     "unify/manifest version 0": (lambda c: unify(c, manifest(c.copy("m"), _version=0), "0"), "schema version 0"),
     "unify/manifest stem outside": (lambda c: unify(c, rehash_stem(c.copy("m"), "../elsewhere/x"), "0"), "outside itself"),
     # import-hqt
+    "import-hqt/pickle not a dict": (lambda c: ["import-hqt", npz(c, np.arange(3)), "-o", c.out, "--trust-pickle"],
+                                     "is not an INC measurement .npz"),
+    "import-hqt/pickle dict without Nodes": (lambda c: ["import-hqt", npz(c, {"x": 1}), "-o", c.out, "--trust-pickle"],
+                                             "is not an INC measurement .npz"),
+    "import-hqt/pickle refused without opt-in": (lambda c: ["import-hqt", npz(c, {"x": 1}), "-o", c.out], "--trust-pickle"),
+    "import-hqt/world size not there": (lambda c: ["import-hqt", c.copy("f2"), "-o", c.out, "--world-size", "4"],
+                                        "missing the rank file(s) 0, 1, 2, 3"),
     "import-hqt/node path traversal": (lambda c: ["import-hqt", stats(c.copy("f1"), rename_node), "-o", c.out],
                                        "not a module name"),
     "import-hqt/mode Scale": (lambda c: ["import-hqt", stats(c.copy("f1"), lambda r: r.update(Mode="Scale")), "-o", c.out],
@@ -352,7 +362,7 @@ CASES = {
     "serve/truncated checkpoint, hashes rewritten": (lambda c: serve(rehash(trunc_ck(c))), "is truncated"),
     "serve/shape disagrees with config, hashes rewritten": (lambda c: serve(rehash(wider_config(c.copy("ck")))),
                                                             "does not match its config.json"),
-    "serve/-m with a nan statistic": (lambda c: serve(c.model, "-m", stats(c.copy("f1"), node(float("nan")))), "non-finite"),
+    "serve/-m with a nan statistic": (lambda c: serve(c.model, "-m", rehash(stats(c.copy("i1"), node(float("nan"))))), "non-finite"),
     "serve/-m a partial measurement": (lambda c: serve(c.model, "-m", c.partial("m")), "unfinished output"),
 }
 
@@ -467,7 +477,7 @@ def test_stale_partials_of_dead_processes_are_removed(base, tmp_path):
     for d in (stale, old, live):
         d.mkdir()
         (d / "big.bin").write_bytes(b"0" * 1000)
-    r = run_cli("unify", "-g", "01", "-m", base["f2"], "-o", tmp_path / "u")
+    r = run_cli("unify", "-g", "01", "-m", base["i2"], "-o", tmp_path / "u")
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "u"])
 
@@ -514,17 +524,24 @@ def test_zero_statistics_get_the_floor(base, tmp_path):
     assert all(float(v.float().min()) >= SCALE_FLOOR for k, v in t.items() if k.endswith("_scale"))
 
 
-def test_foreign_measurement_is_named_as_such(base, tmp_path):
+def test_foreign_measurement_enters_through_import_hqt(base, tmp_path):
     r = run_cli("quantize", base["model"], "-m", base["f1"], "-o", tmp_path / "ck")
-    assert r.exit_code == 0, r.output
-    assert r.stderr.startswith("Warning: ") and "no hqtflow manifest" in r.stderr and "provenance" in r.stderr
+    assert r.exit_code == 3 and f"`hqtflow import-hqt {base['f1']} -o OUT" in r.stderr, r.output
+    r = run_cli("quantize", "-m", base["i1"], "-o", tmp_path / "ck")  # the model recorded by import-hqt --model
+    assert r.exit_code == 0 and "Warning" not in r.stderr, r.output
+    assert json.loads((tmp_path / "ck" / MANIFEST).read_text())["data"]["provenance_known"] is False
 
 
-def test_unify_force_says_what_it_overrides(base, tmp_path):
+def test_force_says_what_it_overrides(base, tmp_path):
     d = tmp_path / "f2"
     shutil.copytree(base["f2"], d)
     numsamples(d, 7, 100)
-    r = run_cli("unify", "-g", "01", "-m", d, "-o", tmp_path / "u", "--force")
+    r = run_cli("import-hqt", d, "-o", tmp_path / "i", "--force")
+    assert r.exit_code == 0, r.output
+    assert "--force: merging rank 1 although NumSamples 100 differs from rank 0's 7" in r.stderr
+    assert json.loads((tmp_path / "i" / MANIFEST).read_text())["data"]["forced"] == ["rank 1: NumSamples 100 differs from rank 0's 7"]
+    assert run_cli("unify", "-g", "01", "-m", tmp_path / "i", "-o", tmp_path / "u").exit_code == 3  # said again, or refused
+    r = run_cli("unify", "-g", "01", "-m", tmp_path / "i", "-o", tmp_path / "u", "--force")
     assert r.exit_code == 0, r.output
     assert "--force: merging rank 1 although NumSamples 100 differs from rank 0's 7" in r.stderr
     forced = json.loads((tmp_path / "u" / MANIFEST).read_text())["data"]["forced"]

@@ -142,26 +142,32 @@ def test_foreign_dump_with_stray_files(runs, tmp_path):
         shutil.copy(f, dump)
     (dump / "measure_hooks_maxabs_MAXABS_POW2_0_2.json").write_text("{}")  # a scale file
     (dump / "backup_measure_01-01").mkdir()  # INC's backups
+    # a foreign dump enters only through import-hqt
     r = run_cli("unify", "-g", "01", "-m", dump, "-o", tmp_path / "u")
+    assert r.exit_code == 3 and "hqtflow import-hqt" in r.stderr and not (tmp_path / "u").exists(), r.output
+    assert run_cli("import-hqt", dump, "-o", tmp_path / "imp").exit_code == 0
+    r = run_cli("unify", "-g", "01", "-m", tmp_path / "imp", "-o", tmp_path / "u")
     assert r.exit_code == 0, r.output
-    assert "provenance" in r.stderr
     assert_equal_measurements(nodes(tmp_path / "u", "measure_hooks_maxabs"), nodes(runs["pt1"], "measure_hooks_maxabs"))
-    assert read_manifest(tmp_path / "u", "hqtflow.measurement", 1).data["unified_from"]["provenance_known"] is False
+    data = read_manifest(tmp_path / "u", "hqtflow.measurement", 1).data
+    assert data["unified_from"]["provenance_known"] is False and data["provenance_known"] is False
     # an earlier unify output of another world size beside them: ambiguous unless told
     shutil.copy(tmp_path / "u" / "measure_hooks_maxabs.json", dump / "measure_hooks_maxabs_0_1.json")
-    r = run_cli("unify", "-g", "01", "-m", dump, "-o", tmp_path / "u2")
-    assert r.exit_code == 3 and "world sizes [1, 2]" in r.stderr
-    assert run_cli("unify", "-g", "01", "-m", dump, "-o", tmp_path / "u2", "--world-size", "2").exit_code == 0
-    # per-channel statistics of a foreign dump need the plan
+    r = run_cli("import-hqt", dump, "-o", tmp_path / "imp2")
+    assert r.exit_code == 3 and "world sizes [1, 2]" in r.stderr and "--world-size" in r.stderr
+    assert run_cli("import-hqt", dump, "-o", tmp_path / "imp2", "--world-size", "2").exit_code == 0
+    assert read_manifest(tmp_path / "imp2", "hqtflow.measurement", 1).data["world_size"] == 2
+    # per-channel statistics of an imported dump (no recorded styles) need the plan
     pc = tmp_path / "pcdump"
     pc.mkdir()
     for f in runs["pc2"].glob("measure_hooks_*"):
         shutil.copy(f, pc)
-    r = run_cli("unify", "-g", "01", "-m", pc, "-o", tmp_path / "pcu")
+    assert run_cli("import-hqt", pc, "-o", tmp_path / "pci").exit_code == 0
+    r = run_cli("unify", "-g", "01", "-m", tmp_path / "pci", "-o", tmp_path / "pcu")
     assert r.exit_code == 3 and "--parallel-plan" in r.stderr and not (tmp_path / "pcu").exists()
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({r"(q|k|v|gate|up)_proj$": "column", r"(o|down)_proj$": "row", "lm_head": "column"}))
-    r = run_cli("unify", "-g", "01", "-m", pc, "-o", tmp_path / "pcu", "--parallel-plan", plan)
+    r = run_cli("unify", "-g", "01", "-m", tmp_path / "pci", "-o", tmp_path / "pcu", "--parallel-plan", plan)
     assert r.exit_code == 0, r.output
     u, ref = nodes(tmp_path / "pcu", "measure_hooks_maxabs_per_channel"), nodes(runs["pc1"], "measure_hooks_maxabs_per_channel")
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
@@ -170,8 +176,8 @@ def test_foreign_dump_with_stray_files(runs, tmp_path):
 
 @pytest.mark.slow
 def test_bad_input(runs, tmp_path):
-    def refused(args, message):
-        r = run_cli("unify", *args, "-o", tmp_path / "out")
+    def refused(args, message, command="unify"):
+        r = run_cli(command, *args, "-o", tmp_path / "out")
         assert r.exit_code in (2, 3), r.output  # a wrong group (usage) or a wrong artifact
         assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert not (tmp_path / "out").exists()
@@ -186,11 +192,12 @@ def test_bad_input(runs, tmp_path):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     shutil.copy(runs["pt2"] / "measure_hooks_maxabs_0_2.json", foreign)
-    refused(["-g", "01", "-m", foreign], "missing the rank file(s) 1")
+    refused(["-g", "01", "-m", foreign], "hqtflow import-hqt")
+    refused([foreign], "missing the rank file(s) 1", "import-hqt")
     corrupt = tmp_path / "corrupt"
     shutil.copytree(foreign, corrupt)
     (corrupt / "measure_hooks_maxabs_1_2.json").write_text("[]")
-    refused(["-g", "01", "-m", corrupt], "is not an HQT measurement file")
+    refused([corrupt], "is not an HQT measurement file", "import-hqt")
 
 
 @pytest.mark.slow

@@ -321,7 +321,7 @@ def _common(job, device: str) -> dict:
     return {"scale_method": job.cfg.scale_method if isinstance(job.cfg.scale_method, str) else "custom",
             "target": device, "fp8": job.cfg.fp8_config, "hp_dtype": job.cfg.hp_dtype,
             "source_measurement": str(meas.directory.resolve()), "source_digest": meas.digest(),
-            "provenance_known": meas.manifest is not None and meas.manifest.data.get("provenance_known", True),
+            "provenance_known": meas.manifest.data.get("provenance_known", True),
             "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]), "model_path": str(job.model_dir),
             "engine": {"name": "inc", "version": inc_version(), "device": device}}
 
@@ -333,7 +333,7 @@ def _scales_only(s, job, model, device: str) -> Path:
 
     from hqtflow.formats.artifact import ArtifactKind, staged_output, write_manifest
     from hqtflow.formats.measurement import copy_measurement_files
-    from hqtflow.quantize.scale_files import write_quant_config
+    from hqtflow.formats.scale_files import write_quant_config
 
     with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[job.meas.directory, job.model_dir, s.config]) as tmp:
         with torch.no_grad():

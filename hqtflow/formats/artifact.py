@@ -280,6 +280,30 @@ class Manifest:
         return hashlib.sha256(json.dumps(self.files, sort_keys=True).encode()).hexdigest()
 
 
+def _raw_manifest(directory: Path, kind: str) -> tuple[Path, dict]:
+    """The manifest's JSON (`_type` and `_version` present), nothing verified; `kind` words the refusals."""
+    what = f"{kind} " if kind else ""
+    if not directory.is_dir():
+        raise ArtifactError(f"{(what or 'artifact ').capitalize()}directory {directory} does not exist.")
+    check_not_partial(directory)
+    mpath = directory / MANIFEST
+    if not mpath.is_file():
+        raise ArtifactError(
+            f"{directory} has no {MANIFEST}: it is not an hqtflow {what}artifact, or its writing did not finish."
+        )
+    try:
+        raw = json.loads(mpath.read_text())
+        raw["_type"], raw["_version"]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).") from None
+    return mpath, raw
+
+
+def artifact_kind(directory: str | Path) -> str:
+    """The `_type` an artifact's manifest declares, to pick its reader (`read_manifest` then checks everything)."""
+    return str(_raw_manifest(Path(directory), "")[1]["_type"])
+
+
 def read_manifest(directory: Path, type_: str, max_version: int | None = None, *, verify: bool = True) -> Manifest:
     """Load and check an artifact's manifest; every failure is one ArtifactError sentence.
 
@@ -288,20 +312,8 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
     `verify`) a missing or changed file."""
     directory = Path(directory)
     max_version = ArtifactKind(type_).version if max_version is None else max_version
-    kind = type_.split(".")[-1]
-    if not directory.is_dir():
-        raise ArtifactError(f"{kind.capitalize()} directory {directory} does not exist.")
-    check_not_partial(directory)
-    mpath = directory / MANIFEST
-    if not mpath.is_file():
-        raise ArtifactError(
-            f"{directory} has no {MANIFEST}: it is not an hqtflow {kind} artifact, or its writing did not finish."
-        )
-    try:
-        raw = json.loads(mpath.read_text())
-        found_type, found_version = raw["_type"], raw["_version"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-        raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).") from None
+    mpath, raw = _raw_manifest(directory, type_.split(".")[-1])
+    found_type, found_version = raw["_type"], raw["_version"]
     if found_type != type_:
         raise ArtifactError(f"{directory} holds a {found_type!r} artifact, not the {str(type_)!r} this step needs.")
     if type(found_version) is int and found_version > max_version:

@@ -3,12 +3,12 @@
 Per rank, HQT / Neural Compressor's files, named and laid out exactly as INC writes them:
 `<dump_stats_path>_hooks_<observer>[_<rank>_<world>]` + `.json` (canonical, what hqtflow reads), `.npz` (INC's
 QUANTIZE reads it; it is `np.savez(path, dict)`, a pickled object array, so hqtflow writes it but reads one only
-from a foreign dump with --trust-pickle) and `_mod_list.json`. Each per-tensor statistic is the observer's (1, 1)
+in `import-hqt --trust-pickle`) and `_mod_list.json`. Each per-tensor statistic is the observer's (1, 1)
 state as nested lists; per-channel statistics are (C, 1). Beside them: `kv_cache_maxabs.json` (hqtflow's KV-cache
 statistics, one rank), `quant_config.json` (INC's QUANTIZE config pointing at the files) and the manifest, last.
 
-`load_measurement` is the one reader: an artifact through its manifest, or a foreign dump (no manifest) by its file
-names (`read_dump`).
+`load_measurement` is the one reader of artifacts (through the manifest); a foreign dump (no manifest) is read by its
+file names (`read_dump`) only by `import-hqt`, which wraps it into an artifact.
 """
 
 from __future__ import annotations
@@ -127,6 +127,9 @@ def parse_measurement_file(name: str) -> MeasurementFile | None:
     return MeasurementFile(m["base"], m["obs"], rank, world, m["ext"])
 
 
+RANK_FILES = (".json", ".npz", "_mod_list.json")  # what INC writes per rank, after the stem
+
+
 def write_measurement(
     directory: Path,
     stem: str,
@@ -134,22 +137,24 @@ def write_measurement(
     *,
     local_rank: int | None,
     num_samples: int,
+    twins: tuple[str, ...] = RANK_FILES,
 ) -> list[Path]:
-    """Write `<stem>.json`, `<stem>.npz` and `<stem>_mod_list.json`; return their paths."""
+    """Write `<stem>.json`, `<stem>.npz` and `<stem>_mod_list.json` (those of them in `twins`); return their paths."""
     directory = Path(directory)
     header = {"GlobalRank": None, "LocalRank": local_rank, "Mode": "DynamicRange"}
     if num_samples > 0:
         header = {"NumSamples": num_samples, **header}
-    js = directory / f"{stem}.json"
-    js.write_text(json.dumps({**header, "Nodes": {k: v.to_json() for k, v in nodes.items()}}, indent=4))
-    npz = directory / f"{stem}.npz"
-    np.savez(npz, {**header, "Nodes": {k: v.to_numpy() for k, v in nodes.items()}})
-    mods = directory / f"{stem}_mod_list.json"
-    mods.write_text(json.dumps(list(nodes), indent=4))
-    return [js, npz, mods]
-
-
-RANK_FILES = (".json", ".npz", "_mod_list.json")  # what INC writes per rank, after the stem
+    out = []
+    if ".json" in twins:
+        out.append(directory / f"{stem}.json")
+        out[-1].write_text(json.dumps({**header, "Nodes": {k: v.to_json() for k, v in nodes.items()}}, indent=4))
+    if ".npz" in twins:
+        out.append(directory / f"{stem}.npz")
+        np.savez(out[-1], {**header, "Nodes": {k: v.to_numpy() for k, v in nodes.items()}})
+    if "_mod_list.json" in twins:
+        out.append(directory / f"{stem}_mod_list.json")
+        out[-1].write_text(json.dumps(list(nodes), indent=4))
+    return out
 
 
 def copy_measurement_files(directory: Path, stems: list[str], out: Path, new_stems: list[str] | None = None) -> list[str]:
@@ -288,7 +293,8 @@ def write_artifact(directory: Path, output: Path, *, base: str, inc_config: dict
 # ---- the artifact: read -----------------------------------------------------------------------------
 @dataclass
 class LoadedMeasurement:
-    """A measurement artifact, or a foreign HQT/INC dump (`manifest` None: provenance unknown), read and checked."""
+    """A measurement read and checked: an artifact (`manifest` set), or a foreign HQT/INC dump on its way into
+    `import-hqt` (`manifest` None)."""
 
     directory: Path
     manifest: Manifest | None
@@ -336,13 +342,23 @@ def manifest_ranks(m: Manifest) -> tuple[list[str], int]:
     return stems, world
 
 
-def load_measurement(directory: str | Path, *, trust_pickle: bool = False, world_size: int | None = None) -> LoadedMeasurement:
-    """The one reader: an artifact through its manifest (every file's hash checked), else a foreign dump."""
+def refuse_foreign_dump(directory: Path) -> None:
+    """A directory of HQT/INC files without a manifest is refused with the `import-hqt` command that brings it in."""
+    directory = Path(directory)
+    if directory.is_dir() and not (directory / MANIFEST).exists():
+        check_not_partial(directory)
+        if scan_dump(directory).groups:
+            raise ArtifactError(f"{directory} holds HQT/INC measurement files but no hqtflow {MANIFEST}; bring them in "
+                                f"first with `hqtflow import-hqt {directory} -o OUT [--model MODEL]` and use OUT.")
+
+
+def load_measurement(directory: str | Path) -> LoadedMeasurement:
+    """The one reader of measurement artifacts: through the manifest, every file's hash checked. A foreign HQT/INC
+    dump (no manifest) is refused with the `import-hqt` command that brings it in."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ArtifactError(f"Measurement directory {directory} does not exist.")
-    if not (directory / MANIFEST).exists():
-        return read_dump(directory, trust_pickle=trust_pickle, world_size=world_size)
+    refuse_foreign_dump(directory)
     m = read_manifest(directory, ArtifactKind.MEASUREMENT)
     stems, world = manifest_ranks(m)
     return LoadedMeasurement(directory, m, [read_measurement(confined(directory, f"{s}.json")) for s in stems], stems, world)
@@ -386,7 +402,7 @@ def read_dump(directory: Path, *, trust_pickle: bool = False, world_size: int | 
     if len(groups) > 1:
         shown = ", ".join(f"{b}_hooks_{o} ({w} rank(s))" for b, o, w in sorted(groups))
         worlds = sorted({w for _, _, w in groups})
-        hint = f"; world sizes {worlds}: `unify --world-size` picks one" if len(worlds) > 1 else ""
+        hint = f"; world sizes {worlds}: `import-hqt --world-size` picks one" if len(worlds) > 1 else ""
         raise ArtifactError(f"{directory} holds several measurements ({shown}{hint}); copy one of them into a directory "
                             "of its own.")
     (_, _, world), files = next(iter(groups.items()))
@@ -408,8 +424,8 @@ def read_dump(directory: Path, *, trust_pickle: bool = False, world_size: int | 
             ranks.append(_read_npz(twins[".npz"]))
         elif ".npz" in twins:
             raise ArtifactError(f"Rank {r} of {directory} has no measurement .json; its .npz twin is a pickle, opened "
-                                "only with --trust-pickle (of `hqtflow quantize`): a file which hqtflow does not open "
-                                "otherwise, so copy the JSON twin INC writes beside it.")
+                                "only with `hqtflow import-hqt --trust-pickle` (which writes its JSON twin into the "
+                                "artifact); otherwise copy the JSON twin INC writes beside it.")
         else:
             raise ArtifactError(f"Rank {r} of {directory} has no measurement .json (only {stem}_mod_list.json).")
         stems.append(stem)

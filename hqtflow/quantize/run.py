@@ -8,17 +8,15 @@ the source measurement's digest).
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hqtflow.choices import KVCache, parse
 from hqtflow.config import QuantConfig
-from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning
+from hqtflow.errors import ArtifactError, ConfigError
 from hqtflow.formats.artifact import MANIFEST, ArtifactKind, staged_output, write_manifest
 from hqtflow.quantize.settings import QuantizeSettings  # noqa: F401 - re-exported (it lived here)
 from hqtflow.formats.measurement import LoadedMeasurement, Measurement, load_measurement, require_dynamic_range
-
 
 
 DEFAULT_CONFIG = {"mode": "QUANTIZE", "scale_method": "maxabs_arbitrary", "blocklist": {"names": ["lm_head"]}}
@@ -77,15 +75,15 @@ def plan_job(s: QuantizeSettings) -> Job:
     if s.disk_offload and (any(m.dynamic for m in rules.methods()) or not rules.uniform):
         raise ConfigError("--disk-offload writes one static scale method everywhere; it cannot be combined with "
                           "dynamic methods or per-layer scale_method sections yet.")
-    meas = load_measurement(s.measurement, trust_pickle=s.trust_pickle)
+    meas = load_measurement(s.measurement)
     for st, r in zip(meas.stems, meas.ranks):
         require_dynamic_range(r, f"{meas.directory / st}.json")
-    model_ref = s.model or (meas.manifest.data.get("model_path") if meas.manifest else None)
+    model_ref = s.model or meas.manifest.data.get("model_path")
     if model_ref is None:
-        raise ArtifactError(f"{meas.directory} has no hqtflow manifest naming its model; pass the MODEL argument.")
+        raise ArtifactError(f"{meas.directory} was imported without --model, so it names no model; pass the MODEL argument.")
     model_dir = models.resolve_model(model_ref)
     fp = models.fingerprint(model_dir)
-    if meas.manifest is not None and meas.manifest.model and meas.manifest.model.get("id") != fp["id"]:
+    if meas.manifest.model and meas.manifest.model.get("id") != fp["id"]:
         raise ArtifactError(
             f"Measurement {meas.directory} was made on a different model (fingerprint {meas.manifest.model.get('id')}, "
             f"{model_dir} is {fp['id']}); measure this model first."
@@ -97,10 +95,7 @@ def plan_job(s: QuantizeSettings) -> Job:
         if cfg.fp8_config != "E4M3":
             raise ConfigError("compressed-tensors FP8 checkpoints are E4M3; fp8_config E5M2 is supported with --scales-only.")
     plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0])
-    dtype = meas.manifest.data.get("model_dtype", "bf16") if meas.manifest else "bf16"
-    if meas.manifest is None:  # said once every check passed, so a refusal stays one sentence
-        warnings.warn(f"{meas.directory} has no hqtflow manifest: it is read as a foreign HQT/INC dump, and its "
-                      "provenance (model, calibration data, run) cannot be checked.", ProvenanceWarning, stacklevel=2)
+    dtype = meas.manifest.data.get("model_dtype", "bf16")
     if not s.scales_only and not s.weight_only:
         kinds = {(m.activation.granularity, m.activation.dynamic, m.activation.backoff, m.activation.rounding)
                  if m.dynamic else None for m in (rules(n) for n in plan["quantize"])}
@@ -181,14 +176,14 @@ def _provenance(job: Job) -> dict:
     return {"scale_method": cfg.scale_method if isinstance(cfg.scale_method, dict) else job.method.default.name,
             "target": job.target, "fp8": cfg.fp8_config, "hp_dtype": cfg.hp_dtype,
             "source_measurement": str(meas.directory.resolve()), "source_digest": meas.digest(),
-            "provenance_known": meas.manifest is not None and meas.manifest.data.get("provenance_known", True),
+            "provenance_known": meas.manifest.data.get("provenance_known", True),
             "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]), "model_path": str(job.model_dir)}
 
 
 def _scale_files_writer(s: QuantizeSettings, job: Job):
     """Per-rank INC scale files and the QUANTIZE QUANT_CONFIG (`--scales-only`)."""
     from hqtflow import models
-    from hqtflow.quantize.scale_files import write_scale_files
+    from hqtflow.quantize.scales_only import write_scale_files
 
     model = models.load_model(job.model_dir, job.dtype)
 

@@ -16,6 +16,5 @@ class QuantizeSettings:
     scales_only: bool = False
     weight_only: bool = False
     overwrite: bool = False
-    trust_pickle: bool = False
     disk_offload: bool = False  # stream weights from the safetensors files; the bf16 model is never in RAM
     kv_cache: str = "bf16"  # "fp8": k_scale/v_scale from the measurement's KV statistics in the checkpoint

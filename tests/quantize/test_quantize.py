@@ -197,10 +197,12 @@ def test_nan_statistics_refused(measured, tmp_path):
     js = json.loads((bad / "measure_hooks_maxabs.json").read_text())
     js["Nodes"]["model.layers.1.self_attn.v_proj"]["inputs"] = [[[float("nan")]]]
     (bad / "measure_hooks_maxabs.json").write_text(json.dumps(js))
-    (bad / "hqtflow_manifest.json").unlink()  # a foreign dump: read without provenance
+    (bad / "hqtflow_manifest.json").unlink()  # a foreign dump: only import-hqt reads it
     model = json.loads((measured / "hqtflow_manifest.json").read_text())["data"]["model_path"]
-    refused_quantize([model, "-m", bad, "-o", tmp_path / "out"],
-             "module model.layers.1.self_attn.v_proj has a non-finite input statistic", tmp_path, code=3)
+    refused_quantize([model, "-m", bad, "-o", tmp_path / "out"], f"bring them in first with `hqtflow import-hqt {bad}", tmp_path, code=3)
+    r = run_cli("import-hqt", bad, "-o", tmp_path / "out")
+    assert r.exit_code == 3 and "module model.layers.1.self_attn.v_proj has a non-finite input statistic" in r.stderr, r.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_npz_only_needs_trust_pickle(measured, tmp_path):
@@ -210,8 +212,18 @@ def test_npz_only_needs_trust_pickle(measured, tmp_path):
     dump = tmp_path / "dump"
     dump.mkdir()
     shutil.copy(measured / "measure_hooks_maxabs.npz", dump)
-    refused_quantize([model, "-m", dump, "-o", tmp_path / "out"], "its .npz twin is a pickle, opened only with --trust-pickle", tmp_path, code=3)
-    r = run_cli("quantize", model, "-m", dump, "-o", tmp_path / "trusted", "--trust-pickle")
+    r = run_cli("import-hqt", dump, "-o", tmp_path / "out")
+    assert r.exit_code == 3 and "its .npz twin is a pickle, opened only with `hqtflow import-hqt --trust-pickle`" in r.stderr
+    assert not (tmp_path / "out").exists()
+    assert run_cli("quantize", model, "-m", dump, "-o", tmp_path / "q", "--trust-pickle").exit_code == 2  # import-hqt's now
+    r = run_cli("import-hqt", dump, "-o", tmp_path / "imp", "--trust-pickle", "--model", model)
+    assert r.exit_code == 0, r.output
+    imp = tmp_path / "imp"
+    assert (imp / "measure_hooks_maxabs.npz").read_bytes() == (dump / "measure_hooks_maxabs.npz").read_bytes()
+    assert json.loads((imp / "measure_hooks_maxabs.json").read_text()) == json.loads((measured / "measure_hooks_maxabs.json").read_text())
+    m = read_manifest(imp, "hqtflow.measurement", 1)
+    assert "measure_hooks_maxabs.json" in m.files and m.data["provenance_known"] is False
+    r = run_cli("quantize", "-m", imp, "-o", tmp_path / "trusted")  # the model recorded by --model
     assert r.exit_code == 0, r.output
     assert read_manifest(tmp_path / "trusted", "hqtflow.checkpoint", 1).data["provenance_known"] is False
 

@@ -109,7 +109,8 @@ def test_cli_kv_cache_paths(artifacts, tiny_llama, wiki_text, tmp_path):
     for p in (artifacts / "m").iterdir():
         if p.name.startswith("measure_hooks_maxabs"):
             (foreign / p.name).write_bytes(p.read_bytes())
-    r = run_cli("quantize", tiny_llama, "-m", foreign, "-o", tmp_path / "x", "--kv-cache", "fp8")
+    assert run_cli("import-hqt", foreign, "-o", tmp_path / "imported").exit_code == 0
+    r = run_cli("quantize", tiny_llama, "-m", tmp_path / "imported", "-o", tmp_path / "x", "--kv-cache", "fp8")
     assert r.exit_code == 3 and "no KV-cache statistics" in r.stderr and not (tmp_path / "x").exists()
     r = run_cli("quantize", "-m", artifacts / "m", "-o", tmp_path / "y", "--kv-cache", "fp8", "--scales-only")
     assert r.exit_code == 2 and "--scales-only" in r.stderr
