@@ -44,22 +44,20 @@ from pathlib import Path
 import torch
 
 from hqtflow.errors import ArtifactError, ConfigError
-from hqtflow.formats.artifact import MANIFEST, ArtifactKind, read_manifest, staged_output, write_manifest
-from hqtflow.formats.checkpoint import HP_DTYPE_NAMES, KV_SUFFIXES, check_scales, read_tensors, write_safetensors
+from hqtflow.formats.artifact import MANIFEST, ArtifactKind, artifact_kind, read_manifest, staged_output, write_manifest
+from hqtflow.formats.checkpoint import (HP_DTYPE_NAMES, KV_SUFFIXES, autofp8_tensors, check_scales, inc_tensors,
+                                        read_tensors, requantize, write_safetensors)
+from hqtflow.formats.compressed_tensors import autofp8_quantization_config, inc_quantization_config
 
 FORMATS = ("fp8", "compressed-tensors", "inc")
 LOADABLE_FORMATS = ("fp8", "compressed-tensors")  # what hqtflow.load runs ("inc" is Neural Compressor's)
-E4M3_MAX = 448.0
 
 
 def _source_manifest(path: Path):
     """The manifest of an hqtflow checkpoint or of an earlier compressed-tensors export (checked), or None."""
     if not (path / MANIFEST).exists():
         return None
-    try:
-        kind = json.loads((path / MANIFEST).read_text()).get("_type")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        kind = None
+    kind = artifact_kind(path)
     return read_manifest(path, ArtifactKind.EXPORT if kind == ArtifactKind.EXPORT else ArtifactKind.CHECKPOINT)
 
 
@@ -90,79 +88,6 @@ def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[
     return raw, parsed, tensors, linears
 
 
-def _dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 dequantization, exact (4-bit x 8-bit mantissas fit in float32)."""
-    return q.float() * scale.float().reshape(-1, 1) if scale.numel() > 1 else q.float() * scale.float().reshape(())
-
-
-def scale_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """amax / 448 in `dtype`, rounded up (never below the float32 value, so x / s never exceeds 448), at least
-    hqtflow's SCALE_FLOOR (an all-zero tensor gets the floor, as in `hqtflow.scales`)."""
-    from hqtflow.scales import SCALE_FLOOR
-
-    s32 = torch.clamp(amax.float() / E4M3_MAX, min=SCALE_FLOOR)
-    s = s32.to(dtype)
-    low = s.float() < s32
-    if low.any():
-        s = torch.where(low, (s.float() * (1 + 2.0 ** -7)).to(dtype), s)
-    return s
-
-
-def requantize(q: torch.Tensor, scale: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Re-quantize an FP8 weight to per-channel ([out, 1]) or per-tensor ([1]) scales from its dequantized values."""
-    w = _dequant(q, scale)
-    amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)
-    s = scale_for(amax, scale.dtype)
-    return (w / s.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
-
-
-def inc_quantization_config(*, scale_method: str, hp_dtype: str, blocklist: list[str], base: dict | None = None) -> dict:
-    """INC's FP8Config.to_dict() as `save(format="huggingface")` records it (mode LOAD, single device, QDQ)."""
-    base = base or {}
-    return {
-        "non_tunable_params": ["white_list"],
-        "dump_stats_path": base.get("dump_stats_path", "./hqt_output/measure"),
-        "fp8_config": "E4M3",
-        "hp_dtype": hp_dtype,
-        "blocklist": {"types": list(base.get("blocklist", {}).get("types", [])), "names": sorted(blocklist)},
-        "allowlist": {"types": list(base.get("allowlist", {}).get("types", [])),
-                      "names": list(base.get("allowlist", {}).get("names", []))},
-        "mode": "LOAD",
-        "scale_method": scale_method,
-        "scale_params": {},
-        "observer": base.get("observer", "maxabs"),
-        "mod_dict": {},
-        "_json_file": None,  # INC records the temp file of its own run; its loader writes a fresh one
-        "measure_exclude": base.get("measure_exclude", "OUTPUT"),
-        "fake_quant": "False",
-        "use_qdq": "True",
-        "scale_format": "scalar",
-        "measure_on_hpu": True,
-        "recalc_scales": bool(base.get("recalc_scales", True)),
-        "ignore_modules_wo_measures": bool(base.get("ignore_modules_wo_measures", False)),
-        "calibration_sample_interval": int(base.get("calibration_sample_interval", 0)),
-        "world_size": -1,
-    }
-
-
-def _inc_layout(tensors: dict[str, torch.Tensor], linears: list[str]) -> tuple[dict[str, torch.Tensor], bool]:
-    """INC QDQ state dict from hqtflow's tensors; returns it and whether weights were re-quantized per tensor."""
-    owned = {f"{n}.{s}" for n in linears for s in ("weight", "weight_scale", "input_scale")}
-    out = {k: v for k, v in tensors.items() if k not in owned and not k.endswith(KV_SUFFIXES)}
-    requantized = False
-    for n in linears:
-        q, s, si = tensors[f"{n}.weight"], tensors[f"{n}.weight_scale"], tensors[f"{n}.input_scale"]
-        if s.numel() > 1:
-            q, s = requantize(q, s, per_channel=False)
-            requantized = True
-        hp = s.dtype
-        out[f"{n}.weight"] = q.t().contiguous()
-        out[f"{n}.dequant_weights.scale"] = s.reshape(())
-        out[f"{n}.quant_input.scale"] = si.to(hp).reshape(())
-        out[f"{n}.quant_input.scale_inv"] = (1.0 / si.float()).to(hp).reshape(())
-    return out, requantized
-
-
 def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel: bool | None = None,
            overwrite: bool = False) -> Path:
     from hqtflow.formats.compressed_tensors import quantization_config
@@ -189,7 +114,7 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
         if not static:
             raise ConfigError(f"{checkpoint} is a weight-only checkpoint; --format inc writes INC's static W8A8 "
                               "layout, which needs an input scale per Linear.")
-        out_t, requantized = _inc_layout(tensors, linears)
+        out_t, requantized = inc_tensors(tensors, linears)
         src_m = _source_manifest(checkpoint)
         from_ck = src_m is not None and src_m.type == ArtifactKind.CHECKPOINT
         base = (src_m.raw.get("config") or {}) if from_ck else {}
@@ -209,26 +134,13 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
         extra_files["quantization_config.json"] = json.dumps(qcfg, indent=2)
         target_pc = False
     elif fmt == "fp8":
-        owned = {f"{n}.{s}" for n in linears for s in ("weight", "weight_scale", "input_scale")}
-        for k, v in tensors.items():
-            if k not in owned:
-                out_t[k] = v.float().reshape(()) if k.endswith(KV_SUFFIXES) else v
-        for n in linears:
-            q, s = tensors[f"{n}.weight"], tensors[f"{n}.weight_scale"]
-            if s.numel() > 1:
-                q, s = requantize(q, s, per_channel=False)
-            out_t[f"{n}.weight"] = q
-            out_t[f"{n}.weight_scale"] = s.float().reshape(())
-            if static:
-                out_t[f"{n}.input_scale"] = tensors[f"{n}.input_scale"].float().reshape(())
+        out_t = autofp8_tensors(tensors, linears, static=static)
         if src_pc:
             notes.append("per-channel weights re-quantized to one scale per tensor (largest channel scale)")
         if not static:
             notes.append("weight-only source exported as activation_scheme dynamic (vLLM quantizes activations per tensor at run time)")
-        qcfg = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
-                "ignored_layers": sorted(ignore)}
-        if any(k.endswith(KV_SUFFIXES) for k in tensors):
-            qcfg["kv_cache_scheme"] = "static"
+        qcfg = autofp8_quantization_config(static=static, ignore=ignore,
+                                           kv_cache=any(k.endswith(KV_SUFFIXES) for k in tensors))
         target_pc = False
     else:
         target_pc = src_pc if per_channel is None else per_channel

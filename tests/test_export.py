@@ -90,7 +90,7 @@ def test_import_hqt_refuses(measured, tmp_path):
     npz = tmp_path / "npz"
     npz.mkdir()
     shutil.copy(measured / "measure_hooks_maxabs.npz", npz)
-    refused(npz, "which hqtflow does not open")
+    refused(npz, "opened only with `hqtflow import-hqt --trust-pickle`")
     refused(tmp_path / "nope", "does not exist")
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -6,6 +6,9 @@ Its tensors are compressed-tensors FP8 (what config.json's `quantization_config`
   order and in row blocks, so memory does not grow with the file (`--disk-offload` streams its shards through it);
   `write_safetensors` writes tensors held in memory. `save_checkpoint` writes a converted model; shards are named by
   `shard_names` and listed by `write_index`.
+- Other runtimes' layouts (`hqtflow export`): `autofp8_tensors` (AutoFP8 / vLLM `fp8`), `inc_tensors` (Neural
+  Compressor's huggingface QDQ layout), `requantize` between per-tensor and per-channel weight scales; `load_checkpoint`
+  reads the `fp8` layout back.
 - Reading: `TensorFiles`, the one tensor reader: a folder's safetensors files, listed from their (checked) headers
   and read one tensor at a time, memory-mapped; `read_tensors` reads them all; `load_checkpoint` builds the model.
 """
@@ -152,6 +155,70 @@ def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_chann
     qc = quantization_config(per_channel=per_channel, static_input=static_input and not kind, ignore=ignore,
                              kv_cache=kv_cache, dynamic=kind, inc_rule=rule)
     write_config(out, model.config, qc, getattr(model, "generation_config", None))
+
+
+# ---- other runtimes' layouts (`hqtflow export`; their configs: compressed_tensors.py) ----------------------
+E4M3_MAX = 448.0
+
+
+def _dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 dequantization, exact (4-bit x 8-bit mantissas fit in float32)."""
+    return q.float() * scale.float().reshape(-1, 1) if scale.numel() > 1 else q.float() * scale.float().reshape(())
+
+
+def scale_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """amax / 448 in `dtype`, rounded up (never below the float32 value, so x / s never exceeds 448), at least
+    hqtflow's SCALE_FLOOR (an all-zero tensor gets the floor, as in `hqtflow.scales`)."""
+    from hqtflow.scales import SCALE_FLOOR
+
+    s32 = torch.clamp(amax.float() / E4M3_MAX, min=SCALE_FLOOR)
+    s = s32.to(dtype)
+    low = s.float() < s32
+    if low.any():
+        s = torch.where(low, (s.float() * (1 + 2.0 ** -7)).to(dtype), s)
+    return s
+
+
+def requantize(q: torch.Tensor, scale: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-quantize an FP8 weight to per-channel ([out, 1]) or per-tensor ([1]) scales from its dequantized values."""
+    w = _dequant(q, scale)
+    amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)
+    s = scale_for(amax, scale.dtype)
+    return (w / s.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
+
+
+def autofp8_tensors(tensors: dict[str, torch.Tensor], linears: list[str], *, static: bool) -> dict[str, torch.Tensor]:
+    """The AutoFP8 / vLLM `fp8` layout from hqtflow's tensors: scalar float32 `weight_scale` / `input_scale` (a
+    per-channel weight re-quantized to one scale per tensor), float32 scalar KV scales."""
+    owned = {f"{n}.{s}" for n in linears for s in ("weight", "weight_scale", "input_scale")}
+    out = {k: (v.float().reshape(()) if k.endswith(KV_SUFFIXES) else v) for k, v in tensors.items() if k not in owned}
+    for n in linears:
+        q, s = tensors[f"{n}.weight"], tensors[f"{n}.weight_scale"]
+        if s.numel() > 1:
+            q, s = requantize(q, s, per_channel=False)
+        out[f"{n}.weight"] = q
+        out[f"{n}.weight_scale"] = s.float().reshape(())
+        if static:
+            out[f"{n}.input_scale"] = tensors[f"{n}.input_scale"].float().reshape(())
+    return out
+
+
+def inc_tensors(tensors: dict[str, torch.Tensor], linears: list[str]) -> tuple[dict[str, torch.Tensor], bool]:
+    """INC QDQ state dict from hqtflow's tensors; returns it and whether weights were re-quantized per tensor."""
+    owned = {f"{n}.{s}" for n in linears for s in ("weight", "weight_scale", "input_scale")}
+    out = {k: v for k, v in tensors.items() if k not in owned and not k.endswith(KV_SUFFIXES)}
+    requantized = False
+    for n in linears:
+        q, s, si = tensors[f"{n}.weight"], tensors[f"{n}.weight_scale"], tensors[f"{n}.input_scale"]
+        if s.numel() > 1:
+            q, s = requantize(q, s, per_channel=False)
+            requantized = True
+        hp = s.dtype
+        out[f"{n}.weight"] = q.t().contiguous()
+        out[f"{n}.dequant_weights.scale"] = s.reshape(())
+        out[f"{n}.quant_input.scale"] = si.to(hp).reshape(())
+        out[f"{n}.quant_input.scale_inv"] = (1.0 / si.float()).to(hp).reshape(())
+    return out, requantized
 
 
 # ---- reading -------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""The compressed-tensors FP8 layout (what llm-compressor writes and vLLM prefers), written and read by hqtflow.
+"""The compressed-tensors FP8 layout (what llm-compressor writes and vLLM prefers), written and read by hqtflow;
+beside it, the `quantization_config` of the other layouts `hqtflow export` writes: AutoFP8 / vLLM `fp8` (also read)
+and Neural Compressor's `save(format="huggingface")` (INC reads it; hqtflow refuses to run it).
 
 Per quantized Linear: `weight` float8_e4m3fn [out, in], `weight_scale` ([1] per tensor or [out, 1] per channel,
 W ~ weight * weight_scale), and, for static activations, `input_scale` [1]. config.json carries
@@ -122,6 +124,14 @@ def _inc_rule(raw, activation: str | None) -> dict | None:
     return {"scale_method": str(raw.get("scale_method")), "backoff": float(raw["backoff"]), "rounding": raw["rounding"]}
 
 
+def autofp8_quantization_config(*, static: bool, ignore: list[str], kv_cache: bool = False) -> dict:
+    """AutoFP8 / vLLM `quant_method: fp8` (read back by `_parse_autofp8`)."""
+    qc = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic", "ignored_layers": sorted(ignore)}
+    if kv_cache:
+        qc["kv_cache_scheme"] = "static"
+    return qc
+
+
 def _parse_autofp8(qc: dict) -> dict:
     """AutoFP8 / vLLM `fp8`: scalar float32 scales; `weight_block_size` [b0, b1] for block-wise (DeepSeek style,
     scales possibly named `weight_scale_inv`, activations then dynamic per token and per b1 columns)."""
@@ -145,3 +155,32 @@ def _parse_autofp8(qc: dict) -> dict:
     return {"per_channel": False, "static_input": activation == "static", "ignore": ignore,
             "strategy": "block" if block else "tensor", "block_size": block, "activation": activation,
             "group_size": group_size, "method": "fp8", "kv_cache": qc.get("kv_cache_scheme") is not None}
+
+
+def inc_quantization_config(*, scale_method: str, hp_dtype: str, blocklist: list[str], base: dict | None = None) -> dict:
+    """INC's FP8Config.to_dict() as `save(format="huggingface")` records it (mode LOAD, single device, QDQ)."""
+    base = base or {}
+    return {
+        "non_tunable_params": ["white_list"],
+        "dump_stats_path": base.get("dump_stats_path", "./hqt_output/measure"),
+        "fp8_config": "E4M3",
+        "hp_dtype": hp_dtype,
+        "blocklist": {"types": list(base.get("blocklist", {}).get("types", [])), "names": sorted(blocklist)},
+        "allowlist": {"types": list(base.get("allowlist", {}).get("types", [])),
+                      "names": list(base.get("allowlist", {}).get("names", []))},
+        "mode": "LOAD",
+        "scale_method": scale_method,
+        "scale_params": {},
+        "observer": base.get("observer", "maxabs"),
+        "mod_dict": {},
+        "_json_file": None,  # INC records the temp file of its own run; its loader writes a fresh one
+        "measure_exclude": base.get("measure_exclude", "OUTPUT"),
+        "fake_quant": "False",
+        "use_qdq": "True",
+        "scale_format": "scalar",
+        "measure_on_hpu": True,
+        "recalc_scales": bool(base.get("recalc_scales", True)),
+        "ignore_modules_wo_measures": bool(base.get("ignore_modules_wo_measures", False)),
+        "calibration_sample_interval": int(base.get("calibration_sample_interval", 0)),
+        "world_size": -1,
+    }

@@ -18,6 +18,7 @@ Called without a step plan (a plain `model.generate` on the same model), it is t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,6 @@ import torch.nn.functional as F
 from hqtflow.scales import FP8_DTYPES, dequantize, quantize
 
 NAME = "hqtflow_paged"
-_registered = False
 
 
 @dataclass
@@ -176,16 +176,19 @@ def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return torch.matmul(scores.softmax(-1), v.float().transpose(1, 2)).reshape(b, heads, d).to(q.dtype)
 
 
-def install(model) -> None:
-    """Register "hqtflow_paged" with transformers' attention and mask interfaces and switch the model to it."""
-    global _registered
+@functools.cache
+def _register() -> None:
+    """Register "hqtflow_paged" with transformers' attention and mask interfaces (once per process)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if not _registered:
-        AttentionInterface.register(NAME, paged_attention)
-        AttentionMaskInterface.register(NAME, sdpa_mask)
-        _registered = True
+    AttentionInterface.register(NAME, paged_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def install(model) -> None:
+    """Register "hqtflow_paged" with transformers and switch the model to it."""
+    _register()
     text = model.config.get_text_config(decoder=True)
     types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
     sliding = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
