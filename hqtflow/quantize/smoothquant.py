@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from hqtflow.errors import ArtifactError, ConfigError
-from hqtflow.scales import (ACTIVATION_BACKOFF, SMOOTHQUANT_METHODS, WEIGHT_BACKOFF, _best_per_channel, floored,
-                            full_scale, linear_scales, round_pow2, scale_method)
+from hqtflow.scales import (ACTIVATION_BACKOFF, HP_DTYPES, SMOOTHQUANT_METHODS, WEIGHT_BACKOFF, _best_per_channel,
+                            floored, full_scale, linear_scales, round_pow2, scale_method)
 
 ALPHA = 0.5
 FALLBACK = "act_maxabs_pow2_weights_pcs_maxabs_pow2"
@@ -120,7 +120,7 @@ def convert_smoothquant(model: nn.Module, names: list[str], meas, method_name: s
     F = full_scale(fp8, target)
     _untie_if_needed(model, names)
     posts = smooth(model, names, meas, method_name, F)
-    hp = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[hp_dtype]
+    hp = HP_DTYPES[hp_dtype]
     fallback = scale_method(FALLBACK, target)
     used = {}
     for name in names:  # after all folding (an up_proj is both a consumer and a source)
