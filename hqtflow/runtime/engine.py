@@ -70,7 +70,7 @@ class Event:
     prompt: list[tuple[float | None, list[tuple[int, float]]]] | None = None  # last event, if prompt_logprobs
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity, never field-by-field (two equal prompts are two requests)
 class Request:
     input_ids: list[int]
     params: SamplingParams
@@ -380,22 +380,24 @@ class Engine:
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[int, float, list | None]]:
         logprobs = torch.log_softmax(logits, dim=-1)
+        toks = logits.argmax(-1).tolist()  # the pick of every row that no processor changes (first max, as per row)
+        for row, req in enumerate(reqs):
+            p = req.params
+            if p.do_sample:
+                x = self._process(req, logits[row].clone())
+                toks[row] = int(torch.multinomial(_warp(x, p).softmax(-1), 1, generator=req.generator))
+            elif _processed(req):
+                toks[row] = int(self._process(req, logits[row].clone()).argmax())
+            if req.matcher is not None:
+                req.matcher.accept_token(toks[row])
+        chosen = logprobs[torch.arange(len(reqs), device=logits.device), torch.tensor(toks, device=logits.device)].tolist()
         out = []
         for row, req in enumerate(reqs):
-            x = self._process(req, logits[row].clone())
-            p = req.params
-            if not p.do_sample:
-                tok = int(x.argmax())
-            else:
-                x = _warp(x, p)
-                tok = int(torch.multinomial(x.softmax(-1), 1, generator=req.generator))
-            if req.matcher is not None:
-                req.matcher.accept_token(tok)
             top = None
-            if p.top_n:
-                t = logprobs[row].topk(p.top_n)
+            if req.params.top_n:
+                t = logprobs[row].topk(req.params.top_n)
                 top = list(zip(t.indices.tolist(), t.values.tolist()))
-            out.append((tok, float(logprobs[row, tok]), top))
+            out.append((toks[row], chosen[row], top))
         return out
 
     def _process(self, req: Request, x: torch.Tensor) -> torch.Tensor:
@@ -443,6 +445,13 @@ class Engine:
         req.finished = finish is not None
         req.emit(Event(len(req.generated) - 1, Token(tok, text, logprob, special, top), finish,
                        req.text if finish else None, prompt=req.prompt if finish else None))
+
+
+def _processed(req: Request) -> bool:
+    """Whether any logits processor of `Engine._process` applies to this request's next token."""
+    p = req.params
+    return bool(p.watermark or p.repetition_penalty != 1.0 or p.tgi_frequency_penalty or
+                ((p.presence_penalty or p.frequency_penalty) and req.generated) or p.logit_bias or req.matcher is not None)
 
 
 def _decoding(req: Request) -> bool:

@@ -245,6 +245,26 @@ def test_paged_cache_admits_by_free_blocks_and_preempts(lm16):
     assert ev[-1].error and "does not fit in the KV cache" in ev[-1].error
 
 
+def test_identical_requests_are_distinct_under_preemption(lm16):
+    """Requests equal field by field (same prompt, same params object, same callback) are still distinct requests:
+    preemption takes the newest one, and every one of them gets its whole answer."""
+    model, tok = lm16
+    params, events, lock = SamplingParams(max_new_tokens=20, ignore_eos=True), [], threading.Lock()
+
+    def emit(ev):
+        with lock:
+            events.append(ev)
+
+    eng = Engine(model, tok, max_batch_total_tokens=64, block_size=16)
+    reqs = [eng.submit(ids(tok, PROMPTS[1]), params, emit) for _ in range(4)]
+    while eng.step():
+        pass
+    assert eng.stats.preemptions > 0
+    assert [len(r.generated) for r in reqs] == [20] * 4 and all(r.finished for r in reqs)
+    assert sum(e.finish_reason == "length" for e in events) == 4 and not any(e.error for e in events)
+    assert len({tuple(r.generated) for r in reqs}) == 1 and eng.pool.num_free == 4
+
+
 def test_chunked_prefill_runs_beside_decoding_streams(lm16):
     """A long prompt is prefilled in chunks of max_prefill_tokens while a running stream keeps decoding in the same
     steps; several waiting prompts share one step; outputs equal the ones alone (chunks are cut at fixed offsets)."""
