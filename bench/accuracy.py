@@ -112,7 +112,7 @@ def main() -> None:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=2))
 
 
-KL_METHODS = ["maxabs_arbitrary", "maxabs_pow2", "act_maxabs_pow2_weights_pcs_maxabs_pow2", "fp8_dynamic",
+KL_METHODS = ["maxabs_arbitrary", "maxabs_pow2", "act_maxabs_pow2_weights_pcs_maxabs_pow2", "fp8_dynamic", "fp8_dynamic_mse",
               "maxabs_pcs_pow2", "act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw"]
 
 

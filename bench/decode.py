@@ -59,9 +59,10 @@ def inc_model(bf16_path: Path, measurement: Path, work: Path):
 def profile_step(decoder: StaticDecoder, ids: torch.Tensor, top: int = 12) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    decoder.generate(ids, 4)
+    steps = max(1, min(9, decoder.max_length - ids.shape[1]))  # within the cache
+    decoder.generate(ids, min(4, steps))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        decoder.generate(ids, 9)
+        decoder.generate(ids, steps)
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 

@@ -46,7 +46,7 @@ def divergence(reference: list[torch.Tensor], model, windows: list[torch.Tensor]
     kl_sum, agree, n, nll, m = 0.0, 0, 0, 0.0, 0
     for ref, w in zip(reference, windows):
         q = torch.log_softmax(model(input_ids=w.to(device)).logits[0].float(), -1).cpu()
-        kl_sum += float((ref.exp() * (ref - q)).sum())
+        kl_sum += float((ref.exp() * (ref - q)).sum(-1).clamp(min=0).sum())  # >= 0 up to float rounding
         agree += int((ref.argmax(-1) == q.argmax(-1)).sum())
         n += ref.shape[0]
         nll -= float(q[:-1].gather(-1, w[0, 1:, None]).sum())

@@ -33,8 +33,9 @@ SCALE_METHODS = (
     # Neural Compressor 3.10's dynamic methods (only with dynamic_quantization: true, as INC requires)
     "act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw",
     "maxabs_pcs_pow2",
-    # hqtflow's own (compressed-tensors FP8_DYNAMIC; not an INC name: hqtflow handoff/INC refuse it)
+    # hqtflow's own (compressed-tensors FP8_DYNAMIC; not INC names: hqtflow handoff/INC refuse them)
     "fp8_dynamic",
+    "fp8_dynamic_mse",
     # the Habana Quantization Toolkit 1.17's SmoothQuant methods (not in INC 3.10; hqtflow folds the smoothing)
     "smoothquant_weights_output_channel_maxabs_pow2",
     "weaksmoothquant_weights_output_channel_maxabs_pow2",

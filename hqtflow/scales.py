@@ -97,7 +97,7 @@ class Rule:
     """How one tensor kind (weight or activation) gets its scale."""
 
     granularity: str = "PTS"  # PTS: one scale; PCS: one per output channel (weights)
-    value: str = "MAXABS"  # MAXABS | FIXED_VALUE | OPT | DUMMY_SCALES
+    value: str = "MAXABS"  # MAXABS | FIXED_VALUE | OPT | DUMMY_SCALES | MSE (hqtflow's: see `_least_squares_per_channel`)
     rounding: str = "IDENTITY"
     backoff: float = 1.0
     candidates: tuple[float, ...] | None = None  # OPT: scales (PTS) or multipliers (PCS) to search
@@ -123,8 +123,11 @@ class ScaleMethod:
 # Neural Compressor 3.10's methods that exist only with `dynamic_quantization: true` (it refuses them otherwise).
 INC_DYNAMIC_METHODS = ("act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw", "maxabs_pcs_pow2")
 # hqtflow's own: compressed-tensors FP8_DYNAMIC (llm-compressor's preset, vLLM's near-lossless default):
-# per-channel weights amax / F, per-token activations amax / F in float32, no backoff, no rounding.
-HQTFLOW_DYNAMIC_METHODS = ("fp8_dynamic",)
+# per-channel weights amax / F, per-token activations amax / F in float32, no backoff, no rounding; and
+# fp8_dynamic_mse: the same, each weight channel's scale amax / F times the multiplier in MSE_MULTIPLIERS with the
+# least squared rounding error of that channel (a data-free search; the checkpoint layout is FP8_DYNAMIC's).
+HQTFLOW_DYNAMIC_METHODS = ("fp8_dynamic", "fp8_dynamic_mse")
+MSE_MULTIPLIERS = tuple(round(0.70 + 0.01 * i, 2) for i in range(31))  # 0.70 .. 1.00
 DYNAMIC_METHODS = INC_DYNAMIC_METHODS + HQTFLOW_DYNAMIC_METHODS
 # The Habana Quantization Toolkit 1.17's SmoothQuant methods (hqtflow.quantize.smoothquant; not in INC 3.10)
 SMOOTHQUANT_METHODS = ("smoothquant_weights_output_channel_maxabs_pow2",
@@ -194,6 +197,7 @@ def _named(spec: str, target: str) -> ScaleMethod:
         "act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw": (w_hw, Rule("PCS", rounding="POW2")),
         "maxabs_pcs_pow2": (pcs_pow2, Rule("PCS", rounding="POW2")),
         "fp8_dynamic": (Rule("PCS"), Rule("PCS", dynamic="fp32")),
+        "fp8_dynamic_mse": (Rule("PCS", "MSE", candidates=MSE_MULTIPLIERS), Rule("PCS", dynamic="fp32")),
     }
     if spec not in table:
         raise ConfigError(f"Unknown scale method {spec!r}; valid values are {', '.join(table)}.")
@@ -358,6 +362,8 @@ def weight_scale(w: torch.Tensor, rule: Rule, *, target: str = "cpu", fp8: str =
         return apply_rounding(torch.tensor(1.0, dtype=hp, device=dev), rule.rounding, target)
     if rule.granularity == "PCS":
         ref = floored(apply_rounding(w.abs().amax(dim=1) / (F * rule.backoff), rule.rounding, target))
+        if rule.value == "MSE":
+            return _least_squares_per_channel(w, ref, rule.candidates, fp8, F)
         if rule.value != "OPT":
             return ref
         return floored(apply_rounding(_best_per_channel(w, ref, rule.candidates, fp8, F), rule.rounding, target))
@@ -390,6 +396,21 @@ def _best_per_channel(w: torch.Tensor, ref: torch.Tensor, multipliers, fp8: str,
         best = torch.where(better, torch.tensor(m, dtype=w.dtype, device=w.device), best)
         best_err = torch.where(better, err, best_err)
     return best * ref
+
+
+def _least_squares_per_channel(w: torch.Tensor, ref: torch.Tensor, multipliers, fp8: str, F: float) -> torch.Tensor:
+    """Per output channel: the scale ref * m (rounded to w's dtype, as stored) whose FP8 round trip of the channel
+    has the least squared error, summed in float32 (ties: the largest m, so a channel no smaller scale improves keeps
+    amax / F). Values above the smaller scale's range saturate; the error counts that."""
+    wf = w.float()
+    best = ref.clone()
+    best_err = ((wf - dequantize(quantize(w, ref[:, None], fp8, F), ref[:, None], w.dtype).float()) ** 2).sum(dim=1)
+    for m in sorted(multipliers, reverse=True):
+        s = floored((ref.float() * m).to(w.dtype))
+        err = ((wf - dequantize(quantize(w, s[:, None], fp8, F), s[:, None], w.dtype).float()) ** 2).sum(dim=1)
+        better = err < best_err
+        best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
+    return best
 
 
 @dataclass(frozen=True)

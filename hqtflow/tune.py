@@ -2,7 +2,9 @@
 
 1. Sensitivity: on calibration text (the first `tokens` tokens of `--text`, in windows), the mean KL of the
    next-token distribution vs bf16 (`hqtflow.accuracy`) with just that one layer quantized (the QUANT_CONFIG's
-   scale method, per-layer rules included), every other layer bf16.
+   scale method, per-layer rules included), every other layer bf16. The model runs in the fastest
+   high-precision dtype here (`hqtflow.hardware`): a bf16 model on a CPU without native bf16 dot products is upcast
+   to fp32 (exactly) for these passes, several times faster there; the checkpoint is still made from the stored weights.
 2. Selection: all selected layers quantized; then the most sensitive layers go back to bf16 one at a time (the
    whole model re-measured each time) until the mean KL <= `target_kl` and/or the perplexity on the same text is
    at most `max_ppl_increase` (relative, 0.01 = +1%) above bf16's: the smallest such prefix of the sensitivity
@@ -71,6 +73,7 @@ def tune(s: TuneSettings, progress=None) -> Path:
     from hqtflow import models
     from hqtflow.accuracy import divergence, log_probs, token_windows
     from hqtflow.formats.artifact import check_output_dir, staged_output, write_manifest
+    from hqtflow.hardware import fastest_dtype
     from hqtflow.quantize.convert import _set_module, convert_model
     from hqtflow.quantize.run import QuantizeSettings, plan_job, quant_config, quantize
 
@@ -83,7 +86,8 @@ def tune(s: TuneSettings, progress=None) -> Path:
     job = plan_job(qs)
     cfg = quant_config(qs)
     say = progress or (lambda msg: None)
-    model = models.load_model(job.model_dir, job.dtype)
+    compute = fastest_dtype() if job.dtype == "bf16" else job.dtype
+    model = models.load_model(job.model_dir, compute)
     tok = models.load_tokenizer(job.model_dir)
     windows = token_windows(tok, s.text, s.tokens, s.window)
     if not windows:
@@ -119,7 +123,7 @@ def tune(s: TuneSettings, progress=None) -> Path:
                         "names": list(cfg.blocklist.names) + [f"^{re.escape(n)}$" for n in kept]}
     raw.pop("dump_stats_path", None)
     report = {"target_kl": s.target_kl, "max_ppl_increase": s.max_ppl_increase, "text": str(Path(s.text).resolve()),
-              "tokens": sum(w.shape[1] for w in windows), "window": s.window,
+              "tokens": sum(w.shape[1] for w in windows), "window": s.window, "compute_dtype": compute,
               "bf16_ppl": _ppl(base_nll), "all_quantized": {**full.as_dict(), "ppl": _ppl(full.nll)},
               "tuned": {**d.as_dict(), "ppl": _ppl(d.nll)}, "kept_bf16": kept,
               "linear_layers": len(names), "sensitivity": dict(sorted(sensitivity.items(), key=lambda kv: -kv[1]))}

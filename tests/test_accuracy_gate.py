@@ -51,7 +51,7 @@ def test_default_method(setup):
     assert d.mean_kl < 0.06 and d.top1 > 0.88
 
 
-@pytest.mark.parametrize("method", ["fp8_dynamic", "maxabs_pcs_pow2"])
+@pytest.mark.parametrize("method", ["fp8_dynamic", "fp8_dynamic_mse", "maxabs_pcs_pow2"])
 def test_dynamic_methods(setup, method):
     d = gate(setup, method)
     print(f"{method}: mean KL {d.mean_kl:.4f}, top-1 {d.top1:.4f}")
@@ -78,10 +78,12 @@ def test_tuned_checkpoint(setup, smollm2, data_dir, tmp_path):
                 "--scale-method", "fp8_dynamic", "--target-kl", str(target), "--tokens", "256", "--window", "128")
     assert r.exit_code == 0, r.output
     report = json.loads((tmp_path / "tune" / "sensitivity.json").read_text())
-    assert abs(report["all_quantized"]["mean_kl"] - full_calib) < 1e-6  # tune measured what this test did
+    # tune measured what this test did (in fp32 on CPUs without native bf16: close, not equal)
+    tol = 1e-6 if report["compute_dtype"] == "bf16" else 0.1 * full_calib
+    assert abs(report["all_quantized"]["mean_kl"] - full_calib) < tol
     assert report["kept_bf16"] and report["tuned"]["mean_kl"] <= target
     full = gate(setup, "fp8_dynamic")
-    tuned_model, _ = hqtflow.load(tmp_path / "tune" / "checkpoint")
+    tuned_model, _ = hqtflow.load(tmp_path / "tune" / "checkpoint", dtype="bf16")  # as `full` computes
     tuned = divergence(ref, tuned_model, windows)
     kept = len(report["kept_bf16"])
     print(f"tuned: {kept} of {report['linear_layers']} Linear layers in bf16; held-out mean KL {full.mean_kl:.4f} -> "

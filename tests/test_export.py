@@ -129,7 +129,7 @@ def test_export_fp8_loads_back_identically(checkpoint, tmp_path):
 
     out = tmp_path / "vllm"
     assert run_cli("export", checkpoint, "--format", "fp8", "-o", out).exit_code == 0
-    ours, tok = hqtflow.load(checkpoint)
+    ours, tok = hqtflow.load(checkpoint, dtype="bf16")  # load_checkpoint's default: the checkpoint's own dtype
     theirs = load_checkpoint(out)
     ids = torch.tensor([tok.encode("The tower is 324 metres tall")])
     with torch.inference_mode():
@@ -271,7 +271,7 @@ def test_export_inc_loads_in_inc(inc, checkpoint, tmp_path):
     out = tmp_path / "inc"
     assert run_cli("export", checkpoint, "--format", "inc", "-o", out).exit_code == 0
     theirs = inc.load(str(out), format="huggingface", device="cpu")
-    ours, tok = hqtflow.load(checkpoint)
+    ours, tok = hqtflow.load(checkpoint, dtype="bf16")  # INC computes in bf16
     patched = {n for n, m in theirs.named_modules() if type(m).__name__ == "PatchedLinear"}
     assert patched == set(read_manifest(out, "hqtflow.export", 1).data["quantized"])
     r = run_cli("generate", out, "-p", "x")  # INC's layout runs in INC, not in hqtflow's runtime

@@ -247,3 +247,22 @@ def set_backend(model: nn.Module, backend: str) -> int:
         mod.backend = backend if use else "qdq"
         n += use
     return n
+
+
+def compute_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Run `model`'s high-precision parts in `dtype` (e.g. bf16 -> fp32 on CPUs without native bf16): every
+    parameter and buffer in the model's current high-precision dtype is cast (FP8 weights and float32 KV scales keep
+    theirs), and each FP8Linear computes in `dtype`. bf16 -> fp32 is exact: the same model as loading its checkpoint
+    with that dtype."""
+    old = next((p.dtype for p in model.parameters() if p.is_floating_point()), dtype)
+    if old == dtype:
+        return model
+    for mod in model.modules():
+        for name, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+            if t is not None and t.dtype == old:
+                t.data = t.data.to(dtype)
+        if isinstance(mod, FP8Linear):
+            mod.hp_dtype = dtype
+    if hasattr(model, "config"):
+        model.config.dtype = dtype
+    return model

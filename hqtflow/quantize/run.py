@@ -120,8 +120,11 @@ def _convert(model, job: Job, *, weight_only: bool) -> None:
         convert_model(model, job.plan["quantize"], job.meas.ranks[0], job.method, weight_only=weight_only, **kw)
 
 
-def quantize_in_memory(s: QuantizeSettings):
-    """bf16 model + measurement -> (FP8 model, tokenizer) in memory, nothing written (`serve fp8 MODEL -m DIR`)."""
+def quantize_in_memory(s: QuantizeSettings, dtype: str | None = None):
+    """bf16 model + measurement -> (FP8 model, tokenizer) in memory, nothing written (`serve fp8 MODEL -m DIR`).
+
+    Scales come from the weights as stored; `dtype` (bf16/fp16/fp32, "auto": the fastest here; None: the model's
+    own) is the compute dtype afterwards, as `hqtflow.load(checkpoint, dtype=...)` gives it."""
     import torch
 
     from hqtflow import models
@@ -130,6 +133,11 @@ def quantize_in_memory(s: QuantizeSettings):
     model = models.load_model(job.model_dir, job.dtype)
     with torch.no_grad():
         _convert(model, job, weight_only=s.weight_only)
+    if dtype is not None:
+        from hqtflow.hardware import resolve_dtype
+        from hqtflow.quantize.fp8_linear import compute_in
+
+        compute_in(model, models.torch_dtype(resolve_dtype(dtype)))
     return model, models.load_tokenizer(job.model_dir)
 
 

@@ -178,7 +178,7 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
         from hqtflow.quantize.fp8_linear import set_backend
 
         model, tok = quantize_in_memory(QuantizeSettings(measurement=measurement, output="-", model=model_ref,
-                                                         config=config, scale_method=scale_method))
+                                                         config=config, scale_method=scale_method), dtype)
         set_backend(model, backend)
         settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
         _run(_app(model, tok, settings), sock)

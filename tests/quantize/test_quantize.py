@@ -112,7 +112,7 @@ def test_compressed_tensors_loads_it(measured, tmp_path):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     out = quantize_cli(measured, tmp_path / "ct", "--weight-only")
-    ours, tok = hqtflow.load(out)
+    ours, tok = hqtflow.load(out, dtype="bf16")
     theirs = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=True),
                                                   dtype=torch.bfloat16)
     ids = torch.tensor([tok.encode("It was the first structure to reach a height of")])
@@ -133,7 +133,7 @@ def test_compressed_tensors_runs_w8a8_identically(measured, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = quantize_cli(measured, tmp_path / "w8a8", "--scale-method", "maxabs_pow2")
-    ours, tok = hqtflow.load(out)
+    ours, tok = hqtflow.load(out, dtype="bf16")
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     ids = torch.tensor([tok.encode("It was the first structure to reach a height of 300 metres")])
     with torch.inference_mode():

@@ -90,7 +90,7 @@ def test_quantize_with_rules(measured, tmp_path):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "channel"  # one layer is per channel
     assert json.loads((out / "hqtflow_manifest.json").read_text())["data"]["scale_method"] == CKPT_RULES
-    model, tok = hqtflow.load(out, backend="qdq")
+    model, tok = hqtflow.load(out, backend="qdq", dtype="bf16")
     live, _ = quantize_in_memory(QuantizeSettings(measurement=str(measured), output="-", config=str(cfg)))
     stats = mf.read_measurement(measured / "measure_hooks_maxabs.json").nodes
     rules = scale_rules(CKPT_RULES)

@@ -110,6 +110,26 @@ def test_pcs_opt_weight_minimises_error_per_channel(w):
         assert math.log2(s[i].item()).is_integer()
 
 
+def test_mse_weight_scale_is_the_least_squares_multiplier(w):
+    """fp8_dynamic_mse: each channel's scale is amax / 448 times the multiplier (0.70..1.00, rounded to the weight's
+    dtype as stored, at least the scale floor) with the least float32 squared round-trip error; never worse than amax / 448; an outlier channel
+    whose only large value would saturate keeps amax / 448 when no smaller scale helps."""
+    from hqtflow.scales import MSE_MULTIPLIERS, floored
+
+    w = torch.cat([w, torch.tensor([[448.0] + [0.5] * 31], dtype=torch.bfloat16)])
+    s = weight_scale(w, scale_method("fp8_dynamic_mse").weight)
+    ref = weight_scale(w, scale_method("fp8_dynamic").weight)
+    assert s.dtype == ref.dtype == torch.bfloat16 and s.shape == ref.shape
+    def err(row, scale):  # the runtime's weight: hp(q * s), here bf16
+        return float(((row.float() - dequantize(quantize(row, scale), scale, torch.bfloat16).float()) ** 2).sum())
+
+    for i in range(w.shape[0]):
+        cands = [ref[i]] + [floored((ref[i].float() * m).to(torch.bfloat16)) for m in MSE_MULTIPLIERS]
+        errs = [err(w[i:i + 1], c.reshape(1, 1)) for c in cands]
+        assert err(w[i:i + 1], s[i].reshape(1, 1)) == min(errs) <= errs[0]
+    assert (s < ref).any() and (s <= ref).all()
+
+
 @pytest.mark.parametrize("name", SCALE_METHODS)
 def test_every_method_gives_positive_finite_scales(name, w):
     from hqtflow.scales import DYNAMIC_METHODS, INC_DYNAMIC_METHODS

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
+from hqtflow.hardware import fastest_dtype
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def test_bench_fp8_vs_source(tiny_fp8, tmp_path):
                 "--json", report)
     assert r.exit_code == 0, r.stdout + r.stderr
     rows = _table_rows(r.stdout)
-    assert rows[0] == ["Step", "Batch", "Stat", "bf16", "fp8", "fp8/bf16"]
+    base = fastest_dtype()  # the baseline runs in the fastest high-precision dtype here (fp32 on AVX2-only CPUs)
+    assert rows[0] == ["Step", "Batch", "Stat", base, "fp8", f"fp8/{base}"]
     steps = {row[0] for row in rows[1:] if row[0]}
     assert steps == {"Prefill latency", "Prefill throughput", "Decode latency (per token)", "Decode total latency",
                      "Decode throughput"}
@@ -39,7 +41,7 @@ def test_bench_fp8_vs_source(tiny_fp8, tmp_path):
     assert stats == ["avg", "p50", "p90", "p99"] * 10
     assert all(row[3].endswith(("ms", "tok/s")) and row[5].endswith("x") for row in rows[1:])
     data = json.loads(report.read_text())
-    assert set(data["results"]) == {"1", "3"} and set(data["results"]["3"]) == {"bf16", "fp8"}
+    assert set(data["results"]) == {"1", "3"} and set(data["results"]["3"]) == {base, "fp8"}
     fp8 = data["results"]["3"]["fp8"]
     assert fp8["decode_token_latency"]["n"] == 2 * 4 and fp8["prefill_latency"]["n"] == 2
     assert all(v["avg"] > 0 for v in fp8.values())
@@ -49,7 +51,7 @@ def test_bench_explicit_baseline_and_bad_input(tiny_fp8, tiny_llama):
     r = run_cli("bench", tiny_fp8, "--baseline", tiny_llama, "--batch-sizes", "2", "--prompt-length", "4",
                 "--decode-length", "2", "--runs", "1", "--warmup", "0")
     assert r.exit_code == 0, r.stdout + r.stderr
-    assert "| Decode throughput" in r.stdout and f"bf16={tiny_llama}" in r.stdout
+    assert "| Decode throughput" in r.stdout and f"{fastest_dtype()}={tiny_llama}" in r.stdout
     for bad in (["--batch-sizes", "1,x"], ["--batch-sizes", "0"], ["--runs", "0"], ["--decode-length", "0"],
                 ["--prompt-length", "300"]):
         r = run_cli("bench", tiny_fp8, *bad)

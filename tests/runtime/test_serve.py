@@ -222,16 +222,19 @@ def test_cli_serve_checks_kind(tiny_llama):
 def test_fp8_quantized_at_start_equals_checkpoint(tiny_llama, wiki_text, tmp_path):
     """`serve fp8 MODEL -m MEASUREMENT` quantizes in memory exactly like `hqtflow quantize` does on disk."""
     import hqtflow
+    from hqtflow import models
     from hqtflow.quantize.run import QuantizeSettings, quantize_in_memory
 
     meas, ck = tmp_path / "m", tmp_path / "fp8"
     assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2").exit_code == 0
     assert run_cli("quantize", "-m", meas, "-o", ck).exit_code == 0
-    live, tok = quantize_in_memory(QuantizeSettings(measurement=str(meas), output="-"))
-    saved, _ = hqtflow.load(ck, backend="qdq")  # quantize_in_memory returns reference modules
-    ids = torch.tensor([tok.encode(PROMPT)])
-    with torch.inference_mode():
-        assert torch.equal(live(ids).logits, saved(ids).logits)
+    for dtype in ("bf16", "fp32"):  # the compute dtype (serve --dtype; auto: the fastest here) as loading gives it
+        live, tok = quantize_in_memory(QuantizeSettings(measurement=str(meas), output="-"), dtype)
+        saved, _ = hqtflow.load(ck, backend="qdq", dtype=dtype)  # quantize_in_memory returns reference modules
+        ids = torch.tensor([tok.encode(PROMPT)])
+        with torch.inference_mode():
+            out = live(ids).logits
+            assert out.dtype == models.torch_dtype(dtype) and torch.equal(out, saved(ids).logits)
     # artifacts are checked before the port is bound
     r = run_cli("serve", "fp8", tiny_llama, "-m", tmp_path / "nope", "--port", "1")
     assert r.exit_code == 3 and "does not exist" in r.stderr
