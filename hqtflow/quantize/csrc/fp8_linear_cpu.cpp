@@ -247,7 +247,7 @@ inline int64_t permuted_source(int64_t j) {
 // ---- the input, in the compute layout ------------------------------------------------------------------------
 // x [M, K] -> QDQ'd (static scale) -> [M, Kp] fp32 (fp32 path) or bf16 in widen64's order (bf16 path), zero past K.
 #if HQT_AVX512
-// cast(clamp(v / s, -F, F)) to the FP8 grid, as a float (16 lanes): the integer-bit round-to-nearest-even of the
+// cast(clamp(v / s, -F, F)) to the FP8 grid, as a float (16 lanes; 8 on AVX2): the integer-bit round-to-nearest-even of the
 // normal range and a scaled rint of the subnormal range, exactly like c10's Float8 conversions.
 struct Fp8Rounder {
   __m512 sv, Fv, min_normal, sub_up, sub_down;
@@ -291,6 +291,54 @@ struct Fp8Rounder {
     b = _mm512_or_si512(b, _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80)));
     return _mm512_cvtepi32_epi8(b);
   }
+  static void store_bits(uint8_t* p, __m128i b) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b); }
+};
+#elif HQT_AVX2
+// The same rounding on 8 lanes (AVX2 has no mask registers: compares give lane masks, blends pick).
+struct Fp8Rounder {
+  __m256 sv, Fv, min_normal, sub_up, sub_down;
+  __m256i half_ulp, keep, abs_mask;
+  int shift;
+  Fp8Rounder(float s, bool e4m3) {
+    sv = _mm256_set1_ps(s);
+    Fv = _mm256_set1_ps(e4m3 ? 448.f : 57344.f);
+    min_normal = _mm256_set1_ps(e4m3 ? 0.015625f : 6.103515625e-05f);
+    sub_up = _mm256_set1_ps(e4m3 ? 512.f : 65536.f);
+    sub_down = _mm256_set1_ps(e4m3 ? 1.f / 512 : 1.f / 65536);
+    shift = e4m3 ? 20 : 21;
+    half_ulp = _mm256_set1_epi32((1 << (shift - 1)) - 1);
+    keep = _mm256_set1_epi32(~((1 << shift) - 1));
+    abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  }
+  inline __m256 operator()(__m256 x) const {
+    __m256 v = _mm256_div_ps(x, sv);
+    v = _mm256_min_ps(_mm256_max_ps(v, _mm256_sub_ps(_mm256_setzero_ps(), Fv)), Fv);
+    __m256i u = _mm256_castps_si256(v);
+    __m256i sign = _mm256_andnot_si256(abs_mask, u);
+    __m256i au = _mm256_and_si256(u, abs_mask);
+    __m256 a = _mm256_castsi256_ps(au);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(au, shift), _mm256_set1_epi32(1));
+    __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(au, _mm256_add_epi32(half_ulp, odd)), keep));
+    __m256 sub = _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(a, sub_up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), sub_down);
+    __m256 q = _mm256_blendv_ps(normal, sub, _mm256_cmp_ps(a, min_normal, _CMP_LT_OQ));
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(q), sign));
+  }
+  // The FP8 bytes of 8 values already on the grid, in the low 8 bytes.
+  inline __m128i bits(__m256 q, bool e4m3) const {
+    __m256i u = _mm256_castps_si256(q);
+    __m256i au = _mm256_and_si256(u, abs_mask);
+    __m256 a = _mm256_castsi256_ps(au);
+    const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 120 : 112;
+    __m256i normal = _mm256_or_si256(
+        _mm256_slli_epi32(_mm256_sub_epi32(_mm256_srli_epi32(au, 23), _mm256_set1_epi32(bias)), mbits),
+        _mm256_and_si256(_mm256_srli_epi32(au, 23 - mbits), _mm256_set1_epi32((1 << mbits) - 1)));
+    __m256i sub = _mm256_cvtps_epi32(_mm256_mul_ps(a, sub_up));
+    __m256i b = _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(_mm256_cmp_ps(a, min_normal, _CMP_LT_OQ)));
+    b = _mm256_or_si256(b, _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80)));
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));  // 0..255: exact
+    return _mm_packus_epi16(w, w);
+  }
+  static void store_bits(uint8_t* p, __m128i b) { _mm_storel_epi64(reinterpret_cast<__m128i*>(p), b); }
 };
 #endif
 
@@ -299,13 +347,13 @@ struct Fp8Rounder {
 void qdq_row(const float* x, int64_t n, float s, bool e4m3, at::ScalarType hp, float* out) {
   const float F = e4m3 ? 448.f : 57344.f;
   int64_t i = 0;
-#if HQT_AVX512
+#if HQT_AVX512 || HQT_AVX2
   const Fp8Rounder round(s, e4m3);
-  for (; i + 16 <= n; i += 16) {
-    __m512 d = _mm512_mul_ps(round(_mm512_loadu_ps(x + i)), round.sv);
+  for (; i + F32::W <= n; i += F32::W) {
+    F32::V d = F32::mul(round(F32::load(x + i)), round.sv);
     if (hp == at::kBFloat16) d = F32::round_bf16(d);
     else if (hp == at::kHalf) d = F32::round_fp16(d);
-    _mm512_storeu_ps(out + i, d);
+    F32::store(out + i, d);
   }
 #endif
   for (; i < n; ++i) {
@@ -321,12 +369,12 @@ template <typename T>
 void quantize_row(const T* x, int64_t n, float s, bool e4m3, uint8_t* out) {
   const float F = e4m3 ? 448.f : 57344.f;
   int64_t i = 0;
-#if HQT_AVX512
+#if HQT_AVX512 || HQT_AVX2
   const Fp8Rounder round(s, e4m3);
-  alignas(64) float buf[16];
-  for (; i + 16 <= n; i += 16) {
-    for (int j = 0; j < 16; ++j) buf[j] = static_cast<float>(x[i + j]);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), round.bits(round(_mm512_load_ps(buf)), e4m3));
+  alignas(64) float buf[F32::W];
+  for (; i + F32::W <= n; i += F32::W) {
+    for (int j = 0; j < F32::W; ++j) buf[j] = static_cast<float>(x[i + j]);
+    Fp8Rounder::store_bits(out + i, round.bits(round(F32::load(buf)), e4m3));
   }
 #endif
   for (; i < n; ++i) {
