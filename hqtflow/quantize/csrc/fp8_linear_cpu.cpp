@@ -247,8 +247,9 @@ inline int64_t permuted_source(int64_t j) {
 // ---- the input, in the compute layout ------------------------------------------------------------------------
 // x [M, K] -> QDQ'd (static scale) -> [M, Kp] fp32 (fp32 path) or bf16 in widen64's order (bf16 path), zero past K.
 #if HQT_AVX512
-// cast(clamp(v / s, -F, F)) to the FP8 grid, as a float (16 lanes; 8 on AVX2): the integer-bit round-to-nearest-even of the
-// normal range and a scaled rint of the subnormal range, exactly like c10's Float8 conversions.
+// cast(clamp(v / s, -F, F)) to the FP8 grid, as a float (16 lanes; 8 on AVX2): the integer-bit
+// round-to-nearest-even of the normal range and a scaled rint of the subnormal range, exactly like c10's Float8
+// conversions.
 struct Fp8Rounder {
   __m512 sv, Fv, min_normal, sub_up, sub_down;
   __m512i half_ulp, keep, abs_mask;
