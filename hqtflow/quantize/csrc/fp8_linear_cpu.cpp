@@ -60,6 +60,7 @@
 #endif
 
 #define HQT_INLINE inline __attribute__((always_inline))
+#define HQT_INLINE_LAMBDA __attribute__((always_inline))
 #define HQT_UNROLL _Pragma("GCC unroll 16")
 
 namespace {
@@ -192,6 +193,15 @@ HQT_INLINE F32::V widen_f32(const Weight& wt, int64_t n, int64_t k, F32::V sv) {
 }
 
 inline float widen_factor(const Weight& wt) { return wt.e4m3 ? 256.f : 1.f; }
+
+// widen_f32 for a full vector, with the format and hp fixed at compile time (the decode loop then has no branch).
+template <bool E4M3, at::ScalarType HP>
+HQT_INLINE F32::V widen_full(const uint8_t* p, F32::V sv) {
+  const F32::V v = F32::mul(F32::widen(p, E4M3), sv);
+  if constexpr (HP == at::kBFloat16) return F32::round_bf16(v);
+  else if constexpr (HP == at::kHalf) return F32::round_fp16(v);
+  else return v;
+}
 
 #if HQT_BF16
 // bf16 path: the high and low bytes of hp(v * s) for the 128 non-negative codes, for vpermi2b.
@@ -544,13 +554,15 @@ HQT_INLINE void store_tile(const V (&acc)[MR][NR], int64_t m0, int64_t n0, const
 #endif
 }
 
-// fp32 path. Weights come from `src(r, k)`: widened in registers or loaded from a widened panel.
-template <int MR, int NR, class Src>
-HQT_INLINE void tile_f32(const float* x, int64_t Kp, int64_t m0, int64_t n0, const Src& src, const Out& out) {
+// fp32 path. Weights come from `src(r, k)` for k < Kfull and from `tail(r, k)` after: widened in registers (the
+// last, partial vector of a row by `tail`) or loaded from a widened panel.
+template <int MR, int NR, class Src, class Tail>
+HQT_INLINE void tile_f32(const float* x, int64_t Kp, int64_t Kfull, int64_t m0, int64_t n0, const Src& src,
+                         const Tail& tail, const Out& out) {
   F32::V acc[MR][NR];
   HQT_UNROLL for (int m = 0; m < MR; ++m)
     HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = F32::zero();
-  for (int64_t k = 0; k < Kp; k += F32::W) {
+  auto step = [&](int64_t k, const auto& src) HQT_INLINE_LAMBDA {
     if constexpr (MR <= 2) {  // few input rows (decode): each weight vector widened and used at once
       F32::V xv[MR];
       HQT_UNROLL for (int m = 0; m < MR; ++m) xv[m] = F32::load(x + (m0 + m) * Kp + k);
@@ -566,7 +578,10 @@ HQT_INLINE void tile_f32(const float* x, int64_t Kp, int64_t m0, int64_t n0, con
         HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = F32::fma(xv, w[r], acc[m][r]);
       }
     }
-  }
+  };
+  int64_t k = 0;
+  for (; k < Kfull; k += F32::W) step(k, src);
+  for (; k < Kp; k += F32::W) step(k, tail);
   store_tile<MR, NR>(acc, m0, n0, out);
 }
 
@@ -601,26 +616,44 @@ struct Problem {
   Out out;
 };
 
-// Decode-sized M: weights widened in registers, each group of NR rows once per kMR input rows.
-template <int NR>
+// Decode-sized M (at most kRegisterMaxM rows): weights widened in registers, each group of NR rows once. The FP8
+// format and hp are template parameters, so the widening of full vectors is branch-free.
+template <int NR, bool E4M3, at::ScalarType HP>
 void rows_in_registers(const Problem& p, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
   const float* x = static_cast<const float*>(p.x);
+  const int64_t K = wt.K, Kfull = K / F32::W * F32::W;
   const F32::V s0 = F32::set1(wt.s(0) * widen_factor(wt));  // per-tensor: one scale register for every row
   for (int64_t n = n0; n < n1; n += NR) {
     const int64_t nr = std::min<int64_t>(NR, n1 - n);
+    const uint8_t* rows = wt.w + n * K;
     F32::V sv[NR];
     for (int64_t r = 0; r < nr; ++r) sv[r] = F32::set1(wt.s(n + r) * widen_factor(wt));
-    for (int64_t m = 0; m < p.M; m += kMR)
-      dispatch<kMR, NR>(std::min<int64_t>(kMR, p.M - m), nr, [&](auto MR, auto R) {
-        constexpr int mr = decltype(MR)::value, rr = decltype(R)::value;
-        if (wt.per_channel) {
-          tile_f32<mr, rr>(x, p.Kp, m, n, [&](int r, int64_t k) { return widen_f32(wt, n + r, k, sv[r]); }, p.out);
-        } else {
-          tile_f32<mr, rr>(x, p.Kp, m, n, [&](int r, int64_t k) { return widen_f32(wt, n + r, k, s0); }, p.out);
-        }
-      });
+    dispatch<kRegisterMaxM, NR>(p.M, nr, [&](auto MR, auto R) {
+      constexpr int mr = decltype(MR)::value, rr = decltype(R)::value;
+      auto tail = [&](int r, int64_t k) { return widen_f32(wt, n + r, k, sv[r]); };
+      if (wt.per_channel) {
+        auto full = [&](int r, int64_t k) { return widen_full<E4M3, HP>(rows + r * K + k, sv[r]); };
+        tile_f32<mr, rr>(x, p.Kp, Kfull, 0, n, full, tail, p.out);
+      } else {
+        auto full = [&](int r, int64_t k) { return widen_full<E4M3, HP>(rows + r * K + k, s0); };
+        tile_f32<mr, rr>(x, p.Kp, Kfull, 0, n, full, tail, p.out);
+      }
+    });
   }
+}
+
+template <int NR>
+void rows_in_registers(const Problem& p, int64_t n0, int64_t n1) {
+  auto run = [&](auto e4m3) {
+    constexpr bool E = decltype(e4m3)::value;
+    switch (p.wt.hp) {
+      case at::kBFloat16: return rows_in_registers<NR, E, at::kBFloat16>(p, n0, n1);
+      case at::kHalf: return rows_in_registers<NR, E, at::kHalf>(p, n0, n1);
+      default: return rows_in_registers<NR, E, at::kFloat>(p, n0, n1);
+    }
+  };
+  p.wt.e4m3 ? run(std::true_type{}) : run(std::false_type{});
 }
 
 // Larger M: a panel of rows widened once into `buf`, then every input row swept over it.
@@ -643,7 +676,7 @@ void rows_from_panels(const Problem& p, int64_t n0, int64_t n1) {
         dispatch<kMR, kNR>(std::min<int64_t>(kMR, p.M - m), std::min<int64_t>(kNR, ne - n), [&](auto MR, auto NR) {
           const float* rows = wb + (n - nb) * p.Kp;
           auto src = [&](int r, int64_t k) { return F32::load(rows + r * p.Kp + k); };
-          tile_f32<decltype(MR)::value, decltype(NR)::value>(x, p.Kp, m, n, src, p.out);
+          tile_f32<decltype(MR)::value, decltype(NR)::value>(x, p.Kp, p.Kp, m, n, src, src, p.out);
         });
   }
 }
