@@ -40,6 +40,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
@@ -135,6 +136,14 @@ struct F32 {
                      : _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
     return _mm256_cvtph_ps(h);
   }
+  static HQT_INLINE void widen2(const uint8_t* p, bool e4m3, V& lo, V& hi) {  // 2W bytes: one integer pass
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    __m256i h = e4m3 ? _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                        _mm256_set1_epi16(static_cast<short>(0xBFFF)))
+                     : _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+    lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  }
   static HQT_INLINE V round_bf16(V v) {
     __m256i u = _mm256_castps_si256(v);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -195,13 +204,25 @@ HQT_INLINE F32::V widen_f32(const Weight& wt, int64_t n, int64_t k, F32::V sv) {
 inline float widen_factor(const Weight& wt) { return wt.e4m3 ? 256.f : 1.f; }
 
 // widen_f32 for a full vector, with the format and hp fixed at compile time (the decode loop then has no branch).
-template <bool E4M3, at::ScalarType HP>
-HQT_INLINE F32::V widen_full(const uint8_t* p, F32::V sv) {
-  const F32::V v = F32::mul(F32::widen(p, E4M3), sv);
+template <at::ScalarType HP>
+HQT_INLINE F32::V scale_to(F32::V v, F32::V sv) {
+  v = F32::mul(v, sv);
   if constexpr (HP == at::kBFloat16) return F32::round_bf16(v);
   else if constexpr (HP == at::kHalf) return F32::round_fp16(v);
   else return v;
 }
+
+template <bool E4M3, at::ScalarType HP>
+HQT_INLINE F32::V widen_full(const uint8_t* p, F32::V sv) { return scale_to<HP>(F32::widen(p, E4M3), sv); }
+
+#if HQT_AVX2
+template <bool E4M3, at::ScalarType HP>
+HQT_INLINE void widen_full2(const uint8_t* p, F32::V sv, F32::V& lo, F32::V& hi) {
+  F32::widen2(p, E4M3, lo, hi);
+  lo = scale_to<HP>(lo, sv);
+  hi = scale_to<HP>(hi, sv);
+}
+#endif
 
 #if HQT_BF16
 // bf16 path: the high and low bytes of hp(v * s) for the 128 non-negative codes, for vpermi2b.
@@ -556,9 +577,9 @@ HQT_INLINE void store_tile(const V (&acc)[MR][NR], int64_t m0, int64_t n0, const
 
 // fp32 path. Weights come from `src(r, k)` for k < Kfull and from `tail(r, k)` after: widened in registers (the
 // last, partial vector of a row by `tail`) or loaded from a widened panel.
-template <int MR, int NR, class Src, class Tail>
+template <int MR, int NR, class Src, class Tail, class Pair = std::nullptr_t>
 HQT_INLINE void tile_f32(const float* x, int64_t Kp, int64_t Kfull, int64_t m0, int64_t n0, const Src& src,
-                         const Tail& tail, const Out& out) {
+                         const Tail& tail, const Out& out, const Pair& pair = nullptr) {
   F32::V acc[MR][NR];
   HQT_UNROLL for (int m = 0; m < MR; ++m)
     HQT_UNROLL for (int r = 0; r < NR; ++r) acc[m][r] = F32::zero();
@@ -580,6 +601,22 @@ HQT_INLINE void tile_f32(const float* x, int64_t Kp, int64_t Kfull, int64_t m0, 
     }
   };
   int64_t k = 0;
+#if HQT_AVX2
+  if constexpr (MR <= 2 && !std::is_same_v<Pair, std::nullptr_t>) {  // two vectors of a row widened at once
+    for (; k + 2 * F32::W <= Kfull; k += 2 * F32::W) {
+      F32::V xv[MR][2];
+      HQT_UNROLL for (int m = 0; m < MR; ++m) {
+        xv[m][0] = F32::load(x + (m0 + m) * Kp + k);
+        xv[m][1] = F32::load(x + (m0 + m) * Kp + k + F32::W);
+      }
+      HQT_UNROLL for (int r = 0; r < NR; ++r) {
+        F32::V w0, w1;
+        pair(r, k, w0, w1);
+        HQT_UNROLL for (int m = 0; m < MR; ++m) acc[m][r] = F32::fma(xv[m][1], w1, F32::fma(xv[m][0], w0, acc[m][r]));
+      }
+    }
+  }
+#endif
   for (; k < Kfull; k += F32::W) step(k, src);
   for (; k < Kp; k += F32::W) step(k, tail);
   store_tile<MR, NR>(acc, m0, n0, out);
@@ -634,10 +671,20 @@ void rows_in_registers(const Problem& p, int64_t n0, int64_t n1) {
       auto tail = [&](int r, int64_t k) { return widen_f32(wt, n + r, k, sv[r]); };
       if (wt.per_channel) {
         auto full = [&](int r, int64_t k) { return widen_full<E4M3, HP>(rows + r * K + k, sv[r]); };
+#if HQT_AVX2
+        auto pair = [&](int r, int64_t k, F32::V& lo, F32::V& hi) { widen_full2<E4M3, HP>(rows + r * K + k, sv[r], lo, hi); };
+        tile_f32<mr, rr>(x, p.Kp, Kfull, 0, n, full, tail, p.out, pair);
+#else
         tile_f32<mr, rr>(x, p.Kp, Kfull, 0, n, full, tail, p.out);
+#endif
       } else {
         auto full = [&](int r, int64_t k) { return widen_full<E4M3, HP>(rows + r * K + k, s0); };
+#if HQT_AVX2
+        auto pair = [&](int r, int64_t k, F32::V& lo, F32::V& hi) { widen_full2<E4M3, HP>(rows + r * K + k, s0, lo, hi); };
+        tile_f32<mr, rr>(x, p.Kp, Kfull, 0, n, full, tail, p.out, pair);
+#else
         tile_f32<mr, rr>(x, p.Kp, Kfull, 0, n, full, tail, p.out);
+#endif
       }
     });
   }
