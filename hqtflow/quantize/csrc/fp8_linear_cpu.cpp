@@ -653,6 +653,38 @@ struct Problem {
   Out out;
 };
 
+// Calls f(e4m3, hp) with the weight's FP8 format and hp as compile-time constants.
+template <class F>
+inline void with_format(const Weight& wt, const F& f) {
+  auto run = [&](auto e4m3) {
+    switch (wt.hp) {
+      case at::kBFloat16: return f(e4m3, std::integral_constant<at::ScalarType, at::kBFloat16>{});
+      case at::kHalf: return f(e4m3, std::integral_constant<at::ScalarType, at::kHalf>{});
+      default: return f(e4m3, std::integral_constant<at::ScalarType, at::kFloat>{});
+    }
+  };
+  wt.e4m3 ? run(std::true_type{}) : run(std::false_type{});
+}
+
+// Row n of w_q into out[0, Kp) (zero past K).
+template <bool E4M3, at::ScalarType HP>
+void widen_row(const Weight& wt, int64_t n, int64_t Kp, float* out) {
+  const F32::V sv = F32::set1(wt.s(n) * widen_factor(wt));
+  const uint8_t* row = wt.w + n * wt.K;
+  const int64_t Kfull = wt.K / F32::W * F32::W;
+  int64_t k = 0;
+#if HQT_AVX2
+  for (; k + 2 * F32::W <= Kfull; k += 2 * F32::W) {
+    F32::V lo, hi;
+    widen_full2<E4M3, HP>(row + k, sv, lo, hi);
+    F32::store(out + k, lo);
+    F32::store(out + k + F32::W, hi);
+  }
+#endif
+  for (; k < Kfull; k += F32::W) F32::store(out + k, widen_full<E4M3, HP>(row + k, sv));
+  for (; k < Kp; k += F32::W) F32::store(out + k, widen_f32(wt, n, k, sv));
+}
+
 // Decode-sized M (at most kRegisterMaxM rows): weights widened in registers, each group of NR rows once. The FP8
 // format and hp are template parameters, so the widening of full vectors is branch-free.
 template <int NR, bool E4M3, at::ScalarType HP>
@@ -692,15 +724,9 @@ void rows_in_registers(const Problem& p, int64_t n0, int64_t n1) {
 
 template <int NR>
 void rows_in_registers(const Problem& p, int64_t n0, int64_t n1) {
-  auto run = [&](auto e4m3) {
-    constexpr bool E = decltype(e4m3)::value;
-    switch (p.wt.hp) {
-      case at::kBFloat16: return rows_in_registers<NR, E, at::kBFloat16>(p, n0, n1);
-      case at::kHalf: return rows_in_registers<NR, E, at::kHalf>(p, n0, n1);
-      default: return rows_in_registers<NR, E, at::kFloat>(p, n0, n1);
-    }
-  };
-  p.wt.e4m3 ? run(std::true_type{}) : run(std::false_type{});
+  with_format(p.wt, [&](auto e4m3, auto hp) {
+    rows_in_registers<NR, decltype(e4m3)::value, decltype(hp)::value>(p, n0, n1);
+  });
 }
 
 // Larger M: a panel of rows widened once into `buf`, then every input row swept over it.
@@ -713,10 +739,9 @@ void rows_from_panels(const Problem& p, int64_t n0, int64_t n1) {
   for (int64_t nb = n0; nb < n1; nb += panel) {
     const int64_t ne = std::min(n1, nb + panel);
     float* wb = static_cast<float*>(buf);
-    for (int64_t n = nb; n < ne; ++n) {
-      const F32::V sv = F32::set1(wt.s(n) * widen_factor(wt));
-      for (int64_t k = 0; k < p.Kp; k += F32::W) F32::store(wb + (n - nb) * p.Kp + k, widen_f32(wt, n, k, sv));
-    }
+    with_format(wt, [&](auto e4m3, auto hp) {
+      for (int64_t n = nb; n < ne; ++n) widen_row<decltype(e4m3)::value, decltype(hp)::value>(wt, n, p.Kp, wb + (n - nb) * p.Kp);
+    });
     const float* x = static_cast<const float*>(p.x);
     for (int64_t m = 0; m < p.M; m += kMR)
       for (int64_t n = nb; n < ne; n += kNR)
