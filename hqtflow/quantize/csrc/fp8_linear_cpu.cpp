@@ -696,6 +696,9 @@ void rows_in_registers(const Problem& p, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += NR) {
     const int64_t nr = std::min<int64_t>(NR, n1 - n);
     const uint8_t* rows = wt.w + n * K;
+    // the next group's bytes (contiguous after these rows) requested now: short rows end before a stream
+    // prefetcher has caught on, so cold weights would otherwise arrive one miss at a time
+    for (int64_t b = nr * K; b < std::min<int64_t>(2 * NR, n1 - n) * K; b += 64) __builtin_prefetch(rows + b, 0, 3);
     F32::V sv[NR];
     for (int64_t r = 0; r < nr; ++r) sv[r] = F32::set1(wt.s(n + r) * widen_factor(wt));
     dispatch<kRegisterMaxM, NR>(p.M, nr, [&](auto MR, auto R) {
