@@ -106,6 +106,7 @@ struct F32 {
                      : _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
     return _mm512_cvtph_ps(h);
   }
+  static HQT_INLINE void widen2(const uint8_t* p, bool e4m3, V& lo, V& hi) { lo = widen(p, e4m3), hi = widen(p + W, e4m3); }
   static HQT_INLINE V round_bf16(V v) {  // round to nearest even at 16 bits (finite values)
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -136,7 +137,7 @@ struct F32 {
                      : _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
     return _mm256_cvtph_ps(h);
   }
-  static HQT_INLINE void widen2(const uint8_t* p, bool e4m3, V& lo, V& hi) {  // 2W bytes: one integer pass
+  static HQT_INLINE void widen2(const uint8_t* p, bool e4m3, V& lo, V& hi) {  // 2W bytes in one integer pass
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     __m256i h = e4m3 ? _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
                                         _mm256_set1_epi16(static_cast<short>(0xBFFF)))
@@ -168,6 +169,7 @@ struct F32 {  // portable fallback: one lane
   static V mul(V a, V b) { return a * b; }
   static V fma(V a, V b, V c) { return std::fma(a, b, c); }
   static HQT_INLINE V widen(const uint8_t* p, bool e4m3) { return widen_scalar(*p, e4m3); }
+  static HQT_INLINE void widen2(const uint8_t* p, bool e4m3, V& lo, V& hi) { lo = widen(p, e4m3), hi = widen(p + 1, e4m3); }
   static HQT_INLINE V round_bf16(V v) { return round_to(v, at::kBFloat16); }
   static V round_fp16(V v) { return round_to(v, at::kHalf); }
   static HQT_INLINE float hsum(V v) { return v; }
@@ -191,19 +193,7 @@ __attribute__((noinline)) F32::V widen_tail(const uint8_t* p, int64_t n, bool e4
   return F32::widen(tail, e4m3);
 }
 
-// fp32 path: W fp32 values of w_q starting at row n, column k (bytes past K read as 0).
-HQT_INLINE F32::V widen_f32(const Weight& wt, int64_t n, int64_t k, F32::V sv) {
-  const uint8_t* p = wt.w + n * wt.K + k;
-  F32::V v = k + F32::W <= wt.K ? F32::widen(p, wt.e4m3) : widen_tail(p, wt.K - k, wt.e4m3);
-  v = F32::mul(v, sv);  // (v * 2^-8) * (s * 2^8): the exact product v * s, rounded once to fp32
-  if (wt.hp == at::kBFloat16) return F32::round_bf16(v);
-  if (wt.hp == at::kHalf) return F32::round_fp16(v);
-  return v;
-}
-
-inline float widen_factor(const Weight& wt) { return wt.e4m3 ? 256.f : 1.f; }
-
-// widen_f32 for a full vector, with the format and hp fixed at compile time (the decode loop then has no branch).
+// Widened values (v * 2^-8 for E4M3) times s * 2^8: the exact product v * s, rounded once to fp32, then to hp.
 template <at::ScalarType HP>
 HQT_INLINE F32::V scale_to(F32::V v, F32::V sv) {
   v = F32::mul(v, sv);
@@ -212,17 +202,27 @@ HQT_INLINE F32::V scale_to(F32::V v, F32::V sv) {
   else return v;
 }
 
+// fp32 path: W fp32 values of w_q starting at row n, column k (bytes past K read as 0).
+HQT_INLINE F32::V widen_f32(const Weight& wt, int64_t n, int64_t k, F32::V sv) {
+  const uint8_t* p = wt.w + n * wt.K + k;
+  const F32::V v = k + F32::W <= wt.K ? F32::widen(p, wt.e4m3) : widen_tail(p, wt.K - k, wt.e4m3);
+  if (wt.hp == at::kBFloat16) return scale_to<at::kBFloat16>(v, sv);
+  if (wt.hp == at::kHalf) return scale_to<at::kHalf>(v, sv);
+  return scale_to<at::kFloat>(v, sv);
+}
+
+inline float widen_factor(const Weight& wt) { return wt.e4m3 ? 256.f : 1.f; }
+
+// widen_f32 for one and for two full vectors, with the format and hp fixed at compile time (branch-free loops).
 template <bool E4M3, at::ScalarType HP>
 HQT_INLINE F32::V widen_full(const uint8_t* p, F32::V sv) { return scale_to<HP>(F32::widen(p, E4M3), sv); }
 
-#if HQT_AVX2
 template <bool E4M3, at::ScalarType HP>
 HQT_INLINE void widen_full2(const uint8_t* p, F32::V sv, F32::V& lo, F32::V& hi) {
   F32::widen2(p, E4M3, lo, hi);
   lo = scale_to<HP>(lo, sv);
   hi = scale_to<HP>(hi, sv);
 }
-#endif
 
 #if HQT_BF16
 // bf16 path: the high and low bytes of hp(v * s) for the 128 non-negative codes, for vpermi2b.
@@ -576,7 +576,8 @@ HQT_INLINE void store_tile(const V (&acc)[MR][NR], int64_t m0, int64_t n0, const
 }
 
 // fp32 path. Weights come from `src(r, k)` for k < Kfull and from `tail(r, k)` after: widened in registers (the
-// last, partial vector of a row by `tail`) or loaded from a widened panel.
+// last, partial vector of a row by `tail`; decode-sized tiles take two vectors at a time from `pair`) or loaded
+// from a widened panel.
 template <int MR, int NR, class Src, class Tail, class Pair = std::nullptr_t>
 HQT_INLINE void tile_f32(const float* x, int64_t Kp, int64_t Kfull, int64_t m0, int64_t n0, const Src& src,
                          const Tail& tail, const Out& out, const Pair& pair = nullptr) {
@@ -601,7 +602,6 @@ HQT_INLINE void tile_f32(const float* x, int64_t Kp, int64_t Kfull, int64_t m0, 
     }
   };
   int64_t k = 0;
-#if HQT_AVX2
   if constexpr (MR <= 2 && !std::is_same_v<Pair, std::nullptr_t>) {  // two vectors of a row widened at once
     for (; k + 2 * F32::W <= Kfull; k += 2 * F32::W) {
       F32::V xv[MR][2];
@@ -616,7 +616,6 @@ HQT_INLINE void tile_f32(const float* x, int64_t Kp, int64_t Kfull, int64_t m0, 
       }
     }
   }
-#endif
   for (; k < Kfull; k += F32::W) step(k, src);
   for (; k < Kp; k += F32::W) step(k, tail);
   store_tile<MR, NR>(acc, m0, n0, out);
@@ -673,14 +672,12 @@ void widen_row(const Weight& wt, int64_t n, int64_t Kp, float* out) {
   const uint8_t* row = wt.w + n * wt.K;
   const int64_t Kfull = wt.K / F32::W * F32::W;
   int64_t k = 0;
-#if HQT_AVX2
   for (; k + 2 * F32::W <= Kfull; k += 2 * F32::W) {
     F32::V lo, hi;
     widen_full2<E4M3, HP>(row + k, sv, lo, hi);
     F32::store(out + k, lo);
     F32::store(out + k + F32::W, hi);
   }
-#endif
   for (; k < Kfull; k += F32::W) F32::store(out + k, widen_full<E4M3, HP>(row + k, sv));
   for (; k < Kp; k += F32::W) F32::store(out + k, widen_f32(wt, n, k, sv));
 }
@@ -704,23 +701,12 @@ void rows_in_registers(const Problem& p, int64_t n0, int64_t n1) {
     dispatch<kRegisterMaxM, NR>(p.M, nr, [&](auto MR, auto R) {
       constexpr int mr = decltype(MR)::value, rr = decltype(R)::value;
       auto tail = [&](int r, int64_t k) { return widen_f32(wt, n + r, k, sv[r]); };
-      if (wt.per_channel) {
-        auto full = [&](int r, int64_t k) { return widen_full<E4M3, HP>(rows + r * K + k, sv[r]); };
-#if HQT_AVX2
-        auto pair = [&](int r, int64_t k, F32::V& lo, F32::V& hi) { widen_full2<E4M3, HP>(rows + r * K + k, sv[r], lo, hi); };
+      auto run = [&](const auto& scale) {  // scale(r): the row's scale register
+        auto full = [&](int r, int64_t k) { return widen_full<E4M3, HP>(rows + r * K + k, scale(r)); };
+        auto pair = [&](int r, int64_t k, F32::V& lo, F32::V& hi) { widen_full2<E4M3, HP>(rows + r * K + k, scale(r), lo, hi); };
         tile_f32<mr, rr>(x, p.Kp, Kfull, 0, n, full, tail, p.out, pair);
-#else
-        tile_f32<mr, rr>(x, p.Kp, Kfull, 0, n, full, tail, p.out);
-#endif
-      } else {
-        auto full = [&](int r, int64_t k) { return widen_full<E4M3, HP>(rows + r * K + k, s0); };
-#if HQT_AVX2
-        auto pair = [&](int r, int64_t k, F32::V& lo, F32::V& hi) { widen_full2<E4M3, HP>(rows + r * K + k, s0, lo, hi); };
-        tile_f32<mr, rr>(x, p.Kp, Kfull, 0, n, full, tail, p.out, pair);
-#else
-        tile_f32<mr, rr>(x, p.Kp, Kfull, 0, n, full, tail, p.out);
-#endif
-      }
+      };
+      wt.per_channel ? run([&](int r) { return sv[r]; }) : run([&](int) { return s0; });
     });
   }
 }
