@@ -1,6 +1,7 @@
 """`hqtflow import-hqt` (foreign HQT/INC measurement files -> artifact -> quantize) and `hqtflow export`
 (hqtflow checkpoint -> AutoFP8/vLLM fp8 layout, compressed-tensors per-channel/per-tensor)."""
 
+import importlib.util
 import json
 import shutil
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, need, run_cli
 from hqtflow.errors import EXIT_CODES
 from hqtflow.formats.artifact import read_manifest
 
@@ -197,7 +198,7 @@ def test_export_per_channel_and_back(checkpoint, tmp_path):
 
 def test_export_per_channel_transformers_same_text(checkpoint, tmp_path):
     """transformers + compressed-tensors run the per-channel export with the same greedy text as hqtflow."""
-    pytest.importorskip("compressed_tensors")
+    need(importlib.util.find_spec("compressed_tensors") is not None, "compressed-tensors is not installed")
     from transformers import AutoModelForCausalLM
 
     from hqtflow import models

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import types
 
+import importlib.util
+
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import need, run_cli
 from hqtflow.config import QuantConfig
 from hqtflow.errors import ConfigError
 from hqtflow.quantize.fp8_linear import FP8Linear, set_backend
@@ -162,7 +164,7 @@ def test_dynamic_checkpoint(measured, tmp_path, name):
         assert set_backend(saved, "cpu") == len(layers)
         assert torch.allclose(saved(ids).logits.float(), ref.float(), atol=0.05, rtol=0.05)
     if ours:  # the standard loader runs the same per-token function
-        pytest.importorskip("compressed_tensors")
+        need(importlib.util.find_spec("compressed_tensors") is not None, "compressed-tensors is not installed")
         from transformers import AutoModelForCausalLM
 
         theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)

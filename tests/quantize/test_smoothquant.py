@@ -10,13 +10,15 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 
 import numpy as np
+
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import need, run_cli
 from hqtflow.scales import SMOOTHQUANT_METHODS
 
 CFG = {"mode": "MEASURE", "observer": "maxabs_per_channel"}
@@ -103,7 +105,7 @@ def test_cli_checkpoint(measured, tmp_path):
     model, _ = hqtflow.load(out, backend="qdq", dtype="bf16")
     norm = model.get_submodule("model.layers.0.input_layernorm").weight
     assert norm.dtype == torch.bfloat16 and not bool((norm == 1).all())  # the smoothing lives in the norm
-    pytest.importorskip("compressed_tensors")
+    need(importlib.util.find_spec("compressed_tensors") is not None, "compressed-tensors is not installed")
     from transformers import AutoModelForCausalLM
 
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
