@@ -3,15 +3,19 @@ compile-and-link command, no build tool) and kept in
 `$HQTFLOW_CACHE/kernels/<hash>` (the hash covers the source, torch's version and the CPU's vector flags), so later
 processes load it in milliseconds. It registers these torch ops:
 
-- `torch.ops.hqtflow.fp8_linear(x, weight, weight_scale, input_scale, bias)`: the QDQ reference's function
-  hp(QDQ(x) @ hp(W * s_w)^T) + bias, batch-invariant (a row's output does not depend on M or on its neighbours);
+- `torch.ops.hqtflow.fp8_linear(x, weight, weight_scale, input_scale, bias, packed=None)`: the QDQ reference's
+  function hp(QDQ(x) @ hp(W * s_w)^T) + bias, batch-invariant (a row's output does not depend on M or on its
+  neighbours); `packed` is `fp8_pack(weight)`, made once per layer (without it, AVX2 packs the weight per call);
+- `fp8_pack(weight)`: the weight in the layout the kernel reads on this machine (AVX2: [ceil(N / 8), K, 8], groups of
+  8 rows column after column; an empty tensor where it reads [N, K] directly);
 - `fp8_dequantize(weight, weight_scale, dtype)`, `fp8_quantize(x, scale, e4m3)`, `fp8_qdq(x, scale, e4m3)`: the
   reference's `dequantize`, `quantize` and input QDQ, bit-identical and fast;
 - `fp8_isa()`: the compute path bf16 models take here ("bf16-dot", "avx512-fma", "avx2-fma" or "scalar").
 
 `available()` says whether it could be built here (a compiler and torch headers); the reason otherwise is in
 `build_error()`. `load("avx2")` builds an AVX2-only twin under `torch.ops.hqtflow_avx2` so that an AVX-512 machine
-tests (and benchmarks) the code path of AVX2-only CPUs too.
+tests (and benchmarks) the code path of AVX2-only CPUs too; `load("scalar")` a one-lane build without vector
+instructions (`torch.ops.hqtflow_scalar`), whose order of operations the AVX2 path must reproduce bit for bit.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import torch
 SOURCE = Path(__file__).with_name("csrc") / "fp8_linear_cpu.cpp"
 # OpenMP: at::parallel_for runs on torch's threads; no FMA contraction: every path must do the same operations.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
-VARIANTS = {"native": ("hqtflow", []), "avx2": ("hqtflow_avx2", ["-mno-avx512f", "-DHQT_OPS_NS=hqtflow_avx2"])}
+VARIANTS = {"native": ("hqtflow", []), "avx2": ("hqtflow_avx2", ["-mno-avx512f", "-DHQT_OPS_NS=hqtflow_avx2"]),
+            "scalar": ("hqtflow_scalar", ["-mno-avx", "-DHQT_OPS_NS=hqtflow_scalar"])}
 
 
 def _flags(variant: str) -> list[str]:
@@ -101,7 +106,7 @@ def _register_fakes() -> None:
     """Shapes of the ops' outputs for torch.compile's tracing (meta tensors)."""
 
     @torch.library.register_fake("hqtflow::fp8_linear")
-    def _(x, weight, weight_scale, input_scale, bias):
+    def _(x, weight, weight_scale, input_scale, bias, packed=None):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake("hqtflow::fp8_dequantize")

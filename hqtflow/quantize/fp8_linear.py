@@ -77,6 +77,8 @@ def quantize_linear(w: torch.Tensor, weight_scale: torch.Tensor, input_scale: to
 class FP8Linear(nn.Module):
     backend = "qdq"
     dynamic_rule: Rule | None = None  # INC's dynamic scale rule; None: amax / F in float32
+    packed: torch.Tensor | None = None  # the "cpu" backend's copy of the weight in its kernel's layout
+    _packed_from: tuple[int, int] | None = None  # (data_ptr, version) of the weight `packed` was made from
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, hp_dtype: torch.dtype,
                  fp8: str = "E4M3", per_channel: bool = False, static_input: bool = True, device=None,
@@ -168,11 +170,21 @@ class FP8Linear(nn.Module):
                     and self.activation in ("static", "dynamic_token", "dynamic_tensor", None))
         return False
 
+    def pack_for_cpu(self) -> None:
+        """Lay the FP8 weight out the way this machine's CPU kernel reads it (`fp8_pack`: groups of rows, column
+        after column, on AVX2; nothing where the kernel reads [out, in] as it is). `set_backend("cpu")` calls it; the
+        packed copy is remade when the weight changes in place."""
+        packed = torch.ops.hqtflow.fp8_pack(self.weight)
+        self.packed = packed if packed.numel() else None
+        self._packed_from = (self.weight.data_ptr(), self.weight._version)
+
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation not in ("static", None):
             x = self._dynamic_qdq(x)
+        if not torch.compiler.is_compiling() and self._packed_from != (self.weight.data_ptr(), self.weight._version):
+            self.pack_for_cpu()
         return torch.ops.hqtflow.fp8_linear(x.to(self.hp_dtype), self.weight, self.weight_scale, self.input_scale,
-                                            self.bias)
+                                            self.bias, self.packed)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x_fp8 [M, K] (row-major) @ W_fp8^T (a column-major view of the stored [N, K]), scaled in fp32.
@@ -245,6 +257,10 @@ def set_backend(model: nn.Module, backend: str) -> int:
     for mod in layers:
         use = mod.supports(backend)
         mod.backend = backend if use else "qdq"
+        if mod.backend == "cpu":
+            mod.pack_for_cpu()
+        else:
+            mod.packed, mod._packed_from = None, None
         n += use
     return n
 

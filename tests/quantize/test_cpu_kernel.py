@@ -10,7 +10,8 @@ S = sum_k |x_k * w_k| (float64) and ulp(v) = 2^-p * v (p = 7 bf16, 10 fp16, 23 f
 (the two fp32 sums' worst-case errors, then the rounding to hp before and after the bias). The kernel's own order is
 fixed per output element, so a row's result is bit-identical whatever M is, whichever rows are beside it and however
 the work is split: checked with torch.equal over M in {1, 2, 7, 8, 9, 16, 63, 64, 65, 256, 512}, both register and
-panel paths, and on both instruction sets: "native" (this machine's) and the AVX2-only twin (`load("avx2")`).
+panel paths, and on both instruction sets: "native" (this machine's) and the AVX2-only twin (`load("avx2")`). The AVX2
+order is the one-lane build's (`load("scalar")`: k ascending, one FMA per product), checked bit for bit.
 """
 
 import pytest
@@ -82,6 +83,54 @@ def test_kernel_is_the_reference_and_batch_invariant(ops, k, n, hp, mode):
         assert torch.equal(_run(ops, mod, x.flip(0)), full.flip(0))
         # 3-D input: the same rows
         assert torch.equal(_run(ops, mod, x[:64].reshape(4, 16, k)), full[:64].reshape(4, 16, n))
+
+
+@pytest.fixture(scope="module")
+def avx2_and_scalar(cpu_kernel_loaded):
+    from conftest import need
+
+    for variant in ("avx2", "scalar"):
+        need(cpu_kernel_loaded.load(variant), f"the {variant} kernel could not be built: {cpu_kernel_loaded.build_error(variant)}")
+    return cpu_kernel_loaded.ops("avx2"), cpu_kernel_loaded.ops("scalar")
+
+
+@pytest.mark.parametrize("k,n", SHAPES + [(7, 13), (4100, 24)])
+@pytest.mark.parametrize("hp", list(HP))
+@pytest.mark.parametrize("mode", ["w8a8", "weight-only", "per-channel", "e5m2"])
+def test_avx2_adds_in_the_scalar_order(avx2_and_scalar, k, n, hp, mode):
+    """The AVX2 path (outer products over the packed weight: decode tiles, and panels with column blocks) adds every
+    output's products in the one-lane build's order, k ascending, one FMA each: the same bits at every M."""
+    avx2, scalar = avx2_and_scalar
+    mod, x = _layer(k, n, HP[hp], mode, seed=11)
+    packed = avx2.fp8_pack(mod.weight)
+    assert packed.shape == (-(-n // 8), k, 8) and torch.equal(packed.reshape(-1, k * 8)[:, :8].flatten()[:n],
+                                                               mod.weight.view(torch.uint8)[:, 0])
+    with torch.inference_mode():
+        for m in (1, 2, 3, 65):
+            args = (x[:m], mod.weight, mod.weight_scale, mod.input_scale, mod.bias)
+            want = scalar.fp8_linear(*args)
+            assert torch.equal(avx2.fp8_linear(*args, packed), want), f"M={m}"
+            assert torch.equal(avx2.fp8_linear(*args), want), f"M={m}, packed per call"
+
+
+def test_packed_weight_is_checked_and_follows_the_weight(cpu_kernel_loaded):
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(96, 40).to(torch.bfloat16)
+    mod = FP8Linear.from_linear(lin, (lin.weight.abs().max() / 448).to(torch.bfloat16), None)
+    x = torch.randn(5, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert set_backend(mod, "cpu") == 1
+        before = mod(x)
+        packed = torch.ops.hqtflow.fp8_pack(mod.weight)
+        if packed.numel():  # this machine's kernel reads a packed layout: a wrong one is refused
+            with pytest.raises(RuntimeError, match="packed must be fp8_pack"):
+                torch.ops.hqtflow.fp8_linear(x, mod.weight, mod.weight_scale, None, None, packed[:-1])
+        mod.weight.copy_(FP8Linear.from_linear(lin, (lin.weight.abs().max() / 100).to(torch.bfloat16), None).weight)
+        after = mod(x)  # repacked: the new weight, not the layout of the old one
+        assert not torch.equal(after, before)
+        assert torch.equal(after, torch.ops.hqtflow.fp8_linear(x, mod.weight, mod.weight_scale, None, mod.bias))
+        set_backend(mod, "qdq")
+        assert mod.packed is None
 
 
 def test_thread_count_does_not_change_results(ops):

@@ -10,8 +10,11 @@
 // - bf16 path (bf16 models on CPUs with AVX512-BF16): each output owns one fp32 vector lane and adds its products
 //   pair of k after pair of k in ascending k (one vdpbf16ps lane per pair: acc + x[k] w[k] + x[k+1] w[k+1]), with
 //   no reduction across lanes (outer products: 16 outputs per vector, the input pair broadcast);
-// - fp32 path (everything else): each output accumulates its products in vector lanes over k in ascending steps,
-//   then one halving tree across the lanes (`hsum`).
+// - fp32 path on AVX2 (and the one-lane build without vector instructions): each output owns one fp32 vector lane
+//   and adds its products k after k in ascending k, one FMA each (outer products over a packed weight: 8 rows per
+//   vector, the input value broadcast); AVX2 and the one-lane build give the same bits;
+// - fp32 path on AVX-512F: each output accumulates its products in vector lanes over k in ascending steps, then one
+//   halving tree across the lanes (`hsum`).
 // So a row's output is bit-identical whether it is computed alone, padded or inside a batch of 512.
 //
 // Compute paths, picked at compile time from the CPU's flags (the kernel is built with -march=native):
@@ -24,6 +27,7 @@
 //   by vcvtph2ps, multiplied by s_w * 2^8 (exactly the fp32 product v * s_w) and rounded to hp.
 // The weights of a few rows are widened in registers for decode-sized M; for larger M each thread widens a panel of
 // rows once into an L2-sized buffer and sweeps every input row over it (the weight streams from memory once).
+// On AVX2 the weight is read packed (`fp8_pack`: groups of 8 rows, column after column), made once per layer.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -138,7 +142,9 @@ struct F32 {
     return _mm256_cvtph_ps(h);
   }
   static HQT_INLINE void widen2(const uint8_t* p, bool e4m3, V& lo, V& hi) {  // 2W bytes in one integer pass
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    widen2(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), e4m3, lo, hi);
+  }
+  static HQT_INLINE void widen2(__m128i b, bool e4m3, V& lo, V& hi) {
     __m256i h = e4m3 ? _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
                                         _mm256_set1_epi16(static_cast<short>(0xBFFF)))
                      : _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
@@ -742,6 +748,182 @@ void rows_from_panels(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
+#if HQT_AVX2
+// ---- the AVX2 fp32 path: outer products over a packed weight -------------------------------------------------
+// Each output (m, n) owns one fp32 lane and adds its products k after k in ascending k, one FMA each: the order of
+// the scalar build (one lane), so AVX2 and scalar outputs are bit-identical. The weight is read packed (`fp8_pack`,
+// made once per layer when the backend is set): groups of 8 rows, column after column, so 16 contiguous bytes
+// widen into columns k and k + 1 of 8 rows and the input value x[m, k] is broadcast. Decode-sized M widens each
+// pair of columns and uses it at once (each group one contiguous stream); larger M widen a panel (rows x a block of
+// columns) once per thread into L2 and sweep tiles of 6 input rows over it, 16 rows at a time, the sums waiting in
+// fp32 (exactly) between column blocks.
+constexpr int kGroup = F32::W;  // weight rows per vector, per packed group
+constexpr int kPanelMR = 6;     // panel tile: 6 input rows x 2 groups (12 accumulators, 2 weights, 1 input)
+constexpr int kColumnGroups1 = 4, kColumnGroups = 2;  // decode tiles for M = 1 and M = 2: 4 sums per column
+
+// [N, K] -> [ceil(N / 8), K, 8], rows past N zero.
+void pack_rows(const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
+  at::parallel_for(0, (N + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      uint8_t* dst = out + g * K * kGroup;
+      for (int i = 0; i < kGroup; ++i) {
+        const int64_t n = g * kGroup + i;
+        if (n >= N) {
+          for (int64_t k = 0; k < K; ++k) dst[k * kGroup + i] = 0;
+          continue;
+        }
+        const uint8_t* row = w + n * K;
+        for (int64_t k = 0; k < K; ++k) dst[k * kGroup + i] = row[k];
+      }
+    }
+  });
+}
+
+// The scale register of group g (rows past N: 0): s_i * widen_factor in lane i.
+inline F32::V group_scale(const Weight& wt, int64_t g) {
+  alignas(32) float s[kGroup];
+  for (int i = 0; i < kGroup; ++i) {
+    const int64_t n = g * kGroup + i;
+    s[i] = (n < wt.N ? wt.s(n) : 0.f) * widen_factor(wt);
+  }
+  return F32::load(s);
+}
+
+// Columns k and k + 1 of a group (16 packed bytes) as w_q.
+template <bool E4M3, at::ScalarType HP>
+HQT_INLINE void widen_pair(const uint8_t* p, F32::V sv, F32::V& a, F32::V& b) {
+  F32::widen2(p, E4M3, a, b);
+  a = scale_to<HP>(a, sv);
+  b = scale_to<HP>(b, sv);
+}
+
+// fp32 sums of a tile, rounded and stored by the scalar epilogue (the same code as every other path).
+template <int MR, int G>
+HQT_INLINE void store_groups(const F32::V (&acc)[MR][G], int64_t m0, int64_t n, int64_t nr, const Out& out) {
+  alignas(32) float res[MR][G * kGroup];
+  HQT_UNROLL for (int m = 0; m < MR; ++m)
+    HQT_UNROLL for (int g = 0; g < G; ++g) F32::store(res[m] + g * kGroup, acc[m][g]);
+  for (int m = 0; m < MR; ++m)
+    for (int64_t c = 0; c < nr; ++c) out.put(m0 + m, n + c, res[m][c]);
+}
+
+// Decode-sized M: MR input rows x G groups from group g0 (rows [8 g0, 8 g0 + nr)), each pair of columns widened and
+// used at once.
+template <int MR, int G, bool E4M3, at::ScalarType HP>
+HQT_INLINE void columns_tile(const Problem& p, const uint8_t* packed, int64_t g0, int64_t nr) {
+  const Weight& wt = p.wt;
+  const float* x = static_cast<const float*>(p.x);
+  const int64_t K = wt.K;
+  const uint8_t* src[G];
+  F32::V sv[G];
+  for (int g = 0; g < G; ++g) src[g] = packed + (g0 + g) * K * kGroup, sv[g] = group_scale(wt, g0 + g);
+  F32::V acc[MR][G];
+  HQT_UNROLL for (int m = 0; m < MR; ++m)
+    HQT_UNROLL for (int g = 0; g < G; ++g) acc[m][g] = F32::zero();
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    HQT_UNROLL for (int g = 0; g < G; ++g) {
+      F32::V a, b;
+      widen_pair<E4M3, HP>(src[g] + k * kGroup, sv[g], a, b);
+      HQT_UNROLL for (int m = 0; m < MR; ++m)
+        acc[m][g] = F32::fma(F32::set1(x[m * p.Kp + k + 1]), b, F32::fma(F32::set1(x[m * p.Kp + k]), a, acc[m][g]));
+    }
+  }
+  if (k < K) {  // odd K: the last column
+    HQT_UNROLL for (int g = 0; g < G; ++g) {
+      const F32::V a = scale_to<HP>(F32::widen(src[g] + k * kGroup, E4M3), sv[g]);
+      HQT_UNROLL for (int m = 0; m < MR; ++m) acc[m][g] = F32::fma(F32::set1(x[m * p.Kp + k]), a, acc[m][g]);
+    }
+  }
+  store_groups<MR, G>(acc, 0, g0 * kGroup, nr, p.out);
+}
+
+template <int G>
+void columns_rows(const Problem& p, const uint8_t* packed, int64_t n0, int64_t n1) {
+  with_format(p.wt, [&](auto e4m3, auto hp) {
+    constexpr int64_t rows = G * kGroup;
+    for (int64_t n = n0; n < n1; n += rows) {
+      const int64_t nr = std::min(rows, n1 - n);
+      dispatch<kRegisterMaxM, G>(p.M, (nr + kGroup - 1) / kGroup, [&](auto MR, auto NG) {
+        columns_tile<decltype(MR)::value, decltype(NG)::value, decltype(e4m3)::value, decltype(hp)::value>(
+            p, packed, n / kGroup, nr);
+      });
+    }
+  });
+}
+
+// Larger M: MR input rows x G groups over columns [kb, kb + kc) of a widened panel (`w`: column after column, 8 rows
+// each; groups `gstride` floats apart). Sums of column blocks before the last wait in `partial` (row stride `ldp`).
+template <int MR, int G>
+HQT_INLINE void panel_tile(const Problem& p, int64_t m0, int64_t n, int64_t nr, const float* w, int64_t gstride,
+                           int64_t kb, int64_t kc, float* partial, int64_t ldp) {
+  const float* x = static_cast<const float*>(p.x) + m0 * p.Kp + kb;
+  F32::V acc[MR][G];
+  HQT_UNROLL for (int m = 0; m < MR; ++m)
+    HQT_UNROLL for (int g = 0; g < G; ++g) acc[m][g] = kb == 0 ? F32::zero() : F32::load(partial + m * ldp + g * kGroup);
+  for (int64_t t = 0; t < kc; ++t, w += kGroup) {
+    F32::V wv[G];
+    HQT_UNROLL for (int g = 0; g < G; ++g) wv[g] = F32::load(w + g * gstride);
+    HQT_UNROLL for (int m = 0; m < MR; ++m) {
+      const F32::V xb = F32::set1(x[m * p.Kp + t]);
+      HQT_UNROLL for (int g = 0; g < G; ++g) acc[m][g] = F32::fma(xb, wv[g], acc[m][g]);
+    }
+  }
+  if (kb + kc < p.wt.K) {
+    HQT_UNROLL for (int m = 0; m < MR; ++m)
+      HQT_UNROLL for (int g = 0; g < G; ++g) F32::store(partial + m * ldp + g * kGroup, acc[m][g]);
+    return;
+  }
+  store_groups<MR, G>(acc, m0, n, nr, p.out);
+}
+
+void columns_panels(const Problem& p, const uint8_t* packed, int64_t n0, int64_t n1) {
+  const Weight& wt = p.wt;
+  const int64_t K = wt.K;
+  // columns per block: all of a short row; long rows in near-equal blocks of about 512 (the panel stays in L2)
+  const int64_t blocks = K <= 1024 ? 1 : (K + 511) / 512;
+  const int64_t kc_max = ((K + blocks - 1) / blocks + 1) / 2 * 2;
+  const int64_t unit = 2 * kGroup;
+  const int64_t rows = std::clamp<int64_t>(panel_bytes(K) / 2 / (4 * kc_max) / unit * unit, unit,
+                                           (n1 - n0 + unit - 1) / unit * unit);
+  std::unique_ptr<float, decltype(&std::free)> panel(
+      static_cast<float*>(std::aligned_alloc(64, rows * kc_max * sizeof(float))), &std::free);
+  std::vector<float> partial(blocks > 1 ? p.M * rows : 0);
+  with_format(wt, [&](auto e4m3, auto hp) {
+    constexpr bool E4M3 = decltype(e4m3)::value;
+    constexpr at::ScalarType HP = decltype(hp)::value;
+    for (int64_t nb = n0; nb < n1; nb += rows) {
+      const int64_t ne = std::min(n1, nb + rows);
+      for (int64_t kb = 0; kb < K; kb += kc_max) {
+        const int64_t kc = std::min(kc_max, K - kb), gstride = kc * kGroup;
+        for (int64_t n = nb; n < ne; n += kGroup) {  // widen the block, group after group
+          const int64_t g = n / kGroup;
+          const F32::V sv = group_scale(wt, g);
+          const uint8_t* src = packed + (g * K + kb) * kGroup;
+          float* dst = panel.get() + (n - nb) / kGroup * gstride;
+          int64_t t = 0;
+          for (; t + 2 <= kc; t += 2) {
+            F32::V a, b;
+            widen_pair<E4M3, HP>(src + t * kGroup, sv, a, b);
+            F32::store(dst + t * kGroup, a);
+            F32::store(dst + (t + 1) * kGroup, b);
+          }
+          if (t < kc) F32::store(dst + t * kGroup, scale_to<HP>(F32::widen(src + t * kGroup, E4M3), sv));
+        }
+        for (int64_t m = 0; m < p.M; m += kPanelMR)
+          for (int64_t n = nb; n < ne; n += unit) {
+            const int64_t nr = std::min(unit, ne - n);
+            dispatch<kPanelMR, 2>(std::min<int64_t>(kPanelMR, p.M - m), (nr + kGroup - 1) / kGroup, [&](auto MR, auto NG) {
+              panel_tile<decltype(MR)::value, decltype(NG)::value>(p, m, n, nr, panel.get() + (n - nb) / kGroup * gstride,
+                                                                   gstride, kb, kc, partial.data() + m * rows + (n - nb), rows);
+            });
+          }
+      }
+    }
+  });
+}
+#endif
+
 #if HQT_BF16
 // ---- the bf16 path: outer products, one output per vector lane ------------------------------------------------
 // Each output (m, n) owns one fp32 lane and adds its input/weight pairs of k with one vdpbf16ps lane each, pair after
@@ -970,8 +1152,24 @@ bool is_e4m3(const at::Tensor& w) {
 
 }  // namespace
 
+// The weight in the layout this machine's kernel reads (`fp8_linear`'s `packed`): [ceil(N / 8), K, 8] bytes on AVX2
+// (groups of 8 rows, column after column), an empty tensor where the kernel reads [N, K] as it is.
+at::Tensor fp8_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "fp8_pack: weight must be a contiguous 2-D tensor");
+  is_e4m3(w);
+#if HQT_AVX2
+  const int64_t N = w.size(0), K = w.size(1);
+  at::Tensor out = at::empty({(N + kGroup - 1) / kGroup, K, kGroup}, w.options().dtype(at::kByte));
+  pack_rows(reinterpret_cast<const uint8_t*>(w.data_ptr()), N, K, out.data_ptr<uint8_t>());
+  return out;
+#else
+  return at::empty({0}, w.options().dtype(at::kByte));
+#endif
+}
+
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& weight_scale,
-                      const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& bias) {
+                      const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& bias,
+                      const c10::optional<at::Tensor>& packed) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "fp8_linear: weight must be a contiguous 2-D tensor");
   const bool e4m3 = is_e4m3(w);
   const int64_t N = w.size(0), K = w.size(1);
@@ -1048,12 +1246,31 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   }
 #endif
   const bool registers = M <= kRegisterMaxM;
+#if HQT_AVX2
+  // the packed weight: the caller's (made once per layer), else packed here for this call
+  at::Tensor own;
+  if (packed.has_value() && packed->numel() > 0) {
+    TORCH_CHECK(packed->scalar_type() == at::kByte && packed->is_contiguous() && packed->dim() == 3 &&
+                    packed->size(0) == (N + kGroup - 1) / kGroup && packed->size(1) == K && packed->size(2) == kGroup,
+                "fp8_linear: packed must be fp8_pack(weight)");
+  } else {
+    own = fp8_pack(w);
+  }
+  const uint8_t* pw = (own.defined() ? own : *packed).data_ptr<uint8_t>();
+  const int64_t unit = kGroup;  // weight rows per work unit: one packed group
+#else
   const int64_t unit = 8;  // weight rows per work unit
+#endif
   const int64_t grain = registers ? 16 : std::max<int64_t>(unit, (N + threads - 1) / threads);
   at::parallel_for(0, (N + unit - 1) / unit, (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
     const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
+#if HQT_AVX2
+    if (!registers) return columns_panels(p, pw, n0, n1);
+    M == 1 ? columns_rows<kColumnGroups1>(p, pw, n0, n1) : columns_rows<kColumnGroups>(p, pw, n0, n1);
+#else
     if (!registers) return rows_from_panels(p, n0, n1);
     M == 1 ? rows_in_registers<kNR1>(p, n0, n1) : rows_in_registers<kNR>(p, n0, n1);
+#endif
   });
   return out.reshape(out_shape);
 }
@@ -1128,7 +1345,8 @@ std::string fp8_isa() {
 }
 
 TORCH_LIBRARY(HQT_OPS_NS, m) {
-  m.def("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias) -> Tensor");
+  m.def("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, Tensor? packed=None) -> Tensor");
+  m.def("fp8_pack(Tensor weight) -> Tensor");
   m.def("fp8_dequantize(Tensor weight, Tensor weight_scale, ScalarType dtype) -> Tensor");
   m.def("fp8_qdq(Tensor x, Tensor scale, bool e4m3) -> Tensor");
   m.def("fp8_quantize(Tensor x, Tensor scale, bool e4m3) -> Tensor");
@@ -1137,6 +1355,7 @@ TORCH_LIBRARY(HQT_OPS_NS, m) {
 
 TORCH_LIBRARY_IMPL(HQT_OPS_NS, CPU, m) {
   m.impl("fp8_linear", &fp8_linear);
+  m.impl("fp8_pack", &fp8_pack);
   m.impl("fp8_dequantize", &fp8_dequantize);
   m.impl("fp8_qdq", &fp8_qdq);
   m.impl("fp8_quantize", &fp8_quantize);
