@@ -758,7 +758,7 @@ void rows_from_panels(const Problem& p, int64_t n0, int64_t n1) {
 // columns) once per thread into L2 and sweep tiles of 6 input rows over it, 16 rows at a time, the sums waiting in
 // fp32 (exactly) between column blocks.
 constexpr int kGroup = F32::W;  // weight rows per vector, per packed group
-constexpr int kPanelMR = 6;     // panel tile: 6 input rows x 2 groups (12 accumulators, 2 weights, 1 input)
+constexpr int kPanelMR = 6, kPanelNG = 2;  // panel tile: 6 input rows x 2 groups (12 accumulators, 2 weights, 1 input)
 constexpr int kColumnGroups1 = 4, kColumnGroups = 2;  // decode tiles for M = 1 and M = 2: 4 sums per column
 
 // [N, K] -> [ceil(N / 8), K, 8], rows past N zero.
@@ -797,14 +797,45 @@ HQT_INLINE void widen_pair(const uint8_t* p, F32::V sv, F32::V& a, F32::V& b) {
   b = scale_to<HP>(b, sv);
 }
 
-// fp32 sums of a tile, rounded and stored by the scalar epilogue (the same code as every other path).
+HQT_INLINE F32::V round_hp(F32::V v, at::ScalarType hp) {
+  if (hp == at::kBFloat16) return F32::round_bf16(v);
+  if (hp == at::kHalf) return F32::round_fp16(v);
+  return v;
+}
+
+// The epilogue of 8 outputs (Out::put's operations, in lanes): y = hp(hp(acc) + bias); `nr` of them stored.
+// `out.bias` holds 8 readable values past N (zeros).
+HQT_INLINE void store8(F32::V acc, int64_t m, int64_t n, int64_t nr, const Out& out) {
+  F32::V v = round_hp(acc, out.hp);
+  if (out.bias) v = round_hp(_mm256_add_ps(v, F32::load(out.bias + n)), out.hp);
+  const int64_t at = m * out.N + n;
+  if (out.hp == at::kFloat) {
+    if (nr >= kGroup) return F32::store(static_cast<float*>(out.y) + at, v);
+    alignas(32) float f[kGroup];
+    F32::store(f, v);
+    std::memcpy(static_cast<float*>(out.y) + at, f, nr * sizeof(float));
+    return;
+  }
+  // bf16: the top halves (already rounded); fp16: a rounding conversion of values already on the fp16 grid (exact)
+  __m128i h;
+  if (out.hp == at::kBFloat16) {
+    const __m256i u = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+    h = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+  } else {
+    h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+  }
+  uint16_t* y = static_cast<uint16_t*>(out.y) + at;
+  if (nr >= kGroup) return _mm_storeu_si128(reinterpret_cast<__m128i*>(y), h);
+  alignas(16) uint16_t f[kGroup];
+  _mm_store_si128(reinterpret_cast<__m128i*>(f), h);
+  std::memcpy(y, f, nr * sizeof(uint16_t));
+}
+
 template <int MR, int G>
 HQT_INLINE void store_groups(const F32::V (&acc)[MR][G], int64_t m0, int64_t n, int64_t nr, const Out& out) {
-  alignas(32) float res[MR][G * kGroup];
   HQT_UNROLL for (int m = 0; m < MR; ++m)
-    HQT_UNROLL for (int g = 0; g < G; ++g) F32::store(res[m] + g * kGroup, acc[m][g]);
-  for (int m = 0; m < MR; ++m)
-    for (int64_t c = 0; c < nr; ++c) out.put(m0 + m, n + c, res[m][c]);
+    HQT_UNROLL for (int g = 0; g < G; ++g)
+      if (nr > g * kGroup) store8(acc[m][g], m0 + m, n + g * kGroup, nr - g * kGroup, out);
 }
 
 // Decode-sized M: MR input rows x G groups from group g0 (rows [8 g0, 8 g0 + nr)), each pair of columns widened and
@@ -913,7 +944,7 @@ void columns_panels(const Problem& p, const uint8_t* packed, int64_t n0, int64_t
         for (int64_t m = 0; m < p.M; m += kPanelMR)
           for (int64_t n = nb; n < ne; n += unit) {
             const int64_t nr = std::min(unit, ne - n);
-            dispatch<kPanelMR, 2>(std::min<int64_t>(kPanelMR, p.M - m), (nr + kGroup - 1) / kGroup, [&](auto MR, auto NG) {
+            dispatch<kPanelMR, kPanelNG>(std::min<int64_t>(kPanelMR, p.M - m), (nr + kGroup - 1) / kGroup, [&](auto MR, auto NG) {
               panel_tile<decltype(MR)::value, decltype(NG)::value>(p, m, n, nr, panel.get() + (n - nb) / kGroup * gstride,
                                                                    gstride, kb, kc, partial.data() + m * rows + (n - nb), rows);
             });
@@ -1182,7 +1213,9 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const int64_t M = x2d.size(0);
   const std::vector<float> sc = floats_of(weight_scale);
   TORCH_CHECK(sc.size() == 1 || static_cast<int64_t>(sc.size()) == N, "fp8_linear: weight_scale must have 1 or ", N, " values");
-  const std::vector<float> b = bias.has_value() ? floats_of(*bias) : std::vector<float>();
+  std::vector<float> b = bias.has_value() ? floats_of(*bias) : std::vector<float>();
+  TORCH_CHECK(b.empty() || static_cast<int64_t>(b.size()) == N, "fp8_linear: bias must have ", N, " values");
+  if (!b.empty()) b.resize(N + 16, 0.f);  // vector epilogues read whole vectors past N
   const bool has_sx = input_scale.has_value();
   const float s_x = has_sx ? load_float(input_scale->data_ptr(), input_scale->scalar_type(), 0) : 0.f;
   at::Tensor out = at::empty({M, N}, x.options());
