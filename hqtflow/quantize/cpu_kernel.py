@@ -10,6 +10,8 @@ processes load it in milliseconds. It registers these torch ops:
   8 rows column after column; an empty tensor where it reads [N, K] directly);
 - `fp8_dequantize(weight, weight_scale, dtype)`, `fp8_quantize(x, scale, e4m3)`, `fp8_qdq(x, scale, e4m3)`: the
   reference's `dequantize`, `quantize` and input QDQ, bit-identical and fast;
+- `bf16_pack(weight)`, `bf16_linear(x, packed, n, bias)`: high-precision Linears (bf16 values) in fp32 models on
+  AVX2, read packed as bf16 in the FP8 path's order (`bf16_linear.py`);
 - `fp8_isa()`: the compute path bf16 models take here ("bf16-dot", "avx512-fma", "avx2-fma" or "scalar").
 
 `available()` says whether it could be built here (a compiler and torch headers); the reason otherwise is in
@@ -108,6 +110,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("hqtflow::fp8_linear")
     def _(x, weight, weight_scale, input_scale, bias, packed=None):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.register_fake("hqtflow::bf16_linear")
+    def _(x, packed, n, bias):
+        return x.new_empty(*x.shape[:-1], n)
 
     @torch.library.register_fake("hqtflow::fp8_dequantize")
     def _(weight, weight_scale, dtype):

@@ -246,7 +246,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> Backend:
 def set_backend(model: nn.Module, backend: str) -> int:
     """Switch every FP8Linear of `model` to `backend` ("auto" picks per device); returns how many switched.
 
-    Layers the backend cannot run keep the reference path (and are counted out).
+    Layers the backend cannot run keep the reference path (and are counted out). With "cpu", the model's
+    high-precision Linears whose weights are bf16 values in an fp32 model run on the kernel too (`bf16_linear.py`).
     """
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     if backend == "auto" and layers:
@@ -262,6 +263,10 @@ def set_backend(model: nn.Module, backend: str) -> int:
         else:
             mod.packed, mod._packed_from = None, None
         n += use
+    if layers:  # the model's high-precision Linears too (an lm_head kept in bf16, computed in fp32)
+        from hqtflow.quantize import bf16_linear
+
+        bf16_linear.use_kernel(model, backend == "cpu")
     return n
 
 

@@ -228,3 +228,36 @@ def test_fp8_checkpoint_runs_in_fp32(cpu_kernel_loaded, tiny_llama, wiki_text, t
     assert r.exit_code == 0, r.output
     r = run_cli("generate", tmp_path / "fp8", "--dtype", "fp64")
     assert r.exit_code == 2 and "Unknown --dtype 'fp64'" in r.output and "Traceback" not in r.output
+
+
+def test_high_precision_linears_read_packed_bf16(cpu_kernel_loaded):
+    """set_backend("cpu") runs an fp32 model's bf16-valued Linears (an lm_head kept in bf16) on the kernel: the
+    function of fp32 F.linear within the fp32-ordering bound, rows independent of the batch, state dict unchanged;
+    a weight that is not all bf16 values keeps F.linear; another backend swaps the class back."""
+    from hqtflow.quantize.bf16_linear import PackedBf16Linear
+
+    torch.manual_seed(6)
+    lin = torch.nn.Linear(96, 40)
+    model = torch.nn.Sequential(FP8Linear.from_linear(lin, lin.weight.abs().max() / 448, None),
+                                torch.nn.Linear(40, 300, bias=True), torch.nn.Linear(300, 7, bias=False))
+    head, exact_fp32 = model[1], model[2]
+    with torch.no_grad():
+        head.weight.copy_(head.weight.bfloat16().float())  # bf16 values, as a bf16 checkpoint loaded in fp32
+    keys = list(model.state_dict())
+    x = torch.randn(9, 40)
+    with torch.inference_mode():
+        ref = head(x)
+        set_backend(model, "cpu")
+        assert type(head) is PackedBf16Linear and type(exact_fp32) is PackedBf16Linear and list(model.state_dict()) == keys
+        y = head(x)
+        if torch.ops.hqtflow.bf16_pack(head.weight.bfloat16()).numel():  # this machine's kernel has the bf16 path
+            assert head.packed is not None and exact_fp32.packed is None  # not bf16 values: F.linear
+            S = x.double().abs() @ head.weight.double().abs().t() + head.bias.double().abs()
+            assert ((y.double() - ref.double()).abs() <= 2 * 40 * 2.0**-24 * S).all()
+            for m in (1, 2, 7):
+                assert torch.equal(head(x[:m]), y[:m])
+            assert torch.equal(head(torch.cat([x, torch.randn(30, 40)]))[:9], y)
+        h = torch.randn(5, 300)
+        assert torch.equal(exact_fp32(h), torch.nn.functional.linear(h, exact_fp32.weight))
+        set_backend(model, "qdq")
+        assert type(head) is torch.nn.Linear and torch.equal(head(x), ref)

@@ -45,6 +45,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
@@ -761,19 +762,15 @@ constexpr int kGroup = F32::W;  // weight rows per vector, per packed group
 constexpr int kPanelMR = 6, kPanelNG = 2;  // panel tile: 6 input rows x 2 groups (12 accumulators, 2 weights, 1 input)
 constexpr int kColumnGroups1 = 4, kColumnGroups = 2;  // decode tiles for M = 1 and M = 2: 4 sums per column
 
-// [N, K] -> [ceil(N / 8), K, 8], rows past N zero.
-void pack_rows(const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
+// [N, K] -> [ceil(N / 8), K, 8], rows past N zero (FP8 bytes, or bf16 for high-precision weights).
+template <typename T>
+void pack_rows(const T* w, int64_t N, int64_t K, T* out) {
   at::parallel_for(0, (N + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      uint8_t* dst = out + g * K * kGroup;
+      T* dst = out + g * K * kGroup;
       for (int i = 0; i < kGroup; ++i) {
         const int64_t n = g * kGroup + i;
-        if (n >= N) {
-          for (int64_t k = 0; k < K; ++k) dst[k * kGroup + i] = 0;
-          continue;
-        }
-        const uint8_t* row = w + n * K;
-        for (int64_t k = 0; k < K; ++k) dst[k * kGroup + i] = row[k];
+        for (int64_t k = 0; k < K; ++k) dst[k * kGroup + i] = n < N ? w[n * K + k] : T(0);
       }
     }
   });
@@ -795,6 +792,33 @@ HQT_INLINE void widen_pair(const uint8_t* p, F32::V sv, F32::V& a, F32::V& b) {
   F32::widen2(p, E4M3, a, b);
   a = scale_to<HP>(a, sv);
   b = scale_to<HP>(b, sv);
+}
+
+// A packed group as a source of columns: `pair(k, a, b)` columns k and k + 1, `one(k)` column k, as fp32 vectors.
+template <bool E4M3, at::ScalarType HP>
+struct Fp8Group {  // w_q = hp(W * s) of FP8 bytes
+  const uint8_t* p;
+  F32::V sv;
+  Fp8Group(const Weight& wt, const void* packed, int64_t g)
+      : p(static_cast<const uint8_t*>(packed) + g * wt.K * kGroup), sv(group_scale(wt, g)) {}
+  HQT_INLINE void pair(int64_t k, F32::V& a, F32::V& b) const { widen_pair<E4M3, HP>(p + k * kGroup, sv, a, b); }
+  HQT_INLINE F32::V one(int64_t k) const { return scale_to<HP>(F32::widen(p + k * kGroup, E4M3), sv); }
+};
+
+struct Bf16Group {  // bf16 values, exact in fp32
+  const uint16_t* p;
+  Bf16Group(const Weight& wt, const void* packed, int64_t g) : p(static_cast<const uint16_t*>(packed) + g * wt.K * kGroup) {}
+  HQT_INLINE F32::V one(int64_t k) const {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k * kGroup));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  HQT_INLINE void pair(int64_t k, F32::V& a, F32::V& b) const { a = one(k), b = one(k + 1); }
+};
+
+// Calls f(Group{}) with the FP8 group type of the weight's format and hp.
+template <class F>
+inline void with_fp8_group(const Weight& wt, const F& f) {
+  with_format(wt, [&](auto e4m3, auto hp) { f(static_cast<Fp8Group<decltype(e4m3)::value, decltype(hp)::value>*>(nullptr)); });
 }
 
 HQT_INLINE F32::V round_hp(F32::V v, at::ScalarType hp) {
@@ -840,14 +864,13 @@ HQT_INLINE void store_groups(const F32::V (&acc)[MR][G], int64_t m0, int64_t n, 
 
 // Decode-sized M: MR input rows x G groups from group g0 (rows [8 g0, 8 g0 + nr)), each pair of columns widened and
 // used at once.
-template <int MR, int G, bool E4M3, at::ScalarType HP>
-HQT_INLINE void columns_tile(const Problem& p, const uint8_t* packed, int64_t g0, int64_t nr) {
-  const Weight& wt = p.wt;
+template <int MR, int G, class Group>
+HQT_INLINE void columns_tile(const Problem& p, const void* packed, int64_t g0, int64_t nr) {
   const float* x = static_cast<const float*>(p.x);
-  const int64_t K = wt.K;
-  const uint8_t* src[G];
-  F32::V sv[G];
-  for (int g = 0; g < G; ++g) src[g] = packed + (g0 + g) * K * kGroup, sv[g] = group_scale(wt, g0 + g);
+  const int64_t K = p.wt.K;
+  const auto src = [&]<size_t... I>(std::index_sequence<I...>) {
+    return std::array<Group, G>{Group(p.wt, packed, g0 + static_cast<int64_t>(I))...};
+  }(std::make_index_sequence<G>{});
   F32::V acc[MR][G];
   HQT_UNROLL for (int m = 0; m < MR; ++m)
     HQT_UNROLL for (int g = 0; g < G; ++g) acc[m][g] = F32::zero();
@@ -855,32 +878,29 @@ HQT_INLINE void columns_tile(const Problem& p, const uint8_t* packed, int64_t g0
   for (; k + 2 <= K; k += 2) {
     HQT_UNROLL for (int g = 0; g < G; ++g) {
       F32::V a, b;
-      widen_pair<E4M3, HP>(src[g] + k * kGroup, sv[g], a, b);
+      src[g].pair(k, a, b);
       HQT_UNROLL for (int m = 0; m < MR; ++m)
         acc[m][g] = F32::fma(F32::set1(x[m * p.Kp + k + 1]), b, F32::fma(F32::set1(x[m * p.Kp + k]), a, acc[m][g]));
     }
   }
   if (k < K) {  // odd K: the last column
     HQT_UNROLL for (int g = 0; g < G; ++g) {
-      const F32::V a = scale_to<HP>(F32::widen(src[g] + k * kGroup, E4M3), sv[g]);
+      const F32::V a = src[g].one(k);
       HQT_UNROLL for (int m = 0; m < MR; ++m) acc[m][g] = F32::fma(F32::set1(x[m * p.Kp + k]), a, acc[m][g]);
     }
   }
   store_groups<MR, G>(acc, 0, g0 * kGroup, nr, p.out);
 }
 
-template <int G>
-void columns_rows(const Problem& p, const uint8_t* packed, int64_t n0, int64_t n1) {
-  with_format(p.wt, [&](auto e4m3, auto hp) {
-    constexpr int64_t rows = G * kGroup;
-    for (int64_t n = n0; n < n1; n += rows) {
-      const int64_t nr = std::min(rows, n1 - n);
-      dispatch<kRegisterMaxM, G>(p.M, (nr + kGroup - 1) / kGroup, [&](auto MR, auto NG) {
-        columns_tile<decltype(MR)::value, decltype(NG)::value, decltype(e4m3)::value, decltype(hp)::value>(
-            p, packed, n / kGroup, nr);
-      });
-    }
-  });
+template <int G, class Group>
+void columns_rows(const Problem& p, const void* packed, int64_t n0, int64_t n1) {
+  constexpr int64_t rows = G * kGroup;
+  for (int64_t n = n0; n < n1; n += rows) {
+    const int64_t nr = std::min(rows, n1 - n);
+    dispatch<kRegisterMaxM, G>(p.M, (nr + kGroup - 1) / kGroup, [&](auto MR, auto NG) {
+      columns_tile<decltype(MR)::value, decltype(NG)::value, Group>(p, packed, n / kGroup, nr);
+    });
+  }
 }
 
 // Larger M: MR input rows x G groups over columns [kb, kb + kc) of a widened panel (`w`: column after column, 8 rows
@@ -908,49 +928,56 @@ HQT_INLINE void panel_tile(const Problem& p, int64_t m0, int64_t n, int64_t nr, 
   store_groups<MR, G>(acc, m0, n, nr, p.out);
 }
 
-void columns_panels(const Problem& p, const uint8_t* packed, int64_t n0, int64_t n1) {
+template <class Group>
+void columns_panels(const Problem& p, const void* packed, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
   const int64_t K = wt.K;
   // columns per block: all of a short row; long rows in near-equal blocks of about 512 (the panel stays in L2)
   const int64_t blocks = K <= 1024 ? 1 : (K + 511) / 512;
   const int64_t kc_max = ((K + blocks - 1) / blocks + 1) / 2 * 2;
-  const int64_t unit = 2 * kGroup;
+  const int64_t unit = kPanelNG * kGroup;
   const int64_t rows = std::clamp<int64_t>(panel_bytes(K) / 2 / (4 * kc_max) / unit * unit, unit,
                                            (n1 - n0 + unit - 1) / unit * unit);
   std::unique_ptr<float, decltype(&std::free)> panel(
       static_cast<float*>(std::aligned_alloc(64, rows * kc_max * sizeof(float))), &std::free);
   std::vector<float> partial(blocks > 1 ? p.M * rows : 0);
-  with_format(wt, [&](auto e4m3, auto hp) {
-    constexpr bool E4M3 = decltype(e4m3)::value;
-    constexpr at::ScalarType HP = decltype(hp)::value;
-    for (int64_t nb = n0; nb < n1; nb += rows) {
-      const int64_t ne = std::min(n1, nb + rows);
-      for (int64_t kb = 0; kb < K; kb += kc_max) {
-        const int64_t kc = std::min(kc_max, K - kb), gstride = kc * kGroup;
-        for (int64_t n = nb; n < ne; n += kGroup) {  // widen the block, group after group
-          const int64_t g = n / kGroup;
-          const F32::V sv = group_scale(wt, g);
-          const uint8_t* src = packed + (g * K + kb) * kGroup;
-          float* dst = panel.get() + (n - nb) / kGroup * gstride;
-          int64_t t = 0;
-          for (; t + 2 <= kc; t += 2) {
-            F32::V a, b;
-            widen_pair<E4M3, HP>(src + t * kGroup, sv, a, b);
-            F32::store(dst + t * kGroup, a);
-            F32::store(dst + (t + 1) * kGroup, b);
-          }
-          if (t < kc) F32::store(dst + t * kGroup, scale_to<HP>(F32::widen(src + t * kGroup, E4M3), sv));
+  for (int64_t nb = n0; nb < n1; nb += rows) {
+    const int64_t ne = std::min(n1, nb + rows);
+    for (int64_t kb = 0; kb < K; kb += kc_max) {
+      const int64_t kc = std::min(kc_max, K - kb), gstride = kc * kGroup;
+      for (int64_t n = nb; n < ne; n += kGroup) {  // widen the block, group after group
+        const Group src(wt, packed, n / kGroup);
+        float* dst = panel.get() + (n - nb) / kGroup * gstride - kb * kGroup;
+        int64_t k = kb;
+        for (; k + 2 <= kb + kc; k += 2) {
+          F32::V a, b;
+          src.pair(k, a, b);
+          F32::store(dst + k * kGroup, a);
+          F32::store(dst + (k + 1) * kGroup, b);
         }
-        for (int64_t m = 0; m < p.M; m += kPanelMR)
-          for (int64_t n = nb; n < ne; n += unit) {
-            const int64_t nr = std::min(unit, ne - n);
-            dispatch<kPanelMR, kPanelNG>(std::min<int64_t>(kPanelMR, p.M - m), (nr + kGroup - 1) / kGroup, [&](auto MR, auto NG) {
-              panel_tile<decltype(MR)::value, decltype(NG)::value>(p, m, n, nr, panel.get() + (n - nb) / kGroup * gstride,
-                                                                   gstride, kb, kc, partial.data() + m * rows + (n - nb), rows);
-            });
-          }
+        if (k < kb + kc) F32::store(dst + k * kGroup, src.one(k));
       }
+      for (int64_t m = 0; m < p.M; m += kPanelMR)
+        for (int64_t n = nb; n < ne; n += unit) {
+          const int64_t nr = std::min(unit, ne - n);
+          dispatch<kPanelMR, kPanelNG>(std::min<int64_t>(kPanelMR, p.M - m), (nr + kGroup - 1) / kGroup, [&](auto MR, auto NG) {
+            panel_tile<decltype(MR)::value, decltype(NG)::value>(p, m, n, nr, panel.get() + (n - nb) / kGroup * gstride,
+                                                                 gstride, kb, kc, partial.data() + m * rows + (n - nb), rows);
+          });
+        }
     }
+  }
+}
+
+// The AVX2 fp32 path over all rows, in parallel: a work unit is one packed group.
+template <class Group>
+void run_columns(const Problem& p, const void* packed) {
+  const int64_t N = p.wt.N, units = (N + kGroup - 1) / kGroup, threads = at::get_num_threads();
+  const bool registers = p.M <= kRegisterMaxM;
+  at::parallel_for(0, units, registers ? 16 : std::max<int64_t>(1, (units + threads - 1) / threads), [&](int64_t g0, int64_t g1) {
+    const int64_t n0 = g0 * kGroup, n1 = std::min(N, g1 * kGroup);
+    if (!registers) return columns_panels<Group>(p, packed, n0, n1);
+    p.M == 1 ? columns_rows<kColumnGroups1, Group>(p, packed, n0, n1) : columns_rows<kColumnGroups, Group>(p, packed, n0, n1);
   });
 }
 #endif
@@ -1191,7 +1218,7 @@ at::Tensor fp8_pack(const at::Tensor& w) {
 #if HQT_AVX2
   const int64_t N = w.size(0), K = w.size(1);
   at::Tensor out = at::empty({(N + kGroup - 1) / kGroup, K, kGroup}, w.options().dtype(at::kByte));
-  pack_rows(reinterpret_cast<const uint8_t*>(w.data_ptr()), N, K, out.data_ptr<uint8_t>());
+  pack_rows<uint8_t>(reinterpret_cast<const uint8_t*>(w.data_ptr()), N, K, out.data_ptr<uint8_t>());
   return out;
 #else
   return at::empty({0}, w.options().dtype(at::kByte));
@@ -1278,7 +1305,6 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
     return out.reshape(out_shape);
   }
 #endif
-  const bool registers = M <= kRegisterMaxM;
 #if HQT_AVX2
   // the packed weight: the caller's (made once per layer), else packed here for this call
   at::Tensor own;
@@ -1290,22 +1316,68 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
     own = fp8_pack(w);
   }
   const uint8_t* pw = (own.defined() ? own : *packed).data_ptr<uint8_t>();
-  const int64_t unit = kGroup;  // weight rows per work unit: one packed group
+  with_fp8_group(wt, [&](auto* group) { run_columns<std::remove_pointer_t<decltype(group)>>(p, pw); });
+  return out.reshape(out_shape);
 #else
+  const bool registers = M <= kRegisterMaxM;
   const int64_t unit = 8;  // weight rows per work unit
-#endif
   const int64_t grain = registers ? 16 : std::max<int64_t>(unit, (N + threads - 1) / threads);
   at::parallel_for(0, (N + unit - 1) / unit, (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
     const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
-#if HQT_AVX2
-    if (!registers) return columns_panels(p, pw, n0, n1);
-    M == 1 ? columns_rows<kColumnGroups1>(p, pw, n0, n1) : columns_rows<kColumnGroups>(p, pw, n0, n1);
-#else
     if (!registers) return rows_from_panels(p, n0, n1);
     M == 1 ? rows_in_registers<kNR1>(p, n0, n1) : rows_in_registers<kNR>(p, n0, n1);
-#endif
   });
   return out.reshape(out_shape);
+#endif
+}
+
+// High-precision weights for fp32 compute on AVX2 (an `lm_head` kept in bf16): the bf16 values packed like FP8
+// weights (`bf16_pack`: [ceil(N / 8), K, 8]; an empty tensor without the AVX2 path) and `bf16_linear(x, packed, N,
+// bias)` = x @ W^T + bias in fp32, reading half of fp32's bytes, each output's products added k ascending like the
+// FP8 path's: batch-invariant, the function of fp32 `F.linear` up to the order of its sums.
+at::Tensor bf16_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack: weight must be a 2-D bf16 tensor");
+#if HQT_AVX2
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1);
+  at::Tensor out = at::empty({(N + kGroup - 1) / kGroup, K, kGroup}, wc.options());
+  pack_rows<uint16_t>(reinterpret_cast<const uint16_t*>(wc.data_ptr()), N, K, reinterpret_cast<uint16_t*>(out.data_ptr()));
+  return out;
+#else
+  return at::empty({0}, w.options());
+#endif
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+#if HQT_AVX2
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "bf16_linear: input must be float32, not ", x.scalar_type());
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == (N + kGroup - 1) / kGroup && packed.size(1) == K && packed.size(2) == kGroup,
+              "bf16_linear: packed must be bf16_pack(weight) of a weight with ", N, " rows and ", K, " columns");
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  const at::Tensor x2d = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2d.size(0), Kp = (K + F32::W - 1) / F32::W * F32::W;
+  std::vector<float> b = bias.has_value() ? floats_of(*bias) : std::vector<float>();
+  TORCH_CHECK(b.empty() || static_cast<int64_t>(b.size()) == N, "bf16_linear: bias must have ", N, " values");
+  if (!b.empty()) b.resize(N + 16, 0.f);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out.reshape(out_shape);
+  std::unique_ptr<float[]> xf(new float[M * Kp]);
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      std::memcpy(xf.get() + m * Kp, x2d.data_ptr<float>() + m * K, K * sizeof(float));
+      std::fill(xf.get() + m * Kp + K, xf.get() + (m + 1) * Kp, 0.f);
+    }
+  });
+  const Weight wt{nullptr, N, K, nullptr, false, true, at::kFloat};
+  const Problem p{wt, xf.get(), M, Kp, false, Out{out.data_ptr(), N, at::kFloat, b.empty() ? nullptr : b.data()}};
+  run_columns<Bf16Group>(p, packed.data_ptr());
+  return out.reshape(out_shape);
+#else
+  TORCH_CHECK(false, "bf16_linear: this build has no AVX2 path (bf16_pack returns an empty tensor here)");
+#endif
 }
 
 // The dequantized weight in `dtype`: hp(W * scale) (the reference's `dequantize`), rows in parallel.
@@ -1380,6 +1452,8 @@ std::string fp8_isa() {
 TORCH_LIBRARY(HQT_OPS_NS, m) {
   m.def("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, Tensor? packed=None) -> Tensor");
   m.def("fp8_pack(Tensor weight) -> Tensor");
+  m.def("bf16_pack(Tensor weight) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("fp8_dequantize(Tensor weight, Tensor weight_scale, ScalarType dtype) -> Tensor");
   m.def("fp8_qdq(Tensor x, Tensor scale, bool e4m3) -> Tensor");
   m.def("fp8_quantize(Tensor x, Tensor scale, bool e4m3) -> Tensor");
@@ -1389,6 +1463,8 @@ TORCH_LIBRARY(HQT_OPS_NS, m) {
 TORCH_LIBRARY_IMPL(HQT_OPS_NS, CPU, m) {
   m.impl("fp8_linear", &fp8_linear);
   m.impl("fp8_pack", &fp8_pack);
+  m.impl("bf16_pack", &bf16_pack);
+  m.impl("bf16_linear", &bf16_linear);
   m.impl("fp8_dequantize", &fp8_dequantize);
   m.impl("fp8_qdq", &fp8_qdq);
   m.impl("fp8_quantize", &fp8_quantize);
