@@ -815,7 +815,7 @@ struct Bf16Group {  // bf16 values, exact in fp32
   HQT_INLINE void pair(int64_t k, F32::V& a, F32::V& b) const { a = one(k), b = one(k + 1); }
 };
 
-// Calls f(Group{}) with the FP8 group type of the weight's format and hp.
+// Calls f(static_cast<Group*>(nullptr)) with the FP8 group type of the weight's format and hp.
 template <class F>
 inline void with_fp8_group(const Weight& wt, const F& f) {
   with_format(wt, [&](auto e4m3, auto hp) { f(static_cast<Fp8Group<decltype(e4m3)::value, decltype(hp)::value>*>(nullptr)); });
@@ -947,15 +947,15 @@ void columns_panels(const Problem& p, const void* packed, int64_t n0, int64_t n1
       const int64_t kc = std::min(kc_max, K - kb), gstride = kc * kGroup;
       for (int64_t n = nb; n < ne; n += kGroup) {  // widen the block, group after group
         const Group src(wt, packed, n / kGroup);
-        float* dst = panel.get() + (n - nb) / kGroup * gstride - kb * kGroup;
-        int64_t k = kb;
-        for (; k + 2 <= kb + kc; k += 2) {
+        float* dst = panel.get() + (n - nb) / kGroup * gstride;
+        int64_t t = 0;
+        for (; t + 2 <= kc; t += 2) {
           F32::V a, b;
-          src.pair(k, a, b);
-          F32::store(dst + k * kGroup, a);
-          F32::store(dst + (k + 1) * kGroup, b);
+          src.pair(kb + t, a, b);
+          F32::store(dst + t * kGroup, a);
+          F32::store(dst + (t + 1) * kGroup, b);
         }
-        if (k < kb + kc) F32::store(dst + k * kGroup, src.one(k));
+        if (t < kc) F32::store(dst + t * kGroup, src.one(kb + t));
       }
       for (int64_t m = 0; m < p.M; m += kPanelMR)
         for (int64_t n = nb; n < ne; n += unit) {
@@ -1377,6 +1377,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   return out.reshape(out_shape);
 #else
   TORCH_CHECK(false, "bf16_linear: this build has no AVX2 path (bf16_pack returns an empty tensor here)");
+  return at::Tensor();
 #endif
 }
 
