@@ -16,7 +16,8 @@ rounding, INC's arithmetic), with `hqtflow.scales.dynamic_activation_scale`. The
 Backends (`set_backend`):
 - "qdq": the reference, any layout, any device.
 - "cpu": hqtflow's CPU kernel (`cpu_kernel.py`): the FP8 weight stays FP8 in memory and is widened in registers or
-  per panel; static, dynamic or no activation quantization, per-tensor or per-channel weights. The same function
+  per panel (on AVX2 from a second FP8 copy in the kernel's layout, `pack_for_cpu`); static, dynamic or no
+  activation quantization, per-tensor or per-channel weights. The same function
   as "qdq" (input QDQ and dequantized weight bit-identical, products exact, fp32 sums in another but fixed order),
   batch-invariant: a row's output does not depend on M, its neighbours or padding rows.
 - "scaled_mm": `torch._scaled_mm`, a real FP8 GEMM with fp32 accumulation on CUDA compute capability >= 8.9 (it
