@@ -763,17 +763,9 @@ constexpr int kPanelMR = 6, kPanelNG = 2;  // panel tile: 6 input rows x 2 group
 constexpr int kColumnGroups1 = 4, kColumnGroups = 2;  // decode tiles for M = 1 and M = 2: 4 sums per column
 
 // [N, K] -> [ceil(N / 8), K, 8], rows past N zero (FP8 bytes, or bf16 for high-precision weights).
-template <typename T>
-void pack_rows(const T* w, int64_t N, int64_t K, T* out) {
-  at::parallel_for(0, (N + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      T* dst = out + g * K * kGroup;
-      for (int i = 0; i < kGroup; ++i) {
-        const int64_t n = g * kGroup + i;
-        for (int64_t k = 0; k < K; ++k) dst[k * kGroup + i] = n < N ? w[n * K + k] : T(0);
-      }
-    }
-  });
+at::Tensor pack_rows(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1), G = (N + kGroup - 1) / kGroup;
+  return at::constant_pad_nd(w, {0, 0, 0, G * kGroup - N}).view({G, kGroup, K}).transpose(1, 2).contiguous();
 }
 
 // The scale register of group g (rows past N: 0): s_i * widen_factor in lane i.
@@ -1216,10 +1208,7 @@ at::Tensor fp8_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "fp8_pack: weight must be a contiguous 2-D tensor");
   is_e4m3(w);
 #if HQT_AVX2
-  const int64_t N = w.size(0), K = w.size(1);
-  at::Tensor out = at::empty({(N + kGroup - 1) / kGroup, K, kGroup}, w.options().dtype(at::kByte));
-  pack_rows<uint8_t>(reinterpret_cast<const uint8_t*>(w.data_ptr()), N, K, out.data_ptr<uint8_t>());
-  return out;
+  return pack_rows(w.view(at::kByte));
 #else
   return at::empty({0}, w.options().dtype(at::kByte));
 #endif
@@ -1338,11 +1327,7 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 at::Tensor bf16_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack: weight must be a 2-D bf16 tensor");
 #if HQT_AVX2
-  const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1);
-  at::Tensor out = at::empty({(N + kGroup - 1) / kGroup, K, kGroup}, wc.options());
-  pack_rows<uint16_t>(reinterpret_cast<const uint16_t*>(wc.data_ptr()), N, K, reinterpret_cast<uint16_t*>(out.data_ptr()));
-  return out;
+  return pack_rows(w);
 #else
   return at::empty({0}, w.options());
 #endif
