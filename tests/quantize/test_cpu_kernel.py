@@ -133,16 +133,32 @@ def test_packed_weight_is_checked_and_follows_the_weight(cpu_kernel_loaded):
         assert mod.packed is None
 
 
-def test_thread_count_does_not_change_results(ops):
-    mod, x = _layer(576, 192, torch.bfloat16, "w8a8")
+@pytest.mark.parametrize("hp", [torch.bfloat16, torch.float32])
+def test_thread_count_does_not_change_results(ops, hp):
+    """Threads take row blocks as they free up (which thread computes a row varies run to run): the same bits with
+    1 thread and with more threads than cores, at decode and panel sizes of M, for FP8 and packed bf16 weights."""
+    mod, x = _layer(576, 1100, hp, "w8a8")
+    w = torch.randn(1100, 576).to(torch.bfloat16)
+    packed = ops.bf16_pack(w)
+    xs = [x[:m].float() if hp == torch.float32 else x[:m] for m in (1, 2, 9, 70)]
     threads = torch.get_num_threads()
+
+    def run():
+        out = [_run(ops, mod, xm) for xm in xs]
+        if packed.numel():  # this machine's kernel has the packed bf16 path
+            out += [ops.bf16_linear(xm.float(), packed, 1100, None) for xm in xs]
+        return out
+
     with torch.inference_mode():
         try:
             torch.set_num_threads(1)
-            one = _run(ops, mod, x)
+            one = run()
+            torch.set_num_threads(5)
+            many = [run() for _ in range(3)]
         finally:
             torch.set_num_threads(threads)
-        assert torch.equal(_run(ops, mod, x), one)
+        for got in many + [run()]:
+            assert all(torch.equal(a, b) for a, b in zip(got, one))
 
 
 @pytest.mark.parametrize("activation", ["dynamic_token", None])

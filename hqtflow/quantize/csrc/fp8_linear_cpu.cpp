@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -884,15 +885,38 @@ HQT_INLINE void columns_tile(const Problem& p, const void* packed, int64_t g0, i
   store_groups<MR, G>(acc, 0, g0 * kGroup, nr, p.out);
 }
 
-template <int G, class Group>
-void columns_rows(const Problem& p, const void* packed, int64_t n0, int64_t n1) {
-  constexpr int64_t rows = G * kGroup;
-  for (int64_t n = n0; n < n1; n += rows) {
-    const int64_t nr = std::min(rows, n1 - n);
-    dispatch<kRegisterMaxM, G>(p.M, (nr + kGroup - 1) / kGroup, [&](auto MR, auto NG) {
-      columns_tile<decltype(MR)::value, decltype(NG)::value, Group>(p, packed, n / kGroup, nr);
-    });
+// Row blocks of the weight, handed out one at a time to whichever thread asks next: a thread slowed by other work on
+// its core (a server's HTTP loop, another process) takes fewer blocks instead of holding the others up, as a static
+// split would. Blocks are near-equal runs of `unit` rows. Which thread computes an output does not change how.
+class Blocks {
+ public:
+  Blocks(int64_t N, int64_t unit, int64_t count)
+      : N_(N), unit_(unit), units_((N + unit - 1) / unit), count_(std::clamp<int64_t>(count, 1, units_)) {}
+  int64_t count() const { return count_; }
+  int64_t max_rows() const { return (units_ + count_ - 1) / count_ * unit_; }
+  bool take(int64_t& n0, int64_t& n1) {
+    const int64_t b = next_.fetch_add(1, std::memory_order_relaxed);
+    if (b >= count_) return false;
+    n0 = b * units_ / count_ * unit_;
+    n1 = std::min(N_, (b + 1) * units_ / count_ * unit_);
+    return true;
   }
+
+ private:
+  const int64_t N_, unit_, units_, count_;
+  std::atomic<int64_t> next_{0};
+};
+
+template <int G, class Group>
+void columns_rows(const Problem& p, const void* packed, Blocks& blocks) {
+  constexpr int64_t rows = G * kGroup;
+  for (int64_t n0, n1; blocks.take(n0, n1);)
+    for (int64_t n = n0; n < n1; n += rows) {
+      const int64_t nr = std::min(rows, n1 - n);
+      dispatch<kRegisterMaxM, G>(p.M, (nr + kGroup - 1) / kGroup, [&](auto MR, auto NG) {
+        columns_tile<decltype(MR)::value, decltype(NG)::value, Group>(p, packed, n / kGroup, nr);
+      });
+    }
 }
 
 // Larger M: MR input rows x G groups over columns [kb, kb + kc) of a widened panel (`w`: column after column, 8 rows
@@ -921,20 +945,13 @@ HQT_INLINE void panel_tile(const Problem& p, int64_t m0, int64_t n, int64_t nr, 
 }
 
 template <class Group>
-void columns_panels(const Problem& p, const void* packed, int64_t n0, int64_t n1) {
+void columns_panels(const Problem& p, const void* packed, Blocks& blocks, int64_t kc_max) {
   const Weight& wt = p.wt;
-  const int64_t K = wt.K;
-  // columns per block: all of a short row; long rows in near-equal blocks of about 512 (the panel stays in L2)
-  const int64_t blocks = K <= 1024 ? 1 : (K + 511) / 512;
-  const int64_t kc_max = ((K + blocks - 1) / blocks + 1) / 2 * 2;
-  const int64_t unit = kPanelNG * kGroup;
-  const int64_t rows = std::clamp<int64_t>(panel_bytes(K) / 2 / (4 * kc_max) / unit * unit, unit,
-                                           (n1 - n0 + unit - 1) / unit * unit);
+  const int64_t K = wt.K, unit = kPanelNG * kGroup, rows = blocks.max_rows();
   std::unique_ptr<float, decltype(&std::free)> panel(
       static_cast<float*>(std::aligned_alloc(64, rows * kc_max * sizeof(float))), &std::free);
-  std::vector<float> partial(blocks > 1 ? p.M * rows : 0);
-  for (int64_t nb = n0; nb < n1; nb += rows) {
-    const int64_t ne = std::min(n1, nb + rows);
+  std::unique_ptr<float[]> partial(kc_max < K ? new float[p.M * rows] : nullptr);
+  for (int64_t nb, ne; blocks.take(nb, ne);) {
     for (int64_t kb = 0; kb < K; kb += kc_max) {
       const int64_t kc = std::min(kc_max, K - kb), gstride = kc * kGroup;
       for (int64_t n = nb; n < ne; n += kGroup) {  // widen the block, group after group
@@ -954,22 +971,35 @@ void columns_panels(const Problem& p, const void* packed, int64_t n0, int64_t n1
           const int64_t nr = std::min(unit, ne - n);
           dispatch<kPanelMR, kPanelNG>(std::min<int64_t>(kPanelMR, p.M - m), (nr + kGroup - 1) / kGroup, [&](auto MR, auto NG) {
             panel_tile<decltype(MR)::value, decltype(NG)::value>(p, m, n, nr, panel.get() + (n - nb) / kGroup * gstride,
-                                                                 gstride, kb, kc, partial.data() + m * rows + (n - nb), rows);
+                                                                 gstride, kb, kc, partial.get() + m * rows + (n - nb), rows);
           });
         }
     }
   }
 }
 
-// The AVX2 fp32 path over all rows, in parallel: a work unit is one packed group.
+// The AVX2 fp32 path over all rows, in parallel: each thread takes row blocks (`Blocks`) until none is left; about 8
+// blocks per thread, fewer threads for small decode layers. Larger M: a block's widened panel (rows x a column block
+// of ~512 for long rows, all of a short row) fits the panel budget in L2.
 template <class Group>
 void run_columns(const Problem& p, const void* packed) {
-  const int64_t N = p.wt.N, units = (N + kGroup - 1) / kGroup, threads = at::get_num_threads();
-  const bool registers = p.M <= kRegisterMaxM;
-  at::parallel_for(0, units, registers ? 16 : std::max<int64_t>(1, (units + threads - 1) / threads), [&](int64_t g0, int64_t g1) {
-    const int64_t n0 = g0 * kGroup, n1 = std::min(N, g1 * kGroup);
-    if (!registers) return columns_panels<Group>(p, packed, n0, n1);
-    p.M == 1 ? columns_rows<kColumnGroups1, Group>(p, packed, n0, n1) : columns_rows<kColumnGroups, Group>(p, packed, n0, n1);
+  const int64_t N = p.wt.N, K = p.wt.K, threads = at::get_num_threads();
+  if (p.M <= kRegisterMaxM) {
+    const int64_t tile = (p.M == 1 ? kColumnGroups1 : kColumnGroups) * kGroup;
+    const int64_t team = std::clamp<int64_t>((N + 127) / 128, 1, threads);  // up to 128 rows need no second thread
+    Blocks blocks(N, tile, 8 * team);
+    at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+      p.M == 1 ? columns_rows<kColumnGroups1, Group>(p, packed, blocks) : columns_rows<kColumnGroups, Group>(p, packed, blocks);
+    });
+    return;
+  }
+  const int64_t splits = K <= 1024 ? 1 : (K + 511) / 512;  // column blocks
+  const int64_t kc_max = ((K + splits - 1) / splits + 1) / 2 * 2, unit = kPanelNG * kGroup;
+  const int64_t fit = std::max<int64_t>(1, panel_bytes(K) / 2 / (4 * kc_max) / unit);  // units a panel holds
+  const int64_t units = (N + unit - 1) / unit;
+  Blocks blocks(N, unit, std::max((units + fit - 1) / fit, 8 * threads));
+  at::parallel_for(0, std::min(threads, blocks.count()), 1, [&](int64_t, int64_t) {
+    columns_panels<Group>(p, packed, blocks, kc_max);
   });
 }
 #endif
