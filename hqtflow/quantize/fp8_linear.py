@@ -182,10 +182,18 @@ class FP8Linear(nn.Module):
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation not in ("static", None):
             x = self._dynamic_qdq(x)
-        if not torch.compiler.is_compiling() and self._packed_from != (self.weight.data_ptr(), self.weight._version):
+        if torch.compiler.is_compiling():
+            return torch.ops.hqtflow.fp8_linear(x.to(self.hp_dtype), self.weight, self.weight_scale, self.input_scale,
+                                                self.bias, self.packed)
+        # eager: a decode step runs this ~200 times, so the buffers come from one dict lookup each (not
+        # nn.Module.__getattr__) and the op from its overload (not the packet's overload resolution)
+        b = self._buffers
+        w = b["weight"]
+        if self._packed_from != (w.data_ptr(), w._version):
             self.pack_for_cpu()
-        return torch.ops.hqtflow.fp8_linear(x.to(self.hp_dtype), self.weight, self.weight_scale, self.input_scale,
-                                            self.bias, self.packed)
+        if x.dtype != self.hp_dtype:
+            x = x.to(self.hp_dtype)
+        return torch.ops.hqtflow.fp8_linear.default(x, w, b["weight_scale"], b["input_scale"], b["bias"], self.packed)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x_fp8 [M, K] (row-major) @ W_fp8^T (a column-major view of the stored [N, K]), scaled in fp32.
