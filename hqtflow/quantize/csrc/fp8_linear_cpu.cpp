@@ -978,8 +978,8 @@ void columns_panels(const Problem& p, const void* packed, Blocks& blocks, int64_
   }
 }
 
-// The AVX2 fp32 path over all rows, in parallel: each thread takes row blocks (`Blocks`) until none is left; about 8
-// blocks per thread, fewer threads for small decode layers. Larger M: a block's widened panel (rows x a column block
+// The AVX2 fp32 path over all rows, in parallel: each thread takes row blocks (`Blocks`) until none is left; 8 blocks
+// per thread (2 for inputs larger than a panel), fewer threads for small decode layers. Larger M: a block's widened panel (rows x a column block
 // of ~512 for long rows, all of a short row) fits the panel budget in L2.
 template <class Group>
 void run_columns(const Problem& p, const void* packed) {
@@ -997,7 +997,10 @@ void run_columns(const Problem& p, const void* packed) {
   const int64_t kc_max = ((K + splits - 1) / splits + 1) / 2 * 2, unit = kPanelNG * kGroup;
   const int64_t fit = std::max<int64_t>(1, panel_bytes(K) / 2 / (4 * kc_max) / unit);  // units a panel holds
   const int64_t units = (N + unit - 1) / unit;
-  Blocks blocks(N, unit, std::max((units + fit - 1) / fit, 8 * threads));
+  // each block sweeps the whole input: an input that stays in cache allows many small blocks (balance when a thread
+  // is slowed), a larger one is read again per block, so blocks stay as large as the panel holds (2 per thread)
+  const int64_t per_thread = p.M * p.Kp * 4 <= panel_bytes(K) ? 8 : 2;
+  Blocks blocks(N, unit, std::max((units + fit - 1) / fit, per_thread * threads));
   at::parallel_for(0, std::min(threads, blocks.count()), 1, [&](int64_t, int64_t) {
     columns_panels<Group>(p, packed, blocks, kc_max);
   });
