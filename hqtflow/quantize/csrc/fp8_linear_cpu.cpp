@@ -979,8 +979,8 @@ void columns_panels(const Problem& p, const void* packed, Blocks& blocks, int64_
 }
 
 // The AVX2 fp32 path over all rows, in parallel: each thread takes row blocks (`Blocks`) until none is left; 8 blocks
-// per thread (2 for inputs larger than a panel), fewer threads for small decode layers. Larger M: a block's widened panel (rows x a column block
-// of ~512 for long rows, all of a short row) fits the panel budget in L2.
+// per thread (2 for inputs larger than a panel), fewer threads for small decode layers. Larger M: a block's widened
+// panel (rows x a column block of ~512 for long rows, all of a short row) fits the panel budget in L2.
 template <class Group>
 void run_columns(const Problem& p, const void* packed) {
   const int64_t N = p.wt.N, K = p.wt.K, threads = at::get_num_threads();
