@@ -8,9 +8,9 @@ the CPU kernel (`--backend`, default auto). Neural Compressor converts the bf16 
 Decode tokens/s = batch * (new tokens - 1) / time of the decode steps (the prompt's forward excluded), median of
 `--runs`. Targets from the issues: FP8 >= 1.3x the fastest high-precision engine (bf16 or fp32 static, whichever is
 faster here; and the fastest FP8 engine, eager or compiled, vs the fastest of every high-precision engine measured,
-compiled fp32 and bf16 included), >= bf16 through the same engine, >= 5x Neural Compressor. The FP8 model computes its non-FP8 parts in
-`--dtype auto` (bf16 with native bf16 dot products, else fp32). A
-`--profile` (or any missed target) prints where an FP8 decode step spends its time.
+compiled fp32 and bf16 included), >= bf16 through the same engine, >= 5x Neural Compressor. The FP8 model computes
+its non-FP8 parts in `--dtype auto` (bf16 with native bf16 dot products, else fp32). A `--profile` (or any missed
+target) prints where an FP8 decode step spends its time.
 
     make demo   # makes out/smollm2/measure and out/smollm2/fp8
     python bench/decode.py [--checkpoint out/smollm2/fp8] [--measurement out/smollm2/measure] [--batch-sizes 1,8]
