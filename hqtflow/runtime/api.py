@@ -54,16 +54,17 @@ class Ctx:
             raise invalid(f"`{name}` token ids must be in [0, {len(self.tok)})")
         return ids
 
-    def max_new(self, n_input: int, max_new: int | None, default: int) -> int:
-        """TGI's length checks; returns max_new_tokens (default: `default`, capped to what fits)."""
-        s = self.s
+    def max_new(self, n_input: int, max_new: int | None, default: int, names=("inputs", "max_new_tokens")) -> int:
+        """TGI's length checks, naming the request's own fields; returns max_new_tokens (default: `default`, capped
+        to what fits)."""
+        s, (inputs, new) = self.s, names
         if n_input > s.max_input_tokens:
-            raise invalid(f"`inputs` must have less than {s.max_input_tokens} tokens. Given: {n_input}")
+            raise invalid(f"`{inputs}` must have less than {s.max_input_tokens} tokens. Given: {n_input}")
         if max_new is None:
             max_new = max(1, min(default, s.max_total_tokens - n_input))
         if n_input + max_new > s.max_total_tokens:
-            raise invalid(f"`inputs` tokens + `max_new_tokens` must be <= {s.max_total_tokens}. "
-                          f"Given: {n_input} `inputs` tokens and {max_new} `max_new_tokens`")
+            raise invalid(f"`{inputs}` tokens + `{new}` must be <= {s.max_total_tokens}. "
+                          f"Given: {n_input} `{inputs}` tokens and {max_new} `{new}`")
         return max_new
 
     def admit(self) -> None:

@@ -65,9 +65,10 @@ class Event:
     index: int
     token: Token | None
     finish_reason: str | None = None  # "length" | "eos_token" | "stop_sequence"
-    generated_text: str | None = None
+    generated_text: str | None = None  # every generated token's text (a matched stop sequence included, as TGI)
+    stop_at: int | None = None  # "stop_sequence": where the stop sequence starts in generated_text (OpenAI cuts there)
     error: str | None = None
-    prompt: list[tuple[float | None, list[tuple[int, float]]]] | None = None  # last event, if prompt_logprobs
+    prompt: list[tuple[float | None, list[tuple[int, float]]]] | None = None  # first and last event, if prompt_logprobs
 
 
 @dataclass(eq=False)  # a request is itself: identity, never field-by-field (two equal prompts are two requests)
@@ -430,7 +431,7 @@ class Engine:
         req.t_first = req.t_first or time.monotonic()
         req.generated.append(tok)
         special = tok in self.special
-        finish = None
+        finish, stop_at = None, None
         if (tok in self.eos and not req.params.ignore_eos) or (req.matcher is not None and req.matcher.is_terminated()):
             finish, text = "eos_token", self.tok.decode([tok])
         else:
@@ -441,10 +442,10 @@ class Engine:
             req.text += text
             cut = min((j for j in (req.text.find(s) for s in req.params.stop) if j >= 0), default=-1)
             if cut >= 0:
-                req.text, finish = req.text[:cut], "stop_sequence"
+                finish, stop_at = "stop_sequence", cut
         req.finished = finish is not None
         req.emit(Event(len(req.generated) - 1, Token(tok, text, logprob, special, top), finish,
-                       req.text if finish else None, prompt=req.prompt if finish else None))
+                       req.text if finish else None, stop_at, prompt=req.prompt if finish or len(req.generated) == 1 else None))
 
 
 def _processed(req: Request) -> bool:

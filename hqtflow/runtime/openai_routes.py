@@ -4,6 +4,7 @@ stream_options.include_usage."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -14,7 +15,8 @@ from fastapi.responses import StreamingResponse
 from hqtflow.runtime.api import Ctx, Sequence
 from hqtflow.runtime.engine import SamplingParams
 from hqtflow.runtime.grammar import GrammarError, compile_grammar
-from hqtflow.runtime.schemas import ApiError, ChatRequest, CompletionRequest, OpenAICommon, invalid, parse, read_body, stop_list
+from hqtflow.runtime.schemas import (ApiError, ChatRequest, CompletionRequest, OpenAICommon, invalid, openai_error, parse,
+                                     read_body, stop_list)
 
 FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 MAX_SEQUENCES = 64  # sequences one completions request may start (batched prompts x n)
@@ -24,19 +26,76 @@ def chunk(data) -> str:
     return "data: " + json.dumps(data) + "\n\n"
 
 
+def final_text(ev) -> str:
+    """A finished sequence's text as OpenAI returns it: up to (without) the stop sequence that ended it."""
+    return ev.generated_text if ev.stop_at is None else ev.generated_text[:ev.stop_at]
+
+
+def token_bytes(tok, tid: int, text: str) -> bytes:
+    """A token's own UTF-8 bytes (OpenAI's `bytes`): its text, or, for a token that holds part of a character (its
+    text decodes to U+FFFD), the bytes behind its byte-level BPE symbols or its `<0xNN>` byte-fallback piece."""
+    if "\ufffd" not in text:
+        return text.encode()
+    piece = tok.convert_ids_to_tokens(tid)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    symbols = _byte_symbols()
+    return bytes(symbols[c] for c in piece) if all(c in symbols for c in piece) else text.encode()
+
+
+@functools.cache
+def _byte_symbols() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, symbol -> byte: printable bytes stand for themselves, the other 68 bytes
+    for the code points from 256 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def chat_messages(messages: list[dict]) -> list[dict]:
+    """The messages for the chat template: roles checked, content as a string (OpenAI's text parts joined)."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            raise invalid(f"`messages[{i}].role` must be one of {', '.join(ROLES)}. Given: {m.get('role')!r}")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise invalid(f"`messages[{i}].content[{j}]`: only text parts are supported. Given: {kind!r}")
+                parts.append(part["text"])
+            content = "\n".join(parts)
+        elif content is None and m["role"] == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise invalid(f"`messages[{i}].content` must be a string or a list of text parts")
+        out.append({**m, "content": content})
+    return out
+
+
+def held_back(text: str, stops) -> int:
+    """Characters at the end of `text` that may be the start of a stop sequence (not streamed until they are not)."""
+    return max((n for stop in stops for n in range(min(len(stop), len(text)), 0, -1) if text.endswith(stop[:n])), default=0)
+
+
 def openai_router(ctx: Ctx) -> APIRouter:
     r, tok, s = APIRouter(), ctx.tok, ctx.s
 
     def params(data: OpenAICommon, n_input: int, max_new: int | None, *, top_n=0, prompt_logprobs=None, grammar=None,
-               default_max_new=16) -> SamplingParams:
+               default_max_new=16, names=("prompt", "max_tokens")) -> SamplingParams:
         temperature = 1.0 if data.temperature is None else data.temperature  # OpenAI's default; 0 means greedy
         bias = {int(k): v for k, v in (data.logit_bias or {}).items()}
         if any(k >= len(tok) for k in bias):
             raise invalid(f"`logit_bias` token ids must be < {len(tok)}")
         if max_new == 0:  # scoring the prompt only
-            ctx.max_new(n_input, 1, 1)
+            ctx.max_new(n_input, 1, 1, names)
         else:
-            max_new = ctx.max_new(n_input, max_new, default_max_new)
+            max_new = ctx.max_new(n_input, max_new, default_max_new, names)
         return SamplingParams(max_new_tokens=max_new, do_sample=temperature > 0, temperature=temperature or 1.0,
                               top_p=data.top_p or 1.0, presence_penalty=data.presence_penalty or 0.0,
                               frequency_penalty=data.frequency_penalty or 0.0, logit_bias=bias or None,
@@ -121,7 +180,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
                 lp = None
                 if k is not None:
                     lp = completion_logprobs(scored(ids, q.last.prompt if req.echo else None, q.tokens), 0)
-                choices.append({"index": pi * req.n + j, "text": texts[pi] + q.last.generated_text, "logprobs": lp,
+                choices.append({"index": pi * req.n + j, "text": texts[pi] + final_text(q.last), "logprobs": lp,
                                 "finish_reason": FINISH[q.last.finish_reason]})
         return {**head(False, False), "choices": choices, "usage": usage(prompts, seqs)}
 
@@ -129,7 +188,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
     def chat_logprobs(tokens) -> dict:
         def entry(tid, lp):
             text = tok.decode([tid])
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"token": text, "logprob": lp, "bytes": list(token_bytes(tok, tid, text))}
         return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in (t.top or [])]} for t in tokens]}
 
     def chat_grammar(req: ChatRequest):
@@ -147,19 +206,20 @@ def openai_router(ctx: Ctx) -> APIRouter:
     async def chat_completions(request: Request):
         req = parse(ChatRequest, await read_body(request))
         try:
-            prompt = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+            prompt = tok.apply_chat_template(chat_messages(req.messages), tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - no or broken template
             raise invalid(f"`messages`: cannot apply the chat template: {e}") from None
         ids = ctx.encode(prompt, "messages", add_special_tokens=False)
         grammar = chat_grammar(req)
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        make = lambda n: params(req, n, max_new, top_n=top_n, grammar=grammar, default_max_new=100)  # noqa: E731
+        names = ("messages", "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        make = lambda n: params(req, n, max_new, top_n=top_n, grammar=grammar, default_max_new=100, names=names)  # noqa: E731
         jobs = jobs_for([ids], make, req.n, req.seed)
         if req.stream:
             return stream(jobs, [ids], req, chat=True)
         seqs = await ctx.collect(jobs, request)
-        choices = [{"index": j, "message": {"role": "assistant", "content": q.last.generated_text},
+        choices = [{"index": j, "message": {"role": "assistant", "content": final_text(q.last)},
                     "logprobs": chat_logprobs(q.tokens) if req.logprobs else None, "finish_reason": FINISH[q.last.finish_reason]}
                    for j, q in enumerate(seqs)]
         return {**head(True, False), "choices": choices, "usage": usage([ids], seqs)}
@@ -171,32 +231,35 @@ def openai_router(ctx: Ctx) -> APIRouter:
         per = len(jobs) // len(prompts)
         want_lp = bool(req.logprobs) if chat else req.logprobs is not None
 
-        def choice(j, text, finish, toks):
+        def choice(j, text, finish, toks, offset=0, prompt=None):
             if chat:
                 delta = ({"role": "assistant", "content": text} if text else {}) if finish is None else {}
                 return {"index": j, "delta": delta, "logprobs": chat_logprobs(toks) if want_lp and toks else None,
                         "finish_reason": finish}
-            return {"index": j, "text": text, "finish_reason": finish,
-                    "logprobs": completion_logprobs(scored(None, None, toks), 0) if want_lp and toks else None}
+            lp = completion_logprobs(scored(jobs[j][0], prompt, toks), offset) if want_lp and (toks or prompt) else None
+            return {"index": j, "text": text, "finish_reason": finish, "logprobs": lp}
 
         async def chunks():
-            sent, pending = [""] * len(jobs), [[] for _ in jobs]
+            sent, text, pending = [""] * len(jobs), [""] * len(jobs), [[] for _ in jobs]
+            echoed = [not echo] * len(jobs)
             seqs = [Sequence() for _ in jobs]
             try:
-                if echo:
-                    for i in range(len(jobs)):
-                        yield chunk({**h, "choices": [choice(i, echo[i // per], None, [])]})
                 async for i, ev, _ in ctx.stream(jobs):
                     seqs[i].events.append(ev)
+                    if not echoed[i]:  # the prompt first, scored (the engine attaches its logprobs to the first event)
+                        echoed[i] = True
+                        yield chunk({**h, "choices": [choice(i, echo[i // per], None, [], prompt=ev.prompt)]})
                     if ev.token is not None:
                         pending[i].append(ev.token)
-                    # stream the visible text (stop sequences trimmed), so chunks concatenate to the final text
-                    visible = ev.generated_text if ev.finish_reason else sent[i] + ("" if ev.token.special else ev.token.text)
-                    if ev.finish_reason is None and any(stop in visible for stop in jobs[i][1].stop):
-                        continue
-                    delta, sent[i] = visible[len(sent[i]):], visible
+                    # stream the text that cannot be part of a stop sequence, so chunks concatenate to the final text
+                    if ev.finish_reason:
+                        visible = final_text(ev)
+                    else:
+                        text[i] += "" if ev.token.special else ev.token.text
+                        visible = text[i][:len(text[i]) - held_back(text[i], jobs[i][1].stop)]
+                    delta, offset, sent[i] = visible[len(sent[i]):], len(sent[i]), visible
                     if delta or (pending[i] and ev.finish_reason):
-                        yield chunk({**h, "choices": [choice(i, delta, None, pending[i])]})
+                        yield chunk({**h, "choices": [choice(i, delta, None, pending[i], (len(echo[i // per]) if echo else 0) + offset)]})
                         pending[i] = []
                     if ev.finish_reason:
                         yield chunk({**h, "choices": [choice(i, "", FINISH[ev.finish_reason], [])]})
@@ -204,12 +267,21 @@ def openai_router(ctx: Ctx) -> APIRouter:
                     yield chunk({**h, "choices": [], "usage": usage(prompts, seqs)})
                 yield "data: [DONE]\n\n"
             except ApiError as e:
-                yield chunk({"error": e.message, "error_type": e.error_type})
+                yield chunk(openai_error(e.message, e.error_type, e.status))
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
+    def model_card() -> dict:
+        return {"id": s.model_id, "object": "model", "created": 0, "owned_by": "hqtflow"}
+
     @r.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [{"id": s.model_id, "object": "model", "created": 0, "owned_by": "hqtflow"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @r.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        if model != s.model_id:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{s.model_id}'", "model_not_found")
+        return model_card()
 
     return r

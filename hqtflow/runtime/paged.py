@@ -10,9 +10,11 @@ sequence's blocks, to recompute it later) when they run out.
 The model runs one flattened step: every scheduled sequence's new tokens side by side in one row ([1, T]) with their
 own positions, and attention is done by `paged_attention`, registered with transformers' `AttentionInterface` as
 "hqtflow_paged" (the masks' interface gets sdpa's). It writes the step's new keys/values into their slots (one copy
-per layer), runs SDPA per prefilling sequence on the context gathered from its blocks, and one batched float32
-attention for all decoding sequences (contexts padded to the longest, padded keys masked to probability 0), so a
-sequence's attention does not depend on its neighbours (tests compare the tokens alone and in a busy batch).
+per layer), runs SDPA per prefilling sequence on the context gathered from its blocks, and a float32 attention per
+decoding sequence over exactly its own context. Every sequence's attention is computed alone, with the shapes it has
+alone: a batched matmul would pick its algorithm (and its rounding) by the batch size and pad contexts to the longest,
+so a token's logprob would depend on its neighbours (tests compare the logprobs alone and in a busy batch, bit for
+bit).
 Called without a step plan (a plain `model.generate` on the same model), it is transformers' SDPA attention.
 """
 
@@ -48,14 +50,7 @@ class StepPlan:
         self.real = real  # the real tokens come first, in `seqs` order
         self.write = torch.cat([s.write for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long, device=pool.device)
         self.prefill = [s for s in seqs if s.n > 1 or not s.past]
-        dec = [s for s in seqs if s.n == 1 and s.past]
-        self.decode_rows = torch.tensor([s.start for s in dec], dtype=torch.long, device=pool.device)
-        self.decode_read = self.decode_mask = None
-        if dec:  # contexts padded to the longest with the sequence's own first slot, masked out (exact zeros)
-            width = max(len(s.read) for s in dec)
-            self.decode_read = torch.stack([torch.cat([s.read, s.read[:1].expand(width - len(s.read))]) for s in dec])
-            lengths = torch.tensor([len(s.read) for s in dec], device=pool.device)
-            self.decode_mask = torch.arange(width, device=pool.device)[None] < lengths[:, None]  # [B, width]
+        self.decode = [s for s in seqs if s.n == 1 and s.past]
 
 
 class KVPool:
@@ -155,25 +150,21 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                            is_causal=s.n > 1 and not s.past, scale=scaling,
                                            enable_gqa=q.shape[0] != k.shape[1])
         out[s.start:s.start + s.n] = o[0].transpose(0, 1)
-    if plan.decode_read is not None:  # every decoding sequence at once
-        b, width = plan.decode_read.shape
-        k, v = pool.read(layer, plan.decode_read.flatten(), query.dtype)
-        k, v = k.view(b, width, *k.shape[1:]), v.view(b, width, *v.shape[1:])  # [B, width, kv_heads, d]
-        q = query[0].index_select(1, plan.decode_rows).transpose(0, 1)  # [B, heads, d]
-        out[plan.decode_rows] = _attend_decode(q, k, v, plan.decode_mask, scaling)
+    for s in plan.decode:  # one query per sequence, over its own context only
+        k, v = pool.read(layer, s.read, query.dtype)
+        out[s.start] = attend_one(query[0, :, s.start], k, v, scaling)
     return out[None], None
 
 
-def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """One query per sequence q [B, heads, d] over its context k, v [B, width, kv_heads, d] (mask [B, width]: real
-    keys), grouped heads, float32 -> [B, heads, d]. Padded keys get probability exactly 0."""
-    b, heads, d = q.shape
-    kv_heads = k.shape[2]
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """One decoding query q [heads, d] over its context k, v [length, kv_heads, d], grouped heads (query head h
+    uses KV head h // groups, as repeat_kv), float32 -> [heads, d]."""
+    heads, d = q.shape
+    kv_heads = k.shape[1]
     scale = scaling if scaling is not None else d ** -0.5
-    qg = q.float().view(b, kv_heads, heads // kv_heads, d)  # query head h uses KV head h // groups, as repeat_kv
-    scores = torch.matmul(qg, k.float().permute(0, 2, 3, 1)) * scale  # [B, kv_heads, groups, width]
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float().transpose(1, 2)).reshape(b, heads, d).to(q.dtype)
+    qg = q.float().view(kv_heads, heads // kv_heads, d)
+    scores = torch.matmul(qg, k.float().permute(1, 2, 0)) * scale  # [kv_heads, groups, length]
+    return torch.matmul(scores.softmax(-1), v.float().transpose(0, 1)).reshape(heads, d).to(q.dtype)
 
 
 @functools.cache

@@ -26,6 +26,16 @@ def invalid(message: str) -> ApiError:
     return ApiError(422, f"Input validation error: {message}")
 
 
+def openai_error(message: str, error_type: str, status: int) -> dict:
+    """OpenAI's error body ({"error": {message, type, param, code}}; `param`: the first parameter the message
+    names), which the openai client turns into its exception's message, param and code."""
+    import re
+
+    named = re.search(r"`([A-Za-z_][\w.]*)`", message)
+    kind = "server_error" if status >= 500 else "authentication_error" if status == 401 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": named.group(1) if named else None, "code": error_type}}
+
+
 async def read_body(request) -> bytes:
     """The request body, refused with 413 as soon as it passes MAX_BODY while it streams in (a chunked body has no
     content-length to check first)."""
@@ -50,7 +60,7 @@ def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
             raise invalid("the body is not valid JSON") from None
         if err["type"] == "model_type" and not err["loc"]:
             raise invalid("the body must be a JSON object") from None
-        field = ".".join(str(x) for x in err["loc"] if not isinstance(x, int) and not str(x).startswith(("list[", "str", "int")))
+        field = ".".join(str(x) for x in err["loc"] if not isinstance(x, int) and not _union_tag(str(x)))
         if err["type"] == "extra_forbidden":
             raise invalid(f"`{field}` is not a supported parameter") from None
         if err["type"] == "missing":
@@ -59,10 +69,21 @@ def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
         raise invalid(msg if msg.startswith("`") else f"`{field or 'body'}`: {msg}") from None
 
 
+def _union_tag(part: str) -> bool:
+    """pydantic's name for a member of a Union in an error location (`str`, `list[int]`, ...), not a field."""
+    return part in ("str", "int", "float", "bool", "dict", "list") or part.startswith(("list[", "dict["))
+
+
 class Strict(BaseModel):
-    """Unknown fields are refused; REFUSED names declared fields refused when given (not null/false/empty)."""
+    """Unknown fields are refused; REFUSED names declared fields refused when given (not null/false/empty); a
+    field given as null is a field not given (its default)."""
     model_config = ConfigDict(extra="forbid", strict=True)
     REFUSED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _refused(self):
@@ -89,7 +110,8 @@ def check_range(name: str, v, lo=None, hi=None, lo_open=False, hi_open=False, te
         return
     bad = (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and (v >= hi if hi_open else v > hi))
     if bad:
-        raise ValueError(text or f"`{name}` must be {'>' if lo_open else '>='} {lo} and {'<' if hi_open else '<='} {hi}. Given: {v}")
+        bounds = [f"{'>' if lo_open else '>='} {lo}" if lo is not None else "", f"{'<' if hi_open else '<='} {hi}" if hi is not None else ""]
+        raise ValueError(text or f"`{name}` must be {' and '.join(b for b in bounds if b)}. Given: {v}")
 
 
 # ---- TGI ---------------------------------------------------------------------------------------------------
@@ -153,11 +175,6 @@ class TgiRequest(Strict):
     inputs: str
     parameters: TgiParameters = Field(default_factory=TgiParameters)
     stream: bool = False
-
-    @field_validator("parameters", mode="before")
-    @classmethod
-    def _none(cls, v):
-        return {} if v is None else v
 
 
 class TokenizeRequest(Strict):

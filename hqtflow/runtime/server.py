@@ -1,6 +1,6 @@
 """TGI- and OpenAI-compatible HTTP server over the continuous-batching engine (FastAPI; run with uvicorn).
 
-The app composes: TGI's error JSON on every status, a guard (415 for a body that is not JSON, 413, the API key), the
+The app composes: TGI's error JSON on every status (OpenAI's on /v1/), a guard (415 for a body that is not JSON, 413, the API key), the
 engine's lifespan (and warmup), and the routers of tgi_routes.py, openai_routes.py and metrics.py (TGI's metric
 names). Request models live in schemas.py, the n/best_of runner in api.py. The engine thread hands events to
 asyncio queues through loop.call_soon_threadsafe; a client that disconnects (mid-stream, or while it waits for a
@@ -20,7 +20,7 @@ from hqtflow.runtime.api import Ctx, ServeSettings
 from hqtflow.runtime.engine import Engine, SamplingParams
 from hqtflow.runtime.metrics import Metrics, metrics_router
 from hqtflow.runtime.openai_routes import openai_router
-from hqtflow.runtime.schemas import MAX_BODY, MAX_STOP, ApiError  # noqa: F401 - re-exported
+from hqtflow.runtime.schemas import MAX_BODY, MAX_STOP, ApiError, openai_error  # noqa: F401 - re-exported
 from hqtflow.runtime.tgi_routes import tgi_router
 
 
@@ -29,9 +29,12 @@ ERROR_TYPES = {401: "authentication_error", 404: "not_found", 405: "method_not_a
                415: "unsupported_media_type", 422: "validation", 429: "overloaded"}
 
 
-def error(status: int, message: str, error_type: str | None = None) -> JSONResponse:
-    """TGI's error body, on every route and status."""
-    return JSONResponse({"error": message, "error_type": error_type or ERROR_TYPES.get(status, "error")}, status)
+def error(status: int, message: str, error_type: str | None = None, path: str = "") -> JSONResponse:
+    """TGI's error body; OpenAI's on the /v1/ routes (what each family's official client reads)."""
+    error_type = error_type or ERROR_TYPES.get(status, "error")
+    if path.startswith("/v1/"):
+        return JSONResponse(openai_error(message, error_type, status), status)
+    return JSONResponse({"error": message, "error_type": error_type}, status)
 
 
 def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
@@ -40,11 +43,11 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(req: Request, e: ApiError):
         metrics.counters.inc("tgi_request_failure", err=e.error_type)
-        return error(e.status, e.message, e.error_type)
+        return error(e.status, e.message, e.error_type, req.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http_error(req: Request, e: HTTPException):
-        return error(e.status_code, str(e.detail))
+        return error(e.status_code, str(e.detail), path=req.url.path)
 
 
 def request_guard(s: ServeSettings, metrics: Metrics):
@@ -55,13 +58,13 @@ def request_guard(s: ServeSettings, metrics: Metrics):
         if req.method == "POST" and req.url.path in GENERATION_ROUTES:
             metrics.counters.inc("tgi_request_count")
         if s.api_key and req.url.path not in ("/health", "/metrics") and req.headers.get("authorization") != f"Bearer {s.api_key}":
-            return error(401, "Invalid or missing API key")
+            return error(401, "Invalid or missing API key", path=req.url.path)
         if int(req.headers.get("content-length") or 0) > MAX_BODY:
-            return error(413, f"Request body larger than {MAX_BODY} bytes")
+            return error(413, f"Request body larger than {MAX_BODY} bytes", path=req.url.path)
         ctype = req.headers.get("content-type", "").split(";")[0].strip().lower()
         if req.method == "POST" and ctype != "application/json":
             metrics.counters.inc("tgi_request_failure", err="validation")
-            return error(415, "Expected request with `Content-Type: application/json`")
+            return error(415, "Expected request with `Content-Type: application/json`", path=req.url.path)
         return await call_next(req)
 
     return guard

@@ -85,6 +85,7 @@ def test_info_health_tokenize_and_validation(url, lm):
 
 
 def test_openai_client(url, lm):
+    import openai
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
@@ -104,8 +105,24 @@ def test_openai_client(url, lm):
         model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True) if ch.choices]
     assert "".join(parts) == chat.choices[0].message.content
     r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 100})
-    # TGI's error body on /v1 too (as TGI itself answers there; the openai client reads it as the message)
-    assert r.status_code == 422 and set(r.json()) == {"error", "error_type"} and "`max_new_tokens`" in r.json()["error"]
+    # OpenAI's error body on /v1, naming the request's own fields
+    assert r.status_code == 422 and "`prompt` tokens + `max_tokens` must be <=" in r.json()["error"]["message"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.code == "model_not_found" and "'gpt-4' does not exist" in e.value.message
+    # null is "not given"; text parts are joined; stop sequences never reach the stream, not even in part
+    same = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+                                          max_tokens=8, temperature=0, n=None, stream=None, logprobs=None)
+    assert same.choices[0].message.content == chat.choices[0].message.content
+    full = c.choices[0].text
+    for stop in (full[3:7], [full[5:6] + "@@", full[6:9]]):
+        cut = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, stop=stop)
+        first = min(full.find(x) for x in ([stop] if isinstance(stop, str) else stop) if x in full)
+        assert cut.choices[0].text == full[:first] and cut.choices[0].finish_reason == "stop"
+        chunks = [ch.choices[0].text for ch in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10,
+                                                                         temperature=0, stop=stop, stream=True)]
+        assert "".join(chunks) == full[:first], (stop, chunks)
 
 
 def test_metrics(url):
@@ -178,6 +195,7 @@ def test_cli_serve_help():
 
 def test_engine_with_fp8_checkpoint(tiny_llama, wiki_text, tmp_path):
     from hqtflow.evaluate import load_any
+    from hqtflow.quantize.fp8_linear import set_backend
 
     meas, ck = tmp_path / "m", tmp_path / "fp8"
     assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2").exit_code == 0
@@ -190,6 +208,23 @@ def test_engine_with_fp8_checkpoint(tiny_llama, wiki_text, tmp_path):
     finally:
         eng.stop()
     assert events[-1].finish_reason in ("length", "eos_token") and len(events) <= 5
+    # FP8 on the CPU kernel in float32 (what `serve fp8` runs on a CPU without native bf16): every token's logprob
+    # is the same bit for bit alone and beside copies of itself and other requests (no batched matmul anywhere)
+    fp32, tok, _ = load_any(str(ck), "fp32")
+    assert set_backend(fp32, "cpu") > 0
+    jobs = [(tok(p)["input_ids"], SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in (PROMPT, "A river", "In 1990 the")]
+
+    def run(batch):  # every request submitted before the first step, run to the end from this thread
+        eng, out = Engine(fp32, tok), [[] for _ in batch]
+        for job, events in zip(batch, out):
+            eng.submit(*job, events.append)
+        while eng.step():
+            pass
+        return [[(e.token.id, e.token.logprob) for e in events] for events in out]
+
+    alone = [run([job])[0] for job in jobs]
+    assert all(len(a) == 12 for a in alone)
+    assert run(jobs + jobs) == alone + alone
 
 
 def test_warmup_buckets_and_health(lm):

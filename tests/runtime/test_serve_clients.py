@@ -134,12 +134,16 @@ def test_openai_completions_score_text(url, lm):
     parts = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, echo=True,
                                            stream=True, stream_options={"include_usage": True}))
     assert "".join(p.choices[0].text for p in parts if p.choices) == greedy.choices[0].text
-    streamed = [lp for p in parts if p.choices and p.choices[0].logprobs for lp in p.choices[0].logprobs.token_logprobs]
-    assert streamed == pytest.approx(greedy.choices[0].logprobs.token_logprobs[len(ids):], abs=1e-5)
+    streamed = [p.choices[0].logprobs for p in parts if p.choices and p.choices[0].logprobs]
+    want = greedy.choices[0].logprobs  # echo: the prompt scored first, then every token, offsets running on
+    assert [x for lp in streamed for x in lp.token_logprobs] == pytest.approx(want.token_logprobs, abs=1e-5)
+    assert [x for lp in streamed for x in lp.tokens] == want.tokens
+    assert [x for lp in streamed for x in lp.text_offset] == want.text_offset
     assert parts[-1].usage.completion_tokens == 6
-    with pytest.raises(openai.UnprocessableEntityError) as e:  # TGI's error body: the client keeps its "error"
+    with pytest.raises(openai.UnprocessableEntityError) as e:  # OpenAI's error body: message, param and code
         client.completions.create(model="tiny", prompt=PROMPT, temperature=2.5)
-    assert "`temperature` must be >= 0.0 and <= 2.0" in e.value.body
+    assert "`temperature` must be >= 0.0 and <= 2.0" in e.value.message
+    assert e.value.param == "temperature" and e.value.code == "validation" and e.value.type == "invalid_request_error"
 
 
 def test_openai_chat_n_logprobs_usage_and_json(url, lm):
@@ -192,6 +196,12 @@ REFUSED = [
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": MESSAGES, "n": 9}, "`n`"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stream": 1}, "`stream`"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stream": True, "stream_options": {"foo": 1}}, "`stream_options.foo`"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "`messages[0].role`"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "`messages[0].content[0]`"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": -1}, "`max_tokens` must be >= 0. Given: -1"),
 ]
 
 
@@ -199,7 +209,11 @@ def test_refused_parameters_are_named(url):
     for path, body, name in REFUSED:
         r = httpx.post(f"{url}{path}", json=body)
         assert r.status_code == 422, (path, body, r.text)
-        assert set(r.json()) == {"error", "error_type"} and name in r.json()["error"], (body, r.json())
+        if path.startswith("/v1/"):  # OpenAI's error body
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and name in err["message"], (body, err)
+        else:
+            assert set(r.json()) == {"error", "error_type"} and name in r.json()["error"], (body, r.json())
 
 
 def test_error_json_and_content_type(url):

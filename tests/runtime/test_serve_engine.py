@@ -82,8 +82,10 @@ def test_seed_stop_and_penalty(lm, engine):
     greedy = text_of(engine.generate(x, SamplingParams(max_new_tokens=16)))
     stop = greedy[len(greedy) // 2: len(greedy) // 2 + 2]
     stopped = engine.generate(x, SamplingParams(max_new_tokens=16, stop=(stop,)))
-    assert stopped[-1].finish_reason == "stop_sequence"
-    assert text_of(stopped) == greedy[:greedy.find(stop)]
+    assert stopped[-1].finish_reason == "stop_sequence" and stopped[-1].stop_at == greedy.find(stop)
+    # the text of every generated token, the stop sequence included (TGI's generated_text; OpenAI cuts at stop_at)
+    assert text_of(stopped) == "".join(e.token.text for e in stopped) and greedy.startswith(text_of(stopped))
+    assert text_of(stopped).endswith(stop) or stop in text_of(stopped)[-len(stopped[-1].token.text) - len(stop):]
     penalised = text_of(engine.generate(x, SamplingParams(max_new_tokens=16, repetition_penalty=0.05)))  # < 1 favours seen tokens
     assert penalised != greedy
 
@@ -359,3 +361,34 @@ def test_smollm2_greedy_alone_in_a_batch_and_generate(smollm2):
     alone = run_all(Engine(model, tok), [probe])[0]
     busy = run_all(Engine(model, tok, max_prefill_tokens=24), others[:2] + [probe] + others[2:])[2]
     assert [e.token.id for e in alone] == [e.token.id for e in busy] == ref.tolist()[:len(alone)]
+
+
+def test_decode_attention_of_a_sequence_ignores_its_neighbours():
+    """paged_attention, decode rows: a sequence's output is bit-identical alone and beside sequences of other
+    lengths, in float32 (SmolLM2's 9 query / 3 KV heads of 64): a batched matmul changes its rounding with the batch
+    size and pads contexts, which static FP8 scales then amplify into different tokens."""
+    from types import SimpleNamespace
+
+    from hqtflow.runtime.paged import KVPool, Seq, StepPlan, paged_attention
+
+    torch.manual_seed(0)
+    pool = KVPool(layers=1, kv_heads=3, head_dim=64, num_blocks=64, block_size=16, dtype=torch.float32, device="cpu")
+    lengths = [37, 5, 130, 37, 64]
+    tables = [pool.allocate(pool.blocks_for(n)) for n in lengths]
+    for table, n in zip(tables, lengths):  # each context's keys/values, as earlier steps wrote them
+        pool.write(0, pool.slots(table, 0, n), torch.randn(n, 3, 64), torch.randn(n, 3, 64))
+    layer = SimpleNamespace(layer_idx=0)
+
+    def step(which):  # one decode token per sequence in `which`, each at the end of its context
+        seqs = [Seq(j, 1, lengths[i] - 1, pool.slots(tables[i], lengths[i] - 1, lengths[i]), pool.slots(tables[i], 0, lengths[i]))
+                for j, i in enumerate(which)]
+        q, k, v = torch.randn(1, 9, len(which), 64), torch.randn(1, 3, len(which), 64), torch.randn(1, 3, len(which), 64)
+        q[0, :, :] = queries[:, which]
+        k[0, :, :], v[0, :, :] = last_k[:, which], last_v[:, which]
+        return paged_attention(layer, q, k, v, None, paged=StepPlan(pool, seqs, len(which)))[0][0]
+
+    queries, last_k, last_v = torch.randn(9, 5, 64), torch.randn(3, 5, 64), torch.randn(3, 5, 64)
+    together = step([0, 1, 2, 3, 4])
+    for i in range(5):
+        assert torch.equal(step([i])[0], together[i]), i
+    assert torch.equal(step([3, 2, 0])[2], together[0])
