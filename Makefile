@@ -2,7 +2,6 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-DATA   ?= ../shared/data
 
 .PHONY: setup prepare demo test test-fast bench clean
 
