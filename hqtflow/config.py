@@ -267,7 +267,7 @@ class QuantConfig:
             raise ConfigError(f"QUANT_CONFIG file {path} does not exist.")
         try:
             raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
             raise ConfigError(f"QUANT_CONFIG file {path} is not valid JSON ({e}).") from None
         return cls.from_dict(raw, source=str(path))
 

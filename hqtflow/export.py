@@ -46,7 +46,7 @@ import torch
 from hqtflow.errors import ArtifactError, ConfigError
 from hqtflow.formats.artifact import MANIFEST, ArtifactKind, artifact_kind, read_manifest, staged_output, write_manifest
 from hqtflow.formats.checkpoint import (HP_DTYPE_NAMES, KV_SUFFIXES, autofp8_tensors, check_scales, inc_tensors,
-                                        read_tensors, requantize, write_safetensors)
+                                        load_checkpoint, read_tensors, requantize, write_safetensors)
 from hqtflow.formats.compressed_tensors import autofp8_quantization_config, inc_quantization_config
 
 FORMATS = ("fp8", "compressed-tensors", "inc")
@@ -72,6 +72,8 @@ def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[
     _source_manifest(path)
     raw = load_config(path)
     qc = raw.get("quantization_config") or {}
+    if not isinstance(qc, dict):
+        raise ArtifactError(f"{path / 'config.json'}'s quantization_config is not an object ({type(qc).__name__}).")
     if qc.get("quant_method") != "compressed-tensors":
         raise ArtifactError(f"{path} is not a compressed-tensors FP8 checkpoint (quant_method {qc.get('quant_method')!r}).")
     parsed = parse_quantization_config(qc)
@@ -81,6 +83,7 @@ def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[
                             "checkpoints (per-tensor or per-channel weights, static or no activation quantization).")
     tensors = read_tensors(path)
     check_scales(path, tensors)
+    load_checkpoint(path, tensors=dict(tensors))  # the checks `generate` makes: tensors that fit config.json
     linears = sorted(k[: -len(".weight")] for k, v in tensors.items()
                      if k.endswith(".weight") and v.dtype == torch.float8_e4m3fn)
     if not linears:

@@ -2,12 +2,15 @@
 hqtflow measurement artifact, so `hqtflow quantize -m OUT` (and unify) read them with a manifest.
 
 This is the only door for foreign dumps: `quantize`, `unify`, `inspect` and `handoff` read artifacts only. The JSON
-twins are parsed (`hqtflow.formats.measurement.read_dump`); `.npz` files are pickles and are copied byte for byte,
-never opened, unless a rank has no JSON twin and the user passes `--trust-pickle`: then its `.npz` is unpickled once,
-here, and its JSON twin is written into the artifact, so no later stage ever opens a pickle. `--world-size` picks one
-measurement when the directory holds several (e.g. 8-rank and 2-rank files side by side). Ranks that disagree
+twins are parsed (`hqtflow.formats.measurement.read_dump`); `.npz` files are pickles and are never opened nor copied:
+each rank's `.npz` (which INC reads) is written afresh from the statistics parsed and checked here, as `measure`
+writes it, and foreign scale `.npz` files are left out. With `--trust-pickle` the `.npz` files are copied byte for
+byte, and a rank with no JSON twin has its `.npz` unpickled once, here, and its JSON twin written into the artifact, so
+no later stage ever opens a pickle. `--world-size` picks one measurement when the directory holds several (e.g.
+8-rank and 2-rank files side by side). Ranks that disagree
 (NumSamples, node sets) are refused as `unify` refuses them; `--force` imports them anyway, recorded in `forced`. Scale files (`*_hooks_maxabs_<SCALE_METHOD>[_r_W].json/.npz`) found beside the
-measurement are copied too and listed in the manifest (`scale_files`), but not interpreted. The manifest says
+measurement are copied too (their `.npz` only with `--trust-pickle`) and listed in the manifest (`scale_files`), but
+not interpreted. The manifest says
 `"provenance_known": false`: hqtflow did not see the calibration, so model, data and dtype are the user's word.
 """
 
@@ -17,7 +20,7 @@ import re
 import shutil
 from pathlib import Path
 
-from hqtflow.errors import ArtifactError
+from hqtflow.errors import ArtifactError, ConfigError
 from hqtflow.formats import measurement as mf
 from hqtflow.formats.artifact import MANIFEST, check_not_partial, check_output_dir, staged_output
 
@@ -26,6 +29,8 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
                overwrite: bool = False, trust_pickle: bool = False, world_size: int | None = None,
                force: bool = False) -> Path:
     directory, output = Path(directory), Path(output)
+    if world_size is not None and world_size < 1:
+        raise ConfigError(f"--world-size must be at least 1, not {world_size}.")
     if not directory.is_dir():
         raise ArtifactError(f"HQT measurement directory {directory} does not exist.")
     check_not_partial(directory)
@@ -56,15 +61,21 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
         stems = [mf.measurement_stem(base, observer, r if world > 1 else None, world) for r in range(world)]
         records = []
         for r, stem in enumerate(stems):
-            files = mf.copy_measurement_files(directory, meas.stems[r:r + 1], tmp, [stem])
-            if f"{stem}.json" not in files:  # read from its .npz (--trust-pickle): write the JSON twin stages read
+            copied = mf.RANK_FILES if trust_pickle else (".json", "_mod_list.json")  # a foreign .npz: an unchecked pickle
+            files = mf.copy_measurement_files(directory, meas.stems[r:r + 1], tmp, [stem], suffixes=copied)
+            had_npz = (directory / f"{meas.stems[r]}.npz").exists()
+            fresh = tuple(t for t in (".json", ".npz") if f"{stem}{t}" not in files and (t == ".json" or had_npz))
+            if fresh:  # the JSON twin stages read (read from its .npz, --trust-pickle); the .npz INC reads, from the
+                # statistics read and checked here, as `measure` writes it
                 js = mf.write_measurement(tmp, stem, meas.ranks[r].nodes, local_rank=meas.ranks[r].local_rank,
-                                          num_samples=meas.ranks[r].num_samples, twins=(".json",))
+                                          num_samples=meas.ranks[r].num_samples, twins=fresh)
                 files = sorted({*files, *(p.name for p in js)})
             records.append({"rank": r, "stem": stem, "files": files, "layers": {}, "unmeasured": [], "skipped": {},
                             "nodes": len(meas.ranks[r].nodes), "num_samples": meas.ranks[r].num_samples})
         scale_names = []
         for p in mf.scan_dump(directory).scale_files:
+            if p.suffix == ".npz" and not trust_pickle:  # a pickle nothing here checks: left out
+                continue
             shutil.copy2(p, tmp / p.name)
             scale_names.append(p.name)
         data = {

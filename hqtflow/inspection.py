@@ -145,11 +145,18 @@ def _load_scales(directory: Path) -> dict:
             meas.append(read_measurement(path))
             continue
         for name, n in read_scale_file(path).items():
-            if n.get("inputs"):
-                _merge(scales, name, "input_scale", max(_scale_value(x) for x in n["inputs"]))
-            w = (n.get("params") or {}).get("weight")
-            if w is not None:
-                _merge(scales, name, "weight_scale", _scale_value(w))
+            try:
+                inputs = [_scale_value(x) for x in n.get("inputs") or []]
+                w = (n.get("params") or {}).get("weight")
+                weight = None if w is None else _scale_value(w)
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ArtifactError(f"{path} has a malformed node {name} ({e}).") from None
+            if any(not math.isfinite(v) or v < 0 for v in inputs + [weight or 0.0]):
+                raise ArtifactError(f"{path}: module {name} has a non-finite or negative scale; the file is corrupt.")
+            if inputs:
+                _merge(scales, name, "input_scale", max(inputs))
+            if weight is not None:
+                _merge(scales, name, "weight_scale", weight)
                 weight_scales.setdefault(name, []).append(w)
     F = full_scale(d.get("fp8", "E4M3"), d.get("target", "cpu"))
     return {"manifest": m, "scales": scales, "raw_weight_scales": weight_scales,

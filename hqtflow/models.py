@@ -85,11 +85,26 @@ def resolve_model(ref: str | None) -> Path:
 def load_config(path: Path) -> dict:
     try:
         cfg = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (OSError, json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
         raise ModelError(f"Cannot read {Path(path) / 'config.json'} ({type(e).__name__}).") from None
     if not isinstance(cfg, dict):
         raise ModelError(f"{Path(path) / 'config.json'} is not a JSON object; it is not a model config.")
     return cfg
+
+
+def config_errors() -> tuple[type[Exception], ...]:
+    """What transformers raises for a config.json field of the wrong type (strict dataclass validation)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub: no strict configs
+        return ()
+    return (StrictDataclassError,)
+
+
+def bad_config(path: Path, e: Exception) -> ModelError:
+    """The one sentence for a config.json that transformers refuses (a field of the wrong type or value)."""
+    detail = str(e.__cause__ or e).strip().splitlines()[0]  # huggingface_hub's own line is "Validation error for field 'x':"
+    return ModelError(f"{Path(path) / 'config.json'} is not a valid model config ({detail}).")
 
 
 def load_tokenizer(path: Path):
@@ -97,6 +112,8 @@ def load_tokenizer(path: Path):
 
     try:
         tok = AutoTokenizer.from_pretrained(path)
+    except config_errors() as e:  # the tokenizer reads config.json too: name the file that is wrong
+        raise bad_config(path, e) from None
     except Exception as e:
         raise ModelError(f"Cannot load a tokenizer from {path} ({type(e).__name__}: {e}).") from None
     if tok.pad_token_id is None:
@@ -118,6 +135,8 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
             kwargs["tp_plan"] = tp_plan
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except config_errors() as e:
+        raise bad_config(path, e) from None
     except (OSError, ValueError, RuntimeError) as e:  # unreadable files, weights that do not fit the config
         raise ModelError(f"Cannot load the model in {path} ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
     model.eval()
@@ -133,6 +152,8 @@ def skeleton(path: Path):
         config = AutoConfig.from_pretrained(path)
         with init_empty_weights():
             return AutoModelForCausalLM.from_config(config)
+    except config_errors() as e:
+        raise bad_config(path, e) from None
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"Cannot build the model described by {Path(path) / 'config.json'} ({e}).") from None
 

@@ -137,7 +137,7 @@ def load_recipe(path: str | Path) -> Recipe:
         raise ConfigError(f"Recipe {path} does not exist.")
     try:
         raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
         raise ConfigError(f"Recipe {path} is not valid YAML ({str(e).splitlines()[0]}).") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"Recipe {path} must be a YAML mapping.")

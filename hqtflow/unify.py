@@ -44,6 +44,10 @@ def parse_groups(tokens: list[str], world: int) -> list[list[int]]:
                 a, b = map(int, part.split("-"))
                 if b < a:
                     raise ConfigError(f"Group {tok!r}: range {part} runs backwards.")
+                if b >= world:  # refused before it is built: a range can be far too long to list
+                    lo = max(a, world)
+                    shown = _ranks(list(range(lo, b + 1))) if b - lo < 16 else f"{lo}-{b}"
+                    raise ConfigError(f"Groups {' '.join(tokens)}: rank(s) {shown} do not exist in this {world}-rank measurement.")
                 ranks += range(a, b + 1)
             elif re.fullmatch(r"\d+", part):
                 ranks += [int(part)] if "," in tok else [int(c) for c in part]
@@ -218,8 +222,13 @@ def _read_plan(path) -> dict[str, str]:
         return {}
     try:
         plan = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
         raise ConfigError(f"Parallel plan {path} cannot be read as JSON ({e}).") from None
     if not isinstance(plan, dict) or not all(v in ("column", "row", "replicated") for v in plan.values()):
         raise ConfigError(f"Parallel plan {path} must map module-name regexes to column, row or replicated.")
+    for pattern in plan:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(f"Parallel plan {path} has an invalid regex {pattern!r} ({e}).") from None
     return plan

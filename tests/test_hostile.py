@@ -47,8 +47,10 @@ def base(tiny_llama, wiki_text, tmp_path_factory):
     for f in ("f1", "f2"):  # the same dumps brought in: what quantize and unify read
         r = run_cli("import-hqt", d / f, "-o", d / f"i{f[1]}", "--model", tiny_llama)
         assert r.exit_code == 0, r.output
+    r = run_cli("quantize", tiny_llama, "-m", d / "m", "-o", d / "s", "--scales-only")
+    assert r.exit_code == 0, r.output
     return {"model": tiny_llama, "text": wiki_text, "m": d / "m", "ck": d / "ck", "f1": f1, "f2": f2,
-            "i1": d / "i1", "i2": d / "i2"}
+            "i1": d / "i1", "i2": d / "i2", "s": d / "s"}
 
 
 class Ctx:
@@ -106,6 +108,21 @@ def drop_node(raw):
 
 def rename_node(raw, new="../../../../tmp/evil"):
     raw["Nodes"][new] = raw["Nodes"].pop(NODE)
+
+
+DEEP = "[" * 200_000 + "]" * 200_000  # valid JSON (and YAML) nested past Python's recursion limit
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def scale_node(d, value):
+    """Set the input scale of NODE in a scales artifact's scale file."""
+    [f] = [p for p in d.glob(f"{STEM}_MAXABS_*.json")]
+    edit_json(f, lambda r: r["Nodes"][NODE].update(inputs=value))
+    return d
 
 
 def truncate(path, keep=0.5):
@@ -211,6 +228,8 @@ CASES = {
                                               measure(c.w / "model", c))[1], "Cannot read"),
     "measure/config.json a list": (lambda c: ((c.copy("model") / "config.json").write_text("[]"),
                                               measure(c.w / "model", c))[1], "not a JSON object"),
+    "measure/config field of the wrong type": (lambda c: measure(config(c.copy("model"), num_hidden_layers="two"), c),
+                                               "config.json is not a valid model config"),
     "measure/binary text": (lambda c: ((c.w / "b.txt").write_bytes(b"\xff\xfe\x00\x81"),
                                        ["measure", c.model, "--text", c.w / "b.txt", "-o", c.out])[1], "not UTF-8"),
     # quantize
@@ -251,6 +270,15 @@ CASES = {
                                 "not an HQT measurement file"),
     "quantize/NumSamples not a number": (lambda c: quantize(c, rehash(stats(c.copy("i1"), lambda r: r.update(NumSamples="many")))),
                                          "not a number"),
+    "quantize/manifest nested too deep": (lambda c: quantize(c, (write(c.copy("m") / MANIFEST, DEEP), c.w / "m")[1]),
+                                          "corrupt"),
+    "quantize/statistics nested too deep, hashes rewritten": (
+        lambda c: quantize(c, rehash((write(c.copy("m") / f"{STEM}.json", '{"Nodes": ' + DEEP + "}"), c.w / "m")[1])),
+        "not an HQT measurement file"),
+    "quantize/QUANT_CONFIG nested too deep": (lambda c: quantize(c, c.m, "-c", write(c.w / "c.json",
+                                                                                   '{"mode": "QUANTIZE", "x": ' + DEEP + "}")),
+                                              "is not valid JSON"),
+    "quantize/manifest model not an object": (lambda c: quantize(c, manifest(c.copy("m"), model="x")), "corrupt"),
     # unify
     "unify/mode Scale beside DynamicRange": (lambda c: unify(c, rehash(stats(c.copy("i2"), lambda r: r.update(Mode="Scale"),
                                                                              f"{STEM}_1_2.json"))), "rank 1) has Mode 'Scale'"),
@@ -272,7 +300,16 @@ CASES = {
     "unify/foreign partial dir": (lambda c: unify(c, c.partial("f2")), "unfinished output"),
     "unify/manifest version 0": (lambda c: unify(c, manifest(c.copy("m"), _version=0), "0"), "schema version 0"),
     "unify/manifest stem outside": (lambda c: unify(c, rehash_stem(c.copy("m"), "../elsewhere/x"), "0"), "outside itself"),
+    "unify/huge rank range": (lambda c: unify(c, c.i2, "0-99999999999999999999"), "do not exist in this 2-rank measurement"),
+    "unify/--parallel-plan bad regex": (lambda c: unify(c, c.i2, "01", "--parallel-plan",
+                                                        write(c.w / "p.json", '{"(": "column"}')), "has an invalid regex '('"),
+    "unify/--parallel-plan nested too deep": (lambda c: unify(c, c.i2, "01", "--parallel-plan", write(c.w / "p.json", DEEP)),
+                                              "cannot be read as JSON"),
     # import-hqt
+    "import-hqt/json nested too deep": (lambda c: ["import-hqt", (write(c.copy("f1") / f"{STEM}.json", DEEP), c.w / "f1")[1],
+                                                   "-o", c.out], "not an HQT measurement file"),
+    "import-hqt/--world-size 0": (lambda c: ["import-hqt", c.f2, "-o", c.out, "--world-size", "0"],
+                                  "--world-size must be at least 1"),
     "import-hqt/pickle not a dict": (lambda c: ["import-hqt", npz(c, np.arange(3)), "-o", c.out, "--trust-pickle"],
                                      "is not an INC measurement .npz"),
     "import-hqt/pickle dict without Nodes": (lambda c: ["import-hqt", npz(c, {"x": 1}), "-o", c.out, "--trust-pickle"],
@@ -315,7 +352,27 @@ CASES = {
     "export/garbage weights, hashes rewritten": (lambda c: export(c, rehash(garbage_weights(c.copy("ck")))),
                                                  "not a readable safetensors file"),
     "export/zero input_scale, hashes rewritten": (lambda c: export(c, rehash(zero_scale(c.copy("ck")))), "cannot be right"),
+    "export/quantization_config a list, hashes rewritten": (lambda c: export(c, rehash(config(c.copy("ck"), quantization_config=[1]))),
+                                                            "quantization_config is not an object"),
+    "export/config field of the wrong type, hashes rewritten": (
+        lambda c: export(c, rehash(config(c.copy("ck"), num_hidden_layers="two"))), "config.json is not a valid model config"),
+    "export/scale of the wrong shape, hashes rewritten": (
+        lambda c: export(c, rehash(tensors(c.copy("ck"), lambda t: t.update({f"{NODE}.weight_scale": t[f"{NODE}.weight_scale"].reshape(-1).repeat(3)})))),
+        "weight_scale has shape [3]"),
+    "export/weight_scale missing, hashes rewritten": (
+        lambda c: export(c, rehash(tensors(c.copy("ck"), lambda t: t.pop(f"{NODE}.weight_scale")))), "has no weight_scale"),
+    "export/weight not FP8, hashes rewritten": (
+        lambda c: export(c, rehash(tensors(c.copy("ck"), lambda t: t.update({f"{NODE}.weight": t[f"{NODE}.weight"].float()})))),
+        "does not match its config"),
+    "export/weight of the wrong shape, hashes rewritten": (
+        lambda c: export(c, rehash(tensors(c.copy("ck"), lambda t: t.update({f"{NODE}.weight": t[f"{NODE}.weight"][:32].contiguous()})))),
+        "does not match its config.json"),
     # inspect
+    "inspect/manifest nested too deep": (lambda c: ["inspect", (write(c.copy("m") / MANIFEST, DEEP), c.w / "m")[1]], "corrupt"),
+    "inspect/manifest model not an object": (lambda c: ["inspect", manifest(c.copy("m"), model=[1])], "corrupt"),
+    "inspect/string scale, hashes rewritten": (lambda c: ["inspect", rehash(scale_node(c.copy("s"), "x"))], "malformed node"),
+    "inspect/nan scale, hashes rewritten": (lambda c: ["inspect", rehash(scale_node(c.copy("s"), [float("nan")]))],
+                                            "non-finite or negative scale"),
     "inspect/partial dir": (lambda c: ["inspect", c.partial("m")], "unfinished output"),
     "inspect/manifest version 0": (lambda c: ["inspect", manifest(c.copy("m"), _version=0)], "schema version 0"),
     "inspect/manifest file outside": (lambda c: ["inspect", manifest(c.copy("m"), files={"../../outside_dir/x.json": "0"})],
@@ -342,6 +399,12 @@ CASES = {
     "generate/negative k_scale, foreign": (lambda c: gen(kv_scale(foreign_ck(c), -0.5)), "cannot be right"),
     "generate/manifest version 0": (lambda c: gen(manifest(c.copy("ck"), _version=0)), "schema version 0"),
     "generate/garbage weights, foreign": (lambda c: gen(garbage_weights(foreign_ck(c))), "not a readable safetensors file"),
+    "generate/quantization_config a list, hashes rewritten": (lambda c: gen(rehash(config(c.copy("ck"), quantization_config=[1]))),
+                                                              "quantization_config is not an object"),
+    "generate/quantization_config a list, foreign": (lambda c: gen(config(foreign_ck(c), quantization_config=[1])),
+                                                     "quantization_config is not an object"),
+    "generate/config field of the wrong type, hashes rewritten": (
+        lambda c: gen(rehash(config(c.copy("ck"), num_hidden_layers="two"))), "config.json is not a valid model config"),
     # eval
     "eval/binary --ppl-file": (lambda c: ((c.w / "b.txt").write_bytes(bytes(range(256))),
                                           ["eval", c.ck, "--no-baseline", "--ppl-file", c.w / "b.txt"])[1], "not UTF-8"),
@@ -364,7 +427,16 @@ CASES = {
                                                             "does not match its config.json"),
     "serve/-m with a nan statistic": (lambda c: serve(c.model, "-m", rehash(stats(c.copy("i1"), node(float("nan"))))), "non-finite"),
     "serve/-m a partial measurement": (lambda c: serve(c.model, "-m", c.partial("m")), "unfinished output"),
+    # run (recipes)
+    "run/recipe nested too deep": (lambda c: ["run", write(c.w / "r.yaml", "x: " + DEEP + "\n")], "is not valid YAML"),
+    "run/recipe not UTF-8": (lambda c: ((c.w / "r.yaml").write_bytes(b"\xff\xfe\x00\x01"), ["run", c.w / "r.yaml"])[1],
+                             "is not valid YAML"),
 }
+
+
+def config(d, **changes):
+    edit_json(d / "config.json", lambda cfg: cfg.update(changes))
+    return d
 
 
 def export(c, ck):
@@ -461,7 +533,8 @@ def test_cases_cover_every_stage():
     per_stage = {}
     for case in CASES:
         per_stage[case.split("/")[0]] = per_stage.get(case.split("/")[0], 0) + 1
-    assert set(per_stage) == {"measure", "quantize", "unify", "import-hqt", "export", "inspect", "generate", "eval", "serve"}
+    assert set(per_stage) == {"measure", "quantize", "unify", "import-hqt", "export", "inspect", "generate", "eval", "serve",
+                              "run"}
     assert sum(per_stage.values()) >= 80, per_stage
 
 
@@ -530,6 +603,25 @@ def test_foreign_measurement_enters_through_import_hqt(base, tmp_path):
     r = run_cli("quantize", "-m", base["i1"], "-o", tmp_path / "ck")  # the model recorded by import-hqt --model
     assert r.exit_code == 0 and "Warning" not in r.stderr, r.output
     assert json.loads((tmp_path / "ck" / MANIFEST).read_text())["data"]["provenance_known"] is False
+
+
+def test_import_hqt_writes_its_own_npz(base, tmp_path):
+    """A foreign .npz is a pickle: without --trust-pickle it is not copied but written afresh from the checked JSON."""
+    d = tmp_path / "f2"
+    shutil.copytree(base["f2"], d)
+    np.savez(d / f"{STEM}_1_2.npz", np.array([print], dtype=object))  # stands for a hostile pickle
+    r = run_cli("import-hqt", d, "-o", tmp_path / "i")
+    assert r.exit_code == 0, r.output
+    ours = tmp_path / "i" / f"{STEM}_1_2.npz"
+    assert ours.read_bytes() != (d / f"{STEM}_1_2.npz").read_bytes()
+    nodes = np.load(ours, allow_pickle=True)["arr_0"].item()["Nodes"]  # our own file: safe to open here
+    raw = json.loads((d / f"{STEM}_1_2.json").read_text())["Nodes"]
+    assert set(nodes) == set(raw)
+    np.testing.assert_array_equal(nodes[NODE]["inputs"][0], np.asarray(raw[NODE]["inputs"][0], dtype=np.float32))
+    assert not (tmp_path / "i" / f"{STEM}_0_2.npz").exists()  # none beside rank 0's JSON: none written
+    r = run_cli("import-hqt", d, "-o", tmp_path / "t", "--trust-pickle")  # the user's word: copied as it is
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "t" / f"{STEM}_1_2.npz").read_bytes() == (d / f"{STEM}_1_2.npz").read_bytes()
 
 
 def test_force_says_what_it_overrides(base, tmp_path):

@@ -294,7 +294,7 @@ def _raw_manifest(directory: Path, kind: str) -> tuple[Path, dict]:
     try:
         raw = json.loads(mpath.read_text())
         raw["_type"], raw["_version"]
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+    except (OSError, json.JSONDecodeError, RecursionError, UnicodeDecodeError, KeyError, TypeError):
         raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).") from None
     return mpath, raw
 
@@ -325,7 +325,8 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
         raise ArtifactError(f"{mpath} has schema version {found_version!r}, which no hqtflow writes "
                             f"(this one reads v{MIN_VERSION} to v{max_version}).")
     files = raw.get("files", {})
-    if not isinstance(files, dict) or not isinstance(raw.get("data", {}), dict):
+    if not isinstance(files, dict) or not isinstance(raw.get("data", {}), dict) or \
+            not isinstance(raw.get("model"), (dict, type(None))):
         raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).")
     for rel in files:
         confined(directory, rel)

@@ -286,10 +286,12 @@ def check_scales(path: Path, tensors: dict[str, torch.Tensor]) -> None:
             raise ArtifactError(f"{path}: {k} holds a zero, negative or non-finite scale, which cannot be right.")
 
 
-def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | None = None,
+                    tensors: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """Build the model skeleton on the meta device, swap in FP8Linear where the checkpoint has FP8 weights, load.
 
     `dtype`: the high-precision compute dtype (None: the checkpoint's own, bf16 if it names none).
+    `tensors`: the checkpoint's tensors already read (export checks what it reads this way); the dict is consumed.
 
     Reads hqtflow's own checkpoints and foreign FP8 ones: compressed-tensors (static per-tensor, dynamic per-token,
     per-tensor or per-group activations; per-tensor, per-channel or block-wise weights) and AutoFP8/vLLM
@@ -302,18 +304,22 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hqtflow.formats.compressed_tensors import parse_quantization_config
-    from hqtflow.models import load_config
+    from hqtflow.models import bad_config, config_errors, load_config
     from hqtflow.quantize.fp8_linear import FP8Linear
 
     path = Path(path)
     raw = load_config(path)
     qc = parse_quantization_config(raw.get("quantization_config") or {})
     raw.pop("quantization_config", None)
-    config = AutoConfig.for_model(**raw)
-    hp = dtype or (config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.bfloat16)
-    with init_empty_weights(include_buffers=False):  # parameters on meta; computed buffers (rotary) real
-        model = AutoModelForCausalLM.from_config(config, dtype=hp)
-    tensors = read_tensors(path, device=device)
+    try:
+        config = AutoConfig.for_model(**raw)
+        hp = dtype or (config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.bfloat16)
+        with init_empty_weights(include_buffers=False):  # parameters on meta; computed buffers (rotary) real
+            model = AutoModelForCausalLM.from_config(config, dtype=hp)
+    except config_errors() as e:
+        raise bad_config(path, e) from None
+    if tensors is None:
+        tensors = read_tensors(path, device=device)
     dropped = []
     for k in list(tensors):
         if k.endswith(DROPPED_SUFFIXES):

@@ -57,6 +57,8 @@ def parse_quantization_config(qc: dict) -> dict:
     config names static per-tensor FP8 KV-cache scales: `k_scale`/`v_scale` on the attention modules, used by
     the static decoder's FP8 KV cache). Anything else is named and refused.
     """
+    if not isinstance(qc, dict):
+        raise ArtifactError(f"config.json's quantization_config is not an object ({type(qc).__name__}).")
     method = qc.get("quant_method")
     if method == "fp8":
         return _parse_autofp8(qc)

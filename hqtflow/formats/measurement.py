@@ -157,14 +157,15 @@ def write_measurement(
     return out
 
 
-def copy_measurement_files(directory: Path, stems: list[str], out: Path, new_stems: list[str] | None = None) -> list[str]:
-    """Copy each rank's `.json`, `.npz` and `_mod_list.json` (those that exist) from `directory` into `out`, renamed
-    to `new_stems` if given; return the new names."""
+def copy_measurement_files(directory: Path, stems: list[str], out: Path, new_stems: list[str] | None = None,
+                           suffixes: tuple[str, ...] = RANK_FILES) -> list[str]:
+    """Copy each rank's `.json`, `.npz` and `_mod_list.json` (those of `suffixes` that exist) from `directory` into
+    `out`, renamed to `new_stems` if given; return the new names."""
     import shutil
 
     names = []
     for st, new in zip(stems, new_stems or stems):
-        for suffix in RANK_FILES:
+        for suffix in suffixes:
             p = Path(directory) / f"{st}{suffix}"
             if p.exists():
                 shutil.copy2(p, Path(out) / f"{new}{suffix}")
@@ -191,7 +192,7 @@ def read_measurement(path: Path) -> Measurement:
         raw = json.loads(path.read_text())
         nodes = raw["Nodes"]
         mode = raw.get("Mode", "DynamicRange")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError, KeyError, TypeError):
         raise ArtifactError(f"{path} is not an HQT measurement file (corrupt JSON or no 'Nodes').") from None
     if not isinstance(nodes, dict) or not isinstance(raw, dict):
         raise ArtifactError(f"{path} is not an HQT measurement file ('Nodes' is not an object).")
@@ -261,7 +262,7 @@ def read_kv_stats(directory: Path) -> dict[str, dict[str, float]] | None:
     try:
         data = json.loads(path.read_text())
         ok = data.get("format") == KV_FORMAT and data.get("version") == 1 and isinstance(data["layers"], dict)
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError):
+    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError, AttributeError, KeyError):
         ok, data = False, {}
     if not ok:
         raise ArtifactError(f"{path} is not a KV-cache statistics file this hqtflow reads (format "

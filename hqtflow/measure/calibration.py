@@ -37,7 +37,7 @@ def read_texts(path: Path, text_field: str) -> list[str]:
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise CalibrationError(f"{path} line {lineno} is not valid JSON.") from None
         if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
             fields = ", ".join(rec) if isinstance(rec, dict) else "none"
