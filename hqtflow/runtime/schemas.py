@@ -6,6 +6,7 @@ refused with a 422 that names it. Unknown fields are a 422 naming them too (extr
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -29,8 +30,6 @@ def invalid(message: str) -> ApiError:
 def openai_error(message: str, error_type: str, status: int) -> dict:
     """OpenAI's error body ({"error": {message, type, param, code}}; `param`: the first parameter the message
     names), which the openai client turns into its exception's message, param and code."""
-    import re
-
     named = re.search(r"`([A-Za-z_][\w.]*)`", message)
     kind = "server_error" if status >= 500 else "authentication_error" if status == 401 else "invalid_request_error"
     return {"error": {"message": message, "type": kind, "param": named.group(1) if named else None, "code": error_type}}
