@@ -147,6 +147,7 @@ def measure(
     max_length: Annotated[int, typer.Option(help="Tokens per sequence (text chunk size).")] = MeasureSettings.max_length,
     tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (cards) to measure on.")] = MeasureSettings.tp,
     dtype: Annotated[str, typer.Option(help="Model dtype: bf16, fp16 or fp32.")] = MeasureSettings.dtype,
+    hessians: Annotated[bool, typer.Option(help="Also record each Linear input's E[x x^T] (one float32 in_features^2 matrix per distinct input), which `quantize --gptq` needs.")] = MeasureSettings.hessians,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = MeasureSettings.overwrite,
     engine: Engine = "hqtflow",
     device: Device = None,
@@ -189,6 +190,7 @@ def quantize(
     weight_only: Annotated[bool, typer.Option(help="FP8 weights, high-precision activations.")] = QuantizeSettings.weight_only,
     disk_offload: Annotated[bool, typer.Option(help="Stream weights from the safetensors files one tensor at a time (the bf16 model is never in RAM); output in 512 MB shards.")] = QuantizeSettings.disk_offload,
     kv_cache: Annotated[str, typer.Option(help="fp8: also write k_scale/v_scale from the measured KV statistics (for the FP8 KV cache).")] = QuantizeSettings.kv_cache,
+    gptq: Annotated[bool, typer.Option(help="Round the FP8 weights with GPTQ (same scales, codes chosen to cut each layer's output error), from a measurement made with --hessians.")] = QuantizeSettings.gptq,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = QuantizeSettings.overwrite,
     engine: Engine = "hqtflow",
     device: Device = None,
@@ -199,7 +201,7 @@ def quantize(
     s = QuantizeSettings(measurement=str(measurement), output=str(output), model=model,
                          config=str(config) if config else None, scale_method=scale_method, scales_for=scales_for,
                          scales_only=scales_only, weight_only=weight_only, overwrite=overwrite,
-                         disk_offload=disk_offload, kv_cache=kv_cache)
+                         disk_offload=disk_offload, kv_cache=kv_cache, gptq=gptq)
     inc_device = _inc_device(engine, device)
     if inc_device is not None:
         from hqtflow.engines import inc

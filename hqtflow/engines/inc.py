@@ -120,6 +120,8 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
 
     if s.tp > 1:
         raise ConfigError("--engine inc measures on one card; run hqtflow's own engine for --tp N.")
+    if s.hessians:
+        raise ConfigError("--hessians is recorded by hqtflow's own observers; measure without --engine inc for it.")
     cfg, model_dir, texts, manager = preflight(s)
     q = _quantization()
     torch.manual_seed(s.seed)
@@ -249,7 +251,7 @@ def patched_linears(model) -> dict:
 
 
 def _settings_check(s) -> None:
-    for flag, on in (("--disk-offload", s.disk_offload),
+    for flag, on in (("--disk-offload", s.disk_offload), ("--gptq", s.gptq),
                      ("--weight-only", s.weight_only), ("--kv-cache fp8", s.kv_cache == "fp8")):
         if on:
             raise ConfigError(f"{flag} is not implemented with --engine inc; use hqtflow's own engine for it.")

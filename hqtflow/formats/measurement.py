@@ -331,6 +331,12 @@ class LoadedMeasurement:
     def kv_stats(self) -> dict[str, dict[str, float]] | None:
         return read_kv_stats(self.directory)
 
+    def hessians(self):
+        """GPTQ's Hessians (`measure --hessians`; hqtflow.formats.hessians), None when the artifact has none."""
+        from hqtflow.formats.hessians import read_hessians
+
+        return read_hessians(self.directory)
+
 
 def manifest_ranks(m: Manifest) -> tuple[list[str], int]:
     """The rank stems and world size a measurement manifest records (checked: one stem per rank)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from hqtflow.config import QuantConfig
@@ -83,6 +84,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
 
     from hqtflow import models
     from hqtflow.measure import distributed
+    from hqtflow.measure.hessians import HessianRecorder
     from hqtflow.measure.hooks import ObserverSession
     from hqtflow.measure.kv import KVStats
 
@@ -99,10 +101,12 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         progress = Progress(show_progress)
 
         kv = KVStats(model) if world == 1 else None  # tensor-parallel ranks hold head shards: not recorded
+        hessians = HessianRecorder(model, list(session.nodes)) if s.hessians else None
+        recording = hessians.batch if hessians else lambda mask: nullcontext()
 
         @torch.inference_mode()
         def forward(ids, mask):
-            with session.batch(mask):
+            with session.batch(mask), recording(mask):
                 extra = {"past_key_values": kv.cache(mask), "use_cache": True} if kv else {}
                 logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), **extra).logits
             progress.update(ids.shape[0], int(mask.sum()))
@@ -110,7 +114,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
 
         @torch.inference_mode()
         def generate(ids, max_new):
-            with session.batch(None):
+            with session.batch(None), recording(None):
                 extra = {"past_key_values": kv.cache()} if kv else {}
                 out = model.generate(ids.to(device), max_new_tokens=max_new, do_sample=False,
                                      pad_token_id=tokenizer.pad_token_id, **extra)
@@ -124,6 +128,9 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
             raise CalibrationError("Calibration ran no tokens through the model.")
 
         _check_finite(session.stats(), kv, model_dir)
+        if hessians is not None:
+            hessians.close()
+            hessians_record = _write_hessians(stage.path, hessians, model_dir)
         stem = mf.measurement_stem(cfg.dump_stats_path, cfg.observer, rank if world > 1 else None, world)
         files = mf.write_measurement(stage.path, stem, session.stats(), local_rank=rank if world > 1 else None,
                                       num_samples=session.samples)
@@ -136,7 +143,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         records = distributed.gather(rank_record)
         if rank == 0:
             calibration = {"sources": sources, "samples": session.samples, "tokens": session.tokens, "seconds": seconds}
-            extra = {"statistics_dtype": "float32",
+            extra = {"statistics_dtype": "float32", "hessians": hessians_record if hessians is not None else None,
                      "parallel": "transformers tp_plan=auto; row-parallel outputs observed after the all-reduce"
                      if world > 1 else None}
             write_artifact_files(stage.path, s, cfg, model_dir, records, calibration, extra)
@@ -211,6 +218,19 @@ def _check_finite(stats: dict, kv, model_dir: Path) -> None:
     if bad:
         raise ModelError(f"Model {model_dir}: the keys/values cached by {bad} are NaN or inf (broken weights?); "
                          "nothing was written.")
+
+
+def _write_hessians(directory: Path, recorder, model_dir: Path) -> dict:
+    """hessians.safetensors from the recorder (refused when an input was NaN/inf); what the manifest records of it."""
+    from hqtflow.errors import ModelError
+    from hqtflow.formats.hessians import HESSIAN_FILE, write_hessians
+
+    bad = recorder.non_finite()
+    if bad:
+        raise ModelError(f"Model {model_dir}: the inputs of {bad} are NaN or inf (broken weights?); nothing was written.")
+    write_hessians(directory, recorder.matrices(), recorder.owner, recorder.tokens)
+    return {"file": HESSIAN_FILE, "matrices": len(recorder.sums), "modules": len(recorder.owner),
+            "statistic": "mean of x x^T over calibration tokens (float32)"}
 
 
 def _sha(path) -> str:

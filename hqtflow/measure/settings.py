@@ -26,6 +26,7 @@ class MeasureSettings:
     dtype: str = "bf16"
     overwrite: bool = False
     seed: int = 0
+    hessians: bool = False  # also record each Linear input's E[x xᵀ] (what `quantize --gptq` needs)
     recipe: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -36,6 +37,9 @@ class MeasureSettings:
                                  ("--max-length", self.max_length, 2), ("--tp", self.tp, 1)):
             if value is not None and value < low:
                 raise ConfigError(f"{name} must be at least {low}, not {value}.")
+        if self.hessians and self.tp > 1:
+            raise ConfigError("--hessians records GPTQ's statistics on one rank; measure with --tp 1 (a checkpoint "
+                              "is written from one rank's measurement anyway).")
         from hqtflow.config import HP_DTYPES
 
         if self.dtype not in HP_DTYPES:

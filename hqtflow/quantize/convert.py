@@ -16,8 +16,10 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def convert_model(model: nn.Module, names: list[str], meas: Measurement, method: ScaleMethod, *,
-                  target: str, fp8: str, hp_dtype: str, weight_only: bool = False) -> dict[str, dict]:
+                  target: str, fp8: str, hp_dtype: str, weight_only: bool = False,
+                  round_weight=None) -> dict[str, dict]:
     """Replace each named Linear by an FP8Linear with scales from `meas`; return the scales used.
+    `round_weight(name, weight, weight_scale)`: the weight moved onto its FP8 grid (GPTQ); None: round to nearest.
 
     `method` is one ScaleMethod or per-module rules (`hqtflow.scales.ScaleRules`: (name, type name) -> ScaleMethod). A dynamic method's
     activations are quantized at run time (its measured input statistics are not used)."""
@@ -29,8 +31,9 @@ def convert_model(model: nn.Module, names: list[str], meas: Measurement, method:
         stats = None if m.dynamic else meas.nodes[name].inputs[0]
         sc = linear_scales(m, stats, lin.weight, target=target, fp8=fp8, hp_dtype=hp_dtype)
         dynamic = None if weight_only or not m.dynamic else m.activation
+        weight = round_weight(name, lin.weight, sc.weight) if round_weight else None
         _set_module(model, name, FP8Linear.from_linear(lin, sc.weight, None if weight_only else sc.input, fp8,
-                                                       dynamic=dynamic))
+                                                       dynamic=dynamic, weight=weight))
         used[name] = {"input": None if sc.input is None else float(sc.input), "weight": sc.weight.float().flatten().tolist()}
     return used
 

@@ -107,10 +107,11 @@ class FP8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-                    fp8: str = "E4M3", dynamic: Rule | None = None) -> FP8Linear:
+                    fp8: str = "E4M3", dynamic: Rule | None = None, weight: torch.Tensor | None = None) -> FP8Linear:
         """Quantize `linear`'s weight with `weight_scale` (0-d or [out]); `input_scale` None = weight-only, or
-        dynamic activations when `dynamic` is a dynamic activation rule (per token for PCS, per call for PTS)."""
-        w = linear.weight.detach()
+        dynamic activations when `dynamic` is a dynamic activation rule (per token for PCS, per call for PTS).
+        `weight`: quantized instead of linear's own (GPTQ's, already on the grid)."""
+        w = (linear.weight if weight is None else weight).detach()
         per_channel = weight_scale.numel() > 1
         activation = "static" if input_scale is not None else None
         if dynamic is not None:

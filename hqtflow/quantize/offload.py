@@ -224,8 +224,10 @@ def check_resources(p: OffloadPlan, output: Path) -> None:
 
 
 # ---- writing -------------------------------------------------------------------------------------
-def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8: str, hp_dtype: str) -> dict:
-    """Write the shards, index, config.json and generation config of `p` into `out`; return timing stats."""
+def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8: str, hp_dtype: str,
+                    round_weight=None) -> dict:
+    """Write the shards, index, config.json and generation config of `p` into `out`; return timing stats.
+    `round_weight(name, weight, weight_scale)`: GPTQ's weight on its FP8 grid (one tensor at a time), or None."""
     import time
 
     from hqtflow.formats.checkpoint import write_config, write_index
@@ -256,6 +258,8 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
                     w = src.to(hp)
                     del src
                     sc = linear_scales(method, meas.nodes[u.module].inputs[0], w, target=target, fp8=fp8, hp_dtype=hp_dtype)
+                    if round_weight is not None:
+                        w = round_weight(u.module, w, sc.weight)
                     # FP8Linear.from_linear's own arithmetic (quantize_linear), streamed in row blocks
                     q = quantize_linear(w, sc.weight, None if p.weight_only else sc.input, fp8,
                                         rows=max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[1])))

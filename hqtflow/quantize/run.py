@@ -53,6 +53,7 @@ class Job:
     fingerprint: dict
     plan: dict
     dtype: str
+    hessians: object = None  # hqtflow.formats.hessians.Hessians for --gptq, else None
 
 
 def plan_job(s: QuantizeSettings) -> Job:
@@ -75,7 +76,13 @@ def plan_job(s: QuantizeSettings) -> Job:
     if s.disk_offload and (any(m.dynamic for m in rules.methods()) or not rules.uniform):
         raise ConfigError("--disk-offload writes one static scale method everywhere; it cannot be combined with "
                           "dynamic methods or per-layer scale_method sections yet.")
+    if s.gptq and (s.scales_only or any(m.smoothquant for m in rules.methods())):
+        raise ConfigError("--gptq changes the FP8 weights of a checkpoint; it cannot be combined with --scales-only "
+                          "(INC quantizes the original weights) or SmoothQuant methods.")
     meas = load_measurement(s.measurement)
+    hessians = meas.hessians() if s.gptq else None
+    if s.gptq and hessians is None:
+        raise ArtifactError(f"{meas.directory} has no Hessians; measure again with --hessians to use --gptq.")
     for st, r in zip(meas.stems, meas.ranks):
         require_dynamic_range(r, f"{meas.directory / st}.json")
     model_ref = s.model or meas.manifest.data.get("model_path")
@@ -102,7 +109,28 @@ def plan_job(s: QuantizeSettings) -> Job:
         if len(kinds) > 1:
             raise ConfigError("The per-layer scale methods mix static and dynamic activations (or different dynamic "
                               "rules); an FP8 checkpoint has one activation scheme (--scales-only writes mixed INC scales).")
-    return Job(cfg, target, rules, meas, model_dir, fp, plan, dtype)
+    return Job(cfg, target, rules, meas, model_dir, fp, plan, dtype, hessians)
+
+
+def weight_rounding(job: Job, *, show_progress: bool = True):
+    """GPTQ from the measurement's Hessians as `convert_model`'s `round_weight` (a bar per layer), or None."""
+    if job.hessians is None:
+        return None
+    from tqdm.auto import tqdm
+
+    from hqtflow.quantize.gptq import gptq_round
+    from hqtflow.scales import full_scale
+
+    fp8, total = job.cfg.fp8_config, len(job.plan["quantize"])
+    bar = tqdm(total=total, desc="GPTQ", unit="layer", disable=None if show_progress else True)
+
+    def round_weight(name: str, weight, scale):
+        w = gptq_round(weight, job.hessians.get(name, weight.shape[1]), scale, fp8, fullscale=full_scale(fp8, job.target))
+        bar.update(1)
+        if bar.n >= total:
+            bar.close()
+        return w
+    return round_weight
 
 
 def _convert(model, job: Job, *, weight_only: bool) -> None:
@@ -117,7 +145,8 @@ def _convert(model, job: Job, *, weight_only: bool) -> None:
             raise ConfigError(f"{job.method.default.name} smooths activations; it cannot be combined with --weight-only.")
         convert_smoothquant(model, job.plan["quantize"], job.meas.ranks[0], job.method.default.name, **kw)
     else:
-        convert_model(model, job.plan["quantize"], job.meas.ranks[0], job.method, weight_only=weight_only, **kw)
+        convert_model(model, job.plan["quantize"], job.meas.ranks[0], job.method, weight_only=weight_only,
+                      round_weight=weight_rounding(job), **kw)
 
 
 def quantize_in_memory(s: QuantizeSettings, dtype: str | None = None):
@@ -183,6 +212,7 @@ def _provenance(job: Job) -> dict:
     meas, cfg = job.meas, job.cfg
     return {"scale_method": cfg.scale_method if isinstance(cfg.scale_method, dict) else job.method.default.name,
             "target": job.target, "fp8": cfg.fp8_config, "hp_dtype": cfg.hp_dtype,
+            "weight_rounding": "gptq" if job.hessians is not None else "nearest",
             "source_measurement": str(meas.directory.resolve()), "source_digest": meas.digest(),
             "provenance_known": meas.manifest.data.get("provenance_known", True),
             "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]), "model_path": str(job.model_dir)}
@@ -230,7 +260,7 @@ def _offload_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
 
     def write(tmp: Path):
         write_offloaded(plan, tmp, job.meas.ranks[0], method, target=job.target, fp8=cfg.fp8_config,
-                        hp_dtype=cfg.hp_dtype)
+                        hp_dtype=cfg.hp_dtype, round_weight=weight_rounding(job))
         models.load_tokenizer(job.model_dir).save_pretrained(tmp)
         return ArtifactKind.CHECKPOINT, {**_checkpoint_data(s, job, _dynamic_rule(s, job)), "disk_offload": True}
     return write

@@ -17,4 +17,5 @@ class QuantizeSettings:
     weight_only: bool = False
     overwrite: bool = False
     disk_offload: bool = False  # stream weights from the safetensors files; the bf16 model is never in RAM
+    gptq: bool = False  # round weights with GPTQ from the measurement's Hessians (`measure --hessians`)
     kv_cache: str = "bf16"  # "fp8": k_scale/v_scale from the measurement's KV statistics in the checkpoint

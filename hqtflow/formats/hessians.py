@@ -1,0 +1,87 @@
+"""GPTQ's calibration statistics in a measurement artifact: `hessians.safetensors` (hqtflow's own file; one rank).
+
+One float32 [in, in] matrix per distinct Linear input: the mean of x xᵀ over the calibration tokens (padding
+excluded), GPTQ's Hessian up to a constant. Linears fed the same tensor (q/k/v, gate/up) share one matrix; the
+metadata maps every module to its matrix (`modules`) and counts the tokens behind each (`tokens`).
+Written by `measure --hessians`, read by `quantize --gptq`, one matrix at a time (the file is memory-mapped).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hqtflow.errors import ArtifactError
+
+HESSIAN_FILE = "hessians.safetensors"
+FORMAT = "hqtflow-hessians"
+VERSION = 1
+
+
+def write_hessians(directory: Path, matrices: dict[str, torch.Tensor], modules: dict[str, str],
+                   tokens: dict[str, int]) -> Path:
+    """`matrices`: {key: [in, in] mean x xᵀ}; `modules`: {Linear name: its key}; `tokens`: {key: token count}."""
+    from safetensors.torch import save_file
+
+    path = Path(directory) / HESSIAN_FILE
+    meta = {"format": FORMAT, "version": str(VERSION), "modules": json.dumps(modules), "tokens": json.dumps(tokens)}
+    save_file({k: v.float().contiguous().cpu() for k, v in matrices.items()}, str(path), metadata=meta)
+    return path
+
+
+class Hessians:
+    """A measurement's Hessians, checked on open (format, version, the module map) and per matrix on `get`."""
+
+    def __init__(self, path: Path):
+        from hqtflow.models import check_safetensors, safetensors_header
+
+        self.path = Path(path)
+        check_safetensors(self.path)
+        _, header = safetensors_header(self.path)
+        meta = header.get("__metadata__") or {}
+        bad = f"{self.path} is not a Hessian file this hqtflow reads"
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ArtifactError(f"{bad} (format {meta.get('format') if isinstance(meta, dict) else None!r}).")
+        version = meta.get("version")
+        if not (isinstance(version, str) and version.isdigit()):
+            raise ArtifactError(f"{bad} (version {version!r}).")
+        if int(version) > VERSION:
+            raise ArtifactError(f"{self.path} has Hessian format version {version}, newer than this hqtflow reads "
+                                f"({VERSION}); upgrade hqtflow.")
+        try:
+            modules, tokens = json.loads(meta["modules"]), json.loads(meta["tokens"])
+        except (KeyError, TypeError, ValueError, RecursionError):
+            modules = tokens = None
+        keys = set(header) - {"__metadata__"}
+        if not (isinstance(modules, dict) and isinstance(tokens, dict)
+                and all(isinstance(v, str) and v in keys for v in modules.values())):
+            raise ArtifactError(f"{bad} (its module map is missing or names matrices it does not hold).")
+        self.modules: dict[str, str] = modules
+        self.tokens: dict[str, int] = tokens
+        self._shapes = {k: header[k].get("shape") for k in keys}
+        self._dtypes = {k: header[k].get("dtype") for k in keys}
+
+    def get(self, module: str, in_features: int) -> torch.Tensor:
+        """The [in, in] float32 matrix of `module` (refused: absent, another shape or dtype, not finite)."""
+        from safetensors import safe_open
+
+        key = self.modules.get(module)
+        if key is None:
+            raise ArtifactError(f"{self.path} has no Hessian for {module}; measure again with --hessians.")
+        if self._shapes[key] != [in_features, in_features] or self._dtypes[key] != "F32":
+            raise ArtifactError(f"{self.path}: the Hessian of {module} is {self._dtypes[key]} {self._shapes[key]}, "
+                                f"not F32 [{in_features}, {in_features}]; it was measured on another model.")
+        with safe_open(str(self.path), framework="pt") as f:
+            h = f.get_tensor(key)
+        if not bool(torch.isfinite(h).all()) or not bool((h.diagonal() >= 0).all()):
+            raise ArtifactError(f"{self.path}: the Hessian of {module} holds NaN, inf or a negative variance; "
+                                "the file is corrupt.")
+        return h
+
+
+def read_hessians(directory: Path) -> Hessians | None:
+    """The Hessians of a measurement artifact, None when it has none."""
+    path = Path(directory) / HESSIAN_FILE
+    return Hessians(path) if path.exists() else None
