@@ -79,6 +79,8 @@ def main() -> None:
     p.add_argument("--kl-tokens", type=int, default=8192)
     p.add_argument("--checkpoint", action="append", default=[],
                    help="--kl: also an FP8 checkpoint made elsewhere (e.g. by `hqtflow tune`); repeatable")
+    p.add_argument("--gptq", action="store_true",
+                   help="--kl: measure with --hessians and add each method with GPTQ-rounded weights (`quantize --gptq`)")
     p.add_argument("--backend", default="auto", choices=("auto", "qdq", "cpu", "scaled_mm"),
                    help="--kl: hqtflow's FP8 backend (qdq is Neural Compressor's arithmetic; auto the fastest here)")
     a = p.parse_args()
@@ -137,7 +139,8 @@ def kl_table(a) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="hqtflow-kl-"))
     try:
         meas = measure(MeasureSettings(output=str(tmp / "meas"), model=str(path), text=(str(data / "wikitext2_valid.txt"),),
-                                       limit=a.calib_chunks, max_length=a.calib_len, batch_size=a.batch_size), show_progress=False)
+                                       limit=a.calib_chunks, max_length=a.calib_len, batch_size=a.batch_size,
+                                       hessians=a.gptq), show_progress=False)
         tok = models.load_tokenizer(path)
         bf16 = models.load_model(path, "bf16")
         windows = token_windows(tok, data / "wikitext2_test.txt", a.kl_tokens, 512)
@@ -162,6 +165,14 @@ def kl_table(a) -> None:
             rows[method] = {"hqtflow": ours.as_dict(), "inc": theirs.as_dict() if theirs else None}
             print(f"  {method}: hqtflow KL {ours.mean_kl:.5f} top-1 {ours.top1:.4f}; INC "
                   + (f"KL {theirs.mean_kl:.5f} top-1 {theirs.top1:.4f}" if theirs else "n/a"), flush=True)
+            if a.gptq:  # the same method, weights rounded by GPTQ; INC has no such rounding
+                model, _ = quantize_in_memory(QuantizeSettings(measurement=str(meas), output="-", scale_method=method,
+                                                               gptq=True))
+                set_backend(model, a.backend)
+                g = divergence(ref, model, windows)
+                del model
+                rows[f"{method} + gptq"] = {"hqtflow": g.as_dict(), "inc": theirs.as_dict() if theirs else None}
+                print(f"  {method} + gptq: hqtflow KL {g.mean_kl:.5f} top-1 {g.top1:.4f}", flush=True)
         for ckpt in a.checkpoint:
             import hqtflow
 

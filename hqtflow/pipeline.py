@@ -11,9 +11,14 @@ from typing import Callable
 from hqtflow.errors import ArtifactError
 
 
+# settings added after artifacts were written: one recorded without them was made with this default
+ADDED_SETTINGS = {"hessians": False, "gptq": False}
+
+
 def _same_settings(recorded: dict, current: dict) -> bool:
     strip = lambda d: {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k != "overwrite"}
-    return strip(recorded) == strip(current)
+    added = {k: v for k, v in ADDED_SETTINGS.items() if k in current}
+    return strip({**added, **recorded}) == strip(current)
 
 
 def measurement_is_current(s) -> bool:

@@ -5,7 +5,8 @@ always was):
 
 - measure (MeasureSettings): model, config, cards (-> tp), dtype, batch_size, max_length, output, and the
   `calibration` mapping {tasks, include_path, data_dir, text, text_field, limit};
-- quantize (QuantizeSettings): quant_config (-> config), kv_cache;
+- quantize (QuantizeSettings): quant_config (-> config), kv_cache, gptq (true: measure also records Hessians and
+  quantize rounds the weights with GPTQ);
 - eval (`hqtflow run`'s run_eval): the `eval` mapping {tasks, include_path, data_dir, limit, ppl_file, ppl_windows,
   batch_size (default: the measurement's)};
 - gaudi: the optimum-habana / TGI-Gaudi commands of `hqtflow handoff` (checked there, see hqtflow/handoff.py);
@@ -31,7 +32,7 @@ RECIPE_VERSION = 1
 
 
 def _value(kind: str, default: Any = None):
-    """A section field read from YAML as `kind`: text, path, paths, names, count or kv_cache."""
+    """A section field read from YAML as `kind`: text, path, paths, names, count, flag or kv_cache."""
     return field(default=default, metadata={"kind": kind})
 
 
@@ -56,14 +57,15 @@ class MeasureSection:
 
 @dataclass(frozen=True)
 class QuantizeSection:
-    """The recipe's quantization: QuantizeSettings' config (the QUANTIZE QUANT_CONFIG) and kv_cache."""
+    """The recipe's quantization: QuantizeSettings' config (the QUANTIZE QUANT_CONFIG), kv_cache and gptq."""
 
     config: str | None = _value("path")
     kv_cache: KVCache = _value("kv_cache", KVCache(QuantizeSettings.kv_cache))
+    gptq: bool = _value("flag", QuantizeSettings.gptq)
 
     def settings(self, measurement: str, output: str, **more: Any) -> QuantizeSettings:
         return QuantizeSettings(measurement=measurement, output=output, config=self.config,
-                                kv_cache=self.kv_cache.value, **more)
+                                kv_cache=self.kv_cache.value, gptq=self.gptq, **more)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ class Recipe:
 FLAT = {"model": ("measure", "model"), "config": ("measure", "config"), "cards": ("measure", "tp"),
         "dtype": ("measure", "dtype"), "batch_size": ("measure", "batch_size"),
         "max_length": ("measure", "max_length"), "output": ("measure", "output"),
-        "quant_config": ("quantize", "config"), "kv_cache": ("quantize", "kv_cache")}
+        "quant_config": ("quantize", "config"), "kv_cache": ("quantize", "kv_cache"), "gptq": ("quantize", "gptq")}
 NESTED = {"calibration": ("measure", ("tasks", "include_path", "data_dir", "text", "text_field", "limit")),
           "eval": ("eval", tuple(f.name for f in fields(EvalSection)))}
 META = ("version", "name", "model_type", "notes", "gaudi")
@@ -123,8 +125,10 @@ def merge_flags(recipe_values: Mapping[str, Any] | None, flags: Mapping[str, Any
 
 
 def measure_settings(recipe: Recipe | None, flags: Mapping[str, Any], **fixed: Any) -> MeasureSettings:
-    """MeasureSettings of `measure [--recipe]` and `run`: the recipe's measure section (if any), flags over it."""
-    values = {**asdict(recipe.measure), "recipe": recipe.path} if recipe is not None else None
+    """MeasureSettings of `measure [--recipe]` and `run`: the recipe's measure section (if any), flags over it
+    (a recipe with `gptq: true` records the Hessians its quantization needs)."""
+    values = {**asdict(recipe.measure), "hessians": recipe.quantize.gptq or None, "recipe": recipe.path} \
+        if recipe is not None else None
     return MeasureSettings(**merge_flags(values, flags), **fixed)
 
 
@@ -203,6 +207,9 @@ class _Reader:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             self.fail(label, "a positive integer", value)
         return value
+
+    def flag(self, label: str, value: Any) -> bool:
+        return value if isinstance(value, bool) else self.fail(label, "true or false", value)
 
     def kv_cache(self, label: str, value: Any) -> KVCache:
         return parse(KVCache, value, f"Recipe {self.file}: {label}")

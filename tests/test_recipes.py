@@ -264,6 +264,18 @@ def test_kv_cache_key(tmp_path):
         load_recipe(bad)
 
 
+def test_gptq_key(tmp_path):
+    """`gptq: true`: the measurement records Hessians and the quantization rounds with GPTQ; a flag still overrides."""
+    from hqtflow.recipes import load_recipe, measure_settings
+
+    path = tmp_path / "g.yaml"
+    path.write_text("model: smollm2\noutput: out/m\ngptq: true\n")
+    r = load_recipe(path)
+    assert measure_settings(r, {}).hessians and r.quantize.settings("m", "q").gptq
+    assert not measure_settings(load_recipe(ROOT / "recipes" / "smollm2.yaml"), {}).hessians
+    assert not load_recipe(ROOT / "recipes" / "smollm2.yaml").quantize.settings("m", "q").gptq
+
+
 def test_one_recipe_flag_merge(tmp_path):
     """`measure --recipe` and `run` share recipes.merge_flags: flags given override, flags not given (None) keep the
     recipe's value, and a run without any output directory is refused."""
@@ -333,6 +345,7 @@ def test_recipe_sections_are_the_stage_settings():
     ("calibration: {text: 3}", "'calibration.text' must be a list, not 3"),
     ("config: [a]", "'config' must be a path"),
     ("dtype: 16", "'dtype' must be a string, not 16"),
+    ("gptq: yes please", "'gptq' must be true or false, not 'yes please'"),
 ])
 def test_recipe_values_refused(tmp_path, text, msg):
     import re
