@@ -41,8 +41,8 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     fp8_dtype = FP8_DTYPES[fp8]
     F = float(torch.finfo(fp8_dtype).max) if fullscale is None else float(fullscale)
     out_features, n = weight.shape
-    s = scale.detach().to(weight.dtype).float().reshape(-1, 1).expand(out_features, 1).reshape(-1)
-    w = weight.detach().float().clone()
+    s = scale.detach().to(weight.dtype).float().reshape(1, -1).expand(1, out_features).reshape(-1)
+    wt = weight.detach().float().t().contiguous()  # [in, out]: one input column per contiguous row
     h = hessian.detach().float().clone()
     dead = h.diagonal() <= 0  # inputs never seen in calibration: rounded to nearest, spreading nothing
     h[dead, :] = 0
@@ -50,21 +50,20 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     h.diagonal()[dead] = 1
     perm = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order else None
     if perm is not None:
-        w, h = w[:, perm], h[perm][:, perm]
+        wt, h = wt[perm], h[perm][:, perm]
     u = _inverse_cholesky(h, damp)
-    q = torch.empty_like(w)
+    qt = torch.empty_like(wt)
     for b0 in range(0, n, block):
         b1 = min(b0 + block, n)
-        wb, ub = w[:, b0:b1], u[b0:b1, b0:b1]
+        wb, ub, qb = wt[b0:b1], u[b0:b1, b0:b1], qt[b0:b1]
         err = torch.empty_like(wb)
+        diag = ub.diagonal().tolist()
         for i in range(b1 - b0):
-            col = wb[:, i]
-            qc = (col / s).clamp(-F, F).to(fp8_dtype).float() * s
-            q[:, b0 + i] = qc
-            e = (col - qc) / ub[i, i]
-            wb[:, i + 1:] -= e[:, None] * ub[i, i + 1:][None, :]
-            err[:, i] = e
-        w[:, b1:] -= err @ u[b0:b1, b1:]
+            col, e = wb[i], err[i]
+            torch.mul(torch.div(col, s).clamp_(-F, F).to(fp8_dtype).float(), s, out=qb[i])
+            torch.sub(col, qb[i], out=e).div_(diag[i])
+            wb[i + 1:].addr_(ub[i, i + 1:], e, alpha=-1)  # spread this column's error over the block's rest
+        wt[b1:].addmm_(u[b0:b1, b1:].t(), err, alpha=-1)  # and, once per block, over the columns after it
     if perm is not None:
-        q = q[:, torch.argsort(perm)]
-    return q.to(weight.dtype)
+        qt = qt[torch.argsort(perm)]
+    return qt.t().to(weight.dtype)
