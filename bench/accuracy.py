@@ -9,6 +9,7 @@ come from ../shared/reference/hqt-formats.md, measured with 16x256 calibration t
     python bench/accuracy.py                 # the full table (>= 500 examples per task)
     python bench/accuracy.py --smoke         # a minute-long version (CI runs it)
     python bench/accuracy.py --kl            # mean KL / top-1 vs bf16 per method, hqtflow and INC side by side
+    python bench/accuracy.py --kl --gptq     # ... and each method again with GPTQ-rounded weights (quantize --gptq)
 
 `--kl`: one hqtflow measurement (`--calib-chunks` x `--calib-len` tokens of WikiText-2 valid) feeds both sides;
 each method's mean KL(bf16 || FP8) and top-1 agreement on the first `--kl-tokens` tokens of WikiText-2 test
