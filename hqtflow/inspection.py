@@ -396,6 +396,9 @@ def _inspect_scales(directory: Path, top: int) -> dict:
 
 
 def _scaled_report(kind, d, scales, measured, F, top, notes, weights, errors, have_model, quantized) -> dict:
+    if d.get("weight_rounding") == "gptq" and errors:
+        notes = [*notes, "weights rounded by GPTQ: each weight's own error is larger than round-to-nearest's by design "
+                         "(GPTQ makes each layer's output error small, not each weight's)"]
     head = _headroom(scales, measured, F)
     hflags = [r for r in head if r["flag"]]
     wflags = [{"name": n, **w} for n, w in weights.items() if w["flag"]]
@@ -417,7 +420,8 @@ def _scaled_report(kind, d, scales, measured, F, top, notes, weights, errors, ha
         "kind": kind,
         "summary": {"nodes_quantized": len(quantized), "nodes_not_quantized": len(d.get("skipped") or {}),
                     "scale_method": d.get("scale_method"), "target": d.get("target"), "fp8": d.get("fp8"),
-                    "full_scale": F, "mode": d.get("mode"), "outliers": 0, "saturating": len([r for r in hflags if r["flag"] == "saturates"]),
+                    "full_scale": F, "mode": d.get("mode"), "weight_rounding": d.get("weight_rounding", "nearest"),
+                    "outliers": 0, "saturating": len([r for r in hflags if r["flag"] == "saturates"]),
                     "activation_underflow": len([r for r in hflags if r["flag"] == "underflow"]),
                     "weight_underflow": len(wflags),
                     "worst_sqnr_db": min((e["sqnr_db"] for e in errors.values()), default=None)},

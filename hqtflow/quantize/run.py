@@ -125,7 +125,11 @@ def weight_rounding(job: Job, *, show_progress: bool = True):
     bar = tqdm(total=total, desc="GPTQ", unit="layer", disable=None if show_progress else True)
 
     def round_weight(name: str, weight, scale):
-        w = gptq_round(weight, job.hessians.get(name, weight.shape[1]), scale, fp8, fullscale=full_scale(fp8, job.target))
+        try:
+            w = gptq_round(weight, job.hessians.get(name, weight.shape[1]), scale, fp8, fullscale=full_scale(fp8, job.target))
+        except ValueError:
+            raise ArtifactError(f"{job.hessians.path}: the Hessian of {name} is not positive semi-definite even with "
+                                "damping; the file is corrupt (measure again with --hessians).") from None
         bar.update(1)
         if bar.n >= total:
             bar.close()

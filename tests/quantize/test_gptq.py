@@ -173,6 +173,8 @@ def test_quantize_gptq_checkpoint(measured, tmp_path):
     assert len(changed) > 10
     assert read_manifest(tmp_path / "gptq", "hqtflow.checkpoint", 1).data["weight_rounding"] == "gptq"
     assert read_manifest(tmp_path / "rtn", "hqtflow.checkpoint", 1).data["weight_rounding"] == "nearest"
+    r = run_cli("inspect", tmp_path / "gptq")
+    assert r.exit_code == 0 and "weight_rounding: gptq" in r.stdout and "rounded by GPTQ" in r.stdout, r.output
     model, tok = hqtflow.load(tmp_path / "gptq")
     with torch.inference_mode():
         assert torch.isfinite(model(torch.tensor([tok.encode("The tower is tall.")])).logits).all()
@@ -233,3 +235,33 @@ def test_hessian_file_refusals(tmp_path, case):
     assert str(e.value).count(".") >= 1 and "\n" not in str(e.value)
     if case == "version":
         assert "newer" in str(e.value)
+
+
+def test_indefinite_hessian_refused(measured, tmp_path):
+    """A Hessian file rewritten (manifest re-hashed, as a hostile copy would be) with a matrix that is not positive
+    semi-definite: one sentence naming the module, exit 3, nothing written."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from hqtflow.formats.artifact import MANIFEST, sha256_file
+
+    bad = tmp_path / "meas"
+    shutil.copytree(measured, bad)
+    path = bad / "hessians.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    key = json.loads(meta["modules"])["model.layers.0.mlp.down_proj"]
+    n = tensors[key].shape[0]
+    tensors[key] = torch.eye(n) - 1e6 * torch.ones(n, n) / n  # one huge negative eigenvalue, diagonal still >= 0
+    tensors[key].diagonal().fill_(1.0)
+    save_file(tensors, str(path), metadata=meta)
+    manifest = json.loads((bad / MANIFEST).read_text())
+    manifest["files"]["hessians.safetensors"] = sha256_file(path)
+    (bad / MANIFEST).write_text(json.dumps(manifest))
+    r = run_cli("quantize", "-m", bad, "-o", tmp_path / "out", "--gptq")
+    # (stderr also holds transformers' weight-loading bar: the model was loaded before the matrix was read)
+    assert r.exit_code == 3 and "Traceback" not in r.output, r.output
+    assert "down_proj is not positive semi-definite" in r.stderr.strip().splitlines()[-1]
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("meas",)]
