@@ -5,7 +5,8 @@ Per rank, HQT / Neural Compressor's files, named and laid out exactly as INC wri
 QUANTIZE reads it; it is `np.savez(path, dict)`, a pickled object array, so hqtflow writes it but reads one only
 in `import-hqt --trust-pickle`) and `_mod_list.json`. Each per-tensor statistic is the observer's (1, 1)
 state as nested lists; per-channel statistics are (C, 1). Beside them: `kv_cache_maxabs.json` (hqtflow's KV-cache
-statistics, one rank), `quant_config.json` (INC's QUANTIZE config pointing at the files) and the manifest, last.
+statistics, one rank), `hessians.safetensors` (GPTQ's statistics with `--hessians`; `formats/hessians.py`),
+`quant_config.json` (INC's QUANTIZE config pointing at the files) and the manifest, last.
 
 `load_measurement` is the one reader of artifacts (through the manifest); a foreign dump (no manifest) is read by its
 file names (`read_dump`) only by `import-hqt`, which wraps it into an artifact.
