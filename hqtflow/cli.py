@@ -224,6 +224,7 @@ def tune(
     scale_method: Annotated[Optional[str], typer.Option(help="Override the config's scale_method.")] = None,
     tokens: Annotated[int, typer.Option(help="Tokens of --text to measure on.")] = 1024,
     window: Annotated[int, typer.Option(help="Tokens per evaluated sequence.")] = 256,
+    gptq: Annotated[bool, typer.Option(help="GPTQ-rounded weights, as `quantize --gptq` (a measurement made with --hessians); Neural Compressor rounds its own weights to nearest.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
 ) -> None:
     """Per-layer sensitivity, then the fewest Linear layers kept in bf16 that meet --target-kl / --max-ppl-increase."""
@@ -231,7 +232,7 @@ def tune(
 
     s = TuneSettings(measurement=str(measurement), output=str(output), text=str(text), model=model,
                      config=str(config) if config else None, scale_method=scale_method, target_kl=target_kl,
-                     max_ppl_increase=max_ppl_increase, tokens=tokens, window=window, overwrite=overwrite)
+                     max_ppl_increase=max_ppl_increase, tokens=tokens, window=window, gptq=gptq, overwrite=overwrite)
     typer.echo(summary(run_tune(s, progress=lambda m: typer.echo(m, err=True))))
 
 

@@ -39,6 +39,7 @@ class TuneSettings:
     max_ppl_increase: float | None = None  # relative: 0.01 = +1%
     tokens: int = 1024
     window: int = 256
+    gptq: bool = False  # GPTQ-rounded weights (the measurement's Hessians), as `quantize --gptq`
     overwrite: bool = False
 
     def __post_init__(self):
@@ -75,14 +76,14 @@ def tune(s: TuneSettings, progress=None) -> Path:
     from hqtflow.formats.artifact import check_output_dir, staged_output, write_manifest
     from hqtflow.hardware import fastest_dtype
     from hqtflow.quantize.convert import _set_module, convert_model
-    from hqtflow.quantize.run import QuantizeSettings, plan_job, quant_config, quantize
+    from hqtflow.quantize.run import QuantizeSettings, plan_job, quant_config, quantize, weight_rounding
 
     out = Path(s.output)
     check_output_dir(out, s.overwrite, [s.measurement, s.config])
     if not Path(s.text).is_file():
         raise ConfigError(f"--text {s.text} does not exist.")
     qs = QuantizeSettings(measurement=s.measurement, output=str(out / "checkpoint"), model=s.model, config=s.config,
-                          scale_method=s.scale_method)
+                          scale_method=s.scale_method, gptq=s.gptq)
     job = plan_job(qs)
     cfg = quant_config(qs)
     say = progress or (lambda msg: None)
@@ -96,17 +97,19 @@ def tune(s: TuneSettings, progress=None) -> Path:
     base_nll = _reference_nll(ref, windows)
     names = list(job.plan["quantize"])
     originals = {n: model.get_submodule(n) for n in names}
-    sensitivity = {}
+    rounding = weight_rounding(job, show_progress=False)
+    quantized, sensitivity = {}, {}
     with torch.no_grad():
         for i, name in enumerate(names):
             convert_model(model, [name], job.meas.ranks[0], job.method, target=job.target, fp8=cfg.fp8_config,
-                          hp_dtype=cfg.hp_dtype)
+                          hp_dtype=cfg.hp_dtype, round_weight=rounding)
             sensitivity[name] = divergence(ref, model, windows).mean_kl
+            quantized[name] = model.get_submodule(name)  # kept: the full model reuses it
             _set_module(model, name, originals[name])
             say(f"sensitivity {i + 1}/{len(names)} {name}: KL {sensitivity[name]:.5f}")
         order = sorted(names, key=lambda n: -sensitivity[n])
-        convert_model(model, names, job.meas.ranks[0], job.method, target=job.target, fp8=cfg.fp8_config,
-                      hp_dtype=cfg.hp_dtype)
+        for name in names:
+            _set_module(model, name, quantized[name])
         d = divergence(ref, model, windows)
         full = d
         kept: list[str] = []
@@ -126,12 +129,13 @@ def tune(s: TuneSettings, progress=None) -> Path:
               "tokens": sum(w.shape[1] for w in windows), "window": s.window, "compute_dtype": compute,
               "bf16_ppl": _ppl(base_nll), "all_quantized": {**full.as_dict(), "ppl": _ppl(full.nll)},
               "tuned": {**d.as_dict(), "ppl": _ppl(d.nll)}, "kept_bf16": kept,
+              "weight_rounding": "gptq" if s.gptq else "nearest",
               "linear_layers": len(names), "sensitivity": dict(sorted(sensitivity.items(), key=lambda kv: -kv[1]))}
     with staged_output(out, overwrite=s.overwrite, inputs=[s.measurement, s.config]) as tmp:
         (tmp / "quant_config.json").write_text(json.dumps(raw, indent=2))
         (tmp / "sensitivity.json").write_text(json.dumps(report, indent=2))
         quantize(QuantizeSettings(measurement=s.measurement, output=str(tmp / "checkpoint"), model=s.model,
-                                  config=str(tmp / "quant_config.json")))
+                                  config=str(tmp / "quant_config.json"), gptq=s.gptq))
         write_manifest(tmp, ArtifactKind.TUNE, model=job.fingerprint, config=raw,
                        data={**{k: v for k, v in report.items() if k != "sensitivity"}, "settings": asdict(s)})
     return out

@@ -66,3 +66,19 @@ def test_tune_refusals(measured, wiki_text, tmp_path):
     assert r.exit_code == 2 and "must be positive" in r.stderr
     r = run_cli("tune", "-m", measured, "-o", tmp_path / "x", "--text", tmp_path / "none.txt", "--target-kl", "0.1")
     assert r.exit_code == 2 and "does not exist" in r.stderr
+
+
+def test_tune_gptq(tiny_llama, measured, wiki_text, tmp_path):
+    """--gptq: sensitivities and the checkpoint with GPTQ-rounded weights; a measurement without Hessians is refused."""
+    from hqtflow.formats.artifact import read_manifest
+
+    meas = tmp_path / "meas"
+    r = run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "4", "--max-length", "64", "--hessians")
+    assert r.exit_code == 0, r.output
+    plain = tune(measured, tmp_path / "plain", wiki_text, "--target-kl", "1e6")
+    g = tune(meas, tmp_path / "g", wiki_text, "--target-kl", "1e6", "--gptq")
+    assert g["weight_rounding"] == "gptq" and plain["weight_rounding"] == "nearest"
+    assert g["sensitivity"] != plain["sensitivity"]
+    assert read_manifest(tmp_path / "g" / "checkpoint", "hqtflow.checkpoint", 1).data["weight_rounding"] == "gptq"
+    r = run_cli("tune", "-m", measured, "-o", tmp_path / "x", "--text", wiki_text, "--target-kl", "1", "--gptq")
+    assert r.exit_code == 3 and "--hessians" in r.stderr and not (tmp_path / "x").exists()
