@@ -147,7 +147,7 @@ def measure(
     max_length: Annotated[int, typer.Option(help="Tokens per sequence (text chunk size).")] = MeasureSettings.max_length,
     tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (cards) to measure on.")] = MeasureSettings.tp,
     dtype: Annotated[str, typer.Option(help="Model dtype: bf16, fp16 or fp32.")] = MeasureSettings.dtype,
-    hessians: Annotated[bool, typer.Option(help="Also record each Linear input's E[x x^T] (one float32 in_features^2 matrix per distinct input), which `quantize --gptq` needs.")] = MeasureSettings.hessians,
+    hessians: Annotated[bool, typer.Option(help="Also record each Linear input's second moment, the mean of x x^T (one float32 in_features^2 matrix per distinct input), which `quantize --gptq` needs.")] = MeasureSettings.hessians,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = MeasureSettings.overwrite,
     engine: Engine = "hqtflow",
     device: Device = None,

@@ -294,7 +294,10 @@ def _source_weight(model, name: str):
 def _inspect_measurement(directory: Path, top: int) -> dict:
     from hqtflow.formats.measurement import load_measurement
 
-    ld = _measurement_view(load_measurement(directory))
+    meas = load_measurement(directory)
+    ld = _measurement_view(meas)
+    hessians = meas.manifest.data.get("hessians") if meas.manifest is not None else None
+    hessians = hessians if isinstance(hessians, dict) else {}
     stats = ld["stats"]
     implied, flags = _pow2_flags(stats)
     measured = sorted(n for n, s in stats.items() if "input" in s or "output" in s)
@@ -308,6 +311,8 @@ def _inspect_measurement(directory: Path, top: int) -> dict:
         "kind": "measurement",
         "summary": {"nodes": len(stats), "nodes_measured": len(measured), "nodes_not_measured": len(not_measured),
                     "world_size": ld["world_size"], "samples": ld["samples"], "tokens": ld["tokens"],
+                    "hessians": f"{hessians['matrices']} matrices for {hessians['modules']} Linears (quantize --gptq)"
+                    if hessians.get("matrices") else "none (measure --hessians for quantize --gptq)",
                     "outliers": 0, "flagged_scales": len(flags)},
         "coverage": {"measured": measured, "not_measured": not_measured},
         "ranges": _ranges(stats, top),

@@ -179,7 +179,8 @@ def check_safetensors(path: Path) -> None:
             raise ValueError("header longer than the file")
         start, header = safetensors_header(path)
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (OSError, struct.error, ValueError, OverflowError, MemoryError, KeyError, TypeError, IndexError, AttributeError):
+    except (OSError, struct.error, ValueError, OverflowError, MemoryError, KeyError, TypeError, IndexError, AttributeError,
+            RecursionError):
         raise ArtifactError(f"{path} is not a readable safetensors file (corrupt header).") from None
     if start + end > size:
         raise ArtifactError(f"{path} is truncated: its tensors need {start + end} bytes but the file has {size}.")

@@ -212,9 +212,26 @@ def unify(measurement: str | Path, groups: list[str], output: str | Path, *, ove
             "merge": {"per_tensor": "max", "per_channel": "concatenated along sharded dims in rank order, max along replicated",
                       "row_parallel_outputs": "observed after the all-reduce: exact" if known else "max (imported dump)"},
         })
+        carried = _carry_side_files(src, tmp) if n == 1 and src.world_size == 1 else []
+        if "hessians.safetensors" not in carried:
+            data["hessians"] = None
         write_artifact(tmp, Path(output), base=src.base, inc_config=m.get("config") or {"observer": observer},
                        model=m.get("model"), config=m.get("config"), data=data)
     return Path(output)
+
+
+def _carry_side_files(src, out: Path) -> list[str]:
+    """A one-rank measurement unified to one rank keeps its KV-cache statistics and Hessians (files the manifest
+    vouched for; their shapes do not depend on the rank layout)."""
+    import shutil
+
+    from hqtflow.formats.hessians import HESSIAN_FILE
+    from hqtflow.formats.measurement import KV_FILE
+
+    carried = [f for f in (KV_FILE, HESSIAN_FILE) if f in src.manifest.files]
+    for f in carried:
+        shutil.copyfile(src.directory / f, Path(out) / f)
+    return carried
 
 
 def _read_plan(path) -> dict[str, str]:

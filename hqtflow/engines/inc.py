@@ -121,7 +121,8 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
     if s.tp > 1:
         raise ConfigError("--engine inc measures on one card; run hqtflow's own engine for --tp N.")
     if s.hessians:
-        raise ConfigError("--hessians is recorded by hqtflow's own observers; measure without --engine inc for it.")
+        raise ConfigError("--hessians (a recipe's `gptq: true`) is recorded by hqtflow's own observers; measure "
+                          "without --engine inc for it.")
     cfg, model_dir, texts, manager = preflight(s)
     q = _quantization()
     torch.manual_seed(s.seed)

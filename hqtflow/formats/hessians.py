@@ -39,46 +39,66 @@ class Hessians:
 
         self.path = Path(path)
         check_safetensors(self.path)
+        with _open(self.path):  # the safetensors library's own header checks (offsets, metadata types), up front
+            pass
         _, header = safetensors_header(self.path)
         meta = header.get("__metadata__") or {}
         bad = f"{self.path} is not a Hessian file this hqtflow reads"
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ArtifactError(f"{bad} (format {meta.get('format') if isinstance(meta, dict) else None!r}).")
         version = meta.get("version")
-        if not (isinstance(version, str) and version.isdigit()):
-            raise ArtifactError(f"{bad} (version {version!r}).")
-        if int(version) > VERSION:
+        known = isinstance(version, str) and version.isascii() and version.isdigit() and len(version) < 10
+        if known and int(version) > VERSION:
             raise ArtifactError(f"{self.path} has Hessian format version {version}, newer than this hqtflow reads "
                                 f"({VERSION}); upgrade hqtflow.")
+        if not known or version != str(int(version)) or int(version) < 1:
+            raise ArtifactError(f"{bad} (version {version!r}).")
         try:
             modules, tokens = json.loads(meta["modules"]), json.loads(meta["tokens"])
         except (KeyError, TypeError, ValueError, RecursionError):
             modules = tokens = None
         keys = set(header) - {"__metadata__"}
         if not (isinstance(modules, dict) and isinstance(tokens, dict)
-                and all(isinstance(v, str) and v in keys for v in modules.values())):
-            raise ArtifactError(f"{bad} (its module map is missing or names matrices it does not hold).")
+                and all(isinstance(v, str) and v in keys for v in modules.values())
+                and all(type(n) is int and n >= 0 for n in tokens.values())):
+            raise ArtifactError(f"{bad} (its module map or token counts are missing, or name matrices it does not hold).")
         self.modules: dict[str, str] = modules
         self.tokens: dict[str, int] = tokens
         self._shapes = {k: header[k].get("shape") for k in keys}
         self._dtypes = {k: header[k].get("dtype") for k in keys}
 
     def get(self, module: str, in_features: int) -> torch.Tensor:
-        """The [in, in] float32 matrix of `module` (refused: absent, another shape or dtype, not finite)."""
-        from safetensors import safe_open
-
+        """The [in, in] float32 matrix of `module` (refused: absent, another shape or dtype, not finite, not a
+        second moment: asymmetric, a negative variance, a covariance larger than its variances allow)."""
         key = self.modules.get(module)
         if key is None:
             raise ArtifactError(f"{self.path} has no Hessian for {module}; measure again with --hessians.")
-        if self._shapes[key] != [in_features, in_features] or self._dtypes[key] != "F32":
-            raise ArtifactError(f"{self.path}: the Hessian of {module} is {self._dtypes[key]} {self._shapes[key]}, "
-                                f"not F32 [{in_features}, {in_features}]; it was measured on another model.")
-        with safe_open(str(self.path), framework="pt") as f:
+        if self._dtypes[key] != "F32":
+            raise ArtifactError(f"{self.path}: the Hessian of {module} is {self._dtypes[key]}, not F32; the file is corrupt.")
+        if self._shapes[key] != [in_features, in_features]:
+            raise ArtifactError(f"{self.path}: the Hessian of {module} is {self._shapes[key]}, not "
+                                f"[{in_features}, {in_features}]; it was measured on another model.")
+        with _open(self.path) as f:
             h = f.get_tensor(key)
-        if not bool(torch.isfinite(h).all()) or not bool((h.diagonal() >= 0).all()):
-            raise ArtifactError(f"{self.path}: the Hessian of {module} holds NaN, inf or a negative variance; "
-                                "the file is corrupt.")
-        return h
+        d = h.diagonal()
+        ok = bool(torch.isfinite(h).all()) and bool((d >= 0).all())
+        if ok:  # E[x xᵀ] is symmetric, and |E[x_i x_j]| <= sqrt(E[x_i²] E[x_j²]) (float32 sums: a little slack)
+            bound = (d[:, None] * d[None, :]).sqrt() * (1 + 1e-3) + 1e-6 * float(d.max())
+            ok = bool(((h - h.t()).abs() <= 1e-3 * bound).all()) and bool((h.abs() <= bound).all())
+        if not ok:
+            raise ArtifactError(f"{self.path}: the Hessian of {module} is not a second moment of real inputs (NaN, "
+                                "inf, a negative variance or an impossible covariance); the file is corrupt.")
+        return (h + h.t()) / 2
+
+
+def _open(path: Path):
+    """safe_open, its refusals as one sentence."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ArtifactError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0][:200]}).") from None
 
 
 def read_hessians(directory: Path) -> Hessians | None:

@@ -15,6 +15,7 @@ file names (`read_dump`) only by `import-hqt`, which wraps it into an artifact.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -333,10 +334,15 @@ class LoadedMeasurement:
         return read_kv_stats(self.directory)
 
     def hessians(self):
-        """GPTQ's Hessians (`measure --hessians`; hqtflow.formats.hessians), None when the artifact has none."""
-        from hqtflow.formats.hessians import read_hessians
+        """GPTQ's Hessians (`measure --hessians`; hqtflow.formats.hessians), None when the artifact has none. Only a
+        file the manifest lists (and so hashed) is read: one put there afterwards is refused."""
+        from hqtflow.formats.hessians import HESSIAN_FILE, read_hessians
 
-        return read_hessians(self.directory)
+        listed = self.manifest is not None and HESSIAN_FILE in self.manifest.files
+        if not listed and (os.path.lexists(self.directory / HESSIAN_FILE)):
+            raise ArtifactError(f"{self.directory / HESSIAN_FILE} is not listed in the measurement's manifest (it was "
+                                "added after the measurement was written); measure again with --hessians.")
+        return read_hessians(self.directory) if listed else None
 
 
 def manifest_ranks(m: Manifest) -> tuple[list[str], int]:

@@ -60,8 +60,8 @@ class HessianRecorder:
             self._mask = self._last = None
 
     def matrices(self) -> dict[str, torch.Tensor]:
-        """{owner: mean x xᵀ} for every input seen."""
-        return {k: (v / max(1, self.tokens[k])).cpu() for k, v in self.sums.items()}
+        """{owner: mean x xᵀ} for every input seen (exactly symmetric)."""
+        return {k: ((v + v.t()) / (2 * max(1, self.tokens[k]))).cpu() for k, v in self.sums.items()}
 
     def non_finite(self) -> str | None:
         """The first Linear whose inputs were NaN or inf, None when every matrix is finite."""

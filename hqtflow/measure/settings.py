@@ -38,8 +38,8 @@ class MeasureSettings:
             if value is not None and value < low:
                 raise ConfigError(f"{name} must be at least {low}, not {value}.")
         if self.hessians and self.tp > 1:
-            raise ConfigError("--hessians records GPTQ's statistics on one rank; measure with --tp 1 (a checkpoint "
-                              "is written from one rank's measurement anyway).")
+            raise ConfigError("--hessians (a recipe's `gptq: true`) records GPTQ's statistics on one rank; measure "
+                              "with --tp 1 (cards: 1; a checkpoint is written from one rank's measurement anyway).")
         from hqtflow.config import HP_DTYPES
 
         if self.dtype not in HP_DTYPES:

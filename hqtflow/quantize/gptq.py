@@ -16,10 +16,11 @@ from hqtflow.scales import FP8_DTYPES
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)⁻¹; the damping grows tenfold until H is positive definite."""
+    """Upper Cholesky factor of (H + damp * mean(diag H) * I)⁻¹. Float32 rounding can leave a measured H a hair short
+    of positive definite: the damping grows tenfold, twice; an H that needs more is not a second moment."""
     mean = float(h.diagonal().mean()) or 1.0
     eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-    for _ in range(6):
+    for _ in range(3):
         chol, info = torch.linalg.cholesky_ex(h + damp * mean * eye)
         if int(info) == 0:
             inv_chol, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)

@@ -211,7 +211,8 @@ def _hessian_file(path, tensors, meta):
     return path
 
 
-@pytest.mark.parametrize("case", ["format", "version", "map", "shape", "nan"])
+@pytest.mark.parametrize("case", ["format", "version", "old-version", "odd-version", "map", "tokens", "shape", "dtype",
+                                  "nan", "asymmetric", "covariance", "offsets", "nested-header"])
 def test_hessian_file_refusals(tmp_path, case):
     from hqtflow.errors import ArtifactError
     from hqtflow.formats.hessians import Hessians
@@ -227,9 +228,31 @@ def test_hessian_file_refusals(tmp_path, case):
         meta["modules"] = json.dumps({"a": "b"})
     elif case == "shape":
         width = 8
+    elif case == "old-version":
+        meta["version"] = "0"
+    elif case == "odd-version":
+        meta["version"] = "\u00b9"  # a superscript one: isdigit(), yet no integer
+    elif case == "tokens":
+        meta["tokens"] = '{"a": -3}'
+    elif case == "dtype":
+        tensors = {"a": h.half()}
     elif case == "nan":
         tensors = {"a": h * float("nan")}
+    elif case == "asymmetric":
+        tensors = {"a": torch.triu(torch.ones(4, 4))}  # half of a second moment
+    elif case == "covariance":
+        tensors = {"a": torch.eye(4) + 2 * (torch.ones(4, 4) - torch.eye(4))}  # |h_ij| > sqrt(h_ii h_jj)
     path = _hessian_file(tmp_path / "hessians.safetensors", tensors, meta)
+    if case == "offsets":  # a header this hqtflow's check passes but the safetensors library refuses
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        header["a"]["data_offsets"] = [0, 4]
+        text = json.dumps(header).encode()
+        path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    elif case == "nested-header":
+        text = b"[" * 100000 + b"]" * 100000
+        path.write_bytes(len(text).to_bytes(8, "little") + text)
     with pytest.raises(ArtifactError) as e:
         Hessians(path).get("a", width)
     assert str(e.value).count(".") >= 1 and "\n" not in str(e.value)
@@ -254,8 +277,8 @@ def test_indefinite_hessian_refused(measured, tmp_path):
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     key = json.loads(meta["modules"])["model.layers.0.mlp.down_proj"]
     n = tensors[key].shape[0]
-    tensors[key] = torch.eye(n) - 1e6 * torch.ones(n, n) / n  # one huge negative eigenvalue, diagonal still >= 0
-    tensors[key].diagonal().fill_(1.0)
+    # every covariance within what its variances allow, yet far from positive semi-definite (eigenvalue 1 - 0.9 n)
+    tensors[key] = 1.9 * torch.eye(n) - 0.9 * torch.ones(n, n)
     save_file(tensors, str(path), metadata=meta)
     manifest = json.loads((bad / MANIFEST).read_text())
     manifest["files"]["hessians.safetensors"] = sha256_file(path)
@@ -265,3 +288,29 @@ def test_indefinite_hessian_refused(measured, tmp_path):
     assert r.exit_code == 3 and "Traceback" not in r.output, r.output
     assert "down_proj is not positive semi-definite" in r.stderr.strip().splitlines()[-1]
     assert not [p for p in tmp_path.iterdir() if p.name not in ("meas",)]
+
+
+def test_hessians_outside_the_manifest_refused(tiny_llama, wiki_text, measured, tmp_path):
+    """A Hessian file the manifest does not list (copied in afterwards) is never read: refused, exit 3."""
+    import shutil
+
+    plain = tmp_path / "plain"
+    r = run_cli("measure", tiny_llama, "-o", plain, "--text", wiki_text, "--limit", "2", "--max-length", "32")
+    assert r.exit_code == 0, r.output
+    shutil.copyfile(measured / "hessians.safetensors", plain / "hessians.safetensors")
+    refused_quantize(["-m", plain, "-o", tmp_path / "out", "--gptq"], "is not listed in the measurement's manifest",
+                     tmp_path, 3)
+
+
+def test_unify_one_rank_keeps_hessians(measured, tmp_path):
+    from hqtflow.formats.hessians import read_hessians
+
+    r = run_cli("unify", "-g", "0", "-m", measured, "-o", tmp_path / "u")
+    assert r.exit_code == 0, r.output
+    assert read_manifest(tmp_path / "u", "hqtflow.measurement", 1).data["hessians"]["matrices"] > 0
+    a, b = read_hessians(measured), read_hessians(tmp_path / "u")
+    assert torch.equal(a.get("model.layers.0.mlp.down_proj", 128), b.get("model.layers.0.mlp.down_proj", 128))
+    r = run_cli("quantize", "-m", tmp_path / "u", "-o", tmp_path / "q", "--gptq")
+    assert r.exit_code == 0, r.output
+    r = run_cli("inspect", tmp_path / "u")
+    assert r.exit_code == 0 and "Linears (quantize --gptq)" in r.stdout, r.output
