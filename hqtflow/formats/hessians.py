@@ -45,14 +45,14 @@ class Hessians:
         meta = header.get("__metadata__") or {}
         bad = f"{self.path} is not a Hessian file this hqtflow reads"
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise ArtifactError(f"{bad} (format {meta.get('format') if isinstance(meta, dict) else None!r}).")
+            raise ArtifactError(f"{bad} (format {repr(meta.get('format') if isinstance(meta, dict) else None)[:40]}).")
         version = meta.get("version")
         known = isinstance(version, str) and version.isascii() and version.isdigit() and len(version) < 10
         if known and int(version) > VERSION:
             raise ArtifactError(f"{self.path} has Hessian format version {version}, newer than this hqtflow reads "
                                 f"({VERSION}); upgrade hqtflow.")
         if not known or version != str(int(version)) or int(version) < 1:
-            raise ArtifactError(f"{bad} (version {version!r}).")
+            raise ArtifactError(f"{bad} (version {repr(version)[:40]}).")
         try:
             modules, tokens = json.loads(meta["modules"]), json.loads(meta["tokens"])
         except (KeyError, TypeError, ValueError, RecursionError):
@@ -83,12 +83,14 @@ class Hessians:
         d = h.diagonal()
         ok = bool(torch.isfinite(h).all()) and bool((d >= 0).all())
         if ok:  # E[x xᵀ] is symmetric, and |E[x_i x_j]| <= sqrt(E[x_i²] E[x_j²]) (float32 sums: a little slack)
-            bound = (d[:, None] * d[None, :]).sqrt() * (1 + 1e-3) + 1e-6 * float(d.max())
-            ok = bool(((h - h.t()).abs() <= 1e-3 * bound).all()) and bool((h.abs() <= bound).all())
+            top = float(d.max())
+            hn, dn = (h / top, d / top) if top > 0 else (h, d)  # normalized: tiny variances do not underflow
+            bound = (dn[:, None] * dn[None, :]).sqrt() * (1 + 1e-3) + 1e-6
+            ok = bool(((hn - hn.t()).abs() <= 1e-3 * bound).all()) and bool((hn.abs() <= bound).all())
         if not ok:
             raise ArtifactError(f"{self.path}: the Hessian of {module} is not a second moment of real inputs (NaN, "
                                 "inf, a negative variance or an impossible covariance); the file is corrupt.")
-        return (h + h.t()) / 2
+        return h * 0.5 + h.t() * 0.5  # (halves first: no overflow near the float32 limit)
 
 
 def _open(path: Path):

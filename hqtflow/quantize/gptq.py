@@ -45,6 +45,9 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     s = scale.detach().to(weight.dtype).float().reshape(1, -1).expand(1, out_features).reshape(-1)
     wt = weight.detach().float().t().contiguous()  # [in, out]: one input column per contiguous row
     h = hessian.detach().float().clone()
+    top = float(h.diagonal().max())
+    if top > 0:
+        h /= top  # GPTQ does not depend on H's scale; normalized, tiny inputs keep float32 precision
     dead = h.diagonal() <= 0  # inputs never seen in calibration: rounded to nearest, spreading nothing
     h[dead, :] = 0
     h[:, dead] = 0

@@ -314,3 +314,11 @@ def test_unify_one_rank_keeps_hessians(measured, tmp_path):
     assert r.exit_code == 0, r.output
     r = run_cli("inspect", tmp_path / "u")
     assert r.exit_code == 0 and "Linears (quantize --gptq)" in r.stdout, r.output
+
+
+@pytest.mark.parametrize("factor", [1e-40, 1e30])
+def test_hessian_scale_does_not_matter(factor):
+    """GPTQ depends on H only up to a constant factor: tiny (subnormal) and huge second moments give the same codes."""
+    w, _, h = _problem()
+    s = _scales(w)[1]
+    assert torch.equal(_codes(gptq_round(w, h * factor, s), s), _codes(gptq_round(w, h, s), s))
