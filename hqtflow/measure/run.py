@@ -128,9 +128,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
             raise CalibrationError("Calibration ran no tokens through the model.")
 
         _check_finite(session.stats(), kv, model_dir)
-        if hessians is not None:
-            hessians.close()
-            hessians_record = _write_hessians(stage.path, hessians, model_dir)
+        hessians_record = _write_hessians(stage.path, hessians, model_dir) if hessians is not None else None
         stem = mf.measurement_stem(cfg.dump_stats_path, cfg.observer, rank if world > 1 else None, world)
         files = mf.write_measurement(stage.path, stem, session.stats(), local_rank=rank if world > 1 else None,
                                       num_samples=session.samples)
@@ -143,7 +141,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         records = distributed.gather(rank_record)
         if rank == 0:
             calibration = {"sources": sources, "samples": session.samples, "tokens": session.tokens, "seconds": seconds}
-            extra = {"statistics_dtype": "float32", "hessians": hessians_record if hessians is not None else None,
+            extra = {"statistics_dtype": "float32", "hessians": hessians_record,
                      "parallel": "transformers tp_plan=auto; row-parallel outputs observed after the all-reduce"
                      if world > 1 else None}
             write_artifact_files(stage.path, s, cfg, model_dir, records, calibration, extra)
@@ -225,6 +223,7 @@ def _write_hessians(directory: Path, recorder, model_dir: Path) -> dict:
     from hqtflow.errors import ModelError
     from hqtflow.formats.hessians import HESSIAN_FILE, write_hessians
 
+    recorder.close()
     bad = recorder.non_finite()
     if bad:
         raise ModelError(f"Model {model_dir}: the inputs of {bad} are NaN or inf (broken weights?); nothing was written.")
