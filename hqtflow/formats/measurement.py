@@ -339,7 +339,7 @@ class LoadedMeasurement:
         from hqtflow.formats.hessians import HESSIAN_FILE, read_hessians
 
         listed = self.manifest is not None and HESSIAN_FILE in self.manifest.files
-        if not listed and (os.path.lexists(self.directory / HESSIAN_FILE)):
+        if not listed and os.path.lexists(self.directory / HESSIAN_FILE):
             raise ArtifactError(f"{self.directory / HESSIAN_FILE} is not listed in the measurement's manifest (it was "
                                 "added after the measurement was written); measure again with --hessians.")
         return read_hessians(self.directory) if listed else None
