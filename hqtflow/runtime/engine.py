@@ -112,12 +112,14 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_batch_size: int = 0, on_step: Callable[[str, int, float, tuple], None] | None = None,
                  batch_bucket: int = 1, pad_to_multiple: int = 1, prefill_bucket: int = 1, max_prefill_tokens: int = 4096,
                  max_batch_total_tokens: int | None = None, kv_cache: str = "bf16", block_size: int = 16,
-                 trim_interval: float = 2.0):
+                 trim_interval: float = 2.0, cuda_graphs: tuple[int, ...] | None = None, capture: bool = True):
         """max_batch_size: running sequences at most (0: as many as the KV blocks hold). max_batch_total_tokens: KV
         tokens the pool holds (None: half the free memory, a quarter on CPU). kv_cache: "bf16" (the model's dtype)
         or "fp8" (the checkpoint's k_scale/v_scale; ValueError without them). Static shapes (Gaudi-style): a
         decode-only step is padded to a multiple of `batch_bucket` tokens, a step with prefill to a multiple of
-        `pad_to_multiple * prefill_bucket` tokens (dummy tokens whose KV is not stored)."""
+        `pad_to_multiple * prefill_bucket` tokens (dummy tokens whose KV is not stored). cuda_graphs: batch sizes
+        whose decode-only steps are CUDA graphs (runtime/cuda_graphs.py; None: TGI's 1..32 on CUDA, none on a CPU;
+        () for none); `capture=False` runs those steps batched but eagerly (tests)."""
         from hqtflow.runtime import paged
 
         if kv_cache not in ("bf16", "fp8"):
@@ -146,6 +148,17 @@ class Engine:
         self.pool = paged.KVPool(layers=layers, kv_heads=kv_heads, head_dim=head_dim, num_blocks=blocks, block_size=block_size,
                                  dtype=dtype, device=self.device, scales=scales)
         self.kv_cache = kv_cache
+        self.graphs = None
+        if cuda_graphs is None:
+            from hqtflow.runtime.cuda_graphs import DEFAULT_BATCH_SIZES
+
+            cuda_graphs = DEFAULT_BATCH_SIZES if self.device.type == "cuda" else ()
+        if cuda_graphs:
+            from hqtflow.runtime.cuda_graphs import DecodeGraphs
+
+            scratch = self.pool.allocate(1)[0] * block_size  # the slot dummy rows write and read; no sequence owns it
+            self.pool.zero(scratch)
+            self.graphs = DecodeGraphs(model, self.pool, tuple(cuda_graphs), scratch, capture=capture)
         self.stats = Stats()
         self.pending: deque[Request] = deque()
         self.active: list[Request] = []  # running sequences in admission order, each holding its blocks
@@ -309,6 +322,38 @@ class Engine:
         return plan
 
     def _forward(self, plan: list[tuple[Request, int]]) -> None:
+        t = time.perf_counter()
+        logits = None
+        if self.graphs is not None and all(n == 1 and _decoding(req) for req, n in plan):
+            logits = self.graphs.run([(req.tokens[-1], req.computed, req.blocks) for req, _ in plan])
+        if logits is not None:
+            rows, kind, shape = [(req, 1, i, []) for i, (req, _) in enumerate(plan)], "decode", (len(plan), len(plan))
+            logits = logits.float()
+        else:
+            logits, rows, kind, shape = self._eager_forward(plan)
+        if self.on_step:
+            self.on_step(kind, len(plan), time.perf_counter() - t, shape)
+        self.stats.steps += 1
+        live, live_logits = [], []
+        for req, n, first, scored in rows:
+            req.computed += n
+            if scored:
+                req.prompt = (req.prompt or [(None, [])]) + self._prompt_logprobs(req, logits[first:first + len(scored)], scored)
+            if req.computed < len(req.tokens):
+                continue
+            if req.params.max_new_tokens <= 0:  # prompt scoring only (OpenAI max_tokens=0 with echo)
+                req.finished = True
+                req.emit(Event(0, None, "length", "", prompt=req.prompt))
+                continue
+            live.append(req)
+            live_logits.append(logits[first + len(scored)])
+        if live:
+            for req, tok in zip(live, self._sample(live, torch.stack(live_logits))):
+                self._emit(req, tok)
+
+    def _eager_forward(self, plan: list[tuple[Request, int]]) -> tuple[torch.Tensor, list, str, tuple[int, int]]:
+        """One flattened forward of the step -> (kept logits, rows (request, new tokens, first kept row, scored
+        prompt positions), "prefill" | "decode", (sequences, tokens run))."""
         from hqtflow.runtime.paged import Seq, StepPlan
 
         ids, pos, seqs, keep, rows = [], [], [], [], []  # rows: (request, n, first kept row, scored prompt positions)
@@ -332,30 +377,10 @@ class Engine:
         real = len(ids)
         ids += [0] * (-real % multiple)
         pos += [0] * (len(ids) - real)
-        t = time.perf_counter()
         out = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=torch.tensor([pos], device=self.device),
                          use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
                          paged=StepPlan(self.pool, seqs, len(ids)))
-        logits = out.logits[0].float()
-        if self.on_step:
-            self.on_step("prefill" if prefill else "decode", len(plan), time.perf_counter() - t, (len(plan), len(ids)))
-        self.stats.steps += 1
-        live, live_logits = [], []
-        for req, n, first, scored in rows:
-            req.computed += n
-            if scored:
-                req.prompt = (req.prompt or [(None, [])]) + self._prompt_logprobs(req, logits[first:first + len(scored)], scored)
-            if req.computed < len(req.tokens):
-                continue
-            if req.params.max_new_tokens <= 0:  # prompt scoring only (OpenAI max_tokens=0 with echo)
-                req.finished = True
-                req.emit(Event(0, None, "length", "", prompt=req.prompt))
-                continue
-            live.append(req)
-            live_logits.append(logits[first + len(scored)])
-        if live:
-            for req, tok in zip(live, self._sample(live, torch.stack(live_logits))):
-                self._emit(req, tok)
+        return out.logits[0].float(), rows, "prefill" if prefill else "decode", (len(plan), len(ids))
 
     def _prompt_logprobs(self, req: Request, logits: torch.Tensor, positions: list[int]) -> list:
         """[(logprob of prompt token i + 1 given the ones before, top-k [(id, logprob)])] for the positions i."""

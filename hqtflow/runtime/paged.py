@@ -16,6 +16,12 @@ alone: a batched matmul would pick its algorithm (and its rounding) by the batch
 so a token's logprob would depend on its neighbours (tests compare the logprobs alone and in a busy batch, bit for
 bit).
 Called without a step plan (a plain `model.generate` on the same model), it is transformers' SDPA attention.
+
+`DecodeBatch` is the fixed-shape form of a decode-only step, for CUDA graphs (runtime/cuda_graphs.py): B sequences
+(padded with dummy rows), each reading at most L context slots through a [B, L] slot table, attention batched over
+the B rows with the slots past each sequence's length masked out. Its results match the per-sequence path to float32
+rounding, not bit for bit: on CUDA the batch-invariance above is given up for speed (cuBLAS picks its GEMM by M
+anyway).
 """
 
 from __future__ import annotations
@@ -51,6 +57,38 @@ class StepPlan:
         self.write = torch.cat([s.write for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long, device=pool.device)
         self.prefill = [s for s in seqs if s.n > 1 or not s.past]
         self.decode = [s for s in seqs if s.n == 1 and s.past]
+
+
+class DecodeBatch:
+    """Static buffers of a decode-only step of `batch` rows, each reading at most `length` slots; `fill` copies a
+    step's sequences in (rows past them are dummies that write and read `scratch`, a slot no sequence owns)."""
+
+    def __init__(self, pool: "KVPool", batch: int, length: int, scratch: int):
+        dev, long = pool.device, torch.long
+        self.pool, self.batch, self.length, self.scratch = pool, batch, length, scratch
+        self.tokens = self.real = batch  # every row writes its KV: the dummies into `scratch`
+        self.input_ids = torch.zeros(1, batch, dtype=long, device=dev)
+        self.position_ids = torch.zeros(1, batch, dtype=long, device=dev)
+        self.write = torch.full((batch,), scratch, dtype=long, device=dev)
+        self.read = torch.full((batch, length), scratch, dtype=long, device=dev)
+        self.lengths = torch.ones(batch, dtype=long, device=dev)
+
+    def fill(self, seqs: list[tuple[int, int, list[int]]]) -> None:
+        """seqs: (token id, position, block table) of each decoding sequence; position + 1 <= length."""
+        n, bs = len(seqs), self.pool.block_size
+        ids, pos = torch.full((self.batch,), 0, dtype=torch.long), torch.zeros(self.batch, dtype=torch.long)
+        lengths, read = torch.ones(self.batch, dtype=torch.long), torch.full((self.batch, self.length), self.scratch, dtype=torch.long)
+        t = torch.arange(self.length)
+        for i, (tok, p, blocks) in enumerate(seqs):
+            ids[i], pos[i], lengths[i] = tok, p, p + 1
+            table = torch.tensor(blocks, dtype=torch.long)
+            k = min(self.length, len(blocks) * bs)
+            read[i, :k] = table[t[:k] // bs] * bs + t[:k] % bs
+        write = read[torch.arange(self.batch), pos].clone()
+        write[n:] = self.scratch
+        for dst, src in ((self.input_ids[0], ids), (self.position_ids[0], pos), (self.lengths, lengths), (self.read, read),
+                         (self.write, write)):
+            dst.copy_(src, non_blocking=True)
 
 
 class KVPool:
@@ -95,6 +133,11 @@ class KVPool:
         table = torch.tensor(blocks, dtype=torch.long)
         return (table[t // self.block_size] * self.block_size + t % self.block_size).to(self.device)
 
+    def zero(self, first: int) -> None:
+        """Zero the block starting at slot `first` in every layer (a scratch block: finite keys and values)."""
+        for t in self.keys + self.values:
+            t[first:first + self.block_size].view(torch.uint8).zero_()
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [n, kv_heads, head_dim]."""
         if self.scales is None:
@@ -133,6 +176,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if isinstance(plan, DecodeBatch):
+        return decode_batch_attention(module.layer_idx, plan, query, key, value, scaling), None
     layer, pool = module.layer_idx, plan.pool
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
     pool.write(layer, plan.write, k_new[:plan.real], v_new[:plan.real])  # every real token's KV, one copy
@@ -165,6 +210,23 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
     qg = q.float().view(kv_heads, heads // kv_heads, d)
     scores = torch.matmul(qg, k.float().permute(1, 2, 0)) * scale  # [kv_heads, groups, length]
     return torch.matmul(scores.softmax(-1), v.float().transpose(0, 1)).reshape(heads, d).to(q.dtype)
+
+
+def decode_batch_attention(layer: int, plan: DecodeBatch, query, key, value, scaling) -> torch.Tensor:
+    """A `DecodeBatch` step: query [1, heads, B, d] -> [1, B, heads, d], float32 softmax over each row's own slots."""
+    pool = plan.pool
+    pool.write(layer, plan.write, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    b, length = plan.read.shape
+    heads, d = query.shape[1], query.shape[3]
+    k, v = pool.read(layer, plan.read.reshape(-1), torch.float32)  # [B * L, kv_heads, d]
+    kv_heads = k.shape[1]
+    k, v = k.view(b, length, kv_heads, d), v.view(b, length, kv_heads, d)
+    q = query[0].transpose(0, 1).float().reshape(b, kv_heads, heads // kv_heads, d)
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * (scaling if scaling is not None else d ** -0.5)  # [B, kvh, g, L]
+    past_end = torch.arange(length, device=q.device)[None] >= plan.lengths[:, None]  # [B, L]
+    scores = scores.masked_fill(past_end[:, None, None], float("-inf"))
+    out = torch.matmul(scores.softmax(-1), v.transpose(1, 2))  # [B, kvh, g, d]
+    return out.reshape(b, heads, d).to(query.dtype)[None]
 
 
 @functools.cache

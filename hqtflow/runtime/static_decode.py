@@ -6,6 +6,11 @@ can then be compiled once with `torch.compile(dynamic=False)`, which removes the
 overhead. FP8 layers run whatever backend they are set to (`set_backend`): the CPU kernel and `_scaled_mm` are
 both traceable ops. Compiled artifacts persist in `$HQTFLOW_CACHE/inductor`, so only the first run compiles.
 
+On CUDA the decode step is a CUDA graph instead (`cuda_graph`, the default there without `compile`): captured once
+per batch size on its first step (the warm-up runs before capture write the same keys and values to the same cache
+positions, so they change nothing), then replayed with the token and position copied into its static inputs. A capture
+that fails leaves the decoder eager (the reason in `graph_failed`).
+
 `kv_cache="fp8"` stores keys and values as FP8 with the model's static k/v scales (`kv_cache.py`).
 
 Prompts in a batch have the same length (no padding); this engine is for latency and throughput measurement and
@@ -39,7 +44,8 @@ def use_persistent_compile_cache() -> None:
 
 
 class StaticDecoder:
-    def __init__(self, model, *, max_length: int = 512, compile: bool = False, kv_cache: str = "bf16"):
+    def __init__(self, model, *, max_length: int = 512, compile: bool = False, kv_cache: str = "bf16",
+                 cuda_graph: bool | None = None):
         if kv_cache not in ("bf16", "fp8"):
             raise ValueError(f"kv_cache must be bf16 or fp8, not {kv_cache!r}")
         self.model, self.max_length, self.compiled, self.kv_cache = model, max_length, compile, kv_cache
@@ -50,6 +56,9 @@ class StaticDecoder:
         self.device = next(model.parameters()).device
         self._caches: dict[int, object] = {}
         self._step = self._decode_step
+        self.cuda_graph = (self.device.type == "cuda" and not compile) if cuda_graph is None else cuda_graph
+        self._graphs: dict[int, tuple] = {}  # batch -> (graph, static token, static position, output)
+        self.graph_failed: str | None = None
         if compile:
             use_persistent_compile_cache()
             self._step = torch.compile(self._decode_step, dynamic=False)
@@ -72,6 +81,34 @@ class StaticDecoder:
         logits = self.model(input_ids=tokens, past_key_values=cache, cache_position=position, use_cache=True).logits
         return logits[:, -1].argmax(-1, keepdim=True)
 
+    def _graph_step(self, tok: torch.Tensor, position: int, cache) -> torch.Tensor:
+        """The decode step as a CUDA graph (captured on this batch size's first step), or eager after a failure."""
+        if self.graph_failed:
+            return self._decode_step(tok, torch.tensor([position], device=self.device), cache)
+        entry = self._graphs.get(tok.shape[0])
+        if entry is None:
+            static_tok, static_pos = tok.clone(), torch.tensor([position], device=self.device)
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._decode_step(static_tok, static_pos, cache)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = self._decode_step(static_tok, static_pos, cache)
+            except Exception as e:  # noqa: BLE001 - graphs are an optimization
+                self.graph_failed = f"{type(e).__name__}: {e}"
+                torch.cuda.synchronize()
+                return self._decode_step(tok, torch.tensor([position], device=self.device), cache)
+            entry = self._graphs[tok.shape[0]] = (graph, static_tok, static_pos, out)
+        graph, static_tok, static_pos, out = entry
+        static_tok.copy_(tok)
+        static_pos.fill_(position)
+        graph.replay()
+        return out.clone()
+
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: int | None = None) -> DecodeResult:
         """Greedy: `max_new_tokens` tokens for each row of `input_ids` [batch, prompt]; with `eos_token_id`, stops
@@ -83,6 +120,8 @@ class StaticDecoder:
         ids = input_ids.to(self.device)
         t = time.perf_counter()
         tok = self._decode_step(ids, torch.arange(n, device=self.device), cache)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         out = [tok]
         prefill = time.perf_counter() - t
         steps = []
@@ -91,7 +130,12 @@ class StaticDecoder:
             if done is not None and bool(done.all()):
                 break
             t = time.perf_counter()
-            tok = self._step(tok, torch.tensor([n + i], device=self.device), cache).clone()
+            if self.cuda_graph:
+                tok = self._graph_step(tok, n + i, cache)
+            else:
+                tok = self._step(tok, torch.tensor([n + i], device=self.device), cache).clone()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()  # the step's time, not its launch's
             steps.append(time.perf_counter() - t)
             if done is not None:
                 tok[done] = eos_token_id

@@ -1,0 +1,263 @@
+"""FP8 on an NVIDIA GPU (compute capability >= 8.9), every figure a ratio against bf16 measured in the same run.
+
+1. linear: `FP8Linear` through `torch._scaled_mm` (static per-tensor W8A8, and per-token dynamic activations with
+   row-wise scales; the activation's quantization included) vs bf16 `F.linear`, at 4096^2 and 8192^2, M = 1 .. 4096.
+   Each figure is the median over CUDA-graph replays of calls cycling through enough weight copies (>= 256 MiB of
+   bf16) that weights come from HBM, not L2 (decode's case). Target (issue #18): FP8 >= 1.5x bf16 at M >= 256 on 8192^2.
+2. decode: `StaticDecoder` (static KV cache, decode step as a CUDA graph) on a Llama-shaped model with random weights
+   (speed does not depend on the values), bf16 vs FP8 (static per-tensor W8A8 on every decoder Linear, input scales
+   from one calibration forward; `lm_head` bf16), batch 1, 8 and 32, eager steps for contrast.
+3. engine: the serving engine (`Engine`, paged KV cache, decode steps as CUDA graphs) through its public API: 32
+   concurrent streams x 64 new tokens vs one stream alone, bf16 vs FP8, graphs vs `cuda_graphs=()`. Target (issue #14):
+   FP8 >= 1.3x bf16 tokens/s at 32 streams, aggregate >= 5x one stream, time to first token p95 <= 3 s.
+
+    python bench/fp8_cuda.py [--models 1b,8b] [--json results.json] [--parts linear,decode,engine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hqtflow.quantize.fp8_linear import FP8Linear, set_backend  # noqa: E402
+from hqtflow.scales import Rule  # noqa: E402
+
+F8 = 448.0
+DEVICE = "cuda"
+SHAPES = {"1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8),  # Llama-3.2-1B's decoder
+          "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2),  # --device cpu: a smoke run of this script's code
+          "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8)}  # Llama-3-8B's decoder
+
+
+def graph_time(calls, replays: int = 20) -> float:
+    """Seconds per call: `calls` captured in one CUDA graph, median of timed replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in calls[:3]:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in calls:
+            fn()
+    g.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def bench_linear(ms: list[int]) -> list[dict]:
+    rows = []
+    print(f"\n{'shape':>10} {'M':>5} {'bf16 us':>9} {'fp8 static':>11} {'fp8 token':>10}   (speed vs bf16, >1 = FP8 faster)")
+    for k in (4096, 8192):
+        copies = max(2, 256 * 2**20 // (2 * k * k))
+        torch.manual_seed(0)
+        lins = [torch.nn.Linear(k, k, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        static, token = [], []
+        x0 = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+        s_x = (x0.abs().max() / F8).reshape(1)
+        per_token = Rule("PCS", dynamic="fp32")  # compressed-tensors' FP8_DYNAMIC: amax / F per token, in float32
+        for lin in lins:
+            static.append(FP8Linear.from_linear(lin, (lin.weight.abs().max() / F8).reshape(1), s_x))
+            token.append(FP8Linear.from_linear(lin, lin.weight.abs().amax(1).float() / F8, None, dynamic=per_token))
+        for m in static + token:
+            set_backend(m, "scaled_mm")
+        for m_ in ms:
+            x = torch.randn(m_, k, device="cuda", dtype=torch.bfloat16)
+            with torch.inference_mode():
+                t_bf16 = graph_time([lambda l=l: l(x) for l in lins])
+                t_static = graph_time([lambda l=l: l(x) for l in static])
+                t_token = graph_time([lambda l=l: l(x) for l in token])
+            row = dict(k=k, n=k, m=m_, bf16_s=t_bf16, fp8_static_s=t_static, fp8_token_s=t_token,
+                       static_x=t_bf16 / t_static, token_x=t_bf16 / t_token)
+            rows.append(row)
+            print(f"{f'{k}^2':>10} {m_:>5} {t_bf16 * 1e6:>9.1f} {row['static_x']:>10.2f}x {row['token_x']:>9.2f}x", flush=True)
+        del lins, static, token
+        torch.cuda.empty_cache()
+    return rows
+
+
+def llama(size: str, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, **SHAPES[size])
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: no float32 copy of 8B parameters
+    try:
+        with torch.device(DEVICE):
+            model = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(dtype)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@torch.inference_mode()
+def to_fp8(model, vocab: int) -> None:
+    """Every decoder Linear to static per-tensor FP8 (input scales: maxabs over one calibration forward)."""
+    amax: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, mod in model.model.layers.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, name=name: amax.__setitem__(name, torch.maximum(amax.get(name, a[0].abs().amax()), a[0].abs().amax()))))
+    model(torch.randint(0, vocab, (4, 128), device=DEVICE))
+    for h in hooks:
+        h.remove()
+    for name, s in amax.items():
+        parent, _, child = name.rpartition(".")
+        owner = model.model.layers.get_submodule(parent)
+        lin = getattr(owner, child)
+        fp8 = FP8Linear.from_linear(lin, (lin.weight.abs().max() / F8).reshape(1), (s.float() / F8).reshape(1).to(torch.bfloat16))
+        setattr(owner, child, fp8)
+        del lin
+    set_backend(model, "scaled_mm")
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_decode(model, vocab: int, batches=(1, 8, 32), new: int = 128) -> dict:
+    from hqtflow.runtime.static_decode import StaticDecoder
+
+    out = {}
+    for graph in (True, False) if DEVICE == "cuda" else (False,):
+        for b in batches if graph or DEVICE != "cuda" else batches[:1]:
+            ids = torch.randint(0, vocab, (b, 64))
+            dec = StaticDecoder(model, max_length=64 + new, cuda_graph=graph)
+            dec.generate(ids, 8)  # capture / warm-up
+            runs = [dec.generate(ids, new).decode_tokens_per_s for _ in range(3)]
+            out[f"{'graph' if graph else 'eager'} b{b}"] = statistics.median(runs)
+            if graph and dec.graph_failed:
+                out["graph_failed"] = dec.graph_failed
+    return out
+
+
+def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, graphs: bool = True) -> dict:
+    from hqtflow.runtime.engine import Engine, SamplingParams
+
+    eng = Engine(model, tok, max_batch_total_tokens=streams * 256 + 512, cuda_graphs=None if graphs else ())
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (int(torch.randint(16, 129, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(streams)]
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+
+    def run(batch):
+        done, reqs = threading.Semaphore(0), []
+        t = time.monotonic()
+        for p in batch:
+            reqs.append(eng.submit(p, params, lambda ev: done.release() if ev.finish_reason or ev.error else None))
+        for _ in batch:
+            done.acquire()
+        wall = time.monotonic() - t
+        return wall, [r.t_first - r.t_submit for r in reqs], sum(len(r.generated) for r in reqs)
+
+    eng.start()
+    try:
+        run(prompts)  # warm-up: every bucket captured
+        run(prompts[:1])
+        singles = [run([p]) for p in prompts[:3]]
+        one = statistics.mean(n / w for w, _, n in singles)
+        wall, ttft, n = run(prompts)
+    finally:
+        eng.stop()
+    ttft.sort()
+    res = dict(one_stream_tps=one, streams_tps=n / wall, speedup_vs_one=n / wall / one,
+               ttft_p50_s=ttft[len(ttft) // 2], ttft_p95_s=ttft[int(0.95 * (len(ttft) - 1))],
+               graphs=len(eng.graphs.graphs) if eng.graphs else 0, graph_failed=eng.graphs.failed if eng.graphs else None)
+    del eng
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+class _Tok:
+    """What the engine reads of a tokenizer, for random-token prompts (no vocabulary file is needed for speed)."""
+    eos_token_id, all_special_ids = None, []
+
+    def decode(self, ids, **_):
+        return " ".join(map(str, ids)) + (" " if ids else "")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="1b")
+    p.add_argument("--parts", default="linear,decode,engine")
+    p.add_argument("--ms", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096")
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda", help="cuda; cpu runs the decode and engine parts without graphs "
+                                                    "(a smoke test of this script, with --models tiny)")
+    a = p.parse_args()
+    parts = a.parts.split(",")
+    global DEVICE
+    DEVICE = a.device
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    if DEVICE == "cuda":
+        print(f"{name} (cc {'.'.join(map(str, torch.cuda.get_device_capability()))}), torch {torch.__version__}, "
+              f"CUDA {torch.version.cuda}")
+    results: dict = {"device": name, "torch": torch.__version__}
+
+    def save():
+        if a.json:
+            Path(a.json).write_text(json.dumps(results, indent=1))
+
+    if "linear" in parts:
+        results["linear"] = bench_linear([int(m) for m in a.ms.split(",")])
+        save()
+    for size in a.models.split(","):
+        if not {"decode", "engine"} & set(parts):
+            break
+        model = llama(size, a.vocab)
+        params = sum(t.numel() for t in model.parameters())
+        print(f"\nLlama-shaped {size}: {params / 1e9:.2f} B parameters, random weights, vocab {a.vocab}")
+        res: dict = {"params": params}
+        for kind in ("bf16", "fp8"):
+            if kind == "fp8":
+                to_fp8(model, a.vocab)
+            if "decode" in parts:
+                res[f"decode_{kind}"] = bench_decode(model, a.vocab)
+                print(f"decode tok/s {kind}: " + ", ".join(f"{k_} {v:.0f}" if isinstance(v, float) else f"{k_} {v}"
+                                                           for k_, v in res[f"decode_{kind}"].items()), flush=True)
+            if "engine" in parts:
+                for graphs in (True, False):
+                    key = f"engine_{kind}_{'graphs' if graphs else 'eager'}"
+                    res[key] = bench_engine(model, _Tok(), a.vocab, graphs=graphs)
+                    print(f"{key}: " + ", ".join(f"{k_} {v:.3g}" if isinstance(v, float) else f"{k_} {v}"
+                                                 for k_, v in res[key].items()), flush=True)
+            results[size] = res
+            save()
+        if "decode" in parts:
+            print("decode FP8 / bf16: " + ", ".join(f"{k_} {res['decode_fp8'][k_] / v:.2f}x"
+                                                    for k_, v in res["decode_bf16"].items() if isinstance(v, float)))
+        if "engine" in parts:
+            f8, b16 = res["engine_fp8_graphs"], res["engine_bf16_graphs"]  # on a CPU: no graphs in either
+            print(f"engine 32 streams: FP8 / bf16 {f8['streams_tps'] / b16['streams_tps']:.2f}x (target 1.3x); FP8 32 "
+                  f"streams / one stream {f8['speedup_vs_one']:.1f}x (target 5x); TTFT p95 {f8['ttft_p95_s']:.3f} s; "
+                  f"graphs vs eager: FP8 {f8['streams_tps'] / res['engine_fp8_eager']['streams_tps']:.2f}x, bf16 "
+                  f"{b16['streams_tps'] / res['engine_bf16_eager']['streams_tps']:.2f}x")
+        del model
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""CUDA graphs for decode steps (the TGI/vLLM way): each step shape is captured once and replayed with its inputs
+copied into static buffers, so a decode step costs one graph launch instead of hundreds of kernel launches from Python.
+
+Shapes are bucketed: the batch to the next of `batch_sizes` (TGI's `--cuda-graphs`, default 1, 2, 4, 8, 16, 32), each
+sequence's context to the next power of two from 256 slots. A step the buckets do not cover (larger batch, longer
+context) runs eagerly. Capture happens the first time a shape is met, on that step's own inputs (the warm-up runs
+before capture write the same keys and values to the same slots, so they change nothing). All graphs share one
+memory pool. A capture that fails turns graphs off for the engine (the reason is in `failed`) and the step runs eagerly.
+With `capture=False` the same bucketed, batched step runs eagerly (what tests check on a CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hqtflow.runtime.paged import DecodeBatch, KVPool
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+MIN_CONTEXT = 256
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """TGI's --cuda-graphs: "1,2,4,8" -> (1, 2, 4, 8); "0" or "" -> () (graphs off)."""
+    sizes = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"--cuda-graphs takes non-negative batch sizes, not {text!r}.")
+    return tuple(s for s in sizes if s > 0)
+
+
+class DecodeGraphs:
+    def __init__(self, model, pool: KVPool, batch_sizes: tuple[int, ...], scratch: int, *, capture: bool = True):
+        self.model, self.pool, self.batch_sizes, self.scratch = model, pool, tuple(sorted(batch_sizes)), scratch
+        self.capture = capture
+        self.max_context = pool.num_blocks * pool.block_size
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeBatch, torch.Tensor]] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.no_mask = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=pool.device)  # 4-D: transformers makes no mask
+        self.failed: str | None = None
+
+    def shape(self, batch: int, context: int) -> tuple[int, int] | None:
+        """(batch bucket, context bucket) for `batch` sequences of at most `context` tokens, or None (run eagerly)."""
+        b = next((s for s in self.batch_sizes if s >= batch), None)
+        length = MIN_CONTEXT
+        while length < context:
+            length *= 2
+        if b is None or self.failed or context > self.max_context:
+            return None
+        return b, -(-length // self.pool.block_size) * self.pool.block_size
+
+    def _forward(self, plan: DecodeBatch) -> torch.Tensor:
+        return self.model(input_ids=plan.input_ids, position_ids=plan.position_ids, attention_mask=self.no_mask,
+                          use_cache=False, paged=plan).logits[0]
+
+    def run(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor | None:
+        """seqs: (token id, position, block table) of each decoding sequence -> logits [len(seqs), vocab], or None
+        when the step runs eagerly."""
+        key = self.shape(len(seqs), max(p for _, p, _ in seqs) + 1)
+        if key is None:
+            return None
+        if not self.capture:
+            plan = DecodeBatch(self.pool, *key, self.scratch)
+            plan.fill(seqs)
+            return self._forward(plan)[: len(seqs)]
+        entry = self.graphs.get(key)
+        if entry is None:
+            plan = DecodeBatch(self.pool, *key, self.scratch)
+            plan.fill(seqs)
+            try:
+                entry = self.graphs[key] = self._capture(plan)
+            except Exception as e:  # noqa: BLE001 - graphs are an optimization: run eagerly from now on
+                self.failed = f"{type(e).__name__}: {e}"
+                torch.cuda.synchronize()
+                return None
+        graph, plan, logits = entry
+        plan.fill(seqs)
+        graph.replay()
+        return logits[: len(seqs)]
+
+    def _capture(self, plan: DecodeBatch) -> tuple[torch.cuda.CUDAGraph, DecodeBatch, torch.Tensor]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # cuBLAS workspaces, lazy buffers: allocated outside the graph
+                self._forward(plan)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            logits = self._forward(plan)
+        return graph, plan, logits

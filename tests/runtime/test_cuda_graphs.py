@@ -1,0 +1,138 @@
+"""Decode steps as CUDA graphs (runtime/cuda_graphs.py): the fixed-shape batched step they capture is checked here on
+the CPU (`capture=False`: the same buckets, dummy rows and masks, run eagerly) against the per-sequence path; the
+capture itself runs only on a CUDA GPU."""
+
+import pytest
+import torch
+
+from hqtflow.runtime.cuda_graphs import DecodeGraphs, parse_batch_sizes
+from hqtflow.runtime.engine import Engine, SamplingParams
+from hqtflow.runtime.paged import DecodeBatch, KVPool, Seq, StepPlan, paged_attention
+
+PROMPTS = ["The tower is", "In 1990 the band released their second album , which",
+           "A", "The game was played on a cold day in the north of the country and"]
+
+
+def test_parse_batch_sizes():
+    assert parse_batch_sizes("8,1, 2,2") == (1, 2, 8)
+    assert parse_batch_sizes("0") == () and parse_batch_sizes("") == ()
+    with pytest.raises(ValueError, match="non-negative"):
+        parse_batch_sizes("-1")
+
+
+def test_decode_batch_attention_equals_each_sequence_alone():
+    """Batched over 8 rows (5 real, 3 dummies), contexts masked past their lengths: each row's output is the
+    per-sequence float32 attention's, to float32 rounding; the new keys/values land in their slots and the dummies
+    write only the scratch slot."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    pool = KVPool(layers=1, kv_heads=3, head_dim=64, num_blocks=64, block_size=16, dtype=torch.float32, device="cpu")
+    scratch = pool.allocate(1)[0] * 16
+    pool.zero(scratch)
+    lengths = [37, 5, 130, 16, 64]
+    tables = [pool.allocate(pool.blocks_for(n)) for n in lengths]
+    for table, n in zip(tables, lengths):
+        pool.write(0, pool.slots(table, 0, n - 1), torch.randn(n - 1, 3, 64), torch.randn(n - 1, 3, 64))
+    q, k, v = torch.randn(1, 9, 8, 64), torch.randn(1, 3, 8, 64), torch.randn(1, 3, 8, 64)
+    layer = SimpleNamespace(layer_idx=0)
+    before = pool.keys[0].clone()
+    plan = DecodeBatch(pool, 8, 256, scratch)
+    plan.fill([(0, n - 1, table) for n, table in zip(lengths, tables)])
+    batched = paged_attention(layer, q, k, v, None, paged=plan)[0][0]
+    after = pool.keys[0].clone()
+    changed = (after != before).any(-1).any(-1).nonzero().flatten().tolist()
+    expected = sorted([pool.slots(t, n - 1, n).item() for t, n in zip(tables, lengths)] + [scratch])
+    assert changed == expected
+    pool.keys[0].copy_(before)
+    for i, (n, table) in enumerate(zip(lengths, tables)):
+        seq = Seq(0, 1, n - 1, pool.slots(table, n - 1, n), pool.slots(table, 0, n))
+        alone = paged_attention(layer, q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], None,
+                                paged=StepPlan(pool, [seq], 1))[0][0, 0]
+        torch.testing.assert_close(batched[i], alone, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(batched).all()
+
+
+def test_buckets():
+    pool = KVPool(layers=1, kv_heads=1, head_dim=8, num_blocks=80, block_size=16, dtype=torch.float32, device="cpu")
+    g = DecodeGraphs(None, pool, (1, 2, 4, 8), 0, capture=False)
+    assert g.shape(3, 10) == (4, 256) and g.shape(1, 257) == (1, 512) and g.shape(8, 1280) == (8, 2048)
+    assert g.shape(9, 10) is None and g.shape(1, 1281) is None  # more rows than the largest bucket; past the pool
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_llama):
+    from hqtflow import models
+
+    return models.load_model(tiny_llama, "fp32"), models.load_tokenizer(tiny_llama)
+
+
+def _run(eng, jobs):
+    outs = [[] for _ in jobs]
+    for (x, p), out in zip(jobs, outs):
+        eng.submit(x, p, out.append)
+    while eng.step():
+        pass
+    return outs
+
+
+def test_engine_decode_steps_through_the_batched_step(lm):
+    """The engine with decode graphs (run eagerly here) generates what the per-sequence engine does: same greedy
+    tokens, logprobs to float32 rounding, through mixed prefill/decode steps and batches of 1..4 (buckets 1, 2, 4)."""
+    model, tok = lm
+    jobs = [(tok(p)["input_ids"], SamplingParams(max_new_tokens=6 + 3 * i)) for i, p in enumerate(PROMPTS)]
+    steps = []
+    graphed = Engine(model, tok, cuda_graphs=(1, 2, 4), capture=False, max_prefill_tokens=24,
+                     on_step=lambda kind, n, s, shape: steps.append((kind, shape)))
+    ref = _run(Engine(model, tok, max_prefill_tokens=24), jobs)
+    got = _run(graphed, jobs)
+    assert graphed.graphs is not None and graphed.graphs.failed is None
+    assert ("decode", (4, 4)) in steps and any(kind == "prefill" for kind, _ in steps)
+    for a, b in zip(ref, got):
+        assert [e.token.id for e in a] == [e.token.id for e in b]
+        torch.testing.assert_close(torch.tensor([e.token.logprob for e in a]), torch.tensor([e.token.logprob for e in b]),
+                                   rtol=1e-4, atol=1e-4)
+        assert a[-1].generated_text == b[-1].generated_text and b[-1].finish_reason == "length"
+    assert graphed.pool.num_free == graphed.pool.num_blocks - 1  # every block back but the scratch one
+
+
+def test_engine_on_cpu_has_no_graphs(lm):
+    assert Engine(*lm).graphs is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphs_on_cuda_match_eager(lm):
+    """On CUDA: greedy tokens of captured decode steps equal the eager per-sequence engine's; each shape is
+    captured once and replayed."""
+    model, tok = lm
+    model = model.to("cuda")  # float32: the batched and per-sequence kernels agree far below a token flip
+    try:
+        jobs = [(tok(p)["input_ids"], SamplingParams(max_new_tokens=12)) for p in PROMPTS]
+        ref = _run(Engine(model, tok, cuda_graphs=(), max_batch_total_tokens=4096), jobs)
+        eng = Engine(model, tok, max_batch_total_tokens=4096)
+        got = _run(eng, jobs)
+        assert eng.graphs is not None and eng.graphs.failed is None and eng.graphs.graphs
+        assert [[e.token.id for e in a] for a in ref] == [[e.token.id for e in b] for b in got]
+    finally:
+        model.to("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_static_decoder_graph_on_cuda_matches_eager(lm):
+    """StaticDecoder on CUDA: the captured decode step gives the eager step's greedy tokens (batch 1 and 3)."""
+    from hqtflow.runtime.static_decode import StaticDecoder
+
+    model, tok = lm
+    model = model.to("cuda")
+    try:
+        for batch in (1, 3):
+            ids = torch.tensor([tok(PROMPTS[1])["input_ids"]] * batch)
+            eager = StaticDecoder(model, max_length=64, cuda_graph=False).generate(ids, 16).tokens
+            graphed = StaticDecoder(model, max_length=64)
+            assert graphed.cuda_graph
+            got = graphed.generate(ids, 16).tokens
+            again = graphed.generate(ids, 16).tokens  # replayed, after the cache's reset
+            assert graphed.graph_failed is None and graphed._graphs
+            assert torch.equal(got, eager) and torch.equal(again, eager)
+    finally:
+        model.to("cpu")
