@@ -1,7 +1,7 @@
 """FP8 on an NVIDIA GPU (compute capability >= 8.9), every figure a ratio against bf16 measured in the same run.
 
-1. linear: `FP8Linear` through `torch._scaled_mm` (static per-tensor W8A8, and per-token dynamic activations with
-   row-wise scales; the activation's quantization included) vs bf16 `F.linear`, at 4096^2 and 8192^2, M = 1 .. 4096.
+1. linear: `FP8Linear` through `torch._scaled_mm` (static per-tensor W8A8, the same with Hopper's fast accumulation,
+   and per-token dynamic activations with row-wise scales; the activation's quantization included) vs bf16 `F.linear`, at 4096^2 and 8192^2, M = 1 .. 4096.
    Each figure is the median over CUDA-graph replays of calls cycling through enough weight copies (>= 256 MiB of
    bf16) that weights come from HBM, not L2 (decode's case). Target (issue #18): FP8 >= 1.5x bf16 at M >= 256 on 8192^2.
 2. decode: `StaticDecoder` (static KV cache, decode step as a CUDA graph) on a Llama-shaped model with random weights
@@ -66,7 +66,7 @@ def graph_time(calls, replays: int = 20) -> float:
 
 def bench_linear(ms: list[int]) -> list[dict]:
     rows = []
-    print(f"\n{'shape':>10} {'M':>5} {'bf16 us':>9} {'fp8 static':>11} {'fp8 token':>10}   (speed vs bf16, >1 = FP8 faster)")
+    print(f"\n{'shape':>10} {'M':>5} {'bf16 us':>9} {'fp8 static':>11} {'fast acc':>9} {'fp8 token':>10}   (speed vs bf16, >1 = FP8 faster)")
     for k in (4096, 8192):
         copies = max(2, 256 * 2**20 // (2 * k * k))
         torch.manual_seed(0)
@@ -85,11 +85,17 @@ def bench_linear(ms: list[int]) -> list[dict]:
             with torch.inference_mode():
                 t_bf16 = graph_time([lambda l=l: l(x) for l in lins])
                 t_static = graph_time([lambda l=l: l(x) for l in static])
+                for mod in static:
+                    mod.fast_accum = True
+                t_fast = graph_time([lambda l=l: l(x) for l in static])
+                for mod in static:
+                    mod.fast_accum = False
                 t_token = graph_time([lambda l=l: l(x) for l in token])
-            row = dict(k=k, n=k, m=m_, bf16_s=t_bf16, fp8_static_s=t_static, fp8_token_s=t_token,
-                       static_x=t_bf16 / t_static, token_x=t_bf16 / t_token)
+            row = dict(k=k, n=k, m=m_, bf16_s=t_bf16, fp8_static_s=t_static, fp8_static_fast_accum_s=t_fast,
+                       fp8_token_s=t_token, static_x=t_bf16 / t_static, fast_x=t_bf16 / t_fast, token_x=t_bf16 / t_token)
             rows.append(row)
-            print(f"{f'{k}^2':>10} {m_:>5} {t_bf16 * 1e6:>9.1f} {row['static_x']:>10.2f}x {row['token_x']:>9.2f}x", flush=True)
+            print(f"{f'{k}^2':>10} {m_:>5} {t_bf16 * 1e6:>9.1f} {row['static_x']:>10.2f}x {row['fast_x']:>8.2f}x "
+                  f"{row['token_x']:>9.2f}x", flush=True)
         del lins, static, token
         torch.cuda.empty_cache()
     return rows

@@ -49,3 +49,21 @@ def test_scaled_mm_on_cuda():
         set_backend(m, "scaled_mm")
         fast = m(x)
     assert (fast.float() - ref.float()).abs().max().item() <= 1e-2 * ref.abs().max().item() + 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_input_quantization_on_cuda_is_the_eager_one():
+    """The compiled (one-kernel) input quantization of the CUDA path gives the eager float32 arithmetic's FP8 bytes
+    and scales, static and per token, at several M (one compile serves them all)."""
+    from hqtflow.quantize.fp8_linear import fused, quantize_per_token
+    from hqtflow.scales import quantize
+
+    torch.manual_seed(0)
+    scale = torch.tensor([0.0123], dtype=torch.bfloat16, device="cuda")
+    for m in (1, 7, 64, 300):
+        x = (torch.randn(m, 4096, device="cuda") * 3).to(torch.bfloat16)
+        x[0, :5] = torch.tensor([1e4, -1e4, 0.0, 1e-30, -0.0])
+        assert torch.equal(fused(quantize)(x, scale, "E4M3").view(torch.uint8), quantize(x, scale, "E4M3").view(torch.uint8))
+        q, s = fused(quantize_per_token)(x, "E4M3")
+        q_ref, s_ref = quantize_per_token(x, "E4M3")
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
