@@ -13,4 +13,4 @@ $PY -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__v
 timeout 150 $PY -m pytest -q -p no:cacheprovider tests/quantize/test_backends.py tests/runtime/test_cuda_graphs.py -k "${TESTS_K:-not nothing}" \
     2>&1 | tee "$OUT/pytest.log" | tail -20
 timeout ${BENCH_TIMEOUT:-400} $PY bench/fp8_cuda.py --models "${1:-1b,8b}" --ms "${MS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096}" --json "$OUT/fp8_cuda.json" 2>&1 \
-    | grep -v Warning | tee "$OUT/bench.log"
+    | grep --line-buffered -v Warning | tee "$OUT/bench.log"
