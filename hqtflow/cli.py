@@ -489,7 +489,8 @@ app.add_typer(serve_app, name="serve")
 # TGI-on-Gaudi's environment variables for the serve options they share (read when the option is not given)
 TGI_ENV = {"max_batch_size": "MAX_BATCH_SIZE", "max_batch_total_tokens": "MAX_BATCH_TOTAL_TOKENS",
            "batch_bucket_size": "BATCH_BUCKET_SIZE", "prefill_batch_bucket_size": "PREFILL_BATCH_BUCKET_SIZE",
-           "pad_sequence_to_multiple_of": "PAD_SEQUENCE_TO_MULTIPLE_OF", "warmup": "WARMUP_ENABLED"}
+           "pad_sequence_to_multiple_of": "PAD_SEQUENCE_TO_MULTIPLE_OF", "warmup": "WARMUP_ENABLED",
+           "cuda_graphs": "CUDA_GRAPHS"}
 
 
 def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
@@ -502,6 +503,12 @@ def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
               for name, value in options.items()}
     values["api_key"] = values["api_key"] or environment.api_key()
     values["kv_cache"] = parse(KVCache, values["kv_cache"], "--kv-cache").value
+    from hqtflow.runtime.cuda_graphs import parse_batch_sizes
+
+    try:
+        parse_batch_sizes(values["cuda_graphs"])
+    except ValueError:
+        raise HqtflowError(f"--cuda-graphs takes batch sizes like 1,2,4,8 (0: none), not {values['cuda_graphs']!r}.") from None
     s = ServeSettings(**values)
     if s.max_input_tokens >= s.max_total_tokens:
         raise HqtflowError(f"--max-input-tokens ({s.max_input_tokens}) must be less than --max-total-tokens ({s.max_total_tokens}).")
@@ -534,6 +541,7 @@ def _serve_command(kind: str, doc: str):
         prefill_batch_bucket_size: Annotated[int, typer.Option(help="A step with prefill is padded to a multiple of this x PAD_SEQUENCE_TO_MULTIPLE_OF tokens (env PREFILL_BATCH_BUCKET_SIZE).")] = S.prefill_batch_bucket_size,
         pad_sequence_to_multiple_of: Annotated[int, typer.Option(help="Pad a step with prefill to a multiple of tokens: few distinct shapes, bounded per-shape caches (env PAD_SEQUENCE_TO_MULTIPLE_OF).")] = S.pad_sequence_to_multiple_of,
         warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Run the bucketed shapes once; /health is 503 until done (env WARMUP_ENABLED).")] = S.warmup,
+        cuda_graphs: Annotated[str, typer.Option(help="Batch sizes whose decode steps run as CUDA graphs, comma-separated; 0: none (TGI's flag; env CUDA_GRAPHS; default on a GPU 1,2,4,8,16,32; a CUDA GPU only).")] = S.cuda_graphs,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
         config: Annotated[Optional[Path], typer.Option("-c", "--config", help="With -m: the QUANTIZE QUANT_CONFIG (default: maxabs_arbitrary, lm_head in bf16).")] = None,
         scale_method: Annotated[Optional[str], typer.Option(help="With -m: override the config's scale_method.")] = None,
@@ -550,7 +558,7 @@ def _serve_command(kind: str, doc: str):
             max_batch_prefill_tokens=max_batch_prefill_tokens, max_batch_total_tokens=max_batch_total_tokens,
             kv_cache=kv_cache, max_concurrent_requests=max_concurrent_requests, api_key=api_key,
             batch_bucket_size=batch_bucket_size, prefill_batch_bucket_size=prefill_batch_bucket_size,
-            pad_sequence_to_multiple_of=pad_sequence_to_multiple_of, warmup=warmup))
+            pad_sequence_to_multiple_of=pad_sequence_to_multiple_of, warmup=warmup, cuda_graphs=cuda_graphs))
         from hqtflow.runtime.server import serve
 
         serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 TGI_KNOBS = ("MAX_BATCH_SIZE", "MAX_BATCH_TOTAL_TOKENS", "BATCH_BUCKET_SIZE", "PREFILL_BATCH_BUCKET_SIZE",
-             "PAD_SEQUENCE_TO_MULTIPLE_OF", "WARMUP_ENABLED")
+             "PAD_SEQUENCE_TO_MULTIPLE_OF", "WARMUP_ENABLED", "CUDA_GRAPHS")
 
 
 def cache_dir() -> Path:

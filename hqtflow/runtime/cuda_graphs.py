@@ -21,7 +21,10 @@ MIN_CONTEXT = 256
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
     """TGI's --cuda-graphs: "1,2,4,8" -> (1, 2, 4, 8); "0" or "" -> () (graphs off)."""
-    sizes = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
+    try:
+        sizes = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
+    except ValueError:
+        sizes = [-1]
     if any(s < 0 for s in sizes):
         raise ValueError(f"--cuda-graphs takes non-negative batch sizes, not {text!r}.")
     return tuple(s for s in sizes if s > 0)

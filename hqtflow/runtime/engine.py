@@ -153,6 +153,9 @@ class Engine:
             from hqtflow.runtime.cuda_graphs import DEFAULT_BATCH_SIZES
 
             cuda_graphs = DEFAULT_BATCH_SIZES if self.device.type == "cuda" else ()
+        if cuda_graphs and capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs (--cuda-graphs) need a CUDA GPU; this model runs on {self.device.type} "
+                             "(give --cuda-graphs 0).")
         if cuda_graphs:
             from hqtflow.runtime.cuda_graphs import DecodeGraphs
 

@@ -94,11 +94,13 @@ def lifespan(engine: Engine, tokenizer, s: ServeSettings, state: dict):
 
 
 def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
+    from hqtflow.runtime.cuda_graphs import parse_batch_sizes
+
     s = settings
     engine = Engine(model, tokenizer, max_batch_size=s.max_batch_size, batch_bucket=s.batch_bucket_size,
                     pad_to_multiple=s.pad_sequence_to_multiple_of, prefill_bucket=s.prefill_batch_bucket_size,
                     max_prefill_tokens=s.max_batch_prefill_tokens, max_batch_total_tokens=s.max_batch_total_tokens,
-                    kv_cache=s.kv_cache)
+                    kv_cache=s.kv_cache, cuda_graphs=parse_batch_sizes(s.cuda_graphs) if s.cuda_graphs else None)
     metrics = Metrics(engine)
     engine.on_step = metrics.on_step
     state = {"in_flight": 0, "ready": not s.warmup}

@@ -23,3 +23,4 @@ class ServeSettings:
     max_batch_prefill_tokens: int = 4096
     pad_sequence_to_multiple_of: int = 16
     warmup: bool = False
+    cuda_graphs: str = ""  # batch sizes of CUDA-graph decode steps, "1,2,4" (TGI's); "0": none; "": 1..32 on a GPU

@@ -54,10 +54,9 @@ def test_scaled_mm_on_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_input_quantization_on_cuda_is_the_eager_one():
     """The compiled (one-kernel) input quantization of the CUDA path against the eager float32 arithmetic, at several
-    M (one compile serves them all). Static: the same FP8 bytes. Per token: the same scales; the compiled kernel
-    divides by a row's scale as a multiply by its reciprocal (seen on an H100: some codes differed), so a value a
-    float32 rounding away from a tie between two FP8 codes may take the other one: codes at most one step apart,
-    under 1% of them."""
+    M (one compile serves them all). Static: the same FP8 bytes. Per token: the same scales, but on an H100 some codes
+    differed (likely a multiply by the row scale's reciprocal instead of the division), so a value a float32 rounding
+    away from a tie between two FP8 codes may take the other one: codes at most one step apart, under 1% of them."""
     from hqtflow.quantize.fp8_linear import fused, quantize_per_token
     from hqtflow.scales import quantize
 
