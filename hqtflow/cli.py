@@ -508,7 +508,7 @@ def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
     try:
         parse_batch_sizes(values["cuda_graphs"])
     except ValueError:
-        raise HqtflowError(f"--cuda-graphs takes batch sizes like 1,2,4,8 (0: none), not {values['cuda_graphs']!r}.") from None
+        raise HqtflowError(f"--cuda-graphs (env CUDA_GRAPHS) takes batch sizes like 1,2,4,8 (0: none), not {values['cuda_graphs']!r}.") from None
     s = ServeSettings(**values)
     if s.max_input_tokens >= s.max_total_tokens:
         raise HqtflowError(f"--max-input-tokens ({s.max_input_tokens}) must be less than --max-total-tokens ({s.max_total_tokens}).")

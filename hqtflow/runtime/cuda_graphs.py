@@ -39,6 +39,7 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.no_mask = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=pool.device)  # 4-D: transformers makes no mask
         self.failed: str | None = None
+        self.rows = 0  # rows (sequences + dummies) of the last step run
 
     def shape(self, batch: int, context: int) -> tuple[int, int] | None:
         """(batch bucket, context bucket) for `batch` sequences of at most `context` tokens, or None (run eagerly)."""
@@ -60,6 +61,7 @@ class DecodeGraphs:
         key = self.shape(len(seqs), max(p for _, p, _ in seqs) + 1)
         if key is None:
             return None
+        self.rows = key[0]
         if not self.capture:
             plan = DecodeBatch(self.pool, *key, self.scratch)
             plan.fill(seqs)

@@ -330,7 +330,7 @@ class Engine:
         if self.graphs is not None and all(n == 1 and _decoding(req) for req, n in plan):
             logits = self.graphs.run([(req.tokens[-1], req.computed, req.blocks) for req, _ in plan])
         if logits is not None:
-            rows, kind, shape = [(req, 1, i, []) for i, (req, _) in enumerate(plan)], "decode", (len(plan), len(plan))
+            rows, kind, shape = [(req, 1, i, []) for i, (req, _) in enumerate(plan)], "decode", (len(plan), self.graphs.rows)
             logits = logits.float()
         else:
             logits, rows, kind, shape = self._eager_forward(plan)
