@@ -335,6 +335,12 @@ def test_fp8_kv_cache_in_the_engine(tiny_llama, wiki_text, tmp_path):
     fp8 = run_all(eng, [(x, SamplingParams(max_new_tokens=12, ignore_eos=True))])[0]
     bf16 = run_all(Engine(model, tok), [(x, SamplingParams(max_new_tokens=12, ignore_eos=True))])[0]
     assert len(fp8) == 12 and sum(a.token.id == b.token.id for a, b in zip(fp8, bf16)) >= 6
+    # the fixed-shape decode step of CUDA graphs (run eagerly here) reads and writes the FP8 pool the same way
+    batched = run_all(Engine(model, tok, kv_cache="fp8", cuda_graphs=(1, 2), capture=False),
+                      [(x, SamplingParams(max_new_tokens=12, ignore_eos=True))])[0]
+    assert [e.token.id for e in batched] == [e.token.id for e in fp8]
+    torch.testing.assert_close(torch.tensor([e.token.logprob for e in batched]), torch.tensor([e.token.logprob for e in fp8]),
+                               rtol=2e-2, atol=2e-2)
     plain, _, _ = load_any(str(tiny_llama), "bf16")
     with pytest.raises(ValueError, match="k_scale/v_scale"):
         Engine(plain, tok, kv_cache="fp8")
