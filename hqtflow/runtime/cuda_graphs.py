@@ -31,6 +31,8 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
 
 
 class DecodeGraphs:
+    """The engine's decode-only steps as CUDA graphs, one per (batch bucket, context bucket), captured on first use."""
+
     def __init__(self, model, pool: KVPool, batch_sizes: tuple[int, ...], scratch: int, *, capture: bool = True):
         self.model, self.pool, self.batch_sizes, self.scratch = model, pool, tuple(sorted(batch_sizes)), scratch
         self.capture = capture

@@ -76,7 +76,7 @@ class DecodeBatch:
     def fill(self, seqs: list[tuple[int, int, list[int]]]) -> None:
         """seqs: (token id, position, block table) of each decoding sequence; position + 1 <= length."""
         n, bs = len(seqs), self.pool.block_size
-        ids, pos = torch.full((self.batch,), 0, dtype=torch.long), torch.zeros(self.batch, dtype=torch.long)
+        ids, pos = torch.zeros(self.batch, dtype=torch.long), torch.zeros(self.batch, dtype=torch.long)
         lengths, read = torch.ones(self.batch, dtype=torch.long), torch.full((self.batch, self.length), self.scratch, dtype=torch.long)
         t = torch.arange(self.length)
         for i, (tok, p, blocks) in enumerate(seqs):
