@@ -58,3 +58,17 @@ def test_forward_and_decode_smoke(smollm2, wiki_text, tmp_path):
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "fastest high-precision" in r.stdout and "CPU flags" in r.stdout, r.stdout[-2000:]
+
+
+def test_fp8_cuda_bench_runs_on_a_cpu(tmp_path):
+    """bench/fp8_cuda.py (the GPU benchmark) with --device cpu on a tiny Llama: its decode and engine parts run
+    end to end (no graphs there) and write every figure."""
+    out = tmp_path / "cuda.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_cuda.py"), "--device", "cpu", "--models", "tiny",
+                        "--parts", "decode,engine", "--vocab", "512", "--json", str(out)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["tiny"]
+    assert {"decode_bf16", "decode_fp8", "engine_fp8_graphs", "engine_bf16_eager"} <= set(res)
+    assert res["engine_fp8_graphs"]["graphs"] == 0 and res["decode_fp8"]["eager b32"] > 0
+    assert "engine 32 streams: FP8 / bf16" in r.stdout
