@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hqtflow.quantize.fp8_linear import FP8Linear, set_backend  # noqa: E402
+from hqtflow.runtime.cuda_graphs import capture  # noqa: E402
 from hqtflow.scales import Rule  # noqa: E402
 
 F8 = 448.0
@@ -42,16 +43,7 @@ SHAPES = {"1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers
 
 def graph_time(calls, replays: int = 20) -> float:
     """Seconds per call: `calls` captured in one CUDA graph, median of timed replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in calls[:3]:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in calls:
-            fn()
+    g, _ = capture(lambda: [fn() for fn in calls], warmup=1)
     g.replay()
     times = []
     for _ in range(replays):

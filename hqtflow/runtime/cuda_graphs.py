@@ -19,6 +19,21 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 MIN_CONTEXT = 256
 
 
+def capture(fn, pool=None, warmup: int = 2):
+    """(graph, fn's output) with fn() captured once as a CUDA graph; `warmup` eager runs on a side stream first (cuBLAS
+    workspaces, compiled kernels and lazy buffers are made outside the graph). `graph.replay()` reruns it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
     """TGI's --cuda-graphs: "1,2,4,8" -> (1, 2, 4, 8); "0" or "" -> () (graphs off)."""
     try:
@@ -84,13 +99,5 @@ class DecodeGraphs:
         return logits[: len(seqs)]
 
     def _capture(self, plan: DecodeBatch) -> tuple[torch.cuda.CUDAGraph, DecodeBatch, torch.Tensor]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # cuBLAS workspaces, lazy buffers: allocated outside the graph
-                self._forward(plan)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            logits = self._forward(plan)
+        graph, logits = capture(lambda: self._forward(plan), pool=self.mempool)
         return graph, plan, logits

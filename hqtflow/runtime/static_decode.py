@@ -89,15 +89,9 @@ class StaticDecoder:
         if entry is None:
             static_tok, static_pos = tok.clone(), torch.tensor([position], device=self.device)
             try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        self._decode_step(static_tok, static_pos, cache)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = self._decode_step(static_tok, static_pos, cache)
+                from hqtflow.runtime.cuda_graphs import capture
+
+                graph, out = capture(lambda: self._decode_step(static_tok, static_pos, cache))
             except Exception as e:  # noqa: BLE001 - graphs are an optimization
                 self.graph_failed = f"{type(e).__name__}: {e}"
                 torch.cuda.synchronize()
