@@ -75,18 +75,17 @@ class DecodeBatch:
 
     def fill(self, seqs: list[tuple[int, int, list[int]]]) -> None:
         """seqs: (token id, position, block table) of each decoding sequence; position + 1 <= length."""
-        n, bs = len(seqs), self.pool.block_size
-        ids, pos = torch.zeros(self.batch, dtype=torch.long), torch.zeros(self.batch, dtype=torch.long)
-        lengths, read = torch.ones(self.batch, dtype=torch.long), torch.full((self.batch, self.length), self.scratch, dtype=torch.long)
-        t = torch.arange(self.length)
-        for i, (tok, p, blocks) in enumerate(seqs):
-            ids[i], pos[i], lengths[i] = tok, p, p + 1
-            table = torch.tensor(blocks, dtype=torch.long)
-            k = min(self.length, len(blocks) * bs)
-            read[i, :k] = table[t[:k] // bs] * bs + t[:k] % bs
-        write = read[torch.arange(self.batch), pos].clone()
-        write[n:] = self.scratch
-        for dst, src in ((self.input_ids[0], ids), (self.position_ids[0], pos), (self.lengths, lengths), (self.read, read),
+        n, bs, width = len(seqs), self.pool.block_size, self.length // self.pool.block_size
+        dummy = [(0, 0, [])] * (self.batch - n)
+        ids = torch.tensor([tok for tok, _, _ in seqs + dummy], dtype=torch.long)
+        pos = torch.tensor([p for _, p, _ in seqs + dummy], dtype=torch.long)
+        pad = self.scratch // bs  # table entries past a sequence's blocks: the scratch block (masked out)
+        table = torch.tensor([blocks[:width] + [pad] * (width - len(blocks[:width])) for _, _, blocks in seqs + dummy],
+                             dtype=torch.long)
+        read = (table * bs).repeat_interleave(bs, dim=1) + torch.arange(bs).repeat(width)  # [batch, length] slots
+        read[n:] = self.scratch
+        write = read[torch.arange(self.batch), pos]
+        for dst, src in ((self.input_ids[0], ids), (self.position_ids[0], pos), (self.lengths, pos + 1), (self.read, read),
                          (self.write, write)):
             dst.copy_(src, non_blocking=True)
 
