@@ -119,6 +119,12 @@ class ScaleMethod:
     def dynamic(self) -> bool:
         return self.activation.dynamic is not None
 
+    @property
+    def inc_codes(self) -> bool:
+        """Weights take their FP8 codes as Neural Compressor picks them (`inc_code_scale`): every method but
+        hqtflow's own (compressed-tensors' arithmetic: w / s)."""
+        return self.name not in HQTFLOW_DYNAMIC_METHODS
+
 
 # Neural Compressor 3.10's methods that exist only with `dynamic_quantization: true` (it refuses them otherwise).
 INC_DYNAMIC_METHODS = ("act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw", "maxabs_pcs_pow2")
@@ -311,6 +317,13 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fp8: str = "E4M3", fullscale:
     """
     F = float(torch.finfo(FP8_DTYPES[fp8]).max) if fullscale is None else fullscale
     return (x.float() / scale.float()).clamp(-F, F).to(FP8_DTYPES[fp8])
+
+
+def inc_code_scale(s: torch.Tensor) -> torch.Tensor:
+    """The scale Neural Compressor picks a weight's FP8 codes with (the weight is dequantized with `s` itself):
+    1 / s in s's own dtype (its `invert_scale`; Gaudi's cast multiplies by this), inverted back in double precision,
+    as float32. Within 2^-8 of a bf16 `s` (relative); exactly `s` for a power of two."""
+    return torch.reciprocal(s).double().reciprocal().float()
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

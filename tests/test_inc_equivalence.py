@@ -7,9 +7,11 @@ computes its scales with `hqtflow.scales` (target "cpu", hp_dtype bf16) and buil
   weight scale (per channel: elementwise) equals INC's exactly, value and dtype; each FP8Linear's output equals
   INC's PatchedLinear output bit for bit, and so do the whole model's logits.
 - maxabs_arbitrary: the scales INC computes equal hqtflow's exactly (the statistics of a bf16 model are bf16
-  values, so INC's cast of them to bf16 loses nothing: tolerance 0). INC's QDQ modules then quantize with
-  1 / bf16(1 / s) (the scale inverted twice in bf16, `invert_scale`) instead of s, which is within 2^-8 of s
-  (relative); so outputs agree only closely. `_INCRoundTrip` below reproduces that inversion and is bit-exact.
+  values, so INC's cast of them to bf16 loses nothing: tolerance 0). INC picks the weight's FP8 codes with
+  1 / bf16(1 / s) (`invert_scale`); so does hqtflow (`inc_code_scale`): the FP8 weight bytes are equal. INC's
+  input QuantDequant also quantizes with that inverted scale, where hqtflow's runtime divides by s (the
+  compressed-tensors arithmetic), so outputs agree only closely; `_INCRoundTrip` below changes only that and is
+  bit-exact.
 - INC loads the scale files `hqtflow quantize --scales-only` writes, and uses them instead of recomputing.
 """
 
@@ -27,7 +29,7 @@ from conftest import run_cli
 from hqtflow.formats import measurement as mf
 from hqtflow.measure.run import MeasureSettings, measure
 from hqtflow.quantize.fp8_linear import FP8Linear
-from hqtflow.scales import dequantize, linear_scales, quantize, scale_method
+from hqtflow.scales import dequantize, inc_code_scale, linear_scales, quantize, scale_method
 
 POW2_METHODS = ["maxabs_pow2", "act_maxabs_pow2_weights_pcs_maxabs_pow2", "unit_scale"]
 # several shapes: square, GQA (out < in), up (out > in), down (in > out), and the wide lm_head
@@ -152,24 +154,19 @@ def test_pow2_fp8_linear_bit_exact_with_inc(method, converted, stats, tiny_llama
 # The scales INC's QDQ modules quantize with, in its default scalar scale format. INC derives 1 / s in bf16
 # (`invert_scale` of the bf16 scale) and inverts it back: the input's QuantDequant inverts the bf16 tensor (a bf16
 # reciprocal), the weight's QuantInput inverts the Python float it already stored (double precision; the CPU kernel
-# makes a float32 tensor of it). Either is within 2^-8 of s (relative); for a power of two both are s.
+# makes a float32 tensor of it: `hqtflow.scales.inc_code_scale`). Either is within 2^-8 of s (relative); for a power
+# of two both are s.
 def _inc_input_scale(s: torch.Tensor) -> torch.Tensor:
     return torch.reciprocal(torch.reciprocal(s))
 
 
-def _inc_weight_quant_scale(s: torch.Tensor) -> torch.Tensor:
-    return torch.reciprocal(s).double().reciprocal().float()
-
-
 class _INCRoundTrip(FP8Linear):
-    """Prototype only: FP8Linear with INC's round-tripped scales (input: quantize and dequantize with
-    `_inc_input_scale`; weight: quantize with `_inc_weight_quant_scale`, dequantize with s itself)."""
+    """Prototype only: FP8Linear whose input is quantized and dequantized with `_inc_input_scale`, as INC's is."""
 
     @classmethod
     def from_linear(cls, linear, weight_scale, input_scale, fp8="E4M3"):
-        m = super().from_linear(linear, weight_scale, _inc_input_scale(input_scale.to(linear.weight.dtype)), fp8)
-        m.weight.copy_(quantize(linear.weight.detach(), _inc_weight_quant_scale(m.weight_scale), fp8))
-        return m
+        return super().from_linear(linear, weight_scale, _inc_input_scale(input_scale.to(linear.weight.dtype)), fp8,
+                                   inc_codes=True)
 
     def forward(self, x):
         """INC's arithmetic and memory layout: its weight is stored [in, out] contiguous, and the GEMM's summation
@@ -194,7 +191,7 @@ def test_maxabs_arbitrary_close_to_inc(converted, stats, tiny_llama):
         # the scales INC's QDQ modules quantize with: s inverted twice, within 2^-8 of s
         w_quant = mod._mod_extra_config.params["weight"][0].scale
         assert mod.quant_input.scale == float(_inc_input_scale(sc.input)), name
-        assert np.float32(w_quant) == float(_inc_weight_quant_scale(sc.weight)), name
+        assert np.float32(w_quant) == float(inc_code_scale(sc.weight)), name
         for applied, s in ((mod.quant_input.scale, sc.input), (w_quant, sc.weight)):
             worst = max(worst, abs(float(applied) / float(s) - 1))
         assert float(mod.dequant_weights.scale) == float(sc.weight), name  # dequantization uses s itself
@@ -203,7 +200,10 @@ def test_maxabs_arbitrary_close_to_inc(converted, stats, tiny_llama):
     with torch.inference_mode():
         for name in PROBED:
             lin, sc = ref.get_submodule(name), ours[name]
-            mine, proto = FP8Linear.from_linear(lin, sc.weight, sc.input), _INCRoundTrip.from_linear(lin, sc.weight, sc.input)
+            mine = FP8Linear.from_linear(lin, sc.weight, sc.input, inc_codes=scale_method("maxabs_arbitrary").inc_codes)
+            proto = _INCRoundTrip.from_linear(lin, sc.weight, sc.input)
+            # INC's FP8 weight bytes (stored transposed, [in, out]); without INC's codes some differ
+            assert torch.equal(mine.weight.view(torch.uint8), patched[name].weight.t().view(torch.uint8)), name
             for x in probe_inputs(lin.in_features, float(stats[name].inputs[0].max())):
                 a, b, exact = mine(x), patched[name](x), lin(x)
                 assert torch.equal(proto(x), b), name  # the double inversion is the only difference
@@ -293,3 +293,17 @@ def test_inc_loads_hqtflow_per_channel_scale_file(inc, measured, stats, tiny_lla
     assert patched and set(patched) <= set(ours)
     for name, mod in patched.items():
         assert torch.equal(mod.dequant_weights.scale.detach(), ours[name].weight), name
+
+
+def test_quantize_stores_inc_weight_codes(converted, measured, stats):
+    """`quantize` (maxabs_arbitrary) stores the FP8 weight bytes and weight scales INC's convert() puts in its model,
+    for every Linear hqtflow quantizes (lm_head is blocklisted by default)."""
+    from hqtflow.quantize.run import QuantizeSettings, quantize_in_memory
+
+    patched = inc_patched(converted("maxabs_arbitrary")[0])
+    ours, _ = quantize_in_memory(QuantizeSettings(measurement=str(measured), output="-", scale_method="maxabs_arbitrary"))
+    mods = {n: m for n, m in ours.named_modules() if isinstance(m, FP8Linear)}
+    assert set(mods) == set(stats) - {"lm_head"}
+    for name, mod in mods.items():
+        assert torch.equal(mod.weight.view(torch.uint8), patched[name].weight.t().view(torch.uint8)), name
+        assert float(mod.weight_scale) == float(patched[name].dequant_weights.scale), name

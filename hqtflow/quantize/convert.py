@@ -33,7 +33,7 @@ def convert_model(model: nn.Module, names: list[str], meas: Measurement, method:
         dynamic = None if weight_only or not m.dynamic else m.activation
         weight = round_weight(name, lin.weight, sc.weight) if round_weight else None
         _set_module(model, name, FP8Linear.from_linear(lin, sc.weight, None if weight_only else sc.input, fp8,
-                                                       dynamic=dynamic, weight=weight))
+                                                       dynamic=dynamic, weight=weight, inc_codes=m.inc_codes))
         used[name] = {"input": None if sc.input is None else float(sc.input), "weight": sc.weight.float().flatten().tolist()}
     return used
 

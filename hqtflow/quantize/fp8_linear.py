@@ -42,7 +42,7 @@ from torch import nn
 from hqtflow.choices import Backend, parse
 from hqtflow.errors import BackendError  # noqa: F401 - re-exported (it lived here)
 from hqtflow.quantize.cpu_kernel import quantize_weight
-from hqtflow.scales import FP8_DTYPES, Rule, dequantize, dynamic_activation_scale, quantize
+from hqtflow.scales import FP8_DTYPES, Rule, dequantize, dynamic_activation_scale, inc_code_scale, quantize
 
 
 ACTIVATION_MODES = ("static", "dynamic_token", "dynamic_tensor", "dynamic_group", None)
@@ -73,21 +73,23 @@ class QuantizedLinear:
 
 
 def quantize_linear(w: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None, fp8: str = "E4M3",
-                    *, rows: int | None = None) -> QuantizedLinear:
+                    *, rows: int | None = None, inc_codes: bool = False) -> QuantizedLinear:
     """The one arithmetic that turns a 2-D weight and its scales into what an FP8Linear (or a checkpoint) stores,
     shared by `FP8Linear.from_linear` (in memory) and `quantize --disk-offload` (streamed). The cast is element-wise,
-    so quantizing `rows` rows at a time gives the same bytes as the whole weight at once."""
+    so quantizing `rows` rows at a time gives the same bytes as the whole weight at once. `inc_codes`: the codes are
+    picked with `inc_code_scale` of the stored scale, as Neural Compressor picks them (the stored scale is the same)."""
     per_channel = weight_scale.numel() > 1
     ws = weight_scale.detach().to(w.dtype).reshape((w.shape[0], 1) if per_channel else (1,))
+    codes = inc_code_scale(ws) if inc_codes else ws
     s_in = None if input_scale is None else input_scale.detach().to(w.dtype).reshape(1)
     step = rows or max(1, w.shape[0])
 
     def blocks() -> Iterator[torch.Tensor]:
         if w.dim() != 2:  # not a Linear's matrix: the reference cast, whole
-            yield quantize(w, ws, fp8)
+            yield quantize(w, codes, fp8)
             return
         for r in range(0, w.shape[0], step):
-            yield quantize_weight(w[r:r + step], ws[r:r + step] if per_channel else ws, fp8)
+            yield quantize_weight(w[r:r + step], codes[r:r + step] if per_channel else codes, fp8)
 
     return QuantizedLinear(blocks(), ws, s_in)
 
@@ -125,10 +127,11 @@ class FP8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-                    fp8: str = "E4M3", dynamic: Rule | None = None, weight: torch.Tensor | None = None) -> FP8Linear:
+                    fp8: str = "E4M3", dynamic: Rule | None = None, weight: torch.Tensor | None = None,
+                    inc_codes: bool = False) -> FP8Linear:
         """Quantize `linear`'s weight with `weight_scale` (0-d or [out]); `input_scale` None = weight-only, or
         dynamic activations when `dynamic` is a dynamic activation rule (per token for PCS, per call for PTS).
-        `weight`: quantized instead of linear's own (GPTQ's, already on the grid)."""
+        `weight`: quantized instead of linear's own (GPTQ's, already on the grid). `inc_codes`: see `quantize_linear`."""
         w = (linear.weight if weight is None else weight).detach()
         per_channel = weight_scale.numel() > 1
         activation = "static" if input_scale is not None else None
@@ -138,7 +141,7 @@ class FP8Linear(nn.Module):
                 per_channel=per_channel, activation=activation, device=w.device)
         if dynamic is not None and dynamic.dynamic == "inc":
             m.dynamic_rule = dynamic
-        q = quantize_linear(w, weight_scale, input_scale, fp8)
+        q = quantize_linear(w, weight_scale, input_scale, fp8, inc_codes=inc_codes)
         m.weight_scale.copy_(q.weight_scale.reshape(m.weight_scale.shape))
         m.weight.copy_(torch.cat(list(q.weight_blocks)))
         if q.input_scale is not None:

@@ -262,7 +262,7 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
                         w = round_weight(u.module, w, sc.weight)
                     # FP8Linear.from_linear's own arithmetic (quantize_linear), streamed in row blocks
                     q = quantize_linear(w, sc.weight, None if p.weight_only else sc.input, fp8,
-                                        rows=max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[1])))
+                                        rows=max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[1])), inc_codes=method.inc_codes)
                     shard.write_blocks(f"{u.module}.weight", q.weight_blocks)
                     shard.write(f"{u.module}.weight_scale", q.weight_scale)
                     if q.input_scale is not None:

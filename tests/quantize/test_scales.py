@@ -7,8 +7,8 @@ import torch
 
 from hqtflow.config import SCALE_METHODS
 from hqtflow.errors import ConfigError
-from hqtflow.scales import (activation_scale, dequantize, full_scale, hw_scales, linear_scales, quantize, round_hw,
-                            scale_method, weight_scale)
+from hqtflow.scales import (activation_scale, dequantize, full_scale, hw_scales, inc_code_scale, linear_scales,
+                            quantize, round_hw, scale_method, weight_scale)
 
 
 def pow2(x):
@@ -151,6 +151,19 @@ def test_quantize_saturates_and_matches_torch_cast():
     torch.testing.assert_close(q.float()[:4], x[:4].to(torch.float8_e4m3fn).float())
     q5 = quantize(x, torch.tensor(1.0), "E5M2")
     assert q5.dtype == torch.float8_e5m2 and q5.float()[5].item() == -57344.0
+
+
+def test_inc_code_scale():
+    """1 / (1 / s): the inner reciprocal rounded to s's dtype (INC's invert_scale), the outer in double precision."""
+    s = torch.tensor([0.0123, 3.0, 0.5, 2.0**-9, 448.0 / 7], dtype=torch.bfloat16)
+    want = [1 / float(torch.tensor(1 / float(v), dtype=torch.bfloat16)) for v in s.float()]
+    got = inc_code_scale(s)
+    assert got.dtype == torch.float32 and got.tolist() == [float(torch.tensor(w, dtype=torch.float32)) for w in want]
+    assert got[2] == 0.5 and got[3] == 2.0**-9  # powers of two are unchanged
+    assert ((got / s.float() - 1).abs() <= 2.0**-8).all() and got[0] != s[0].float()
+    # INC's methods pick codes this way; hqtflow's own keep compressed-tensors' w / s
+    assert scale_method("maxabs_arbitrary").inc_codes and scale_method("maxabs_pow2").inc_codes
+    assert not scale_method("fp8_dynamic").inc_codes and not scale_method("fp8_dynamic_mse").inc_codes
 
 
 def test_unknown_method_and_target():

@@ -81,16 +81,28 @@ def test_fp8_cache_layer_stores_qdq_values(artifacts):
 
 
 def test_decode_with_fp8_kv_cache(artifacts):
-    """Greedy decoding with the FP8 KV cache stays close to the high-precision cache on a random tiny model."""
+    """The FP8 KV cache moves the next-token distribution only a little, and the static decoder decodes through it.
+
+    Teacher-forced on prompt + the high-precision greedy tokens, KL(high-precision cache || FP8 cache) per position
+    (measured at most 8e-5 here). A random tiny model's next-token distribution is nearly uniform (entropy ~6.2 nats
+    of ln 512), so its greedy tokens are no measure of closeness: the decoder's own prefill must give the token the
+    same FP8-cache forward picks."""
     from hqtflow.evaluate import load_any
+    from hqtflow.runtime.kv_cache import FP8StaticCache, kv_scales
     from hqtflow.runtime.static_decode import StaticDecoder
 
     model, _, _ = load_any(str(artifacts / "fp8"), backend="qdq")
     ids = torch.randint(5, 500, (2, 10), generator=torch.Generator().manual_seed(3))
-    bf16 = StaticDecoder(model, max_length=40).generate(ids, 16).tokens
+    hp = StaticDecoder(model, max_length=40).generate(ids, 16).tokens
     fp8 = StaticDecoder(model, max_length=40, kv_cache="fp8").generate(ids, 16).tokens
-    # a random tiny model's greedy paths part for good at the first differing token: the first tokens agree
-    assert fp8.shape == bf16.shape and bool((fp8[:, :4] == bf16[:, :4]).all()) and (fp8 == bf16).float().mean() >= 0.5
+    seq = torch.cat([ids, hp], 1)
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(input_ids=seq).logits.float(), -1)
+        cache = FP8StaticCache(model.config, seq.shape[1], kv_scales(model))
+        q = torch.log_softmax(model(input_ids=seq, past_key_values=cache).logits.float(), -1)
+    kl = (ref.exp() * (ref - q)).sum(-1)
+    assert 0 < kl.max() < 1e-3, kl.max()  # quantized (not a no-op), and close
+    assert fp8.shape == hp.shape and torch.equal(fp8[:, 0], q[:, ids.shape[1] - 1].argmax(-1))
 
 
 def test_cli_kv_cache_paths(artifacts, tiny_llama, wiki_text, tmp_path):
