@@ -4,8 +4,8 @@ The baseline of every ratio is the faster of bf16 and fp32 `F.linear` at that sh
 bf16 dot products fp32 is several times faster than bf16). Columns (speed relative to that baseline, > 1 = faster):
 bf16 and fp32 themselves; hqtflow's FP8 QDQ reference (W8A8); the CPU kernel W8A8 and weight-only with bf16
 activations (FP8 weights widened in registers or per panel, batch-invariant), and W8A8 with fp32 activations (what
-`--dtype auto` runs without native bf16); its AVX2-only build (`avx2`, the path of CPUs without AVX-512, built
-here too) W8A8 in fp32; `torch._scaled_mm` W8A8 (a real FP8 GEMM on CUDA compute capability >= 8.9; a slow
+`--dtype auto` runs without native bf16); on AVX-512 machines, its AVX2-only build (`avx2`, the path of CPUs
+without AVX-512) W8A8 in fp32; `torch._scaled_mm` W8A8 (a real FP8 GEMM on CUDA compute capability >= 8.9; a slow
 emulation on CPU). Targets (issue): M=1 >= 1.5x at 4096^2 and >= 1.0x on SmolLM2 shapes, M=8 >= 1.2x, M=256 and
 512 >= 1.0x.
 
@@ -70,7 +70,7 @@ def main() -> None:
         from hqtflow.quantize import cpu_kernel as ck
 
         isa = ck.ops().fp8_isa()
-        avx2 = ck.ops("avx2") if ck.load("avx2") else None
+        avx2 = ck.ops("avx2") if "avx512f" in cpu_flags() and ck.load("avx2") else None  # else: the native build
     print(f"device {dev}: {torch.cuda.get_device_name() if dev == 'cuda' else ' '.join(cpu_flags())}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; median of {a.iters} calls; "
           f"{'hot (one weight copy)' if a.hot else f'cold (weights cycled over {a.working_set} MiB of bf16 copies)'}; "

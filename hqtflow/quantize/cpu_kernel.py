@@ -16,7 +16,7 @@ processes load it in milliseconds. It registers these torch ops:
 
 `available()` says whether it could be built here (a compiler and torch headers); the reason otherwise is in
 `build_error()`. `load("avx2")` builds an AVX2-only twin under `torch.ops.hqtflow_avx2` so that an AVX-512 machine
-tests (and benchmarks) the code path of AVX2-only CPUs too; `load("scalar")` a one-lane build without vector
+tests (and benchmarks) the code path of AVX2-only CPUs too (on an AVX2-only CPU that is the native build itself); `load("scalar")` a one-lane build without vector
 instructions (`torch.ops.hqtflow_scalar`), whose order of operations the AVX2 path must reproduce bit for bit.
 """
 
@@ -55,9 +55,20 @@ def library_path(variant: str = "native") -> Path:
     return build_dir(variant) / f"hqtflow_fp8_cpu_{variant}.so"
 
 
+def _is_native(variant: str) -> bool:
+    """On an x86 CPU with AVX2 and no AVX-512 the `avx2` twin's flags add nothing to `-march=native`: the native
+    build is that code, so it is not compiled a second time."""
+    if variant == "native":
+        return True
+    from hqtflow.hardware import cpu_flags
+
+    flags = cpu_flags()
+    return variant == "avx2" and "avx2" in flags and "avx512f" not in flags
+
+
 def ops(variant: str = "native"):
     """The op namespace of a built variant (`torch.ops.hqtflow` for the native one)."""
-    return getattr(torch.ops, VARIANTS[variant][0])
+    return getattr(torch.ops, VARIANTS["native" if _is_native(variant) else variant][0])
 
 
 def compile_command(compiler: str, variant: str, output: Path) -> list[str]:
@@ -92,6 +103,8 @@ def _build(variant: str, library: Path) -> None:
 @functools.cache
 def _load(variant: str) -> str | None:
     """Build (first time on this machine) and load the kernel once per process: None, or why it cannot be."""
+    if variant != "native" and _is_native(variant):
+        return _load("native")
     library = library_path(variant)
     try:
         if not library.is_file():
