@@ -16,8 +16,9 @@ processes load it in milliseconds. It registers these torch ops:
 
 `available()` says whether it could be built here (a compiler and torch headers); the reason otherwise is in
 `build_error()`. `load("avx2")` builds an AVX2-only twin under `torch.ops.hqtflow_avx2` so that an AVX-512 machine
-tests (and benchmarks) the code path of AVX2-only CPUs too (on an AVX2-only CPU that is the native build itself); `load("scalar")` a one-lane build without vector
-instructions (`torch.ops.hqtflow_scalar`), whose order of operations the AVX2 path must reproduce bit for bit.
+tests (and benchmarks) the code path of AVX2-only CPUs too (on an AVX2-only CPU the twin is the native build);
+`load("scalar")` a one-lane build without vector instructions (`torch.ops.hqtflow_scalar`), whose order of
+operations the AVX2 path must reproduce bit for bit.
 """
 
 from __future__ import annotations
