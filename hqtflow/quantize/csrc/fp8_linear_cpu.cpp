@@ -28,10 +28,8 @@
 // The weights of a few rows are widened in registers for decode-sized M; for larger M each thread widens a panel of
 // rows once into an L2-sized buffer and sweeps every input row over it (the weight streams from memory once).
 // On AVX2 the weight is read packed (`fp8_pack`: groups of 8 rows, column after column), made once per layer.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/constant_pad_nd.h>
-#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
