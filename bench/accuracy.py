@@ -10,6 +10,7 @@ come from ../shared/reference/hqt-formats.md, measured with 16x256 calibration t
     python bench/accuracy.py --smoke         # a minute-long version (CI runs it)
     python bench/accuracy.py --kl            # mean KL / top-1 vs bf16 per method, hqtflow and INC side by side
     python bench/accuracy.py --kl --gptq     # ... and each method again with GPTQ-rounded weights (quantize --gptq)
+    python bench/accuracy.py --kl --calibrations 4   # ... on 4 calibration slices, hqtflow vs INC pair by pair
 
 `--kl`: one hqtflow measurement (`--calib-chunks` x `--calib-len` tokens of WikiText-2 valid) feeds both sides;
 each method's mean KL(bf16 || FP8) and top-1 agreement on the first `--kl-tokens` tokens of WikiText-2 test
@@ -78,6 +79,9 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--kl", action="store_true", help="the KL / top-1 table instead of lm-eval and perplexity")
     p.add_argument("--kl-tokens", type=int, default=8192)
+    p.add_argument("--calibrations", type=int, default=1,
+                   help="--kl: repeat on this many calibration slices of WikiText-2 valid and compare hqtflow with "
+                        "INC pair by pair (KL moves by a few percent with sub-ulp scale changes)")
     p.add_argument("--checkpoint", action="append", default=[],
                    help="--kl: also an FP8 checkpoint made elsewhere (e.g. by `hqtflow tune`); repeatable")
     p.add_argument("--gptq", action="store_true",
@@ -138,42 +142,45 @@ def kl_table(a) -> None:
     print(f"model {path.name}, torch {torch.__version__}, {platform.machine()} CPU flags {flags}, "
           f"threads {torch.get_num_threads()}, hqtflow backend {a.backend}")
     tmp = Path(tempfile.mkdtemp(prefix="hqtflow-kl-"))
+    rows: dict[str, dict] = {}
     try:
-        meas = measure(MeasureSettings(output=str(tmp / "meas"), model=str(path), text=(str(data / "wikitext2_valid.txt"),),
-                                       limit=a.calib_chunks, max_length=a.calib_len, batch_size=a.batch_size,
-                                       hessians=a.gptq), show_progress=False)
         tok = models.load_tokenizer(path)
-        bf16 = models.load_model(path, "bf16")
         windows = token_windows(tok, data / "wikitext2_test.txt", a.kl_tokens, 512)
-        ref = log_probs(bf16, windows)
-        rows = {}
-        for method in methods:
-            model, _ = quantize_in_memory(QuantizeSettings(measurement=str(meas), output="-", scale_method=method))
-            set_backend(model, a.backend)
-            ours = divergence(ref, model, windows)
-            del model
-            theirs = None
-            if method not in DYNAMIC_METHODS:
-                from neural_compressor.torch import quantization as inc
-
-                work = tmp / f"inc-{method}"
-                shutil.copytree(meas, work)
-                cfg = inc.FP8Config(mode="QUANTIZE", observer="maxabs", scale_method=method, use_qdq=True,
-                                    dump_stats_path=str(work / "measure"), blocklist={"names": ["lm_head"]})
-                qmodel = inc.convert(models.load_model(path, "bf16"), cfg)
-                theirs = divergence(ref, qmodel, windows)
-                del qmodel
-            rows[method] = {"hqtflow": ours.as_dict(), "inc": theirs.as_dict() if theirs else None}
-            print(f"  {method}: hqtflow KL {ours.mean_kl:.5f} top-1 {ours.top1:.4f}; INC "
-                  + (f"KL {theirs.mean_kl:.5f} top-1 {theirs.top1:.4f}" if theirs else "n/a"), flush=True)
-            if a.gptq:  # the same method, weights rounded by GPTQ; INC has no such rounding
-                model, _ = quantize_in_memory(QuantizeSettings(measurement=str(meas), output="-", scale_method=method,
-                                                               gptq=True))
+        ref = log_probs(models.load_model(path, "bf16"), windows)
+        for c, calib in enumerate(calibration_slices(data / "wikitext2_valid.txt", a.calibrations, tmp)):
+            tag = f" [calibration {c}]" if a.calibrations > 1 else ""
+            meas = measure(MeasureSettings(output=str(tmp / f"meas{c}"), model=str(path), text=(str(calib),),
+                                           limit=a.calib_chunks, max_length=a.calib_len, batch_size=a.batch_size,
+                                           hessians=a.gptq), show_progress=False)
+            for method in methods:
+                model, _ = quantize_in_memory(QuantizeSettings(measurement=str(meas), output="-", scale_method=method))
                 set_backend(model, a.backend)
-                g = divergence(ref, model, windows)
+                ours = divergence(ref, model, windows)
                 del model
-                rows[f"{method} + gptq"] = {"hqtflow": g.as_dict(), "inc": theirs.as_dict() if theirs else None}
-                print(f"  {method} + gptq: hqtflow KL {g.mean_kl:.5f} top-1 {g.top1:.4f}", flush=True)
+                theirs = None
+                if method not in DYNAMIC_METHODS:
+                    from neural_compressor.torch import quantization as inc
+
+                    work = tmp / f"inc{c}-{method}"
+                    shutil.copytree(meas, work)
+                    cfg = inc.FP8Config(mode="QUANTIZE", observer="maxabs", scale_method=method, use_qdq=True,
+                                        dump_stats_path=str(work / "measure"), blocklist={"names": ["lm_head"]})
+                    qmodel = inc.convert(models.load_model(path, "bf16"), cfg)
+                    theirs = divergence(ref, qmodel, windows)
+                    del qmodel
+                rows[method + tag] = {"hqtflow": ours.as_dict(), "inc": theirs.as_dict() if theirs else None,
+                                      "method": method, "calibration": c}
+                print(f"  {method}{tag}: hqtflow KL {ours.mean_kl:.5f} top-1 {ours.top1:.4f}; INC "
+                      + (f"KL {theirs.mean_kl:.5f} top-1 {theirs.top1:.4f}" if theirs else "n/a"), flush=True)
+                if a.gptq:  # the same method, weights rounded by GPTQ; INC has no such rounding
+                    model, _ = quantize_in_memory(QuantizeSettings(measurement=str(meas), output="-",
+                                                                   scale_method=method, gptq=True))
+                    set_backend(model, a.backend)
+                    g = divergence(ref, model, windows)
+                    del model
+                    rows[f"{method} + gptq{tag}"] = {"hqtflow": g.as_dict(), "inc": theirs.as_dict() if theirs else None,
+                                                     "method": f"{method} + gptq", "calibration": c}
+                    print(f"  {method} + gptq{tag}: hqtflow KL {g.mean_kl:.5f} top-1 {g.top1:.4f}", flush=True)
         for ckpt in a.checkpoint:
             import hqtflow
 
@@ -186,18 +193,59 @@ def kl_table(a) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     n = sum(w.shape[1] for w in windows)
     print(f"\nmean KL(bf16 || FP8) and top-1 agreement on {n} tokens of WikiText-2 test; calibration "
-          f"{a.calib_chunks} x {a.calib_len} tokens of WikiText-2 valid; lm_head bf16")
+          f"{a.calib_chunks} x {a.calib_len} tokens of WikiText-2 valid"
+          + (f" ({a.calibrations} slices)" if a.calibrations > 1 else "") + "; lm_head bf16")
     head = ["method", "hqtflow KL", "hqtflow top-1", "INC KL", "INC top-1", "KL ratio hqtflow/INC"]
     table = [head]
     for m, r in rows.items():
         h, i = r["hqtflow"], r["inc"]
         table.append([m, f"{h['mean_kl']:.5f}", f"{h['top1']:.4f}", "n/a" if i is None else f"{i['mean_kl']:.5f}",
                       "n/a" if i is None else f"{i['top1']:.4f}", "n/a" if i is None else f"{h['mean_kl'] / i['mean_kl']:.3f}"])
-    widths = [max(len(r[c]) for r in table) for c in range(len(head))]
-    for r in table:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print_columns(table)
+    summary = paired_summary(rows) if a.calibrations > 1 else []
+    if summary:
+        print(f"\nover the {a.calibrations} calibration slices (paired: the same measurement feeds both sides)")
+        print_columns([["method", "mean hqtflow KL", "mean INC KL", "ratio of means", "per-slice ratios",
+                        "hqtflow lower in"], *summary])
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "tokens": n, "results": rows}, indent=2))
+
+
+def calibration_slices(valid: Path, n: int, tmp: Path) -> list[Path]:
+    """Calibration texts: the whole file, then (for n > 1) the file from the line after each j/n of its length.
+
+    Slice 0 is the calibration of a single run; the others start at other paragraphs, so each measurement sees
+    different first `--calib-chunks` windows."""
+    if n <= 1:
+        return [valid]
+    text = valid.read_text()
+    out = []
+    for j in range(n):
+        start = text.find("\n", j * len(text) // n) + 1 if j else 0
+        out.append(tmp / f"calib{j}.txt")
+        out[-1].write_text(text[start:])
+    return out
+
+
+def paired_summary(rows: dict) -> list[list[str]]:
+    """Per method with an INC figure: mean KL of each side over the slices, and the per-slice ratios."""
+    by_method: dict[str, list[tuple[float, float]]] = {}
+    for r in rows.values():
+        if r.get("inc") is not None and "calibration" in r:
+            by_method.setdefault(r["method"], []).append((r["hqtflow"]["mean_kl"], r["inc"]["mean_kl"]))
+    out = []
+    for method, pairs in by_method.items():
+        ours, theirs = (sum(x) / len(pairs) for x in zip(*pairs))
+        ratios = [h / i for h, i in pairs]
+        out.append([method, f"{ours:.5f}", f"{theirs:.5f}", f"{ours / theirs:.3f}",
+                    f"{min(ratios):.3f}-{max(ratios):.3f}", f"{sum(h < i for h, i in pairs)} of {len(pairs)}"])
+    return out
+
+
+def print_columns(table: list[list[str]]) -> None:
+    widths = [max(len(r[c]) for r in table) for c in range(len(table[0]))]
+    for r in table:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
 
 
 def print_table(results: dict, tasks: list[str], a) -> None:

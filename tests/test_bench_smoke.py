@@ -72,3 +72,28 @@ def test_fp8_cuda_bench_runs_on_a_cpu(tmp_path):
     assert {"decode_bf16", "decode_fp8", "engine_fp8_graphs", "engine_bf16_eager"} <= set(res)
     assert res["engine_fp8_graphs"]["graphs"] == 0 and res["decode_fp8"]["eager b32"] > 0
     assert "engine 32 streams: FP8 / bf16" in r.stdout
+
+
+def test_accuracy_calibration_slices_and_paired_summary(tmp_path):
+    """`--calibrations N`: slice 0 is the whole file, the others start on a line boundary further in; the summary
+    pairs hqtflow with INC per slice."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("accuracy_bench", ROOT / "bench" / "accuracy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    valid = tmp_path / "valid.txt"
+    valid.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert bench.calibration_slices(valid, 1, tmp_path) == [valid]
+    slices = [p.read_text() for p in bench.calibration_slices(valid, 4, tmp_path)]
+    assert slices[0] == valid.read_text()
+    for s in slices[1:]:
+        assert s.startswith("line ") and valid.read_text().endswith(s)
+    assert [len(s) for s in slices] == sorted((len(s) for s in slices), reverse=True) and len(set(slices)) == 4
+
+    def row(method, c, ours, theirs):
+        return {"method": method, "calibration": c, "hqtflow": {"mean_kl": ours}, "inc": {"mean_kl": theirs}}
+
+    rows = {"a0": row("m", 0, 0.030, 0.032), "a1": row("m", 1, 0.033, 0.030), "d": {"method": "fp8_dynamic",
+            "calibration": 0, "hqtflow": {"mean_kl": 0.02}, "inc": None}}
+    assert bench.paired_summary(rows) == [["m", "0.03150", "0.03100", "1.016", "0.938-1.100", "1 of 2"]]
