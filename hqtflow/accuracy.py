@@ -34,9 +34,13 @@ def token_windows(tokenizer, path: str | Path, n_tokens: int, window: int = 512)
 
 @torch.inference_mode()
 def log_probs(model, windows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each window's next-token log-probabilities [T, V] in float32 (keep them for several comparisons)."""
+    """Each window's next-token log-probabilities [T, V] in float32 (keep them for several comparisons); a bf16
+    reference's matmuls run as fp32 GEMMs where that is faster (`hqtflow.bf16_matmul`)."""
+    from hqtflow.bf16_matmul import bf16_matmuls_via_fp32
+
     device = next(model.parameters()).device
-    return [torch.log_softmax(model(input_ids=w.to(device)).logits[0].float(), -1).cpu() for w in windows]
+    with bf16_matmuls_via_fp32():
+        return [torch.log_softmax(model(input_ids=w.to(device)).logits[0].float(), -1).cpu() for w in windows]
 
 
 @torch.inference_mode()

@@ -35,6 +35,7 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     """`loader`: returns (model, tokenizer, kind) in place of loading MODEL here (`--engine inc`)."""
     from hqtflow import lmeval
     from hqtflow.api import load_any
+    from hqtflow.bf16_matmul import bf16_matmuls_via_fp32
     from hqtflow.evaluate import EvalSettings, comparison_rows, evaluate, format_table
 
     if not tasks and not ppl_file:
@@ -73,7 +74,8 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     names = list(candidates) + [name if name not in candidates else f"{name}-model"]
     for n in candidates:
         bm, btok, _ = load_any(candidates[n], "bf16")  # the accuracy reference is the bf16 model
-        results[n] = evaluate(bm, btok, settings, manager, label=n)
+        with bf16_matmuls_via_fp32():
+            results[n] = evaluate(bm, btok, settings, manager, label=n)
         paths[n] = _where(candidates[n])
         del bm
     results[names[-1]] = evaluate(m, tok, settings, manager, label=names[-1])

@@ -113,6 +113,7 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
     import torch
 
     from hqtflow import models
+    from hqtflow.bf16_matmul import bf16_matmuls_via_fp32
     from hqtflow.formats import measurement as mf
     from hqtflow.formats.artifact import StagingDir
     from hqtflow.measure.run import inputs, preflight, run_sources, write_artifact_files
@@ -145,6 +146,10 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
 
         @torch.inference_mode()
         def forward(ids, mask):
+            with bf16_matmuls_via_fp32():  # as hqtflow's engine computes (the same statistics)
+                return observed(ids, mask)
+
+        def observed(ids, mask):
             """INC's observers see every position: padded rows run alone, unpadded, so padding is never observed."""
             counts["samples"] += ids.shape[0]
             counts["tokens"] += int(mask.sum())
