@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hqtflow.errors import ModelError
+from hqtflow.errors import ArtifactError, ModelError
 
 DEFAULT_MODEL = "smollm2"
 # name -> (PyPI package, GGUF file inside it)
@@ -52,14 +52,15 @@ def resolve_model(ref: str | None) -> Path:
         return d
     p = Path(ref).expanduser()
     if p.exists():
-        from hqtflow.formats.artifact import check_not_partial
+        from hqtflow.formats.artifact import MANIFEST, check_not_partial
 
         check_not_partial(p)
         if not (p / "config.json").is_file():
             raise ModelError(f"Model directory {p} has no config.json; it is not a Hugging Face model folder.")
         load_config(p)
+        damaged = ArtifactError if (p / MANIFEST).is_file() else ModelError  # hqtflow's checkpoint, or a model
         for f in sorted(p.glob("*.safetensors")):
-            check_safetensors(f)
+            check_safetensors(f, damaged)
         return p
     if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
         raise ModelError(f"Model directory {ref} does not exist.")
@@ -165,11 +166,10 @@ def safetensors_header(path: Path) -> tuple[int, dict]:
         return 8 + n, json.loads(f.read(n))
 
 
-def check_safetensors(path: Path) -> None:
+def check_safetensors(path: Path, error: type[Exception] | None = None) -> None:
     """Refuse a .safetensors file whose header is unreadable or whose tensors run past its end (a truncated copy),
-    from the header alone (no tensor is read)."""
-    from hqtflow.errors import ArtifactError
-
+    from the header alone (no tensor is read), with `error` (default ArtifactError; a model's files: ModelError)."""
+    error = error or ArtifactError
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -181,9 +181,9 @@ def check_safetensors(path: Path) -> None:
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     except (OSError, struct.error, ValueError, OverflowError, MemoryError, KeyError, TypeError, IndexError, AttributeError,
             RecursionError):
-        raise ArtifactError(f"{path} is not a readable safetensors file (corrupt header).") from None
+        raise error(f"{path} is not a readable safetensors file (corrupt header).") from None
     if start + end > size:
-        raise ArtifactError(f"{path} is truncated: its tensors need {start + end} bytes but the file has {size}.")
+        raise error(f"{path} is truncated: its tensors need {start + end} bytes but the file has {size}.")
 
 
 def fingerprint(path: Path, *, sample_bytes: int = 4096, max_tensors: int = 256) -> dict:

@@ -507,6 +507,12 @@ def snapshot(d):
             for p in d.rglob("*")}
 
 
+# A model a stage reads (or a foreign checkpoint) is not an artifact: its damage is a model error (exit 4), damage to
+# one of hqtflow's artifacts is exit 3.
+MODEL_CASES = {"measure/nan weights", "measure/inf weights", "measure/truncated weights", "measure/garbage weights",
+               "generate/garbage weights, foreign"}
+
+
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_hostile(base, tmp_path, case):
     build, words = CASES[case]
@@ -521,6 +527,8 @@ def test_hostile(base, tmp_path, case):
             s.close()
     err = [ln for ln in r.stderr.splitlines() if ln.strip() and not PROGRESS.search(ln)]  # tqdm bars aside
     assert r.exit_code in USER_EXIT_CODES, r.output  # the code of its kind (tests/test_cli.py checks each kind)
+    assert case not in MODEL_CASES or r.exit_code == EXIT_CODES["model"], r.output
+    assert not any(w in case for w in ("truncated", "garbage")) or case in MODEL_CASES or r.exit_code == EXIT_CODES["artifact"], r.output
     assert "Traceback" not in r.output and "Traceback" not in r.stderr
     assert len(err) == 1 and err[0].startswith("Error: "), r.stderr
     err = err[0]
