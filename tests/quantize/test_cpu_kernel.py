@@ -85,6 +85,20 @@ def test_kernel_is_the_reference_and_batch_invariant(ops, k, n, hp, mode):
         assert torch.equal(_run(ops, mod, x[:64].reshape(4, 16, k)), full[:64].reshape(4, 16, n))
 
 
+@pytest.mark.parametrize("hp", ["bf16", "fp32"])
+def test_large_inputs_in_row_chunks_give_the_same_rows(ops, hp):
+    """An input of more than a few MB is computed in chunks of rows (here: K = 16390, chunks of 64 rows, the last
+    one short): every row is the same, bit for bit, as computed alone, in a small batch or in another chunk."""
+    mod, _ = _layer(16390, 20, HP[hp], "w8a8", seed=5)
+    x = torch.randn(300, 16390, dtype=HP[hp])
+    with torch.inference_mode():
+        full = _run(ops, mod, x)
+        d = (full.double() - mod(x).double()).abs()
+        assert (d <= _bound(mod, x)).all()
+        for rows in (slice(0, 1), slice(0, 2), slice(0, 65), slice(0, 129), slice(100, 300), slice(299, 300)):
+            assert torch.equal(_run(ops, mod, x[rows]), full[rows]), rows
+
+
 @pytest.fixture(scope="module")
 def avx2_and_scalar(cpu_kernel_loaded):
     from conftest import need

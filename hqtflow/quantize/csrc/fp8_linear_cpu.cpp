@@ -762,6 +762,10 @@ void rows_from_panels(const Problem& p, int64_t n0, int64_t n1) {
 constexpr int kGroup = F32::W;  // weight rows per vector, per packed group
 constexpr int kPanelMR = 6, kPanelNG = 2;  // panel tile: 6 input rows x 2 groups (12 accumulators, 2 weights, 1 input)
 constexpr int kColumnGroups1 = 4, kColumnGroups = 2;  // decode tiles for M = 1 and M = 2: 4 sums per column
+#ifndef HQT_INPUT_CHUNK
+#define HQT_INPUT_CHUNK (2 << 20)
+#endif
+constexpr int64_t kInputChunkBytes = HQT_INPUT_CHUNK;  // larger inputs are taken in chunks of rows (`run_columns`)
 
 // [N, K] -> [ceil(N / 8), K, 8], rows past N zero (FP8 bytes, or bf16 for high-precision weights).
 at::Tensor pack_rows(const at::Tensor& w) {
@@ -980,7 +984,8 @@ void columns_panels(const Problem& p, const void* packed, Blocks& blocks, int64_
 
 // The AVX2 fp32 path over all rows, in parallel: each thread takes row blocks (`Blocks`) until none is left; 8 blocks
 // per thread (2 for inputs larger than a panel), fewer threads for small decode layers. Larger M: a block's widened
-// panel (rows x a column block of ~512 for long rows, all of a short row) fits the panel budget in L2.
+// panel (rows x a column block of ~512 for rows longer than 2048, all of a shorter row) fits the panel budget in L2;
+// inputs larger than a few MB are taken in chunks of rows.
 template <class Group>
 void run_columns(const Problem& p, const void* packed) {
   const int64_t N = p.wt.N, K = p.wt.K, threads = at::get_num_threads();
@@ -993,7 +998,22 @@ void run_columns(const Problem& p, const void* packed) {
     });
     return;
   }
-  const int64_t splits = K <= 1024 ? 1 : (K + 511) / 512;  // column blocks
+  // A large input is taken in chunks of rows, one after the other: each block of weight rows then sweeps a chunk that
+  // stays in cache, not the whole input from memory. Each chunk reads and widens the weight again, so a chunk's
+  // input is at least kInputChunkBytes and at least the weight's bytes. A row's operations do not depend on its chunk.
+  const int64_t elem = p.out.hp == at::kFloat ? 4 : 2;
+  const int64_t chunk = std::max<int64_t>(64, std::max(kInputChunkBytes, N * K) / (4 * p.Kp));
+  if (p.M > 2 * chunk) {
+    for (int64_t m0 = 0; m0 < p.M; m0 += chunk) {
+      Problem q = p;
+      q.x = static_cast<const float*>(p.x) + m0 * p.Kp;
+      q.M = std::min(chunk, p.M - m0);
+      q.out.y = static_cast<char*>(p.out.y) + m0 * N * elem;
+      run_columns<Group>(q, packed);
+    }
+    return;
+  }
+  const int64_t splits = K <= 2048 ? 1 : (K + 511) / 512;  // column blocks
   const int64_t kc_max = ((K + splits - 1) / splits + 1) / 2 * 2, unit = kPanelNG * kGroup;
   const int64_t fit = std::max<int64_t>(1, panel_bytes(K) / 2 / (4 * kc_max) / unit);  // units a panel holds
   const int64_t units = (N + unit - 1) / unit;
