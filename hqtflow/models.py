@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import struct
 import subprocess
 import sys
@@ -138,6 +139,9 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except config_errors() as e:
         raise bad_config(path, e) from None
+    except pickle.UnpicklingError:  # a damaged or foreign pytorch_model.bin: torch's weights-only unpickler refuses it
+        raise ModelError(f"Cannot load the model in {path} (its .bin weights are not a plain PyTorch state dict; "
+                         "hqtflow reads them weights-only and never unpickles other objects).") from None
     except (OSError, ValueError, RuntimeError) as e:  # unreadable files, weights that do not fit the config
         raise ModelError(f"Cannot load the model in {path} ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
     model.eval()

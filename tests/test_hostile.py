@@ -212,6 +212,9 @@ CASES = {
     "measure/inf weights": (lambda c: measure(tensors(c.copy("model"), set_weight(float("inf"))), c), "NaN or inf"),
     "measure/truncated weights": (lambda c: (truncate(c.copy("model") / "model.safetensors"), measure(c.w / "model", c))[1],
                                   "is truncated"),
+    "measure/garbage pickle weights": (lambda c: ((c.copy("model") / "model.safetensors").unlink(),
+                                                  (c.w / "model" / "pytorch_model.bin").write_bytes(b"\xce" * 1000),
+                                                  measure(c.w / "model", c))[2], "Cannot load the model"),
     "measure/garbage weights": (lambda c: ((c.copy("model") / "model.safetensors").write_bytes(b"\xff" * 64),
                                            measure(c.w / "model", c))[1], "not a readable safetensors file"),
     "measure/-o is the model": (lambda c: measure(c.copy("model"), c)[:-1] + [c.w / "model", "--overwrite"],
@@ -510,7 +513,7 @@ def snapshot(d):
 # A model a stage reads (or a foreign checkpoint) is not an artifact: its damage is a model error (exit 4), damage to
 # one of hqtflow's artifacts is exit 3.
 MODEL_CASES = {"measure/nan weights", "measure/inf weights", "measure/truncated weights", "measure/garbage weights",
-               "generate/garbage weights, foreign"}
+               "measure/garbage pickle weights", "generate/garbage weights, foreign"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
