@@ -32,11 +32,11 @@ def test_bf16_matmuls_are_fp32_gemms_rounded_once():
 
 def test_other_tensors_and_ops_pass_through():
     x, w, b = _operands(1)
-    fp32 = F.linear(x.float(), w.float(), b.float())
+    fp32, fp32_mm = F.linear(x.float(), w.float(), b.float()), x.float() @ w.float().t()
     with Bf16MatmulsViaFp32():
         assert torch.equal(F.linear(x.float(), w.float(), b.float()), fp32)  # fp32: untouched
         mixed = torch.matmul(x.float(), w.float().t())
-        assert mixed.dtype == torch.float32 and torch.equal(mixed, x.float() @ w.float().t())
+        assert mixed.dtype == torch.float32 and torch.equal(mixed, fp32_mm)
         s = x + x  # not a matmul
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
         torch.mm(x, w.t(), out=out)  # an `out=` call keeps torch's own kernel
