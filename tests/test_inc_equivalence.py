@@ -307,3 +307,25 @@ def test_quantize_stores_inc_weight_codes(converted, measured, stats):
     for name, mod in mods.items():
         assert torch.equal(mod.weight.view(torch.uint8), patched[name].weight.t().view(torch.uint8)), name
         assert float(mod.weight_scale) == float(patched[name].dequant_weights.scale), name
+
+
+def test_inc_loads_scale_files_of_a_per_channel_measurement(inc, tiny_llama, wiki_text, tmp_path):
+    """A `maxabs_per_channel` measurement's files are `measure_hooks_maxabs_per_channel*`; the scales artifact's
+    QUANT_CONFIG must name that observer, or INC looks for `measure_hooks_maxabs.npz` (FileNotFoundError)."""
+    root = Path(__file__).resolve().parents[1]
+    s = MeasureSettings(output=str(tmp_path / "meas"), model=str(tiny_llama), text=(str(wiki_text),), limit=2,
+                        max_length=32, batch_size=2, config=str(root / "quantization_config/maxabs_per_channel_measure.json"))
+    out = _scales_only(measure(s, show_progress=False), tmp_path / "scales", "maxabs_pow2")
+    stem = "measure_hooks_maxabs_per_channel_MAXABS_POW2"
+    assert (out / f"{stem}.npz").is_file()
+    work = tmp_path / "work"
+    shutil.copytree(out, work)
+    cfg = json.loads((work / "quant_config.json").read_text())
+    assert cfg["observer"] == "maxabs_per_channel"
+    cfg.update(dump_stats_path=str(work / "measure"))  # the copy; use_qdq is already set for a cpu target
+    patched = inc_patched(inc.convert(load_bf16(tiny_llama), inc.FP8Config(**cfg)))
+    ours = _load_npz(work / f"{stem}.npz")["Nodes"]
+    assert set(patched) == set(ours)
+    for name, mod in patched.items():
+        assert float(mod.quant_input.scale) == float(ours[name]["inputs"][0]), name
+        assert float(mod.dequant_weights.scale) == float(ours[name]["params"]["weight"]), name

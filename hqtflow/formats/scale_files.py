@@ -62,9 +62,12 @@ def is_scale_file(path: Path) -> bool:
         return False
 
 
-def write_quant_config(out: Path, final: Path, cfg, base: str, target: str) -> None:
-    """INC's QUANTIZE config (from a `QuantConfig`) for the scales artifact `final`, being written in `out`."""
-    inc = {**cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(Path(final).resolve() / base)}
+def write_quant_config(out: Path, final: Path, cfg, base: str, target: str, observer: str) -> None:
+    """INC's QUANTIZE config (from a `QuantConfig`) for the scales artifact `final`, being written in `out`.
+
+    `observer` is the measurement's: INC builds every file name from it (`<base>_hooks_<observer>...`), so the
+    QUANTIZE config's own observer (maxabs by default) would send INC to files that are not there."""
+    inc = {**cfg.to_dict(), "mode": "QUANTIZE", "observer": observer, "dump_stats_path": str(Path(final).resolve() / base)}
     if target in ("cpu", "cuda"):
         inc.pop("device_for_scales", None)
     if target == "cpu":
