@@ -273,10 +273,9 @@ class QuantConfig:
 
     # ---- queries -------------------------------------------------------------------------------
     def selects(self, name: str, type_name: str) -> bool:
-        """Whether module `name` of class `type_name` is measured/quantized (INC's allow/block semantics)."""
-        if self.allowlist.types and type_name not in self.allowlist.types:
-            return False
-        if self.allowlist.names and not self.allowlist.matches_name(name):
+        """Whether module `name` of class `type_name` is measured/quantized (INC's allow/block semantics: a non-empty
+        allowlist admits a module whose type is in its types *or* whose name matches one of its names)."""
+        if not self.allowlist.is_empty() and type_name not in self.allowlist.types and not self.allowlist.matches_name(name):
             return False
         if type_name in self.blocklist.types or self.blocklist.matches_name(name):
             return False

@@ -112,3 +112,30 @@ def test_inc_convert_accepts_hqtflow_measurement(inc, tiny_llama, wiki_text, tmp
 
     # the artifact itself is untouched
     assert {p.name: p.read_bytes() for p in artifact.iterdir()} == before
+
+
+@pytest.mark.parametrize("allowlist, blocklist", [
+    ({"types": ["Linear"], "names": ["lm_head"]}, {"types": [], "names": []}),
+    ({"types": ["Conv2d"], "names": [r"mlp\.(up|down)"]}, {"types": [], "names": []}),
+    ({"types": [], "names": ["q_proj"]}, {"types": [], "names": []}),
+    ({"types": ["Linear"], "names": []}, {"types": [], "names": ["self_attn"]}),
+    ({"types": ["Conv2d"], "names": ["layers.0"]}, {"types": [], "names": ["down"]}),
+    ({"types": [], "names": []}, {"types": ["Linear"], "names": []}),
+])
+def test_allow_and_block_lists_select_what_inc_selects(inc, allowlist, blocklist):
+    """Module selection equals INC's own `should_quantize` (a non-empty allowlist admits a module by type OR by
+    name; the blocklist then removes by type or name)."""
+    from types import SimpleNamespace
+
+    from neural_compressor.torch.algorithms.fp8_quant._core.utils import should_quantize
+
+    from hqtflow.config import QuantConfig
+
+    ours = QuantConfig.from_dict({"allowlist": allowlist, "blocklist": blocklist})
+    theirs = SimpleNamespace(cfg={"mod_dict": {"Linear": "linear", "Conv2d": "linear"}, "allowlist": allowlist,
+                                  "blocklist": blocklist, "dynamic_quantization": False})
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj", "model.layers.1.mlp.down_proj",
+             "model.layers.1.mlp.gate_proj", "lm_head"]
+    for name in names:
+        for type_name in ("Linear", "Conv2d"):
+            assert ours.selects(name, type_name) == should_quantize(theirs, type_name, name), (name, type_name)
