@@ -363,10 +363,16 @@ def activation_scale(maxabs, rule: Rule, *, target: str = "cpu", fp8: str = "E4M
     return floored(apply_rounding(raw, rule.rounding, target))
 
 
-def weight_scale(w: torch.Tensor, rule: Rule, *, target: str = "cpu", fp8: str = "E4M3", hp_dtype: str = "bf16") -> torch.Tensor:
-    """A weight [out, in] scale: 0-d (PTS) or [out] (PCS), in hp_dtype."""
+def weight_scale(w: torch.Tensor, rule: Rule, *, target: str = "cpu", fp8: str = "E4M3", hp_dtype: str = "bf16",
+                 inc: bool = True) -> torch.Tensor:
+    """A weight [out, in] scale: 0-d (PTS) or [out] (PCS), in hp_dtype.
+
+    `inc` (every INC method): per-channel maxabs / (F * backoff) and its rounding are computed in the weight's own
+    dtype, as INC's MaxAbsPcs does (only its MaxAbsPts casts to hp_dtype first), so an fp32 or fp16 model's
+    per-channel scales equal INC's; hqtflow's own methods compute everything in hp_dtype."""
     hp = HP_DTYPES[hp_dtype]
-    w = w.detach().to(hp)
+    own = w.detach()
+    w = own.to(hp)
     F = full_scale(fp8, target)
     dev = w.device
     if rule.value == "DUMMY_SCALES":
@@ -374,7 +380,8 @@ def weight_scale(w: torch.Tensor, rule: Rule, *, target: str = "cpu", fp8: str =
     if rule.value == "FIXED_VALUE":
         return apply_rounding(torch.tensor(1.0, dtype=hp, device=dev), rule.rounding, target)
     if rule.granularity == "PCS":
-        ref = floored(apply_rounding(w.abs().amax(dim=1) / (F * rule.backoff), rule.rounding, target))
+        src = own if inc else w
+        ref = floored(apply_rounding(src.abs().amax(dim=1) / (F * rule.backoff), rule.rounding, target)).to(hp)
         if rule.value == "MSE":
             return _least_squares_per_channel(w, ref, rule.candidates, fp8, F)
         if rule.value != "OPT":
@@ -443,4 +450,4 @@ def linear_scales(method: ScaleMethod, input_maxabs, weight: torch.Tensor, *, ta
                   fp8: str = "E4M3", hp_dtype: str = "bf16") -> LinearScales:
     kw = dict(target=target, fp8=fp8, hp_dtype=hp_dtype)
     s_in = None if method.dynamic else activation_scale(input_maxabs, method.activation, **kw)
-    return LinearScales(s_in, weight_scale(weight, method.weight, **kw))
+    return LinearScales(s_in, weight_scale(weight, method.weight, inc=method.inc_codes, **kw))

@@ -329,3 +329,31 @@ def test_inc_loads_scale_files_of_a_per_channel_measurement(inc, tiny_llama, wik
     for name, mod in patched.items():
         assert float(mod.quant_input.scale) == float(ours[name]["inputs"][0]), name
         assert float(mod.dequant_weights.scale) == float(ours[name]["params"]["weight"]), name
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float16])
+def test_per_channel_weight_scales_of_a_non_hp_dtype_model_equal_inc(inc, tiny_llama, measured, model_dtype, tmp_path):
+    """INC's MaxAbsPcs computes a weight's per-channel maxabs / (F * backoff) and its rounding in the weight's own
+    dtype (only MaxAbsPts casts to hp_dtype first): for an fp32 or fp16 model with hp_dtype bf16, hqtflow's
+    per-channel weight scales equal INC's value for value."""
+    from transformers import AutoModelForCausalLM
+
+    method = "act_maxabs_pow2_weights_pcs_maxabs_pow2"
+    work = tmp_path / "artifact"
+    shutil.copytree(measured, work)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=model_dtype).eval()
+    weights = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    cfg = inc.FP8Config(mode="QUANTIZE", observer="maxabs", scale_method=method, use_qdq=True, hp_dtype="bf16",
+                        dump_stats_path=str(work / "measure"))
+    patched = inc_patched(inc.convert(model, cfg))
+    rule = scale_method(method, "cpu").weight
+    from hqtflow.scales import weight_scale
+
+    compared = 0
+    for name, mod in patched.items():
+        theirs = mod._mod_extra_config.scale.params["weight"][0]
+        ours = weight_scale(weights[name], rule, target="cpu", hp_dtype="bf16")
+        assert ours.shape == theirs.shape, name
+        assert torch.equal(ours.float(), theirs.float()), (name, int((ours.float() != theirs.float()).sum()))
+        compared += theirs.numel()
+    assert compared > 1000
