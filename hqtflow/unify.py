@@ -87,7 +87,8 @@ def check_same_run(src: LoadedMeasurement, *, force: bool = False) -> list[str]:
     overridden = []
     for r, meas in enumerate(src.ranks):
         where = f"{src.directory / src.stems[r]}.json"
-        if meas.local_rank is not None and meas.local_rank != r:
+        # -1: optimum-habana's unify_measurements.py marks a single group's file so (INC writes no rank as null)
+        if meas.local_rank not in (None, -1) and meas.local_rank != r:
             raise ArtifactError(f"{where} says it is rank {meas.local_rank}, not {r}.")
         if meas.mode != "DynamicRange":
             raise ArtifactError(f"{where} (rank {r}) has Mode {meas.mode!r}; only measurement files (Mode 'DynamicRange') "

@@ -278,3 +278,21 @@ def test_nodes_on_some_ranks_are_unioned():
     merged, _ = merge_group(src, [0, 1], {})
     assert set(merged) == {"attn", "experts.0", "experts.1"}
     assert merged["attn"].inputs[0][0, 0] == 2.0 and merged["experts.1"].params["weight"][0, 0] == 2.5
+
+
+def test_import_of_optimum_habana_single_group_unify_output(tmp_path):
+    """optimum-habana's unify_measurements.py writes `"LocalRank": -1` into the file of a single group
+    (`unified_json["LocalRank"] = group_index if groups_num != 1 else -1`); INC itself writes -1 ranks as null.
+    Such a file is a one-rank measurement, not a file claiming to be rank -1."""
+    from hqtflow.formats.measurement import NodeStats, write_measurement
+
+    dump = tmp_path / "unified"
+    dump.mkdir()
+    nodes = {"model.layers.0.mlp.up_proj": NodeStats([np.array([[3.5]], np.float32)], [],
+                                                    {"weight": np.array([[0.25]], np.float32)})}
+    write_measurement(dump, "measure_hooks_maxabs", nodes, local_rank=-1, num_samples=0, twins=(".json",))
+    assert json.loads((dump / "measure_hooks_maxabs.json").read_text())["LocalRank"] == -1
+    r = run_cli("import-hqt", dump, "-o", tmp_path / "imp")
+    assert r.exit_code == 0, r.output
+    r = run_cli("unify", "-g", "0", "-m", tmp_path / "imp", "-o", tmp_path / "u")
+    assert r.exit_code == 0, r.output
