@@ -103,13 +103,14 @@ def openai_router(ctx: Ctx) -> APIRouter:
                               grammar=grammar)
 
     def jobs_for(prompts, make, count: int, seed):
-        """count sequences per prompt; with a seed, sequence j of a prompt samples with seed + j."""
+        """count sequences per prompt; with a seed, sequence j of a prompt samples with seed + j (modulo 2**64, the
+        seed range, so every accepted seed works)."""
         out = []
         for ids in prompts:
             for j in range(count):
                 p = make(len(ids))
                 if seed is not None:
-                    p.seed = seed + j
+                    p.seed = (seed + j) % 2**64
                 out.append((ids, p))
         return out
 

@@ -169,6 +169,17 @@ def test_openai_chat_n_logprobs_usage_and_json(url, lm):
     assert json.loads(js.choices[0].message.content) in ("yes", "no") and js.choices[0].finish_reason == "stop"
 
 
+def test_openai_n_with_the_largest_seed(url):
+    """n sequences with seed S sample with S, S + 1, ... wrapped at 2**64: the largest accepted seed is no 500."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    top = 2**64 - 1
+    runs = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, n=2, seed=top) for _ in range(2)]
+    assert [c.text for c in runs[0].choices] == [c.text for c in runs[1].choices] and len(runs[0].choices) == 2
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, n=2, seed=top)
+    assert len(chat.choices) == 2
+
+
 REFUSED = [
     ("/generate", {"inputs": PROMPT, "parameters": {"typical_p": 1.5}}, "typical_p"),
     ("/generate", {"inputs": PROMPT, "parameters": {"truncate": -1}}, "truncate"),
