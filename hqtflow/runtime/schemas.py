@@ -75,8 +75,8 @@ def _union_tag(part: str) -> bool:
 
 class Strict(BaseModel):
     """Unknown fields are refused; REFUSED names declared fields refused when given (not null/false/empty); a
-    field given as null is a field not given (its default)."""
-    model_config = ConfigDict(extra="forbid", strict=True)
+    field given as null is a field not given (its default); NaN and Infinity are refused (no range check sees them)."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     REFUSED: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")

@@ -227,6 +227,25 @@ def test_refused_parameters_are_named(url):
             assert set(r.json()) == {"error", "error_type"} and name in r.json()["error"], (body, r.json())
 
 
+NON_FINITE = [
+    ("/generate", '{"inputs": "The tower is", "parameters": {"do_sample": true, "repetition_penalty": NaN, "max_new_tokens": 2}}',
+     "repetition_penalty"),
+    ("/generate", '{"inputs": "The tower is", "parameters": {"temperature": Infinity, "max_new_tokens": 2}}', "temperature"),
+    ("/v1/completions", '{"prompt": "The tower is", "temperature": NaN, "max_tokens": 2}', "temperature"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "top_p": NaN, "max_tokens": 2}', "top_p"),
+]
+
+
+def test_non_finite_numbers_are_refused(url):
+    """NaN and Infinity (which Python's json writes by default) are a 422 naming the field, not a garbled or failed
+    generation (the official clients refuse to send them)."""
+    for path, body, name in NON_FINITE:
+        r = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422, (body, r.status_code, r.text)
+        message = r.json()["error"]["message"] if path.startswith("/v1/") else r.json()["error"]
+        assert re.search(rf"`(parameters\.)?{name}`: Input should be a finite number", message), message
+
+
 def test_error_json_and_content_type(url):
     for r, status in ((httpx.get(f"{url}/nope"), 404), (httpx.get(f"{url}/generate"), 405),
                       (httpx.post(f"{url}/generate", content=json.dumps({"inputs": PROMPT}), headers={"content-type": "text/plain"}), 415),
