@@ -78,6 +78,19 @@ def test_text_generation_client(url, lm):
     assert json.loads(r["generated_text"]) in ("yes", "no")
 
 
+def test_tiny_temperature_samples_the_greedy_tokens(url, lm):
+    """A temperature so small that logits / temperature overflows float32 is the greedy limit, not a 424 (the
+    probabilities were NaN, which failed every request of the engine step)."""
+    tg = client_lib("text_generation")
+    ref = alone(lm, lm[1](PROMPT)["input_ids"], 4)
+    c = tg.Client(url, timeout=60)
+    for extra in ({}, {"repetition_penalty": 1e-300}):  # a tiny penalty turns the prompt's positive logits into inf
+        r = c.generate(PROMPT, max_new_tokens=4, do_sample=True, temperature=1e-40, seed=1, **extra)
+        assert r.details.finish_reason == "length" and len(r.details.tokens) == 4
+        if not extra:
+            assert [t.id for t in r.details.tokens] == ref
+
+
 def test_huggingface_hub_inference_client(url, lm, monkeypatch):
     hub = client_lib("huggingface_hub")
     monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)  # the tests run offline; the server is on loopback
