@@ -206,8 +206,9 @@ def openai_router(ctx: Ctx) -> APIRouter:
     @r.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse(ChatRequest, await read_body(request))
+        messages = chat_messages(req.messages)
         try:
-            prompt = tok.apply_chat_template(chat_messages(req.messages), tokenize=False, add_generation_prompt=True)
+            prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - no or broken template
             raise invalid(f"`messages`: cannot apply the chat template: {e}") from None
         ids = ctx.encode(prompt, "messages", add_special_tokens=False)

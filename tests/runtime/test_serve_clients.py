@@ -240,6 +240,18 @@ def test_refused_parameters_are_named(url):
             assert set(r.json()) == {"error", "error_type"} and name in r.json()["error"], (body, r.json())
 
 
+def test_openai_bad_message_is_named_once(url):
+    """A message the server refuses (a tool result: tool calling is not implemented) is one validation error whose
+    `param` is that message's field, not wrapped as a chat template failure of `messages`."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES + [{"role": "tool", "content": "4", "tool_call_id": "1"}],
+                                       max_tokens=2)
+    assert e.value.param == "messages[1].role" and e.value.message.count("Input validation error") == 1, e.value.message
+    assert "chat template" not in e.value.message
+
+
 NON_FINITE = [
     ("/generate", '{"inputs": "The tower is", "parameters": {"do_sample": true, "repetition_penalty": NaN, "max_new_tokens": 2}}',
      "repetition_penalty"),
