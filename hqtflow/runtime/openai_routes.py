@@ -170,7 +170,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
         jobs = jobs_for(prompts, make, per, req.seed)
         texts = [tok.decode(ids) if req.echo else "" for ids in prompts]
         if req.stream:
-            return stream(jobs, prompts, req, chat=False, echo=texts)
+            return stream(jobs, prompts, req, chat=False, echo=texts if req.echo else None)
         seqs = await ctx.collect(jobs, request)
         choices = []
         for pi, ids in enumerate(prompts):

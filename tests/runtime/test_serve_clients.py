@@ -240,6 +240,15 @@ def test_refused_parameters_are_named(url):
             assert set(r.json()) == {"error", "error_type"} and name in r.json()["error"], (body, r.json())
 
 
+def test_openai_completions_stream_without_echo_starts_with_text(url):
+    """Without echo, no chunk of a completions stream is empty (the prompt's chunk is sent only with echo)."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    parts = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, stream=True))
+    assert all(p.choices[0].text or p.choices[0].finish_reason for p in parts), [p.choices[0] for p in parts]
+    assert all(p.choices[0].logprobs.tokens for p in parts if p.choices[0].text)
+
+
 def test_openai_bad_message_is_named_once(url):
     """A message the server refuses (a tool result: tool calling is not implemented) is one validation error whose
     `param` is that message's field, not wrapped as a chat template failure of `messages`."""
