@@ -199,7 +199,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
         try:
             if fmt.type == "json_object":
                 return compile_grammar(tok, "json_object")
-            return compile_grammar(tok, "json", fmt.json_schema["schema"])
+            return compile_grammar(tok, "json", fmt.json_schema.schema_)
         except GrammarError as e:
             raise invalid(f"`response_format`: {e}") from None
 

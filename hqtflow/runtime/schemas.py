@@ -240,9 +240,17 @@ class CompletionRequest(OpenAICommon):
         return self
 
 
+class JsonSchema(Strict):
+    """OpenAI's response_format.json_schema; `strict` needs nothing more: the grammar always holds to the schema."""
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JsonSchema | None = None
 
 
 class ChatRequest(OpenAICommon):
@@ -279,6 +287,6 @@ class ChatRequest(OpenAICommon):
         check_range("max_completion_tokens", self.max_completion_tokens, 1, None,
                     text="`max_completion_tokens` must be strictly positive")
         fmt = self.response_format
-        if fmt is not None and fmt.type == "json_schema" and not isinstance((fmt.json_schema or {}).get("schema"), dict):
+        if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
             raise ValueError("`response_format.json_schema.schema` must be a JSON schema object")
         return self

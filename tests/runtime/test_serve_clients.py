@@ -249,6 +249,21 @@ def test_openai_completions_stream_without_echo_starts_with_text(url):
     assert all(p.choices[0].logprobs.tokens for p in parts if p.choices[0].text)
 
 
+def test_openai_json_schema_fields_are_checked(url):
+    """response_format.json_schema is OpenAI's {name, description, schema, strict}: another field is a 422 naming it,
+    not ignored; `strict` is accepted (the grammar always holds the output to the schema)."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    schema = {"name": "a", "description": "yes or no", "strict": True, "schema": {"enum": ["yes", "no"]}}
+    ok = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
+                                        response_format={"type": "json_schema", "json_schema": schema})
+    assert json.loads(ok.choices[0].message.content) in ("yes", "no")
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10,
+                                       response_format={"type": "json_schema", "json_schema": {**schema, "strikt": True}})
+    assert e.value.param == "response_format.json_schema.strikt", e.value.message
+
+
 def test_openai_bad_message_is_named_once(url):
     """A message the server refuses (a tool result: tool calling is not implemented) is one validation error whose
     `param` is that message's field, not wrapped as a chat template failure of `messages`."""
