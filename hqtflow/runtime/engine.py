@@ -489,8 +489,11 @@ def _decoding(req: Request) -> bool:
 
 
 def _warp(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p and typical-p (transformers' warpers, in TGI's order)."""
-    x = x / p.temperature
+    """Temperature, top-k, top-p and typical-p (transformers' warpers, in TGI's order). The logits are shifted to a
+    maximum of 0 first (every warper is shift-invariant; +inf from a tiny repetition penalty capped first), so a tiny
+    temperature gives -inf, the greedy limit, never +inf and NaN probabilities."""
+    x = x.clamp(max=torch.finfo(x.dtype).max)
+    x = (x - x.max()) / p.temperature
     if p.top_k and p.top_k < x.numel():
         x[x < torch.topk(x, p.top_k).values[-1]] = -math.inf
     if p.top_p < 1.0:

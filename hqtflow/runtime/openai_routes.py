@@ -103,13 +103,14 @@ def openai_router(ctx: Ctx) -> APIRouter:
                               grammar=grammar)
 
     def jobs_for(prompts, make, count: int, seed):
-        """count sequences per prompt; with a seed, sequence j of a prompt samples with seed + j."""
+        """count sequences per prompt; with a seed, sequence j of a prompt samples with seed + j (modulo 2**64, the
+        seed range, so every accepted seed works)."""
         out = []
         for ids in prompts:
             for j in range(count):
                 p = make(len(ids))
                 if seed is not None:
-                    p.seed = seed + j
+                    p.seed = (seed + j) % 2**64
                 out.append((ids, p))
         return out
 
@@ -169,7 +170,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
         jobs = jobs_for(prompts, make, per, req.seed)
         texts = [tok.decode(ids) if req.echo else "" for ids in prompts]
         if req.stream:
-            return stream(jobs, prompts, req, chat=False, echo=texts)
+            return stream(jobs, prompts, req, chat=False, echo=texts if req.echo else None)
         seqs = await ctx.collect(jobs, request)
         choices = []
         for pi, ids in enumerate(prompts):
@@ -198,15 +199,16 @@ def openai_router(ctx: Ctx) -> APIRouter:
         try:
             if fmt.type == "json_object":
                 return compile_grammar(tok, "json_object")
-            return compile_grammar(tok, "json", fmt.json_schema["schema"])
+            return compile_grammar(tok, "json", fmt.json_schema.schema_)
         except GrammarError as e:
             raise invalid(f"`response_format`: {e}") from None
 
     @r.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse(ChatRequest, await read_body(request))
+        messages = chat_messages(req.messages)
         try:
-            prompt = tok.apply_chat_template(chat_messages(req.messages), tokenize=False, add_generation_prompt=True)
+            prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - no or broken template
             raise invalid(f"`messages`: cannot apply the chat template: {e}") from None
         ids = ctx.encode(prompt, "messages", add_special_tokens=False)

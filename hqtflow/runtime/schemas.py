@@ -30,7 +30,7 @@ def invalid(message: str) -> ApiError:
 def openai_error(message: str, error_type: str, status: int) -> dict:
     """OpenAI's error body ({"error": {message, type, param, code}}; `param`: the first parameter the message
     names), which the openai client turns into its exception's message, param and code."""
-    named = re.search(r"`([A-Za-z_][\w.]*)`", message)
+    named = re.search(r"`([A-Za-z_][\w.\[\]]*)`", message)
     kind = "server_error" if status >= 500 else "authentication_error" if status == 401 else "invalid_request_error"
     return {"error": {"message": message, "type": kind, "param": named.group(1) if named else None, "code": error_type}}
 
@@ -75,8 +75,8 @@ def _union_tag(part: str) -> bool:
 
 class Strict(BaseModel):
     """Unknown fields are refused; REFUSED names declared fields refused when given (not null/false/empty); a
-    field given as null is a field not given (its default)."""
-    model_config = ConfigDict(extra="forbid", strict=True)
+    field given as null is a field not given (its default); NaN and Infinity are refused (no range check sees them)."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     REFUSED: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
@@ -240,9 +240,17 @@ class CompletionRequest(OpenAICommon):
         return self
 
 
+class JsonSchema(Strict):
+    """OpenAI's response_format.json_schema; `strict` needs nothing more: the grammar always holds to the schema."""
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JsonSchema | None = None
 
 
 class ChatRequest(OpenAICommon):
@@ -279,6 +287,6 @@ class ChatRequest(OpenAICommon):
         check_range("max_completion_tokens", self.max_completion_tokens, 1, None,
                     text="`max_completion_tokens` must be strictly positive")
         fmt = self.response_format
-        if fmt is not None and fmt.type == "json_schema" and not isinstance((fmt.json_schema or {}).get("schema"), dict):
+        if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
             raise ValueError("`response_format.json_schema.schema` must be a JSON schema object")
         return self

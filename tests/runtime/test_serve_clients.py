@@ -78,6 +78,19 @@ def test_text_generation_client(url, lm):
     assert json.loads(r["generated_text"]) in ("yes", "no")
 
 
+def test_tiny_temperature_samples_the_greedy_tokens(url, lm):
+    """A temperature so small that logits / temperature overflows float32 is the greedy limit, not a 424 (the
+    probabilities were NaN, which failed every request of the engine step)."""
+    tg = client_lib("text_generation")
+    ref = alone(lm, lm[1](PROMPT)["input_ids"], 4)
+    c = tg.Client(url, timeout=60)
+    for extra in ({}, {"repetition_penalty": 1e-300}):  # a tiny penalty turns the prompt's positive logits into inf
+        r = c.generate(PROMPT, max_new_tokens=4, do_sample=True, temperature=1e-40, seed=1, **extra)
+        assert r.details.finish_reason == "length" and len(r.details.tokens) == 4
+        if not extra:
+            assert [t.id for t in r.details.tokens] == ref
+
+
 def test_huggingface_hub_inference_client(url, lm, monkeypatch):
     hub = client_lib("huggingface_hub")
     monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)  # the tests run offline; the server is on loopback
@@ -169,6 +182,17 @@ def test_openai_chat_n_logprobs_usage_and_json(url, lm):
     assert json.loads(js.choices[0].message.content) in ("yes", "no") and js.choices[0].finish_reason == "stop"
 
 
+def test_openai_n_with_the_largest_seed(url):
+    """n sequences with seed S sample with S, S + 1, ... wrapped at 2**64: the largest accepted seed is no 500."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    top = 2**64 - 1
+    runs = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, n=2, seed=top) for _ in range(2)]
+    assert [c.text for c in runs[0].choices] == [c.text for c in runs[1].choices] and len(runs[0].choices) == 2
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, n=2, seed=top)
+    assert len(chat.choices) == 2
+
+
 REFUSED = [
     ("/generate", {"inputs": PROMPT, "parameters": {"typical_p": 1.5}}, "typical_p"),
     ("/generate", {"inputs": PROMPT, "parameters": {"truncate": -1}}, "truncate"),
@@ -214,6 +238,61 @@ def test_refused_parameters_are_named(url):
             assert set(err) == {"message", "type", "param", "code"} and name in err["message"], (body, err)
         else:
             assert set(r.json()) == {"error", "error_type"} and name in r.json()["error"], (body, r.json())
+
+
+def test_openai_completions_stream_without_echo_starts_with_text(url):
+    """Without echo, no chunk of a completions stream is empty (the prompt's chunk is sent only with echo)."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    parts = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, stream=True))
+    assert all(p.choices[0].text or p.choices[0].finish_reason for p in parts), [p.choices[0] for p in parts]
+    assert all(p.choices[0].logprobs.tokens for p in parts if p.choices[0].text)
+
+
+def test_openai_json_schema_fields_are_checked(url):
+    """response_format.json_schema is OpenAI's {name, description, schema, strict}: another field is a 422 naming it,
+    not ignored; `strict` is accepted (the grammar always holds the output to the schema)."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    schema = {"name": "a", "description": "yes or no", "strict": True, "schema": {"enum": ["yes", "no"]}}
+    ok = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
+                                        response_format={"type": "json_schema", "json_schema": schema})
+    assert json.loads(ok.choices[0].message.content) in ("yes", "no")
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10,
+                                       response_format={"type": "json_schema", "json_schema": {**schema, "strikt": True}})
+    assert e.value.param == "response_format.json_schema.strikt", e.value.message
+
+
+def test_openai_bad_message_is_named_once(url):
+    """A message the server refuses (a tool result: tool calling is not implemented) is one validation error whose
+    `param` is that message's field, not wrapped as a chat template failure of `messages`."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES + [{"role": "tool", "content": "4", "tool_call_id": "1"}],
+                                       max_tokens=2)
+    assert e.value.param == "messages[1].role" and e.value.message.count("Input validation error") == 1, e.value.message
+    assert "chat template" not in e.value.message
+
+
+NON_FINITE = [
+    ("/generate", '{"inputs": "The tower is", "parameters": {"do_sample": true, "repetition_penalty": NaN, "max_new_tokens": 2}}',
+     "repetition_penalty"),
+    ("/generate", '{"inputs": "The tower is", "parameters": {"temperature": Infinity, "max_new_tokens": 2}}', "temperature"),
+    ("/v1/completions", '{"prompt": "The tower is", "temperature": NaN, "max_tokens": 2}', "temperature"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "top_p": NaN, "max_tokens": 2}', "top_p"),
+]
+
+
+def test_non_finite_numbers_are_refused(url):
+    """NaN and Infinity (which Python's json writes by default) are a 422 naming the field, not a garbled or failed
+    generation (the official clients refuse to send them)."""
+    for path, body, name in NON_FINITE:
+        r = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422, (body, r.status_code, r.text)
+        message = r.json()["error"]["message"] if path.startswith("/v1/") else r.json()["error"]
+        assert re.search(rf"`(parameters\.)?{name}`: Input should be a finite number", message), message
 
 
 def test_error_json_and_content_type(url):
