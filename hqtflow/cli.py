@@ -490,7 +490,7 @@ app.add_typer(serve_app, name="serve")
 TGI_ENV = {"max_batch_size": "MAX_BATCH_SIZE", "max_batch_total_tokens": "MAX_BATCH_TOTAL_TOKENS",
            "batch_bucket_size": "BATCH_BUCKET_SIZE", "prefill_batch_bucket_size": "PREFILL_BATCH_BUCKET_SIZE",
            "pad_sequence_to_multiple_of": "PAD_SEQUENCE_TO_MULTIPLE_OF", "warmup": "WARMUP_ENABLED",
-           "cuda_graphs": "CUDA_GRAPHS"}
+           "cuda_graphs": "CUDA_GRAPHS", "max_stop_sequences": "MAX_STOP_SEQUENCES"}
 
 
 def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
@@ -536,6 +536,7 @@ def _serve_command(kind: str, doc: str):
         max_batch_total_tokens: Annotated[Optional[int], typer.Option(help="KV tokens of the paged cache (TGI's flag; env MAX_BATCH_TOTAL_TOKENS; default: from free memory).")] = S.max_batch_total_tokens,
         kv_cache: Annotated[str, typer.Option(help="bf16 (the model's dtype), or fp8: the checkpoint's k_scale/v_scale (refused without them).")] = S.kv_cache,
         max_concurrent_requests: Annotated[int, typer.Option(help="Requests in flight before 429.")] = S.max_concurrent_requests,
+        max_stop_sequences: Annotated[int, typer.Option(help="Stop sequences a request may give (TGI's flag; env MAX_STOP_SEQUENCES). More than TGI's and OpenAI's 4: lm-eval sends a task's whole stop list plus EOS.")] = S.max_stop_sequences,
         api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` (env HQTFLOW_API_KEY).")] = S.api_key,
         batch_bucket_size: Annotated[int, typer.Option(help="Pad a decode step to a multiple of tokens (one per sequence) (env BATCH_BUCKET_SIZE).")] = S.batch_bucket_size,
         prefill_batch_bucket_size: Annotated[int, typer.Option(help="A step with prefill is padded to a multiple of this x PAD_SEQUENCE_TO_MULTIPLE_OF tokens (env PREFILL_BATCH_BUCKET_SIZE).")] = S.prefill_batch_bucket_size,
@@ -556,7 +557,7 @@ def _serve_command(kind: str, doc: str):
         settings = serve_settings(ctx, dict(
             max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens, max_batch_size=max_batch_size,
             max_batch_prefill_tokens=max_batch_prefill_tokens, max_batch_total_tokens=max_batch_total_tokens,
-            kv_cache=kv_cache, max_concurrent_requests=max_concurrent_requests, api_key=api_key,
+            kv_cache=kv_cache, max_concurrent_requests=max_concurrent_requests, max_stop_sequences=max_stop_sequences, api_key=api_key,
             batch_bucket_size=batch_bucket_size, prefill_batch_bucket_size=prefill_batch_bucket_size,
             pad_sequence_to_multiple_of=pad_sequence_to_multiple_of, warmup=warmup, cuda_graphs=cuda_graphs))
         from hqtflow.runtime.server import serve

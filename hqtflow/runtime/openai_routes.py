@@ -99,7 +99,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
         return SamplingParams(max_new_tokens=max_new, do_sample=temperature > 0, temperature=temperature or 1.0,
                               top_p=data.top_p or 1.0, presence_penalty=data.presence_penalty or 0.0,
                               frequency_penalty=data.frequency_penalty or 0.0, logit_bias=bias or None,
-                              stop=stop_list(data.stop), seed=data.seed, top_n=top_n, prompt_logprobs=prompt_logprobs,
+                              stop=stop_list(data.stop, s.max_stop_sequences), seed=data.seed, top_n=top_n, prompt_logprobs=prompt_logprobs,
                               grammar=grammar)
 
     def jobs_for(prompts, make, count: int, seed):

@@ -11,7 +11,6 @@ from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-MAX_STOP = 4
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 MAX_BEST_OF = 4
 MAX_BODY = 1 << 20
@@ -95,12 +94,13 @@ class Strict(BaseModel):
 Stop = Union[str, list[str], None]
 
 
-def stop_list(stop: Stop) -> tuple[str, ...]:
+def stop_list(stop: Stop, limit: int) -> tuple[str, ...]:
+    """The request's stop sequences, at most `limit` (`--max-stop-sequences`), none empty."""
     stop = [stop] if isinstance(stop, str) else stop or []
     if not all(stop):
         raise invalid("`stop` sequences cannot be empty")
-    if len(stop) > MAX_STOP:
-        raise invalid(f"`stop` supports up to {MAX_STOP} stop sequences. Given: {len(stop)}")
+    if len(stop) > limit:
+        raise invalid(f"`stop` supports up to {limit} stop sequences (--max-stop-sequences). Given: {len(stop)}")
     return tuple(stop)
 
 

@@ -20,7 +20,7 @@ from hqtflow.runtime.api import Ctx, ServeSettings
 from hqtflow.runtime.engine import Engine, SamplingParams
 from hqtflow.runtime.metrics import Metrics, metrics_router
 from hqtflow.runtime.openai_routes import openai_router
-from hqtflow.runtime.schemas import MAX_BODY, MAX_STOP, ApiError, openai_error  # noqa: F401 - re-exported
+from hqtflow.runtime.schemas import MAX_BODY, ApiError, openai_error  # noqa: F401 - re-exported
 from hqtflow.runtime.tgi_routes import tgi_router
 
 

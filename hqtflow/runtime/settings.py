@@ -17,6 +17,9 @@ class ServeSettings:
     max_batch_total_tokens: int | None = None  # KV tokens of the paged cache (None: from free memory)
     kv_cache: str = "bf16"  # or "fp8": the checkpoint's k_scale/v_scale
     max_concurrent_requests: int = 128
+    # stop sequences a request may give (TGI's flag; TGI and OpenAI allow 4): more, because lm-eval's
+    # local-completions sends a task's whole `until` list plus the EOS token (humaneval: 6)
+    max_stop_sequences: int = 16
     api_key: str | None = None
     batch_bucket_size: int = 1
     prefill_batch_bucket_size: int = 1

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hqtflow.runtime.api import Ctx, Sequence
 from hqtflow.runtime.engine import SamplingParams
 from hqtflow.runtime.grammar import GrammarError, compile_grammar
-from hqtflow.runtime.schemas import (MAX_BEST_OF, MAX_STOP, MAX_TOP_N_TOKENS, ApiError, TgiParameters, TgiRequest,
+from hqtflow.runtime.schemas import (MAX_BEST_OF, MAX_TOP_N_TOKENS, ApiError, TgiParameters, TgiRequest,
                                      TokenizeRequest, invalid, parse, read_body, stop_list)
 
 
@@ -35,7 +35,7 @@ def sampling(ctx: Ctx, p: TgiParameters, n_input: int, default_max_new: int = 10
         max_new_tokens=ctx.max_new(n_input, p.max_new_tokens, default_max_new), do_sample=p.sampling,
         temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
         repetition_penalty=p.repetition_penalty or 1.0, tgi_frequency_penalty=p.frequency_penalty or 0.0,
-        stop=stop_list(p.stop), seed=p.seed, watermark=p.watermark, top_n=p.top_n_tokens or 0,
+        stop=stop_list(p.stop, ctx.s.max_stop_sequences), seed=p.seed, watermark=p.watermark, top_n=p.top_n_tokens or 0,
         prompt_logprobs=0 if p.decoder_input_details else None, grammar=grammar)
 
 
@@ -135,7 +135,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         from hqtflow import __version__
 
         return {"model_id": s.model_id, "model_sha": None, "model_dtype": s.dtype, "model_device_type": ctx.engine.device.type,
-                "max_concurrent_requests": s.max_concurrent_requests, "max_best_of": MAX_BEST_OF, "max_stop_sequences": MAX_STOP,
+                "max_concurrent_requests": s.max_concurrent_requests, "max_best_of": MAX_BEST_OF, "max_stop_sequences": s.max_stop_sequences,
                 "max_input_tokens": s.max_input_tokens, "max_total_tokens": s.max_total_tokens, "validation_workers": 1,
                 "max_client_batch_size": 1, "max_top_n_tokens": MAX_TOP_N_TOKENS, "router": "hqtflow", "version": __version__}
 

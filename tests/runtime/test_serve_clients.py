@@ -182,6 +182,26 @@ def test_openai_chat_n_logprobs_usage_and_json(url, lm):
     assert json.loads(js.choices[0].message.content) in ("yes", "no") and js.choices[0].finish_reason == "stop"
 
 
+def test_openai_stop_lists_as_lm_eval_sends_them(url):
+    """lm-eval's local-completions sends a task's whole `until` list plus EOS (humaneval: 6 strings), more than
+    OpenAI's 4: accepted up to --max-stop-sequences (16), the text ends before the first stop found; more is a 422
+    naming `stop`, and /info says the limit."""
+    from openai import OpenAI
+
+    c = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    full = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    stop = full[4:7]
+    assert len(stop) == 3, full
+    until = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
+    until = [u for u in until if u not in full] + [stop]
+    out = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=until).choices[0]
+    assert (out.text, out.finish_reason) == (full[:full.find(stop)], "stop")
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stop": [f"s{i}" for i in range(17)]})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "stop", r.text
+    assert "up to 16" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/info").json()["max_stop_sequences"] == 16
+
+
 def test_openai_n_with_the_largest_seed(url):
     """n sequences with seed S sample with S, S + 1, ... wrapped at 2**64: the largest accepted seed is no 500."""
     openai = client_lib("openai")
