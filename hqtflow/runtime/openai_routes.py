@@ -197,6 +197,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
         if fmt is None or fmt.type == "text":
             return None
         try:
+            if fmt.value is not None:  # TGI's grammar types: json (alias json_object) or regex, in `value`
+                return compile_grammar(tok, "regex" if fmt.type == "regex" else "json", fmt.value)
             if fmt.type == "json_object":
                 return compile_grammar(tok, "json_object")
             return compile_grammar(tok, "json", fmt.json_schema.schema_)

@@ -249,8 +249,27 @@ class JsonSchema(Strict):
 
 
 class ResponseFormat(Strict):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's `text`, `json_object` (any JSON) and `json_schema` (its schema in `json_schema`), or TGI's grammar
+    types: `json` or `json_object` with a JSON schema (object or string) in `value` (huggingface_hub's
+    `chat_completion` sends an OpenAI `json_schema` so), `regex` with a pattern in `value`, `json_schema` with
+    `value` {name, schema}."""
+    type: Literal["text", "json_object", "json_schema", "json", "regex"]
     json_schema: JsonSchema | None = None
+    value: Union[dict, str, None] = None
+
+    @model_validator(mode="after")
+    def _value(self):
+        if self.type == "json_schema" and self.json_schema is None and isinstance(self.value, dict):
+            self.json_schema, self.value = JsonSchema.model_validate(self.value), None
+        wants = {"json": (dict, str), "json_object": (dict, str), "regex": str}.get(self.type)
+        if self.type == "json_object" and self.value is None:  # OpenAI's: any JSON
+            return self
+        if wants is None and self.value is not None:
+            raise ValueError(f"`response_format.value` is not used with type {self.type!r}")
+        if wants is not None and (not isinstance(self.value, wants) or not self.value):
+            what = "a regular expression" if self.type == "regex" else "a JSON schema"
+            raise ValueError(f"`response_format.value` must be {what} for type {self.type!r}")
+        return self
 
 
 class ChatRequest(OpenAICommon):

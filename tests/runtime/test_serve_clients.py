@@ -182,6 +182,29 @@ def test_openai_chat_n_logprobs_usage_and_json(url, lm):
     assert json.loads(js.choices[0].message.content) in ("yes", "no") and js.choices[0].finish_reason == "stop"
 
 
+def test_huggingface_hub_chat_with_tgi_response_formats(url, monkeypatch):
+    """huggingface_hub's `chat_completion` documents TGI's grammar types as `response_format`: `json` with a schema
+    in `value` (object or string), `regex`, and `json_schema` with `value`; it sends OpenAI's `json_schema` as
+    TGI's `json_object` with the schema in `value`. A wrong `value` is a 422 naming it."""
+    hub = client_lib("huggingface_hub")
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)
+    c = hub.InferenceClient(base_url=url, timeout=60)
+    schema = {"enum": ["yes", "no"]}
+    for fmt in ({"type": "json", "value": schema}, {"type": "json", "value": json.dumps(schema)},
+                {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}):  # sent as json_object + value
+        out = c.chat_completion(MESSAGES, max_tokens=10, temperature=0, response_format=fmt).choices[0]
+        assert json.loads(out.message.content) in ("yes", "no") and out.finish_reason == "stop", fmt
+    tgi_schema = {"type": "json_schema", "value": {"name": "a", "schema": schema}}  # TGI's form (the hub cannot send it)
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 10, "response_format": tgi_schema})
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) in ("yes", "no"), r.text
+    out = c.chat_completion(MESSAGES, max_tokens=10, temperature=0, response_format={"type": "regex", "value": "(ab|cd)e"})
+    assert out.choices[0].message.content in ("abe", "cde")
+    for fmt, name in (({"type": "regex", "value": {"a": 1}}, "response_format.value"),
+                      ({"type": "json"}, "response_format.value"), ({"type": "text", "value": "x"}, "response_format.value")):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "response_format": fmt})
+        assert r.status_code == 422 and name in r.json()["error"]["message"], (fmt, r.text)
+
+
 def test_openai_stop_lists_as_lm_eval_sends_them(url):
     """lm-eval's local-completions sends a task's whole `until` list plus EOS (humaneval: 6 strings), more than
     OpenAI's 4: accepted up to --max-stop-sequences (16), the text ends before the first stop found; more is a 422
