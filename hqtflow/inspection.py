@@ -220,7 +220,7 @@ def _pow2_flags(stats: dict[str, dict]) -> tuple[dict[str, dict], list[dict]]:
         for stat, rule in (("input", method.activation), ("output", method.activation), ("weight", method.weight)):
             if stat not in s:
                 continue
-            # the pow2 scale the statistic implies before hqtflow's SCALE_FLOOR: a near-zero statistic shows as tiny
+            # the pow2 scale the statistic implies before hqtflow's floor (`scales.floored`): near-zero shows as tiny
             raw = torch.tensor(s[stat]).to(torch.bfloat16) / (full_scale() * rule.backoff)
             sc = float(apply_rounding(raw, rule.rounding, "cpu")) if s[stat] > 0 else 0.0
             row[stat] = sc

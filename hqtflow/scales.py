@@ -9,11 +9,11 @@ is input scale * weight scale.
 Like INC, the raw scale of a measured statistic is computed in `hp_dtype` (bf16 by default): the statistic is cast
 to hp_dtype before dividing, so power-of-two scales equal INC's exactly.
 
-Every computed scale is at least SCALE_FLOOR = 2^-14 (weights, activations, KV alike): an all-zero tensor gets
-that floor instead of a zero scale (its values quantize to 0 exactly with any positive scale), and no scale is ever
-denormal: 2^-14 is the smallest normal float16, so it is normal in every hp_dtype, and a power of two, so every
-rounding keeps it. Only tensors with maxabs below 2^-14 * F * backoff (about 0.007 for E4M3 activations) are
-affected. Negative or non-finite statistics never get here: reading a measurement refuses them
+Every computed scale is at least the smallest normal number of its dtype (`floored`: 2^-126 in bf16 and fp32,
+2^-14 in fp16), never zero or denormal: an all-zero tensor gets that floor instead of a zero scale (its values
+quantize to 0 exactly with any positive scale). INC floors a per-channel scale at bf16's smallest normal too, so
+scales equal INC's down to that floor; E5M2's full scale (57344) makes scales below 2^-14 the common case there.
+Negative or non-finite statistics never get here: reading a measurement refuses them
 (`hqtflow.formats.measurement.check_statistics`).
 
 Off Gaudi ("cpu", "cuda") there is no hardware scale set: hqtflow defines HW_ALIGNED there as Gaudi3's rule (powers
@@ -34,11 +34,11 @@ TARGETS = ("gaudi2", "gaudi3", "cpu", "cuda")
 FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
 HP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # config.HP_DTYPES' torch dtypes
 WEIGHT_BACKOFF, ACTIVATION_BACKOFF = 0.5, 0.25
-SCALE_FLOOR = 2.0**-14  # the least scale hqtflow writes (see the module doc)
 
 
 def floored(s: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(s, min=SCALE_FLOOR)
+    """`s` with every value at least the smallest normal number of its dtype (see the module doc)."""
+    return torch.clamp(s, min=torch.finfo(s.dtype).tiny)
 
 
 def full_scale(fp8: str = "E4M3", target: str = "cpu") -> float:
@@ -381,7 +381,7 @@ def weight_scale(w: torch.Tensor, rule: Rule, *, target: str = "cpu", fp8: str =
         return apply_rounding(torch.tensor(1.0, dtype=hp, device=dev), rule.rounding, target)
     if rule.granularity == "PCS":
         src = own if inc else w
-        ref = floored(apply_rounding(src.abs().amax(dim=1) / (F * rule.backoff), rule.rounding, target)).to(hp)
+        ref = floored(apply_rounding(src.abs().amax(dim=1) / (F * rule.backoff), rule.rounding, target).to(hp))
         if rule.value == "MSE":
             return _least_squares_per_channel(w, ref, rule.candidates, fp8, F)
         if rule.value != "OPT":

@@ -357,3 +357,26 @@ def test_per_channel_weight_scales_of_a_non_hp_dtype_model_equal_inc(inc, tiny_l
         assert torch.equal(ours.float(), theirs.float()), (name, int((ours.float() != theirs.float()).sum()))
         compared += theirs.numel()
     assert compared > 1000
+
+
+@pytest.mark.parametrize("method", ["maxabs_pow2", "act_maxabs_pow2_weights_pcs_maxabs_pow2"])
+def test_e5m2_scales_equal_inc(inc, tiny_llama, measured, stats, method, tmp_path):
+    """fp8_config E5M2: a full scale of 57344 puts most scales below 2^-14 (the tiny model's weights near 2^-18);
+    every input and weight scale equals INC's, none raised to a floor above bf16's smallest normal."""
+    work = tmp_path / "artifact"
+    shutil.copytree(measured, work)
+    cfg = inc.FP8Config(mode="QUANTIZE", observer="maxabs", scale_method=method, use_qdq=True, fp8_config="E5M2",
+                        dump_stats_path=str(work / "measure"))
+    patched = inc_patched(inc.convert(load_bf16(tiny_llama), cfg))
+    m = scale_method(method, "cpu")
+    model = load_bf16(tiny_llama)
+    below = 0
+    for name, mod in patched.items():
+        sc = linear_scales(m, stats[name].inputs[0], model.get_submodule(name).weight, target="cpu", fp8="E5M2",
+                           hp_dtype="bf16")
+        theirs = mod._mod_extra_config.scale
+        inc_w = theirs.params["weight"]
+        inc_w = inc_w[0] if isinstance(inc_w, dict) else inc_w
+        assert torch.equal(sc.input, theirs.inputs[0]) and torch.equal(sc.weight, inc_w), name
+        below += int((sc.weight.float() < 2.0**-14).sum())
+    assert below > 0

@@ -167,11 +167,9 @@ def _dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def scale_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """amax / 448 in `dtype`, rounded up (never below the float32 value, so x / s never exceeds 448), at least
-    hqtflow's SCALE_FLOOR (an all-zero tensor gets the floor, as in `hqtflow.scales`)."""
-    from hqtflow.scales import SCALE_FLOOR
-
-    s32 = torch.clamp(amax.float() / E4M3_MAX, min=SCALE_FLOOR)
+    """amax / 448 in `dtype`, rounded up (never below the float32 value, so x / s never exceeds 448), at least the
+    smallest normal number of `dtype` (an all-zero tensor gets that floor, as in `hqtflow.scales`)."""
+    s32 = torch.clamp(amax.float() / E4M3_MAX, min=torch.finfo(dtype).tiny)
     s = s32.to(dtype)
     low = s.float() < s32
     if low.any():

@@ -308,15 +308,15 @@ def set_backend(model: nn.Module, backend: str) -> int:
 
 def compute_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Run `model`'s high-precision parts in `dtype` (e.g. bf16 -> fp32 on CPUs without native bf16): every
-    parameter and buffer in the model's current high-precision dtype is cast (FP8 weights and float32 KV scales keep
-    theirs), and each FP8Linear computes in `dtype`. bf16 -> fp32 is exact: the same model as loading its checkpoint
-    with that dtype."""
+    parameter and buffer in the model's current high-precision dtype is cast (FP8 weights and every scale keep
+    theirs: a bf16 scale below 2^-14 has no float16 equivalent), and each FP8Linear computes in `dtype`. The same
+    model as loading its checkpoint with that dtype."""
     old = next((p.dtype for p in model.parameters() if p.is_floating_point()), dtype)
     if old == dtype:
         return model
     for mod in model.modules():
         for name, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
-            if t is not None and t.dtype == old:
+            if t is not None and t.dtype == old and not name.endswith("_scale"):
                 t.data = t.data.to(dtype)
         if isinstance(mod, FP8Linear):
             mod.hp_dtype = dtype

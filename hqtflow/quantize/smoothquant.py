@@ -127,7 +127,7 @@ def convert_smoothquant(model: nn.Module, names: list[str], meas, method_name: s
         lin = model.get_submodule(name)
         if name in posts:  # weight scales from the final (folded) weights
             s_in = floored(posts[name].to(hp))
-            s_w = _weight_scale(lin.weight.detach(), method_name, F, fp8).to(hp)
+            s_w = floored(_weight_scale(lin.weight.detach(), method_name, F, fp8).to(hp))
         else:
             sc = linear_scales(fallback, meas.nodes[name].inputs[0], lin.weight, target=target, fp8=fp8, hp_dtype=hp_dtype)
             s_in, s_w = sc.input, sc.weight
