@@ -56,6 +56,21 @@ def checkpoint_is_current(q) -> bool:
             and m.raw.get("config") == quant_config(q).to_dict())
 
 
+def check_own_output(out: Path, kind: str) -> None:
+    """`run` replaces its own artifacts when stale; anything else already at `out` is refused, never clobbered."""
+    from hqtflow.formats.artifact import artifact_kind
+
+    if not (out.exists() or out.is_symlink()):
+        return
+    try:
+        found = artifact_kind(out)
+    except ArtifactError:
+        found = None
+    if found != kind:
+        raise ArtifactError(f"{out} exists and is not an hqtflow {kind.split('.')[-1]} artifact; `hqtflow run` replaces "
+                            "only its own outputs: move it away or choose another output (nothing was written).")
+
+
 def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo: Callable[[str], None] = print) -> Path:
     from hqtflow.choices import KVCache
     from hqtflow.eval_run import run_eval
@@ -68,6 +83,8 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     r = load_recipe(recipe)
     ms = measure_settings(r, overrides, overwrite=True)
     root = Path(ms.output).parent
+    check_own_output(Path(ms.output), ArtifactKind.MEASUREMENT)
+    check_own_output(root / "fp8", ArtifactKind.CHECKPOINT)
     kv_missing = r.quantize.kv_cache == KVCache.FP8 and not (Path(ms.output) / KV_FILE).exists()
     if not force and not kv_missing and measurement_is_current(ms):
         echo(f"measure: {ms.output} is up to date, skipped.")

@@ -432,9 +432,26 @@ CASES = {
     "serve/-m a partial measurement": (lambda c: serve(c.model, "-m", c.partial("m")), "unfinished output"),
     # run (recipes)
     "run/recipe nested too deep": (lambda c: ["run", write(c.w / "r.yaml", "x: " + DEEP + "\n")], "is not valid YAML"),
+    "run/a foreign fp8 dir where the checkpoint goes": (lambda c: ["run", recipe(c, foreign_dir(c.w / "fp8"))],
+                                                       "is not an hqtflow checkpoint artifact"),
+    "run/-o a foreign dir": (lambda c: ["run", recipe(c), "-o", foreign_dir(c.w / "mine")],
+                             "is not an hqtflow measurement artifact"),
     "run/recipe not UTF-8": (lambda c: ((c.w / "r.yaml").write_bytes(b"\xff\xfe\x00\x01"), ["run", c.w / "r.yaml"])[1],
                              "is not valid YAML"),
 }
+
+
+def recipe(c, *_):
+    """A small recipe for the tiny model whose outputs go into the work dir (measurement `meas`, checkpoint `fp8`)."""
+    return write(c.w / "r.yaml", f"model: {c.model}\ncalibration:\n  text: {c.text}\n  limit: 1\n"
+                                 f"max_length: 16\noutput: {c.w / 'meas'}\n")
+
+
+def foreign_dir(d):
+    """A directory of the user's own that happens to sit where an output goes."""
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    return d
 
 
 def config(d, **changes):
