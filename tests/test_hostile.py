@@ -432,8 +432,11 @@ CASES = {
     "serve/-m a partial measurement": (lambda c: serve(c.model, "-m", c.partial("m")), "unfinished output"),
     # run (recipes)
     "run/recipe nested too deep": (lambda c: ["run", write(c.w / "r.yaml", "x: " + DEEP + "\n")], "is not valid YAML"),
-    "run/a foreign fp8 dir where the checkpoint goes": (lambda c: ["run", recipe(c, foreign_dir(c.w / "fp8"))],
+    "run/a foreign fp8 dir where the checkpoint goes": (lambda c: (foreign_dir(c.w / "fp8"), ["run", recipe(c)])[1],
                                                        "is not an hqtflow checkpoint artifact"),
+    "run/eval.json not a report of run": (lambda c: (write(c.w / "eval.json", "my notes"),
+                                                     ["run", recipe(c, f"eval:\n  ppl_file: {c.text}\n")])[1],
+                                          "is not a report of `hqtflow run`"),
     "run/-o a foreign dir": (lambda c: ["run", recipe(c), "-o", foreign_dir(c.w / "mine")],
                              "is not an hqtflow measurement artifact"),
     "run/recipe not UTF-8": (lambda c: ((c.w / "r.yaml").write_bytes(b"\xff\xfe\x00\x01"), ["run", c.w / "r.yaml"])[1],
@@ -441,10 +444,10 @@ CASES = {
 }
 
 
-def recipe(c, *_):
+def recipe(c, extra=""):
     """A small recipe for the tiny model whose outputs go into the work dir (measurement `meas`, checkpoint `fp8`)."""
     return write(c.w / "r.yaml", f"model: {c.model}\ncalibration:\n  text: {c.text}\n  limit: 1\n"
-                                 f"max_length: 16\noutput: {c.w / 'meas'}\n")
+                                 f"max_length: 16\noutput: {c.w / 'meas'}\n{extra}")
 
 
 def foreign_dir(d):
