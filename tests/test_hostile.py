@@ -235,6 +235,11 @@ CASES = {
                                                "config.json is not a valid model config"),
     "measure/binary text": (lambda c: ((c.w / "b.txt").write_bytes(b"\xff\xfe\x00\x81"),
                                        ["measure", c.model, "--text", c.w / "b.txt", "-o", c.out])[1], "not UTF-8"),
+    "measure/--data-dir task file not JSON lines": (lambda c: measure(c.model, c, "--tasks", "piqa_local", "--data-dir",
+                                                                      data_dir(c, "piqa.jsonl", "garbage\n")),
+                                                    "line 1 is not a JSON object"),
+    "measure/--data-dir task file empty": (lambda c: measure(c.model, c, "--tasks", "piqa_local", "--data-dir",
+                                                             data_dir(c, "piqa.jsonl", "")), "is empty"),
     # quantize
     "quantize/negative statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(-4.0)))), "negative input statistic"),
     "quantize/nan statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(float("nan"))))), "non-finite input"),
@@ -413,6 +418,9 @@ CASES = {
                                           ["eval", c.ck, "--no-baseline", "--ppl-file", c.w / "b.txt"])[1], "not UTF-8"),
     "eval/empty --ppl-file": (lambda c: ((c.w / "e.txt").write_text(" \n"),
                                          ["eval", c.ck, "--no-baseline", "--ppl-file", c.w / "e.txt"])[1], "is empty"),
+    "eval/--data-dir task record without a field": (lambda c: ["eval", c.ck, "--no-baseline", "--tasks", "piqa_local",
+                                                               "--data-dir", data_dir(c, "piqa.jsonl", '{"goal": 1}\n')],
+                                                      "line 1 has no field 'choices'"),
     "eval/partial checkpoint": (lambda c: ["eval", c.partial("ck"), "--no-baseline", "--ppl-file", c.text],
                                 "unfinished output"),
     "eval/truncated checkpoint, hashes rewritten": (lambda c: ["eval", rehash(trunc_ck(c)), "--no-baseline",
@@ -442,6 +450,14 @@ CASES = {
     "run/recipe not UTF-8": (lambda c: ((c.w / "r.yaml").write_bytes(b"\xff\xfe\x00\x01"), ["run", c.w / "r.yaml"])[1],
                              "is not valid YAML"),
 }
+
+
+def data_dir(c, name, text):
+    """A --data-dir holding one task file with `text`."""
+    d = c.w / "data"
+    d.mkdir()
+    write(d / name, text)
+    return d
 
 
 def recipe(c, extra=""):
