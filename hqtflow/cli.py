@@ -240,6 +240,20 @@ Backend = Annotated[str, typer.Option(help="FP8 matmul: auto (CPU kernel / CUDA 
 ComputeDtype = Annotated[str, typer.Option("--dtype", help="High-precision compute dtype: auto (bf16 with native bf16 dot products or on GPUs, else fp32), bf16, fp16 or fp32.")]
 
 
+def _chat_prompt(tok, prompt: str, model: Optional[str]) -> str:
+    """`prompt` as a user turn in the tokenizer's chat template; a model without a usable template is refused."""
+    from jinja2 import TemplateError
+
+    from hqtflow.errors import ModelError
+
+    if not getattr(tok, "chat_template", None):
+        raise ModelError(f"The tokenizer of {model or 'smollm2'} has no chat template; drop --chat.")
+    try:
+        return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:
+        raise ModelError(f"The chat template of {model or 'smollm2'} fails ({type(e).__name__}: {e}); drop --chat.") from None
+
+
 @app.command()
 @user_errors
 def generate(
@@ -282,7 +296,7 @@ def generate(
                               backend=backend, dtype=dtype)
     else:
         m, tok, _ = load_any(model, dtype, backend=backend)
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt
+    text = _chat_prompt(tok, prompt, model) if chat else prompt
     if inc_device is not None:
         ids = inc.prompt_inputs(tok, text, inc_device, add_special_tokens=not chat)
     else:
