@@ -301,6 +301,8 @@ def generate(
         ids = inc.prompt_inputs(tok, text, inc_device, add_special_tokens=not chat)
     else:
         ids = tok(text, return_tensors="pt", add_special_tokens=not chat)
+    if ids["input_ids"].shape[1] == 0:
+        raise HqtflowError("The prompt is empty (no tokens): give some text with -p.")
     with torch.inference_mode():
         if engine == "serve":
             from hqtflow.runtime.engine import Engine, SamplingParams

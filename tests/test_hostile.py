@@ -413,6 +413,7 @@ CASES = {
                                                      "quantization_config is not an object"),
     "generate/config field of the wrong type, hashes rewritten": (
         lambda c: gen(rehash(config(c.copy("ck"), num_hidden_layers="two"))), "config.json is not a valid model config"),
+    "generate/empty prompt": (lambda c: [*gen(c.ck), "-p", ""], "The prompt is empty"),
     "generate/--chat without a chat template": (lambda c: [*gen(c.ck), "--chat"], "has no chat template"),
     # eval
     "eval/binary --ppl-file": (lambda c: ((c.w / "b.txt").write_bytes(bytes(range(256))),
