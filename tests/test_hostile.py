@@ -263,6 +263,8 @@ CASES = {
     "quantize/-o inside the measurement": (lambda c: quantize(c, c.copy("m"))[:-1] + [c.w / "m" / "x"], "lies inside"),
     "quantize/-o is the model": (lambda c: ["quantize", c.copy("model"), "-m", c.m, "-o", c.w / "model", "--overwrite"],
                                  "is the input"),
+    "quantize/-o a dangling symlink": (lambda c: (os.symlink(c.w / "gone", c.w / "link"),
+                                                  [*quantize(c, c.m)[:-1], c.w / "link"])[1], "already exists"),
     "quantize/measurement is a partial dir": (lambda c: quantize(c, c.partial("m")), "unfinished output"),
     "quantize/measurement holds the marker": (lambda c: quantize(c, marked(c.copy("m"))), "unfinished output"),
     "quantize/foreign partial dir": (lambda c: quantize(c, c.partial("f1")), "unfinished output"),
@@ -544,7 +546,7 @@ def other_model(raw):
 
 
 def snapshot(d):
-    return {str(p.relative_to(d)): (p.is_dir(), p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns)
+    return {str(p.relative_to(d)): (p.is_dir(), p.lstat().st_size if p.is_file() else 0, p.lstat().st_mtime_ns)
             for p in d.rglob("*")}
 
 

@@ -199,7 +199,7 @@ def check_output_dir(out: Path, overwrite: bool, inputs=()) -> None:
             how = "is" if target == src else ("lies inside" if target.is_relative_to(src) else "contains")
             raise ArtifactError(f"Output {out} {how} the input {i}; choose an output outside every input "
                                 "(nothing was written).")
-    if out.exists() and not overwrite:
+    if (out.exists() or out.is_symlink()) and not overwrite:  # a dangling symlink is in the way too
         raise ArtifactError(f"Output {out} already exists; pass --overwrite to replace it.")
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"Output {out} exists and is not a directory; nothing was replaced.")
