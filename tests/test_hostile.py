@@ -82,6 +82,11 @@ def rehash(d):
     return d
 
 
+def edit_manifest(d, fn):
+    edit_json(d / MANIFEST, fn)
+    return d
+
+
 def manifest(d, **changes):
     edit_json(d / MANIFEST, lambda m: m.update(changes))
     return d
@@ -255,6 +260,9 @@ CASES = {
                                        "outside itself"),
     "quantize/manifest stem outside": (lambda c: quantize(c, rehash_stem(c.copy("m"), "../../outside_dir/x")),
                                        "outside itself"),
+    "quantize/manifest without files": (
+        lambda c: quantize(c, edit_manifest(c.copy("m"), lambda m: {k: v for k, v in m.items() if k != "files"})), "corrupt"),
+    "quantize/manifest lists no files": (lambda c: quantize(c, manifest(c.copy("m"), files={})), "corrupt"),
     "quantize/manifest data not an object": (lambda c: quantize(c, manifest(c.copy("m"), data=[])), "corrupt"),
     "quantize/ranks disagree with world size": (lambda c: quantize(c, edit_data(c.copy("m"), world_size=2)),
                                                 "1 rank(s) for world size 2"),

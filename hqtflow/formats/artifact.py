@@ -324,8 +324,8 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
     if type(found_version) is not int or found_version < MIN_VERSION:
         raise ArtifactError(f"{mpath} has schema version {found_version!r}, which no hqtflow writes "
                             f"(this one reads v{MIN_VERSION} to v{max_version}).")
-    files = raw.get("files", {})
-    if not isinstance(files, dict) or not isinstance(raw.get("data", {}), dict) or \
+    files = raw.get("files")  # every artifact has files: none listed would leave them all unchecked
+    if not isinstance(files, dict) or not files or not isinstance(raw.get("data", {}), dict) or \
             not isinstance(raw.get("model"), (dict, type(None))):
         raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).")
     for rel in files:
