@@ -207,6 +207,10 @@ def gen(ck):
     return ["generate", ck, "--max-new-tokens", "1"]
 
 
+def bench(ck):
+    return ["bench", ck, "--batch-sizes", "1", "--prompt-length", "4", "--decode-length", "2", "--runs", "1", "--warmup", "0"]
+
+
 def serve(target, *extra):
     return ["serve", "fp8", target, "--port", str(free_port()), *extra]
 
@@ -450,6 +454,10 @@ CASES = {
                                                             "does not match its config.json"),
     "serve/-m with a nan statistic": (lambda c: serve(c.model, "-m", rehash(stats(c.copy("i1"), node(float("nan"))))), "non-finite"),
     "serve/-m a partial measurement": (lambda c: serve(c.model, "-m", c.partial("m")), "unfinished output"),
+    # bench
+    "bench/--json inside the checkpoint": (lambda c: [*bench(c.copy("ck")), "--json", c.w / "ck" / "b.json"], "lies inside"),
+    "bench/--json under a file": (lambda c: [*bench(c.ck), "--json", write(c.w / "f", "x") / "b.json"],
+                                  "Cannot create the parent directory"),
     # run (recipes)
     "run/recipe nested too deep": (lambda c: ["run", write(c.w / "r.yaml", "x: " + DEEP + "\n")], "is not valid YAML"),
     "run/a foreign fp8 dir where the checkpoint goes": (lambda c: (foreign_dir(c.w / "fp8"), ["run", recipe(c)])[1],
@@ -593,7 +601,7 @@ def test_cases_cover_every_stage():
     for case in CASES:
         per_stage[case.split("/")[0]] = per_stage.get(case.split("/")[0], 0) + 1
     assert set(per_stage) == {"measure", "quantize", "unify", "import-hqt", "export", "inspect", "generate", "eval", "serve",
-                              "run"}
+                              "bench", "run"}
     assert sum(per_stage.values()) >= 80, per_stage
 
 
