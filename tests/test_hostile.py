@@ -622,6 +622,19 @@ def test_stale_partials_of_dead_processes_are_removed(base, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "u"])
 
 
+def test_overwriting_a_symlinked_output_leaves_no_backup(base, tmp_path):
+    """--overwrite of an output that is a symlink replaces the link; the linked directory and its files stay as they were,
+    and no `.out.old-*` link is left behind."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    (tmp_path / "u").symlink_to(target)
+    r = run_cli("unify", "-g", "01", "-m", base["i2"], "-o", tmp_path / "u", "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target", "u"]
+    assert not (tmp_path / "u").is_symlink() and [p.name for p in target.iterdir()] == ["notes.txt"]
+
+
 def test_losing_writer_leaves_nothing(tmp_path):
     from hqtflow.errors import ArtifactError
     from hqtflow.formats.artifact import StagingDir, staged_output

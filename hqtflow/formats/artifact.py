@@ -115,7 +115,9 @@ class StagingDir:
                 raise ArtifactError(f"Cannot move the finished output into {self.out} ({e.strerror}); "
                                     "nothing was replaced.") from None
             raise
-        if backup is not None:
+        if backup is not None and backup.is_symlink():  # `out` was a link: drop the link, never what it points to
+            backup.unlink()
+        elif backup is not None:
             shutil.rmtree(backup, ignore_errors=True)
         return self.out
 
