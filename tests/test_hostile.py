@@ -635,6 +635,31 @@ def test_overwriting_a_symlinked_output_leaves_no_backup(base, tmp_path):
     assert not (tmp_path / "u").is_symlink() and [p.name for p in target.iterdir()] == ["notes.txt"]
 
 
+@pytest.mark.slow
+def test_sigint_to_the_tp_launcher_alone_stops_the_ranks(tiny_llama, wiki_text, tmp_path):
+    """`kill -INT` of `measure --tp 2` itself (not Ctrl-C's whole process group): exit 130 and no rank runs on to
+    write the output afterwards."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "m"
+    p = subprocess.Popen([sys.executable, "-m", "hqtflow", "measure", str(tiny_llama), "-o", str(out), "--tp", "2",
+                          "--text", str(wiki_text), "--limit", "400", "--max-length", "128", "--batch-size", "1"],
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = ""
+    while "sample/s" not in seen:  # the ranks are calibrating
+        ch = p.stderr.read(1)
+        assert ch, seen
+        seen += ch
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=120)
+    time.sleep(5)  # an orphaned rank would have written its output by now
+    assert p.returncode == 130
+    assert not list(tmp_path.iterdir()), sorted(x.name for x in tmp_path.iterdir())
+
+
 def test_losing_writer_leaves_nothing(tmp_path):
     from hqtflow.errors import ArtifactError
     from hqtflow.formats.artifact import StagingDir, staged_output
