@@ -361,10 +361,13 @@ def write_handoff(plan: Plan, handoff_dir: Path) -> None:
     from hqtflow.formats.artifact import write_json_atomic
 
     handoff_dir = Path(handoff_dir)
-    for d in plan.dirs:
-        (handoff_dir / d).mkdir(parents=True, exist_ok=True)
-    for rel, cfg in plan.configs.items():
-        write_json_atomic(handoff_dir / rel, cfg)
+    try:
+        for d in plan.dirs:
+            (handoff_dir / d).mkdir(parents=True, exist_ok=True)
+        for rel, cfg in plan.configs.items():
+            write_json_atomic(handoff_dir / rel, cfg)
+    except OSError as e:
+        raise ArtifactError(f"Cannot write the hand-off directory {handoff_dir} ({e.strerror}).") from None
 
 
 def write_script(text: str, path: Path) -> None:

@@ -458,6 +458,9 @@ CASES = {
     "bench/--json inside the checkpoint": (lambda c: [*bench(c.copy("ck")), "--json", c.w / "ck" / "b.json"], "lies inside"),
     "bench/--json under a file": (lambda c: [*bench(c.ck), "--json", write(c.w / "f", "x") / "b.json"],
                                   "Cannot create the parent directory"),
+    # handoff
+    "handoff/--dir a file": (lambda c: ["handoff", c.m, "--to", "tgi-gaudi", "--dir", write(c.w / "f", "x")],
+                             "Cannot write the hand-off directory"),
     # run (recipes)
     "run/recipe nested too deep": (lambda c: ["run", write(c.w / "r.yaml", "x: " + DEEP + "\n")], "is not valid YAML"),
     "run/a foreign fp8 dir where the checkpoint goes": (lambda c: (foreign_dir(c.w / "fp8"), ["run", recipe(c)])[1],
@@ -601,7 +604,7 @@ def test_cases_cover_every_stage():
     for case in CASES:
         per_stage[case.split("/")[0]] = per_stage.get(case.split("/")[0], 0) + 1
     assert set(per_stage) == {"measure", "quantize", "unify", "import-hqt", "export", "inspect", "generate", "eval", "serve",
-                              "bench", "run"}
+                              "bench", "handoff", "run"}
     assert sum(per_stage.values()) >= 80, per_stage
 
 
