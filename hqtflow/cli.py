@@ -485,10 +485,11 @@ def handoff(
     if output is not None and (output.is_dir() or output.suffix == ""):
         raise HqtflowError(f"Cannot write the script {output}: name a file with a suffix (e.g. run.sh), not a directory.")
     job = h.plan_job(source, mode=mode, world_size=world_size, model=model, measurement=measurement, recipe=recipe)
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
     # each script gets its own folder of configs: two hand-offs never share (and overwrite) a QUANT_CONFIG copy
     directory = handoff_dir or (output.with_suffix("") if output is not None else Path("hqtflow-handoff"))
+    h.check_outside_artifact(job, directory, output)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
     plan = h.optimum_habana(job, directory) if to == "optimum-habana" else \
         h.tgi_gaudi(job, directory, image=image, port=port, volume=volume)
     h.write_handoff(plan, directory)

@@ -461,6 +461,10 @@ CASES = {
     # handoff
     "handoff/--dir a file": (lambda c: ["handoff", c.m, "--to", "tgi-gaudi", "--dir", write(c.w / "f", "x")],
                              "Cannot write the hand-off directory"),
+    "handoff/--dir inside the artifact": (lambda c: ["handoff", c.copy("m"), "--to", "tgi-gaudi", "--dir", c.w / "m" / "h"],
+                                          "lies inside the artifact"),
+    "handoff/-o inside the artifact": (lambda c: ["handoff", c.copy("m"), "--to", "tgi-gaudi", "-o", c.w / "m" / "run.sh"],
+                                       "lies inside the artifact"),
     # run (recipes)
     "run/recipe nested too deep": (lambda c: ["run", write(c.w / "r.yaml", "x: " + DEEP + "\n")], "is not valid YAML"),
     "run/a foreign fp8 dir where the checkpoint goes": (lambda c: (foreign_dir(c.w / "fp8"), ["run", recipe(c)])[1],
