@@ -240,6 +240,20 @@ Backend = Annotated[str, typer.Option(help="FP8 matmul: auto (CPU kernel / CUDA 
 ComputeDtype = Annotated[str, typer.Option("--dtype", help="High-precision compute dtype: auto (bf16 with native bf16 dot products or on GPUs, else fp32), bf16, fp16 or fp32.")]
 
 
+def _chat_prompt(tok, prompt: str, model: Optional[str]) -> str:
+    """`prompt` as a user turn in the tokenizer's chat template; a model without a usable template is refused."""
+    from jinja2 import TemplateError
+
+    from hqtflow.errors import ModelError
+
+    if not getattr(tok, "chat_template", None):
+        raise ModelError(f"The tokenizer of {model or 'smollm2'} has no chat template; drop --chat.")
+    try:
+        return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:
+        raise ModelError(f"The chat template of {model or 'smollm2'} fails ({type(e).__name__}: {e}); drop --chat.") from None
+
+
 @app.command()
 @user_errors
 def generate(
@@ -282,11 +296,13 @@ def generate(
                               backend=backend, dtype=dtype)
     else:
         m, tok, _ = load_any(model, dtype, backend=backend)
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True) if chat else prompt
+    text = _chat_prompt(tok, prompt, model) if chat else prompt
     if inc_device is not None:
         ids = inc.prompt_inputs(tok, text, inc_device, add_special_tokens=not chat)
     else:
         ids = tok(text, return_tensors="pt", add_special_tokens=not chat)
+    if ids["input_ids"].shape[1] == 0:
+        raise HqtflowError("The prompt is empty (no tokens): give some text with -p.")
     with torch.inference_mode():
         if engine == "serve":
             from hqtflow.runtime.engine import Engine, SamplingParams
@@ -469,10 +485,11 @@ def handoff(
     if output is not None and (output.is_dir() or output.suffix == ""):
         raise HqtflowError(f"Cannot write the script {output}: name a file with a suffix (e.g. run.sh), not a directory.")
     job = h.plan_job(source, mode=mode, world_size=world_size, model=model, measurement=measurement, recipe=recipe)
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
     # each script gets its own folder of configs: two hand-offs never share (and overwrite) a QUANT_CONFIG copy
     directory = handoff_dir or (output.with_suffix("") if output is not None else Path("hqtflow-handoff"))
+    h.check_outside_artifact(job, directory, output)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
     plan = h.optimum_habana(job, directory) if to == "optimum-habana" else \
         h.tgi_gaudi(job, directory, image=image, port=port, volume=volume)
     h.write_handoff(plan, directory)

@@ -40,8 +40,9 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
 
     if not tasks and not ppl_file:
         raise HqtflowError("Nothing to evaluate: give --tasks and/or --ppl-file.")
-    if limit is not None and limit < 1:
-        raise HqtflowError(f"--limit must be at least 1, not {limit}.")
+    for flag, value in (("--limit", limit), ("--batch-size", batch_size), ("--ppl-windows", ppl_windows)):
+        if value is not None and value < 1:
+            raise HqtflowError(f"{flag} must be at least 1, not {value}.")
     if ppl_file and not Path(ppl_file).is_file():
         raise CalibrationError(f"Perplexity file {ppl_file} does not exist.")
     if ppl_file:

@@ -356,15 +356,26 @@ def render_script(plan: Plan, *, target: str, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_outside_artifact(job: Job, *paths: Path | None) -> None:
+    """Refuse a hand-off output inside the artifact it reads: the artifact is never edited."""
+    src = job.artifact.directory if job.artifact is not None else None
+    for p in paths:
+        if src is not None and p is not None and Path(p).resolve().is_relative_to(src):
+            raise ArtifactError(f"{p} lies inside the artifact {src}, which is never edited; write the hand-off elsewhere.")
+
+
 def write_handoff(plan: Plan, handoff_dir: Path) -> None:
     """Create the directories and write the QUANT_CONFIG copies the commands name (atomically)."""
     from hqtflow.formats.artifact import write_json_atomic
 
     handoff_dir = Path(handoff_dir)
-    for d in plan.dirs:
-        (handoff_dir / d).mkdir(parents=True, exist_ok=True)
-    for rel, cfg in plan.configs.items():
-        write_json_atomic(handoff_dir / rel, cfg)
+    try:
+        for d in plan.dirs:
+            (handoff_dir / d).mkdir(parents=True, exist_ok=True)
+        for rel, cfg in plan.configs.items():
+            write_json_atomic(handoff_dir / rel, cfg)
+    except OSError as e:
+        raise ArtifactError(f"Cannot write the hand-off directory {handoff_dir} ({e.strerror}).") from None
 
 
 def write_script(text: str, path: Path) -> None:

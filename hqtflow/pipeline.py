@@ -56,6 +56,35 @@ def checkpoint_is_current(q) -> bool:
             and m.raw.get("config") == quant_config(q).to_dict())
 
 
+def check_own_output(out: Path, kind: str) -> None:
+    """`run` replaces its own artifacts when stale; anything else already at `out` is refused, never clobbered."""
+    from hqtflow.formats.artifact import artifact_kind
+
+    if not (out.exists() or out.is_symlink()):
+        return
+    try:
+        found = artifact_kind(out)
+    except ArtifactError:
+        found = None
+    if found != kind:
+        raise ArtifactError(f"{out} exists and is not an hqtflow {kind.split('.')[-1]} artifact; `hqtflow run` replaces "
+                            "only its own outputs: move it away or choose another output (nothing was written).")
+
+
+def read_own_report(report: Path) -> dict | None:
+    """The report an earlier `run` wrote at `report` (None: there is none); any other file there is refused."""
+    if not (report.exists() or report.is_symlink()):
+        return None
+    try:
+        old = json.loads(report.read_text())
+    except (OSError, ValueError, RecursionError):
+        old = None
+    if not isinstance(old, dict) or "checkpoint_digest" not in old:
+        raise ArtifactError(f"{report} exists and is not a report of `hqtflow run`; it is never overwritten: move it "
+                            "away or choose another output (nothing was written).")
+    return old
+
+
 def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo: Callable[[str], None] = print) -> Path:
     from hqtflow.choices import KVCache
     from hqtflow.eval_run import run_eval
@@ -68,6 +97,10 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     r = load_recipe(recipe)
     ms = measure_settings(r, overrides, overwrite=True)
     root = Path(ms.output).parent
+    check_own_output(Path(ms.output), ArtifactKind.MEASUREMENT)
+    check_own_output(root / "fp8", ArtifactKind.CHECKPOINT)
+    if not r.eval.empty:
+        read_own_report(root / "eval.json")
     kv_missing = r.quantize.kv_cache == KVCache.FP8 and not (Path(ms.output) / KV_FILE).exists()
     if not force and not kv_missing and measurement_is_current(ms):
         echo(f"measure: {ms.output} is up to date, skipped.")
@@ -87,8 +120,8 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
         return root
     report = root / "eval.json"
     digest = read_manifest(Path(qs.output), ArtifactKind.CHECKPOINT).digest()
-    if report.exists() and not force:
-        old = json.loads(report.read_text())
+    old = read_own_report(report)
+    if old is not None and not force:
         if old.get("checkpoint_digest") == digest and old.get("eval") == ev_json:
             from hqtflow.evaluate import format_table
 

@@ -91,3 +91,17 @@ def test_default_model_not_prepared(setup, monkeypatch, tmp_path):
     monkeypatch.setenv("HQTFLOW_CACHE", str(tmp_path / "empty-cache"))
     r = run_cli("measure", "--text", text, "-o", work / "out")
     assert r.exit_code == 4 and "hqtflow model prepare smollm2" in r.stderr
+
+
+@pytest.mark.parametrize("content, message", [(b"#!/bin/sh\n" * 10, "is not a GGUF file"), (None, "Cannot read the GGUF file")],
+                         ids=["not a GGUF", "missing"])
+def test_prepare_with_a_bad_gguf(monkeypatch, tmp_path, content, message):
+    """`model prepare --gguf FILE` with a file that is not a GGUF (or is missing) is a model error, nothing cached."""
+    monkeypatch.setenv("HQTFLOW_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    if content is not None:
+        gguf.write_bytes(content)
+    r = run_cli("model", "prepare", "smollm2", "--gguf", gguf, "--force")
+    assert r.exit_code == 4, r.output
+    assert r.stderr.startswith("Error: ") and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "cache" / "models" / "smollm2").exists()

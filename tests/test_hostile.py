@@ -83,6 +83,11 @@ def rehash(d):
     return d
 
 
+def edit_manifest(d, fn):
+    edit_json(d / MANIFEST, fn)
+    return d
+
+
 def manifest(d, **changes):
     edit_json(d / MANIFEST, lambda m: m.update(changes))
     return d
@@ -203,6 +208,10 @@ def gen(ck):
     return ["generate", ck, "--max-new-tokens", "1"]
 
 
+def bench(ck):
+    return ["bench", ck, "--batch-sizes", "1", "--prompt-length", "4", "--decode-length", "2", "--runs", "1", "--warmup", "0"]
+
+
 def serve(target, *extra):
     return ["serve", "fp8", target, "--port", str(free_port()), *extra]
 
@@ -236,6 +245,11 @@ CASES = {
                                                "config.json is not a valid model config"),
     "measure/binary text": (lambda c: ((c.w / "b.txt").write_bytes(b"\xff\xfe\x00\x81"),
                                        ["measure", c.model, "--text", c.w / "b.txt", "-o", c.out])[1], "not UTF-8"),
+    "measure/--data-dir task file not JSON lines": (lambda c: measure(c.model, c, "--tasks", "piqa_local", "--data-dir",
+                                                                      data_dir(c, "piqa.jsonl", "garbage\n")),
+                                                    "line 1 is not a JSON object"),
+    "measure/--data-dir task file empty": (lambda c: measure(c.model, c, "--tasks", "piqa_local", "--data-dir",
+                                                             data_dir(c, "piqa.jsonl", "")), "is empty"),
     # quantize
     "quantize/negative statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(-4.0)))), "negative input statistic"),
     "quantize/nan statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(float("nan"))))), "non-finite input"),
@@ -251,6 +265,9 @@ CASES = {
                                        "outside itself"),
     "quantize/manifest stem outside": (lambda c: quantize(c, rehash_stem(c.copy("m"), "../../outside_dir/x")),
                                        "outside itself"),
+    "quantize/manifest without files": (
+        lambda c: quantize(c, edit_manifest(c.copy("m"), lambda m: {k: v for k, v in m.items() if k != "files"})), "corrupt"),
+    "quantize/manifest lists no files": (lambda c: quantize(c, manifest(c.copy("m"), files={})), "corrupt"),
     "quantize/manifest data not an object": (lambda c: quantize(c, manifest(c.copy("m"), data=[])), "corrupt"),
     "quantize/ranks disagree with world size": (lambda c: quantize(c, edit_data(c.copy("m"), world_size=2)),
                                                 "1 rank(s) for world size 2"),
@@ -259,6 +276,8 @@ CASES = {
     "quantize/-o inside the measurement": (lambda c: quantize(c, c.copy("m"))[:-1] + [c.w / "m" / "x"], "lies inside"),
     "quantize/-o is the model": (lambda c: ["quantize", c.copy("model"), "-m", c.m, "-o", c.w / "model", "--overwrite"],
                                  "is the input"),
+    "quantize/-o a dangling symlink": (lambda c: (os.symlink(c.w / "gone", c.w / "link"),
+                                                  [*quantize(c, c.m)[:-1], c.w / "link"])[1], "already exists"),
     "quantize/measurement is a partial dir": (lambda c: quantize(c, c.partial("m")), "unfinished output"),
     "quantize/measurement holds the marker": (lambda c: quantize(c, marked(c.copy("m"))), "unfinished output"),
     "quantize/foreign partial dir": (lambda c: quantize(c, c.partial("f1")), "unfinished output"),
@@ -314,6 +333,7 @@ CASES = {
                                                    "-o", c.out], "not an HQT measurement file"),
     "import-hqt/--world-size 0": (lambda c: ["import-hqt", c.f2, "-o", c.out, "--world-size", "0"],
                                   "--world-size must be at least 1"),
+    "import-hqt/--dtype int4": (lambda c: ["import-hqt", c.f1, "-o", c.out, "--dtype", "int4"], "--dtype must be one of"),
     "import-hqt/pickle not a dict": (lambda c: ["import-hqt", npz(c, np.arange(3)), "-o", c.out, "--trust-pickle"],
                                      "is not an INC measurement .npz"),
     "import-hqt/pickle dict without Nodes": (lambda c: ["import-hqt", npz(c, {"x": 1}), "-o", c.out, "--trust-pickle"],
@@ -409,11 +429,20 @@ CASES = {
                                                      "quantization_config is not an object"),
     "generate/config field of the wrong type, hashes rewritten": (
         lambda c: gen(rehash(config(c.copy("ck"), num_hidden_layers="two"))), "config.json is not a valid model config"),
+    "generate/empty prompt": (lambda c: [*gen(c.ck), "-p", ""], "The prompt is empty"),
+    "generate/--chat without a chat template": (lambda c: [*gen(c.ck), "--chat"], "has no chat template"),
     # eval
     "eval/binary --ppl-file": (lambda c: ((c.w / "b.txt").write_bytes(bytes(range(256))),
                                           ["eval", c.ck, "--no-baseline", "--ppl-file", c.w / "b.txt"])[1], "not UTF-8"),
     "eval/empty --ppl-file": (lambda c: ((c.w / "e.txt").write_text(" \n"),
                                          ["eval", c.ck, "--no-baseline", "--ppl-file", c.w / "e.txt"])[1], "is empty"),
+    "eval/--data-dir task record without a field": (lambda c: ["eval", c.ck, "--no-baseline", "--tasks", "piqa_local",
+                                                               "--data-dir", data_dir(c, "piqa.jsonl", '{"goal": 1}\n')],
+                                                      "line 1 has no field 'choices'"),
+    "eval/--ppl-windows 0": (lambda c: ["eval", c.ck, "--no-baseline", "--ppl-file", c.text, "--ppl-windows", "0"],
+                             "--ppl-windows must be at least 1, not 0"),
+    "eval/--batch-size 0": (lambda c: ["eval", c.ck, "--no-baseline", "--ppl-file", c.text, "--batch-size", "0"],
+                            "--batch-size must be at least 1, not 0"),
     "eval/partial checkpoint": (lambda c: ["eval", c.partial("ck"), "--no-baseline", "--ppl-file", c.text],
                                 "unfinished output"),
     "eval/truncated checkpoint, hashes rewritten": (lambda c: ["eval", rehash(trunc_ck(c)), "--no-baseline",
@@ -431,11 +460,50 @@ CASES = {
                                                             "does not match its config.json"),
     "serve/-m with a nan statistic": (lambda c: serve(c.model, "-m", rehash(stats(c.copy("i1"), node(float("nan"))))), "non-finite"),
     "serve/-m a partial measurement": (lambda c: serve(c.model, "-m", c.partial("m")), "unfinished output"),
+    # bench
+    "bench/--json inside the checkpoint": (lambda c: [*bench(c.copy("ck")), "--json", c.w / "ck" / "b.json"], "lies inside"),
+    "bench/--json under a file": (lambda c: [*bench(c.ck), "--json", write(c.w / "f", "x") / "b.json"],
+                                  "Cannot create the parent directory"),
+    # handoff
+    "handoff/--dir a file": (lambda c: ["handoff", c.m, "--to", "tgi-gaudi", "--dir", write(c.w / "f", "x")],
+                             "Cannot write the hand-off directory"),
+    "handoff/--dir inside the artifact": (lambda c: ["handoff", c.copy("m"), "--to", "tgi-gaudi", "--dir", c.w / "m" / "h"],
+                                          "lies inside the artifact"),
+    "handoff/-o inside the artifact": (lambda c: ["handoff", c.copy("m"), "--to", "tgi-gaudi", "-o", c.w / "m" / "run.sh"],
+                                       "lies inside the artifact"),
     # run (recipes)
     "run/recipe nested too deep": (lambda c: ["run", write(c.w / "r.yaml", "x: " + DEEP + "\n")], "is not valid YAML"),
+    "run/a foreign fp8 dir where the checkpoint goes": (lambda c: (foreign_dir(c.w / "fp8"), ["run", recipe(c)])[1],
+                                                       "is not an hqtflow checkpoint artifact"),
+    "run/eval.json not a report of run": (lambda c: (write(c.w / "eval.json", "my notes"),
+                                                     ["run", recipe(c, f"eval:\n  ppl_file: {c.text}\n")])[1],
+                                          "is not a report of `hqtflow run`"),
+    "run/-o a foreign dir": (lambda c: ["run", recipe(c), "-o", foreign_dir(c.w / "mine")],
+                             "is not an hqtflow measurement artifact"),
     "run/recipe not UTF-8": (lambda c: ((c.w / "r.yaml").write_bytes(b"\xff\xfe\x00\x01"), ["run", c.w / "r.yaml"])[1],
                              "is not valid YAML"),
 }
+
+
+def data_dir(c, name, text):
+    """A --data-dir holding one task file with `text`."""
+    d = c.w / "data"
+    d.mkdir()
+    write(d / name, text)
+    return d
+
+
+def recipe(c, extra=""):
+    """A small recipe for the tiny model whose outputs go into the work dir (measurement `meas`, checkpoint `fp8`)."""
+    return write(c.w / "r.yaml", f"model: {c.model}\ncalibration:\n  text: {c.text}\n  limit: 1\n"
+                                 f"max_length: 16\noutput: {c.w / 'meas'}\n{extra}")
+
+
+def foreign_dir(d):
+    """A directory of the user's own that happens to sit where an output goes."""
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    return d
 
 
 def config(d, **changes):
@@ -507,7 +575,7 @@ def other_model(raw):
 
 
 def snapshot(d):
-    return {str(p.relative_to(d)): (p.is_dir(), p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns)
+    return {str(p.relative_to(d)): (p.is_dir(), p.lstat().st_size if p.is_file() else 0, p.lstat().st_mtime_ns)
             for p in d.rglob("*")}
 
 
@@ -546,7 +614,7 @@ def test_cases_cover_every_stage():
     for case in CASES:
         per_stage[case.split("/")[0]] = per_stage.get(case.split("/")[0], 0) + 1
     assert set(per_stage) == {"measure", "quantize", "unify", "import-hqt", "export", "inspect", "generate", "eval", "serve",
-                              "run"}
+                              "bench", "handoff", "run"}
     assert sum(per_stage.values()) >= 80, per_stage
 
 
@@ -565,6 +633,44 @@ def test_stale_partials_of_dead_processes_are_removed(base, tmp_path):
     r = run_cli("unify", "-g", "01", "-m", base["i2"], "-o", tmp_path / "u")
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "u"])
+
+
+def test_overwriting_a_symlinked_output_leaves_no_backup(base, tmp_path):
+    """--overwrite of an output that is a symlink replaces the link; the linked directory and its files stay as they were,
+    and no `.out.old-*` link is left behind."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    (tmp_path / "u").symlink_to(target)
+    r = run_cli("unify", "-g", "01", "-m", base["i2"], "-o", tmp_path / "u", "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target", "u"]
+    assert not (tmp_path / "u").is_symlink() and [p.name for p in target.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.slow
+def test_sigint_to_the_tp_launcher_alone_stops_the_ranks(tiny_llama, wiki_text, tmp_path):
+    """`kill -INT` of `measure --tp 2` itself (not Ctrl-C's whole process group): exit 130 and no rank runs on to
+    write the output afterwards."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "m"
+    p = subprocess.Popen([sys.executable, "-m", "hqtflow", "measure", str(tiny_llama), "-o", str(out), "--tp", "2",
+                          "--text", str(wiki_text), "--limit", "400", "--max-length", "128", "--batch-size", "1"],
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = ""
+    while "sample/s" not in seen:  # the ranks are calibrating
+        ch = p.stderr.read(1)
+        assert ch, seen
+        seen += ch
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=120)
+    time.sleep(5)  # an orphaned rank would have written its output by now
+    assert p.returncode == 130
+    assert not list(tmp_path.iterdir()), sorted(x.name for x in tmp_path.iterdir())
 
 
 def test_losing_writer_leaves_nothing(tmp_path):

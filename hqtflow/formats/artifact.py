@@ -115,7 +115,9 @@ class StagingDir:
                 raise ArtifactError(f"Cannot move the finished output into {self.out} ({e.strerror}); "
                                     "nothing was replaced.") from None
             raise
-        if backup is not None:
+        if backup is not None and backup.is_symlink():  # `out` was a link: drop the link, never what it points to
+            backup.unlink()
+        elif backup is not None:
             shutil.rmtree(backup, ignore_errors=True)
         return self.out
 
@@ -199,7 +201,7 @@ def check_output_dir(out: Path, overwrite: bool, inputs=()) -> None:
             how = "is" if target == src else ("lies inside" if target.is_relative_to(src) else "contains")
             raise ArtifactError(f"Output {out} {how} the input {i}; choose an output outside every input "
                                 "(nothing was written).")
-    if out.exists() and not overwrite:
+    if (out.exists() or out.is_symlink()) and not overwrite:  # a dangling symlink is in the way too
         raise ArtifactError(f"Output {out} already exists; pass --overwrite to replace it.")
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"Output {out} exists and is not a directory; nothing was replaced.")
@@ -324,8 +326,8 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
     if type(found_version) is not int or found_version < MIN_VERSION:
         raise ArtifactError(f"{mpath} has schema version {found_version!r}, which no hqtflow writes "
                             f"(this one reads v{MIN_VERSION} to v{max_version}).")
-    files = raw.get("files", {})
-    if not isinstance(files, dict) or not isinstance(raw.get("data", {}), dict) or \
+    files = raw.get("files")  # every artifact has files: none listed would leave them all unchecked
+    if not isinstance(files, dict) or not files or not isinstance(raw.get("data", {}), dict) or \
             not isinstance(raw.get("model"), (dict, type(None))):
         raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).")
     for rel in files:

@@ -8,10 +8,13 @@ OMP_NUM_THREADS=1, or by the user's own torchrun; each loads the model with tran
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -97,9 +100,60 @@ def launch(settings) -> Path:
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={settings.tp}",
             "-m", "hqtflow", "measure", "--resolved-settings", str(spec),
         ]
-        r = subprocess.run(cmd, env=environment.rank_env())
-    if r.returncode != 0:
-        for leftover in out.parent.glob(f".{out.name}.partial-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-        raise HqtflowError(f"Measurement with --tp {settings.tp} failed (a rank exited with code {r.returncode}); see the rank output above.")
+        returncode = _run_ranks(cmd, out)
+    if returncode != 0:
+        _remove_partials(out)
+        raise HqtflowError(f"Measurement with --tp {settings.tp} failed (a rank exited with code {returncode}); see the rank output above.")
     return out
+
+
+def _run_ranks(cmd: list[str], out: Path) -> int:
+    """Run torchrun and return its exit code. Interrupted, torchrun is killed (quietly, as subprocess.run does) and its
+    ranks are stopped too before this returns: a SIGINT sent to this process alone, unlike Ctrl-C's to the whole
+    group, never reaches them, and they would run on and write the output after `Interrupted; nothing was written`."""
+    p = subprocess.Popen(cmd, env=environment.rank_env())
+    try:
+        return p.wait()
+    except KeyboardInterrupt:
+        ranks = _children(p.pid)
+        p.kill()
+        p.wait()
+        _stop(ranks)
+        _remove_partials(out)
+        raise
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return kids
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _stop(pids: list[int], limit: float = 60.0) -> None:
+    """SIGINT the ranks still running (as torchrun does on Ctrl-C; a second one is harmless) and wait for them."""
+    for q in pids:
+        try:
+            os.kill(q, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+    start = time.monotonic()
+    while any(_running(q) for q in pids) and time.monotonic() - start < limit:
+        time.sleep(0.1)
+
+
+def _remove_partials(out: Path) -> None:
+    for leftover in out.parent.glob(f".{out.name}.partial-*"):
+        shutil.rmtree(leftover, ignore_errors=True)

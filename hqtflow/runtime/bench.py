@@ -200,6 +200,17 @@ def format_table(report: dict, names: list[str]) -> str:
     return "\n".join(out)
 
 
+def _check_json_path(json_path: Path, model: str | None) -> None:
+    """Refuse a --json path in the benchmarked model, already there or unwritable, before anything is loaded."""
+    from hqtflow.formats.artifact import check_output_dir
+
+    if model and Path(model).exists() and json_path.resolve().is_relative_to(Path(model).resolve()):
+        raise ArtifactError(f"{json_path} lies inside the benchmarked model {model}, which is never modified.")
+    if json_path.exists() or json_path.is_symlink():
+        raise ArtifactError(f"{json_path} already exists; remove it or pick another path.")
+    check_output_dir(json_path.parent / ".probe", True)
+
+
 def run_bench(model: str | None, *, baseline: str | None, settings: BenchSettings, json_path: Path | None = None,
               echo=None, backend: str = "auto", dtype: str = "auto") -> str:
     """Load the FP8 checkpoint (MODEL) and its bf16 baseline, benchmark both, return the printed text."""
@@ -208,8 +219,8 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
     from hqtflow.api import load_any
 
     settings.check()
-    if json_path is not None and json_path.exists():
-        raise ArtifactError(f"{json_path} already exists; remove it or pick another path.")
+    if json_path is not None:
+        _check_json_path(Path(json_path), model)
     base_ref = baseline or source_model(model)
     if base_ref and baseline is None and not Path(base_ref).exists():
         raise ModelError(f"The checkpoint's source model {base_ref} (from its manifest) does not exist; pass --baseline.")
