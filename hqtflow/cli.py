@@ -362,6 +362,8 @@ def eval_(
     loader = None
     if inc_device is None and (measurement or scale_method):
         raise HqtflowError("-m/--measurement and --scale-method quantize at load with --engine inc.")
+    if no_baseline and baseline:
+        raise HqtflowError("--baseline and --no-baseline contradict each other: give one.")
     if inc_device is not None:
         from hqtflow.engines import inc
 

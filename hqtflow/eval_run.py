@@ -84,6 +84,8 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     base = names[0]
     rows = comparison_rows(results, base)
     if report is not None:
-        report.write_text(json.dumps({"models": paths, "baseline": base, "settings": settings.__dict__,
-                                      "results": results, "comparison": rows}, indent=2, default=str))
+        from hqtflow.formats.artifact import write_json_atomic
+
+        write_json_atomic(report, {"models": paths, "baseline": base, "settings": settings.__dict__,
+                                   "results": results, "comparison": rows}, default=str)
     return format_table(rows, names, base)

@@ -443,6 +443,8 @@ CASES = {
                              "--ppl-windows must be at least 1, not 0"),
     "eval/--batch-size 0": (lambda c: ["eval", c.ck, "--no-baseline", "--ppl-file", c.text, "--batch-size", "0"],
                             "--batch-size must be at least 1, not 0"),
+    "eval/--baseline with --no-baseline": (lambda c: ["eval", c.ck, "--no-baseline", "--baseline", c.model, "--ppl-file",
+                                                      c.text], "contradict each other"),
     "eval/partial checkpoint": (lambda c: ["eval", c.partial("ck"), "--no-baseline", "--ppl-file", c.text],
                                 "unfinished output"),
     "eval/truncated checkpoint, hashes rewritten": (lambda c: ["eval", rehash(trunc_ck(c)), "--no-baseline",

@@ -61,9 +61,10 @@ def tool_versions() -> dict[str, str]:
     return {"hqtflow": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any, *, default=None) -> None:
+    """`obj` as indented JSON at `path`, written beside it and renamed: a reader never sees half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=default) + "\n")
     os.replace(tmp, path)
 
 

@@ -15,7 +15,6 @@ latency sample. The models' runs alternate (bf16, fp8, bf16, fp8 ...) so load fr
 from __future__ import annotations
 
 import gc
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -251,6 +250,7 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
               f"latency = model forward of the step (engine on_step); prefill throughput = batch*prompt_length/latency; "
               f"decode throughput = batch*steps/total decode latency")
     if json_path is not None:
-        json_path.write_text(json.dumps({**report, "results": {str(k): v for k, v in report["results"].items()}},
-                                        indent=2, default=str))
+        from hqtflow.formats.artifact import write_json_atomic
+
+        write_json_atomic(json_path, {**report, "results": {str(k): v for k, v in report["results"].items()}}, default=str)
     return header + "\n" + format_table(report, names)
