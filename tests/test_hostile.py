@@ -301,6 +301,8 @@ CASES = {
     "quantize/QUANT_CONFIG nested too deep": (lambda c: quantize(c, c.m, "-c", write(c.w / "c.json",
                                                                                    '{"mode": "QUANTIZE", "x": ' + DEEP + "}")),
                                               "is not valid JSON"),
+    "quantize/QUANT_CONFIG selects nothing": (lambda c: quantize(c, c.m, "-c", write(c.w / "c.json", json.dumps(
+        {"mode": "QUANTIZE", "allowlist": {"types": [], "names": ["no_such_layer"]}}))), "quantizes no Linear layer"),
     "quantize/manifest model not an object": (lambda c: quantize(c, manifest(c.copy("m"), model="x")), "corrupt"),
     # unify
     "unify/mode Scale beside DynamicRange": (lambda c: unify(c, rehash(stats(c.copy("i2"), lambda r: r.update(Mode="Scale"),

@@ -102,6 +102,9 @@ def plan_job(s: QuantizeSettings) -> Job:
         if cfg.fp8_config != "E4M3":
             raise ConfigError("compressed-tensors FP8 checkpoints are E4M3; fp8_config E5M2 is supported with --scales-only.")
     plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0])
+    if not plan["quantize"]:
+        raise ConfigError("The config quantizes no Linear layer of this model (every one is excluded by its "
+                          "allowlist/blocklist or has no statistics): check the config.")
     dtype = meas.manifest.data.get("model_dtype", "bf16")
     if not s.scales_only and not s.weight_only:
         kinds = {(m.activation.granularity, m.activation.dynamic, m.activation.backoff, m.activation.rounding)
