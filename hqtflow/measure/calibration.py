@@ -21,12 +21,16 @@ class Batch:
 def read_texts(path: Path, text_field: str) -> list[str]:
     """A .txt file is one text; a .jsonl file gives one text per record (its `text_field`)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise CalibrationError(f"Calibration file {path} does not exist.")
+    if path.is_dir():
+        raise CalibrationError(f"Calibration file {path} is a directory; give a .txt or .jsonl file.")
     try:
         content = path.read_text()
     except UnicodeDecodeError:
         raise CalibrationError(f"Calibration file {path} is not UTF-8 text.") from None
+    except OSError as e:
+        raise CalibrationError(f"Cannot read the calibration file {path} ({e.strerror}).") from None
     if not content.strip():
         raise CalibrationError(f"Calibration file {path} is empty.")
     if path.suffix != ".jsonl":
@@ -40,6 +44,8 @@ def read_texts(path: Path, text_field: str) -> list[str]:
         except (json.JSONDecodeError, RecursionError):
             raise CalibrationError(f"{path} line {lineno} is not valid JSON.") from None
         if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
+            if isinstance(rec, dict) and text_field in rec:
+                raise CalibrationError(f"{path} line {lineno}: field {text_field!r} is not a string.")
             fields = ", ".join(rec) if isinstance(rec, dict) else "none"
             raise CalibrationError(
                 f"{path} line {lineno} has no text field {text_field!r} (fields: {fields}); pick one with --text-field."
