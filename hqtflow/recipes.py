@@ -132,6 +132,30 @@ def measure_settings(recipe: Recipe | None, flags: Mapping[str, Any], **fixed: A
     return MeasureSettings(**merge_flags(values, flags), **fixed)
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_key_loader():
+    """yaml's SafeLoader, except that a mapping giving a key twice is refused (plain YAML keeps the last one)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(f"the key '{key}' twice (again at line {key_node.start_mark.line + 1})")
+                    seen.add(key)
+                except TypeError:  # an unhashable key: SafeLoader's own error below names it
+                    pass
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
+
+
 def load_recipe(path: str | Path) -> Recipe:
     """Read and check a recipe file (one sentence, a ConfigError, for what is wrong)."""
     import yaml
@@ -140,9 +164,11 @@ def load_recipe(path: str | Path) -> Recipe:
     if not path.is_file():
         raise ConfigError(f"Recipe {path} does not exist.")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_unique_key_loader())
     except (yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
         raise ConfigError(f"Recipe {path} is not valid YAML ({str(e).splitlines()[0]}).") from None
+    except _DuplicateKey as e:
+        raise ConfigError(f"Recipe {path} gives {e}; keep one.") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"Recipe {path} must be a YAML mapping.")
     _refuse_unknown(f"Recipe {path} has", raw, TOP_KEYS)

@@ -482,6 +482,8 @@ CASES = {
     "handoff/-o inside the artifact": (lambda c: ["handoff", c.copy("m"), "--to", "tgi-gaudi", "-o", c.w / "m" / "run.sh"],
                                        "lies inside the artifact"),
     # run (recipes)
+    "run/recipe with a key twice": (lambda c: ["run", write(c.w / "r.yaml", "name: a\nmeasure:\n  limit: 2\nmeasure:\n  limit: 4\n")],
+                                    "gives the key 'measure' twice (again at line 4)"),
     "run/recipe nested too deep": (lambda c: ["run", write(c.w / "r.yaml", "x: " + DEEP + "\n")], "is not valid YAML"),
     "run/a foreign fp8 dir where the checkpoint goes": (lambda c: (foreign_dir(c.w / "fp8"), ["run", recipe(c)])[1],
                                                        "is not an hqtflow checkpoint artifact"),
