@@ -671,17 +671,19 @@ def test_sigint_to_the_tp_launcher_alone_stops_the_ranks(tiny_llama, wiki_text, 
 
     out = tmp_path / "m"
     p = subprocess.Popen([sys.executable, "-m", "hqtflow", "measure", str(tiny_llama), "-o", str(out), "--tp", "2",
-                          "--text", str(wiki_text), "--limit", "400", "--max-length", "128", "--batch-size", "1"],
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+                          "--text", str(wiki_text), "--limit", "2000", "--max-length", "128", "--batch-size", "1"],
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         # SIGINT as a terminal gives it: a shell's background job (`... &`, as CI may run) ignores it
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = ""
     while "sample/s" not in seen:  # the ranks are calibrating
         ch = p.stderr.read(1)
         assert ch, seen
         seen += ch
     p.send_signal(signal.SIGINT)
-    p.communicate(timeout=120)
+    _, err = p.communicate(timeout=120)
     time.sleep(5)  # an orphaned rank would have written its output by now
-    assert p.returncode == 130
+    assert p.returncode == 130, (seen + err)[-3000:]
     assert not list(tmp_path.iterdir()), sorted(x.name for x in tmp_path.iterdir())
 
 
