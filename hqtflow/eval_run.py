@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hqtflow.errors import ArtifactError, CalibrationError, HqtflowError
+from hqtflow.errors import CalibrationError, HqtflowError
 
 
 def source_model(checkpoint: str | None) -> str | None:
@@ -50,13 +50,9 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
 
         read_ppl_text(ppl_file)  # refuse a binary or empty file before any model is loaded
     if report is not None:
-        from hqtflow.formats.artifact import check_output_dir
+        from hqtflow.formats.artifact import check_report_path
 
-        if model and Path(model).exists() and report.resolve().is_relative_to(Path(model).resolve()):
-            raise ArtifactError(f"Report {report} lies inside the evaluated model {model}, which is never modified.")
-        if report.exists():
-            raise ArtifactError(f"Report {report} already exists; remove it or pick another path.")
-        check_output_dir(report.parent / ".probe", True)
+        check_report_path(report, model, "evaluated")
     absolute = lambda p: None if p is None else str(Path(p).resolve())  # the report records every path absolute
     settings = EvalSettings(tasks=tasks, include_path=tuple(absolute(p) for p in include_path),
                             data_dir=absolute(data_dir), limit=limit, batch_size=batch_size,

@@ -68,6 +68,16 @@ def write_json_atomic(path: Path, obj: Any, *, default=None) -> None:
     os.replace(tmp, path)
 
 
+def check_report_path(path: Path, model: str | None, what: str) -> None:
+    """Refuse a JSON report's path before anything is loaded: inside the model it reports on (`what`: "evaluated",
+    "benchmarked"), already there (a dangling link too), or under a directory that cannot be made."""
+    if model and Path(model).exists() and path.resolve().is_relative_to(Path(model).resolve()):
+        raise ArtifactError(f"Report {path} lies inside the {what} model {model}, which is never modified.")
+    if os.path.lexists(path):
+        raise ArtifactError(f"Report {path} already exists; remove it or pick another path.")
+    check_output_dir(path.parent / ".probe", True)
+
+
 class StagingDir:
     """A hidden temp dir beside `out`; `commit()` renames it onto `out`, `abort()` removes it.
 

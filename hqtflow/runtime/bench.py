@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hqtflow.errors import ArtifactError, HqtflowError, ModelError
+from hqtflow.errors import HqtflowError, ModelError
 
 STATS = ("avg", "p50", "p90", "p99")
 METRICS = (  # key, label, unit, lower is better
@@ -199,17 +199,6 @@ def format_table(report: dict, names: list[str]) -> str:
     return "\n".join(out)
 
 
-def _check_json_path(json_path: Path, model: str | None) -> None:
-    """Refuse a --json path in the benchmarked model, already there or unwritable, before anything is loaded."""
-    from hqtflow.formats.artifact import check_output_dir
-
-    if model and Path(model).exists() and json_path.resolve().is_relative_to(Path(model).resolve()):
-        raise ArtifactError(f"{json_path} lies inside the benchmarked model {model}, which is never modified.")
-    if json_path.exists() or json_path.is_symlink():
-        raise ArtifactError(f"{json_path} already exists; remove it or pick another path.")
-    check_output_dir(json_path.parent / ".probe", True)
-
-
 def run_bench(model: str | None, *, baseline: str | None, settings: BenchSettings, json_path: Path | None = None,
               echo=None, backend: str = "auto", dtype: str = "auto") -> str:
     """Load the FP8 checkpoint (MODEL) and its bf16 baseline, benchmark both, return the printed text."""
@@ -219,7 +208,9 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
 
     settings.check()
     if json_path is not None:
-        _check_json_path(Path(json_path), model)
+        from hqtflow.formats.artifact import check_report_path
+
+        check_report_path(Path(json_path), model, "benchmarked")
     base_ref = baseline or source_model(model)
     if base_ref and baseline is None and not Path(base_ref).exists():
         raise ModelError(f"The checkpoint's source model {base_ref} (from its manifest) does not exist; pass --baseline.")
