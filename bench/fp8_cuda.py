@@ -4,9 +4,12 @@
    and per-token dynamic activations with row-wise scales; the activation's quantization included) vs bf16 `F.linear`, at 4096^2 and 8192^2, M = 1 .. 4096.
    Each figure is the median over CUDA-graph replays of calls cycling through enough weight copies (>= 256 MiB of
    bf16) that weights come from HBM, not L2 (decode's case). Target (issue #18): FP8 >= 1.5x bf16 at M >= 256 on 8192^2.
-2. decode: `StaticDecoder` (static KV cache, decode step as a CUDA graph) on a Llama-shaped model with random weights
-   (speed does not depend on the values), bf16 vs FP8 (static per-tensor W8A8 on every decoder Linear, input scales
-   from one calibration forward; `lm_head` bf16), batch 1, 8 and 32, eager steps for contrast.
+2. decode: `StaticDecoder` (static KV cache) on a Llama-shaped model with random weights (speed does not depend on the
+   values), bf16 vs FP8 (static per-tensor W8A8 on every decoder Linear, input scales from one calibration forward;
+   `lm_head` bf16), batch 1, 8 and 32: the eager step as a CUDA graph, the torch.compile'd step as a CUDA graph
+   (gpt-fast's way; compile time printed), eager steps at batch 1 for contrast. Target (issue #18): the fastest FP8
+   engine >= 1.3x the fastest bf16 one at batch 1 and 8. `--parts profile` prints the GPU time per kernel of an
+   eager step.
 3. engine: the serving engine (`Engine`, paged KV cache, decode steps as CUDA graphs) through its public API: 32
    concurrent streams x 64 new tokens vs one stream alone, bf16 vs FP8, graphs vs `cuda_graphs=()`. Target (issue #14):
    FP8 >= 1.3x bf16 tokens/s at 32 streams, aggregate >= 5x one stream, time to first token p95 <= 3 s.
@@ -26,19 +29,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from hqtflow.quantize.fp8_linear import FP8Linear, set_backend  # noqa: E402
 from hqtflow.runtime.cuda_graphs import capture  # noqa: E402
 from hqtflow.scales import Rule  # noqa: E402
+from random_llama import llama  # noqa: E402
 
 F8 = 448.0
 DEVICE = "cuda"
-SHAPES = {"1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8),  # Llama-3.2-1B's decoder
-          "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2),  # --device cpu: a smoke run of this script's code
-          "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8)}  # Llama-3-8B's decoder
 
 
 def graph_time(calls, replays: int = 20) -> float:
@@ -93,21 +91,6 @@ def bench_linear(ms: list[int]) -> list[dict]:
     return rows
 
 
-def llama(size: str, vocab: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, **SHAPES[size])
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: no float32 copy of 8B parameters
-    try:
-        with torch.device(DEVICE):
-            model = LlamaForCausalLM(cfg).eval()
-    finally:
-        torch.set_default_dtype(dtype)
-    model.generation_config.eos_token_id = None
-    return model
-
-
 @torch.inference_mode()
 def to_fp8(model, vocab: int) -> None:
     """Every decoder Linear to static per-tensor FP8 (input scales: maxabs over one calibration forward)."""
@@ -132,20 +115,50 @@ def to_fp8(model, vocab: int) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_decode(model, vocab: int, batches=(1, 8, 32), new: int = 128) -> dict:
+def bench_decode(model, vocab: int, modes=("graph", "compiled", "eager"), batches=(1, 8, 32), new: int = 128) -> dict:
+    """Decode tok/s per (mode, batch): "graph" (the eager step captured as a CUDA graph), "compiled" (the
+    torch.compile'd step captured as a CUDA graph, gpt-fast's way), "eager" (batch 1 only, for contrast)."""
     from hqtflow.runtime.static_decode import StaticDecoder
 
     out = {}
-    for graph in (True, False) if DEVICE == "cuda" else (False,):
-        for b in batches if graph or DEVICE != "cuda" else batches[:1]:
+    for mode in modes if DEVICE == "cuda" else [m for m in modes if m != "graph"]:
+        for b in batches[:1] if mode == "eager" and DEVICE == "cuda" else batches:
             ids = torch.randint(0, vocab, (b, 64))
-            dec = StaticDecoder(model, max_length=64 + new, cuda_graph=graph)
-            dec.generate(ids, 8)  # capture / warm-up
+            dec = StaticDecoder(model, max_length=64 + new, compile=mode == "compiled",
+                                cuda_graph=mode != "eager" and DEVICE == "cuda")
+            t = time.perf_counter()
+            dec.generate(ids, 8)  # capture / compile / warm-up
+            warm = time.perf_counter() - t
             runs = [dec.generate(ids, new).decode_tokens_per_s for _ in range(3)]
-            out[f"{'graph' if graph else 'eager'} b{b}"] = statistics.median(runs)
-            if graph and dec.graph_failed:
-                out["graph_failed"] = dec.graph_failed
+            out[f"{mode} b{b}"] = statistics.median(runs)
+            if mode == "compiled":
+                out[f"compile s b{b}"] = round(warm, 1)
+            if dec.graph_failed:
+                out[f"{mode} graph_failed"] = dec.graph_failed
     return out
+
+
+def profile_step(model, vocab: int, batch: int, top: int = 12) -> list[tuple[str, float, int]]:
+    """GPU time per kernel name over 4 eager decode steps (self CPU time per op with --device cpu): (name,
+    microseconds per step, calls per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hqtflow.runtime.static_decode import StaticDecoder
+
+    dec = StaticDecoder(model, max_length=80, cuda_graph=False)
+    ids = torch.randint(0, vocab, (batch, 64))
+    dec.generate(ids, 4)
+    cuda = DEVICE == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        dec.generate(ids, 5)  # prefill + 4 decode steps; the prefill's kernels are few and long
+    rows = [(e.key, (e.device_time_total if cuda else e.self_cpu_time_total) / 4, e.count // 4)
+            for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"profile b{batch}: {total / 1e3:.2f} ms of {'GPU' if cuda else 'CPU'} time per step (prefill included, / 4), top kernels:")
+    for name, us, n in rows[:top]:
+        print(f"  {us:9.1f} us  {n:5d}x  {name[:90]}")
+    return rows[:top]
 
 
 def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, graphs: bool = True) -> dict:
@@ -197,9 +210,11 @@ class _Tok:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="1b")
-    p.add_argument("--parts", default="linear,decode,engine")
+    p.add_argument("--parts", default="linear,decode,engine", help="linear, decode, engine, profile")
     p.add_argument("--ms", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096")
     p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--decode-modes", default="graph,compiled,eager", help="decode: graph, compiled, eager")
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (profile: the last)")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda", help="cuda; cpu runs the decode and engine parts without graphs "
                                                     "(a smoke test of this script, with --models tiny)")
@@ -221,17 +236,20 @@ def main() -> None:
         results["linear"] = bench_linear([int(m) for m in a.ms.split(",")])
         save()
     for size in a.models.split(","):
-        if not {"decode", "engine"} & set(parts):
+        if not {"decode", "engine", "profile"} & set(parts):
             break
-        model = llama(size, a.vocab)
+        model = llama(size, a.vocab, DEVICE)
         params = sum(t.numel() for t in model.parameters())
         print(f"\nLlama-shaped {size}: {params / 1e9:.2f} B parameters, random weights, vocab {a.vocab}")
         res: dict = {"params": params}
         for kind in ("bf16", "fp8"):
             if kind == "fp8":
                 to_fp8(model, a.vocab)
+            if "profile" in parts:
+                res[f"profile_{kind}"] = profile_step(model, a.vocab, int(a.batches.split(",")[-1]))
             if "decode" in parts:
-                res[f"decode_{kind}"] = bench_decode(model, a.vocab)
+                res[f"decode_{kind}"] = bench_decode(model, a.vocab, a.decode_modes.split(","),
+                                                     [int(b) for b in a.batches.split(",")])
                 print(f"decode tok/s {kind}: " + ", ".join(f"{k_} {v:.0f}" if isinstance(v, float) else f"{k_} {v}"
                                                            for k_, v in res[f"decode_{kind}"].items()), flush=True)
             if "engine" in parts:
@@ -243,8 +261,14 @@ def main() -> None:
             results[size] = res
             save()
         if "decode" in parts:
-            print("decode FP8 / bf16: " + ", ".join(f"{k_} {res['decode_fp8'][k_] / v:.2f}x"
-                                                    for k_, v in res["decode_bf16"].items() if isinstance(v, float)))
+            d8, d16 = res["decode_fp8"], res["decode_bf16"]
+            speeds = [k_ for k_, v in d16.items() if isinstance(v, float) and not k_.startswith("compile s") and k_ in d8]
+            print("decode FP8 / bf16, same engine: " + ", ".join(f"{k_} {d8[k_] / d16[k_]:.2f}x" for k_ in speeds))
+            for b in sorted({k_.split()[-1] for k_ in speeds}, key=lambda x: int(x[1:])):
+                best16 = max((d16[k_], k_) for k_ in speeds if k_.endswith(f" {b}"))
+                best8 = max((d8[k_], k_) for k_ in speeds if k_.endswith(f" {b}"))
+                print(f"decode {b}: fastest FP8 ({best8[1]}) / fastest bf16 ({best16[1]}) {best8[0] / best16[0]:.2f}x "
+                      "(target 1.3x)")
         if "engine" in parts:
             f8, b16 = res["engine_fp8_graphs"], res["engine_bf16_graphs"]  # on a CPU: no graphs in either
             print(f"engine 32 streams: FP8 / bf16 {f8['streams_tps'] / b16['streams_tps']:.2f}x (target 1.3x); FP8 32 "

@@ -86,6 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="where the servers (and the transformers peer) run: auto (a CUDA GPU "
+                                                   "when there is one), cpu or cuda")
     return p.parse_args(argv)
 
 
@@ -143,6 +145,21 @@ def token_prompts(path: str, tokenizer_dir: str, n: int, low: int, high: int, se
         start = rng.randrange(0, len(ids) - length)
         out.append(tok.decode(ids[start:start + length]))
     return out
+
+
+def run_device(name: str) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def device_line(device: str) -> str:
+    """The GPU's name and torch's version on CUDA, the CPU line otherwise."""
+    if device != "cuda":
+        return cpu_line()
+    import torch
+
+    return f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; " + cpu_line()
 
 
 def cpu_line() -> str:
@@ -280,11 +297,12 @@ def streams_mode(a, ck: Path) -> int:
     baseline = a.baseline or source_model(str(ck)) or "smollm2"
     texts = prompts(a.data, a.streams, a.prompt_words, a.seed)
     warm = prompts(a.data, 4, a.prompt_words, a.seed + 1)
-    print(cpu_line(), flush=True)
+    device = run_device(a.device)
+    print(device_line(device), flush=True)
     res = {}
     for kind, model in (("fp8", str(ck)), ("bf16", str(baseline))):
         with tempfile.TemporaryDirectory() as tmp:
-            server = Server(Path(model), a.max_batch_size, Path(tmp) / "server.log", kind, a.server_arg)
+            server = Server(Path(model), a.max_batch_size, Path(tmp) / "server.log", kind, ["--device", device, *a.server_arg])
             try:
                 server.wait_ready()
                 run = lambda xs: asyncio.run(stream_run(server.url, xs, a.stream_tokens, a.timeout))  # noqa: E731
@@ -307,7 +325,7 @@ def streams_mode(a, ck: Path) -> int:
         from hqtflow import models
 
         path = models.resolve_model(None if baseline == "smollm2" else baseline)
-        tok, model = models.load_tokenizer(path), models.load_model(path, "bf16")
+        tok, model = models.load_tokenizer(path), models.load_model(path, "bf16").to(device)
         ids = [tok(x)["input_ids"] for x in texts]
         cfg = GenerationConfig(max_new_tokens=a.stream_tokens, do_sample=False)
         model.generate_batch(inputs=ids[:2], generation_config=cfg)  # warm-up
@@ -332,11 +350,11 @@ def streams_mode(a, ck: Path) -> int:
         lines.append(f"FP8 server / transformers generate_batch: {f['concurrent']['tokens_per_s'] / peer['tokens_per_s']:.2f}x, "
                      f"bf16 server / generate_batch: {b['concurrent']['tokens_per_s'] / peer['tokens_per_s']:.2f}x  "
                      f"[target > 1x: {mark(f['concurrent']['tokens_per_s'] > peer['tokens_per_s'])}]")
-    lines.append(f"errors: {f['errors'] + b['errors']}; " + cpu_line())
+    lines.append(f"errors: {f['errors'] + b['errors']}; " + device_line(device))
     print("\n".join(lines), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"settings": vars(a), "checkpoint": str(ck), "baseline": str(baseline),
-                                            "servers": res, "peer": peer, "cpu": cpu_line()}, indent=2))
+                                            "servers": res, "peer": peer, "device": device_line(device)}, indent=2))
     return 0
 
 
@@ -361,7 +379,7 @@ def main(argv=None) -> int:
         warm_texts = prompts(a.data, n_warm, a.prompt_words, a.seed + 1)
 
     with tempfile.TemporaryDirectory() as tmp:
-        server = Server(ck, a.max_batch_size, Path(tmp) / "server.log", "fp8", a.server_arg)
+        server = Server(ck, a.max_batch_size, Path(tmp) / "server.log", "fp8", ["--device", run_device(a.device), *a.server_arg])
         try:
             server.wait_ready()
             pid = server.proc.pid

@@ -45,15 +45,15 @@ def _check_manifest(path: Path, verify: bool) -> None:
                             f"hqtflow loads {' and '.join(LOADABLE_FORMATS)} exports and its own checkpoints.")
 
 
-def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto"):
+def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto", device: str = "cpu"):
     """The one loader of generate, eval, serve and bench -> (model, tokenizer, kind): an hqtflow checkpoint or export
-    (through `load`), a foreign FP8 checkpoint (its FP8 layers on `backend`), or a plain HF model (kind: its dtype).
-    `dtype`: the high-precision compute dtype ("auto": the fastest on this CPU)."""
+    (through `load`), a foreign FP8 checkpoint (its FP8 layers on `backend`), or a plain HF model (kind: its dtype),
+    on `device`. `dtype`: the high-precision compute dtype ("auto": the fastest on `device`)."""
     from hqtflow import models
     from hqtflow.formats.artifact import MANIFEST
     from hqtflow.hardware import resolve_dtype
 
-    dtype = resolve_dtype(dtype)
+    dtype = resolve_dtype(dtype, device)
     path = models.resolve_model(ref)
     qc = models.load_config(path).get("quantization_config") or {}
     has_manifest = (path / MANIFEST).exists()  # an hqtflow checkpoint or export: hqtflow.load checks it
@@ -63,9 +63,10 @@ def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto"):
         from hqtflow.quantize.fp8_linear import set_backend
 
         if has_manifest:
-            model, tok = load(path, backend=backend, dtype=dtype)
+            model, tok = load(path, backend=backend, dtype=dtype, device=device)
         else:
-            model, tok = load_checkpoint(path, dtype=models.torch_dtype(dtype)), models.load_tokenizer(path)
+            model = load_checkpoint(path, dtype=models.torch_dtype(dtype), device=device)
+            tok = models.load_tokenizer(path)
             set_backend(model, backend)
         return model, tok, "fp8"
-    return models.load_model(path, dtype), models.load_tokenizer(path), dtype
+    return models.load_model(path, dtype).to(device), models.load_tokenizer(path), dtype

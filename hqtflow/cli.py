@@ -111,6 +111,7 @@ def _csv(values: Optional[list[str]]) -> Optional[tuple[str, ...]]:
 
 Engine = Annotated[str, typer.Option(help="hqtflow (its own observers / FP8 runtime) or inc (Neural Compressor's prepare/convert, driven by hqtflow).")]
 Device = Annotated[Optional[str], typer.Option(help="--engine inc: cpu or hpu (default: hpu when habana_frameworks.torch imports, else cpu).")]
+ServeDevice = Annotated[Optional[str], typer.Option(help="Where the model runs: cpu or cuda (default: cuda when PyTorch sees a CUDA GPU, else cpu); with --engine inc: cpu or hpu (default: hpu when habana_frameworks.torch imports).")]
 
 
 def _inc_device(engine: str, device: Optional[str]) -> Optional[str]:
@@ -568,7 +569,7 @@ def _serve_command(kind: str, doc: str):
         backend: Backend = "auto",
         dtype: ComputeDtype = "auto",
         engine: Engine = "hqtflow",
-        device: Device = None,
+        device: ServeDevice = None,
     ) -> None:
         from hqtflow import environment
 
@@ -581,9 +582,12 @@ def _serve_command(kind: str, doc: str):
             pad_sequence_to_multiple_of=pad_sequence_to_multiple_of, warmup=warmup, cuda_graphs=cuda_graphs))
         from hqtflow.runtime.server import serve
 
+        from hqtflow.choices import Engine as Kind, parse
+
+        inc_device = None if parse(Kind, engine, "--engine") == Kind.HQTFLOW else _inc_device(engine, device)
         serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
-              backend=backend, dtype=dtype, inc_device=_inc_device(engine, device), config=str(config) if config else None,
-          scale_method=scale_method)
+              backend=backend, dtype=dtype, inc_device=inc_device, config=str(config) if config else None,
+              scale_method=scale_method, device=device if inc_device is None else None)
 
 
 _serve_command("fp8", "Serve an FP8 checkpoint with continuous batching.")

@@ -29,6 +29,23 @@ def fastest_dtype(device: str = "cpu") -> str:
 
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
+RUN_DEVICES = ("auto", "cpu", "cuda")
+
+
+def run_device(device: str | None) -> str:
+    """Where hqtflow's own runtime runs: "auto" (or None) -> "cuda" when PyTorch sees a CUDA GPU, else "cpu"; "cuda"
+    without one is refused in one sentence."""
+    import torch
+
+    from hqtflow.errors import ConfigError
+
+    if device not in (None, *RUN_DEVICES):
+        raise ConfigError(f"Unknown --device {device!r}; valid values are {', '.join(RUN_DEVICES)} (hpu: with --engine inc).")
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device cuda: PyTorch {torch.__version__} sees no CUDA GPU here; use --device cpu.")
+    return device
 
 
 def resolve_dtype(dtype: str | None, device: str = "cpu") -> str:

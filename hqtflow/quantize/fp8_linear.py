@@ -223,7 +223,7 @@ class FP8Linear(nn.Module):
         Dynamic per-token activations use row-wise scaling: scale_a [M, 1] (one per token), scale_b [1, N]."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        cuda = x2.is_cuda
+        cuda = x2.is_cuda and not torch.compiler.is_compiling()  # inside a compiled step: fused with its neighbours
         if self.activation == "dynamic_token":
             sb = self.weight_scale.float().reshape(1, -1).expand(1, self.out_features).contiguous()
             if self.dynamic_rule is None:

@@ -138,14 +138,18 @@ def listen_socket(host: str, port: int):
 
 def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 3000, kind: str = "bf16",
           measurement: str | None = None, backend: str = "auto", dtype: str = "auto", inc_device: str | None = None,
-          config: str | None = None, scale_method: str | None = None) -> None:
+          config: str | None = None, scale_method: str | None = None, device: str | None = None) -> None:
     """Bind host:port, load MODEL (`kind` "fp8": an FP8 checkpoint, or a bf16 model quantized at start from
-    `measurement` with the QUANTIZE `config` / `scale_method`, like TGI with QUANT_CONFIG, by hqtflow or by Neural
-    Compressor on `inc_device`; "bf16": a plain model) and serve it until interrupted."""
+    `measurement` with the QUANTIZE `config` / `scale_method`, like TGI with QUANT_CONFIG, by hqtflow on `device`
+    (hardware.run_device: a CUDA GPU when there is one) or by Neural Compressor on `inc_device`; "bf16": a plain
+    model) and serve it until interrupted."""
+    from hqtflow.hardware import run_device
+
+    device = run_device(device) if inc_device is None else None  # refused before the port is taken
     sock = listen_socket(host, port)
     try:
         _serve(sock, model_ref, settings, kind=kind, measurement=measurement, backend=backend, dtype=dtype,
-               inc_device=inc_device, config=config, scale_method=scale_method)
+               inc_device=inc_device, config=config, scale_method=scale_method, device=device or "cpu")
     finally:
         sock.close()
 
@@ -157,7 +161,8 @@ def _run(app, sock) -> None:
 
 
 def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: str | None, backend: str,
-           dtype: str, inc_device: str | None = None, config: str | None = None, scale_method: str | None = None) -> None:
+           dtype: str, inc_device: str | None = None, config: str | None = None, scale_method: str | None = None,
+           device: str = "cpu") -> None:
     from hqtflow.errors import HqtflowError, ModelError
     from hqtflow.api import load_any
 
@@ -184,11 +189,12 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
 
         model, tok = quantize_in_memory(QuantizeSettings(measurement=measurement, output="-", model=model_ref,
                                                          config=config, scale_method=scale_method), dtype)
+        model.to(device)
         set_backend(model, backend)
         settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
         _run(_app(model, tok, settings), sock)
         return
-    model, tok, loaded = load_any(model_ref, dtype, backend=backend)  # dtype auto: the fastest here
+    model, tok, loaded = load_any(model_ref, dtype, backend=backend, device=device)  # dtype auto: the fastest there
     if (loaded == "fp8") != (kind == "fp8"):
         raise ModelError(f"{model_ref or 'the default model'} is {'an FP8 checkpoint' if loaded == 'fp8' else 'not an FP8 checkpoint'}; "
                            f"use `hqtflow serve {'fp8' if loaded == 'fp8' else 'bf16'}`.")

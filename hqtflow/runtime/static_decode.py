@@ -6,10 +6,12 @@ can then be compiled once with `torch.compile(dynamic=False)`, which removes the
 overhead. FP8 layers run whatever backend they are set to (`set_backend`): the CPU kernel and `_scaled_mm` are
 both traceable ops. Compiled artifacts persist in `$HQTFLOW_CACHE/inductor`, so only the first run compiles.
 
-On CUDA the decode step is a CUDA graph instead (`cuda_graph`, the default there without `compile`): captured once
-per batch size on its first step (the warm-up runs before capture write the same keys and values to the same cache
-positions, so they change nothing), then replayed with the token and position copied into its static inputs. A capture
-that fails leaves the decoder eager (the reason in `graph_failed`).
+On CUDA the decode step is also a CUDA graph (`cuda_graph`, the default there): captured once per batch size on its
+first step (the warm-up runs before capture write the same keys and values to the same cache positions, so they change
+nothing), then replayed with the token and position copied into its static inputs. With `compile` the graph holds the
+compiled step (gpt-fast's "reduce-overhead": inductor fuses the norms, rotary, residuals and FP8 input quantization
+into few kernels, the graph removes their launches). A capture that fails leaves the decoder eager (the reason in
+`graph_failed`).
 
 `kv_cache="fp8"` stores keys and values as FP8 with the model's static k/v scales (`kv_cache.py`).
 
@@ -56,7 +58,7 @@ class StaticDecoder:
         self.device = next(model.parameters()).device
         self._caches: dict[int, object] = {}
         self._step = self._decode_step
-        self.cuda_graph = (self.device.type == "cuda" and not compile) if cuda_graph is None else cuda_graph
+        self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         self._graphs: dict[int, tuple] = {}  # batch -> (graph, static token, static position, output)
         self.graph_failed: str | None = None
         if compile:
@@ -84,18 +86,18 @@ class StaticDecoder:
     def _graph_step(self, tok: torch.Tensor, position: int, cache) -> torch.Tensor:
         """The decode step as a CUDA graph (captured on this batch size's first step), or eager after a failure."""
         if self.graph_failed:
-            return self._decode_step(tok, torch.tensor([position], device=self.device), cache)
+            return self._step(tok, torch.tensor([position], device=self.device), cache)
         entry = self._graphs.get(tok.shape[0])
         if entry is None:
             static_tok, static_pos = tok.clone(), torch.tensor([position], device=self.device)
             try:
                 from hqtflow.runtime.cuda_graphs import capture
 
-                graph, out = capture(lambda: self._decode_step(static_tok, static_pos, cache))
+                graph, out = capture(lambda: self._step(static_tok, static_pos, cache))
             except Exception as e:  # noqa: BLE001 - graphs are an optimization
                 self.graph_failed = f"{type(e).__name__}: {e}"
                 torch.cuda.synchronize()
-                return self._decode_step(tok, torch.tensor([position], device=self.device), cache)
+                return self._step(tok, torch.tensor([position], device=self.device), cache)
             entry = self._graphs[tok.shape[0]] = (graph, static_tok, static_pos, out)
         graph, static_tok, static_pos, out = entry
         static_tok.copy_(tok)

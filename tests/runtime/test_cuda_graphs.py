@@ -137,3 +137,23 @@ def test_static_decoder_graph_on_cuda_matches_eager(lm):
             assert torch.equal(got, eager) and torch.equal(again, eager)
     finally:
         model.to("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_static_decoder_compiled_graph_on_cuda_matches_eager(lm):
+    """StaticDecoder(compile=True) on CUDA: the compiled step is what the graph captures (gpt-fast's reduce-overhead),
+    and its greedy tokens are the eager step's."""
+    from hqtflow.runtime.static_decode import StaticDecoder
+
+    model, tok = lm
+    model = model.to("cuda")
+    try:
+        ids = torch.tensor([tok(PROMPTS[1])["input_ids"]] * 2)
+        eager = StaticDecoder(model, max_length=64, cuda_graph=False).generate(ids, 16).tokens
+        dec = StaticDecoder(model, max_length=64, compile=True)
+        assert dec.cuda_graph and dec.compiled
+        got = dec.generate(ids, 16).tokens
+        assert dec.graph_failed is None and dec._graphs
+        assert torch.equal(got, eager)
+    finally:
+        model.to("cpu")
