@@ -32,7 +32,7 @@ if [[ $STEPS == *,serve,* ]]; then
   rm -rf "$M" && mkdir -p "$M"
   ( set -e
     $PY bench/random_llama.py "${SERVE_SIZE:-1b}" "$M/bf16" --tokenizer "${TOKENIZER:?a tokenizer folder}" --device cuda
-    $PY -m hqtflow measure "$M/bf16" -o "$M/measure" --text "${TEXT:?a text file}" --limit 16 --max-length 256
+    $PY -m hqtflow measure "$M/bf16" -o "$M/measure" --text "${TEXT:?a text file}" --limit 8 --max-length 128
     $PY -m hqtflow quantize -m "$M/measure" -o "$M/fp8"
     timeout ${SERVE_TIMEOUT:-300} $PY bench/serve_load.py --mode streams --checkpoint "$M/fp8" --baseline "$M/bf16" --data "$TEXT" \
         --json "$OUT/serve_load.json" ) 2>&1 | grep --line-buffered -v -i "warning\|it/s\]" | tee "$OUT/serve.log"
