@@ -18,7 +18,7 @@ STEPS=,${STEPS:-tests,bench,serve},
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 $PY -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
 if [[ $STEPS == *,tests,* ]]; then
-  timeout ${TESTS_TIMEOUT:-150} $PY -m pytest -q -p no:cacheprovider tests/quantize/test_backends.py tests/runtime/test_cuda_graphs.py \
+  timeout ${TESTS_TIMEOUT:-150} $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/quantize/test_backends.py tests/runtime/test_cuda_graphs.py} \
       -k "${TESTS_K:-not nothing}" 2>&1 | tee "$OUT/pytest.log" | tail -20
 fi
 if [[ $STEPS == *,bench,* ]]; then

@@ -311,6 +311,8 @@ def streams_mode(a, ck: Path) -> int:
                 many = run(texts)
             finally:
                 server.stop()
+                if a.json:  # beside the figures: why a server was slow (a failed graph capture is logged there)
+                    Path(a.json).with_name(f"{Path(a.json).stem}_{kind}_server.log").write_text(server.log.read_text())
         one = sum(r["tokens"] for r in singles) / sum(r["seconds"] for r in singles)
         res[kind] = {"single_tokens_per_s": one, "single_ttft_s": sorted(r["ttft_p50_s"] or 0 for r in singles)[len(singles) // 2],
                      "concurrent": many, "errors": many["errors"] + sum(r["errors"] for r in singles)}

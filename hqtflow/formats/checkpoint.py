@@ -388,4 +388,6 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     if missing or unexpected:
         raise ArtifactError(f"Checkpoint {path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}.")
     model.hqtflow_quantization = {**qc, "dropped_tensors": len(dropped)}
-    return model.eval()
+    # the buffers computed at construction (rotary inv_freq) were made on the CPU: left there, every forward copies
+    # them to the GPU, which CUDA graph capture refuses (the server then decoded eagerly, 8x slower on an H100)
+    return model.to(device).eval()

@@ -11,6 +11,8 @@ With `capture=False` the same bucketed, batched step runs eagerly (what tests ch
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hqtflow.runtime.paged import DecodeBatch, KVPool
@@ -91,6 +93,8 @@ class DecodeGraphs:
                 entry = self.graphs[key] = self._capture(plan)
             except Exception as e:  # noqa: BLE001 - graphs are an optimization: run eagerly from now on
                 self.failed = f"{type(e).__name__}: {e}"
+                logging.getLogger("hqtflow").warning("CUDA graph capture failed, decode steps run eagerly from now on: %s",
+                                                     self.failed)
                 torch.cuda.synchronize()
                 return None
         graph, plan, logits = entry

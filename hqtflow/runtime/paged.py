@@ -83,6 +83,9 @@ class DecodeBatch:
         table = torch.tensor([blocks[:width] + [pad] * (width - len(blocks[:width])) for _, _, blocks in seqs + dummy],
                              dtype=torch.long)
         read = (table * bs).repeat_interleave(bs, dim=1) + torch.arange(bs).repeat(width)  # [batch, length] slots
+        # slots past a row's position read the scratch slot (zeroed, then written by dummies: finite), not the
+        # unwritten tail of its last block: masked scores are exact zeros, but 0 * NaN garbage in V is NaN
+        read[torch.arange(self.length)[None] > pos[:, None]] = self.scratch
         read[n:] = self.scratch
         write = read[torch.arange(self.batch), pos]
         for dst, src in ((self.input_ids[0], ids), (self.position_ids[0], pos), (self.lengths, pos + 1), (self.read, read),
