@@ -585,9 +585,13 @@ def _serve_command(kind: str, doc: str):
         from hqtflow.choices import Engine as Kind, parse
 
         inc_device = None if parse(Kind, engine, "--engine") == Kind.HQTFLOW else _inc_device(engine, device)
-        serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
-              backend=backend, dtype=dtype, inc_device=inc_device, config=str(config) if config else None,
-              scale_method=scale_method, device=device if inc_device is None else None)
+        try:
+            serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
+                  backend=backend, dtype=dtype, inc_device=inc_device, config=str(config) if config else None,
+                  scale_method=scale_method, device=device if inc_device is None else None)
+        except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the signal
+            typer.echo("Server stopped.", err=True)
+            raise typer.Exit(130) from None
 
 
 _serve_command("fp8", "Serve an FP8 checkpoint with continuous batching.")

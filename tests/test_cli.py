@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import run_cli
 from hqtflow import errors
@@ -84,3 +85,10 @@ def test_serve_defaults_come_from_serve_settings(monkeypatch):
     monkeypatch.setenv("PAD_SEQUENCE_TO_MULTIPLE_OF", "8")
     assert run_cli("serve", "fp8", "some-model", "--max-batch-size", "3").exit_code == 0
     assert seen["settings"] == ServeSettings(pad_sequence_to_multiple_of=8, max_batch_size=3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a CUDA GPU")
+def test_serve_device_cuda_without_a_gpu_is_one_sentence(tmp_path):
+    """--device cuda where PyTorch sees no GPU: exit 2 and one sentence, before the port is taken or a model is read."""
+    r = run_cli("serve", "fp8", str(tmp_path / "missing"), "--device", "cuda", "--port", "1")
+    assert r.exit_code == 2 and "sees no CUDA GPU here; use --device cpu" in r.output

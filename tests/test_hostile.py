@@ -470,6 +470,8 @@ CASES = {
                                                             "does not match its config.json"),
     "serve/-m with a nan statistic": (lambda c: serve(c.model, "-m", rehash(stats(c.copy("i1"), node(float("nan"))))), "non-finite"),
     "serve/-m a partial measurement": (lambda c: serve(c.model, "-m", c.partial("m")), "unfinished output"),
+    "serve/--device hpu without --engine inc": (lambda c: serve(c.ck, "--device", "hpu"), "hpu: with --engine inc"),
+    "serve/--device a typo": (lambda c: serve(c.ck, "--device", "gpu"), "valid values are auto, cpu, cuda"),
     # bench
     "bench/--json inside the checkpoint": (lambda c: [*bench(c.copy("ck")), "--json", c.w / "ck" / "b.json"], "lies inside"),
     "bench/--json under a file": (lambda c: [*bench(c.ck), "--json", write(c.w / "f", "x") / "b.json"],

@@ -89,19 +89,47 @@ class DecodeGraphs:
         if entry is None:
             plan = DecodeBatch(self.pool, *key, self.scratch)
             plan.fill(seqs)
-            try:
-                entry = self.graphs[key] = self._capture(plan)
-            except Exception as e:  # noqa: BLE001 - graphs are an optimization: run eagerly from now on
-                self.failed = f"{type(e).__name__}: {e}"
-                logging.getLogger("hqtflow").warning("CUDA graph capture failed, decode steps run eagerly from now on: %s",
-                                                     self.failed)
-                torch.cuda.synchronize()
+            if not self._try_capture(key, plan):
                 return None
+            entry = self.graphs[key]
         graph, plan, logits = entry
         plan.fill(seqs)
         graph.replay()
         return logits[: len(seqs)]
 
-    def _capture(self, plan: DecodeBatch) -> tuple[torch.cuda.CUDAGraph, DecodeBatch, torch.Tensor]:
-        graph, logits = capture(lambda: self._forward(plan), pool=self.mempool)
-        return graph, plan, logits
+    def buckets(self, max_context: int) -> list[tuple[int, int]]:
+        """Every (batch bucket, context bucket) that steps of sequences of at most `max_context` tokens use."""
+        keys, context = set(), MIN_CONTEXT
+        limit = min(max_context, self.max_context)
+        while True:
+            keys.update(k for k in (self.shape(b, min(context, limit)) for b in self.batch_sizes) if k is not None)
+            if context >= limit:
+                return sorted(keys)
+            context *= 2
+
+    def capture_all(self, max_context: int) -> int:
+        """Capture now every (batch bucket, context bucket) a sequence of at most `max_context` tokens can meet (TGI
+        does this at warm-up: no capture, and no compile of a new shape, then happens while requests wait); returns
+        the number of graphs. Each is captured on dummy rows only (they write and read the scratch slot)."""
+        if not self.capture:
+            return 0
+        for key in self.buckets(max_context):
+            if key not in self.graphs:
+                plan = DecodeBatch(self.pool, *key, self.scratch)
+                plan.fill([])
+                if not self._try_capture(key, plan):
+                    break
+        return len(self.graphs)
+
+    def _try_capture(self, key: tuple[int, int], plan: DecodeBatch) -> bool:
+        """Capture `plan`'s step as graph `key`; a failure turns graphs off for good (the reason in `failed`, logged)."""
+        try:
+            graph, logits = capture(lambda: self._forward(plan), pool=self.mempool)
+        except Exception as e:  # noqa: BLE001 - graphs are an optimization: run eagerly from now on
+            self.failed = f"{type(e).__name__}: {e}"
+            logging.getLogger("hqtflow").warning("CUDA graph capture failed, decode steps run eagerly from now on: %s",
+                                                 self.failed)
+            torch.cuda.synchronize()
+            return False
+        self.graphs[key] = (graph, plan, logits)
+        return True

@@ -10,6 +10,8 @@ non-streaming answer: the ASGI `http.disconnect`) cancels its request, which lea
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -84,6 +86,12 @@ def lifespan(engine: Engine, tokenizer, s: ServeSettings, state: dict):
 
     @asynccontextmanager
     async def run(_app):
+        if engine.graphs is not None:  # before the engine thread starts and before any request is accepted
+            t = time.monotonic()
+            n = engine.graphs.capture_all(s.max_total_tokens)
+            failed = f" (failed: {engine.graphs.failed}; decode steps run eagerly)" if engine.graphs.failed else ""
+            logging.getLogger("uvicorn.error").info("%d CUDA graphs of decode steps captured in %.1f s%s", n,
+                                                    time.monotonic() - t, failed)
         engine.start()
         if s.warmup:
             asyncio.get_running_loop().run_in_executor(None, warm_up, engine, tokenizer, s, state)

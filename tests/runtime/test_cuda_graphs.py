@@ -176,3 +176,38 @@ def test_fp8_checkpoint_loads_onto_cuda_whole_and_its_engine_captures(tiny_llama
     outs = _run(eng, [(tok(p)["input_ids"], SamplingParams(max_new_tokens=8)) for p in PROMPTS])
     assert all(o and o[-1].finish_reason for o in outs)
     assert eng.graphs is not None and eng.graphs.failed is None and eng.graphs.graphs
+
+
+def test_graph_buckets_cover_every_step_up_to_a_context():
+    """`buckets(n)`: the (batch, context) shapes that decode steps of sequences of at most n tokens use, which the
+    server captures before it accepts requests; past the pool's slots nothing is listed (such steps run eagerly)."""
+    from types import SimpleNamespace
+
+    pool = SimpleNamespace(num_blocks=64, block_size=16)  # 1024 slots
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.pool, graphs.batch_sizes, graphs.failed, graphs.max_context = pool, (1, 2, 4), None, 1024
+    assert graphs.buckets(200) == [(1, 256), (2, 256), (4, 256)]
+    assert graphs.buckets(600) == [(b, c) for b in (1, 2, 4) for c in (256, 512, 1024)]
+    assert graphs.buckets(10_000) == graphs.buckets(1024)
+    for b in range(1, 5):
+        for n in range(1, 1025, 37):
+            assert graphs.shape(b, n) in graphs.buckets(n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_capture_all_before_requests_then_no_capture_while_serving(lm):
+    """Every bucket captured up front on dummy rows; the engine's steps then replay them (no new graph) and generate
+    what the eager engine does."""
+    model, tok = lm
+    model = model.to("cuda")
+    try:
+        jobs = [(tok(p)["input_ids"], SamplingParams(max_new_tokens=12)) for p in PROMPTS]
+        ref = _run(Engine(model, tok, cuda_graphs=(), max_batch_total_tokens=4096), jobs)
+        eng = Engine(model, tok, max_batch_total_tokens=4096)
+        n = eng.graphs.capture_all(512)
+        assert eng.graphs.failed is None and n == len(eng.graphs.buckets(512)) == 12
+        got = _run(eng, jobs)
+        assert len(eng.graphs.graphs) == n
+        assert [[e.token.id for e in a] for a in ref] == [[e.token.id for e in b] for b in got]
+    finally:
+        model.to("cpu")
