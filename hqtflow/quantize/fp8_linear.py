@@ -100,6 +100,7 @@ class FP8Linear(nn.Module):
     packed: torch.Tensor | None = None  # the "cpu" backend's copy of the weight in its kernel's layout
     _packed_from: tuple[int, int] | None = None  # (data_ptr, version) of the weight `packed` was made from
     fast_accum = False  # "scaled_mm": Hopper's fast FP8 accumulation (cuBLAS's default is the exact fp32 one)
+    _mm_scales: tuple | None = None  # "scaled_mm": (source key, float32 scale_a or None, scale_b) made once, not per call
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, hp_dtype: torch.dtype,
                  fp8: str = "E4M3", per_channel: bool = False, static_input: bool = True, device=None,
@@ -224,19 +225,38 @@ class FP8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         cuda = x2.is_cuda and not torch.compiler.is_compiling()  # inside a compiled step: fused with its neighbours
+        static_a, sb = self._float_scales()
         if self.activation == "dynamic_token":
-            sb = self.weight_scale.float().reshape(1, -1).expand(1, self.out_features).contiguous()
             if self.dynamic_rule is None:
                 xq, sa = (fused(quantize_per_token) if cuda else quantize_per_token)(x2, self.fp8)
             else:
                 sa = self._dynamic_scale(x2).float().reshape(-1, 1)
                 xq = quantize(x2, sa, self.fp8)
         else:
-            sa, sb = self.input_scale.float().reshape(()), self.weight_scale.float().reshape(())
+            sa = static_a
             xq = (fused(quantize) if cuda else quantize)(x2, self.input_scale, self.fp8)
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=sa, scale_b=sb, bias=self.bias, out_dtype=self.hp_dtype,
                              use_fast_accum=self.fast_accum)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _float_scales(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """_scaled_mm's float32 scales: the static input scale [] (None when dynamic) and the weight's, [] or [1, N]
+        (row-wise). Cast once and kept while the stored scales are the same tensors at the same version: two casts
+        per call were two of a decode step's kernels for every Linear (448 of an 8B model's, on an H100)."""
+        w, a = self.weight_scale, self.input_scale if self.activation == "static" else None
+
+        def cast():
+            sb = w.float().reshape(()) if w.numel() == 1 and self.activation == "static" else \
+                w.float().reshape(1, -1).expand(1, self.out_features).contiguous()
+            return None if a is None else a.float().reshape(()), sb
+
+        if torch.compiler.is_compiling():
+            return cast()
+        tag = lambda t: (t.data_ptr(), t.device, None if t.is_inference() else t._version)  # noqa: E731 - inference tensors have no version
+        key = (tag(w), None if a is None else tag(a))
+        if self._mm_scales is None or self._mm_scales[0] != key:
+            self._mm_scales = (key, *cast())
+        return self._mm_scales[1], self._mm_scales[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "cpu":

@@ -29,6 +29,24 @@ def test_scaled_mm_matches_qdq(bias):
     assert (fast.float() - ref.float()).abs().max().item() <= tol
 
 
+def test_scaled_mm_scales_cast_once_and_follow_an_in_place_change():
+    """The float32 scales _scaled_mm takes are cast once, not per call, and recast when a stored scale changes."""
+    import copy
+
+    m, x = _layer(k=64, n=32)
+    set_backend(m, "scaled_mm")
+    first = m(x)
+    kept = m._mm_scales
+    assert torch.equal(m(x), first) and m._mm_scales is kept
+    with torch.no_grad():
+        m.input_scale.mul_(2)
+        m.weight_scale.mul_(0.5)
+    fresh = copy.deepcopy(m)
+    fresh._mm_scales = None
+    changed = m(x)
+    assert m._mm_scales is not kept and torch.equal(changed, fresh(x)) and not torch.equal(changed, first)
+
+
 def test_scaled_mm_only_where_it_applies():
     m, _ = _layer()
     wo = FP8Linear.from_linear(torch.nn.Linear(64, 32).to(torch.bfloat16), torch.tensor(0.01), None)
