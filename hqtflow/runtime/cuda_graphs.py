@@ -107,6 +107,7 @@ class DecodeGraphs:
                 return sorted(keys)
             context *= 2
 
+    @torch.inference_mode()  # as the engine's steps run: no autograd record kept alive by a graph's output
     def capture_all(self, max_context: int) -> int:
         """Capture now every (batch bucket, context bucket) a sequence of at most `max_context` tokens can meet (TGI
         does this at warm-up: no capture, and no compile of a new shape, then happens while requests wait); returns
