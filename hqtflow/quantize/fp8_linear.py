@@ -56,6 +56,12 @@ def quantize_per_token(x: torch.Tensor, fp8: str = "E4M3") -> tuple[torch.Tensor
     return quantize(xf, scale, fp8), scale
 
 
+def _tensor_tag(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's current values for a cache: storage, device, and in-place version (inference
+    tensors have none)."""
+    return t.data_ptr(), t.device, None if t.is_inference() else t._version
+
+
 @functools.cache
 def fused(fn):
     """`fn` compiled into one kernel for CUDA inputs (shapes dynamic: one compile per process, not per M)."""
@@ -244,19 +250,17 @@ class FP8Linear(nn.Module):
         (row-wise). Cast once and kept while the stored scales are the same tensors at the same version: two casts
         per call were two of a decode step's kernels for every Linear (448 of an 8B model's, on an H100)."""
         w, a = self.weight_scale, self.input_scale if self.activation == "static" else None
-
-        def cast():
-            sb = w.float().reshape(()) if w.numel() == 1 and self.activation == "static" else \
-                w.float().reshape(1, -1).expand(1, self.out_features).contiguous()
-            return None if a is None else a.float().reshape(()), sb
-
         if torch.compiler.is_compiling():
-            return cast()
-        tag = lambda t: (t.data_ptr(), t.device, None if t.is_inference() else t._version)  # noqa: E731 - inference tensors have no version
-        key = (tag(w), None if a is None else tag(a))
+            return self._cast_scales(w, a)
+        key = (_tensor_tag(w), None if a is None else _tensor_tag(a))
         if self._mm_scales is None or self._mm_scales[0] != key:
-            self._mm_scales = (key, *cast())
+            self._mm_scales = (key, *self._cast_scales(w, a))
         return self._mm_scales[1], self._mm_scales[2]
+
+    def _cast_scales(self, w: torch.Tensor, a: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        sb = w.float().reshape(()) if w.numel() == 1 and self.activation == "static" else \
+            w.float().reshape(1, -1).expand(1, self.out_features).contiguous()
+        return None if a is None else a.float().reshape(()), sb
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "cpu":
