@@ -894,20 +894,27 @@ HQT_INLINE void columns_tile(const Problem& p, const void* packed, int64_t g0, i
 // split would. Blocks are near-equal runs of `unit` rows. Which thread computes an output does not change how.
 class Blocks {
  public:
-  Blocks(int64_t N, int64_t unit, int64_t count)
-      : N_(N), unit_(unit), units_((N + unit - 1) / unit), count_(std::clamp<int64_t>(count, 1, units_)) {}
+  Blocks(int64_t N, int64_t unit, int64_t count, int64_t rounds = 1)
+      : N_(N), unit_(unit), units_((N + unit - 1) / unit), count_(std::clamp<int64_t>(count, 1, units_)), rounds_(rounds) {}
   int64_t count() const { return count_; }
   int64_t max_rows() const { return (units_ + count_ - 1) / count_ * unit_; }
   bool take(int64_t& n0, int64_t& n1) {
-    const int64_t b = next_.fetch_add(1, std::memory_order_relaxed);
-    if (b >= count_) return false;
+    int64_t round;
+    return take(round, n0, n1);
+  }
+  // With `rounds` > 1 the blocks are handed out `rounds` times, one pass after the other: `round` says which pass.
+  bool take(int64_t& round, int64_t& n0, int64_t& n1) {
+    const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
+    if (i >= count_ * rounds_) return false;
+    const int64_t b = i % count_;
+    round = i / count_;
     n0 = b * units_ / count_ * unit_;
     n1 = std::min(N_, (b + 1) * units_ / count_ * unit_);
     return true;
   }
 
  private:
-  const int64_t N_, unit_, units_, count_;
+  const int64_t N_, unit_, units_, count_, rounds_;
   std::atomic<int64_t> next_{0};
 };
 
@@ -948,14 +955,22 @@ HQT_INLINE void panel_tile(const Problem& p, int64_t m0, int64_t n, int64_t nr, 
   store_groups<MR, G>(acc, m0, n, nr, p.out);
 }
 
+// Larger M: each item of `blocks` is a block of weight rows for one chunk of input rows; its rows are widened into a
+// panel and the chunk's rows swept over it in tiles.
 template <class Group>
-void columns_panels(const Problem& p, const void* packed, Blocks& blocks, int64_t kc_max) {
-  const Weight& wt = p.wt;
+void columns_panels(const Problem& full, const void* packed, Blocks& blocks, int64_t chunk, int64_t kc_max) {
+  const Weight& wt = full.wt;
   const int64_t K = wt.K, unit = kPanelNG * kGroup, rows = blocks.max_rows();
+  const int64_t elem = full.out.hp == at::kFloat ? 4 : 2;
   std::unique_ptr<float, decltype(&std::free)> panel(
       static_cast<float*>(std::aligned_alloc(64, rows * kc_max * sizeof(float))), &std::free);
-  std::unique_ptr<float[]> partial(kc_max < K ? new float[p.M * rows] : nullptr);
-  for (int64_t nb, ne; blocks.take(nb, ne);) {
+  std::unique_ptr<float[]> partial(kc_max < K ? new float[std::min(chunk, full.M) * rows] : nullptr);
+  for (int64_t c, nb, ne; blocks.take(c, nb, ne);) {
+    Problem p = full;  // this chunk's input rows
+    const int64_t m0 = c * chunk;
+    p.x = static_cast<const float*>(full.x) + m0 * full.Kp;
+    p.M = std::min(chunk, full.M - m0);
+    p.out.y = static_cast<char*>(full.out.y) + m0 * full.out.N * elem;
     for (int64_t kb = 0; kb < K; kb += kc_max) {
       const int64_t kc = std::min(kc_max, K - kb), gstride = kc * kGroup;
       for (int64_t n = nb; n < ne; n += kGroup) {  // widen the block, group after group
@@ -984,8 +999,13 @@ void columns_panels(const Problem& p, const void* packed, Blocks& blocks, int64_
 
 // The AVX2 fp32 path over all rows, in parallel: each thread takes row blocks (`Blocks`) until none is left; 8 blocks
 // per thread (2 for inputs larger than a panel), fewer threads for small decode layers. Larger M: a block's widened
-// panel (rows x a column block of ~512 for rows longer than 2048, all of a shorter row) fits the panel budget in L2;
-// inputs larger than a few MB are taken in chunks of rows.
+// panel (rows x a column block of ~512 for rows longer than 2048, all of a shorter row) fits the panel budget in L2.
+// A large input is taken in chunks of rows so that each block of weight rows sweeps a chunk that stays in cache, not
+// the whole input from memory; each chunk reads and widens the weight again, so a chunk's input is at least
+// kInputChunkBytes and at least the weight's bytes. Chunks are passes of the same blocks, handed out chunk after
+// chunk in one parallel region: no thread waits for the others at the end of a chunk (a thread that lost its core
+// for a moment held every chunk up when each was a parallel region of its own). A row's operations do not depend on
+// its chunk.
 template <class Group>
 void run_columns(const Problem& p, const void* packed) {
   const int64_t N = p.wt.N, K = p.wt.K, threads = at::get_num_threads();
@@ -998,31 +1018,18 @@ void run_columns(const Problem& p, const void* packed) {
     });
     return;
   }
-  // A large input is taken in chunks of rows, one after the other: each block of weight rows then sweeps a chunk that
-  // stays in cache, not the whole input from memory. Each chunk reads and widens the weight again, so a chunk's
-  // input is at least kInputChunkBytes and at least the weight's bytes. A row's operations do not depend on its chunk.
-  const int64_t elem = p.out.hp == at::kFloat ? 4 : 2;
-  const int64_t chunk = std::max<int64_t>(64, std::max(kInputChunkBytes, N * K) / (4 * p.Kp));
-  if (p.M > 2 * chunk) {
-    for (int64_t m0 = 0; m0 < p.M; m0 += chunk) {
-      Problem q = p;
-      q.x = static_cast<const float*>(p.x) + m0 * p.Kp;
-      q.M = std::min(chunk, p.M - m0);
-      q.out.y = static_cast<char*>(p.out.y) + m0 * N * elem;
-      run_columns<Group>(q, packed);
-    }
-    return;
-  }
+  const int64_t chunk_rows = std::max<int64_t>(64, std::max(kInputChunkBytes, N * K) / (4 * p.Kp));
+  const int64_t chunk = p.M > 2 * chunk_rows ? chunk_rows : p.M, rounds = (p.M + chunk - 1) / chunk;
   const int64_t splits = K <= 2048 ? 1 : (K + 511) / 512;  // column blocks
   const int64_t kc_max = ((K + splits - 1) / splits + 1) / 2 * 2, unit = kPanelNG * kGroup;
   const int64_t fit = std::max<int64_t>(1, panel_bytes(K) / 2 / (4 * kc_max) / unit);  // units a panel holds
   const int64_t units = (N + unit - 1) / unit;
-  // each block sweeps the whole input: an input that stays in cache allows many small blocks (balance when a thread
-  // is slowed), a larger one is read again per block, so blocks stay as large as the panel holds (2 per thread)
-  const int64_t per_thread = p.M * p.Kp * 4 <= panel_bytes(K) ? 8 : 2;
-  Blocks blocks(N, unit, std::max((units + fit - 1) / fit, per_thread * threads));
-  at::parallel_for(0, std::min(threads, blocks.count()), 1, [&](int64_t, int64_t) {
-    columns_panels<Group>(p, packed, blocks, kc_max);
+  // each block sweeps its chunk: a chunk that stays in cache allows many small blocks (balance when a thread is
+  // slowed), a larger one is read again per block, so blocks stay as large as the panel holds (2 per thread)
+  const int64_t per_thread = chunk * p.Kp * 4 <= panel_bytes(K) ? 8 : 2;
+  Blocks blocks(N, unit, std::max((units + fit - 1) / fit, per_thread * threads), rounds);
+  at::parallel_for(0, std::min(threads, blocks.count() * rounds), 1, [&](int64_t, int64_t) {
+    columns_panels<Group>(p, packed, blocks, chunk, kc_max);
   });
 }
 #endif
