@@ -145,7 +145,7 @@ def measure(
     text_field: Annotated[str, typer.Option(help="Field of .jsonl records that holds the text.")] = MeasureSettings.text_field,
     limit: Annotated[Optional[int], typer.Option(help="Documents per lm-eval task, or text chunks per file.")] = MeasureSettings.limit,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward.")] = MeasureSettings.batch_size,
-    max_length: Annotated[int, typer.Option(help="Tokens per sequence (text chunk size).")] = MeasureSettings.max_length,
+    max_length: Annotated[Optional[int], typer.Option(help="Tokens per sequence (text chunk size, lm-eval context). Default: the model's context, up to 512; a value longer than the model's context is refused.", show_default=False)] = MeasureSettings.max_length,
     tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (cards) to measure on.")] = MeasureSettings.tp,
     dtype: Annotated[str, typer.Option(help="Model dtype: bf16, fp16 or fp32.")] = MeasureSettings.dtype,
     hessians: Annotated[bool, typer.Option(help="Also record each Linear input's second moment, the mean of x x^T (one float32 in_features^2 matrix per distinct input), which `quantize --gptq` needs.")] = MeasureSettings.hessians,

@@ -94,6 +94,31 @@ def load_config(path: Path) -> dict:
     return cfg
 
 
+# config.json keys naming a model's context (positions it was trained on), in the order they are looked for
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx", "max_seq_len")
+
+
+def context_length(cfg: dict) -> tuple[int, str] | None:
+    """The model's context in tokens and what in config.json says so (None: the config does not say).
+
+    The first of CONTEXT_KEYS at the top level, else in `text_config` (multimodal wrappers). A linear or dynamic
+    RoPE scaling stretches it by its factor; other scalings (yarn, llama3, longrope) already count in it."""
+    for where, section in (("", cfg), ("text_config.", cfg.get("text_config"))):
+        if not isinstance(section, dict):
+            continue
+        for key in CONTEXT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                rope = section.get("rope_scaling") or section.get("rope_parameters")
+                kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
+                factor = rope.get("factor") if isinstance(rope, dict) else None
+                if (kind in ("linear", "dynamic") and isinstance(factor, (int, float)) and not isinstance(factor, bool)
+                        and factor > 1 and "original_max_position_embeddings" not in rope):
+                    return int(value * factor), f"{where}{key} {value} x {kind} RoPE factor {factor}"
+                return value, f"{where}{key}"
+    return None
+
+
 def config_errors() -> tuple[type[Exception], ...]:
     """What transformers raises for a config.json field of the wrong type (strict dataclass validation)."""
     try:

@@ -24,17 +24,19 @@ def _same_settings(recorded: dict, current: dict) -> bool:
 def measurement_is_current(s) -> bool:
     from hqtflow import models
     from hqtflow.formats.artifact import ArtifactKind, read_manifest, sha256_file
-    from hqtflow.measure.run import load_measure_config
+    from hqtflow.measure.run import load_measure_config, resolve_max_length
 
     try:
         m = read_manifest(Path(s.output), ArtifactKind.MEASUREMENT)
     except ArtifactError:
         return False
+    model_dir = models.resolve_model(s.model)
+    s = resolve_max_length(s, model_dir)  # the manifest records the max_length measured with, not None
     if not _same_settings(m.data.get("settings", {}), s.to_json()):
         return False
     if m.raw.get("config") != load_measure_config(s.config).to_dict():
         return False
-    if m.model != models.fingerprint(models.resolve_model(s.model)):
+    if m.model != models.fingerprint(model_dir):
         return False
     for src in m.data["calibration"]["sources"]:
         if src["kind"] == "text" and (not Path(src["path"]).is_file() or sha256_file(Path(src["path"])) != src["sha256"]):

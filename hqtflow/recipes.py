@@ -49,7 +49,7 @@ class MeasureSection:
     text_field: str = _value("text", MeasureSettings.text_field)
     limit: int | None = _value("count")
     batch_size: int = _value("count", MeasureSettings.batch_size)
-    max_length: int = _value("count", MeasureSettings.max_length)
+    max_length: int | None = _value("count")  # given here: explicit, as --max-length (None: the model's context, up to 512)
     tp: int = _value("count", MeasureSettings.tp)
     dtype: str = _value("text", MeasureSettings.dtype)
     output: str | None = _value("text")

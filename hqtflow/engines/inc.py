@@ -124,7 +124,7 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
     if s.hessians:
         raise ConfigError("--hessians (a recipe's `gptq: true`) is recorded by hqtflow's own observers; measure "
                           "without --engine inc for it.")
-    cfg, model_dir, texts, manager = preflight(s)
+    s, cfg, model_dir, texts, manager = preflight(s)
     q = _quantization()
     torch.manual_seed(s.seed)
     stage = StagingDir(Path(s.output), overwrite=s.overwrite, inputs=inputs(s, model_dir))

@@ -15,7 +15,7 @@ from hqtflow.config import QuantConfig
 from hqtflow.errors import CalibrationError, ConfigError
 from hqtflow.formats import measurement as mf
 from hqtflow.formats.artifact import MANIFEST, StagingDir, check_output_dir
-from hqtflow.measure.settings import MeasureSettings
+from hqtflow.measure.settings import DEFAULT_MAX_LENGTH, MeasureSettings
 from hqtflow.progress import Progress
 
 
@@ -33,12 +33,14 @@ def load_measure_config(path: str | None) -> QuantConfig:
 
 
 def preflight(s: MeasureSettings):
-    """Every check that needs no model weights: settings, config, output dir, model folder, data, TP split."""
+    """Every check that needs no model weights: settings, config, model folder and context, output dir, data, TP
+    split. Returns the settings with max_length resolved (resolve_max_length), then what the run needs."""
     from hqtflow import models
 
     s.validate()
     cfg = load_measure_config(s.config)
     model_dir = models.resolve_model(s.model)
+    s = resolve_max_length(s, model_dir)
     check_output_dir(Path(s.output), s.overwrite, inputs(s, model_dir))
     texts = [(f, _read(f, s.text_field)) for f in s.text]
     manager = None
@@ -51,7 +53,27 @@ def preflight(s: MeasureSettings):
         from hqtflow.measure.distributed import check_tp_split
 
         check_tp_split(models.load_config(model_dir), s.tp)
-    return cfg, model_dir, texts, manager
+    return s, cfg, model_dir, texts, manager
+
+
+def resolve_max_length(s: MeasureSettings, model_dir: Path) -> MeasureSettings:
+    """`s` with the tokens per sequence it calibrates with: not given (None), the model's context up to
+    DEFAULT_MAX_LENGTH; given (--max-length or a recipe's max_length), refused when longer than the context, since
+    positions the model was never trained on would skew the statistics. A config naming no context keeps the value."""
+    from dataclasses import replace
+
+    from hqtflow import models
+
+    context = models.context_length(models.load_config(model_dir))
+    if s.max_length is None:
+        return replace(s, max_length=min(DEFAULT_MAX_LENGTH, context[0]) if context else DEFAULT_MAX_LENGTH)
+    if context is not None and s.max_length > context[0]:
+        n, source = context
+        label = "--max-length" if s.recipe is None else "--max-length (a recipe's `max_length`)"
+        raise ConfigError(f"{label} {s.max_length} is longer than the model's context of {n} tokens ({source} in "
+                          f"{model_dir / 'config.json'}); give at most {n}, or leave it out to use "
+                          f"{min(DEFAULT_MAX_LENGTH, n)}.")
+    return s
 
 
 def inputs(s: MeasureSettings, model_dir: Path) -> list:
@@ -69,7 +91,7 @@ def measure(s: MeasureSettings, *, show_progress: bool = True) -> Path:
     """Run the measurement stage (spawning ranks for --tp N unless already inside torchrun)."""
     from hqtflow.measure import distributed
 
-    cfg, model_dir, texts, manager = preflight(s)
+    s, cfg, model_dir, texts, manager = preflight(s)
     if s.tp > 1 and not distributed.in_torchrun():
         return distributed.launch(s)
     rank, world = distributed.init(s.tp)

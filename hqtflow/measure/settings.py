@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, field
 
 from hqtflow.errors import CalibrationError, ConfigError
 
+DEFAULT_MAX_LENGTH = 512  # tokens per calibration sequence when none is given (or the model's context, if shorter)
+
 
 @dataclass(frozen=True)
 class MeasureSettings:
@@ -21,7 +23,7 @@ class MeasureSettings:
     text_field: str = "text"
     limit: int | None = None
     batch_size: int = 8
-    max_length: int = 512
+    max_length: int | None = None  # None: the model's context, up to DEFAULT_MAX_LENGTH (measure.run.resolve_max_length)
     tp: int = 1
     dtype: str = "bf16"
     overwrite: bool = False

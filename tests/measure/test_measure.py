@@ -173,3 +173,61 @@ def test_only_rank_0_draws_progress_bars():
         env.update(RANK=rank, PYTHONPATH=str(ROOT))
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert r.stdout.split()[-1:] == [disabled], (rank, r.stdout, r.stderr)
+
+
+# ---- --max-length and the model's context (the tiny Llama's: 256 tokens) ------------------------------------
+def test_max_length_defaults_to_the_model_context(tiny_llama, wiki_text, tmp_path):
+    """Not given, --max-length is the model's context up to 512: 256 here, what the manifest records (and what
+    `hqtflow run` compares a recipe without max_length against, so the measurement stays current)."""
+    from hqtflow.measure.settings import MeasureSettings
+    from hqtflow.pipeline import measurement_is_current
+
+    out = measure(tiny_llama, tmp_path / "d", "--text", wiki_text, "--limit", "2")
+    d = read_manifest(out, "hqtflow.measurement", 1).data
+    assert d["calibration"]["max_length"] == d["settings"]["max_length"] == 256
+    assert d["calibration"]["tokens"] == 2 * 256
+    assert measurement_is_current(MeasureSettings(output=str(out), model=str(tiny_llama), text=(str(wiki_text),), limit=2))
+
+
+def test_max_length_up_to_the_context_is_kept(tiny_llama, wiki_text, tmp_path):
+    out = measure(tiny_llama, tmp_path / "e", "--text", wiki_text, "--limit", "1", "--max-length", "256")
+    assert read_manifest(out, "hqtflow.measurement", 1).data["calibration"]["tokens"] == 256
+
+
+@pytest.mark.parametrize("recipe", [False, True], ids=["flag", "recipe"])
+def test_max_length_longer_than_the_context_is_refused(recipe, tiny_llama, wiki_text, tmp_path):
+    """An explicit --max-length (or a recipe's max_length) past the model's context: one sentence naming both
+    numbers, exit 2, nothing written."""
+    out = tmp_path / "out"
+    if recipe:
+        path = tmp_path / "r.yaml"
+        path.write_text(f"model: {tiny_llama}\nmax_length: 1000\ncalibration: {{text: {wiki_text}, limit: 1}}\n")
+        r = run_cli("measure", "--recipe", path, "-o", out)
+        label = "--max-length (a recipe's `max_length`) 1000"
+    else:
+        r = run_cli("measure", tiny_llama, "-o", out, "--text", wiki_text, "--limit", "1", "--max-length", "1000")
+        label = "--max-length 1000"
+    assert r.exit_code == 2, r.output
+    assert r.stderr.strip() == (f"Error: {label} is longer than the model's context of 256 tokens "
+                                f"(max_position_embeddings in {tiny_llama / 'config.json'}); give at most 256, "
+                                "or leave it out to use 256."), r.stderr
+    assert "Traceback" not in r.output and r.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["r.yaml"] if recipe else [])
+
+
+@pytest.mark.parametrize("config,given,expected", [
+    ({"max_position_embeddings": 4096}, None, 512),
+    ({"max_position_embeddings": 128}, None, 128),
+    ({"n_positions": 1024}, None, 512),
+    ({"text_config": {"max_position_embeddings": 200}}, None, 200),
+    ({}, None, 512),  # a config naming no context: the default, and a given value, are kept
+    ({}, 4096, 4096),
+    ({"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 2.0}}, 8192, 8192),
+    ({"max_position_embeddings": 4096}, 4096, 4096),
+])
+def test_resolve_max_length(config, given, expected, tmp_path):
+    from hqtflow.measure.run import resolve_max_length
+    from hqtflow.measure.settings import MeasureSettings
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert resolve_max_length(MeasureSettings(output="o", max_length=given), tmp_path).max_length == expected
