@@ -11,7 +11,8 @@
    engine >= 1.3x the fastest bf16 one at batch 1 and 8. `--parts profile` prints the GPU time per kernel of an
    eager step.
 3. engine: the serving engine (`Engine`, paged KV cache, decode steps as CUDA graphs) through its public API: 32
-   concurrent streams x 64 new tokens vs one stream alone, bf16 vs FP8, graphs vs `cuda_graphs=()`. Target (issue #14):
+   concurrent streams x 64 new tokens vs one stream alone, bf16 vs FP8, graphs, compiled steps in graphs, and
+   `cuda_graphs=()`. Target (issue #14):
    FP8 >= 1.3x bf16 tokens/s at 32 streams, aggregate >= 5x one stream, time to first token p95 <= 3 s.
 
     python bench/fp8_cuda.py [--models 1b,8b] [--json results.json] [--parts linear,decode,engine]
@@ -37,6 +38,7 @@ from random_llama import llama  # noqa: E402
 
 F8 = 448.0
 DEVICE = "cuda"
+SIZES = (4096, 8192)
 
 
 def graph_time(calls, replays: int = 20) -> float:
@@ -56,8 +58,8 @@ def graph_time(calls, replays: int = 20) -> float:
 
 def bench_linear(ms: list[int]) -> list[dict]:
     rows = []
-    print(f"\n{'shape':>10} {'M':>5} {'bf16 us':>9} {'fp8 static':>11} {'fast acc':>9} {'fp8 token':>10}   (speed vs bf16, >1 = FP8 faster)")
-    for k in (4096, 8192):
+    print(f"\n{'shape':>10} {'M':>5} {'bf16 us':>9} {'fp8 static':>11} {'fast acc':>9} {'fp8 token':>10} {'swap AB':>9}   (speed vs bf16, >1 = FP8 faster)")
+    for k in SIZES:
         copies = max(2, 256 * 2**20 // (2 * k * k))
         torch.manual_seed(0)
         lins = [torch.nn.Linear(k, k, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
@@ -81,11 +83,17 @@ def bench_linear(ms: list[int]) -> list[dict]:
                 for mod in static:
                     mod.fast_accum = False
                 t_token = graph_time([lambda l=l: l(x) for l in token])
+                for mod in static:
+                    mod.swap_ab = True
+                t_swap = graph_time([lambda l=l: l(x) for l in static])
+                for mod in static:
+                    mod.swap_ab = False
             row = dict(k=k, n=k, m=m_, bf16_s=t_bf16, fp8_static_s=t_static, fp8_static_fast_accum_s=t_fast,
-                       fp8_token_s=t_token, static_x=t_bf16 / t_static, fast_x=t_bf16 / t_fast, token_x=t_bf16 / t_token)
+                       fp8_token_s=t_token, fp8_static_swap_ab_s=t_swap, static_x=t_bf16 / t_static,
+                       fast_x=t_bf16 / t_fast, token_x=t_bf16 / t_token, swap_x=t_bf16 / t_swap)
             rows.append(row)
             print(f"{f'{k}^2':>10} {m_:>5} {t_bf16 * 1e6:>9.1f} {row['static_x']:>10.2f}x {row['fast_x']:>8.2f}x "
-                  f"{row['token_x']:>9.2f}x", flush=True)
+                  f"{row['token_x']:>9.2f}x {row['swap_x']:>8.2f}x", flush=True)
         del lins, static, token
         torch.cuda.empty_cache()
     return rows
@@ -161,10 +169,12 @@ def profile_step(model, vocab: int, batch: int, top: int = 12) -> list[tuple[str
     return rows[:top]
 
 
-def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, graphs: bool = True) -> dict:
+def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, mode: str = "graphs") -> dict:
+    """mode: "graphs" (decode steps as CUDA graphs), "compiled" (the torch.compile'd step as CUDA graphs), "eager"."""
     from hqtflow.runtime.engine import Engine, SamplingParams
 
-    eng = Engine(model, tok, max_batch_total_tokens=streams * 256 + 512, cuda_graphs=None if graphs else ())
+    eng = Engine(model, tok, max_batch_total_tokens=streams * 256 + 512, cuda_graphs=() if mode == "eager" else None,
+                 compile=mode == "compiled")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (int(torch.randint(16, 129, (1,), generator=gen)),), generator=gen).tolist()
                for _ in range(streams)]
@@ -182,7 +192,9 @@ def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, graph
 
     eng.start()
     try:
-        run(prompts)  # warm-up: every bucket captured
+        t = time.monotonic()
+        run(prompts)  # warm-up: every bucket captured (and compiled)
+        warm = time.monotonic() - t
         run(prompts[:1])
         singles = [run([p]) for p in prompts[:3]]
         one = statistics.mean(n / w for w, _, n in singles)
@@ -192,7 +204,8 @@ def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, graph
     ttft.sort()
     res = dict(one_stream_tps=one, streams_tps=n / wall, speedup_vs_one=n / wall / one,
                ttft_p50_s=ttft[len(ttft) // 2], ttft_p95_s=ttft[int(0.95 * (len(ttft) - 1))],
-               graphs=len(eng.graphs.graphs) if eng.graphs else 0, graph_failed=eng.graphs.failed if eng.graphs else None)
+               graphs=len(eng.graphs.graphs) if eng.graphs else 0, graph_failed=eng.graphs.failed if eng.graphs else None,
+               warmup_s=warm)
     del eng
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -215,6 +228,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--decode-modes", default="graph,compiled,eager", help="decode: graph, compiled, eager")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (profile: the last)")
+    p.add_argument("--engine-modes", default="graphs,compiled,eager", help="engine: graphs, compiled, eager")
+    p.add_argument("--sizes", default="4096,8192", help="linear: square shapes K = N")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda", help="cuda; cpu runs the decode and engine parts without graphs "
                                                     "(a smoke test of this script, with --models tiny)")
@@ -232,6 +247,8 @@ def main() -> None:
         if a.json:
             Path(a.json).write_text(json.dumps(results, indent=1))
 
+    global SIZES
+    SIZES = tuple(int(k) for k in a.sizes.split(","))
     if "linear" in parts:
         results["linear"] = bench_linear([int(m) for m in a.ms.split(",")])
         save()
@@ -253,9 +270,9 @@ def main() -> None:
                 print(f"decode tok/s {kind}: " + ", ".join(f"{k_} {v:.0f}" if isinstance(v, float) else f"{k_} {v}"
                                                            for k_, v in res[f"decode_{kind}"].items()), flush=True)
             if "engine" in parts:
-                for graphs in (True, False):
-                    key = f"engine_{kind}_{'graphs' if graphs else 'eager'}"
-                    res[key] = bench_engine(model, _Tok(), a.vocab, graphs=graphs)
+                for mode in a.engine_modes.split(","):
+                    key = f"engine_{kind}_{mode}"
+                    res[key] = bench_engine(model, _Tok(), a.vocab, mode=mode)
                     print(f"{key}: " + ", ".join(f"{k_} {v:.3g}" if isinstance(v, float) else f"{k_} {v}"
                                                  for k_, v in res[key].items()), flush=True)
             results[size] = res
@@ -270,11 +287,13 @@ def main() -> None:
                 print(f"decode {b}: fastest FP8 ({best8[1]}) / fastest bf16 ({best16[1]}) {best8[0] / best16[0]:.2f}x "
                       "(target 1.3x)")
         if "engine" in parts:
-            f8, b16 = res["engine_fp8_graphs"], res["engine_bf16_graphs"]  # on a CPU: no graphs in either
-            print(f"engine 32 streams: FP8 / bf16 {f8['streams_tps'] / b16['streams_tps']:.2f}x (target 1.3x); FP8 32 "
-                  f"streams / one stream {f8['speedup_vs_one']:.1f}x (target 5x); TTFT p95 {f8['ttft_p95_s']:.3f} s; "
-                  f"graphs vs eager: FP8 {f8['streams_tps'] / res['engine_fp8_eager']['streams_tps']:.2f}x, bf16 "
-                  f"{b16['streams_tps'] / res['engine_bf16_eager']['streams_tps']:.2f}x")
+            for mode in a.engine_modes.split(","):  # on a CPU: no graphs in any mode
+                f8, b16 = res[f"engine_fp8_{mode}"], res[f"engine_bf16_{mode}"]
+                print(f"engine {mode}, 32 streams: FP8 / bf16 {f8['streams_tps'] / b16['streams_tps']:.2f}x (target 1.3x); "
+                      f"FP8 32 streams / one stream {f8['speedup_vs_one']:.1f}x (target 5x); TTFT p95 "
+                      f"{f8['ttft_p95_s']:.3f} s")
+            best = {k: max(res[f"engine_{k}_{m}"]["streams_tps"] for m in a.engine_modes.split(",")) for k in ("fp8", "bf16")}
+            print(f"engine 32 streams: fastest FP8 / fastest bf16 {best['fp8'] / best['bf16']:.2f}x")
         del model
         if DEVICE == "cuda":
             torch.cuda.empty_cache()

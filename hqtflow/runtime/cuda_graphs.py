@@ -50,9 +50,19 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
 class DecodeGraphs:
     """The engine's decode-only steps as CUDA graphs, one per (batch bucket, context bucket), captured on first use."""
 
-    def __init__(self, model, pool: KVPool, batch_sizes: tuple[int, ...], scratch: int, *, capture: bool = True):
+    def __init__(self, model, pool: KVPool, batch_sizes: tuple[int, ...], scratch: int, *, capture: bool = True,
+                 compile: bool = False):
         self.model, self.pool, self.batch_sizes, self.scratch = model, pool, tuple(sorted(batch_sizes)), scratch
         self.capture = capture
+        # compile: the step through torch.compile (gpt-fast's "reduce-overhead": inductor fuses the norms, rotary,
+        # residuals, attention's elementwise ops and the FP8 input quantization); shapes dynamic, so the buckets share
+        # one compile (batch 1 gets its own: dynamo specializes sizes of 1)
+        self._step = self._forward
+        if compile:
+            from hqtflow.runtime.static_decode import use_persistent_compile_cache
+
+            use_persistent_compile_cache()
+            self._step = torch.compile(self._forward, dynamic=True)
         self.max_context = pool.num_blocks * pool.block_size
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeBatch, torch.Tensor]] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
@@ -84,7 +94,7 @@ class DecodeGraphs:
         if not self.capture:
             plan = DecodeBatch(self.pool, *key, self.scratch)
             plan.fill(seqs)
-            return self._forward(plan)[: len(seqs)]
+            return self._step(plan)[: len(seqs)]
         entry = self.graphs.get(key)
         if entry is None:
             plan = DecodeBatch(self.pool, *key, self.scratch)
@@ -125,7 +135,7 @@ class DecodeGraphs:
     def _try_capture(self, key: tuple[int, int], plan: DecodeBatch) -> bool:
         """Capture `plan`'s step as graph `key`; a failure turns graphs off for good (the reason in `failed`, logged)."""
         try:
-            graph, logits = capture(lambda: self._forward(plan), pool=self.mempool)
+            graph, logits = capture(lambda: self._step(plan), pool=self.mempool)
         except Exception as e:  # noqa: BLE001 - graphs are an optimization: run eagerly from now on
             self.failed = f"{type(e).__name__}: {e}"
             logging.getLogger("hqtflow").warning("CUDA graph capture failed, decode steps run eagerly from now on: %s",

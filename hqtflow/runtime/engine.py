@@ -112,14 +112,16 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_batch_size: int = 0, on_step: Callable[[str, int, float, tuple], None] | None = None,
                  batch_bucket: int = 1, pad_to_multiple: int = 1, prefill_bucket: int = 1, max_prefill_tokens: int = 4096,
                  max_batch_total_tokens: int | None = None, kv_cache: str = "bf16", block_size: int = 16,
-                 trim_interval: float = 2.0, cuda_graphs: tuple[int, ...] | None = None, capture: bool = True):
+                 trim_interval: float = 2.0, cuda_graphs: tuple[int, ...] | None = None, capture: bool = True,
+                 compile: bool = False):
         """max_batch_size: running sequences at most (0: as many as the KV blocks hold). max_batch_total_tokens: KV
         tokens the pool holds (None: half the free memory, a quarter on CPU). kv_cache: "bf16" (the model's dtype)
         or "fp8" (the checkpoint's k_scale/v_scale; ValueError without them). Static shapes (Gaudi-style): a
         decode-only step is padded to a multiple of `batch_bucket` tokens, a step with prefill to a multiple of
         `pad_to_multiple * prefill_bucket` tokens (dummy tokens whose KV is not stored). cuda_graphs: batch sizes
         whose decode-only steps are CUDA graphs (runtime/cuda_graphs.py; None: TGI's 1..32 on CUDA, none on a CPU;
-        () for none); `capture=False` runs those steps batched but eagerly (tests)."""
+        () for none); `capture=False` runs those steps batched but eagerly (tests). compile: those steps through
+        torch.compile (runtime/cuda_graphs.py)."""
         from hqtflow.runtime import paged
 
         if kv_cache not in ("bf16", "fp8"):
@@ -161,7 +163,7 @@ class Engine:
 
             scratch = self.pool.allocate(1)[0] * block_size  # the slot dummy rows write and read; no sequence owns it
             self.pool.zero(scratch)
-            self.graphs = DecodeGraphs(model, self.pool, tuple(cuda_graphs), scratch, capture=capture)
+            self.graphs = DecodeGraphs(model, self.pool, tuple(cuda_graphs), scratch, capture=capture, compile=compile)
         self.stats = Stats()
         self.pending: deque[Request] = deque()
         self.active: list[Request] = []  # running sequences in admission order, each holding its blocks

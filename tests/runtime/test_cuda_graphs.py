@@ -78,13 +78,15 @@ def _run(eng, jobs):
     return outs
 
 
-def test_engine_decode_steps_through_the_batched_step(lm):
-    """The engine with decode graphs (run eagerly here) generates what the per-sequence engine does: same greedy
-    tokens, logprobs to float32 rounding, through mixed prefill/decode steps and batches of 1..4 (buckets 1, 2, 4)."""
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_engine_decode_steps_through_the_batched_step(lm, compile):
+    """The engine with decode graphs (run eagerly here; compiled or not) generates what the per-sequence engine does:
+    same greedy tokens, logprobs to float32 rounding, through mixed prefill/decode steps and batches of 1..4 (buckets
+    1, 2, 4)."""
     model, tok = lm
     jobs = [(tok(p)["input_ids"], SamplingParams(max_new_tokens=6 + 3 * i)) for i, p in enumerate(PROMPTS)]
     steps = []
-    graphed = Engine(model, tok, cuda_graphs=(1, 2, 4), capture=False, max_prefill_tokens=24,
+    graphed = Engine(model, tok, cuda_graphs=(1, 2, 4), capture=False, max_prefill_tokens=24, compile=compile,
                      on_step=lambda kind, n, s, shape: steps.append((kind, shape)))
     ref = _run(Engine(model, tok, max_prefill_tokens=24), jobs)
     got = _run(graphed, jobs)
@@ -104,15 +106,16 @@ def test_engine_on_cpu_has_no_graphs(lm):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_graphs_on_cuda_match_eager(lm):
-    """On CUDA: greedy tokens of captured decode steps equal the eager per-sequence engine's; each shape is
-    captured once and replayed."""
+@pytest.mark.parametrize("compile", [False, True], ids=["graphs", "compiled-graphs"])
+def test_graphs_on_cuda_match_eager(lm, compile):
+    """On CUDA: greedy tokens of captured decode steps (the eager step or the compiled one) equal the eager
+    per-sequence engine's; each shape is captured once and replayed."""
     model, tok = lm
     model = model.to("cuda")  # float32: the batched and per-sequence kernels agree far below a token flip
     try:
         jobs = [(tok(p)["input_ids"], SamplingParams(max_new_tokens=12)) for p in PROMPTS]
         ref = _run(Engine(model, tok, cuda_graphs=(), max_batch_total_tokens=4096), jobs)
-        eng = Engine(model, tok, max_batch_total_tokens=4096)
+        eng = Engine(model, tok, max_batch_total_tokens=4096, compile=compile)
         got = _run(eng, jobs)
         assert eng.graphs is not None and eng.graphs.failed is None and eng.graphs.graphs
         assert [[e.token.id for e in a] for a in ref] == [[e.token.id for e in b] for b in got]
