@@ -243,7 +243,7 @@ class FP8Linear(nn.Module):
         else:
             sa = static_a
             xq = (fused(quantize) if cuda else quantize)(x2, self.input_scale, self.fp8)
-        if self.swap_ab and sa.numel() == 1 and sb.numel() == 1:
+        if self.swap_ab and sa.numel() == 1 and sb.numel() == 1 and x2.shape[0] % 16 == 0:  # cuBLAS: M % 16 == 0
             y = torch._scaled_mm(self.weight, xq.t(), scale_a=sb, scale_b=sa, out_dtype=self.hp_dtype,
                                  use_fast_accum=self.fast_accum).t()
             y = (y + self.bias if self.bias is not None else y).contiguous()
