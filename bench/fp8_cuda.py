@@ -58,7 +58,7 @@ def graph_time(calls, replays: int = 20) -> float:
 
 def bench_linear(ms: list[int]) -> list[dict]:
     rows = []
-    print(f"\n{'shape':>10} {'M':>5} {'bf16 us':>9} {'fp8 static':>11} {'fast acc':>9} {'fp8 token':>10} {'swap AB':>9}   (speed vs bf16, >1 = FP8 faster)")
+    print(f"\n{'shape':>10} {'M':>5} {'bf16 us':>9} {'fp8 static':>11} {'fast acc':>9} {'fp8 token':>10}   (speed vs bf16, >1 = FP8 faster)")
     for k in SIZES:
         copies = max(2, 256 * 2**20 // (2 * k * k))
         torch.manual_seed(0)
@@ -83,17 +83,12 @@ def bench_linear(ms: list[int]) -> list[dict]:
                 for mod in static:
                     mod.fast_accum = False
                 t_token = graph_time([lambda l=l: l(x) for l in token])
-                for mod in static:
-                    mod.swap_ab = True
-                t_swap = graph_time([lambda l=l: l(x) for l in static])
-                for mod in static:
-                    mod.swap_ab = False
             row = dict(k=k, n=k, m=m_, bf16_s=t_bf16, fp8_static_s=t_static, fp8_static_fast_accum_s=t_fast,
-                       fp8_token_s=t_token, fp8_static_swap_ab_s=t_swap, static_x=t_bf16 / t_static,
-                       fast_x=t_bf16 / t_fast, token_x=t_bf16 / t_token, swap_x=t_bf16 / t_swap)
+                       fp8_token_s=t_token, static_x=t_bf16 / t_static,
+                       fast_x=t_bf16 / t_fast, token_x=t_bf16 / t_token)
             rows.append(row)
             print(f"{f'{k}^2':>10} {m_:>5} {t_bf16 * 1e6:>9.1f} {row['static_x']:>10.2f}x {row['fast_x']:>8.2f}x "
-                  f"{row['token_x']:>9.2f}x {row['swap_x']:>8.2f}x", flush=True)
+                  f"{row['token_x']:>9.2f}x", flush=True)
         del lins, static, token
         torch.cuda.empty_cache()
     return rows

@@ -106,8 +106,6 @@ class FP8Linear(nn.Module):
     packed: torch.Tensor | None = None  # the "cpu" backend's copy of the weight in its kernel's layout
     _packed_from: tuple[int, int] | None = None  # (data_ptr, version) of the weight `packed` was made from
     fast_accum = False  # "scaled_mm": Hopper's fast FP8 accumulation (cuBLAS's default is the exact fp32 one)
-    swap_ab = False  # "scaled_mm", per-tensor scales: compute y^T = W x^T (N, the large side, as cuBLAS's M; vLLM's
-    # "swap AB" for small M), then lay y out row-major again. Off by default until measured (bench/fp8_cuda.py)
     _mm_scales: tuple | None = None  # "scaled_mm": (source key, float32 scale_a or None, scale_b) made once, not per call
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, hp_dtype: torch.dtype,
@@ -243,13 +241,8 @@ class FP8Linear(nn.Module):
         else:
             sa = static_a
             xq = (fused(quantize) if cuda else quantize)(x2, self.input_scale, self.fp8)
-        if self.swap_ab and sa.numel() == 1 and sb.numel() == 1 and x2.shape[0] % 16 == 0:  # cuBLAS: M % 16 == 0
-            y = torch._scaled_mm(self.weight, xq.t(), scale_a=sb, scale_b=sa, out_dtype=self.hp_dtype,
-                                 use_fast_accum=self.fast_accum).t()
-            y = (y + self.bias if self.bias is not None else y).contiguous()
-        else:
-            y = torch._scaled_mm(xq, self.weight.t(), scale_a=sa, scale_b=sb, bias=self.bias, out_dtype=self.hp_dtype,
-                                 use_fast_accum=self.fast_accum)
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=sa, scale_b=sb, bias=self.bias, out_dtype=self.hp_dtype,
+                             use_fast_accum=self.fast_accum)
         return y.reshape(*shape[:-1], self.out_features)
 
     def _float_scales(self) -> tuple[torch.Tensor | None, torch.Tensor]:
