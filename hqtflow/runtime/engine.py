@@ -78,6 +78,8 @@ class Request:
     emit: Callable[[Event], None]
     generated: list[int] = field(default_factory=list)
     text: str = ""
+    visible: list[int] = field(default_factory=list)  # the generated tokens that are not special: those with text
+    window: tuple[int, int] = (0, 0)  # incremental detokenization: (prefix start, read end) in `visible`
     cancelled: bool = False
     finished: bool = False
     generator: torch.Generator | None = None
@@ -330,7 +332,7 @@ class Engine:
         t = time.perf_counter()
         logits = None
         if self.graphs is not None and all(n == 1 and _decoding(req) for req, n in plan):
-            logits = self.graphs.run([(req.tokens[-1], req.computed, req.blocks) for req, _ in plan])
+            logits = self.graphs.run([(req.generated[-1], req.computed, req.blocks) for req, _ in plan])
         if logits is not None:
             rows, kind, shape = [(req, 1, i, []) for i, (req, _) in enumerate(plan)], "decode", (len(plan), self.graphs.rows)
             logits = logits.float()
@@ -339,7 +341,7 @@ class Engine:
         if self.on_step:
             self.on_step(kind, len(plan), time.perf_counter() - t, shape)
         self.stats.steps += 1
-        live, live_logits = [], []
+        live, live_rows = [], []
         for req, n, first, scored in rows:
             req.computed += n
             if scored:
@@ -351,9 +353,11 @@ class Engine:
                 req.emit(Event(0, None, "length", "", prompt=req.prompt))
                 continue
             live.append(req)
-            live_logits.append(logits[first + len(scored)])
+            live_rows.append(first + len(scored))
         if live:
-            for req, tok in zip(live, self._sample(live, torch.stack(live_logits))):
+            consecutive = live_rows == list(range(live_rows[0], live_rows[0] + len(live_rows)))  # no copy needed
+            picked = logits[live_rows[0]:live_rows[0] + len(live)] if consecutive else logits[live_rows]
+            for req, tok in zip(live, self._sample(live, picked)):
                 self._emit(req, tok)
 
     def _eager_forward(self, plan: list[tuple[Request, int]]) -> tuple[torch.Tensor, list, str, tuple[int, int]]:
@@ -411,17 +415,25 @@ class Engine:
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[int, float, list | None]]:
         logprobs = torch.log_softmax(logits, dim=-1)
-        toks = logits.argmax(-1).tolist()  # the pick of every row that no processor changes (first max, as per row)
+        greedy = logits.argmax(-1)  # the pick of every row that no processor changes (first max, as per row)
+        # greedy picks and their logprobs in one transfer (one wait for the device); float64 holds any token id
+        picked = torch.stack([greedy.double(), logprobs.gather(1, greedy[:, None])[:, 0].double()]).tolist()
+        toks, chosen, changed = [int(t) for t in picked[0]], picked[1], []
         for row, req in enumerate(reqs):
             p = req.params
             if p.do_sample:
                 x = self._process(req, logits[row].clone())
                 toks[row] = int(torch.multinomial(_warp(x, p).softmax(-1), 1, generator=req.generator))
+                changed.append(row)
             elif _processed(req):
                 toks[row] = int(self._process(req, logits[row].clone()).argmax())
+                changed.append(row)
             if req.matcher is not None:
                 req.matcher.accept_token(toks[row])
-        chosen = logprobs[torch.arange(len(reqs), device=logits.device), torch.tensor(toks, device=logits.device)].tolist()
+        if changed:
+            rows = torch.tensor(changed, device=logits.device)
+            for row, v in zip(changed, logprobs[rows, torch.tensor([toks[r] for r in changed], device=logits.device)].tolist()):
+                chosen[row] = v
         out = []
         for row, req in enumerate(reqs):
             top = None
@@ -467,8 +479,9 @@ class Engine:
         else:
             if len(req.generated) >= req.params.max_new_tokens:
                 finish = "length"
-            full = self.tok.decode([t for t in req.generated if t not in self.special])
-            text = "" if full.endswith("\ufffd") and not finish else full[len(req.text):]  # wait for whole characters
+            if not special:
+                req.visible.append(tok)
+            text = self._new_text(req, final=finish is not None)
             req.text += text
             cut = min((j for j in (req.text.find(s) for s in req.params.stop) if j >= 0), default=-1)
             if cut >= 0:
@@ -476,6 +489,27 @@ class Engine:
         req.finished = finish is not None
         req.emit(Event(len(req.generated) - 1, Token(tok, text, logprob, special, top), finish,
                        req.text if finish else None, stop_at, prompt=req.prompt if finish or len(req.generated) == 1 else None))
+
+
+    def _new_text(self, req: Request, final: bool) -> str:
+        """The text `req.visible`'s last tokens add, decoded as TGI and vLLM do: a window from the token before the
+        last emitted text (`prefix`) to the end, minus the prefix's own text, so a token costs the same however long
+        the text is (decoding everything each token is quadratic in the length). Empty while the window ends inside
+        a multi-byte character, unless `final`. A window with broken UTF-8 in it (a sampled byte soup) is settled by
+        the whole text instead, so the streamed text is always exactly the whole decode."""
+        prefix, read = req.window
+        before = self.tok.decode(req.visible[prefix:read]) if read > prefix else ""
+        after = self.tok.decode(req.visible[prefix:])
+        if after.endswith("\ufffd") and not final:  # half a character: wait for the rest
+            return ""
+        if "\ufffd" in before or "\ufffd" in after:
+            new = self.tok.decode(req.visible)[len(req.text):]
+        elif len(after) > len(before):
+            new = after[len(before):]
+        else:
+            return ""
+        req.window = (read, len(req.visible))
+        return new
 
 
 def _processed(req: Request) -> bool:
@@ -487,7 +521,7 @@ def _processed(req: Request) -> bool:
 
 def _decoding(req: Request) -> bool:
     """Its only token without KV is the one it generated last (else it still reads its prompt, or recomputes)."""
-    return bool(req.generated) and len(req.tokens) - req.computed == 1
+    return bool(req.generated) and len(req.input_ids) + len(req.generated) - req.computed == 1
 
 
 def _warp(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -3,8 +3,9 @@
 The app composes: TGI's error JSON on every status (OpenAI's on /v1/), a guard (415 for a body that is not JSON, 413, the API key), the
 engine's lifespan (and warmup), and the routers of tgi_routes.py, openai_routes.py and metrics.py (TGI's metric
 names). Request models live in schemas.py, the n/best_of runner in api.py. The engine thread hands events to
-asyncio queues through loop.call_soon_threadsafe; a client that disconnects (mid-stream, or while it waits for a
-non-streaming answer: the ASGI `http.disconnect`) cancels its request, which leaves the batch at the next step.
+asyncio queues through a mailbox (api.Mailbox: one loop wake-up per step, not per token); a client that disconnects
+(mid-stream, or while it waits for a non-streaming answer: the ASGI `http.disconnect`) cancels its request, which
+leaves the batch at the next step.
 """
 
 from __future__ import annotations

@@ -1,0 +1,86 @@
+"""The engine's incremental detokenization (TGI's and vLLM's window of the last tokens) gives, token by token, the
+text that decoding every generated token at once gives: byte-level BPE (GPT-2, Llama 3, SmolLM2) and SentencePiece-
+style Metaspace tokenizers, multi-byte characters split across tokens, special tokens in between."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from hqtflow.runtime.engine import Engine, Request, SamplingParams
+
+TEXTS = ["The café's crème brûlée costs 5 € — naïve “quotes”.", "日本語のテキストと emoji 🎉🚀 mixed in.",
+         "  leading spaces,\ttabs and\nnew lines  ", "Zürich, Kraków, São Paulo; ½ ≤ ¾ ≥ π."]
+
+
+def _metaspace(lines):
+    """A SentencePiece-style BPE (Metaspace: '▁' for spaces, stripped before the first word on decode)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    alphabet = [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=800, special_tokens=["<unk>", "</s>", *alphabet]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tokenizer_dir, data_dir):
+    from transformers import AutoTokenizer
+
+    lines = (data_dir / "wikitext2_valid.txt").read_text().splitlines()[:2000] + TEXTS
+    return {"byte-level": AutoTokenizer.from_pretrained(tokenizer_dir), "metaspace": _metaspace(lines)}
+
+
+def _stream(tok, ids):
+    """(pieces, final text) as the engine emits them for generated `ids`."""
+    eng = SimpleNamespace(tok=tok)
+    req = Request([0], SamplingParams(), lambda ev: None)
+    pieces = []
+    for i, t in enumerate(ids):
+        if t not in tok.all_special_ids:
+            req.visible.append(t)
+        pieces.append(Engine._new_text(eng, req, final=i == len(ids) - 1))
+        req.text += pieces[-1]
+    return pieces, req.text
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_streamed_text_is_the_whole_decode(tokenizers, data_dir, kind):
+    tok = tokenizers[kind]
+    lines = [l for l in (data_dir / "wikitext2_test.txt").read_text().splitlines() if len(l) > 40][:40] + TEXTS
+    rng = random.Random(0)
+    for line in lines:
+        ids = tok(line, add_special_tokens=False)["input_ids"]
+        if rng.random() < 0.5:  # an EOS in the middle: no text, and no break in the text around it
+            ids.insert(rng.randrange(len(ids) + 1), tok.eos_token_id)
+        pieces, text = _stream(tok, ids)
+        assert text == tok.decode([t for t in ids if t not in tok.all_special_ids]), line
+        assert "\ufffd" not in "".join(pieces)  # multi-byte characters come whole, never as replacement characters
+
+
+def _whole(tok, ids):
+    """The reference: decode every visible token at each step, emit what the text grew by (quadratic)."""
+    visible, text, pieces = [], "", []
+    for i, t in enumerate(ids):
+        if t not in tok.all_special_ids:
+            visible.append(t)
+        full = tok.decode(visible)
+        pieces.append("" if full.endswith("\ufffd") and i < len(ids) - 1 else full[len(text):])
+        text += pieces[-1]
+    return pieces, text
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_random_tokens_stream_what_whole_decodes_stream(tokenizers, kind):
+    """Arbitrary token sequences (a sampled model's output), broken UTF-8 included: the same pieces as decoding the
+    whole text at every token. (With broken UTF-8 neither is the final whole decode: HF's byte fallback turns every
+    byte of an invalid group into U+FFFD, so a later byte can change the text of earlier, already streamed ones.)"""
+    tok = tokenizers[kind]
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
+        assert _stream(tok, ids) == _whole(tok, ids)
