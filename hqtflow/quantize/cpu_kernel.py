@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "fp8_linear_cpu.cpp"
+# one library for hqtflow's CPU ops: the FP8/bf16 Linear kernels and the runtime's paged decode attention
+SOURCES = (SOURCE, Path(__file__).parents[1] / "runtime" / "csrc" / "paged_attention_cpu.cpp")
 # OpenMP: at::parallel_for runs on torch's threads; no FMA contraction: every path must do the same operations.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 VARIANTS = {"native": ("hqtflow", []), "avx2": ("hqtflow_avx2", ["-mno-avx512f", "-DHQT_OPS_NS=hqtflow_avx2"]),
@@ -47,7 +49,7 @@ def build_dir(variant: str = "native") -> Path:
     from hqtflow.hardware import cpu_flags
     from hqtflow.models import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags(variant)).encode() + torch.__version__.encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(_flags(variant)).encode() + torch.__version__.encode()
                          + " ".join(cpu_flags()).encode())
     return cache_dir() / "kernels" / f"fp8_linear_cpu-{variant}-{key.hexdigest()[:16]}"
 
@@ -78,7 +80,7 @@ def compile_command(compiler: str, variant: str, output: Path) -> list[str]:
 
     includes = [a for p in include_paths() for a in ("-isystem", p)]
     libs = [f"-L{p}" for p in library_paths()]
-    return [compiler, "-shared", "-fPIC", "-std=c++20", *includes, *_flags(variant), str(SOURCE), "-o", str(output),
+    return [compiler, "-shared", "-fPIC", "-std=c++20", *includes, *_flags(variant), *map(str, SOURCES), "-o", str(output),
             *libs, "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
@@ -124,6 +126,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("hqtflow::fp8_linear")
     def _(x, weight, weight_scale, input_scale, bias, packed=None):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.register_fake("hqtflow::paged_decode_attention")
+    def _(q, keys, values, slots, offsets, k_scale, v_scale, scale):
+        return torch.empty_like(q)
 
     @torch.library.register_fake("hqtflow::bf16_linear")
     def _(x, packed, n, bias):

@@ -11,7 +11,9 @@ The model runs one flattened step: every scheduled sequence's new tokens side by
 own positions, and attention is done by `paged_attention`, registered with transformers' `AttentionInterface` as
 "hqtflow_paged" (the masks' interface gets sdpa's). It writes the step's new keys/values into their slots (one copy
 per layer), runs SDPA per prefilling sequence on the context gathered from its blocks, and a float32 attention per
-decoding sequence over exactly its own context. Every sequence's attention is computed alone, with the shapes it has
+decoding sequence over exactly its own context (on a CPU, every decoding sequence of the step in one call of
+hqtflow's `paged_decode_attention` op, runtime/csrc/, which still computes each one alone, in a fixed order: one call
+per layer, not ~15 tensor ops per sequence). Every sequence's attention is computed alone, with the shapes it has
 alone: a batched matmul would pick its algorithm (and its rounding) by the batch size and pad contexts to the longest,
 so a token's logprob would depend on its neighbours (tests compare the logprobs alone and in a busy batch, bit for
 bit).
@@ -27,6 +29,7 @@ anyway).
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +60,11 @@ class StepPlan:
         self.write = torch.cat([s.write for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long, device=pool.device)
         self.prefill = [s for s in seqs if s.n > 1 or not s.past]
         self.decode = [s for s in seqs if s.n == 1 and s.past]
+        self.decode_op = bool(self.decode) and torch.device(pool.device).type == "cpu" and _cpu_ops()
+        if self.decode_op:  # the CPU op's inputs, once per step: each decoding row and its context's slots (CSR)
+            self.decode_rows = torch.tensor([s.start for s in self.decode])
+            self.decode_slots = torch.cat([s.read for s in self.decode])
+            self.decode_offsets = torch.tensor([0, *itertools.accumulate(len(s.read) for s in self.decode)])
 
 
 class DecodeBatch:
@@ -197,10 +205,25 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                            is_causal=s.n > 1 and not s.past, scale=scaling,
                                            enable_gqa=q.shape[0] != k.shape[1])
         out[s.start:s.start + s.n] = o[0].transpose(0, 1)
+    if plan.decode_op:  # every decoding sequence in one call of hqtflow's CPU op, each over its own context
+        ks, vs = pool.scales[layer] if pool.scales is not None else (None, None)
+        q = query[0, :, plan.decode_rows].transpose(0, 1)  # [sequences, heads, d]
+        out[plan.decode_rows] = torch.ops.hqtflow.paged_decode_attention(
+            q, pool.keys[layer], pool.values[layer], plan.decode_slots, plan.decode_offsets, ks, vs,
+            scaling if scaling is not None else query.shape[-1] ** -0.5)
+        return out[None], None
     for s in plan.decode:  # one query per sequence, over its own context only
         k, v = pool.read(layer, s.read, query.dtype)
         out[s.start] = attend_one(query[0, :, s.start], k, v, scaling)
     return out[None], None
+
+
+@functools.cache
+def _cpu_ops() -> bool:
+    """Whether hqtflow's CPU ops (built on first use; see quantize/cpu_kernel.py) are there for decode attention."""
+    from hqtflow.quantize import cpu_kernel
+
+    return cpu_kernel.load()
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
