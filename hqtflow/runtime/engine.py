@@ -144,6 +144,8 @@ class Engine:
 
             scales = kv_scales(model)
         paged.install(model)
+        if self.device.type == "cpu":
+            paged.cpu_ops()  # build (once per machine) or load the decode attention op now, not in the first step
         layers, kv_heads, head_dim = paged.geometry(model)
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)
         fraction = 0.25 if self.device.type == "cpu" else 0.5

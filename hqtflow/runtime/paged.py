@@ -60,7 +60,7 @@ class StepPlan:
         self.write = torch.cat([s.write for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long, device=pool.device)
         self.prefill = [s for s in seqs if s.n > 1 or not s.past]
         self.decode = [s for s in seqs if s.n == 1 and s.past]
-        self.decode_op = bool(self.decode) and torch.device(pool.device).type == "cpu" and _cpu_ops()
+        self.decode_op = bool(self.decode) and torch.device(pool.device).type == "cpu" and cpu_ops()
         if self.decode_op:  # the CPU op's inputs, once per step: each decoding row and its context's slots (CSR)
             self.decode_rows = torch.tensor([s.start for s in self.decode])
             self.decode_slots = torch.cat([s.read for s in self.decode])
@@ -219,7 +219,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 @functools.cache
-def _cpu_ops() -> bool:
+def cpu_ops() -> bool:
     """Whether hqtflow's CPU ops (built on first use; see quantize/cpu_kernel.py) are there for decode attention."""
     from hqtflow.quantize import cpu_kernel
 
