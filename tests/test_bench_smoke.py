@@ -98,3 +98,13 @@ def test_accuracy_calibration_slices_and_paired_summary(tmp_path):
     rows = {"a0": row("m", 0, 0.030, 0.032), "a1": row("m", 1, 0.033, 0.030), "d": {"method": "fp8_dynamic",
             "calibration": 0, "hqtflow": {"mean_kl": 0.02}, "inc": None}}
     assert bench.paired_summary(rows) == [["m", "0.03150", "0.03100", "1.016", "0.938-1.100", "1 of 2"]]
+
+
+def test_paged_attention_bench_smoke(cpu_kernel_loaded):
+    """bench/paged_attention.py --smoke: the op against the Python loop and the padded batch, one row per cache."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "paged_attention.py"), "--smoke"], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("smollm2")]
+    assert [row[1] for row in rows] == ["fp32", "bf16", "fp8"] and "CPU flags" in r.stdout, r.stdout
+    assert all(float(row[-1]) < 1e-3 for row in rows), r.stdout  # the three ways agree

@@ -7,26 +7,27 @@ import torch
 
 from hqtflow.runtime.paged import KVPool, attend_one
 
-HEADS, KV_HEADS, D = 6, 2, 40  # grouped-query attention; d not a multiple of 8 (the dot product's tail lanes)
+HEADS, KV_HEADS, D = 6, 2, 44  # grouped-query attention; d not a multiple of 8 (the vector loops' tails)
 
 
-def _case(dtype, fp8=None, per_head=False, lengths=(1, 5, 17, 64, 130), seed=0):
+def _case(dtype, fp8=None, per_head=False, lengths=(1, 5, 17, 64, 130), seed=0, q_scale=1.0):
     """A filled pool and B decoding queries, each with its own scattered slots: (pool, q [B, heads, d], reads)."""
     g = torch.Generator().manual_seed(seed)
     scales = None
     if fp8:
         s = (torch.rand(KV_HEADS, generator=g) + 0.5) / 100 if per_head else torch.tensor(0.013)
         scales = [(s, s * 1.5)]
-    pool = KVPool(layers=1, kv_heads=KV_HEADS, head_dim=D, num_blocks=64, block_size=8, dtype=dtype, device="cpu",
+    pool = KVPool(layers=1, kv_heads=KV_HEADS, head_dim=D, num_blocks=256, block_size=8, dtype=dtype, device="cpu",
                   scales=scales, fp8=fp8 or "E4M3")
-    slots = torch.randperm(64 * 8, generator=g)
+    slots = torch.randperm(256 * 8, generator=g)
     pool.write(0, slots, torch.randn(len(slots), KV_HEADS, D, generator=g).to(dtype) * 2,
                torch.randn(len(slots), KV_HEADS, D, generator=g).to(dtype))
     reads, start = [], 0
+    assert sum(lengths) <= len(slots)
     for n in lengths:
         reads.append(slots[start:start + n])
         start += n
-    q = torch.randn(len(lengths), HEADS, D, generator=g).to(dtype)
+    q = (torch.randn(len(lengths), HEADS, D, generator=g) * q_scale).to(dtype)
     return pool, q, reads
 
 
@@ -54,6 +55,22 @@ def test_matches_the_per_sequence_reference(cpu_kernel_loaded, name, dtype, fp8,
     assert got.dtype == q.dtype and got.shape == q.shape
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)  # one bf16 rounding apart
     torch.testing.assert_close(got, ref, **tol)
+
+
+def test_peaked_scores_and_long_contexts(cpu_kernel_loaded):
+    """Scores hundreds apart (exp underflows to 0 for most positions) and contexts over several 128-position chunks,
+    whose partial softmaxes the op merges: as close to a float64 reference as torch's float32 path is."""
+    for q_scale, lengths in ((40.0, (1, 9, 300)), (1.0, (128, 129, 256, 257, 500))):
+        pool, q, reads = _case(torch.float32, lengths=lengths, q_scale=q_scale)
+        exact = []
+        for b, r in enumerate(reads):
+            k, v = (t.double().repeat_interleave(HEADS // KV_HEADS, dim=1) for t in pool.read(0, r, torch.float32))
+            w = (torch.einsum("hd,lhd->hl", q[b].double(), k) * D ** -0.5).softmax(-1)
+            exact.append(torch.einsum("hl,lhd->hd", w, v))
+        exact = torch.stack(exact)
+        op_err = (_op(pool, q, reads).double() - exact).abs().max().item()
+        torch_err = (_reference(pool, q, reads).double() - exact).abs().max().item()
+        assert op_err <= 4 * torch_err + 1e-6, (q_scale, op_err, torch_err)
 
 
 @pytest.mark.parametrize("name,dtype,fp8,per_head", CASES, ids=[c[0] for c in CASES])
@@ -90,5 +107,7 @@ def test_refuses_inconsistent_inputs(cpu_kernel_loaded):
         call(q, pool.keys[0], pool.values[0], slots, torch.tensor([0, 8]), None, None, 0.1)
     with pytest.raises(RuntimeError, match="every sequence needs a context"):
         call(q, pool.keys[0], pool.values[0], slots, torch.tensor([0, 0, 8]), None, None, 0.1)
+    with pytest.raises(RuntimeError, match="scales are for an FP8 cache"):
+        call(q, pool.keys[0], pool.values[0], slots, torch.tensor([0, 4, 8]), torch.tensor(1.0), torch.tensor(1.0), 0.1)
     with pytest.raises(RuntimeError, match="slot out of range"):
         call(q, pool.keys[0], pool.values[0], slots + 10_000, torch.tensor([0, 4, 8]), None, None, 0.1)

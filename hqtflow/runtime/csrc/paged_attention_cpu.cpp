@@ -3,19 +3,23 @@
 // paged_decode_attention(q [B, heads, d], keys/values [slots, kv_heads, d], slots [sum of lengths], offsets [B + 1],
 // k_scale?, v_scale?, scale) -> [B, heads, d] in q's dtype. Sequence b reads slots[offsets[b] .. offsets[b + 1]); query
 // head h uses KV head h / (heads / kv_heads) (grouped-query attention, as repeat_kv). Keys and values are bf16, fp16,
-// fp32, or FP8 (read as code * scale, the scale [] or one per KV head, rounded to q's dtype as the Python path
-// reads them). Everything else is float32, in an order fixed per (sequence, head): the dot product over d in 8
-// lanes (lane j sums elements j, j + 8, ...) then a fixed tree, the softmax's sum in position order, and each
-// output element summed in position order. So a sequence's result is the same bits alone or in any batch, on any
-// thread split: what the engine's batch invariance needs. One call per layer replaces a Python loop of ~15 tensor
-// ops per sequence.
+// fp32, or FP8 (read as code * scale, the scale [] or one per KV head, rounded to q's dtype as the Python path reads
+// them).
+//
+// The work is split into tasks of (sequence, KV head, CHUNK context positions): a task reads each KV row once for all
+// the query heads that share it, and keeps, per head, its chunk's score maximum, exp-sum and exp-weighted values; a
+// second pass merges a sequence's chunks in order (as flash-decoding does). Everything is float32 in an order fixed
+// by the sequence alone: the dot product over d in 8 lanes (lane j sums elements j, j + 8, ...) then a fixed tree,
+// exp as a polynomial of float32 operations, sums in position order, chunks merged in order. So a sequence's result
+// is the same bits alone or in any batch, on any number of threads, in the vector and the one-lane builds: what the
+// engine's batch invariance needs. One call per layer replaces a Python loop of ~15 tensor ops per sequence.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -26,65 +30,228 @@
 
 namespace {
 
-// A KV row (d values of one slot and head) as float32; FP8 (scaled) rows are code * scale rounded to `round_to`.
-template <typename T>
-void load_row(const T* src, int64_t d, const float* scale, at::ScalarType round_to, float* dst) {
-  if (scale == nullptr) {
-    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
-    return;
-  }
-  for (int64_t i = 0; i < d; ++i) {
-    const float v = static_cast<float>(src[i]) * *scale;
-    dst[i] = round_to == at::kBFloat16 ? static_cast<float>(c10::BFloat16(v))
-           : round_to == at::kHalf     ? static_cast<float>(c10::Half(v)) : v;
-  }
+constexpr int64_t CHUNK = 128;  // context positions per task: parallel work for one long sequence too
+
+// Eight float32 lanes (GCC/Clang vector extensions): element-wise IEEE operations, so every build (AVX-512, AVX2, SSE)
+// computes the same bits; -ffp-contract=off keeps a * b + c two roundings everywhere.
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+inline f8 load8(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof(v)); }
+inline f8 splat(float s) { return f8{s, s, s, s, s, s, s, s}; }
+
+// exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times 2^n; ~2 ulp), 0 below -87.3.
+inline f8 exp8(f8 x) {
+  const f8 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer, kept in the low mantissa bits
+  const f8 t = x * splat(1.44269504088896341f) + magic;
+  const f8 n = t - magic;
+  const f8 r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
+  f8 y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * (r * r) + r + splat(1.0f);
+  i8 tb, pow2b;
+  std::memcpy(&tb, &t, sizeof(t));
+  pow2b = ((tb - 0x4B400000) + 127) << 23;  // 2^n, n >= -126 in the range kept
+  f8 pow2;
+  std::memcpy(&pow2, &pow2b, sizeof(pow2));
+  const i8 keep = x >= splat(-87.3f);
+  f8 out = y * pow2;
+  i8 ob;
+  std::memcpy(&ob, &out, sizeof(out));
+  ob &= keep;
+  std::memcpy(&out, &ob, sizeof(out));
+  return out;
 }
 
-float dot(const float* a, const float* b, int64_t d) {
-  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+inline float exp1(float x) { return exp8(splat(x))[0]; }
+
+// Eight dot products q . k[r] over d: lane j of each sums elements j, j + 8, ... (a tail past the last full 8 adds
+// zeros), then the halving tree ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), done for the 8 rows at once.
+f8 dot8(const float* q, const float* const* k, int64_t d) {
+  f8 a[8] = {};
   int64_t i = 0;
-  for (; i + 8 <= d; i += 8)
-    for (int j = 0; j < 8; ++j) lane[j] += a[i + j] * b[i + j];
-  for (int j = 0; i < d; ++i, ++j) lane[j] += a[i] * b[i];
-  return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+  for (; i + 8 <= d; i += 8) {
+    const f8 qi = load8(q + i);
+    for (int r = 0; r < 8; ++r) a[r] += qi * load8(k[r] + i);
+  }
+  if (i < d) {
+    float qt[8] = {}, kt[8] = {};
+    std::memcpy(qt, q + i, (d - i) * sizeof(float));
+    const f8 qi = load8(qt);
+    for (int r = 0; r < 8; ++r) {
+      std::memcpy(kt, k[r] + i, (d - i) * sizeof(float));
+      a[r] += qi * load8(kt);
+    }
+  }
+  f8 b[4], c[2];
+  for (int r = 0; r < 4; ++r)  // [x0 + x4, x1 + x5, x2 + x6, x3 + x7] of rows 2r and 2r + 1
+    b[r] = __builtin_shufflevector(a[2 * r], a[2 * r + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+         + __builtin_shufflevector(a[2 * r], a[2 * r + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int r = 0; r < 2; ++r)  // [(x0 + x4) + (x2 + x6), (x1 + x5) + (x3 + x7)] of rows 4r .. 4r + 3
+    c[r] = __builtin_shufflevector(b[2 * r], b[2 * r + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+         + __builtin_shufflevector(b[2 * r], b[2 * r + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14)
+       + __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+float round_to(float v, at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? static_cast<float>(c10::BFloat16(v))
+       : dtype == at::kHalf     ? static_cast<float>(c10::Half(v)) : v;
+}
+
+// One KV tensor's rows as float32: fp32 rows in place, others widened into a buffer (FP8 through a 256-entry table
+// per KV head of code * scale rounded to the query's dtype, so a code costs one load).
+template <typename T>
+struct Rows {
+  const T* base;
+  int64_t kvh, d;
+  const float* table;  // [kv_heads, 256] for FP8, else null
+
+  const float* row(int64_t slot, int64_t g, float* buf) const {
+    const T* src = base + (slot * kvh + g) * d;
+    if constexpr (std::is_same_v<T, float>) {
+      return src;
+    } else if constexpr (sizeof(T) == 1) {
+      const uint8_t* codes = reinterpret_cast<const uint8_t*>(src);
+      const float* t = table + g * 256;
+      for (int64_t i = 0; i < d; ++i) buf[i] = t[codes[i]];
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // a bf16 is the top half of its float32
+      int64_t i = 0;
+      for (; i + 8 <= d; i += 8) {
+        u16x8 h;
+        std::memcpy(&h, src + i, sizeof(h));
+        const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+        std::memcpy(buf + i, &w, sizeof(w));
+      }
+      for (; i < d; ++i) buf[i] = static_cast<float>(src[i]);
+    } else {
+      for (int64_t i = 0; i < d; ++i) buf[i] = static_cast<float>(src[i]);
+    }
+    return buf;
+  }
+};
+
+template <typename T>
+std::vector<float> fp8_table(const float* scales, int64_t per_head, int64_t kvh, at::ScalarType round) {
+  std::vector<float> t(kvh * 256);
+  for (int64_t g = 0; g < kvh; ++g)
+    for (int c = 0; c < 256; ++c) {
+      T code;
+      const uint8_t byte = static_cast<uint8_t>(c);
+      std::memcpy(&code, &byte, 1);
+      const float s = scales ? scales[per_head ? g : 0] : 1.0f;
+      t[g * 256 + c] = round_to(static_cast<float>(code) * s, round);
+    }
+  return t;
+}
+
+// Pass 1, one task per (sequence, KV head, chunk): per query head of the group, the chunk's score maximum, sum of
+// exp(score - maximum) and the exp-weighted sum of values, into part[chunk][head] = [max, sum, d values].
+template <typename Q, typename KV>
+void chunks(const Q* qp, const Rows<KV>& keys, const Rows<KV>& values, const int64_t* slots, const int64_t* offsets,
+            const std::vector<int64_t>& chunk_seq, const std::vector<int64_t>& first_chunk, int64_t heads, float scale,
+            float* part) {
+  const int64_t kvh = keys.kvh, d = keys.d, group = heads / kvh, n_chunks = static_cast<int64_t>(chunk_seq.size());
+  at::parallel_for(0, n_chunks * kvh, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(group * d), p(group * CHUNK), rows(CHUNK * d), zeros(d, 0.0f);
+    const float* row[CHUNK];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c = t / kvh, g = t % kvh, b = chunk_seq[c];
+      const int64_t start = offsets[b] + (c - first_chunk[b]) * CHUNK, m = std::min(CHUNK, offsets[b + 1] - start);
+      for (int64_t i = 0; i < group * d; ++i) qf[i] = static_cast<float>(qp[(b * heads + g * group) * d + i]);
+      for (int64_t j = 0; j < m; ++j) row[j] = keys.row(slots[start + j], g, rows.data() + j * d);
+      for (int64_t j = m; j % 8; ++j) row[j] = zeros.data();  // whole blocks of 8 rows; these scores are not used
+      for (int64_t j = 0; j < m; j += 8)
+        for (int64_t h = 0; h < group; ++h) {
+          const f8 s = dot8(qf.data() + h * d, row + j, d) * splat(scale);
+          std::memcpy(p.data() + h * CHUNK + j, &s, std::min<int64_t>(8, m - j) * sizeof(float));
+        }
+      for (int64_t h = 0; h < group; ++h) {
+        float* ph = p.data() + h * CHUNK;
+        float* out = part + (c * heads + g * group + h) * (d + 2);
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < m; ++j) top = std::max(top, ph[j]);
+        int64_t j = 0;
+        for (; j + 8 <= m; j += 8) store8(ph + j, exp8(load8(ph + j) - splat(top)));
+        for (; j < m; ++j) ph[j] = exp1(ph[j] - top);
+        float sum = 0.0f;
+        for (j = 0; j < m; ++j) sum += ph[j];
+        out[0] = top;
+        out[1] = sum;
+      }
+      for (int64_t j = 0; j < m; ++j) row[j] = values.row(slots[start + j], g, rows.data() + j * d);
+      for (int64_t h = 0; h < group; ++h) {  // out[i] = sum over positions j, in order, of p[j] * v[j][i]
+        const float* ph = p.data() + h * CHUNK;
+        float* out = part + (c * heads + g * group + h) * (d + 2) + 2;
+        int64_t i = 0;
+        for (; i + 8 <= d; i += 8) {
+          f8 acc = {};
+          for (int64_t j = 0; j < m; ++j) acc += splat(ph[j]) * load8(row[j] + i);
+          store8(out + i, acc);
+        }
+        for (; i < d; ++i) {
+          float acc = 0.0f;
+          for (int64_t j = 0; j < m; ++j) acc += ph[j] * row[j][i];
+          out[i] = acc;
+        }
+      }
+    }
+  });
+}
+
+// Pass 2, one task per (sequence, head): merge its chunks in order, rescaled to the largest maximum.
+template <typename Q>
+void merge(const float* part, const std::vector<int64_t>& first_chunk, int64_t B, int64_t heads, int64_t d, Q* op) {
+  at::parallel_for(0, B * heads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc(d), w;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / heads, h = t % heads, c0 = first_chunk[b], nc = first_chunk[b + 1] - c0;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < nc; ++c) top = std::max(top, part[((c0 + c) * heads + h) * (d + 2)]);
+      w.resize(nc);
+      float sum = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t c = 0; c < nc; ++c) {
+        const float* pc = part + ((c0 + c) * heads + h) * (d + 2);
+        w[c] = exp1(pc[0] - top);
+        sum += pc[1] * w[c];
+        for (int64_t i = 0; i < d; ++i) acc[i] += w[c] * pc[2 + i];
+      }
+      for (int64_t i = 0; i < d; ++i) op[t * d + i] = static_cast<Q>(acc[i] / sum);
+    }
+  });
 }
 
 template <typename Q, typename KV>
 void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* slots,
-            const int64_t* offsets, const float* ks, const float* vs, int64_t scales_per_head, float scale,
-            at::Tensor& out) {
-  const int64_t B = q.size(0), heads = q.size(1), d = q.size(2), kvh = keys.size(1), group = heads / kvh;
-  const Q* qp = q.data_ptr<Q>();
-  const KV* kp = keys.data_ptr<KV>();
-  const KV* vp = values.data_ptr<KV>();
-  Q* op = out.data_ptr<Q>();
-  const at::ScalarType hp = q.scalar_type();
-  at::parallel_for(0, B * heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(d), row(d), acc(d), p;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / heads, h = t % heads, g = h / group, n = offsets[b + 1] - offsets[b];
-      const int64_t* seq = slots + offsets[b];
-      const float* k_s = ks ? ks + (scales_per_head ? g : 0) : nullptr;
-      const float* v_s = vs ? vs + (scales_per_head ? g : 0) : nullptr;
-      for (int64_t i = 0; i < d; ++i) qf[i] = static_cast<float>(qp[(b * heads + h) * d + i]);
-      p.resize(n);
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) {
-        load_row(kp + (seq[j] * kvh + g) * d, d, k_s, hp, row.data());
-        p[j] = dot(qf.data(), row.data(), d) * scale;
-        top = std::max(top, p[j]);
-      }
-      float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) sum += (p[j] = std::exp(p[j] - top));
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        load_row(vp + (seq[j] * kvh + g) * d, d, v_s, hp, row.data());
-        const float w = p[j] / sum;
-        for (int64_t i = 0; i < d; ++i) acc[i] += w * row[i];
-      }
-      for (int64_t i = 0; i < d; ++i) op[(b * heads + h) * d + i] = static_cast<Q>(acc[i]);
-    }
-  });
+            const int64_t* offsets, const float* ks, const float* vs, int64_t per_head, float scale, at::Tensor& out) {
+  const int64_t B = q.size(0), heads = q.size(1), d = q.size(2), kvh = keys.size(1);
+  std::vector<float> k_table, v_table;
+  if constexpr (sizeof(KV) == 1) {
+    k_table = fp8_table<KV>(ks, per_head, kvh, q.scalar_type());
+    v_table = fp8_table<KV>(vs, per_head, kvh, q.scalar_type());
+  }
+  const Rows<KV> k_rows{keys.data_ptr<KV>(), kvh, d, k_table.data()}, v_rows{values.data_ptr<KV>(), kvh, d, v_table.data()};
+  std::vector<int64_t> first_chunk(B + 1, 0), chunk_seq;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = (offsets[b + 1] - offsets[b] + CHUNK - 1) / CHUNK;
+    first_chunk[b + 1] = first_chunk[b] + n;
+    chunk_seq.insert(chunk_seq.end(), n, b);
+  }
+  at::Tensor part = at::empty({first_chunk[B], heads, d + 2}, q.options().dtype(at::kFloat));
+  chunks<Q, KV>(q.data_ptr<Q>(), k_rows, v_rows, slots, offsets, chunk_seq, first_chunk, heads, scale, part.data_ptr<float>());
+  merge<Q>(part.data_ptr<float>(), first_chunk, B, heads, d, out.data_ptr<Q>());
 }
 
 template <typename Q>
@@ -114,9 +281,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& keys
   for (int64_t b = 0; b < q.size(0); ++b) TORCH_CHECK(o[b + 1] > o[b], "paged_decode_attention: every sequence needs a context");
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < slots.numel(); ++i) TORCH_CHECK(s[i] >= 0 && s[i] < keys.size(0), "paged_decode_attention: slot out of range");
+  const bool fp8 = keys.scalar_type() == at::kFloat8_e4m3fn || keys.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "paged_decode_attention: give both scales or neither");
+  TORCH_CHECK(fp8 || !k_scale.has_value(), "paged_decode_attention: scales are for an FP8 cache");
   at::Tensor ksf, vsf;
   int64_t per_head = 0;
-  if (k_scale.has_value() != v_scale.has_value()) TORCH_CHECK(false, "paged_decode_attention: give both scales or neither");
   if (k_scale.has_value()) {
     ksf = k_scale->to(at::kFloat).contiguous().reshape(-1);
     vsf = v_scale->to(at::kFloat).contiguous().reshape(-1);
