@@ -111,7 +111,7 @@ def _csv(values: Optional[list[str]]) -> Optional[tuple[str, ...]]:
 
 Engine = Annotated[str, typer.Option(help="hqtflow (its own observers / FP8 runtime) or inc (Neural Compressor's prepare/convert, driven by hqtflow).")]
 Device = Annotated[Optional[str], typer.Option(help="--engine inc: cpu or hpu (default: hpu when habana_frameworks.torch imports, else cpu).")]
-ServeDevice = Annotated[Optional[str], typer.Option(help="Where the model runs: cpu or cuda (default: cuda when PyTorch sees a CUDA GPU, else cpu); with --engine inc: cpu or hpu (default: hpu when habana_frameworks.torch imports).")]
+RunDevice = Annotated[Optional[str], typer.Option(help="Where the model runs: cpu or cuda (default: cuda when PyTorch sees a CUDA GPU, else cpu); with --engine inc: cpu or hpu (default: hpu when habana_frameworks.torch imports).")]
 
 
 def _inc_device(engine: str, device: Optional[str]) -> Optional[str]:
@@ -119,6 +119,13 @@ def _inc_device(engine: str, device: Optional[str]) -> Optional[str]:
     from hqtflow.engines import resolve
 
     return resolve(engine, device)
+
+
+def _run_devices(inc: bool, device: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(Neural Compressor's device, hqtflow runtime's device) of a command that runs a model: one is None."""
+    from hqtflow.hardware import run_device
+
+    return (_inc_device("inc", device), None) if inc else (None, run_device(device))
 
 
 def _measure_flags(ctx: typer.Context) -> dict:
@@ -269,7 +276,7 @@ def generate(
     measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="--engine inc: the measurement MODEL is quantized from.")] = None,
     config: Annotated[Optional[Path], typer.Option("-c", "--config", help="--engine inc: QUANT_CONFIG (QUANTIZE).")] = None,
     scale_method: Annotated[Optional[str], typer.Option(help="--engine inc: override the config's scale_method.")] = None,
-    device: Device = None,
+    device: RunDevice = None,
 ) -> None:
     """Greedy text generation from an FP8 checkpoint or a bf16 model."""
     import torch
@@ -286,7 +293,7 @@ def generate(
     kv_cache = parse(KVCache, kv_cache, "--kv-cache")
     if kv_cache == KVCache.FP8 and engine in ("transformers", "inc"):
         raise HqtflowError("--kv-cache fp8 runs in hqtflow's own engines: add --engine static (or compiled, or serve).")
-    inc_device = _inc_device("inc" if engine == "inc" else "hqtflow", device)
+    inc_device, run_device = _run_devices(engine == "inc", device)
     if inc_device is None and (measurement or config or scale_method):
         raise HqtflowError("-m/--measurement, -c/--config and --scale-method quantize at load with --engine inc; "
                            "for hqtflow's runtime, quantize first and generate from the checkpoint.")
@@ -296,12 +303,12 @@ def generate(
         m, tok = inc.load_run(model, measurement, device=inc_device, config=config, scale_method=scale_method,
                               backend=backend, dtype=dtype)
     else:
-        m, tok, _ = load_any(model, dtype, backend=backend)
+        m, tok, _ = load_any(model, dtype, backend=backend, device=run_device)
     text = _chat_prompt(tok, prompt, model) if chat else prompt
     if inc_device is not None:
         ids = inc.prompt_inputs(tok, text, inc_device, add_special_tokens=not chat)
     else:
-        ids = tok(text, return_tensors="pt", add_special_tokens=not chat)
+        ids = tok(text, return_tensors="pt", add_special_tokens=not chat).to(run_device)
     if ids["input_ids"].shape[1] == 0:
         raise HqtflowError("The prompt is empty (no tokens): give some text with -p.")
     with torch.inference_mode():
@@ -352,14 +359,16 @@ def eval_(
     backend: Backend = "auto",
     dtype: ComputeDtype = "auto",
     engine: Engine = "hqtflow",
-    device: Device = None,
+    device: RunDevice = None,
     measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="--engine inc: MODEL (bf16) is quantized at load from this measurement; MODEL itself is the baseline.")] = None,
     scale_method: Annotated[Optional[str], typer.Option(help="--engine inc: override the measurement config's scale_method.")] = None,
 ) -> None:
     """lm-eval tasks and WikiText-2 perplexity of an FP8 model and its bf16 baseline, side by side."""
     from hqtflow.eval_run import run_eval
 
-    inc_device = _inc_device(engine, device)
+    from hqtflow.choices import Engine as Kind, parse
+
+    inc_device, run_device = _run_devices(parse(Kind, engine, "--engine") == Kind.INC, device)
     loader = None
     if inc_device is None and (measurement or scale_method):
         raise HqtflowError("-m/--measurement and --scale-method quantize at load with --engine inc.")
@@ -377,7 +386,7 @@ def eval_(
                         tasks=_csv(tasks) or (), include_path=tuple(map(str, include_path or ())),
                         data_dir=str(data_dir) if data_dir else None, limit=limit, batch_size=batch_size,
                         ppl_file=str(ppl_file) if ppl_file else None, ppl_windows=ppl_windows, report=report,
-                        backend=backend, dtype=dtype))
+                        backend=backend, dtype=dtype, device=run_device or "cpu"))
 
 
 @app.command()
@@ -563,13 +572,14 @@ def _serve_command(kind: str, doc: str):
         pad_sequence_to_multiple_of: Annotated[int, typer.Option(help="Pad a step with prefill to a multiple of tokens: few distinct shapes, bounded per-shape caches (env PAD_SEQUENCE_TO_MULTIPLE_OF).")] = S.pad_sequence_to_multiple_of,
         warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="Run the bucketed shapes once; /health is 503 until done (env WARMUP_ENABLED).")] = S.warmup,
         cuda_graphs: Annotated[str, typer.Option(help="Batch sizes whose decode steps run as CUDA graphs, comma-separated; 0: none (TGI's flag; env CUDA_GRAPHS; default on a GPU 1,2,4,8,16,32; a CUDA GPU only).")] = S.cuda_graphs,
+        compile: Annotated[bool, typer.Option("--compile/--no-compile", help="Put the CUDA-graph decode steps through torch.compile before capturing them (a CUDA GPU only; minutes of compiling before /health is ready).")] = S.compile,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
         config: Annotated[Optional[Path], typer.Option("-c", "--config", help="With -m: the QUANTIZE QUANT_CONFIG (default: maxabs_arbitrary, lm_head in bf16).")] = None,
         scale_method: Annotated[Optional[str], typer.Option(help="With -m: override the config's scale_method.")] = None,
         backend: Backend = "auto",
         dtype: ComputeDtype = "auto",
         engine: Engine = "hqtflow",
-        device: ServeDevice = None,
+        device: RunDevice = None,
     ) -> None:
         from hqtflow import environment
 
@@ -579,7 +589,7 @@ def _serve_command(kind: str, doc: str):
             max_batch_prefill_tokens=max_batch_prefill_tokens, max_batch_total_tokens=max_batch_total_tokens,
             kv_cache=kv_cache, max_concurrent_requests=max_concurrent_requests, max_stop_sequences=max_stop_sequences, api_key=api_key,
             batch_bucket_size=batch_bucket_size, prefill_batch_bucket_size=prefill_batch_bucket_size,
-            pad_sequence_to_multiple_of=pad_sequence_to_multiple_of, warmup=warmup, cuda_graphs=cuda_graphs))
+            pad_sequence_to_multiple_of=pad_sequence_to_multiple_of, warmup=warmup, cuda_graphs=cuda_graphs, compile=compile))
         from hqtflow.runtime.server import serve
 
         from hqtflow.choices import Engine as Kind, parse
@@ -612,14 +622,20 @@ def bench(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every figure as JSON here.")] = None,
     backend: Backend = "auto",
     dtype: ComputeDtype = "auto",
+    device: Annotated[Optional[str], typer.Option(help="Where both models run: cpu or cuda (default: cuda when PyTorch sees a CUDA GPU, else cpu).")] = None,
 ) -> None:
     """Prefill/decode latency and throughput per batch size through the serving engine, FP8 vs bf16 side by side (text-generation-benchmark style)."""
     from hqtflow.runtime.bench import BenchSettings, parse_batch_sizes, run_bench
 
+    from hqtflow.hardware import run_device
+
+    if device == "hpu":
+        raise HqtflowError("hqtflow bench times hqtflow's runtime, on cpu or cuda; on Gaudi (hpu) use serve, generate "
+                           "or eval with --engine inc.")
     settings = BenchSettings(batch_sizes=parse_batch_sizes(batch_sizes), prompt_length=prompt_length,
                              decode_length=decode_length, runs=runs, warmup=warmup, seed=seed)
     typer.echo(run_bench(model, baseline=baseline, settings=settings, json_path=json_out, backend=backend, dtype=dtype,
-                         echo=lambda m: typer.echo(m, err=True)))
+                         device=run_device(device), echo=lambda m: typer.echo(m, err=True)))
 
 
 if __name__ == "__main__":

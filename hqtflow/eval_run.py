@@ -31,8 +31,9 @@ def _where(model: str | None) -> str:
 def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks: tuple[str, ...],
              include_path: tuple[str, ...], data_dir: str | None, limit: int | None, batch_size: int,
              ppl_file: str | None, ppl_windows: int | None, report: Path | None, backend: str = "auto",
-             dtype: str = "auto", loader=None) -> str:
-    """`loader`: returns (model, tokenizer, kind) in place of loading MODEL here (`--engine inc`)."""
+             dtype: str = "auto", loader=None, device: str = "cpu") -> str:
+    """`loader`: returns (model, tokenizer, kind) in place of loading MODEL here (`--engine inc`); `device`: where
+    MODEL (without a loader) and the bf16 baseline run."""
     from hqtflow import lmeval
     from hqtflow.api import load_any
     from hqtflow.bf16_matmul import bf16_matmuls_via_fp32
@@ -66,11 +67,11 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     if base_ref:
         candidates["bf16"] = base_ref
     results, paths = {}, {}
-    m, tok, kind = loader() if loader else load_any(model, dtype, backend=backend)
+    m, tok, kind = loader() if loader else load_any(model, dtype, backend=backend, device=device)
     name = "fp8" if kind == "fp8" else kind
     names = list(candidates) + [name if name not in candidates else f"{name}-model"]
     for n in candidates:
-        bm, btok, _ = load_any(candidates[n], "bf16")  # the accuracy reference is the bf16 model
+        bm, btok, _ = load_any(candidates[n], "bf16", device=device)  # the accuracy reference is the bf16 model
         with bf16_matmuls_via_fp32():
             results[n] = evaluate(bm, btok, settings, manager, label=n)
         paths[n] = _where(candidates[n])

@@ -88,7 +88,18 @@ def test_serve_defaults_come_from_serve_settings(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a CUDA GPU")
-def test_serve_device_cuda_without_a_gpu_is_one_sentence(tmp_path):
+@pytest.mark.parametrize("command", [["serve", "fp8", "{missing}", "--port", "1"], ["generate", "{missing}"],
+                                     ["eval", "{missing}", "--ppl-file", "{missing}"], ["bench", "{missing}"]],
+                         ids=["serve", "generate", "eval", "bench"])
+def test_device_cuda_without_a_gpu_is_one_sentence(tmp_path, command):
     """--device cuda where PyTorch sees no GPU: exit 2 and one sentence, before the port is taken or a model is read."""
-    r = run_cli("serve", "fp8", str(tmp_path / "missing"), "--device", "cuda", "--port", "1")
+    r = run_cli(*[a.format(missing=tmp_path / "missing") for a in command], "--device", "cuda")
     assert r.exit_code == 2 and "sees no CUDA GPU here; use --device cpu" in r.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without a CUDA GPU the default device is the CPU")
+def test_generate_on_device_cpu_is_the_default_here(tiny_llama):
+    default = run_cli("generate", tiny_llama, "--max-new-tokens", "4")
+    on_cpu = run_cli("generate", tiny_llama, "--max-new-tokens", "4", "--device", "cpu")
+    assert default.exit_code == on_cpu.exit_code == 0, default.output + on_cpu.output
+    assert default.output.splitlines()[-1] == on_cpu.output.splitlines()[-1]  # the text (not the progress bars)

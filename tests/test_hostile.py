@@ -438,6 +438,7 @@ CASES = {
     "generate/config field of the wrong type, hashes rewritten": (
         lambda c: gen(rehash(config(c.copy("ck"), num_hidden_layers="two"))), "config.json is not a valid model config"),
     "generate/empty prompt": (lambda c: [*gen(c.ck), "-p", ""], "The prompt is empty"),
+    "generate/--device hpu without --engine inc": (lambda c: [*gen(c.ck), "--device", "hpu"], "hpu: with --engine inc"),
     "generate/--chat without a chat template": (lambda c: [*gen(c.ck), "--chat"], "has no chat template"),
     # eval
     "eval/binary --ppl-file": (lambda c: ((c.w / "b.txt").write_bytes(bytes(range(256))),
@@ -449,6 +450,8 @@ CASES = {
                                                       "line 1 has no field 'choices'"),
     "eval/--ppl-windows 0": (lambda c: ["eval", c.ck, "--no-baseline", "--ppl-file", c.text, "--ppl-windows", "0"],
                              "--ppl-windows must be at least 1, not 0"),
+    "eval/--device a typo": (lambda c: ["eval", c.ck, "--no-baseline", "--ppl-file", c.text, "--device", "gpu"],
+                             "valid values are auto, cpu, cuda"),
     "eval/--batch-size 0": (lambda c: ["eval", c.ck, "--no-baseline", "--ppl-file", c.text, "--batch-size", "0"],
                             "--batch-size must be at least 1, not 0"),
     "eval/--baseline with --no-baseline": (lambda c: ["eval", c.ck, "--no-baseline", "--baseline", c.model, "--ppl-file",
@@ -472,10 +475,12 @@ CASES = {
     "serve/-m a partial measurement": (lambda c: serve(c.model, "-m", c.partial("m")), "unfinished output"),
     "serve/--device hpu without --engine inc": (lambda c: serve(c.ck, "--device", "hpu"), "hpu: with --engine inc"),
     "serve/--device a typo": (lambda c: serve(c.ck, "--device", "gpu"), "valid values are auto, cpu, cuda"),
+    "serve/--compile on a CPU": (lambda c: serve(c.ck, "--device", "cpu", "--compile"), "needs hqtflow's engine on a CUDA GPU"),
     # bench
     "bench/--json inside the checkpoint": (lambda c: [*bench(c.copy("ck")), "--json", c.w / "ck" / "b.json"], "lies inside"),
     "bench/--json under a file": (lambda c: [*bench(c.ck), "--json", write(c.w / "f", "x") / "b.json"],
                                   "Cannot create the parent directory"),
+    "bench/--device hpu": (lambda c: [*bench(c.ck), "--device", "hpu"], "on Gaudi (hpu) use serve, generate or eval"),
     # handoff
     "handoff/--dir a file": (lambda c: ["handoff", c.m, "--to", "tgi-gaudi", "--dir", write(c.w / "f", "x")],
                              "Cannot write the hand-off directory"),

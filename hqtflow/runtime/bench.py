@@ -200,8 +200,8 @@ def format_table(report: dict, names: list[str]) -> str:
 
 
 def run_bench(model: str | None, *, baseline: str | None, settings: BenchSettings, json_path: Path | None = None,
-              echo=None, backend: str = "auto", dtype: str = "auto") -> str:
-    """Load the FP8 checkpoint (MODEL) and its bf16 baseline, benchmark both, return the printed text."""
+              echo=None, backend: str = "auto", dtype: str = "auto", device: str = "cpu") -> str:
+    """Load the FP8 checkpoint (MODEL) and its bf16 baseline on `device`, benchmark both, return the printed text."""
     from hqtflow import models as models_mod
     from hqtflow.eval_run import source_model
     from hqtflow.api import load_any
@@ -215,16 +215,15 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
     if base_ref and baseline is None and not Path(base_ref).exists():
         raise ModelError(f"The checkpoint's source model {base_ref} (from its manifest) does not exist; pass --baseline.")
     for ref in (model, base_ref) if base_ref else (model,):  # cheap checks before loading anything
-        cfg = models_mod.load_config(models_mod.resolve_model(ref))
-        pmax = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
-        if pmax and settings.prompt_length + settings.decode_length + 1 > pmax:
+        context = models_mod.context_length(models_mod.load_config(models_mod.resolve_model(ref)))
+        if context and settings.prompt_length + settings.decode_length + 1 > context[0]:
             raise HqtflowError(f"--prompt-length + --decode-length ({settings.prompt_length + settings.decode_length}) "
-                               f"exceeds the {pmax} positions of {ref or 'smollm2'}.")
-    m, tok, kind = load_any(model, dtype, backend=backend)
+                               f"exceeds the {context[0]} positions of {ref or 'smollm2'} ({context[1]}).")
+    m, tok, kind = load_any(model, dtype, backend=backend, device=device)
     name = "fp8" if kind == "fp8" else kind
     models: dict[str, tuple] = {}
     if base_ref:
-        bm, btok, bkind = load_any(base_ref, dtype)  # auto: the fastest high-precision dtype here
+        bm, btok, bkind = load_any(base_ref, dtype, device=device)  # auto: the fastest high-precision dtype there
         if bkind == "fp8":
             raise ModelError(f"The baseline {base_ref} is an FP8 checkpoint; give a bf16 model.")
         models[bkind] = (bm, btok)

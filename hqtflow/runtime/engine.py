@@ -162,6 +162,9 @@ class Engine:
         if cuda_graphs and capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs (--cuda-graphs) need a CUDA GPU; this model runs on {self.device.type} "
                              "(give --cuda-graphs 0).")
+        if compile and not cuda_graphs:
+            raise ValueError("--compile compiles the CUDA-graph decode steps: it needs a CUDA GPU and --cuda-graphs "
+                             "other than 0.")
         if cuda_graphs:
             from hqtflow.runtime.cuda_graphs import DecodeGraphs
 

@@ -109,7 +109,8 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     engine = Engine(model, tokenizer, max_batch_size=s.max_batch_size, batch_bucket=s.batch_bucket_size,
                     pad_to_multiple=s.pad_sequence_to_multiple_of, prefill_bucket=s.prefill_batch_bucket_size,
                     max_prefill_tokens=s.max_batch_prefill_tokens, max_batch_total_tokens=s.max_batch_total_tokens,
-                    kv_cache=s.kv_cache, cuda_graphs=parse_batch_sizes(s.cuda_graphs) if s.cuda_graphs else None)
+                    kv_cache=s.kv_cache, cuda_graphs=parse_batch_sizes(s.cuda_graphs) if s.cuda_graphs else None,
+                    compile=s.compile)
     metrics = Metrics(engine)
     engine.on_step = metrics.on_step
     state = {"in_flight": 0, "ready": not s.warmup}
@@ -154,7 +155,14 @@ def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.
     model) and serve it until interrupted."""
     from hqtflow.hardware import run_device
 
+    from hqtflow.errors import HqtflowError
+    from hqtflow.runtime.cuda_graphs import parse_batch_sizes
+
     device = run_device(device) if inc_device is None else None  # refused before the port is taken
+    no_graphs = bool(settings.cuda_graphs) and not parse_batch_sizes(settings.cuda_graphs)
+    if settings.compile and (device != "cuda" or no_graphs):
+        raise HqtflowError("--compile compiles the CUDA-graph decode steps: it needs hqtflow's engine on a CUDA GPU "
+                           "(--device cuda) with --cuda-graphs other than 0.")
     sock = listen_socket(host, port)
     try:
         _serve(sock, model_ref, settings, kind=kind, measurement=measurement, backend=backend, dtype=dtype,

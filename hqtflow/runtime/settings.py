@@ -27,3 +27,4 @@ class ServeSettings:
     pad_sequence_to_multiple_of: int = 16
     warmup: bool = False
     cuda_graphs: str = ""  # batch sizes of CUDA-graph decode steps, "1,2,4" (TGI's); "0": none; "": 1..32 on a GPU
+    compile: bool = False  # those decode steps through torch.compile before capture (a CUDA GPU only)

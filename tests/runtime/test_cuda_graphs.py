@@ -105,6 +105,14 @@ def test_engine_on_cpu_has_no_graphs(lm):
     assert Engine(*lm).graphs is None
 
 
+def test_compile_without_decode_graphs_is_refused(lm):
+    """compile=True compiles the graphs' decode step: without graphs it would be silently ignored, so it is refused."""
+    with pytest.raises(ValueError, match="--compile compiles the CUDA-graph decode steps"):
+        Engine(*lm, compile=True)
+    with pytest.raises(ValueError, match="--compile compiles the CUDA-graph decode steps"):
+        Engine(*lm, cuda_graphs=(), compile=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("compile", [False, True], ids=["graphs", "compiled-graphs"])
 def test_graphs_on_cuda_match_eager(lm, compile):
