@@ -16,6 +16,7 @@ only the power-of-two / arbitrary scale methods (`maxabs_hw` has no hardware sca
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from contextlib import contextmanager
@@ -65,6 +66,22 @@ def single_process():
             setattr(pm, k, v)
 
 
+def own_temp_files(fn):
+    """Run `fn` with Python's temp files in a directory removed afterwards: INC writes each FP8Config (and each mode
+    it switches one to) to a `NamedTemporaryFile(delete=False)` and never removes it."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with tempfile.TemporaryDirectory(prefix="hqtflow-inc-tmp-") as directory:
+            saved, tempfile.tempdir = tempfile.tempdir, directory
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                tempfile.tempdir = saved
+
+    return run
+
+
 def fp8_config(cfg, drop: tuple[str, ...] = (), **changes):
     """INC's FP8Config from an hqtflow QuantConfig (its `to_dict` is the JSON INC reads) less `drop`, plus `changes`."""
     d = {k: v for k, v in {**cfg.to_dict(), **changes}.items() if k not in drop}
@@ -108,6 +125,7 @@ def _step(device: str) -> None:
 
 
 # ---- measure --------------------------------------------------------------------------------------------
+@own_temp_files
 def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
     """`hqtflow measure --engine inc`: calibrate through INC's observers, write an hqtflow measurement artifact."""
     import torch
@@ -214,6 +232,7 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
 
 
 # ---- convert (quantize / run) ---------------------------------------------------------------------------
+@own_temp_files
 def convert(job, model, device: str = "cpu", *, scale_dir: Path | None = None):
     """INC's `convert` of `model` (bf16, on `device`) with `job`'s measurement (a `plan_job` result) and config.
 

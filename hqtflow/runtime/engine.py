@@ -15,6 +15,7 @@ not started (benchmarks).
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import threading
@@ -90,6 +91,7 @@ class Request:
     t_admit: float | None = None
     t_first: float | None = None
     blocks: list[int] = field(default_factory=list)  # block table in the engine's KVPool
+    slot_table: torch.Tensor | None = None  # every slot of `blocks` in position order (Engine._slots)
     computed: int = 0  # tokens (prompt then generated) whose keys/values are in the blocks
     preempted: int = 0  # times its blocks were taken back (it is then recomputed)
 
@@ -138,6 +140,7 @@ class Engine:
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         self.special = set(tokenizer.all_special_ids)
+        self._decode = fast_decode(tokenizer)
         scales = None
         if kv_cache == "fp8":
             from hqtflow.runtime.kv_cache import kv_scales
@@ -288,7 +291,7 @@ class Engine:
             if need > self.pool.num_free:
                 break
             self.pending.popleft()
-            req.blocks, req.computed = self.pool.allocate(need), 0
+            req.blocks, req.computed, req.slot_table = self.pool.allocate(need), 0, None
             req.t_admit = req.t_admit or time.monotonic()
             self.active.append(req)
         self.stats.max_running = max(self.stats.max_running, len(self.active))
@@ -296,7 +299,7 @@ class Engine:
     def _preempt(self, req: Request) -> None:
         """Give `req`'s blocks back; it waits at the head of the queue and is recomputed when admitted again."""
         self.pool.free(req.blocks)
-        req.blocks, req.computed = [], 0
+        req.blocks, req.computed, req.slot_table = [], 0, None
         req.preempted += 1
         self.stats.preemptions += 1
         self.active.remove(req)
@@ -376,7 +379,8 @@ class Engine:
             start = len(ids)
             ids += toks[past:past + n]
             pos += range(past, past + n)
-            seqs.append(Seq(start, n, past, self.pool.slots(req.blocks, past, past + n), self.pool.slots(req.blocks, 0, past + n)))
+            table = self._slots(req)
+            seqs.append(Seq(start, n, past, table[past:past + n], table[:past + n]))
             scored = []
             if req.params.prompt_logprobs is not None:  # logits at prompt position i score prompt token i + 1
                 done = len(req.prompt) if req.prompt else 1
@@ -396,6 +400,13 @@ class Engine:
                          paged=StepPlan(self.pool, seqs, len(ids)))
         return out.logits[0].float(), rows, "prefill" if prefill else "decode", (len(plan), len(ids))
 
+    def _slots(self, req: Request) -> torch.Tensor:
+        """Every slot of req's blocks in position order: built when its block table is new or has grown (every
+        `block_size` tokens), not twice per step."""
+        if req.slot_table is None or len(req.slot_table) != len(req.blocks) * self.pool.block_size:
+            req.slot_table = self.pool.slots(req.blocks, 0, len(req.blocks) * self.pool.block_size)
+        return req.slot_table
+
     def _prompt_logprobs(self, req: Request, logits: torch.Tensor, positions: list[int]) -> list:
         """[(logprob of prompt token i + 1 given the ones before, top-k [(id, logprob)])] for the positions i."""
         k, ids = req.params.prompt_logprobs, torch.tensor([req.input_ids[i + 1] for i in positions], device=logits.device)
@@ -413,7 +424,7 @@ class Engine:
         for req in self.active:
             if req.cancelled or req.finished:
                 self.pool.free(req.blocks)
-                req.blocks = []
+                req.blocks, req.slot_table = [], None
             else:
                 keep.append(req)
         self.active = keep
@@ -480,7 +491,7 @@ class Engine:
         special = tok in self.special
         finish, stop_at = None, None
         if (tok in self.eos and not req.params.ignore_eos) or (req.matcher is not None and req.matcher.is_terminated()):
-            finish, text = "eos_token", self.tok.decode([tok])
+            finish, text = "eos_token", self._decode([tok])
         else:
             if len(req.generated) >= req.params.max_new_tokens:
                 finish = "length"
@@ -503,18 +514,40 @@ class Engine:
         a multi-byte character, unless `final`. A window with broken UTF-8 in it (a sampled byte soup) is settled by
         the whole text instead, so the streamed text is always exactly the whole decode."""
         prefix, read = req.window
-        before = self.tok.decode(req.visible[prefix:read]) if read > prefix else ""
-        after = self.tok.decode(req.visible[prefix:])
+        before = self._decode(req.visible[prefix:read]) if read > prefix else ""
+        after = self._decode(req.visible[prefix:])
         if after.endswith("\ufffd") and not final:  # half a character: wait for the rest
             return ""
         if "\ufffd" in before or "\ufffd" in after:
-            new = self.tok.decode(req.visible)[len(req.text):]
+            new = self._decode(req.visible)[len(req.text):]
         elif len(after) > len(before):
             new = after[len(before):]
         else:
             return ""
         req.window = (read, len(req.visible))
         return new
+
+
+def fast_decode(tokenizer) -> Callable[[list[int]], str]:
+    """`tokenizer.decode`, or straight the Rust tokenizer's decode where that is all it does (transformers' fast
+    tokenizer without `clean_up_tokenization_spaces`): the wrapper costs ~15 us a call, and the engine decodes twice
+    per generated token."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    fast = [c for c in (_class("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
+                        _class("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast")) if c is not None]
+    plain = any(isinstance(tokenizer, c) and type(tokenizer)._decode is c._decode for c in fast)
+    if backend is None or not plain or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode
+    return functools.partial(backend.decode, skip_special_tokens=False)
+
+
+def _class(module: str, name: str):
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
 
 
 def _processed(req: Request) -> bool:

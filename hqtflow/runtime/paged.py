@@ -12,8 +12,8 @@ own positions, and attention is done by `paged_attention`, registered with trans
 "hqtflow_paged" (the masks' interface gets sdpa's). It writes the step's new keys/values into their slots (one copy
 per layer), runs SDPA per prefilling sequence on the context gathered from its blocks, and a float32 attention per
 decoding sequence over exactly its own context (on a CPU, every decoding sequence of the step in one call of
-hqtflow's `paged_decode_attention` op, runtime/csrc/, which still computes each one alone, in a fixed order: one call
-per layer, not ~15 tensor ops per sequence). Every sequence's attention is computed alone, with the shapes it has
+hqtflow's `paged_decode_attention` op, runtime/csrc/, which still computes each one alone, in an order fixed by the
+sequence: one call per layer, not ~15 tensor ops per sequence). Every sequence's attention is computed alone, with the shapes it has
 alone: a batched matmul would pick its algorithm (and its rounding) by the batch size and pad contexts to the longest,
 so a token's logprob would depend on its neighbours (tests compare the logprobs alone and in a busy batch, bit for
 bit).

@@ -184,8 +184,12 @@ def test_inc_scale_files_equal_hqtflow(method, pair, tmp_path):
     assert cfg["mode"] == "QUANTIZE" and cfg["use_qdq"] and cfg["dump_stats_path"] == str(a.resolve() / "measure")
 
 
-def test_cli_inc_end_to_end(inc, tiny_llama, wiki_text, tmp_path):
-    meas, ckpt = tmp_path / "m", tmp_path / "fp8"
+def test_cli_inc_end_to_end(inc, tiny_llama, wiki_text, tmp_path, monkeypatch):
+    import tempfile
+
+    meas, ckpt, tmp = tmp_path / "m", tmp_path / "fp8", tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # INC's FP8Config temp files: none may stay behind
     r = run_cli("measure", tiny_llama, "-o", meas, "--engine", "inc", "--device", "cpu", "--text", wiki_text,
                 "--limit", "4", "--max-length", "64", "--batch-size", "2")
     assert r.exit_code == 0, r.output
@@ -202,6 +206,7 @@ def test_cli_inc_end_to_end(inc, tiny_llama, wiki_text, tmp_path):
     # hqtflow's own quantize reads the INC-engine measurement too
     r = run_cli("quantize", "-m", meas, "-o", tmp_path / "own", "--scale-method", "maxabs_pow2")
     assert r.exit_code == 0, r.output
+    assert list(tmp.iterdir()) == []
 
 
 def test_cli_eval_and_serve_inc(pair, data_dir, tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hqtflow.runtime.engine import Engine, Request, SamplingParams
+from hqtflow.runtime.engine import Engine, Request, SamplingParams, fast_decode
 
 TEXTS = ["The café's crème brûlée costs 5 € — naïve “quotes”.", "日本語のテキストと emoji 🎉🚀 mixed in.",
          "  leading spaces,\ttabs and\nnew lines  ", "Zürich, Kraków, São Paulo; ½ ≤ ¾ ≥ π."]
@@ -37,7 +37,7 @@ def tokenizers(tokenizer_dir, data_dir):
 
 def _stream(tok, ids):
     """(pieces, final text) as the engine emits them for generated `ids`."""
-    eng = SimpleNamespace(tok=tok)
+    eng = SimpleNamespace(tok=tok, _decode=fast_decode(tok))
     req = Request([0], SamplingParams(), lambda ev: None)
     pieces = []
     for i, t in enumerate(ids):
@@ -84,3 +84,21 @@ def test_random_tokens_stream_what_whole_decodes_stream(tokenizers, kind):
     for _ in range(300):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
         assert _stream(tok, ids) == _whole(tok, ids)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_fast_decode_is_the_tokenizers_decode(tokenizers, kind):
+    """The engine decodes through the Rust tokenizer directly where transformers' decode does nothing more: the
+    same text for any ids (special tokens included, as the engine decodes them); with clean-up, transformers'."""
+    tok = tokenizers[kind]
+    decode = fast_decode(tok)
+    assert decode != tok.decode  # a plain fast tokenizer: the direct path
+    rng = random.Random(2)
+    for _ in range(300):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
+        assert decode(ids) == tok.decode(ids)
+    saved, tok.clean_up_tokenization_spaces = tok.clean_up_tokenization_spaces, True
+    try:
+        assert fast_decode(tok) == tok.decode
+    finally:
+        tok.clean_up_tokenization_spaces = saved
