@@ -677,11 +677,13 @@ def test_sigint_to_the_tp_launcher_alone_stops_the_ranks(tiny_llama, wiki_text, 
     import time
 
     out = tmp_path / "m"
-    p = subprocess.Popen([sys.executable, "-m", "hqtflow", "measure", str(tiny_llama), "-o", str(out), "--tp", "2",
-                          "--text", str(wiki_text), "--limit", "2000", "--max-length", "128", "--batch-size", "1"],
-                         stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         # SIGINT as a terminal gives it: a shell's background job (`... &`, as CI may run) ignores it
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    cmd = [sys.executable, "-m", "hqtflow", "measure", str(tiny_llama), "-o", str(out), "--tp", "2", "--text",
+           str(wiki_text), "--limit", "2000", "--max-length", "128", "--batch-size", "1"]
+    # SIGINT as a terminal gives it: a shell's background job (`... &`, as CI may run) ignores it, so reset it and
+    # exec (the same pid). Not with preexec_fn: that makes subprocess fork() this big test process, which the
+    # kernel can refuse (ENOMEM), where it otherwise uses vfork.
+    reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, sys.argv[1:])"
+    p = subprocess.Popen([sys.executable, "-c", reset, *cmd], stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen = ""
     while "sample/s" not in seen:  # the ranks are calibrating
         ch = p.stderr.read(1)
