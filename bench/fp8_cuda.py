@@ -44,15 +44,20 @@ SIZES = (4096, 8192)
 def graph_time(calls, replays: int = 20) -> float:
     """Seconds per call: `calls` captured in one CUDA graph, median of timed replays."""
     g, _ = capture(lambda: [fn() for fn in calls], warmup=1)
-    g.replay()
+    return graph_time_replays(g, replays) / len(calls)
+
+
+def graph_time_replays(graph, replays: int = 20) -> float:
+    """Seconds per replay of a captured graph, median of timed replays."""
+    graph.replay()
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / len(calls))
+        times.append(a.elapsed_time(b) / 1e3)
     return statistics.median(times)
 
 
@@ -168,8 +173,14 @@ def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, mode:
     """mode: "graphs" (decode steps as CUDA graphs), "compiled" (the torch.compile'd step as CUDA graphs), "eager"."""
     from hqtflow.runtime.engine import Engine, SamplingParams
 
+    full_steps: list[float] = []  # when each decode step of all `streams` sequences was launched
+
+    def on_step(kind, n, seconds, shape):
+        if kind == "decode" and n == streams:
+            full_steps.append(time.perf_counter())
+
     eng = Engine(model, tok, max_batch_total_tokens=streams * 256 + 512, cuda_graphs=() if mode == "eager" else None,
-                 compile=mode == "compiled")
+                 compile=mode == "compiled", on_step=on_step)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (int(torch.randint(16, 129, (1,), generator=gen)),), generator=gen).tolist()
                for _ in range(streams)]
@@ -193,14 +204,21 @@ def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, mode:
         run(prompts[:1])
         singles = [run([p]) for p in prompts[:3]]
         one = statistics.mean(n / w for w, _, n in singles)
+        full_steps.clear()
         wall, ttft, n = run(prompts)
     finally:
         eng.stop()
     ttft.sort()
+    # the engine's period per full decode step against the GPU time of that step's graph alone: what the host adds
+    period = statistics.median(b - a for a, b in zip(full_steps, full_steps[1:])) if len(full_steps) > 2 else None
+    gpu = None
+    key = max((k for k in eng.graphs.graphs if k[0] == streams), default=None) if eng.graphs else None
+    if DEVICE == "cuda" and key:
+        gpu = graph_time_replays(eng.graphs.graphs[key][0])
     res = dict(one_stream_tps=one, streams_tps=n / wall, speedup_vs_one=n / wall / one,
                ttft_p50_s=ttft[len(ttft) // 2], ttft_p95_s=ttft[int(0.95 * (len(ttft) - 1))],
                graphs=len(eng.graphs.graphs) if eng.graphs else 0, graph_failed=eng.graphs.failed if eng.graphs else None,
-               warmup_s=warm)
+               warmup_s=warm, step_ms=period and period * 1e3, graph_gpu_ms=gpu and gpu * 1e3)
     del eng
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -288,6 +306,10 @@ def main() -> None:
                 print(f"engine {mode}, 32 streams: FP8 / bf16 {f8['streams_tps'] / b16['streams_tps']:.2f}x (target 1.3x); "
                       f"FP8 32 streams / one stream {f8['speedup_vs_one']:.1f}x (target 5x); TTFT p95 "
                       f"{f8['ttft_p95_s']:.3f} s")
+                for kind, r in (("bf16", b16), ("FP8", f8)):
+                    if r["step_ms"] and r["graph_gpu_ms"]:
+                        print(f"  {kind}: a 32-sequence decode step every {r['step_ms']:.2f} ms, its graph alone "
+                              f"{r['graph_gpu_ms']:.2f} ms of GPU time (the rest: the engine's host work per step)")
             best = {k: max(res[f"engine_{k}_{m}"]["streams_tps"] for m in engine_modes) for k in ("fp8", "bf16")}
             print(f"engine 32 streams: fastest FP8 / fastest bf16 {best['fp8'] / best['bf16']:.2f}x")
         del model

@@ -72,6 +72,7 @@ def test_fp8_cuda_bench_runs_on_a_cpu(tmp_path):
     assert {"decode_bf16", "decode_fp8", "engine_fp8_graphs", "engine_bf16_eager"} <= set(res)
     assert res["engine_fp8_graphs"]["graphs"] == 0 and res["decode_fp8"]["eager b32"] > 0
     assert "engine_bf16_compiled" not in res  # compiling is for CUDA graphs: not run on a CPU
+    assert res["engine_fp8_eager"]["step_ms"] > 0 and res["engine_fp8_eager"]["graph_gpu_ms"] is None
     assert "engine 32 streams: fastest FP8 / fastest bf16" in r.stdout
 
 

@@ -21,9 +21,10 @@ Called without a step plan (a plain `model.generate` on the same model), it is t
 
 `DecodeBatch` is the fixed-shape form of a decode-only step, for CUDA graphs (runtime/cuda_graphs.py): B sequences
 (padded with dummy rows), each reading at most L context slots through a [B, L] slot table, attention batched over
-the B rows with the slots past each sequence's length masked out. Its results match the per-sequence path to float32
-rounding, not bit for bit: on CUDA the batch-invariance above is given up for speed (cuBLAS picks its GEMM by M
-anyway).
+the B rows by SDPA with the slots past each sequence's length masked out. Its results match the per-sequence path to
+float32 rounding in a float32 model (in bf16, SDPA's kernels round the softmax weights to bf16 for the second
+product, as flash attention does), not bit for bit: on CUDA the batch-invariance above is given up for speed (cuBLAS
+picks its GEMM by M anyway).
 """
 
 from __future__ import annotations
@@ -238,20 +239,21 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
 
 
 def decode_batch_attention(layer: int, plan: DecodeBatch, query, key, value, scaling) -> torch.Tensor:
-    """A `DecodeBatch` step: query [1, heads, B, d] -> [1, B, heads, d], float32 softmax over each row's own slots."""
+    """A `DecodeBatch` step: query [1, heads, B, d] -> [1, B, heads, d]. Each row's context is gathered in the
+    model's dtype ([B, kv_heads, L, d], slots past the row's position masked) and attended by SDPA, the query heads
+    that share a KV head being that head's query rows; SDPA's kernels keep the softmax in float32. (Gathering in
+    float32 for two plain matmuls, as before, moved twice the bytes and wrote them once more.)"""
     pool = plan.pool
     pool.write(layer, plan.write, key[0].transpose(0, 1), value[0].transpose(0, 1))
     b, length = plan.read.shape
     heads, d = query.shape[1], query.shape[3]
-    k, v = pool.read(layer, plan.read.reshape(-1), torch.float32)  # [B * L, kv_heads, d]
+    k, v = pool.read(layer, plan.read.reshape(-1), query.dtype)  # [B * L, kv_heads, d]
     kv_heads = k.shape[1]
-    k, v = k.view(b, length, kv_heads, d), v.view(b, length, kv_heads, d)
-    q = query[0].transpose(0, 1).float().reshape(b, kv_heads, heads // kv_heads, d)
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * (scaling if scaling is not None else d ** -0.5)  # [B, kvh, g, L]
-    past_end = torch.arange(length, device=q.device)[None] >= plan.lengths[:, None]  # [B, L]
-    scores = scores.masked_fill(past_end[:, None, None], float("-inf"))
-    out = torch.matmul(scores.softmax(-1), v.transpose(1, 2))  # [B, kvh, g, d]
-    return out.reshape(b, heads, d).to(query.dtype)[None]
+    k, v = (t.view(b, length, kv_heads, d).transpose(1, 2) for t in (k, v))
+    q = query[0].transpose(0, 1).reshape(b, kv_heads, heads // kv_heads, d)
+    seen = torch.arange(length, device=q.device)[None] < plan.lengths[:, None]  # [B, L]; a dummy row sees slot 0
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None, None], scale=scaling)  # [B, kvh, g, d]
+    return out.reshape(b, heads, d)[None]
 
 
 @functools.cache
