@@ -3,8 +3,8 @@
 One decode step of one layer: B sequences, one query token each, every sequence over its own context of L tokens,
 its slots scattered over the pool as the engine leaves them. Speed relative to the faster baseline (> 1 = faster):
 - `loop`: per sequence, `KVPool.read` + `attend_one` (what the engine runs on a CPU without a C++ compiler);
-- `padded`: `decode_batch_attention`, every context gathered into one [B, L] float32 batch and masked (the engine's
-  CUDA-graph step);
+- `padded`: `decode_batch_attention`, every context gathered into one [B, L] batch in the cache's dtype (FP8:
+  dequantized to the query's) and masked, attended by SDPA (the engine's CUDA-graph step);
 - `op`: `torch.ops.hqtflow.paged_decode_attention` (runtime/csrc/), what the engine runs on a CPU.
 The rows cover SmolLM2-135M's heads (9 query, 3 KV, d 64) and an 8B Llama's (32, 8, d 128), with the KV cache in the
 model's dtype (fp32, bf16) or FP8 (`fp8`: E4M3 with a per-layer scale, fp32 queries). Timing is the median of `--iters` calls after warm-up.
