@@ -80,7 +80,8 @@ class DecodeBatch:
         self.position_ids = torch.zeros(1, batch, dtype=long, device=dev)
         self.write = torch.full((batch,), scratch, dtype=long, device=dev)
         self.read = torch.full((batch, length), scratch, dtype=long, device=dev)
-        self.lengths = torch.ones(batch, dtype=long, device=dev)
+        # SDPA's additive mask, made once per step, not converted from a boolean one in every layer
+        self.bias = torch.zeros(batch, 1, 1, length, dtype=pool.dtype, device=dev)
 
     def fill(self, seqs: list[tuple[int, int, list[int]]]) -> None:
         """seqs: (token id, position, block table) of each decoding sequence; position + 1 <= length."""
@@ -94,11 +95,13 @@ class DecodeBatch:
         read = (table * bs).repeat_interleave(bs, dim=1) + torch.arange(bs).repeat(width)  # [batch, length] slots
         # slots past a row's position read the scratch slot (zeroed, then written by dummies: finite), not the
         # unwritten tail of its last block: masked scores are exact zeros, but 0 * NaN garbage in V is NaN
-        read[torch.arange(self.length)[None] > pos[:, None]] = self.scratch
+        past_end = torch.arange(self.length)[None] > pos[:, None]
+        read[past_end] = self.scratch
         read[n:] = self.scratch
         write = read[torch.arange(self.batch), pos]
-        for dst, src in ((self.input_ids[0], ids), (self.position_ids[0], pos), (self.lengths, pos + 1), (self.read, read),
-                         (self.write, write)):
+        bias = torch.zeros(past_end.shape, dtype=self.bias.dtype).masked_fill_(past_end, float("-inf"))
+        for dst, src in ((self.input_ids[0], ids), (self.position_ids[0], pos), (self.read, read),
+                         (self.write, write), (self.bias[:, 0, 0], bias)):
             dst.copy_(src, non_blocking=True)
 
 
@@ -251,8 +254,8 @@ def decode_batch_attention(layer: int, plan: DecodeBatch, query, key, value, sca
     kv_heads = k.shape[1]
     k, v = (t.view(b, length, kv_heads, d).transpose(1, 2) for t in (k, v))
     q = query[0].transpose(0, 1).reshape(b, kv_heads, heads // kv_heads, d)
-    seen = torch.arange(length, device=q.device)[None] < plan.lengths[:, None]  # [B, L]; a dummy row sees slot 0
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None, None], scale=scaling)  # [B, kvh, g, d]
+    # plan.bias: -inf past each row's position (a dummy row sees slot 0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.bias.to(q.dtype), scale=scaling)  # [B, kvh, g, d]
     return out.reshape(b, heads, d)[None]
 
 
