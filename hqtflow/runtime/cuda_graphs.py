@@ -56,9 +56,11 @@ class DecodeGraphs:
         self.capture = capture
         # compile: the step through torch.compile (gpt-fast's "reduce-overhead": inductor fuses the norms, rotary,
         # residuals, attention's elementwise ops and the FP8 input quantization); shapes dynamic, so the buckets share
-        # one compile (batch 1 gets its own: dynamo specializes sizes of 1)
+        # one compile. Dynamo specializes a size of 1, so one sequence runs in the bucket of 2 (a dummy row, nearly
+        # free in a weight-bound step) rather than paying a second compile (a minute or two for an 8B model).
         self._step = self._forward
         if compile:
+            self.batch_sizes = tuple(sorted({max(2, b) for b in self.batch_sizes}))
             from hqtflow.runtime.static_decode import use_persistent_compile_cache
 
             use_persistent_compile_cache()

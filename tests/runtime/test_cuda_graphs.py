@@ -85,8 +85,12 @@ def _run(eng, jobs):
 def test_engine_decode_steps_through_the_batched_step(lm, compile):
     """The engine with decode graphs (run eagerly here; compiled or not) generates what the per-sequence engine does:
     same greedy tokens, logprobs to float32 rounding, through mixed prefill/decode steps and batches of 1..4 (buckets
-    1, 2, 4)."""
+    1, 2, 4; compiled: 2, 4, and one compile)."""
+    from torch._dynamo.utils import counters
+
     model, tok = lm
+    torch._dynamo.reset()
+    counters.clear()
     jobs = [(tok(p)["input_ids"], SamplingParams(max_new_tokens=6 + 3 * i)) for i, p in enumerate(PROMPTS)]
     steps = []
     graphed = Engine(model, tok, cuda_graphs=(1, 2, 4), capture=False, max_prefill_tokens=24, compile=compile,
@@ -95,6 +99,9 @@ def test_engine_decode_steps_through_the_batched_step(lm, compile):
     got = _run(graphed, jobs)
     assert graphed.graphs is not None and graphed.graphs.failed is None
     assert ("decode", (4, 4)) in steps and ("decode", (3, 4)) in steps  # 3 sequences: one dummy row
+    # compiled: one sequence runs in the bucket of 2, so every bucket shares one compile (a size of 1 would add one)
+    assert ("decode", (1, 2 if compile else 1)) in steps
+    assert counters["frames"]["ok"] == (1 if compile else 0)
     assert any(kind == "prefill" for kind, _ in steps)
     for a, b in zip(ref, got):
         assert [e.token.id for e in a] == [e.token.id for e in b]
