@@ -26,7 +26,8 @@ Every request is a TGI `/generate` with a short WikiText-2 prompt (`--prompt-wor
 paragraph; with `--prompt-tokens MIN:MAX`, a random WikiText-2 span of MIN..MAX tokens instead), greedy, `max_new_tokens` fixed, `details: true` (generated tokens are counted from the server's
 answer). Reported: errors (target 0), RSS growth end vs after warm-up (target < 5%; both read 1 s after the last
 request, when the server is idle; the peak sampled during the runs is printed too), aggregate generated tokens/s
-at concurrency C vs single stream (target >= 4x). Every loop is bounded: a per-request timeout and an overall
+at concurrency C vs single stream (target >= 4x with the short prompts; none with `--prompt-tokens`, where prefill
+dominates). Every loop is bounded: a per-request timeout and an overall
 `--deadline`; the server is always stopped. Exit status 0 when the run completed (targets missed are reported,
 not failed; `--strict` makes a missed target exit 1).
 """
@@ -408,7 +409,9 @@ def main(argv=None) -> int:
     growth = 100.0 * (rss_end - rss_warm) / rss_warm
     peak = max([rss_end, rss_warm, *single["rss_samples_kb"], *conc["rss_samples_kb"]])
     ratio = conc["tokens_per_s"] / single["tokens_per_s"] if single["tokens_per_s"] else float("inf")
-    ok = {"errors": errors == 0, "rss_growth": growth < 5.0, "speedup": ratio >= 4.0}
+    ok = {"errors": errors == 0, "rss_growth": growth < 5.0}
+    if not a.prompt_tokens:  # long prompts make the run prefill-bound: batching cannot multiply the few new tokens
+        ok["speedup"] = ratio >= 4.0
     mark = lambda good: "OK" if good else "MISSED"  # noqa: E731
     lines = [
         f"serve_load: {ck}, {a.requests} requests at concurrency {a.concurrency} "
@@ -423,7 +426,8 @@ def main(argv=None) -> int:
         f"(p50 request {single['latency_p50_s'] or 0:.2f} s)",
         f"concurrency {a.concurrency}: {conc['tokens']} tokens in {conc['seconds']:.1f} s = {conc['tokens_per_s']:.2f} tokens/s, "
         f"{conc['requests_per_s']:.2f} requests/s (p50 request {conc['latency_p50_s'] or 0:.2f} s, max {conc['latency_max_s'] or 0:.2f} s)",
-        f"aggregate speed-up: {ratio:.2f}x  [target >= 4x: {mark(ok['speedup'])}]",
+        f"aggregate speed-up: {ratio:.2f}x  " + (f"[target >= 4x: {mark(ok['speedup'])}]" if "speedup" in ok
+                                                  else "(no target with --prompt-tokens: prefill-bound)"),
         f"wall time {time.monotonic() - t_start:.0f} s; " + cpu_line(),
     ]
     for e in (single["error_examples"] + conc["error_examples"])[:5]:

@@ -97,6 +97,7 @@ def test_serve_load_smoke(tiny_fp8, tmp_path):
     assert res["concurrent"]["errors"] == 0 and res["single"]["errors"] == 0
     assert res["concurrent"]["requests"] == 12 and res["rss"]["warm_kb"] > 0
     assert "errors" in r.stdout and "RSS" in r.stdout and "tokens/s" in r.stdout
+    assert set(res["targets_met"]) == {"errors", "rss_growth", "speedup"}  # short prompts: the speed-up has a target
 
 
 @pytest.mark.slow
