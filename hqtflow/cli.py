@@ -413,7 +413,7 @@ def unify(
     measurement: Annotated[Path, typer.Option("-m", "--measurement", help="Per-rank measurement directory.")] = ...,
     output: Annotated[Path, typer.Option("-o", "--output", help="Directory for the unified measurement.")] = ...,
     parallel_plan: Annotated[Optional[Path], typer.Option(help="JSON {module regex: column|row|replicated} for per-channel statistics of imported dumps (no recorded parallel style).")] = None,
-    force: Annotated[bool, typer.Option(help="Merge rank files that disagree (NumSamples, node sets); each override is printed.")] = False,
+    force: Annotated[bool, typer.Option(help="Merge rank files that disagree (NumSamples, node sets), or per-tensor statistics of groups out of rank order; each override is printed.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
 ) -> None:
     """Merge per-rank measurements of card groups: one measurement per group (e.g. 8 cards -> 2 or 1)."""

@@ -72,6 +72,27 @@ def parse_groups(tokens: list[str], world: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
+def check_rank_order(parsed: list[list[int]], tokens: list[str], *, force: bool = False) -> list[str]:
+    """Merged rank k takes the k-th slice of the fewer-card tensor-parallel layout, so its group must be ranks k*n ..
+    (k+1)*n - 1 (`0123 4567`). Other groups are refused; `force` merges them anyway (per-tensor statistics only:
+    a concatenated per-channel vector of such a group is no rank's slice) and returns what it overrode."""
+    n = len(parsed[0])
+    expected = [list(range(k * n, (k + 1) * n)) for k in range(len(parsed))]
+    if parsed == expected:
+        return []
+    what = (f"Groups {' '.join(tokens)} are not consecutive ranks in order ({' '.join(_span(g) for g in expected)}): "
+            "merged rank k runs the k-th slice of each sharded layer on fewer cards, so its statistics must come from "
+            "the ranks that held that slice")
+    if not force:
+        raise ConfigError(f"{what} (--force merges per-tensor statistics of these groups anyway).")
+    warnings.warn(f"--force: {what}.", ProvenanceWarning, stacklevel=2)
+    return [f"groups {' '.join(tokens)} out of rank order"]
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+
+
 def _ranks(rs: list[int]) -> str:
     return ", ".join(map(str, rs))
 
@@ -118,8 +139,10 @@ def _concat(parts: list[np.ndarray], packed: int) -> np.ndarray:
     return np.concatenate([s[k] for k in range(packed) for s in split], axis=0)
 
 
-def merge_stat(kind: str, arrays: list[np.ndarray], info: dict | None, plan_style: str | None) -> np.ndarray:
-    """Merge one statistic of one node across a group. kind: input | output | weight."""
+def merge_stat(kind: str, arrays: list[np.ndarray], info: dict | None, plan_style: str | None,
+               in_order: bool = True) -> np.ndarray:
+    """Merge one statistic of one node across a group. kind: input | output | weight. in_order: the groups are
+    consecutive ranks in order (a sharded per-channel statistic is concatenated only then)."""
     if all(a.shape == (1, 1) for a in arrays):
         return np.max(np.stack(arrays), axis=0)
     style = (info or {}).get("style") or plan_style
@@ -136,10 +159,14 @@ def merge_stat(kind: str, arrays: list[np.ndarray], info: dict | None, plan_styl
         sharded = (info or {}).get("output_dim", local_out) == local_out if info else True
     if sharded is None:
         raise ArtifactError(f"unknown parallel style {style!r}.")
+    if sharded and not in_order:
+        raise ConfigError(f"its {kind} statistics are per channel and sharded across ranks: concatenating the shards "
+                          "of groups out of rank order gives no rank's slice, even with --force.")
     return _concat(arrays, packed) if sharded else np.max(np.stack(arrays), axis=0)
 
 
-def merge_group(src: LoadedMeasurement, group: list[int], plan: dict[str, str]) -> tuple[dict[str, NodeStats], dict[str, dict]]:
+def merge_group(src: LoadedMeasurement, group: list[int], plan: dict[str, str],
+                in_order: bool = True) -> tuple[dict[str, NodeStats], dict[str, dict]]:
     names: list[str] = []
     for r in group:
         names += [n for n in src.ranks[r].nodes if n not in names]
@@ -150,11 +177,13 @@ def merge_group(src: LoadedMeasurement, group: list[int], plan: dict[str, str]) 
         info = src.layers[have[0]].get(name) if src.layers[have[0]] else None
         plan_style = next((s for pat, s in plan.items() if re.search(pat, name)), None)
         try:
-            inputs = [merge_stat("input", [s.inputs[i] for s in stats], info, plan_style) for i in range(len(stats[0].inputs))]
-            outputs = [merge_stat("output", [s.outputs[i] for s in stats], info, plan_style) for i in range(len(stats[0].outputs))]
-            params = {k: merge_stat("weight", [s.params[k] for s in stats], info, plan_style) for k in stats[0].params}
-        except ArtifactError as e:
-            raise ArtifactError(f"Node {name}: {e}") from None
+            inputs = [merge_stat("input", [s.inputs[i] for s in stats], info, plan_style, in_order)
+                      for i in range(len(stats[0].inputs))]
+            outputs = [merge_stat("output", [s.outputs[i] for s in stats], info, plan_style, in_order)
+                       for i in range(len(stats[0].outputs))]
+            params = {k: merge_stat("weight", [s.params[k] for s in stats], info, plan_style, in_order) for k in stats[0].params}
+        except (ArtifactError, ConfigError) as e:
+            raise type(e)(f"Node {name}: {e}") from None
         except (ValueError, IndexError):
             raise ArtifactError(f"Node {name} has statistics of different shapes or counts on ranks {have}.") from None
         nodes[name] = NodeStats(inputs, outputs, params)
@@ -185,9 +214,11 @@ def unify(measurement: str | Path, groups: list[str], output: str | Path, *, ove
     src = load_measurement(Path(measurement))
     forced = check_same_run(src, force=force)
     parsed = parse_groups(groups, src.world_size)
+    out_of_order = check_rank_order(parsed, groups, force=force)
+    forced += out_of_order
     plan = _read_plan(parallel_plan)
     check_output_dir(Path(output), overwrite, [src.directory])
-    merged = [merge_group(src, g, plan) for g in parsed]
+    merged = [merge_group(src, g, plan, in_order=not out_of_order) for g in parsed]
     n = len(parsed)
     m = src.manifest.raw
     data = dict(m.get("data") or {})

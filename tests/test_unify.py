@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from hqtflow.errors import ConfigError
+from hqtflow.errors import ConfigError, ProvenanceWarning
 from hqtflow.formats.artifact import read_manifest
-from hqtflow.unify import _concat, parse_groups
+from hqtflow.unify import _concat, check_rank_order, parse_groups
 
 RTOL = 1e-4
 CFG = ROOT / "quantization_config"
@@ -39,6 +39,18 @@ def test_group_forms():
 def test_bad_groups(groups, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_groups(groups, world)
+
+
+def test_groups_must_be_consecutive_ranks_in_order():
+    """Merged rank k runs the k-th slice of the fewer-card layout: `02 13` or `4567 0123` are refused (--force
+    allows them for per-tensor statistics, and says so)."""
+    assert check_rank_order([[0, 1], [2, 3]], ["01", "23"]) == []
+    for tokens in (["02", "13"], ["4567", "0123"]):
+        parsed = parse_groups(tokens, 8 if len(tokens[0]) == 4 else 4)
+        with pytest.raises(ConfigError, match=r"not consecutive ranks in order \((0-1 2-3|0-3 4-7)\).*--force"):
+            check_rank_order(parsed, tokens)
+        with pytest.warns(ProvenanceWarning, match="--force: Groups"):
+            assert check_rank_order(parsed, tokens, force=True) == [f"groups {' '.join(tokens)} out of rank order"]
 
 
 def test_packed_shards_are_deinterleaved():
@@ -118,6 +130,12 @@ def test_identity_groups_return_each_rank(runs, tmp_path):
     assert run_cli("unify", "-g", "0", "1", "-m", runs["pt2"], "-o", tmp_path / "same").exit_code == 0
     for r in range(2):
         assert nodes(tmp_path / "same", f"measure_hooks_maxabs_{r}_2") == nodes(runs["pt2"], f"measure_hooks_maxabs_{r}_2")
+    # out of rank order with --force (per-tensor statistics): each merged rank is its group's, and the manifest says
+    r = run_cli("unify", "-g", "1", "0", "--force", "-m", runs["pt2"], "-o", tmp_path / "swapped")
+    assert r.exit_code == 0 and "--force: Groups 1 0 are not consecutive ranks in order" in r.stderr, r.output
+    for r_new, r_old in ((0, 1), (1, 0)):
+        assert nodes(tmp_path / "swapped", f"measure_hooks_maxabs_{r_new}_2") == nodes(runs["pt2"], f"measure_hooks_maxabs_{r_old}_2")
+    assert read_manifest(tmp_path / "swapped", "hqtflow.measurement", 1).data["forced"] == ["groups 1 0 out of rank order"]
 
 
 @pytest.mark.slow
@@ -183,6 +201,10 @@ def test_bad_input(runs, tmp_path):
         assert not (tmp_path / "out").exists()
 
     refused(["-g", "012", "-m", runs["pt2"]], "rank(s) 2 do not exist")
+    refused(["-g", "1", "0", "-m", runs["pt2"]], "not consecutive ranks in order (0 1)")
+    r = run_cli("unify", "-g", "1", "0", "--force", "-m", runs["pc2"], "-o", tmp_path / "out")  # warned, then refused
+    assert r.exit_code == 2 and "concatenating the shards of groups out of rank order" in r.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
     refused(["-g", "0", "-m", runs["pt2"]], "rank(s) 1 are missing")
     refused(["-g", "01", "-m", tmp_path / "nope"], "does not exist")
     broken = tmp_path / "broken"
