@@ -244,8 +244,7 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
 def decode_batch_attention(layer: int, plan: DecodeBatch, query, key, value, scaling) -> torch.Tensor:
     """A `DecodeBatch` step: query [1, heads, B, d] -> [1, B, heads, d]. Each row's context is gathered in the
     model's dtype ([B, kv_heads, L, d], slots past the row's position masked) and attended by SDPA, the query heads
-    that share a KV head being that head's query rows; SDPA's kernels keep the softmax in float32. (Gathering in
-    float32 for two plain matmuls, as before, moved twice the bytes and wrote them once more.)"""
+    that share a KV head being that head's query rows; SDPA's kernels keep the softmax in float32."""
     pool = plan.pool
     pool.write(layer, plan.write, key[0].transpose(0, 1), value[0].transpose(0, 1))
     b, length = plan.read.shape
