@@ -108,4 +108,6 @@ def test_paged_attention_bench_smoke(cpu_kernel_loaded):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith("smollm2")]
     assert [row[1] for row in rows] == ["fp32", "bf16", "fp8"] and "CPU flags" in r.stdout, r.stdout
-    assert all(float(row[-1]) < 1e-3 for row in rows), r.stdout  # the three ways agree
+    # the three ways agree: to float32 rounding, or within two bf16 units in the last place of outputs below 2 (the
+    # padded batch's SDPA rounds the softmax weights to bf16 in a bf16 cache)
+    assert all(float(row[-1]) < (1.6e-2 if row[1] == "bf16" else 1e-3) for row in rows), r.stdout
