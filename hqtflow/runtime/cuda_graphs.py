@@ -52,15 +52,14 @@ class DecodeGraphs:
 
     def __init__(self, model, pool: KVPool, batch_sizes: tuple[int, ...], scratch: int, *, capture: bool = True,
                  compile: bool = False):
-        self.model, self.pool, self.batch_sizes, self.scratch = model, pool, tuple(sorted(batch_sizes)), scratch
-        self.capture = capture
+        self.model, self.pool, self.scratch, self.capture = model, pool, scratch, capture
         # compile: the step through torch.compile (gpt-fast's "reduce-overhead": inductor fuses the norms, rotary,
         # residuals, attention's elementwise ops and the FP8 input quantization); shapes dynamic, so the buckets share
         # one compile. Dynamo specializes a size of 1, so one sequence runs in the bucket of 2 (a dummy row, nearly
         # free in a weight-bound step) rather than paying a second compile (a minute or two for an 8B model).
+        self.batch_sizes = tuple(sorted({max(2, b) if compile else b for b in batch_sizes}))
         self._step = self._forward
         if compile:
-            self.batch_sizes = tuple(sorted({max(2, b) for b in self.batch_sizes}))
             from hqtflow.runtime.static_decode import use_persistent_compile_cache
 
             use_persistent_compile_cache()
