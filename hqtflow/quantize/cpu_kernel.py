@@ -12,13 +12,14 @@ processes load it in milliseconds. It registers these torch ops:
   reference's `dequantize`, `quantize` and input QDQ, bit-identical and fast;
 - `bf16_pack(weight)`, `bf16_linear(x, packed, n, bias)`: high-precision Linears (bf16 values) in fp32 models on
   AVX2, read packed as bf16 in the FP8 path's order (`bf16_linear.py`);
-- `fp8_isa()`: the compute path bf16 models take here ("bf16-dot", "avx512-fma", "avx2-fma" or "scalar").
+- `fp8_isa()`: the compute path bf16 models take here ("amx-bf16", "bf16-dot", "avx512-fma", "avx2-fma" or "scalar").
 
 `available()` says whether it could be built here (a compiler and torch headers); the reason otherwise is in
 `build_error()`. `load("avx2")` builds an AVX2-only twin under `torch.ops.hqtflow_avx2` so that an AVX-512 machine
 tests (and benchmarks) the code path of AVX2-only CPUs too (on an AVX2-only CPU the twin is the native build);
 `load("scalar")` a one-lane build without vector instructions (`torch.ops.hqtflow_scalar`), whose order of
-operations the AVX2 path must reproduce bit for bit.
+operations the AVX2 path must reproduce bit for bit; `load("bf16dot")` a build without AMX
+(`torch.ops.hqtflow_bf16dot`), so that an AMX machine tests the AVX512-BF16 path of CPUs without tiles too.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ SOURCES = (SOURCE, Path(__file__).parents[1] / "runtime" / "csrc" / "paged_atten
 # OpenMP: at::parallel_for runs on torch's threads; no FMA contraction: every path must do the same operations.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 VARIANTS = {"native": ("hqtflow", []), "avx2": ("hqtflow_avx2", ["-mno-avx512f", "-DHQT_OPS_NS=hqtflow_avx2"]),
-            "scalar": ("hqtflow_scalar", ["-mno-avx", "-DHQT_OPS_NS=hqtflow_scalar"])}
+            "scalar": ("hqtflow_scalar", ["-mno-avx", "-DHQT_OPS_NS=hqtflow_scalar"]),
+            "bf16dot": ("hqtflow_bf16dot", ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8", "-DHQT_OPS_NS=hqtflow_bf16dot"])}
 
 
 def _flags(variant: str) -> list[str]:
@@ -59,13 +61,15 @@ def library_path(variant: str = "native") -> Path:
 
 
 def _is_native(variant: str) -> bool:
-    """On an x86 CPU with AVX2 and no AVX-512 the `avx2` twin's flags add nothing to `-march=native`: the native
-    build is that code, so it is not compiled a second time."""
+    """On an x86 CPU with AVX2 and no AVX-512 the `avx2` twin's flags add nothing to `-march=native`, nor the
+    `bf16dot` twin's on a CPU without AMX: the native build is that code, so it is not compiled a second time."""
     if variant == "native":
         return True
     from hqtflow.hardware import cpu_flags
 
     flags = cpu_flags()
+    if variant == "bf16dot":
+        return "amx_bf16" not in flags
     return variant == "avx2" and "avx2" in flags and "avx512f" not in flags
 
 

@@ -10,8 +10,10 @@ S = sum_k |x_k * w_k| (float64) and ulp(v) = 2^-p * v (p = 7 bf16, 10 fp16, 23 f
 (the two fp32 sums' worst-case errors, then the rounding to hp before and after the bias). The kernel's own order is
 fixed per output element, so a row's result is bit-identical whatever M is, whichever rows are beside it and however
 the work is split: checked with torch.equal over M in {1, 2, 7, 8, 9, 16, 63, 64, 65, 256, 512}, both register and
-panel paths, and on both instruction sets: "native" (this machine's) and the AVX2-only twin (`load("avx2")`). The AVX2
-order is the one-lane build's (`load("scalar")`: k ascending, one FMA per product), checked bit for bit.
+panel paths, and on every instruction set: "native" (this machine's), the AVX2-only twin (`load("avx2")`) and, on
+AMX machines, the AVX512-BF16 build without tiles (`load("bf16dot")`). The AVX2 order is the one-lane build's
+(`load("scalar")`: k ascending, one FMA per product), checked bit for bit. AMX's TDPBF16PS adds 32 products and the
+accumulator in an order of its own (its bits are not a sequence of fp32 additions), within the same bound.
 """
 
 import pytest
@@ -26,7 +28,15 @@ MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 SHAPES = [(100, 37), (1537, 67), (576, 192)]  # (K, N): odd sizes, tails on every path, and a SmolLM2 width
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
+def _variants():
+    """This machine's build and the AVX2-only twin; on an AMX machine also the build without tiles (the AVX512-BF16
+    path of CPUs without AMX), a different order of operations with the same contract."""
+    from hqtflow.hardware import cpu_flags
+
+    return ["native", "avx2"] + (["bf16dot"] if "amx_bf16" in cpu_flags() else [])
+
+
+@pytest.fixture(scope="module", params=_variants())
 def ops(request, cpu_kernel_loaded):
     variant = request.param
     from conftest import need
@@ -219,7 +229,7 @@ def test_dequantize_and_quantize_are_the_reference(ops, hp):
 
 
 def test_isa_is_reported(ops):
-    assert ops.fp8_isa() in ("bf16-dot", "avx512-fma", "avx2-fma", "scalar")
+    assert ops.fp8_isa() in ("amx-bf16", "bf16-dot", "avx512-fma", "avx2-fma", "scalar")
 
 
 def test_auto_dtype_is_the_fastest_here(monkeypatch):

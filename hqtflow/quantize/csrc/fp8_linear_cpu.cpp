@@ -10,6 +10,10 @@
 // - bf16 path (bf16 models on CPUs with AVX512-BF16): each output owns one fp32 vector lane and adds its products
 //   pair of k after pair of k in ascending k (one vdpbf16ps lane per pair: acc + x[k] w[k] + x[k+1] w[k+1]), with
 //   no reduction across lanes (outer products: 16 outputs per vector, the input pair broadcast);
+// - AMX path (bf16 models on CPUs with AMX-BF16, every M): each output is an element of a 16 x 16 fp32 tile that
+//   one TDPBF16PS updates with 32 products at a time, 32 k after 32 k in ascending order; row m of the tile depends
+//   only on row m of the input tile. The hardware adds the 32 products and the accumulator in its own way (not a
+//   sequence of fp32 additions: its bits differ from the bf16 path's), the same way for every M;
 // - fp32 path on AVX2 (and the one-lane build without vector instructions): each output owns one fp32 vector lane
 //   and adds its products k after k in ascending k, one FMA each (outer products over a packed weight: 8 rows per
 //   vector, the input value broadcast); AVX2 and the one-lane build give the same bits;
@@ -18,6 +22,9 @@
 // So a row's output is bit-identical whether it is computed alone, padded or inside a batch of 512.
 //
 // Compute paths, picked at compile time from the CPU's flags (the kernel is built with -march=native):
+// - AMX tiles (AMX-BF16, bf16 models, when Linux grants the process the tile state): the bf16 path's widened weights
+//   (pair-major blocks of 16 rows: exactly a B tile's layout) times 16-row tiles of the input, 32 x 32 outputs per
+//   step in four accumulator tiles; decode pads the input to 16 rows (zeros, never stored).
 // - bf16 dot products (AVX512-BF16 + AVX512-VBMI, bf16 models): 64 FP8 bytes become 64 bf16 values of w_q with two
 //   128-entry byte-table lookups (vpermi2b, high and low bytes of hp(v * s_w) for the 128 non-negative codes), one
 //   OR for the sign and two unpacks. The bytes of 16 weight rows are first transposed so that each widened vector
@@ -58,6 +65,11 @@
 #endif
 #if HQT_AVX512 && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define HQT_BF16 1
+#endif
+#if HQT_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HQT_AMX 1
 #endif
 #ifndef HQT_REG_MAX_M
 #define HQT_REG_MAX_M 2
@@ -1254,6 +1266,197 @@ void outer_panels(const Problem& p, int64_t n0, int64_t n1) {
 }
 #endif
 
+#if HQT_AMX
+// ---- the AMX path: 16 x 16 fp32 tiles, 32 k per TDPBF16PS ------------------------------------------------------
+// The weights are widened into a panel exactly as for outer_panels (blocks of 16 rows, pair after pair: 16 pairs of a
+// block are one B tile, 64 bytes a row), the input rows stay in widen64's order (32 bf16 of 16 rows are one A tile),
+// padded with zero rows to a multiple of 16. Tiles 0-3 accumulate 2 x 2 blocks of 16 x 16 outputs over all of K,
+// tiles 4-5 hold two input row blocks, 6-7 two weight blocks. Every M, decode included, takes this path, so a row's
+// operations are the same whatever M is.
+constexpr int64_t kTile = 16;  // rows of an input tile, outputs per accumulator row
+
+// Linux hands the AMX tile state (8 KB of registers) to a process only on request, once.
+bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+struct TileConfig {  // ldtilecfg's 64-byte operand (palette 1)
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight 16-row x 64-byte tiles, for this thread (the configuration is per thread; oneDNN sets its own before use).
+inline void amx_configure() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// Input rows: `ldx` bf16 apart (Kp plus one cache line, so that the 16 rows of a tile do not share one L1 set).
+inline int64_t amx_ldx(int64_t Kp) { return Kp + 32; }
+constexpr int64_t kAmxDecodeMaxM = 2 * kTile;  // up to this M, chunks are widened per step rather than per panel
+constexpr int64_t kAmxKc = 512;                 // k per pass over a panel (up to 576): 32 input rows stay in L1
+
+// Accumulator tiles 0 .. (MB x NB) - 1 (block (i, b) in tile 2 i + b) from c (row stride ldc floats), or zeros.
+template <int MB, int NB>
+HQT_INLINE void amx_load_acc(const float* c, int64_t ldc) {
+  const int64_t s = ldc * 4;
+  if (!c) {
+    _tile_zero(0);
+    if constexpr (NB > 1) _tile_zero(1);
+    if constexpr (MB > 1) _tile_zero(2);
+    if constexpr (MB > 1 && NB > 1) _tile_zero(3);
+    return;
+  }
+  _tile_loadd(0, c, s);
+  if constexpr (NB > 1) _tile_loadd(1, c + kTile, s);
+  if constexpr (MB > 1) _tile_loadd(2, c + kTile * ldc, s);
+  if constexpr (MB > 1 && NB > 1) _tile_loadd(3, c + kTile * ldc + kTile, s);
+}
+
+template <int MB, int NB>
+HQT_INLINE void amx_store_acc(float* c, int64_t ldc) {
+  const int64_t s = ldc * 4;
+  _tile_stored(0, c, s);
+  if constexpr (NB > 1) _tile_stored(1, c + kTile, s);
+  if constexpr (MB > 1) _tile_stored(2, c + kTile * ldc, s);
+  if constexpr (MB > 1 && NB > 1) _tile_stored(3, c + kTile * ldc + kTile, s);
+}
+
+// 32 k (pairs t .. t + 15): MB input tiles (rows `xs` bytes apart, the second 16 rows below the first) times NB
+// weight tiles (`w0`, `w1`: 16 pairs of 16 rows each, 64 bytes a pair).
+template <int MB, int NB>
+HQT_INLINE void amx_step(const uint16_t* x, int64_t xs, const uint32_t* w0, const uint32_t* w1) {
+  _tile_loadd(4, x, xs);
+  _tile_loadd(6, w0, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  if constexpr (NB > 1) {
+    _tile_loadd(7, w1, 64);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  if constexpr (MB > 1) {
+    _tile_loadd(5, reinterpret_cast<const char*>(x) + kTile * xs, xs);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NB > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// Calls f(MB, NB) with the tile counts as compile-time constants (MB input, NB weight blocks of 16 rows).
+template <class F>
+HQT_INLINE void amx_dispatch(int64_t mr, int64_t nr, const F& f) {
+  using one = std::integral_constant<int, 1>;
+  using two = std::integral_constant<int, 2>;
+  if (mr > kTile) nr > kBlock ? f(two{}, two{}) : f(two{}, one{});
+  else nr > kBlock ? f(one{}, two{}) : f(one{}, one{});
+}
+
+// The epilogue of an mr x nr block of fp32 sums (row stride ldc).
+HQT_INLINE void amx_epilogue(const float* c, int64_t ldc, int64_t m, int64_t n, int64_t mr, int64_t nr, const Out& out) {
+  for (int64_t i = 0; i < mr; ++i)
+    for (int64_t b = 0; b * kBlock < nr; ++b)
+      store16(_mm512_load_ps(c + i * ldc + b * kBlock), m + i, n + b * kBlock,
+              static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)), out);
+}
+
+// Decode-sized M (one or two input tiles): each chunk of 64 columns of 32 weight rows widened into L1 and used at once,
+// the sums kept in the tiles over all of K.
+void amx_decode(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
+  const Weight& wt = p.wt;
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  std::unique_ptr<Widener> one(wt.per_channel ? nullptr : new Widener(wt.e4m3, wt.s(0)));
+  BlockWideners wd[2];
+  alignas(64) uint32_t chunk[2][32 * kBlock];
+  alignas(64) float c[2 * kTile * 2 * kBlock];
+  amx_configure();
+  for (int64_t n = n0; n < n1; n += 2 * kBlock) {
+    const int64_t nr = std::min<int64_t>(2 * kBlock, n1 - n);
+    const int nb = nr > kBlock ? 2 : 1;
+    for (int b = 0; b < nb; ++b) wd[b].set(wt, one.get(), n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)));
+    amx_dispatch(p.M, nr, [&](auto MB, auto NB) {
+      constexpr int mb = decltype(MB)::value, bn = decltype(NB)::value;
+      amx_load_acc<mb, bn>(nullptr, 0);
+      for (int64_t k = 0; k < p.Kp; k += 64) {
+        HQT_UNROLL for (int b = 0; b < bn; ++b)
+          widen_chunk(wt, wd[b], n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)), k, chunk[b]);
+        HQT_UNROLL for (int h = 0; h < 2; ++h)
+          amx_step<mb, bn>(x + k + 32 * h, ldx * 2, chunk[0] + h * kTile * kBlock, chunk[1] + h * kTile * kBlock);
+      }
+      amx_store_acc<mb, bn>(c, 2 * kBlock);
+    });
+    amx_epilogue(c, 2 * kBlock, 0, n, p.M, nr, p.out);
+  }
+  _tile_release();
+}
+
+// A thread's scratch buffer of at least `bytes`, 64-byte aligned, kept for its later calls (no page faults per call).
+template <int Slot>
+void* scratch(int64_t bytes) {
+  thread_local std::unique_ptr<void, decltype(&std::free)> buf(nullptr, &std::free);
+  thread_local int64_t size = 0;
+  if (size < bytes) {
+    buf.reset(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+    size = bytes;
+  }
+  return buf.get();
+}
+
+// Larger M, blocked like a GEMM: for each chunk of up to kAmxMc input rows and each panel of weight rows, passes over
+// K of kAmxKc k: the panel's rows x those k widened into L2 once, then every block of 32 input rows (its 32 x kc
+// inputs stay in L1) times every pair of weight blocks, the sums waiting in `cb` (fp32, exact) between passes.
+constexpr int64_t kAmxMc = 1024;  // input rows per chunk: the widening is repeated once per chunk
+void amx_panels(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
+  const Weight& wt = p.wt;
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);  // [ceil(M / 16) * 16, ldx], widen64's order
+  const int64_t passes = (p.Kp + kAmxKc + 64 - 1) / (kAmxKc + 64);        // K up to 576 in one pass
+  const int64_t kc = (p.Kp / 64 + passes - 1) / passes * 64;              // k per pass, a multiple of 64
+  const int64_t nc = std::max<int64_t>(2 * kBlock, 512 * 1024 / (2 * kc) / (2 * kBlock) * (2 * kBlock));
+  const int64_t panel = std::min(nc, (n1 - n0 + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock));
+  const int64_t bstride = kc / 2 * kBlock;  // dwords per block of 16 rows in the panel
+  const int64_t mc = std::min<int64_t>(kAmxMc, (p.M + 2 * kTile - 1) / (2 * kTile) * (2 * kTile)), ldc = panel;
+  uint32_t* buf = static_cast<uint32_t*>(scratch<0>(panel / kBlock * bstride * sizeof(uint32_t)));
+  float* cb = static_cast<float*>(scratch<1>(mc * ldc * sizeof(float)));
+  std::unique_ptr<Widener> one(wt.per_channel ? nullptr : new Widener(wt.e4m3, wt.s(0)));
+  BlockWideners wd;
+  amx_configure();
+  for (int64_t m0 = 0; m0 < p.M; m0 += mc) {
+    const int64_t m1 = std::min(p.M, m0 + mc);
+    for (int64_t nb = n0; nb < n1; nb += panel) {
+      const int64_t ne = std::min(n1, nb + panel);
+      for (int64_t k0 = 0; k0 < p.Kp; k0 += kc) {
+        const int64_t k1 = std::min(p.Kp, k0 + kc);
+        for (int64_t n = nb; n < ne; n += kBlock) {
+          const int nr = static_cast<int>(std::min<int64_t>(kBlock, ne - n));
+          wd.set(wt, one.get(), n, nr);
+          uint32_t* blk = buf + ((n - nb) / kBlock) * bstride;
+          for (int64_t k = k0; k < k1; k += 64) widen_chunk(wt, wd, n, nr, k, blk + ((k - k0) / 2) * kBlock);
+        }
+        for (int64_t m = m0; m < m1; m += 2 * kTile) {
+          const int64_t mr = std::min<int64_t>(2 * kTile, m1 - m);
+          for (int64_t n = nb; n < ne; n += 2 * kBlock) {
+            const uint32_t* w = buf + ((n - nb) / kBlock) * bstride;
+            float* c = cb + (m - m0) * ldc + (n - nb);
+            amx_dispatch(mr, std::min<int64_t>(2 * kBlock, ne - n), [&](auto MB, auto NB) {
+              constexpr int mb = decltype(MB)::value, bn = decltype(NB)::value;
+              amx_load_acc<mb, bn>(k0 ? c : nullptr, ldc);
+              for (int64_t k = k0; k < k1; k += 32)
+                amx_step<mb, bn>(x + m * ldx + k, ldx * 2, w + ((k - k0) / 2) * kBlock, w + bstride + ((k - k0) / 2) * kBlock);
+              amx_store_acc<mb, bn>(c, ldc);
+            });
+          }
+        }
+      }
+      for (int64_t m = m0; m < m1; m += 2 * kTile)
+        for (int64_t n = nb; n < ne; n += 2 * kBlock)
+          amx_epilogue(cb + (m - m0) * ldc + (n - nb), ldc, m, n, std::min<int64_t>(2 * kTile, m1 - m),
+                       std::min<int64_t>(2 * kBlock, ne - n), p.out);
+    }
+  }
+  _tile_release();
+}
+#endif
+
 bool is_e4m3(const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn || w.scalar_type() == at::kFloat8_e5m2,
               "fp8_linear: weight must be float8_e4m3fn or float8_e5m2, not ", w.scalar_type());
@@ -1302,18 +1505,32 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 #else
   const bool bf16 = false;
 #endif
+#if HQT_AMX
+  const bool amx = bf16 && amx_granted();
+  const int64_t Mp = amx ? (M + kTile - 1) / kTile * kTile : M;  // whole input tiles, zero rows past M
+#else
+  const bool amx = false;
+  const int64_t Mp = M;
+#endif
   const int64_t step = bf16 ? 64 : F32::W;
   const int64_t Kp = (K + step - 1) / step * step;
+#if HQT_AMX
+  const int64_t ldx = amx ? amx_ldx(Kp) : Kp;  // bf16 input row stride
+#else
+  const int64_t ldx = Kp;
+#endif
 
   // the input in the compute layout, rows in parallel
   std::unique_ptr<float[]> xf(bf16 ? nullptr : new float[M * Kp]);
-  std::unique_ptr<uint16_t[]> xb(bf16 ? new uint16_t[M * Kp] : nullptr);
+  std::unique_ptr<uint16_t[]> xb(bf16 ? new uint16_t[Mp * ldx] : nullptr);
+  if (Mp > M) std::fill(xb.get() + M * ldx, xb.get() + Mp * ldx, uint16_t(0));
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
 #if HQT_BF16
       if (bf16) {
         bf16_input_row(static_cast<const uint16_t*>(x2d.data_ptr()) + m * K, K, Kp, has_sx ? &s_x : nullptr, e4m3,
-                       xb.get() + m * Kp);
+                       xb.get() + m * ldx);
+        if (amx) std::fill(xb.get() + m * ldx + Kp, xb.get() + (m + 1) * ldx, uint16_t(0));
         continue;
       }
 #endif
@@ -1323,6 +1540,20 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
     }
   });
 
+#if HQT_AMX
+  if (amx) {  // every M: input tiles of 16 rows over panels of widened weight rows
+    const int64_t threads = at::get_num_threads(), unit = 2 * kBlock;
+    const int64_t grain = std::max<int64_t>(unit, (N + threads - 1) / threads);
+    const Problem p{Weight{reinterpret_cast<const uint8_t*>(w.data_ptr()), N, K, sc.data(), sc.size() > 1, e4m3, hp},
+                    xb.get(), M, Kp, true, Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}};
+    const bool decode = M <= kAmxDecodeMaxM;
+    at::parallel_for(0, (N + unit - 1) / unit, decode ? 1 : (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
+      const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
+      decode ? amx_decode(p, ldx, n0, n1) : amx_panels(p, ldx, n0, n1);
+    });
+    return out.reshape(out_shape);
+  }
+#endif
 #if HQT_BF16
   if (bf16) {  // tiles of kOuterMR rows (fewer for the last), pair-major: pair t of row i of a tile at t * rows + i
     std::unique_ptr<uint16_t[]> tiled(new uint16_t[M * Kp]);
@@ -1482,9 +1713,11 @@ at::Tensor fp8_qdq(const at::Tensor& x, const at::Tensor& scale, bool e4m3) {
   return xf.to(x.scalar_type());
 }
 
-// Which compute path a bf16 model takes here: "bf16-dot" (AVX512-BF16), "avx512-fma", "avx2-fma" or "scalar".
+// Which compute path a bf16 model takes here: "amx-bf16", "bf16-dot" (AVX512-BF16), "avx512-fma", "avx2-fma" or "scalar".
 std::string fp8_isa() {
-#if HQT_BF16
+#if HQT_AMX
+  return amx_granted() ? "amx-bf16" : "bf16-dot";
+#elif HQT_BF16
   return "bf16-dot";
 #elif HQT_AVX512
   return "avx512-fma";
