@@ -1,13 +1,16 @@
-"""High-precision Linear layers of an FP8 model on the CPU kernel (the "cpu" backend, fp32 compute on AVX2).
+"""High-precision Linear layers of an FP8 model on the CPU kernel (the "cpu" backend).
 
-An FP8 checkpoint keeps some Linears in bf16 (the `lm_head`, layers `tune` or a blocklist left out). Where the model
-computes in fp32 (`--dtype auto` on CPUs without native bf16), oneDNN's fp32 GEMM reads 4 bytes per weight, and its
-sums change order with the number of rows: at batch 1 SmolLM2's tied 49152x576 `lm_head` was a third of an FP8
-decode step, and its logits were not batch-invariant. `PackedBf16Linear` keeps the layer (parameters, state dict,
-tied weights) and computes it with the kernel's `bf16_linear`: a bf16 copy of the weight laid out for the kernel
-(half of fp32's bytes), each output's products added k ascending like the FP8 layers'. Only weights whose every
-value is exactly a bf16 are read that way (then it is the same function as fp32 `F.linear` up to the order of the
-sums); others, and inputs that are not fp32, keep `F.linear`.
+An FP8 checkpoint keeps some Linears in bf16 (the `lm_head`, layers `tune` or a blocklist left out). oneDNN's GEMM
+changes the order of its sums with the number of rows, so their outputs were not batch-invariant, and where the
+model computes in fp32 (`--dtype auto` on CPUs without native bf16) it reads 4 bytes per weight: at batch 1 SmolLM2's
+tied 49152x576 `lm_head` was a third of an FP8 decode step. `PackedBf16Linear` keeps the layer (parameters, state
+dict, tied weights) and computes it with the kernel's `bf16_linear` from a bf16 copy of the weight laid out for the
+kernel, each output's products added in the FP8 layers' fixed order:
+- fp32 models on the kernel's fp32 path (AVX2, the one-lane build): weights whose every value is exactly a bf16
+  (then it is the function of fp32 `F.linear` up to the order of the sums);
+- bf16 models on the kernel's bf16 paths (AMX, AVX512-BF16): bf16 weights (the function of bf16 `F.linear`, the bias
+  added after the rounding to bf16 as in the FP8 layers).
+Others, and inputs of another dtype, keep `F.linear`.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ class PackedBf16Linear(nn.Linear):
     def repack(self) -> None:
         w = self.weight.detach()
         self.packed = None
-        if w.dtype == torch.float32 and w.device.type == "cpu":
+        if w.dtype == kernel_dtype() and w.device.type == "cpu":
             wb = w.to(torch.bfloat16)
-            if torch.equal(wb.float(), w):
+            if torch.equal(wb.to(w.dtype), w):
                 packed = torch.ops.hqtflow.bf16_pack(wb)
                 self.packed = packed if packed.numel() else None
         self._packed_from = (self.weight.data_ptr(), self.weight._version)
@@ -35,16 +38,22 @@ class PackedBf16Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling() and self._packed_from != (self.weight.data_ptr(), self.weight._version):
             self.repack()
-        if self.packed is None or x.dtype != torch.float32:
+        if self.packed is None or x.dtype != self.weight.dtype:
             return super().forward(x)
         return torch.ops.hqtflow.bf16_linear(x, self.packed, self.out_features, self.bias)
 
 
+def kernel_dtype() -> torch.dtype:
+    """The input dtype of this machine's `bf16_linear`: bf16 on the kernel's bf16 paths, else fp32."""
+    return torch.bfloat16 if torch.ops.hqtflow.fp8_isa() in ("amx-bf16", "bf16-dot") else torch.float32
+
+
 def use_kernel(model: nn.Module, on: bool) -> int:
-    """Swap `model`'s plain fp32 Linears to `PackedBf16Linear` (on) or back; returns how many read packed bf16."""
+    """Swap `model`'s plain Linears of the kernel's dtype to `PackedBf16Linear` (on) or back; returns how many read
+    packed bf16."""
     n = 0
     for mod in model.modules():
-        if on and type(mod) is nn.Linear and mod.weight.dtype == torch.float32:
+        if on and type(mod) is nn.Linear and mod.weight.dtype == kernel_dtype():
             mod.__class__ = PackedBf16Linear
         if isinstance(mod, PackedBf16Linear):
             if on:

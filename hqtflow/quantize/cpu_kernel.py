@@ -10,8 +10,8 @@ processes load it in milliseconds. It registers these torch ops:
   8 rows column after column; an empty tensor where it reads [N, K] directly);
 - `fp8_dequantize(weight, weight_scale, dtype)`, `fp8_quantize(x, scale, e4m3)`, `fp8_qdq(x, scale, e4m3)`: the
   reference's `dequantize`, `quantize` and input QDQ, bit-identical and fast;
-- `bf16_pack(weight)`, `bf16_linear(x, packed, n, bias)`: high-precision Linears (bf16 values) in fp32 models on
-  AVX2, read packed as bf16 in the FP8 path's order (`bf16_linear.py`);
+- `bf16_pack(weight)`, `bf16_linear(x, packed, n, bias)`: high-precision Linears (bf16 values) read packed as bf16 in
+  the FP8 path's order (`bf16_linear.py`): fp32 inputs on AVX2, bf16 inputs on AMX and AVX512-BF16;
 - `fp8_isa()`: the compute path bf16 models take here ("amx-bf16", "bf16-dot", "avx512-fma", "avx2-fma" or "scalar").
 
 `available()` says whether it could be built here (a compiler and torch headers); the reason otherwise is in

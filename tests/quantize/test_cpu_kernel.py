@@ -169,8 +169,9 @@ def test_thread_count_does_not_change_results(ops, hp):
 
     def run():
         out = [_run(ops, mod, xm) for xm in xs]
-        if packed.numel():  # this machine's kernel has the packed bf16 path
-            out += [ops.bf16_linear(xm.float(), packed, 1100, None) for xm in xs]
+        if packed.numel():  # this machine's kernel has the packed bf16 path (fp32 inputs on AVX2, else bf16)
+            dt = torch.float32 if packed.dtype == torch.bfloat16 else torch.bfloat16
+            out += [ops.bf16_linear(xm.to(dt), packed, 1100, None) for xm in xs]
         return out
 
     with torch.inference_mode():
@@ -271,32 +272,37 @@ def test_fp8_checkpoint_runs_in_fp32(cpu_kernel_loaded, tiny_llama, wiki_text, t
 
 
 def test_high_precision_linears_read_packed_bf16(cpu_kernel_loaded):
-    """set_backend("cpu") runs an fp32 model's bf16-valued Linears (an lm_head kept in bf16) on the kernel: the
-    function of fp32 F.linear within the fp32-ordering bound, rows independent of the batch, state dict unchanged;
-    a weight that is not all bf16 values keeps F.linear; another backend swaps the class back."""
-    from hqtflow.quantize.bf16_linear import PackedBf16Linear
+    """set_backend("cpu") runs the model's high-precision Linears holding bf16 values (an lm_head kept in bf16) on the
+    kernel, in its dtype (fp32 on AVX2, bf16 on AMX and AVX512-BF16): the function of F.linear within the bound of the
+    module docstring, rows independent of the batch, state dict unchanged; an fp32 weight that is not all bf16 values
+    keeps F.linear; another backend swaps the class back."""
+    from hqtflow.quantize.bf16_linear import PackedBf16Linear, kernel_dtype
 
+    dt = kernel_dtype()
     torch.manual_seed(6)
-    lin = torch.nn.Linear(96, 40)
-    model = torch.nn.Sequential(FP8Linear.from_linear(lin, lin.weight.abs().max() / 448, None),
-                                torch.nn.Linear(40, 300, bias=True), torch.nn.Linear(300, 7, bias=False))
-    head, exact_fp32 = model[1], model[2]
+    lin = torch.nn.Linear(96, 40).to(dt)
+    head, exact_fp32 = torch.nn.Linear(40, 300, bias=True).to(dt), torch.nn.Linear(300, 7, bias=False)
+    model = torch.nn.Sequential(FP8Linear.from_linear(lin, lin.weight.abs().max() / 448, None), head, exact_fp32)
     with torch.no_grad():
-        head.weight.copy_(head.weight.bfloat16().float())  # bf16 values, as a bf16 checkpoint loaded in fp32
+        head.weight.copy_(head.weight.bfloat16().to(dt))  # bf16 values, as a bf16 checkpoint loaded in fp32
     keys = list(model.state_dict())
-    x = torch.randn(9, 40)
+    x = torch.randn(9, 40, dtype=dt)
     with torch.inference_mode():
         ref = head(x)
         set_backend(model, "cpu")
-        assert type(head) is PackedBf16Linear and type(exact_fp32) is PackedBf16Linear and list(model.state_dict()) == keys
+        assert type(head) is PackedBf16Linear and list(model.state_dict()) == keys
         y = head(x)
-        if torch.ops.hqtflow.bf16_pack(head.weight.bfloat16()).numel():  # this machine's kernel has the bf16 path
-            assert head.packed is not None and exact_fp32.packed is None  # not bf16 values: F.linear
-            S = x.double().abs() @ head.weight.double().abs().t() + head.bias.double().abs()
-            assert ((y.double() - ref.double()).abs() <= 2 * 40 * 2.0**-24 * S).all()
+        if torch.ops.hqtflow.bf16_pack(head.weight.bfloat16()).numel():  # this machine's kernel has a bf16-weight path
+            assert head.packed is not None
+            S = x.double().abs() @ head.weight.double().abs().t()
+            ulp = 2.0 ** -MANTISSA[dt] if dt != torch.float32 else 0.0
+            bound = 2 * 40 * 2.0**-24 * S + ulp * S + (ulp + 2.0**-24) * (S + head.bias.double().abs())
+            assert ((y.double() - ref.double()).abs() <= bound).all()
             for m in (1, 2, 7):
                 assert torch.equal(head(x[:m]), y[:m])
-            assert torch.equal(head(torch.cat([x, torch.randn(30, 40)]))[:9], y)
+            assert torch.equal(head(torch.cat([x, torch.randn(30, 40, dtype=dt)]))[:9], y)
+        if dt == torch.float32:  # an fp32 weight that is not all bf16 values: F.linear
+            assert type(exact_fp32) is PackedBf16Linear and exact_fp32.packed is None
         h = torch.randn(5, 300)
         assert torch.equal(exact_fp32(h), torch.nn.functional.linear(h, exact_fp32.weight))
         set_backend(model, "qdq")

@@ -195,6 +195,7 @@ def test_cli_serve_help():
 
 def test_engine_with_fp8_checkpoint(tiny_llama, wiki_text, tmp_path):
     from hqtflow.evaluate import load_any
+    from hqtflow.hardware import fastest_dtype
     from hqtflow.quantize.fp8_linear import set_backend
 
     meas, ck = tmp_path / "m", tmp_path / "fp8"
@@ -208,9 +209,10 @@ def test_engine_with_fp8_checkpoint(tiny_llama, wiki_text, tmp_path):
     finally:
         eng.stop()
     assert events[-1].finish_reason in ("length", "eos_token") and len(events) <= 5
-    # FP8 on the CPU kernel in float32 (what `serve fp8` runs on a CPU without native bf16): every token's logprob
-    # is the same bit for bit alone and beside copies of itself and other requests (no batched matmul anywhere)
-    fp32, tok, _ = load_any(str(ck), "fp32")
+    # FP8 on the CPU kernel in the dtype `serve fp8` runs here (fp32 on a CPU without native bf16, else bf16): every
+    # token's logprob is the same bit for bit alone and beside copies of itself and other requests (no batched
+    # matmul anywhere: the FP8 layers and the bf16 lm_head on the kernel)
+    fp32, tok, _ = load_any(str(ck), fastest_dtype())
     assert set_backend(fp32, "cpu") > 0
     jobs = [(tok(p)["input_ids"], SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in (PROMPT, "A river", "In 1990 the")]
 

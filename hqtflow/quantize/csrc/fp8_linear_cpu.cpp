@@ -670,6 +670,7 @@ struct Problem {
   int64_t M, Kp;
   bool bf16;
   Out out;
+  const uint32_t* bw = nullptr;  // bf16 weights already in pair-major blocks (`bf16_pack`), instead of wt's FP8 bytes
 };
 
 // Calls f(e4m3, hp) with the weight's FP8 format and hp as compile-time constants.
@@ -1193,6 +1194,21 @@ HQT_INLINE void outer_store(const __m512 (&acc)[MR][NB], int64_t m0, int64_t n, 
 void outer_decode(const Problem& p, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  if (p.bw) {  // bf16 weights: every pair straight from the packed blocks
+    const int64_t bstride = p.Kp / 2 * kBlock;
+    for (int64_t n = n0; n < n1; n += 2 * kBlock) {
+      const int64_t nr = std::min<int64_t>(2 * kBlock, n1 - n);
+      dispatch<kOuterDecodeMaxM, 2>(p.M, nr > kBlock ? 2 : 1, [&](auto MR, auto NB) {
+        constexpr int mr = decltype(MR)::value, bn = decltype(NB)::value;
+        __m512 acc[mr][bn];
+        HQT_UNROLL for (int m = 0; m < mr; ++m)
+          HQT_UNROLL for (int b = 0; b < bn; ++b) acc[m][b] = _mm512_setzero_ps();
+        outer_steps<mr, bn>(reinterpret_cast<const uint32_t*>(x), p.bw + (n / kBlock) * bstride, bstride, 0, p.Kp / 2, acc);
+        outer_store<mr, bn>(acc, 0, n, nr, p.out);
+      });
+    }
+    return;
+  }
   std::unique_ptr<Widener> one(wt.per_channel ? nullptr : new Widener(wt.e4m3, wt.s(0)));
   BlockWideners wd[2];
   alignas(64) uint32_t chunk[2][32 * kBlock];
@@ -1239,14 +1255,18 @@ void outer_panels(const Problem& p, int64_t n0, int64_t n1) {
   const int64_t blocks = (std::min(panel, n1 - n0) + kBlock - 1) / kBlock;
   std::unique_ptr<uint32_t, decltype(&std::free)> buf(
       static_cast<uint32_t*>(std::aligned_alloc(64, blocks * bstride * sizeof(uint32_t))), &std::free);
-  std::unique_ptr<Widener> one(wt.per_channel ? nullptr : new Widener(wt.e4m3, wt.s(0)));
+  std::unique_ptr<Widener> one(wt.per_channel || p.bw ? nullptr : new Widener(wt.e4m3, wt.s(0)));
   BlockWideners wd;
   for (int64_t nb = n0; nb < n1; nb += panel) {
     const int64_t ne = std::min(n1, nb + panel);
     for (int64_t n = nb; n < ne; n += kBlock) {
       const int nr = static_cast<int>(std::min<int64_t>(kBlock, ne - n));
-      wd.set(wt, one.get(), n, nr);
       uint32_t* blk = buf.get() + ((n - nb) / kBlock) * bstride;
+      if (p.bw) {  // bf16 weights: their packed pairs copied
+        std::memcpy(blk, p.bw + (n / kBlock) * bstride, bstride * 4);
+        continue;
+      }
+      wd.set(wt, one.get(), n, nr);
       for (int64_t k = 0; k < p.Kp; k += 64) widen_chunk(wt, wd, n, nr, k, blk + (k / 2) * kBlock);
     }
     for (int64_t m = 0; m < p.M; m += kOuterMR)
@@ -1365,23 +1385,30 @@ HQT_INLINE void amx_epilogue(const float* c, int64_t ldc, int64_t m, int64_t n, 
 void amx_decode(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
-  std::unique_ptr<Widener> one(wt.per_channel ? nullptr : new Widener(wt.e4m3, wt.s(0)));
+  std::unique_ptr<Widener> one(wt.per_channel || p.bw ? nullptr : new Widener(wt.e4m3, wt.s(0)));
   BlockWideners wd[2];
   alignas(64) uint32_t chunk[2][32 * kBlock];
   alignas(64) float c[2 * kTile * 2 * kBlock];
   amx_configure();
   for (int64_t n = n0; n < n1; n += 2 * kBlock) {
     const int64_t nr = std::min<int64_t>(2 * kBlock, n1 - n);
-    const int nb = nr > kBlock ? 2 : 1;
+    const int nb = p.bw ? 0 : nr > kBlock ? 2 : 1;
     for (int b = 0; b < nb; ++b) wd[b].set(wt, one.get(), n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)));
     amx_dispatch(p.M, nr, [&](auto MB, auto NB) {
       constexpr int mb = decltype(MB)::value, bn = decltype(NB)::value;
       amx_load_acc<mb, bn>(nullptr, 0);
+      const int64_t bstride = p.Kp / 2 * kBlock;
       for (int64_t k = 0; k < p.Kp; k += 64) {
-        HQT_UNROLL for (int b = 0; b < bn; ++b)
-          widen_chunk(wt, wd[b], n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)), k, chunk[b]);
+        const uint32_t* w = chunk[0];
+        int64_t ws = chunk[1] - chunk[0];
+        if (p.bw) {  // bf16 weights: the tiles straight from the packed blocks
+          w = p.bw + (n / kBlock) * bstride + (k / 2) * kBlock, ws = bstride;
+        } else {
+          HQT_UNROLL for (int b = 0; b < bn; ++b)
+            widen_chunk(wt, wd[b], n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)), k, chunk[b]);
+        }
         HQT_UNROLL for (int h = 0; h < 2; ++h)
-          amx_step<mb, bn>(x + k + 32 * h, ldx * 2, chunk[0] + h * kTile * kBlock, chunk[1] + h * kTile * kBlock);
+          amx_step<mb, bn>(x + k + 32 * h, ldx * 2, w + h * kTile * kBlock, w + ws + h * kTile * kBlock);
       }
       amx_store_acc<mb, bn>(c, 2 * kBlock);
     });
@@ -1417,7 +1444,7 @@ void amx_panels(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
   const int64_t mc = std::min<int64_t>(kAmxMc, (p.M + 2 * kTile - 1) / (2 * kTile) * (2 * kTile)), ldc = panel;
   uint32_t* buf = static_cast<uint32_t*>(scratch<0>(panel / kBlock * bstride * sizeof(uint32_t)));
   float* cb = static_cast<float*>(scratch<1>(mc * ldc * sizeof(float)));
-  std::unique_ptr<Widener> one(wt.per_channel ? nullptr : new Widener(wt.e4m3, wt.s(0)));
+  std::unique_ptr<Widener> one(wt.per_channel || p.bw ? nullptr : new Widener(wt.e4m3, wt.s(0)));
   BlockWideners wd;
   amx_configure();
   for (int64_t m0 = 0; m0 < p.M; m0 += mc) {
@@ -1428,8 +1455,12 @@ void amx_panels(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
         const int64_t k1 = std::min(p.Kp, k0 + kc);
         for (int64_t n = nb; n < ne; n += kBlock) {
           const int nr = static_cast<int>(std::min<int64_t>(kBlock, ne - n));
-          wd.set(wt, one.get(), n, nr);
           uint32_t* blk = buf + ((n - nb) / kBlock) * bstride;
+          if (p.bw) {  // bf16 weights: their packed pairs copied
+            std::memcpy(blk, p.bw + (n / kBlock) * (p.Kp / 2 * kBlock) + (k0 / 2) * kBlock, (k1 - k0) / 2 * kBlock * 4);
+            continue;
+          }
+          wd.set(wt, one.get(), n, nr);
           for (int64_t k = k0; k < k1; k += 64) widen_chunk(wt, wd, n, nr, k, blk + ((k - k0) / 2) * kBlock);
         }
         for (int64_t m = m0; m < m1; m += 2 * kTile) {
@@ -1477,12 +1508,12 @@ at::Tensor fp8_pack(const at::Tensor& w) {
 #endif
 }
 
-at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& weight_scale,
-                      const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& bias,
-                      const c10::optional<at::Tensor>& packed) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "fp8_linear: weight must be a contiguous 2-D tensor");
-  const bool e4m3 = is_e4m3(w);
-  const int64_t N = w.size(0), K = w.size(1);
+// The product of both ops: FP8 bytes `w` ([N, K]), or on the bf16 paths bf16 weights already packed (`bw`, w undefined).
+at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, const std::vector<float>& sc,
+                       const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& packed, const uint32_t* bw) {
+  const bool e4m3 = bw ? true : is_e4m3(w);
+  const uint8_t* w8 = bw ? nullptr : reinterpret_cast<const uint8_t*>(w.data_ptr());
   TORCH_CHECK(x.size(-1) == K, "fp8_linear: input has ", x.size(-1), " features, weight expects ", K);
   const auto hp = x.scalar_type();
   TORCH_CHECK(hp == at::kBFloat16 || hp == at::kHalf || hp == at::kFloat, "fp8_linear: unsupported input dtype ", hp);
@@ -1490,7 +1521,6 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   out_shape.back() = N;
   const at::Tensor x2d = x.reshape({-1, K}).contiguous();
   const int64_t M = x2d.size(0);
-  const std::vector<float> sc = floats_of(weight_scale);
   TORCH_CHECK(sc.size() == 1 || static_cast<int64_t>(sc.size()) == N, "fp8_linear: weight_scale must have 1 or ", N, " values");
   std::vector<float> b = bias.has_value() ? floats_of(*bias) : std::vector<float>();
   TORCH_CHECK(b.empty() || static_cast<int64_t>(b.size()) == N, "fp8_linear: bias must have ", N, " values");
@@ -1544,8 +1574,8 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   if (amx) {  // every M: input tiles of 16 rows over panels of widened weight rows
     const int64_t threads = at::get_num_threads(), unit = 2 * kBlock;
     const int64_t grain = std::max<int64_t>(unit, (N + threads - 1) / threads);
-    const Problem p{Weight{reinterpret_cast<const uint8_t*>(w.data_ptr()), N, K, sc.data(), sc.size() > 1, e4m3, hp},
-                    xb.get(), M, Kp, true, Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}};
+    const Problem p{Weight{w8, N, K, sc.data(), sc.size() > 1, e4m3, hp},
+                    xb.get(), M, Kp, true, Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}, bw};
     const bool decode = M <= kAmxDecodeMaxM;
     at::parallel_for(0, (N + unit - 1) / unit, decode ? 1 : (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
       const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
@@ -1570,9 +1600,9 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
     xb = std::move(tiled);
   }
 #endif
-  const Weight wt{reinterpret_cast<const uint8_t*>(w.data_ptr()), N, K, sc.data(), sc.size() > 1, e4m3, hp};
+  const Weight wt{w8, N, K, sc.data(), sc.size() > 1, e4m3, hp};
   const Problem p{wt, bf16 ? static_cast<const void*>(xb.get()) : xf.get(), M, Kp, bf16,
-                  Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}};
+                  Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}, bw};
   const int64_t threads = at::get_num_threads();
 #if HQT_BF16
   if (bf16) {  // the outer-product path, in blocks of 32 weight rows
@@ -1611,7 +1641,17 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 #endif
 }
 
-// High-precision weights for fp32 compute on AVX2 (an `lm_head` kept in bf16): the bf16 values packed like FP8
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& weight_scale,
+                      const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& bias,
+                      const c10::optional<at::Tensor>& packed) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "fp8_linear: weight must be a contiguous 2-D tensor");
+  is_e4m3(w);
+  return linear_impl(x, w, w.size(0), w.size(1), floats_of(weight_scale), input_scale, bias, packed, nullptr);
+}
+
+// High-precision weights (an `lm_head` kept in bf16), for fp32 compute on AVX2 and bf16 compute on the bf16 paths
+// (AMX, AVX512-BF16; `bf16_pack` gives the pair-major blocks FP8 weights are widened into, read as they are).
+// On AVX2: the bf16 values packed like FP8
 // weights (`bf16_pack`: [ceil(N / 8), K, 8]; an empty tensor without the AVX2 path) and `bf16_linear(x, packed, N,
 // bias)` = x @ W^T + bias in fp32, reading half of fp32's bytes, each output's products added k ascending like the
 // FP8 path's: batch-invariant, the function of fp32 `F.linear` up to the order of its sums.
@@ -1619,6 +1659,13 @@ at::Tensor bf16_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack: weight must be a 2-D bf16 tensor");
 #if HQT_AVX2
   return pack_rows(w);
+#elif HQT_BF16
+  // [ceil(N / 16), Kp / 2, 16] dwords, Kp = K rounded up to 64: pair t of 16 rows (k = 2t low, 2t + 1 high), zeros
+  // past N and K; the layout the FP8 weights are widened into, so the bf16 paths read it as they read those.
+  const int64_t N = w.size(0), K = w.size(1), Kp = (K + 63) / 64 * 64;
+  at::Tensor padded = at::zeros({(N + kBlock - 1) / kBlock * kBlock, Kp}, w.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  return padded.view({-1, kBlock, Kp / 2, 2}).permute({0, 2, 1, 3}).contiguous().view(at::kInt).view({-1, Kp / 2, kBlock});
 #else
   return at::empty({0}, w.options());
 #endif
@@ -1651,8 +1698,16 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const Problem p{wt, xf.get(), M, Kp, false, Out{out.data_ptr(), N, at::kFloat, b.empty() ? nullptr : b.data()}};
   run_columns<Bf16Group>(p, packed.data_ptr());
   return out.reshape(out_shape);
+#elif HQT_BF16
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "bf16_linear: input must be bfloat16 here, not ", x.scalar_type());
+  const int64_t K = x.size(-1), Kp = (K + 63) / 64 * 64;
+  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == (N + kBlock - 1) / kBlock && packed.size(1) == Kp / 2 && packed.size(2) == kBlock,
+              "bf16_linear: packed must be bf16_pack(weight) of a weight with ", N, " rows and ", K, " columns");
+  return linear_impl(x, at::Tensor(), N, K, {1.f}, c10::nullopt, bias, c10::nullopt,
+                     reinterpret_cast<const uint32_t*>(packed.data_ptr()));
 #else
-  TORCH_CHECK(false, "bf16_linear: this build has no AVX2 path (bf16_pack returns an empty tensor here)");
+  TORCH_CHECK(false, "bf16_linear: this build has no bf16 path (bf16_pack returns an empty tensor here)");
   return at::Tensor();
 #endif
 }
