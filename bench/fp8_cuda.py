@@ -99,7 +99,7 @@ def bench_linear(ms: list[int]) -> list[dict]:
     return rows
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference mode: the CPU kernel's packing tracks the weights' version counters
 def to_fp8(model, vocab: int) -> None:
     """Every decoder Linear to static per-tensor FP8 (input scales: maxabs over one calibration forward)."""
     amax: dict[str, torch.Tensor] = {}
@@ -118,7 +118,8 @@ def to_fp8(model, vocab: int) -> None:
         fp8 = FP8Linear.from_linear(lin, (lin.weight.abs().max() / F8).reshape(1), (s.float() / F8).reshape(1).to(torch.bfloat16))
         setattr(owner, child, fp8)
         del lin
-    set_backend(model, "scaled_mm")
+    # CUDA: torch._scaled_mm; a CPU (this script's smoke test) runs the CPU kernel, not _scaled_mm's slow emulation
+    set_backend(model, "scaled_mm" if DEVICE == "cuda" else "auto")
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
 
