@@ -212,12 +212,12 @@ def test_engine_with_fp8_checkpoint(tiny_llama, wiki_text, tmp_path):
     # FP8 on the CPU kernel in the dtype `serve fp8` runs here (fp32 on a CPU without native bf16, else bf16): every
     # token's logprob is the same bit for bit alone and beside copies of itself and other requests (no batched
     # matmul anywhere: the FP8 layers and the bf16 lm_head on the kernel)
-    fp32, tok, _ = load_any(str(ck), fastest_dtype())
-    assert set_backend(fp32, "cpu") > 0
+    served, tok, _ = load_any(str(ck), fastest_dtype())
+    assert set_backend(served, "cpu") > 0
     jobs = [(tok(p)["input_ids"], SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in (PROMPT, "A river", "In 1990 the")]
 
     def run(batch):  # every request submitted before the first step, run to the end from this thread
-        eng, out = Engine(fp32, tok), [[] for _ in batch]
+        eng, out = Engine(served, tok), [[] for _ in batch]
         for job, events in zip(batch, out):
             eng.submit(*job, events.append)
         while eng.step():

@@ -1645,7 +1645,6 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
                       const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& bias,
                       const c10::optional<at::Tensor>& packed) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "fp8_linear: weight must be a contiguous 2-D tensor");
-  is_e4m3(w);
   return linear_impl(x, w, w.size(0), w.size(1), floats_of(weight_scale), input_scale, bias, packed, nullptr);
 }
 
