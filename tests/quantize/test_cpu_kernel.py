@@ -216,6 +216,38 @@ def test_input_qdq_is_bit_exact(ops, fp8, hp):
         assert torch.equal(ops.fp8_qdq(x, sc, fp8 == "E4M3"), dequantize(quantize(x, sc, fp8), sc, hp))
 
 
+def _near_ties(fp8, count, seed):
+    """bf16 inputs x and scales s with x / s at, or an ulp or two from, a midpoint of the FP8 grid (normal and
+    subnormal), where x * (1 / s) and x / s can round apart."""
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique().sort().values
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = torch.randn(count, generator=g).bfloat16().float()
+    x = x[x != 0]
+    s = x.abs() / mids[torch.randint(0, len(mids), (len(x),), generator=g)]
+    s = (s.view(torch.int32) + torch.randint(-2, 3, s.shape, generator=g, dtype=torch.int32)).view(torch.float32)
+    return x, s
+
+
+@pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
+def test_input_rounding_divides_exactly_near_ties(ops, fp8):
+    """The input is divided by its scale as torch divides (x * (1 / s), a tempting shortcut, rounds differently near
+    the FP8 grid's rounding boundaries). Scales that put inputs at those boundaries give torch's bits, in the quantize
+    op (a scale per row, every input against every scale) and in fp8_linear's bf16 input path."""
+    dt = torch.float8_e4m3fn if fp8 == "E4M3" else torch.float8_e5m2
+    x, s = _near_ties(dt, 2000, seed=4)
+    xs = x.expand(len(s), -1).contiguous()
+    ref = quantize(xs, s[:, None], fp8)
+    assert torch.equal(ops.fp8_quantize(xs, s, fp8 == "E4M3").view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(ops.fp8_quantize(xs.bfloat16(), s, fp8 == "E4M3").view(torch.uint8), ref.view(torch.uint8))
+    if fp8 == "E4M3":  # y = x QDQ'd through an identity weight: one exact product per output
+        eye = torch.eye(len(x)).to(torch.float8_e4m3fn)
+        for sx in s[:16]:
+            got = ops.fp8_linear(x.bfloat16()[None], eye, torch.ones(1), sx.reshape(1), None)
+            assert torch.equal(got, dequantize(quantize(x.bfloat16()[None], sx, fp8), sx, torch.bfloat16))
+
+
 @pytest.mark.parametrize("hp", list(HP))
 def test_dequantize_and_quantize_are_the_reference(ops, hp):
     hp = HP[hp]

@@ -1317,7 +1317,7 @@ inline void amx_configure() {
 // Input rows: `ldx` bf16 apart (Kp plus one cache line, so that the 16 rows of a tile do not share one L1 set).
 inline int64_t amx_ldx(int64_t Kp) { return Kp + 32; }
 constexpr int64_t kAmxDecodeMaxM = 2 * kTile;  // up to this M, chunks are widened per step rather than per panel
-constexpr int64_t kAmxKc = 512;                 // k per pass over a panel (up to 576): 32 input rows stay in L1
+constexpr int64_t kAmxKc = 512;                 // k per pass over a panel (up to 576)
 
 // Accumulator tiles 0 .. (MB x NB) - 1 (block (i, b) in tile 2 i + b) from c (row stride ldc floats), or zeros.
 template <int MB, int NB>
@@ -1429,21 +1429,27 @@ void* scratch(int64_t bytes) {
   return buf.get();
 }
 
-// Larger M, blocked like a GEMM: for each chunk of up to kAmxMc input rows and each panel of weight rows, passes over
-// K of kAmxKc k: the panel's rows x those k widened into L2 once, then every block of 32 input rows (its 32 x kc
-// inputs stay in L1) times every pair of weight blocks, the sums waiting in `cb` (fp32, exact) between passes.
-constexpr int64_t kAmxMc = 1024;  // input rows per chunk: the widening is repeated once per chunk
+// Larger M, blocked like a GEMM: for each chunk of input rows and each panel of weight rows, passes over K of up to
+// kAmxKc + 64 k: the panel's rows x those k widened into L2 once, then every block of 32 input rows times every pair of
+// weight blocks. Between passes the sums wait in `cb` (fp32, exact), sized with the
+// panel to stay in L2; after the last pass they go through L1 to the epilogue at once.
+constexpr int64_t kAmxSumsBytes = 1024 * 1024;  // the partial sums of a chunk of rows x a panel, between passes
 void amx_panels(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
   const uint16_t* x = static_cast<const uint16_t*>(p.x);  // [ceil(M / 16) * 16, ldx], widen64's order
   const int64_t passes = (p.Kp + kAmxKc + 64 - 1) / (kAmxKc + 64);        // K up to 576 in one pass
   const int64_t kc = (p.Kp / 64 + passes - 1) / passes * 64;              // k per pass, a multiple of 64
   const int64_t nc = std::max<int64_t>(2 * kBlock, 512 * 1024 / (2 * kc) / (2 * kBlock) * (2 * kBlock));
-  const int64_t panel = std::min(nc, (n1 - n0 + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock));
+  const int64_t panel = std::min(nc, (n1 - n0 + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock)), ldc = panel;
   const int64_t bstride = kc / 2 * kBlock;  // dwords per block of 16 rows in the panel
-  const int64_t mc = std::min<int64_t>(kAmxMc, (p.M + 2 * kTile - 1) / (2 * kTile) * (2 * kTile)), ldc = panel;
+  const int64_t blocks32 = (p.M + 2 * kTile - 1) / (2 * kTile);  // blocks of 32 input rows
+  // one chunk when K takes one pass (no sums wait); else as few as keep a chunk's sums within kAmxSumsBytes (each
+  // chunk widens the weights again)
+  const int64_t chunks = passes == 1 ? 1 : std::max<int64_t>(1, (blocks32 * 2 * kTile * ldc * 4 + kAmxSumsBytes - 1) / kAmxSumsBytes);
+  const int64_t mc = (blocks32 + chunks - 1) / chunks * (2 * kTile);
   uint32_t* buf = static_cast<uint32_t*>(scratch<0>(panel / kBlock * bstride * sizeof(uint32_t)));
-  float* cb = static_cast<float*>(scratch<1>(mc * ldc * sizeof(float)));
+  float* cb = passes > 1 ? static_cast<float*>(scratch<1>(mc * ldc * sizeof(float))) : nullptr;
+  alignas(64) float last[2 * kTile * 2 * kBlock];  // a block's final sums on their way to the epilogue
   std::unique_ptr<Widener> one(wt.per_channel || p.bw ? nullptr : new Widener(wt.e4m3, wt.s(0)));
   BlockWideners wd;
   amx_configure();
@@ -1466,22 +1472,21 @@ void amx_panels(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
         for (int64_t m = m0; m < m1; m += 2 * kTile) {
           const int64_t mr = std::min<int64_t>(2 * kTile, m1 - m);
           for (int64_t n = nb; n < ne; n += 2 * kBlock) {
+            const int64_t nr = std::min<int64_t>(2 * kBlock, ne - n);
             const uint32_t* w = buf + ((n - nb) / kBlock) * bstride;
-            float* c = cb + (m - m0) * ldc + (n - nb);
-            amx_dispatch(mr, std::min<int64_t>(2 * kBlock, ne - n), [&](auto MB, auto NB) {
+            float* c = cb ? cb + (m - m0) * ldc + (n - nb) : nullptr;
+            amx_dispatch(mr, nr, [&](auto MB, auto NB) {
               constexpr int mb = decltype(MB)::value, bn = decltype(NB)::value;
               amx_load_acc<mb, bn>(k0 ? c : nullptr, ldc);
               for (int64_t k = k0; k < k1; k += 32)
                 amx_step<mb, bn>(x + m * ldx + k, ldx * 2, w + ((k - k0) / 2) * kBlock, w + bstride + ((k - k0) / 2) * kBlock);
-              amx_store_acc<mb, bn>(c, ldc);
+              if (k1 < p.Kp) return amx_store_acc<mb, bn>(c, ldc);
+              amx_store_acc<mb, bn>(last, 2 * kBlock);
+              amx_epilogue(last, 2 * kBlock, m, n, mr, nr, p.out);
             });
           }
         }
       }
-      for (int64_t m = m0; m < m1; m += 2 * kTile)
-        for (int64_t n = nb; n < ne; n += 2 * kBlock)
-          amx_epilogue(cb + (m - m0) * ldc + (n - nb), ldc, m, n, std::min<int64_t>(2 * kTile, m1 - m),
-                       std::min<int64_t>(2 * kBlock, ne - n), p.out);
     }
   }
   _tile_release();
