@@ -1381,9 +1381,12 @@ HQT_INLINE void amx_epilogue(const float* c, int64_t ldc, int64_t m, int64_t n, 
 }
 
 // Decode-sized M (one or two input tiles): each chunk of 64 columns of 32 weight rows widened into L1 and used at once,
-// the sums kept in the tiles over all of K.
+// the sums kept in the tiles over all of K. Rows shorter than a 4 KiB page are too short for the hardware prefetchers,
+// so each step also prefetches 32 lines of the next 32 rows (measured cold at M=1 on an AMX Xeon: 1.1-1.4x faster at
+// K=576..3072, 0.9x at K=4096).
 void amx_decode(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
+  const bool prefetch = !p.bw && wt.K < 4096;
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
   std::unique_ptr<Widener> one(wt.per_channel || p.bw ? nullptr : new Widener(wt.e4m3, wt.s(0)));
   BlockWideners wd[2];
@@ -1398,12 +1401,17 @@ void amx_decode(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
       constexpr int mb = decltype(MB)::value, bn = decltype(NB)::value;
       amx_load_acc<mb, bn>(nullptr, 0);
       const int64_t bstride = p.Kp / 2 * kBlock;
+      // the next 32 rows, one line per row of them per step: all of them by the last step
+      const int64_t next = n + 2 * kBlock, next_bytes = std::max<int64_t>(0, std::min<int64_t>(2 * kBlock, wt.N - next)) * wt.K;
       for (int64_t k = 0; k < p.Kp; k += 64) {
         const uint32_t* w = chunk[0];
         int64_t ws = chunk[1] - chunk[0];
         if (p.bw) {  // bf16 weights: the tiles straight from the packed blocks
           w = p.bw + (n / kBlock) * bstride + (k / 2) * kBlock, ws = bstride;
         } else {
+          if (prefetch)
+            for (int64_t line = k * 32; line < std::min(next_bytes, (k + 64) * 32); line += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(wt.w + next * wt.K) + line, _MM_HINT_T0);
           HQT_UNROLL for (int b = 0; b < bn; ++b)
             widen_chunk(wt, wd[b], n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)), k, chunk[b]);
         }
