@@ -9,10 +9,11 @@ without AVX-512) W8A8 in fp32; `torch._scaled_mm` W8A8 (a real FP8 GEMM on CUDA 
 emulation on CPU). Targets (issue): M=1 >= 1.5x at 4096^2 and >= 1.0x on SmolLM2 shapes, M=8 >= 1.2x, M=256 and
 512 >= 1.0x.
 
-By default each shape cycles through enough distinct weight copies to exceed the last-level cache (`--working-set`
+The columns are timed interleaved, call by call (the median of each), so a host whose speed drifts affects them
+alike. By default each shape cycles through enough distinct weight copies to exceed the last-level cache (`--working-set`
 MiB per dtype), so weights stream from DRAM the way a model's layers do in decode; `--hot` reuses one copy.
 
-    python bench/fp8_linear.py [--device cuda] [--iters 20] [--hot] [--ms 1,8,256,512]
+    python bench/fp8_linear.py [--device cuda] [--iters 20] [--hot] [--ms 1,8,256,512] [--columns "cpu w8a8,cpu w-only"]
 """
 
 from __future__ import annotations
@@ -34,22 +35,28 @@ SHAPES = {"4096x4096": (4096, 4096), "smollm2 q/o 576x576": (576, 576), "smollm2
           "smollm2 down 1536->576": (1536, 576)}
 
 
-def timed(fns, iters: int, device: str) -> float:
-    """Median seconds per call, cycling through `fns` (one per weight copy)."""
-    cycle = itertools.cycle(fns)
-    for _ in range(max(3, len(fns))):
-        next(cycle)()
-    times = []
-    for _ in range(iters):
-        fn = next(cycle)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def timed(columns: dict[str, tuple[list, int]], device: str) -> dict[str, float]:
+    """Median seconds per call of each column ({name: (calls, iters)}, one call per weight copy, cycled), the
+    columns interleaved call by call: a host whose speed drifts (shared machines swing by 2-3x for seconds at a
+    time) slows every column alike instead of whichever ran during the slow phase."""
+    cycles = {name: itertools.cycle(calls) for name, (calls, _) in columns.items()}
+    for name, (calls, _) in columns.items():
+        for _ in range(max(3, len(calls))):
+            next(cycles[name])()
+    times: dict[str, list[float]] = {name: [] for name in columns}
+    for i in range(max(iters for _, iters in columns.values())):
+        for name, (_, iters) in columns.items():
+            if i >= iters:
+                continue
+            fn = next(cycles[name])
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 TARGETS = {1: 1.0, 8: 1.2, 256: 1.0, 512: 1.0}  # M -> best FP8 / baseline (M=1 at 4096^2: 1.5)
@@ -62,6 +69,8 @@ def main() -> None:
     p.add_argument("--ms", default="1,8,256,512")
     p.add_argument("--hot", action="store_true", help="reuse one weight copy (cache-resident for small shapes)")
     p.add_argument("--working-set", type=int, default=512, help="MiB of bf16 weights cycled per shape (default 512)")
+    p.add_argument("--columns", default=None, help="comma-separated FP8 columns to measure (default: all; the bf16 and "
+                   "fp32 baselines always run). On a CPU `qdq` and `scaled_mm` emulate and take most of the run")
     a = p.parse_args()
     dev = a.device
     cpu_kernel = dev == "cpu" and resolve_backend("auto", "cpu") == "cpu"
@@ -82,6 +91,10 @@ def main() -> None:
         print(f"CPU kernel unavailable: {ck.build_error()}")
     print("speed vs the faster of bf16 and fp32 F.linear at each row (>1 = FP8 faster)")
     cols = ["bf16", "fp32", "qdq", "cpu w8a8", "cpu w-only", "cpu fp32", "avx2 fp32", "scaled_mm"]
+    wanted = set(cols) if a.columns is None else {"bf16", "fp32", *(c.strip() for c in a.columns.split(","))}
+    if unknown := wanted - set(cols):
+        p.error(f"--columns: unknown {', '.join(sorted(unknown))} (choose from {', '.join(cols[2:])})")
+    cols = [c for c in cols if c in wanted]
     print(f"{'shape':24} {'M':>4} {'base ms':>8} " + " ".join(f"{c:>10}" for c in cols) + f" {'best FP8':>9}")
     verdicts = []
     for label, (k, n) in SHAPES.items():
@@ -93,37 +106,37 @@ def main() -> None:
             x = torch.randn(m_, k, device=dev, dtype=torch.bfloat16)
             x32 = x.float()
             s_x = (x.abs().max() / 112).to(torch.bfloat16)
-            w8a8 = [FP8Linear.from_linear(l, (l.weight.abs().max() / 224).to(torch.bfloat16), s_x) for l in lins]
-            wonly = [FP8Linear.from_linear(l, (l.weight.abs().max() / 224).to(torch.bfloat16), None) for l in lins]
-            f32 = [FP8Linear.from_linear(l, (l.weight.abs().max() / 224), s_x.float()) for l in lins32]
-            row = {}
-            slow = dev == "cpu"  # the QDQ reference and _scaled_mm emulate on CPU: fewer calls
-            with torch.inference_mode():
-                row["bf16"] = timed([lambda l=l: l(x) for l in lins], a.iters, dev)
-                row["fp32"] = timed([lambda l=l: l(x32) for l in lins32], a.iters, dev)
-                runs = [(w8a8, "qdq", "qdq", x), (w8a8, "cpu w8a8", "cpu", x), (wonly, "cpu w-only", "cpu", x),
-                        (f32, "cpu fp32", "cpu", x32), (w8a8, "scaled_mm", "scaled_mm", x)]
-                for mods, name, backend, xin in runs:
-                    if backend == "cpu" and not cpu_kernel:
-                        continue
-                    for mod in mods:
-                        set_backend(mod, backend)
-                    calls = [lambda f=f, xin=xin: f(xin) for f in mods]
-                    few = slow and backend in ("qdq", "scaled_mm")
-                    row[name] = timed(calls[: max(1, len(calls) // 4)] if few else calls, max(5, a.iters // 3) if few else a.iters, dev)
-                if avx2 is not None:
-                    packs = [avx2.fp8_pack(f.weight) for f in f32]  # as set_backend("cpu") makes them
-                    row["avx2 fp32"] = timed([lambda f=f, p=p: avx2.fp8_linear(x32, f.weight, f.weight_scale, f.input_scale,
-                                                                              None, p) for f, p in zip(f32, packs)],
-                                             a.iters, dev)
+            slow = dev == "cpu"  # the QDQ reference and _scaled_mm emulate on CPU: fewer copies and calls
+            w_scale = lambda l: (l.weight.abs().max() / 224).to(l.weight.dtype)  # noqa: E731
+            runs = [("qdq", "qdq", lins, s_x, x), ("cpu w8a8", "cpu", lins, s_x, x), ("cpu w-only", "cpu", lins, None, x),
+                    ("cpu fp32", "cpu", lins32, s_x.float(), x32), ("scaled_mm", "scaled_mm", lins, s_x, x)]
+            columns = {"bf16": ([lambda l=l: l(x) for l in lins], a.iters),
+                       "fp32": ([lambda l=l: l(x32) for l in lins32], a.iters)}
+            for name, backend, source, s_in, xin in runs:  # a module list per column: no backend switch per call
+                if (backend == "cpu" and not cpu_kernel) or name not in wanted:
+                    continue
+                few = slow and backend in ("qdq", "scaled_mm")
+                mods = []
+                for l in source[: max(1, len(source) // 4)] if few else source:
+                    mod = FP8Linear.from_linear(l, w_scale(l), s_in)
+                    set_backend(mod, backend)
+                    mods.append(mod)
+                columns[name] = ([lambda f=f, xin=xin: f(xin) for f in mods], max(5, a.iters // 3) if few else a.iters)
+            if avx2 is not None and "avx2 fp32" in wanted:
+                f32 = [FP8Linear.from_linear(l, w_scale(l), s_x.float()) for l in lins32]
+                packs = [avx2.fp8_pack(f.weight) for f in f32]  # as set_backend("cpu") makes them
+                columns["avx2 fp32"] = ([lambda f=f, p=p: avx2.fp8_linear(x32, f.weight, f.weight_scale, f.input_scale,
+                                                                          None, p) for f, p in zip(f32, packs)], a.iters)
+            with torch.inference_mode():  # modules built outside it: their packing tracks the weights
+                row = timed(columns, dev)
             base = min(row["bf16"], row["fp32"])
             ratio = {k_: base / v for k_, v in row.items()}
-            best = max(v for k_, v in ratio.items() if k_ not in ("bf16", "fp32", "avx2 fp32"))
+            best = max((v for k_, v in ratio.items() if k_ not in ("bf16", "fp32", "avx2 fp32")), default=0.0)
             gate = "scaled_mm" if dev == "cuda" else ("cpu w8a8" if fastest_dtype(dev) == "bf16" else "cpu fp32")
             cell = lambda name: f"{ratio[name]:>9.2f}x" if name in ratio else f"{'-':>10}"  # noqa: E731
             print(f"{label:24} {m_:>4} {base * 1e3:>8.3f} " + " ".join(cell(c) for c in cols) + f" {best:>8.2f}x", flush=True)
             target = 1.5 if (label == "4096x4096" and m_ == 1) else TARGETS.get(m_)
-            if target is not None:
+            if target is not None and gate in row:
                 got = ratio.get(gate, 0.0)
                 verdicts.append(f"{label} M={m_}: {gate} (the default W8A8 at --dtype auto) {got:.2f}x (target {target}x) "
                                 f"{'met' if got >= target else 'NOT met'}")
