@@ -1446,8 +1446,8 @@ void* scratch(int64_t bytes) {
 
 // Larger M, blocked like a GEMM: for each chunk of input rows and each panel of weight rows, passes over K of up to
 // kAmxKc + 64 k: the panel's rows x those k widened into L2 once, then every block of 32 input rows times every pair of
-// weight blocks. Between passes the sums wait in `cb` (fp32, exact), sized with the
-// panel to stay in L2; after the last pass they go through L1 to the epilogue at once.
+// weight blocks. Between passes the sums wait in `cb` (fp32, exact), sized with the panel to stay in L2; after the
+// last pass they go through L1 to the epilogue at once.
 constexpr int64_t kAmxSumsBytes = 1024 * 1024;  // the partial sums of a chunk of rows x a panel, between passes
 void amx_panels(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
