@@ -112,6 +112,7 @@ def main() -> None:
                     ("cpu fp32", "cpu", lins32, s_x.float(), x32), ("scaled_mm", "scaled_mm", lins, s_x, x)]
             columns = {"bf16": ([lambda l=l: l(x) for l in lins], a.iters),
                        "fp32": ([lambda l=l: l(x32) for l in lins32], a.iters)}
+            built: dict[str, list] = {}
             for name, backend, source, s_in, xin in runs:  # a module list per column: no backend switch per call
                 if (backend == "cpu" and not cpu_kernel) or name not in wanted:
                     continue
@@ -122,8 +123,9 @@ def main() -> None:
                     set_backend(mod, backend)
                     mods.append(mod)
                 columns[name] = ([lambda f=f, xin=xin: f(xin) for f in mods], max(5, a.iters // 3) if few else a.iters)
-            if avx2 is not None and "avx2 fp32" in wanted:
-                f32 = [FP8Linear.from_linear(l, w_scale(l), s_x.float()) for l in lins32]
+                built[name] = mods
+            if avx2 is not None and "avx2 fp32" in wanted:  # the fp32 modules of "cpu fp32" when it ran
+                f32 = built.get("cpu fp32") or [FP8Linear.from_linear(l, w_scale(l), s_x.float()) for l in lins32]
                 packs = [avx2.fp8_pack(f.weight) for f in f32]  # as set_backend("cpu") makes them
                 columns["avx2 fp32"] = ([lambda f=f, p=p: avx2.fp8_linear(x32, f.weight, f.weight_scale, f.input_scale,
                                                                           None, p) for f, p in zip(f32, packs)], a.iters)
