@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from hqtflow.runtime.memory import trim
+from hqtflow.runtime.threads import release_openmp_pool
 
 
 @dataclass
@@ -183,6 +184,9 @@ class Engine:
 
     # -- public API (any thread) -------------------------------------------------------------------------
     def start(self) -> "Engine":
+        """Run the engine on its own thread. The caller's OpenMP workers are freed first (see runtime/threads.py):
+        call it from the thread that loaded the model."""
+        release_openmp_pool()
         self._thread = threading.Thread(target=self._loop, name="hqtflow-engine", daemon=True)
         self._thread.start()
         return self
