@@ -2,12 +2,13 @@
 
 PyTorch's CPU ops (and hqtflow's kernel, through `at::parallel_for`) run on libgomp, which keeps one pool of worker
 threads per thread that opened a parallel region. A server loads its model on the main thread and steps the engine
-on another, so two pools exist; libgomp counts every pooled thread as busy, and when that count exceeds the CPUs it
-makes its workers sleep after 1,000 spins instead of 300,000 (`GOMP_SPINCOUNT`'s throttled value). Each of a decode
-step's ~300 parallel ops then waits for a worker to wake up: measured on a 2-core AVX2 EPYC, the step for 32
-sequences took 150-169 ms on the engine's thread against 102-125 ms on the loading thread, and 105-119 ms once the
-loading thread's pool was freed. `omp_pause_resource_all(omp_pause_hard)` (OpenMP 5.0) frees the calling thread's
-pool in libgomp; a later parallel op on that thread builds a new one, so this only costs speed, never correctness.
+on another, so two pools exist; libgomp counts every pooled thread as busy, and when that count exceeds the CPUs
+its workers sleep after 100 spins instead of 300,000 (GCC's documented `GOMP_SPINCOUNT` defaults). Each of a
+decode step's ~300 parallel ops then waits for a worker to wake up: measured on a 2-core AVX2 EPYC, the step for
+32 sequences took 150-169 ms on the engine's thread against 102-125 ms on the loading thread, and 105-119 ms once
+the loading thread's pool was freed. `omp_pause_resource_all(omp_pause_hard)` (OpenMP 5.0) frees the calling
+thread's pool in libgomp; a later parallel op on that thread builds a new one, so this only costs speed, never
+correctness.
 """
 
 from __future__ import annotations
