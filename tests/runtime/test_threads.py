@@ -11,16 +11,16 @@ import torch
 from hqtflow.runtime.threads import release_openmp_pool
 
 
-def _tasks() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _threads() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
 
 
-def _settle(expected: int) -> int:
-    """The thread count, once it reaches `expected` or after 2 s (a freed worker exits just after the pause)."""
+def _gone(tids: set[int]) -> bool:
+    """Whether none of `tids` is alive, waiting up to 2 s (a freed worker exits just after the pause)."""
     deadline = time.monotonic() + 2
-    while _tasks() != expected and time.monotonic() < deadline:
+    while tids & _threads() and time.monotonic() < deadline:
         time.sleep(0.01)
-    return _tasks()
+    return not tids & _threads()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libgomp and /proc are Linux's")
@@ -32,19 +32,23 @@ def test_release_frees_the_calling_threads_workers_and_they_come_back_on_demand(
         saved = torch.get_num_threads()
         torch.set_num_threads(3)
         try:
-            x = torch.ones(1 << 22)
-            assert x.sum().item() == 1 << 22  # a parallel reduction: this thread's pool now has 2 workers
-            time.sleep(0.1)
-            with_pool = _tasks()
+            before = _threads()
+            x = torch.ones(1 << 22)  # a parallel fill: this fresh thread's pool starts 2 workers
+            assert x.sum().item() == 1 << 22
+            workers = _threads() - before
+            seen["workers"] = len(workers)
             seen["released"] = release_openmp_pool()
-            seen["freed"] = with_pool - _settle(with_pool - 2)
-            assert x.sum().item() == 1 << 22  # and a new pool serves the next parallel op
-            seen["again"] = _settle(with_pool) - (with_pool - 2)
+            seen["gone"] = _gone(workers)
+            before = _threads()
+            assert x.sum().item() == 1 << 22  # a parallel reduction: a new pool serves it
+            again = _threads() - before
+            seen["again"] = len(again)
             release_openmp_pool()
+            seen["gone again"] = _gone(again)
         finally:
             torch.set_num_threads(saved)
 
     t = threading.Thread(target=on_a_fresh_thread)
     t.start()
     t.join()
-    assert seen == {"released": 1, "freed": 2, "again": 2}
+    assert seen == {"workers": 2, "released": 1, "gone": True, "again": 2, "gone again": True}
