@@ -97,8 +97,9 @@ def test_kernel_is_the_reference_and_batch_invariant(ops, k, n, hp, mode):
 
 @pytest.mark.parametrize("hp", ["bf16", "fp32"])
 def test_large_inputs_in_row_chunks_give_the_same_rows(ops, hp):
-    """An input of more than a few MB is computed in chunks of rows (here: K = 16390, chunks of 64 rows, the last
-    one short): every row is the same, bit for bit, as computed alone, in a small batch or in another chunk."""
+    """An input of more than a few MB is computed in slices of rows (here: K = 16390, slices of 64 fp32 or 192 bf16
+    rows, the last one short), each in chunks: every row is the same, bit for bit, as computed alone, in a small
+    batch or in another slice."""
     mod, _ = _layer(16390, 20, HP[hp], "w8a8", seed=5)
     x = torch.randn(300, 16390, dtype=HP[hp])
     with torch.inference_mode():
@@ -301,6 +302,26 @@ def test_fp8_checkpoint_runs_in_fp32(cpu_kernel_loaded, tiny_llama, wiki_text, t
     assert r.exit_code == 0, r.output
     r = run_cli("generate", tmp_path / "fp8", "--dtype", "fp64")
     assert r.exit_code == 2 and "Unknown --dtype 'fp64'" in r.output and "Traceback" not in r.output
+
+
+def test_bf16_linear_large_inputs_in_slices_give_the_same_rows(cpu_kernel_loaded):
+    """The bf16-weight Linear takes a large input in slices of rows too (K = 16390: 64 rows in fp32, 192 in bf16):
+    rows bit-identical alone, across slices and in the whole batch."""
+    from hqtflow.quantize.bf16_linear import kernel_dtype
+
+    dt = kernel_dtype()
+    torch.manual_seed(8)
+    w = torch.randn(12, 16390).bfloat16()
+    packed = torch.ops.hqtflow.bf16_pack(w)
+    if not packed.numel():
+        pytest.skip("this machine's kernel has no bf16-weight path")
+    x, bias = torch.randn(400, 16390, dtype=dt), torch.randn(12, dtype=dt)
+    with torch.inference_mode():
+        full = torch.ops.hqtflow.bf16_linear(x, packed, 12, bias)
+        ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+        assert (full.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+        for rows in (slice(0, 1), slice(0, 65), slice(60, 200), slice(399, 400)):
+            assert torch.equal(torch.ops.hqtflow.bf16_linear(x[rows], packed, 12, bias), full[rows]), rows
 
 
 def test_high_precision_linears_read_packed_bf16(cpu_kernel_loaded):
