@@ -110,6 +110,19 @@ def test_large_inputs_in_row_chunks_give_the_same_rows(ops, hp):
             assert torch.equal(_run(ops, mod, x[rows]), full[rows]), rows
 
 
+def test_large_outputs_give_the_same_rows(ops):
+    """An output over 32 MiB (a fresh mapping that the threads' first writes fault in): the same rows, bit for bit,
+    as in small batches, and within the bound of the reference."""
+    mod, _ = _layer(40, 1100, torch.float32, "w8a8", seed=9)
+    x = torch.randn(8000, 40) * 3
+    with torch.inference_mode():
+        full = _run(ops, mod, x)
+        assert full.nbytes > 32 << 20
+        assert ((full[:700].double() - mod(x[:700]).double()).abs() <= _bound(mod, x[:700])).all()
+        for rows in (slice(0, 1), slice(0, 3), slice(4000, 4700), slice(7990, 8000)):
+            assert torch.equal(_run(ops, mod, x[rows]), full[rows]), rows
+
+
 @pytest.fixture(scope="module")
 def avx2_and_scalar(cpu_kernel_loaded):
     from conftest import need
