@@ -1528,6 +1528,19 @@ at::Tensor fp8_pack(const at::Tensor& w) {
 #endif
 }
 
+// A new output over glibc's 32 MiB mmap ceiling is a fresh mapping. Its pages are first written here, one byte per
+// 4 KiB page, by row ranges in parallel, so each page faults once on one thread. The kernel's threads split
+// columns and would write each page side by side: 1.4-1.8 faults per page. Measured on an AVX2 EPYC: `gate`/`up` at
+// M = 8192 115 -> 105 ms.
+void fault_in(const at::Tensor& t) {
+  const int64_t n = t.nbytes();
+  if (n < (int64_t(32) << 20)) return;
+  char* p = static_cast<char*>(t.data_ptr());
+  at::parallel_for(0, (n + 4095) / 4096, 256, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) p[std::min(i * 4096, n - 1)] = 0;
+  });
+}
+
 // The input is taken in slices of rows whose compute layout fits kSliceBytes, in a buffer kept by the calling thread
 // (`scratch`): a large input costs no page faults per call (a fresh 50 MB buffer was 12k of them, a fifth of a
 // `down_proj` at M = 8192 on an AVX2 EPYC), memory stays bounded, and a slice's rows are still in cache when the
@@ -1555,6 +1568,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
   const float s_x = has_sx ? load_float(input_scale->data_ptr(), input_scale->scalar_type(), 0) : 0.f;
   at::Tensor out = at::empty({rows, N}, x.options());
   if (rows == 0 || N == 0) return out.reshape(out_shape);
+  fault_in(out);
 
 #if HQT_BF16
   const bool bf16 = hp == at::kBFloat16;
@@ -1715,6 +1729,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   if (!b.empty()) b.resize(N + 16, 0.f);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out.reshape(out_shape);
+  fault_in(out);
   const Weight wt{nullptr, N, K, nullptr, false, true, at::kFloat};
   const int64_t slice = std::max<int64_t>(64, kSliceBytes / (4 * Kp) / 64 * 64);  // as in linear_impl
   for (int64_t first = 0; first < M; first += slice) {
