@@ -527,6 +527,11 @@ struct Out {  // the epilogue: y = hp(hp(acc) + bias)
     else if (hp == at::kHalf) static_cast<c10::Half*>(y)[m * N + n] = c10::Half(v);
     else static_cast<float*>(y)[m * N + n] = v;
   }
+  Out from_row(int64_t m) const {  // the same epilogue for rows m.. of y
+    Out o = *this;
+    o.y = static_cast<char*>(y) + m * N * (hp == at::kFloat ? 4 : 2);
+    return o;
+  }
 };
 
 #if HQT_AVX512
@@ -986,7 +991,6 @@ template <class Group>
 void columns_panels(const Problem& full, const void* packed, Blocks& blocks, int64_t chunk, int64_t kc_max) {
   const Weight& wt = full.wt;
   const int64_t K = wt.K, unit = kPanelNG * kGroup, rows = blocks.max_rows();
-  const int64_t elem = full.out.hp == at::kFloat ? 4 : 2;
   std::unique_ptr<float, decltype(&std::free)> panel(
       static_cast<float*>(std::aligned_alloc(64, rows * kc_max * sizeof(float))), &std::free);
   std::unique_ptr<float[]> partial(kc_max < K ? new float[std::min(chunk, full.M) * rows] : nullptr);
@@ -995,7 +999,7 @@ void columns_panels(const Problem& full, const void* packed, Blocks& blocks, int
     const int64_t m0 = c * chunk;
     p.x = static_cast<const float*>(full.x) + m0 * full.Kp;
     p.M = std::min(chunk, full.M - m0);
-    p.out.y = static_cast<char*>(full.out.y) + m0 * full.out.N * elem;
+    p.out = full.out.from_row(m0);
     for (int64_t kb = 0; kb < K; kb += kc_max) {
       const int64_t kc = std::min(kc_max, K - kb), gstride = kc * kGroup;
       for (int64_t n = nb; n < ne; n += kGroup) {  // widen the block, group after group
@@ -1541,11 +1545,11 @@ void fault_in(const at::Tensor& t) {
   });
 }
 
-// The input is taken in slices of rows whose compute layout fits kSliceBytes, in a buffer kept by the calling thread
+// The input is taken in slices of rows whose compute layout fits 8 MiB, in a buffer kept by the calling thread
 // (`scratch`): a large input costs no page faults per call (a fresh 50 MB buffer was 12k of them, a fifth of a
 // `down_proj` at M = 8192 on an AVX2 EPYC), memory stays bounded, and a slice's rows are still in cache when the
 // weight is swept over them. A row's result does not depend on its slice.
-constexpr int64_t kSliceBytes = 8 << 20;
+inline int64_t slice_rows(int64_t row_bytes) { return std::max<int64_t>(64, (int64_t(8) << 20) / row_bytes / 64 * 64); }
 
 // The product of both ops: FP8 bytes `w` ([N, K]), or on the bf16 paths bf16 weights already packed (`bw`, w undefined).
 at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, const std::vector<float>& sc,
@@ -1600,8 +1604,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
   const uint8_t* pw = (own.defined() ? own : *packed).data_ptr<uint8_t>();
 #endif
   const Weight wt{w8, N, K, sc.data(), sc.size() > 1, e4m3, hp};
-  const int64_t threads = at::get_num_threads(), elem = hp == at::kFloat ? 4 : 2;
-  const int64_t slice = std::max<int64_t>(64, kSliceBytes / ((bf16 ? 2 : 4) * ldx) / 64 * 64);
+  const int64_t threads = at::get_num_threads(), slice = slice_rows((bf16 ? 2 : 4) * ldx);
 
   // rows [first, first + M) of the input and the output
   const auto product = [&](int64_t first, int64_t M) {
@@ -1629,7 +1632,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
         std::fill(row + K, row + Kp, 0.f);
       }
     });
-    const Out o{static_cast<char*>(out.data_ptr()) + first * N * elem, N, hp, b.empty() ? nullptr : b.data()};
+    const Out o = Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}.from_row(first);
 
 #if HQT_AMX
     if (amx) {  // every M: input tiles of 16 rows over panels of widened weight rows
@@ -1731,7 +1734,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   if (M == 0 || N == 0) return out.reshape(out_shape);
   fault_in(out);
   const Weight wt{nullptr, N, K, nullptr, false, true, at::kFloat};
-  const int64_t slice = std::max<int64_t>(64, kSliceBytes / (4 * Kp) / 64 * 64);  // as in linear_impl
+  const int64_t slice = slice_rows(4 * Kp);
   for (int64_t first = 0; first < M; first += slice) {
     const int64_t rows = std::min(slice, M - first);
     float* xf = static_cast<float*>(scratch<2>(rows * Kp * sizeof(float)));
@@ -1741,7 +1744,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
         std::fill(xf + m * Kp + K, xf + (m + 1) * Kp, 0.f);
       }
     });
-    const Out o{out.data_ptr<float>() + first * N, N, at::kFloat, b.empty() ? nullptr : b.data()};
+    const Out o = Out{out.data_ptr(), N, at::kFloat, b.empty() ? nullptr : b.data()}.from_row(first);
     run_columns<Bf16Group>(Problem{wt, xf, rows, Kp, false, o}, packed.data_ptr());
   }
   return out.reshape(out_shape);
