@@ -22,7 +22,8 @@ import torch
 from hqtflow.quantize.fp8_linear import FP8Linear, set_backend
 from hqtflow.scales import dequantize, quantize
 
-MS = [1, 2, 7, 8, 9, 16, 63, 64, 65, 256, 512]
+# 12 and 13: the bf16 path's last M widened in registers (one input tile) and its first M over panels
+MS = [1, 2, 7, 8, 9, 12, 13, 16, 63, 64, 65, 256, 512]
 HP = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 # (K, N): odd sizes, tails on every path, a SmolLM2 width, and rows of 4096 or more (M = 1 reads more groups of them)
@@ -261,6 +262,30 @@ def test_input_rounding_divides_exactly_near_ties(ops, fp8):
         for sx in s[:16]:
             got = ops.fp8_linear(x.bfloat16()[None], eye, torch.ones(1), sx.reshape(1), None)
             assert torch.equal(got, dequantize(quantize(x.bfloat16()[None], sx, fp8), sx, torch.bfloat16))
+
+
+@pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
+def test_input_rounding_with_power_of_two_scales(ops, fp8):
+    """A power-of-two scale (maxabs_pow2's) is applied as a multiply by its exact reciprocal, not a divide: the same
+    bits as torch's division at the FP8 grid's midpoints and a bf16 ulp either side, for scales from 2^-126 to 2^127
+    (and a subnormal one, which divides) in the quantize op, and in fp8_linear's bf16 and fp32 input paths."""
+    dt = torch.float8_e4m3fn if fp8 == "E4M3" else torch.float8_e5m2
+    grid = torch.arange(256, dtype=torch.uint8).view(dt).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique().sort().values
+    mids = torch.cat([(grid[1:] + grid[:-1]) / 2, grid[1:]])
+    for e in (-130, -126, -60, -7, 0, 5, 60, 127):
+        s = torch.tensor(2.0**e, dtype=torch.float32)
+        xb = (mids * s).bfloat16()
+        xb = torch.cat([xb, (xb.view(torch.int16) + 1).view(torch.bfloat16), (xb.view(torch.int16) - 1).view(torch.bfloat16)])
+        xb = torch.cat([xb, -xb])
+        xb = xb[torch.isfinite(xb) & (xb != 0)]
+        for x in (xb, xb.float()):
+            ref = quantize(x[None], s, fp8)
+            assert torch.equal(ops.fp8_quantize(x[None], s.reshape(1), fp8 == "E4M3").view(torch.uint8), ref.view(torch.uint8)), e
+            if fp8 == "E4M3" and abs(e) <= 60:  # through an identity weight: one exact product per output (outputs normal
+                eye = torch.eye(len(x)).to(torch.float8_e4m3fn)  # and finite: bf16 dot products flush subnormals)
+                got = ops.fp8_linear(x[None], eye, torch.ones(1), s.reshape(1), None)
+                assert torch.equal(got, dequantize(ref, s, x.dtype)), e
 
 
 @pytest.mark.parametrize("hp", list(HP))

@@ -309,16 +309,28 @@ inline int64_t permuted_source(int64_t j) {
 
 // ---- the input, in the compute layout ------------------------------------------------------------------------
 // x [M, K] -> QDQ'd (static scale) -> [M, Kp] fp32 (fp32 path) or bf16 in widen64's order (bf16 path), zero past K.
+// A normal power of two: x / s == x * (1 / s) bit for bit (1 / s is exact, both are x * 2^-e correctly rounded), and
+// a multiply is several times cheaper than a divide (maxabs_pow2 and unit scales are powers of two).
+inline bool power_of_two(float s) {
+  uint32_t u;
+  std::memcpy(&u, &s, sizeof(u));
+  const uint32_t exponent = (u >> 23) & 0xFF;
+  return (u & 0x7FFFFF) == 0 && exponent != 0 && exponent != 0xFF;
+}
+
 #if HQT_AVX512
 // cast(clamp(v / s, -F, F)) to the FP8 grid, as a float (16 lanes; 8 on AVX2): the integer-bit
 // round-to-nearest-even of the normal range and a scaled rint of the subnormal range, exactly like c10's Float8
 // conversions.
 struct Fp8Rounder {
-  __m512 sv, Fv, min_normal, sub_up, sub_down;
+  __m512 sv, inv, Fv, min_normal, sub_up, sub_down;
+  bool pow2;
   __m512i half_ulp, keep, abs_mask;
   int shift;
   Fp8Rounder(float s, bool e4m3) {
     sv = _mm512_set1_ps(s);
+    inv = _mm512_set1_ps(1.f / s);
+    pow2 = power_of_two(s);
     Fv = _mm512_set1_ps(e4m3 ? 448.f : 57344.f);
     min_normal = _mm512_set1_ps(e4m3 ? 0.015625f : 6.103515625e-05f);  // 2^-6, 2^-14
     sub_up = _mm512_set1_ps(e4m3 ? 512.f : 65536.f);
@@ -329,7 +341,7 @@ struct Fp8Rounder {
     abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   }
   inline __m512 operator()(__m512 x) const {
-    __m512 v = _mm512_div_ps(x, sv);
+    __m512 v = pow2 ? _mm512_mul_ps(x, inv) : _mm512_div_ps(x, sv);
     v = _mm512_min_ps(_mm512_max_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), Fv)), Fv);
     __m512i u = _mm512_castps_si512(v);
     __m512i sign = _mm512_andnot_si512(abs_mask, u);
@@ -360,11 +372,14 @@ struct Fp8Rounder {
 #elif HQT_AVX2
 // The same rounding on 8 lanes (AVX2 has no mask registers: compares give lane masks, blends pick).
 struct Fp8Rounder {
-  __m256 sv, Fv, min_normal, sub_up, sub_down;
+  __m256 sv, inv, Fv, min_normal, sub_up, sub_down;
+  bool pow2;
   __m256i half_ulp, keep, abs_mask;
   int shift;
   Fp8Rounder(float s, bool e4m3) {
     sv = _mm256_set1_ps(s);
+    inv = _mm256_set1_ps(1.f / s);
+    pow2 = power_of_two(s);
     Fv = _mm256_set1_ps(e4m3 ? 448.f : 57344.f);
     min_normal = _mm256_set1_ps(e4m3 ? 0.015625f : 6.103515625e-05f);
     sub_up = _mm256_set1_ps(e4m3 ? 512.f : 65536.f);
@@ -375,7 +390,7 @@ struct Fp8Rounder {
     abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
   }
   inline __m256 operator()(__m256 x) const {
-    __m256 v = _mm256_div_ps(x, sv);
+    __m256 v = pow2 ? _mm256_mul_ps(x, inv) : _mm256_div_ps(x, sv);
     v = _mm256_min_ps(_mm256_max_ps(v, _mm256_sub_ps(_mm256_setzero_ps(), Fv)), Fv);
     __m256i u = _mm256_castps_si256(v);
     __m256i sign = _mm256_andnot_si256(abs_mask, u);
