@@ -81,3 +81,46 @@ def test_generate_engines_cli(tiny_fp8):
     assert r.exit_code == 2 and "Unknown --engine" in r.stderr
     r = run_cli("generate", tiny_fp8, "--backend", "triton")
     assert r.exit_code == 2 and "FP8 backend must be auto, qdq, cpu or scaled_mm, not 'triton'" in r.stderr
+
+
+@pytest.mark.slow
+def test_compiled_attention_packs_grouped_heads_as_eager_does():
+    """The compiled step's attention (`sdpa_gqa`): a single query token's heads packed onto their key/value heads, as
+    transformers does eager (it repeats keys and values under torch.compile, 4x slower on CPU): the same bits as
+    transformers' eager attention, and SDPA called on the packed shapes."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hqtflow.runtime.static_decode import sdpa_gqa
+
+    g = torch.Generator().manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    q = torch.randn(2, 6, 1, 16, generator=g).bfloat16()
+    k, v = (torch.randn(2, 2, 10, 16, generator=g).bfloat16() for _ in range(2))
+    mask = torch.zeros(2, 1, 1, 10, dtype=torch.bfloat16)
+    mask[0, ..., 7:] = float("-inf")  # an unfilled static cache past row 0's position
+    eager, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    seen = []
+
+    def attention(q, k, v, mask):
+        return sdpa_gqa(module, q, k, v, mask, scaling=0.25)[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, backend=lambda gm, _: seen.append(gm) or gm)(q, k, v, mask)
+    assert compiled.shape == eager.shape == (2, 1, 6, 16)
+    assert torch.equal(compiled, eager)
+    sdpa = [n for gm in seen for n in gm.graph.nodes if n.target is torch._C._nn.scaled_dot_product_attention]
+    assert sdpa and all(n.args[0].meta["example_value"].shape == (2, 2, 3, 16) for n in sdpa)
+
+
+@pytest.mark.slow
+def test_compiled_decoder_uses_the_packed_attention(tiny_llama):
+    from hqtflow import models
+    from hqtflow.runtime.static_decode import ATTENTION
+
+    model = models.load_model(tiny_llama, "bf16")
+    StaticDecoder(model, max_length=16)
+    assert model.config._attn_implementation == "sdpa"
+    StaticDecoder(model, max_length=16, compile=True)
+    assert model.config._attn_implementation == ATTENTION
