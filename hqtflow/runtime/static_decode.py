@@ -64,7 +64,8 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, sc
              or attention_mask.shape[1] != 1 or any(kwargs.get(k) is not None for k in ("position_bias", "softcap"))
              or kwargs.get("output_attentions"))
     if plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     q = query.reshape(b, heads // groups, groups, d)
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                                            scale=scaling)

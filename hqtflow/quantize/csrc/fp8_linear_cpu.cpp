@@ -1244,8 +1244,8 @@ HQT_INLINE void outer_store(const __m512 (&acc)[MR][NB], int64_t m0, int64_t n, 
       if (nr > b * kBlock) store16(acc[m][b], m0 + m, n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)), out);
 }
 
-// Decode-sized M (one input tile): each chunk of 64 columns of 16 rows widened and used at once (per-channel scales: 32 rows through an
-// L1 buffer), the next 32 rows prefetched meanwhile.
+// Decode-sized M (one input tile): each chunk of 64 columns of 16 rows widened and used at once (per-channel scales:
+// 32 rows through an L1 buffer), the next 32 rows prefetched meanwhile.
 void outer_decode(const Problem& p, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
