@@ -1225,9 +1225,13 @@ HQT_INLINE void store16(__m512 acc, int64_t m, int64_t n, int nr, const Out& out
 // xt[t * MR + i]); `w` points at pair t0 of the first block, blocks `bstride` apart.
 template <int MR, int NB>
 HQT_INLINE void outer_steps(const uint32_t* xt, const uint32_t* w, int64_t bstride, int64_t t0, int64_t t1,
-                            __m512 (&acc)[MR][NB]) {
+                            __m512 (&acc)[MR][NB], const char* pf = nullptr, const char* pf_end = nullptr) {
   xt += t0 * MR;
   for (int64_t t = t0; t < t1; ++t, w += kBlock, xt += MR) {
+    if (pf < pf_end) {
+      _mm_prefetch(pf, _MM_HINT_T1);
+      pf += 64;
+    }
     __m512bh wv[NB];
     HQT_UNROLL for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_load_si512(w + b * bstride);
     HQT_UNROLL for (int m = 0; m < MR; ++m) {
@@ -1359,7 +1363,12 @@ void outer_panels(const Problem& p, int64_t n0, int64_t n1) {
           __m512 acc[mr][bn];
           HQT_UNROLL for (int i = 0; i < mr; ++i)
             HQT_UNROLL for (int b = 0; b < bn; ++b) acc[i][b] = _mm512_setzero_ps();
-          outer_steps<mr, bn>(xt, buf.get() + ((n - nb) / kBlock) * bstride, bstride, 0, pairs, acc);
+          // The first sweep of a tile prefetches the next tile into L2, one line a step (a step reads 4 mr <= 48 bytes of
+          // its own tile). Measured warm at M = 8192 on a 2-core Zen 4: 576^2 13.96 -> 13.52 ms, 192 x 576 5.76 -> 5.42,
+          // 576 x 1536 38.3 -> 36.8, 1536 x 576 unchanged (into L1 instead: about the same).
+          const char* next = reinterpret_cast<const char*>(x + (m + mr) * p.Kp);
+          const char* next_end = n == nb ? reinterpret_cast<const char*>(x + std::min(p.M, m + mr + kOuterMR) * p.Kp) : next;
+          outer_steps<mr, bn>(xt, buf.get() + ((n - nb) / kBlock) * bstride, bstride, 0, pairs, acc, next, next_end);
           outer_store<mr, bn>(acc, m, n, nr, p.out);
         });
       }
