@@ -1095,7 +1095,8 @@ void run_columns(const Problem& p, const void* packed) {
 // pair in widen64's order (chunk by chunk of 64, pairs 0..31 of each chunk); nothing is reduced across lanes. The
 // weights of 16 rows are widened and transposed into pair vectors (pair t of the 16 rows, one 32-bit lane per row),
 // the input pair is broadcast. Every M uses this one order: decode widens a chunk of 16 or 32 rows at a time and
-// uses it at once, larger M widen a panel of rows once and sweep every input row over it.
+// uses it at once (up to three input tiles of a small layer: tile after tile), larger M widen a panel of rows once and
+// sweep every input row over it.
 constexpr int kBlock = 16;               // weight rows per pair vector
 #ifndef HQT_OUTER_MR
 #define HQT_OUTER_MR 12
@@ -1106,6 +1107,12 @@ constexpr int kOuterMR = HQT_OUTER_MR;   // panel tile: 12 input rows x 2 blocks
 // 18.0 -> 11.0 ms at M = 8 and 23.9 -> 15.3 ms at M = 12 (per-channel scales, M = 8: 23.1 -> 20.3 ms), 4096^2
 // 0.96 -> 0.85 ms at M = 3 and 1.52 -> 1.36 ms at M = 12; M = 1-2 are unchanged
 constexpr int64_t kOuterDecodeMaxM = kOuterMR;
+// Up to three tiles (M <= 36) of FP8 weights with one scale, where a thread's share of the bytes fits half an L2, the
+// register path runs tile after tile (the bytes read again from L2) instead of panels. Measured there, cold, against
+// panels: a SmolLM2 token's 210 calls at M = 16 / 24 / 32 25.7 / 27.7 / 30.4 -> 22.2 / 22.6 / 26.7 ms (bf16 `F.linear`
+// 26.0 / 29.4 / 37.4); not where it is slower: per-channel scales (M = 24: 27.3 -> 31.1 ms, a table per row and tile),
+// bf16 weights (the `lm_head`, read from memory per tile), 4096^2 (8 MB a thread; M = 32: 3.04 -> 3.71 ms), M = 64.
+constexpr int64_t kOuterTilesMaxM = 3 * kOuterMR, kOuterTilesMaxBytes = 512 << 10;
 
 // 16 vectors of 16 dwords, transposed in place (out[j] lane i = in[i] lane j).
 HQT_INLINE void transpose16(__m512i (&r)[16]) {
@@ -1679,11 +1686,22 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
       const Problem p{wt, bf16_tiles(static_cast<const uint16_t*>(x2d.data_ptr()) + first * K, M, K, Kp,
                                      has_sx ? &s_x : nullptr, e4m3),
                       M, Kp, true, Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}.from_row(first), bw};
-      const bool decode = M <= kOuterDecodeMaxM;  // the outer-product path, in blocks of 32 weight rows
+      // the outer-product path, in blocks of 32 weight rows; a few input tiles take the register path tile after tile
+      // when a thread's share of the FP8 bytes stays in its L2 (see kOuterTilesMaxM)
+      const bool tiles = !bw && !wt.per_channel && M <= kOuterTilesMaxM &&
+                         (N + threads - 1) / threads * K <= kOuterTilesMaxBytes;
+      const bool decode = M <= kOuterDecodeMaxM || tiles;
       const int64_t unit = 2 * kBlock, grain = decode ? unit : std::max<int64_t>(unit, (N + threads - 1) / threads);
       at::parallel_for(0, (N + unit - 1) / unit, (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
         const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
-        decode ? outer_decode(p, n0, n1) : outer_panels(p, n0, n1);
+        if (!decode) return outer_panels(p, n0, n1);
+        for (int64_t m0 = 0; m0 < M; m0 += kOuterMR) {  // the tiles of the input, each over this thread's rows
+          Problem tile = p;
+          tile.x = static_cast<const uint16_t*>(p.x) + m0 * Kp;
+          tile.M = std::min<int64_t>(kOuterMR, M - m0);
+          tile.out = p.out.from_row(m0);
+          outer_decode(tile, n0, n1);
+        }
       });
       return;
     }
