@@ -259,18 +259,18 @@ def decode_batch_attention(layer: int, plan: DecodeBatch, query, key, value, sca
 
 
 @functools.cache
-def _register() -> None:
-    """Register "hqtflow_paged" with transformers' attention and mask interfaces (once per process)."""
+def register_attention(name: str, attention) -> None:
+    """Register `attention` as `name` with transformers' attention interface, with SDPA's mask (once per process)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(NAME, paged_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
 
 
 def install(model) -> None:
     """Register "hqtflow_paged" with transformers and switch the model to it."""
-    _register()
+    register_attention(NAME, paged_attention)
     text = model.config.get_text_config(decoder=True)
     types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
     sliding = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)

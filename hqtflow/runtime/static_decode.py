@@ -26,7 +26,6 @@ Prompts in a batch have the same length (no padding); this engine is for latency
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 
@@ -72,15 +71,6 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, sc
     return out.reshape(b, heads, q_len, d).transpose(1, 2).contiguous(), None
 
 
-@functools.cache
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTENTION, sdpa_gqa)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-
-
 class StaticDecoder:
     def __init__(self, model, *, max_length: int = 512, compile: bool = False, kv_cache: str = "bf16",
                  cuda_graph: bool | None = None):
@@ -100,7 +90,9 @@ class StaticDecoder:
         if compile:
             use_persistent_compile_cache()
             if model.config._attn_implementation == "sdpa":  # the same attention eager, GQA packed when compiled
-                _register_attention()
+                from hqtflow.runtime.paged import register_attention
+
+                register_attention(ATTENTION, sdpa_gqa)
                 model.set_attn_implementation(ATTENTION)
             self._step = torch.compile(self._decode_step, dynamic=False)
 
