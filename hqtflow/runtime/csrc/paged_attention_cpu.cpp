@@ -105,6 +105,19 @@ f8 dot8(const float* q, const float* const* k, int64_t d) {
        + __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
+// out[0 .. 8 NV) = the sum over positions j, in order, of p[j] * row[j][..]: NV independent vector sums per position
+// (a loop over d outside a loop over j would make each vector one long chain of dependent adds); returns 8 NV.
+template <int NV>
+int64_t value_sums(const float* p, const float* const* row, int64_t m, float* out) {
+  f8 acc[NV] = {};
+  for (int64_t j = 0; j < m; ++j) {
+    const f8 pj = splat(p[j]);
+    for (int v = 0; v < NV; ++v) acc[v] += pj * load8(row[j] + 8 * v);
+  }
+  for (int v = 0; v < NV; ++v) store8(out + 8 * v, acc[v]);
+  return 8 * NV;
+}
+
 float round_to(float v, at::ScalarType dtype) {
   return dtype == at::kBFloat16 ? static_cast<float>(c10::BFloat16(v))
        : dtype == at::kHalf     ? static_cast<float>(c10::Half(v)) : v;
@@ -195,6 +208,8 @@ void chunks(const Q* qp, const Rows<KV>& keys, const Rows<KV>& values, const int
         const float* ph = p.data() + h * CHUNK;
         float* out = part + (c * heads + g * group + h) * (d + 2) + 2;
         int64_t i = 0;
+        if (d == 64) i = value_sums<8>(ph, row, m, out);  // the common head dims: d / 8 sums side by side
+        else if (d == 128) i = value_sums<16>(ph, row, m, out);
         for (; i + 8 <= d; i += 8) {
           f8 acc = {};
           for (int64_t j = 0; j < m; ++j) acc += splat(ph[j]) * load8(row[j] + i);
