@@ -2,32 +2,35 @@
 (`pool.read` + `attend_one`, float32), and its batch invariance: a sequence's output is the same bits alone, in any
 batch, in any order, on any number of threads, and in the one-lane (scalar) build."""
 
+import itertools
+
 import pytest
 import torch
 
 from hqtflow.runtime.paged import KVPool, attend_one
 
 HEADS, KV_HEADS, D = 6, 2, 44  # grouped-query attention; d not a multiple of 8 (the vector loops' tails)
+DIMS = (D, 64, 128)  # and the head dims whose value sums run a whole row per position
 
 
-def _case(dtype, fp8=None, per_head=False, lengths=(1, 5, 17, 64, 130), seed=0, q_scale=1.0):
+def _case(dtype, fp8=None, per_head=False, lengths=(1, 5, 17, 64, 130), seed=0, q_scale=1.0, d=D):
     """A filled pool and B decoding queries, each with its own scattered slots: (pool, q [B, heads, d], reads)."""
     g = torch.Generator().manual_seed(seed)
     scales = None
     if fp8:
         s = (torch.rand(KV_HEADS, generator=g) + 0.5) / 100 if per_head else torch.tensor(0.013)
         scales = [(s, s * 1.5)]
-    pool = KVPool(layers=1, kv_heads=KV_HEADS, head_dim=D, num_blocks=256, block_size=8, dtype=dtype, device="cpu",
+    pool = KVPool(layers=1, kv_heads=KV_HEADS, head_dim=d, num_blocks=256, block_size=8, dtype=dtype, device="cpu",
                   scales=scales, fp8=fp8 or "E4M3")
     slots = torch.randperm(256 * 8, generator=g)
-    pool.write(0, slots, torch.randn(len(slots), KV_HEADS, D, generator=g).to(dtype) * 2,
-               torch.randn(len(slots), KV_HEADS, D, generator=g).to(dtype))
+    pool.write(0, slots, torch.randn(len(slots), KV_HEADS, d, generator=g).to(dtype) * 2,
+               torch.randn(len(slots), KV_HEADS, d, generator=g).to(dtype))
     reads, start = [], 0
     assert sum(lengths) <= len(slots)
     for n in lengths:
         reads.append(slots[start:start + n])
         start += n
-    q = (torch.randn(len(lengths), HEADS, D, generator=g) * q_scale).to(dtype)
+    q = (torch.randn(len(lengths), HEADS, d, generator=g) * q_scale).to(dtype)
     return pool, q, reads
 
 
@@ -35,7 +38,7 @@ def _op(pool, q, reads, ops=None):
     ops = ops or torch.ops.hqtflow
     ks, vs = pool.scales[0] if pool.scales is not None else (None, None)
     offsets = torch.tensor([0, *torch.tensor([len(r) for r in reads]).cumsum(0).tolist()])
-    return ops.paged_decode_attention(q, pool.keys[0], pool.values[0], torch.cat(reads), offsets, ks, vs, D ** -0.5)
+    return ops.paged_decode_attention(q, pool.keys[0], pool.values[0], torch.cat(reads), offsets, ks, vs, q.shape[-1] ** -0.5)
 
 
 def _reference(pool, q, reads):
@@ -46,11 +49,12 @@ CASES = [("fp32", torch.float32, None, False), ("bf16", torch.bfloat16, None, Fa
          ("bf16 + fp8 e4m3", torch.bfloat16, "E4M3", False), ("fp32 + fp8 e5m2 per head", torch.float32, "E5M2", True)]
 
 
+@pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("name,dtype,fp8,per_head", CASES, ids=[c[0] for c in CASES])
-def test_matches_the_per_sequence_reference(cpu_kernel_loaded, name, dtype, fp8, per_head):
+def test_matches_the_per_sequence_reference(cpu_kernel_loaded, name, dtype, fp8, per_head, d):
     """The same function as pool.read + attend_one: float32 throughout, only the summation order differs (the op's
     order is fixed; torch's depends on the shapes), so within a few float32 ulps before the cast to q's dtype."""
-    pool, q, reads = _case(dtype, fp8, per_head)
+    pool, q, reads = _case(dtype, fp8, per_head, d=d)
     got, ref = _op(pool, q, reads), _reference(pool, q, reads)
     assert got.dtype == q.dtype and got.shape == q.shape
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)  # one bf16 rounding apart
@@ -74,8 +78,9 @@ def test_peaked_scores_and_long_contexts(cpu_kernel_loaded):
 
 
 @pytest.mark.parametrize("name,dtype,fp8,per_head", CASES, ids=[c[0] for c in CASES])
-def test_a_sequence_is_the_same_alone_and_in_any_batch(cpu_kernel_loaded, name, dtype, fp8, per_head):
-    pool, q, reads = _case(dtype, fp8, per_head, lengths=(3, 64, 1, 200, 17, 9, 130, 40))
+@pytest.mark.parametrize("d", (D, 64))
+def test_a_sequence_is_the_same_alone_and_in_any_batch(cpu_kernel_loaded, name, dtype, fp8, per_head, d):
+    pool, q, reads = _case(dtype, fp8, per_head, lengths=(3, 64, 1, 200, 17, 9, 130, 40), d=d)
     full = _op(pool, q, reads)
     for b in range(len(reads)):
         assert torch.equal(_op(pool, q[b:b + 1], reads[b:b + 1]), full[b:b + 1])
@@ -94,8 +99,8 @@ def test_the_one_lane_build_gives_the_same_bits(cpu_kernel_loaded):
     from conftest import need
 
     need(cpu_kernel_loaded.load("scalar"), f"the scalar build failed: {cpu_kernel_loaded.build_error('scalar')}")
-    for _, dtype, fp8, per_head in CASES:
-        pool, q, reads = _case(dtype, fp8, per_head)
+    for (_, dtype, fp8, per_head), d in itertools.product(CASES, DIMS):
+        pool, q, reads = _case(dtype, fp8, per_head, d=d)
         assert torch.equal(_op(pool, q, reads), _op(pool, q, reads, cpu_kernel_loaded.ops("scalar")))
 
 
