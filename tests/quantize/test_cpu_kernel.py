@@ -22,9 +22,10 @@ import torch
 from hqtflow.quantize.fp8_linear import FP8Linear, set_backend
 from hqtflow.scales import dequantize, quantize
 
-# 12 and 13: the bf16 path's last M widened in registers in one input tile and its first in several; 36 and 37:
-# its last M tile after tile (FP8 weights with one scale and a small share per thread) and its first over panels
-MS = [1, 2, 7, 8, 9, 12, 13, 16, 36, 37, 63, 64, 65, 256, 512]
+# 12 and 13: the bf16 path's last M widened in registers in one input tile and its first in a wide tile (FP8 weights
+# with one scale and a small share per thread); 28 and 29: its last M in one wide tile and its first in two; 36 and
+# 37: its last M in wide tiles and its first over panels
+MS = [1, 2, 7, 8, 9, 12, 13, 16, 28, 29, 36, 37, 63, 64, 65, 256, 512]
 HP = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 # (K, N): odd sizes, tails on every path, a SmolLM2 width, and rows of 4096 or more (M = 1 reads more groups of them)

@@ -1108,7 +1108,7 @@ constexpr int kOuterMR = HQT_OUTER_MR;   // panel tile: 12 input rows x 2 blocks
 // 0.96 -> 0.85 ms at M = 3 and 1.52 -> 1.36 ms at M = 12; M = 1-2 are unchanged
 constexpr int64_t kOuterDecodeMaxM = kOuterMR;
 // Up to three tiles (M <= 36) of FP8 weights with one scale, where a thread's share of the bytes fits half an L2, the
-// register path runs tile after tile (the bytes read again from L2) instead of panels. Measured there, cold, against
+// register path runs tile after tile (tiles of kOuterMR rows, or wide tiles: see wide_rows) (the bytes read again from L2) instead of panels. Measured there, cold, against
 // panels: a SmolLM2 token's 210 calls at M = 16 / 24 / 32 25.7 / 27.7 / 30.4 -> 22.2 / 22.6 / 26.7 ms (bf16 `F.linear`
 // 26.0 / 29.4 / 37.4); not where it is slower: per-channel scales (M = 24: 27.3 -> 31.1 ms, a table per row and tile),
 // bf16 weights (the `lm_head`, read from memory per tile), 4096^2 (8 MB a thread; M = 32: 3.04 -> 3.71 ms), M = 64.
@@ -1316,18 +1316,57 @@ void outer_decode(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-// The input of the bf16 path: tiles of kOuterMR rows (fewer for the last), pair-major (pair t of row i of a tile at
+// A wide tile (kOuterMR < rows <= kWideMaxM) of FP8 weights with one scale: each chunk of 64 columns of 16 rows is
+// widened once into L1 and swept by every row of the tile (MR accumulators, one weight, one input vector: 30 of the
+// 32 registers), where tiles of kOuterMR rows widened each chunk once per tile. The same order of sums per output.
+constexpr int64_t kWideMaxM = 16;
+// Tiles of up to kWideMaxM rows (as even as can be) where they take fewer tiles than kOuterMR rows would (M = 13-16,
+// 25-32): one widening of the weights fewer; else kOuterMR. Measured on a 2-core Zen 4, a SmolLM2 token's 210 calls,
+// cold, against tiles of kOuterMR: M = 13 15.9 -> 13.1 ms, 14 16.3 -> 13.6, 16 19.7 -> 16.8, 25 33.5 -> 27.9, 28
+// 30.5 -> 25.5, 32 28.5 -> 26.7. Not where the count is the same: with one weight vector per step (two for kOuterMR
+// rows) a wide tile is the slower (M = 18 / 20 / 24 in one tile: 0.88 / 0.94 / 0.90x).
+inline int64_t wide_rows(int64_t M) {
+  const int64_t tiles = (M + kWideMaxM - 1) / kWideMaxM;
+  return tiles < (M + kOuterMR - 1) / kOuterMR ? (M + tiles - 1) / tiles : kOuterMR;
+}
+template <int MR>
+void outer_wide_rows(const Problem& p, const Widener& one, int64_t n0, int64_t n1) {
+  const Weight& wt = p.wt;
+  const uint32_t* xt = static_cast<const uint32_t*>(p.x);
+  alignas(64) uint32_t chunk[32 * kBlock];
+  const bool prefetch = prefetches(wt);
+  for (int64_t n = n0; n < n1; n += kBlock) {
+    const int nr = static_cast<int>(std::min<int64_t>(kBlock, n1 - n));
+    __m512 acc[MR][1];
+    HQT_UNROLL for (int m = 0; m < MR; ++m) acc[m][0] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < p.Kp; k += 64) {
+      if (prefetch) prefetch_rows(wt, n + kBlock, k * kBlock, (k + 64) * kBlock);
+      widen_chunk_shared(wt, one, n, nr, k, [&](int t, __m512bh w) { _mm512_store_si512(chunk + t * kBlock, (__m512i)w); });
+      outer_steps<MR, 1>(xt, chunk, 0, k / 2, k / 2 + 32, acc);
+    }
+    outer_store<MR, 1>(acc, 0, n, nr, p.out);
+  }
+}
+template <int MR = kWideMaxM>
+void outer_wide(const Problem& p, const Widener& one, int64_t n0, int64_t n1) {
+  if constexpr (MR > kOuterMR + 1) {
+    if (p.M < MR) return outer_wide<MR - 1>(p, one, n0, n1);
+  }
+  outer_wide_rows<MR>(p, one, n0, n1);
+}
+
+// The input of the bf16 path: tiles of `rows` rows (kOuterMR, or a wide tile; fewer for the last), pair-major (pair t of row i of a tile at
 // t * rows + i), each row QDQ'd (`bf16_input_row`) into a buffer in L1 and laid out from there, tiles in parallel: one
 // pass over the input, where there were two (QDQ into a row-major buffer, then the move into tiles). Measured on a
 // 2-core Zen 4: 576 x 1536 at M = 8192 (warm) 40.1 -> 39.6 ms, 192 x 576 6.39 -> 6.14 ms; a SmolLM2 token's 210
 // calls at M = 1 (cold) 9.68 -> 9.18 ms.
-uint32_t* bf16_tiles(const uint16_t* x, int64_t M, int64_t K, int64_t Kp, const float* s_x, bool e4m3) {
+uint32_t* bf16_tiles(const uint16_t* x, int64_t M, int64_t K, int64_t Kp, const float* s_x, bool e4m3, int64_t rows) {
   uint32_t* tiled = static_cast<uint32_t*>(scratch<4>(M * Kp * sizeof(uint16_t)));
   const int64_t pairs = Kp / 2;
-  at::parallel_for(0, (M + kOuterMR - 1) / kOuterMR, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, (M + rows - 1) / rows, 1, [&](int64_t t0, int64_t t1) {
     uint32_t* row = static_cast<uint32_t*>(scratch<5>(Kp * sizeof(uint16_t)));
     for (int64_t tile = t0; tile < t1; ++tile) {
-      const int64_t m0 = tile * kOuterMR, n = std::min<int64_t>(kOuterMR, M - m0);
+      const int64_t m0 = tile * rows, n = std::min<int64_t>(rows, M - m0);
       uint32_t* dst = tiled + m0 * pairs;
       for (int64_t i = 0; i < n; ++i) {
         bf16_input_row(x + (m0 + i) * K, K, Kp, s_x, e4m3, reinterpret_cast<uint16_t*>(row));
@@ -1683,24 +1722,26 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
 #endif
 #if HQT_BF16
     if (bf16 && !amx) {  // the bf16 path: each input tile QDQ'd and laid out in one pass, then the outer products
-      const Problem p{wt, bf16_tiles(static_cast<const uint16_t*>(x2d.data_ptr()) + first * K, M, K, Kp,
-                                     has_sx ? &s_x : nullptr, e4m3),
-                      M, Kp, true, Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}.from_row(first), bw};
-      // the outer-product path, in blocks of 32 weight rows; a few input tiles take the register path tile after tile
-      // when a thread's share of the FP8 bytes stays in its L2 (see kOuterTilesMaxM)
+      // a few input tiles take the register path tile after tile when a thread's share of the FP8 bytes stays in its
+      // L2 (see kOuterTilesMaxM): tiles of kOuterMR rows, or wide tiles of up to kWideMaxM rows (one or two)
       const bool tiles = !bw && !wt.per_channel && M <= kOuterTilesMaxM &&
                          (N + threads - 1) / threads * K <= kOuterTilesMaxBytes;
       const bool decode = M <= kOuterDecodeMaxM || tiles;
+      const int64_t rows = tiles ? wide_rows(M) : kOuterMR;
+      const Problem p{wt, bf16_tiles(static_cast<const uint16_t*>(x2d.data_ptr()) + first * K, M, K, Kp,
+                                     has_sx ? &s_x : nullptr, e4m3, rows),
+                      M, Kp, true, Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}.from_row(first), bw};
       const int64_t unit = 2 * kBlock, grain = decode ? unit : std::max<int64_t>(unit, (N + threads - 1) / threads);
       at::parallel_for(0, (N + unit - 1) / unit, (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
         const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
         if (!decode) return outer_panels(p, n0, n1);
-        for (int64_t m0 = 0; m0 < M; m0 += kOuterMR) {  // the tiles of the input, each over this thread's rows
+        std::unique_ptr<Widener> one(rows > kOuterMR ? new Widener(wt.e4m3, wt.s(0)) : nullptr);
+        for (int64_t m0 = 0; m0 < M; m0 += rows) {  // the tiles of the input, each over this thread's rows
           Problem tile = p;
           tile.x = static_cast<const uint16_t*>(p.x) + m0 * Kp;
-          tile.M = std::min<int64_t>(kOuterMR, M - m0);
+          tile.M = std::min<int64_t>(rows, M - m0);
           tile.out = p.out.from_row(m0);
-          outer_decode(tile, n0, n1);
+          tile.M > kOuterMR ? outer_wide(tile, *one, n0, n1) : outer_decode(tile, n0, n1);  // (M = 25: 13 + 12 rows)
         }
       });
       return;
