@@ -1108,10 +1108,11 @@ constexpr int kOuterMR = HQT_OUTER_MR;   // panel tile: 12 input rows x 2 blocks
 // 0.96 -> 0.85 ms at M = 3 and 1.52 -> 1.36 ms at M = 12; M = 1-2 are unchanged
 constexpr int64_t kOuterDecodeMaxM = kOuterMR;
 // Up to three tiles (M <= 36) of FP8 weights with one scale, where a thread's share of the bytes fits half an L2, the
-// register path runs tile after tile (tiles of kOuterMR rows, or wide tiles: see wide_rows) (the bytes read again from L2) instead of panels. Measured there, cold, against
-// panels: a SmolLM2 token's 210 calls at M = 16 / 24 / 32 25.7 / 27.7 / 30.4 -> 22.2 / 22.6 / 26.7 ms (bf16 `F.linear`
-// 26.0 / 29.4 / 37.4); not where it is slower: per-channel scales (M = 24: 27.3 -> 31.1 ms, a table per row and tile),
-// bf16 weights (the `lm_head`, read from memory per tile), 4096^2 (8 MB a thread; M = 32: 3.04 -> 3.71 ms), M = 64.
+// register path runs tile after tile (the bytes read again from L2; tiles of kOuterMR rows, or wide ones: see
+// wide_rows) instead of panels. Measured there, cold, against panels: a SmolLM2 token's 210 calls at M = 16 / 24 /
+// 32 25.7 / 27.7 / 30.4 -> 22.2 / 22.6 / 26.7 ms (bf16 `F.linear` 26.0 / 29.4 / 37.4); not where it is slower:
+// per-channel scales (M = 24: 27.3 -> 31.1 ms, a table per row and tile), bf16 weights (the `lm_head`, read from
+// memory per tile), 4096^2 (8 MB a thread; M = 32: 3.04 -> 3.71 ms), M = 64.
 constexpr int64_t kOuterTilesMaxM = 3 * kOuterMR, kOuterTilesMaxBytes = 512 << 10;
 
 // 16 vectors of 16 dwords, transposed in place (out[j] lane i = in[i] lane j).
@@ -1317,8 +1318,8 @@ void outer_decode(const Problem& p, int64_t n0, int64_t n1) {
 }
 
 // A wide tile (kOuterMR < rows <= kWideMaxM) of FP8 weights with one scale: each chunk of 64 columns of 16 rows is
-// widened once into L1 and swept by every row of the tile (MR accumulators, one weight, one input vector: 30 of the
-// 32 registers), where tiles of kOuterMR rows widened each chunk once per tile. The same order of sums per output.
+// widened once into L1 and swept by every row of the tile (MR accumulators, one weight vector, one input vector),
+// where tiles of kOuterMR rows widened each chunk once per tile. The same order of sums per output.
 constexpr int64_t kWideMaxM = 16;
 // Tiles of up to kWideMaxM rows (as even as can be) where they take fewer tiles than kOuterMR rows would (M = 13-16,
 // 25-32): one widening of the weights fewer; else kOuterMR. Measured on a 2-core Zen 4, a SmolLM2 token's 210 calls,
@@ -1341,7 +1342,8 @@ void outer_wide_rows(const Problem& p, const Widener& one, int64_t n0, int64_t n
     HQT_UNROLL for (int m = 0; m < MR; ++m) acc[m][0] = _mm512_setzero_ps();
     for (int64_t k = 0; k < p.Kp; k += 64) {
       if (prefetch) prefetch_rows(wt, n + kBlock, k * kBlock, (k + 64) * kBlock);
-      widen_chunk_shared(wt, one, n, nr, k, [&](int t, __m512bh w) { _mm512_store_si512(chunk + t * kBlock, (__m512i)w); });
+      widen_chunk_shared(wt, one, n, nr, k,
+                         [&](int t, __m512bh w) { _mm512_store_si512(chunk + t * kBlock, (__m512i)w); });
       outer_steps<MR, 1>(xt, chunk, 0, k / 2, k / 2 + 32, acc);
     }
     outer_store<MR, 1>(acc, 0, n, nr, p.out);
@@ -1355,11 +1357,11 @@ void outer_wide(const Problem& p, const Widener& one, int64_t n0, int64_t n1) {
   outer_wide_rows<MR>(p, one, n0, n1);
 }
 
-// The input of the bf16 path: tiles of `rows` rows (kOuterMR, or a wide tile; fewer for the last), pair-major (pair t of row i of a tile at
-// t * rows + i), each row QDQ'd (`bf16_input_row`) into a buffer in L1 and laid out from there, tiles in parallel: one
-// pass over the input, where there were two (QDQ into a row-major buffer, then the move into tiles). Measured on a
-// 2-core Zen 4: 576 x 1536 at M = 8192 (warm) 40.1 -> 39.6 ms, 192 x 576 6.39 -> 6.14 ms; a SmolLM2 token's 210
-// calls at M = 1 (cold) 9.68 -> 9.18 ms.
+// The input of the bf16 path: tiles of `rows` rows (kOuterMR, or wide tiles; fewer for the last), pair-major (pair t
+// of row i of a tile at t * rows + i), each row QDQ'd (`bf16_input_row`) into a buffer in L1 and laid out from there,
+// tiles in parallel: one pass over the input, where there were two (QDQ into a row-major buffer, then the move into
+// tiles). Measured on a 2-core Zen 4: 576 x 1536 at M = 8192 (warm) 40.1 -> 39.6 ms, 192 x 576 6.39 -> 6.14 ms; a
+// SmolLM2 token's 210 calls at M = 1 (cold) 9.68 -> 9.18 ms.
 uint32_t* bf16_tiles(const uint16_t* x, int64_t M, int64_t K, int64_t Kp, const float* s_x, bool e4m3, int64_t rows) {
   uint32_t* tiled = static_cast<uint32_t*>(scratch<4>(M * Kp * sizeof(uint16_t)));
   const int64_t pairs = Kp / 2;
