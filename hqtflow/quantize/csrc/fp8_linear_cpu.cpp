@@ -1349,6 +1349,7 @@ void outer_wide_rows(const Problem& p, const Widener& one, int64_t n0, int64_t n
     outer_store<MR, 1>(acc, 0, n, nr, p.out);
   }
 }
+// p.M must be in (kOuterMR, kWideMaxM]: fewer rows take outer_decode (the caller's choice, tile by tile).
 template <int MR = kWideMaxM>
 void outer_wide(const Problem& p, const Widener& one, int64_t n0, int64_t n1) {
   if constexpr (MR > kOuterMR + 1) {
