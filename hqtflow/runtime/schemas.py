@@ -284,9 +284,13 @@ class ChatRequest(OpenAICommon):
     parallel_tool_calls: bool | None = None
     functions: list[dict] | None = None
     function_call: Union[str, dict, None] = None
+    store: bool = False  # false is what the server does: nothing is stored
+    metadata: dict[str, str] | None = None  # tags of stored completions
 
-    REFUSED: ClassVar[dict[str, str]] = {name: "tool calling is not implemented" for name in (
-        "tools", "tool_prompt", "parallel_tool_calls", "functions", "function_call")}
+    REFUSED: ClassVar[dict[str, str]] = {
+        **{name: "tool calling is not implemented" for name in (
+            "tools", "tool_prompt", "parallel_tool_calls", "functions", "function_call")},
+        "store": "completions are not stored", "metadata": "completions are not stored"}
 
     @field_validator("tool_choice")
     @classmethod

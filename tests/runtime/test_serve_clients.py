@@ -181,6 +181,11 @@ def test_openai_chat_n_logprobs_usage_and_json(url, lm):
     js = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
                                         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
     assert json.loads(js.choices[0].message.content) in ("yes", "no") and js.choices[0].finish_reason == "stop"
+    # store=false is what the server does anyway (store=true is refused, REFUSED); `user` only tags the request
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0, n=2)
+    tagged = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0, n=2,
+                                            store=False, user="u-1")
+    assert [c.message.content for c in tagged.choices] == [c.message.content for c in plain.choices]
 
 
 def test_huggingface_hub_chat_with_tgi_response_formats(url, monkeypatch):
@@ -261,6 +266,8 @@ REFUSED = [
     ("/v1/completions", {"prompt": [[1]] * 40, "n": 2, "max_tokens": 1}, "`prompt`"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "store": True}, "store"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "metadata": {"team": "a"}}, "metadata"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": MESSAGES, "n": 9}, "`n`"),
