@@ -104,13 +104,14 @@ def test_serve_load_smoke(tiny_fp8, tmp_path):
 def test_serve_load_streams_smoke(tiny_fp8, tmp_path):
     """Streams mode: FP8 and bf16 servers (the checkpoint's source model) and transformers' generate_batch."""
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--mode", "streams", "--checkpoint", str(tiny_fp8),
-                        "--streams", "4", "--stream-tokens", "4", "--single-streams", "1", "--json", str(tmp_path / "s.json")],
+                        "--streams", "4", "--stream-tokens", "4", "--single-streams", "1", "--rounds", "2", "--json", str(tmp_path / "s.json")],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "s.json").read_text())
     for kind in ("fp8", "bf16"):
         run = res["servers"][kind]
         assert run["errors"] == 0 and run["concurrent"]["streams"] == 4 and run["concurrent"]["tokens"] > 0
+        assert len(run["rounds"]) == 2 and run["concurrent"] in run["rounds"]
         assert 0 < run["concurrent"]["ttft_p50_s"] <= run["concurrent"]["ttft_p95_s"]
     assert res["peer"]["tokens"] > 0
-    assert "FP8 / bf16 server" in r.stdout and "generate_batch" in r.stdout and "CPU:" in r.stdout
+    assert "FP8 / bf16 server" in r.stdout and "round 2 bf16" in r.stdout and "generate_batch" in r.stdout and "CPU:" in r.stdout
