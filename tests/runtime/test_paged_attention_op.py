@@ -46,7 +46,8 @@ def _reference(pool, q, reads):
 
 
 CASES = [("fp32", torch.float32, None, False), ("bf16", torch.bfloat16, None, False),
-         ("bf16 + fp8 e4m3", torch.bfloat16, "E4M3", False), ("fp32 + fp8 e5m2 per head", torch.float32, "E5M2", True)]
+         ("bf16 + fp8 e4m3", torch.bfloat16, "E4M3", False), ("fp32 + fp8 e4m3 per head", torch.float32, "E4M3", True),
+         ("fp32 + fp8 e5m2 per head", torch.float32, "E5M2", True)]
 
 
 @pytest.mark.parametrize("d", DIMS)
@@ -59,6 +60,29 @@ def test_matches_the_per_sequence_reference(cpu_kernel_loaded, name, dtype, fp8,
     assert got.dtype == q.dtype and got.shape == q.shape
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)  # one bf16 rounding apart
     torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_every_fp8_code_is_read_as_the_reference_reads_it(cpu_kernel_loaded, fp8, dtype, per_head):
+    """Each sequence attends to one position, so its output is that position's value row as the op widened it: all 256
+    codes (NaN and subnormals included) are code * scale rounded to q's dtype, as `pool.read` reads them (E4M3 with a
+    bf16 or fp32 query is widened 8 codes at a time, the others through a table)."""
+    d, codes = 64, torch.arange(256, dtype=torch.uint8)
+    scales = [(torch.tensor([0.02, 3.5]), torch.tensor([0.0173, 1e-3]))] if per_head else [(torch.tensor(0.5), torch.tensor(0.0173))]
+    pool = KVPool(layers=1, kv_heads=KV_HEADS, head_dim=d, num_blocks=1, block_size=8, dtype=dtype, device="cpu",
+                  scales=scales, fp8=fp8)
+    pool.keys[0].view(torch.uint8).zero_()
+    pool.values[0].view(torch.uint8)[:4] = torch.stack([codes.reshape(4, d), codes.flip(0).reshape(4, d)], 1)
+    reads = [torch.tensor([s]) for s in range(4)]
+    q = torch.randn(4, HEADS, d).to(dtype)
+    got = _op(pool, q, reads)
+    _, values = pool.read(0, torch.arange(4), dtype)
+    want = values.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and nan.any()
+    assert torch.equal(got[~nan], want[~nan])  # every subnormal; -0 comes out as 0 (the weighted sum starts at +0)
 
 
 def test_peaked_scores_and_long_contexts(cpu_kernel_loaded):

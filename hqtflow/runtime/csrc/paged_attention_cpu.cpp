@@ -36,6 +36,7 @@ constexpr int64_t CHUNK = 128;  // context positions per task: parallel work for
 // computes the same bits; -ffp-contract=off keeps a * b + c two roundings everywhere.
 typedef float f8 __attribute__((vector_size(32)));
 typedef int32_t i8 __attribute__((vector_size(32)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
 
 inline f8 load8(const float* p) {
   f8 v;
@@ -121,13 +122,35 @@ float round_to(float v, at::ScalarType dtype) {
        : dtype == at::kHalf     ? static_cast<float>(c10::Half(v)) : v;
 }
 
-// One KV tensor's rows as float32: fp32 rows in place, others widened into a buffer (FP8 through a 256-entry table
-// per KV head of code * scale rounded to the query's dtype, so a code costs one load).
+// Eight E4M3 codes as float32, exactly (sign, 4 exponent bits biased by 7, 3 mantissa bits; exponent 0: m * 2^-9;
+// 0x7F/0xFF: NaN), by integer operations on the lanes.
+inline f8 e4m3_8(const uint8_t* p) {
+  const u8 u = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+  const u8 sign = (u & 0x80u) << 24, e = (u >> 3) & 0xFu, m = u & 7u;
+  const f8 sub = __builtin_convertvector(m, f8) * splat(1.0f / 512);
+  u8 bits = e == 0u ? (reinterpret_cast<const u8&>(sub) | sign) : (sign | ((e + 120u) << 23) | (m << 20));
+  bits = (u & 0x7Fu) == 0x7Fu ? u8{} + 0x7FC00000u : bits;
+  return reinterpret_cast<const f8&>(bits);
+}
+
+// Eight floats rounded to bf16 (round to nearest even, NaN to bf16's quiet NaN: c10::BFloat16's rule), as floats.
+inline f8 round_bf16_8(f8 x) {
+  const u8 b = reinterpret_cast<const u8&>(x);
+  u8 r = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  r = (b & 0x7FFFFFFFu) > 0x7F800000u ? u8{} + 0x7FC00000u : r;
+  return reinterpret_cast<const f8&>(r);
+}
+
+// One KV tensor's rows as float32: fp32 rows in place, others widened into a buffer. FP8: code * scale rounded to the
+// query's dtype; E4M3 with a bf16 or fp32 query 8 codes at a time (`e4m3_8`), the rest through a 256-entry table
+// per KV head (one load per code), which gives the same bits.
 template <typename T>
 struct Rows {
   const T* base;
   int64_t kvh, d;
-  const float* table;  // [kv_heads, 256] for FP8, else null
+  const float* table;   // [kv_heads, 256] for FP8, else null
+  const float* scales;  // per KV head (FP8 E4M3 lanes path), else null
+  bool bf16;            // lanes path: round to bf16 (else the query is fp32)
 
   const float* row(int64_t slot, int64_t g, float* buf) const {
     const T* src = base + (slot * kvh + g) * d;
@@ -136,7 +159,15 @@ struct Rows {
     } else if constexpr (sizeof(T) == 1) {
       const uint8_t* codes = reinterpret_cast<const uint8_t*>(src);
       const float* t = table + g * 256;
-      for (int64_t i = 0; i < d; ++i) buf[i] = t[codes[i]];
+      int64_t i = 0;
+      if (scales) {
+        const f8 s = splat(scales[g]);
+        for (; i + 8 <= d; i += 8) {
+          const f8 v = e4m3_8(codes + i) * s;
+          store8(buf + i, bf16 ? round_bf16_8(v) : v);
+        }
+      }
+      for (; i < d; ++i) buf[i] = t[codes[i]];
     } else {  // bf16, fp16: a loop the compiler vectorizes (1.3x faster for bf16 than the 8-lane widening it replaced)
       for (int64_t i = 0; i < d; ++i) buf[i] = static_cast<float>(src[i]);
     }
@@ -241,12 +272,20 @@ template <typename Q, typename KV>
 void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* slots,
             const int64_t* offsets, const float* ks, const float* vs, int64_t per_head, float scale, at::Tensor& out) {
   const int64_t B = q.size(0), heads = q.size(1), d = q.size(2), kvh = keys.size(1);
-  std::vector<float> k_table, v_table;
+  std::vector<float> k_table, v_table, k_scales, v_scales;
+  const bool lanes = std::is_same_v<KV, c10::Float8_e4m3fn> &&
+                     (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat);
   if constexpr (sizeof(KV) == 1) {
     k_table = fp8_table<KV>(ks, per_head, kvh, q.scalar_type());
     v_table = fp8_table<KV>(vs, per_head, kvh, q.scalar_type());
+    for (int64_t g = 0; lanes && g < kvh; ++g) {
+      k_scales.push_back(ks ? ks[per_head ? g : 0] : 1.0f);
+      v_scales.push_back(vs ? vs[per_head ? g : 0] : 1.0f);
+    }
   }
-  const Rows<KV> k_rows{keys.data_ptr<KV>(), kvh, d, k_table.data()}, v_rows{values.data_ptr<KV>(), kvh, d, v_table.data()};
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  const Rows<KV> k_rows{keys.data_ptr<KV>(), kvh, d, k_table.data(), lanes ? k_scales.data() : nullptr, bf16};
+  const Rows<KV> v_rows{values.data_ptr<KV>(), kvh, d, v_table.data(), lanes ? v_scales.data() : nullptr, bf16};
   std::vector<int64_t> first_chunk(B + 1, 0), chunk_seq;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = (offsets[b + 1] - offsets[b] + CHUNK - 1) / CHUNK;
