@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hqtflow.runtime.paged import KVPool, attend_one
+from hqtflow.scales import quantize
 
 HEADS, KV_HEADS, D = 6, 2, 44  # grouped-query attention; d not a multiple of 8 (the vector loops' tails)
 DIMS = (D, 64, 128)  # and the head dims whose value sums run a whole row per position
@@ -83,6 +84,23 @@ def test_every_fp8_code_is_read_as_the_reference_reads_it(cpu_kernel_loaded, fp8
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan) and nan.any()
     assert torch.equal(got[~nan], want[~nan])  # every subnormal; -0 comes out as 0 (the weighted sum starts at +0)
+
+
+@pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_the_pool_stores_the_reference_codes(cpu_kernel_loaded, fp8, dtype, per_head):
+    """An FP8 pool's write (the kernel library's fp8_quantize on a CPU) stores `quantize`'s bytes: saturated past the
+    format's maximum, subnormals, a strided input like the attention's [T, kv_heads, d] view."""
+    s = torch.tensor([0.02, 3.5]) if per_head else torch.tensor(0.0173)
+    pool = KVPool(layers=1, kv_heads=KV_HEADS, head_dim=D, num_blocks=4, block_size=8, dtype=dtype, device="cpu",
+                  scales=[(s, s * 2)], fp8=fp8)
+    x = torch.randn(KV_HEADS, 20, D) * torch.logspace(-8, 6, 20).reshape(1, 20, 1)  # [heads, T, d], as attention has it
+    k, v = x.to(dtype).transpose(0, 1), (-x).to(dtype).transpose(0, 1)
+    slots = torch.randperm(32)[:20]
+    pool.write(0, slots, k, v)
+    for stored, src, scale in ((pool.keys[0], k, pool.scales[0][0]), (pool.values[0], v, pool.scales[0][1])):
+        assert torch.equal(stored.view(torch.uint8)[slots], quantize(src, scale, fp8).view(torch.uint8))
 
 
 def test_peaked_scores_and_long_contexts(cpu_kernel_loaded):
