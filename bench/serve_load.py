@@ -11,8 +11,8 @@ driven one at a time: `--streams` concurrent `/generate_stream` requests of `--s
 the same prompts) vs one stream alone (the mean of --single-streams runs); aggregate tokens/s, time to first token
 p50/p95. The concurrent run is repeated `--rounds` times, FP8 and bf16 alternated (the order flipped each round), and
 the FP8 / bf16 ratio is the median of the rounds' ratios: this machine's speed drifts by more between runs a minute
-apart than the difference measured. Then transformers' continuous batching (`generate_batch`, bf16 baseline, in this process, after the
-servers have stopped) on the same prompt tokens. Printed as ratios measured in this run (targets: >= 5x one
+apart than the difference measured. Then transformers' continuous batching (`generate_batch`, bf16 baseline, in
+this process, after the servers have stopped) on the same prompt tokens. Printed as ratios measured in this run (targets: >= 5x one
 stream, TTFT p95 <= 3 s, FP8 >= 1.2x bf16, ahead of transformers), with the CPU flags and the load average.
 
 Starts `hqtflow serve fp8 CHECKPOINT` as a subprocess on a free 127.0.0.1 port (default checkpoint: an FP8
@@ -383,7 +383,8 @@ def streams_mode(a, ck: Path) -> int:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    for name in ("requests", "concurrency", "max_new_tokens", "prompt_words"):
+    for name in ("requests", "concurrency", "max_new_tokens", "prompt_words", "streams", "stream_tokens", "rounds",
+                 "single_streams"):
         if getattr(a, name) < 1:
             sys.exit(f"--{name.replace('_', '-')} must be at least 1")
     t_start = time.monotonic()

@@ -169,7 +169,8 @@ class KVPool:
         if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and cpu_ops():
             n, heads, d = x.shape
             per_row = scale.reshape(-1) if scale.numel() == 1 else scale.reshape(1, heads).expand(n, heads).reshape(-1)
-            return torch.ops.hqtflow.fp8_quantize(x.reshape(n * heads, d), per_row, self.fp8 == "E4M3").view(torch.uint8).view(n, heads, d)
+            codes = torch.ops.hqtflow.fp8_quantize(x.reshape(n * heads, d), per_row, self.fp8 == "E4M3")
+            return codes.view(torch.uint8).view(n, heads, d)
         return quantize(x, scale, self.fp8).view(torch.uint8)
 
     def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
