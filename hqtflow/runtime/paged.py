@@ -66,6 +66,9 @@ class StepPlan:
             self.decode_rows = torch.tensor([s.start for s in self.decode])
             self.decode_slots = torch.cat([s.read for s in self.decode])
             self.decode_offsets = torch.tensor([0, *itertools.accumulate(len(s.read) for s in self.decode)])
+        # a step of decoding rows only, one per sequence in order, no padding: the op's output is the whole output
+        self.decode_only = (self.decode_op and not self.prefill and len(self.decode) == tokens
+                            and all(s.start == i for i, s in enumerate(self.decode)))
 
 
 class DecodeBatch:
@@ -205,6 +208,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     layer, pool = module.layer_idx, plan.pool
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
     pool.write(layer, plan.write, k_new[:plan.real], v_new[:plan.real])  # every real token's KV, one copy
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if plan.decode_only:  # no gather of the decoding rows, no zeroed output to scatter them into
+        ks, vs = pool.scales[layer] if pool.scales is not None else (None, None)
+        out = torch.ops.hqtflow.paged_decode_attention(query[0].transpose(0, 1), pool.keys[layer], pool.values[layer],
+                                                       plan.decode_slots, plan.decode_offsets, ks, vs, scale)
+        return out[None], None
     out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
     for s in plan.prefill:  # SDPA per sequence
         if s.past or pool.scales is not None:
@@ -223,8 +232,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         ks, vs = pool.scales[layer] if pool.scales is not None else (None, None)
         q = query[0, :, plan.decode_rows].transpose(0, 1)  # [sequences, heads, d]
         out[plan.decode_rows] = torch.ops.hqtflow.paged_decode_attention(
-            q, pool.keys[layer], pool.values[layer], plan.decode_slots, plan.decode_offsets, ks, vs,
-            scaling if scaling is not None else query.shape[-1] ** -0.5)
+            q, pool.keys[layer], pool.values[layer], plan.decode_slots, plan.decode_offsets, ks, vs, scale)
         return out[None], None
     for s in plan.decode:  # one query per sequence, over its own context only
         k, v = pool.read(layer, s.read, query.dtype)
