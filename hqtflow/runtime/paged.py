@@ -210,10 +210,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     pool.write(layer, plan.write, k_new[:plan.real], v_new[:plan.real])  # every real token's KV, one copy
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if plan.decode_only:  # no gather of the decoding rows, no zeroed output to scatter them into
-        ks, vs = pool.scales[layer] if pool.scales is not None else (None, None)
-        out = torch.ops.hqtflow.paged_decode_attention(query[0].transpose(0, 1), pool.keys[layer], pool.values[layer],
-                                                       plan.decode_slots, plan.decode_offsets, ks, vs, scale)
-        return out[None], None
+        return _decode_op(plan, layer, query[0].transpose(0, 1), scale)[None], None
     out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
     for s in plan.prefill:  # SDPA per sequence
         if s.past or pool.scales is not None:
@@ -229,15 +226,20 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                            enable_gqa=q.shape[0] != k.shape[1])
         out[s.start:s.start + s.n] = o[0].transpose(0, 1)
     if plan.decode_op:  # every decoding sequence in one call of hqtflow's CPU op, each over its own context
-        ks, vs = pool.scales[layer] if pool.scales is not None else (None, None)
-        q = query[0, :, plan.decode_rows].transpose(0, 1)  # [sequences, heads, d]
-        out[plan.decode_rows] = torch.ops.hqtflow.paged_decode_attention(
-            q, pool.keys[layer], pool.values[layer], plan.decode_slots, plan.decode_offsets, ks, vs, scale)
+        out[plan.decode_rows] = _decode_op(plan, layer, query[0, :, plan.decode_rows].transpose(0, 1), scale)
         return out[None], None
     for s in plan.decode:  # one query per sequence, over its own context only
         k, v = pool.read(layer, s.read, query.dtype)
         out[s.start] = attend_one(query[0, :, s.start], k, v, scaling)
     return out[None], None
+
+
+def _decode_op(plan: StepPlan, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """The step's decoding rows q [sequences, heads, d] through hqtflow's CPU op, each over its own context."""
+    pool = plan.pool
+    ks, vs = pool.scales[layer] if pool.scales is not None else (None, None)
+    return torch.ops.hqtflow.paged_decode_attention(q, pool.keys[layer], pool.values[layer], plan.decode_slots,
+                                                    plan.decode_offsets, ks, vs, scale)
 
 
 @functools.cache

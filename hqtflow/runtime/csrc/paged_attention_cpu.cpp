@@ -180,6 +180,11 @@ struct Rows {
   }
 };
 
+// KV head g's scale: one for all heads, one per head, or 1 without scales.
+inline float head_scale(const float* scales, int64_t per_head, int64_t g) {
+  return scales ? scales[per_head ? g : 0] : 1.0f;
+}
+
 template <typename T>
 std::vector<float> fp8_table(const float* scales, int64_t per_head, int64_t kvh, at::ScalarType round) {
   std::vector<float> t(kvh * 256);
@@ -188,7 +193,7 @@ std::vector<float> fp8_table(const float* scales, int64_t per_head, int64_t kvh,
       T code;
       const uint8_t byte = static_cast<uint8_t>(c);
       std::memcpy(&code, &byte, 1);
-      const float s = scales ? scales[per_head ? g : 0] : 1.0f;
+      const float s = head_scale(scales, per_head, g);
       t[g * 256 + c] = round_to(static_cast<float>(code) * s, round);
     }
   return t;
@@ -284,8 +289,8 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
     k_table = fp8_table<KV>(ks, per_head, kvh, q.scalar_type());
     v_table = fp8_table<KV>(vs, per_head, kvh, q.scalar_type());
     for (int64_t g = 0; lanes && g < kvh; ++g) {
-      k_scales.push_back(ks ? ks[per_head ? g : 0] : 1.0f);
-      v_scales.push_back(vs ? vs[per_head ? g : 0] : 1.0f);
+      k_scales.push_back(head_scale(ks, per_head, g));
+      v_scales.push_back(head_scale(vs, per_head, g));
     }
   }
   const bool bf16 = q.scalar_type() == at::kBFloat16;
