@@ -150,6 +150,7 @@ def load_tokenizer(path: Path):
 
 def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
     """Load a causal LM for inference (eval mode, no grad needed)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
@@ -167,7 +168,7 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
     except pickle.UnpicklingError:  # a damaged or foreign pytorch_model.bin: torch's weights-only unpickler refuses it
         raise ModelError(f"Cannot load the model in {path} (its .bin weights are not a plain PyTorch state dict; "
                          "hqtflow reads them weights-only and never unpickles other objects).") from None
-    except (OSError, ValueError, RuntimeError) as e:  # unreadable files, weights that do not fit the config
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # unreadable files, weights not fitting the config
         raise ModelError(f"Cannot load the model in {path} ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
     model.eval()
     return model
@@ -213,6 +214,13 @@ def check_safetensors(path: Path, error: type[Exception] | None = None) -> None:
         raise error(f"{path} is not a readable safetensors file (corrupt header).") from None
     if start + end > size:
         raise error(f"{path} is truncated: its tensors need {start + end} bytes but the file has {size}.")
+    from safetensors import SafetensorError, safe_open
+
+    try:  # safetensors' own header checks (offsets, dtypes, shapes against sizes); maps the file, reads no tensor
+        with safe_open(path, framework="numpy"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise error(f"{path} is not a valid safetensors file ({str(e).splitlines()[0]}).") from None
 
 
 def fingerprint(path: Path, *, sample_bytes: int = 4096, max_tensors: int = 256) -> dict:

@@ -14,6 +14,7 @@ import re
 import shutil
 import socket
 import stat
+import struct
 
 import numpy as np
 import pytest
@@ -227,6 +228,8 @@ CASES = {
                                                   measure(c.w / "model", c))[2], "Cannot load the model"),
     "measure/garbage weights": (lambda c: ((c.copy("model") / "model.safetensors").write_bytes(b"\xff" * 64),
                                            measure(c.w / "model", c))[1], "not a readable safetensors file"),
+    "measure/garbage weights, header offsets overlap": (lambda c: measure(overlapping_offsets(c.copy("model")), c),
+                                                        "not a valid safetensors file"),
     "measure/-o is the model": (lambda c: measure(c.copy("model"), c)[:-1] + [c.w / "model", "--overwrite"],
                                 "is the input"),
     "measure/-o inside the model": (lambda c: measure(c.copy("model"), c)[:-1] + [c.w / "model" / "sub"], "lies inside"),
@@ -431,6 +434,8 @@ CASES = {
     "generate/negative k_scale, foreign": (lambda c: gen(kv_scale(foreign_ck(c), -0.5)), "cannot be right"),
     "generate/manifest version 0": (lambda c: gen(manifest(c.copy("ck"), _version=0)), "schema version 0"),
     "generate/garbage weights, foreign": (lambda c: gen(garbage_weights(foreign_ck(c))), "not a readable safetensors file"),
+    "generate/garbage weights, header offsets overlap": (lambda c: gen(rehash(overlapping_offsets(c.copy("ck")))),
+                                                         "not a valid safetensors file"),
     "generate/quantization_config a list, hashes rewritten": (lambda c: gen(rehash(config(c.copy("ck"), quantization_config=[1]))),
                                                               "quantization_config is not an object"),
     "generate/quantization_config a list, foreign": (lambda c: gen(config(foreign_ck(c), quantization_config=[1])),
@@ -556,6 +561,20 @@ def garbage_weights(d):
     return d
 
 
+def overlapping_offsets(d):
+    """Rewrite model.safetensors' header so that its second tensor starts inside the first (same length, same data)."""
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    first, second = [k for k in header if k != "__metadata__"][:2]
+    begin, end = header[second]["data_offsets"]
+    header[second]["data_offsets"] = [begin - 2, end - 2]
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    f.write_bytes(struct.pack("<Q", n) + raw.ljust(n) + data[8 + n :])
+    return d
+
+
 def zero_scale(d):
     return tensors(d, lambda t: t[f"{NODE}.input_scale"].zero_())
 
@@ -601,6 +620,7 @@ def snapshot(d):
 # A model a stage reads (or a foreign checkpoint) is not an artifact: its damage is a model error (exit 4), damage to
 # one of hqtflow's artifacts is exit 3.
 MODEL_CASES = {"measure/nan weights", "measure/inf weights", "measure/truncated weights", "measure/garbage weights",
+               "measure/garbage weights, header offsets overlap",
                "measure/garbage pickle weights", "generate/garbage weights, foreign"}
 
 
