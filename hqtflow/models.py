@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import pickle
@@ -148,6 +149,22 @@ def load_tokenizer(path: Path):
     return tok
 
 
+@contextlib.contextmanager
+def quiet_load_report():
+    """Hold back transformers' LOAD REPORT warning (missing, unexpected, mismatched weights) for the call."""
+    import logging
+
+    def no_report(record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+    log = logging.getLogger("transformers.modeling_utils")
+    log.addFilter(no_report)
+    try:
+        yield
+    finally:
+        log.removeFilter(no_report)
+
+
 def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
     """Load a causal LM for inference (eval mode, no grad needed)."""
     from safetensors import SafetensorError
@@ -162,14 +179,24 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
         except ImportError:  # older transformers
             kwargs["tp_plan"] = tp_plan
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        with quiet_load_report():  # its findings are refused below, in one sentence
+            model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
+                                                               ignore_mismatched_sizes=True, **kwargs)
     except config_errors() as e:
         raise bad_config(path, e) from None
     except pickle.UnpicklingError:  # a damaged or foreign pytorch_model.bin: torch's weights-only unpickler refuses it
         raise ModelError(f"Cannot load the model in {path} (its .bin weights are not a plain PyTorch state dict; "
                          "hqtflow reads them weights-only and never unpickles other objects).") from None
-    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # unreadable files, weights not fitting the config
+    except (OSError, ValueError, RuntimeError, SafetensorError,  # unreadable files, weights not fitting the config
+            KeyError, AssertionError, ZeroDivisionError) as e:  # config values the modelling code cannot build
         raise ModelError(f"Cannot load the model in {path} ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
+    for kind, meaning in (("missing_keys", "its weight files lack"), ("unexpected_keys", "its config.json has no place for"),
+                          ("mismatched_keys", "config.json gives other shapes to")):
+        keys = sorted(k if isinstance(k, str) else k[0] for k in info.get(kind) or ())
+        if keys:  # transformers would initialize the missing ones at random, or drop the others, and go on
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            raise ModelError(f"Cannot load the model in {path}: {meaning} {len(keys)} weights "
+                             f"({', '.join(keys[:3])}{more}); the weights and config.json do not belong together.")
     model.eval()
     return model
 

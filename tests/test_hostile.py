@@ -260,6 +260,17 @@ CASES = {
     "measure/--data-dir task file empty": (lambda c: measure(c.model, c, "--tasks", "piqa_local", "--data-dir",
                                                              data_dir(c, "piqa.jsonl", "")), "is empty"),
     # quantize
+    "measure/config has a layer the weights lack": (
+        lambda c: measure(edit_json_dir(c.copy("model"), lambda cfg: cfg.update(num_hidden_layers=cfg["num_hidden_layers"] + 1)), c),
+        "its weight files lack"),
+    "measure/config has fewer layers than the weights": (
+        lambda c: measure(edit_json_dir(c.copy("model"), lambda cfg: cfg.update(num_hidden_layers=cfg["num_hidden_layers"] - 1)), c),
+        "its config.json has no place for"),
+    "measure/config's vocabulary disagrees with the weights": (
+        lambda c: measure(edit_json_dir(c.copy("model"), lambda cfg: cfg.update(vocab_size=cfg["vocab_size"] - 8)), c),
+        "config.json gives other shapes to"),
+    "measure/config's rope type unknown": (
+        lambda c: measure(config(c.copy("model"), rope_scaling={"rope_type": "nope", "factor": 2.0}), c), "KeyError"),
     "quantize/negative statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(-4.0)))), "negative input statistic"),
     "quantize/nan statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(float("nan"))))), "non-finite input"),
     "quantize/inf weight statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(float("inf"), "params")))),
@@ -530,6 +541,11 @@ def foreign_dir(d):
     return d
 
 
+def edit_json_dir(d, fn):
+    edit_json(d / "config.json", fn)
+    return d
+
+
 def config(d, **changes):
     edit_json(d / "config.json", lambda cfg: cfg.update(changes))
     return d
@@ -621,6 +637,8 @@ def snapshot(d):
 # one of hqtflow's artifacts is exit 3.
 MODEL_CASES = {"measure/nan weights", "measure/inf weights", "measure/truncated weights", "measure/garbage weights",
                "measure/garbage weights, header offsets overlap",
+               "measure/config has a layer the weights lack", "measure/config has fewer layers than the weights",
+               "measure/config's vocabulary disagrees with the weights", "measure/config's rope type unknown",
                "measure/garbage pickle weights", "generate/garbage weights, foreign"}
 
 
