@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -31,6 +32,25 @@ class Sequence:
     @property
     def logprob(self) -> float:
         return sum(t.logprob for t in self.tokens)
+
+
+class Slot:
+    """A request's place among the in-flight ones; `release` is idempotent."""
+
+    def __init__(self, state: dict):
+        self.state, self.held = state, True
+        state["in_flight"] += 1
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.state["in_flight"] -= 1
+
+    def tie_to(self, stream):
+        """Free the place when `stream` (an async generator) is gone, even if it never ran (a client that left
+        before the response started)."""
+        weakref.finalize(stream, self.release)
+        return stream
 
 
 async def _disconnected(request, queue: asyncio.Queue) -> None:
@@ -98,16 +118,18 @@ class Ctx:
                           f"Given: {n_input} `{inputs}` tokens and {max_new} `{new}`")
         return max_new
 
-    def admit(self) -> None:
+    def admit(self) -> Slot:
+        """One of `--max-concurrent-requests` places, taken now (a 429 when none is free), freed by the request."""
         if self.state["in_flight"] >= self.s.max_concurrent_requests:
             raise ApiError(429, "Model is overloaded", "overloaded")
+        return Slot(self.state)
 
-    async def stream(self, jobs: list[tuple[list[int], SamplingParams]], request=None):
+    async def stream(self, jobs: list[tuple[list[int], SamplingParams]], request=None, slot: Slot | None = None):
         """Run the jobs as one request; yields (job index, event, handle) as tokens come; cancels what is left
-        when the consumer goes away, or, given the HTTP `request` (a non-streaming one, whose body is read), as
-        soon as its client disconnects (the sequences leave the engine's batch at its next step)."""
-        self.admit()
-        self.state["in_flight"] += 1
+        when the consumer goes away (counted as cancelled), or, given the HTTP `request` (a non-streaming one, whose
+        body is read), as soon as its client disconnects (the sequences leave the engine's batch at its next step).
+        `slot`: the place a streaming route took before its 200 (else one is taken here)."""
+        slot = slot or self.admit()
         queue = asyncio.Queue()
         mailbox = self._mailbox(asyncio.get_running_loop())
         handles, counts, left, t0 = [], [0] * len(jobs), len(jobs), time.perf_counter()
@@ -128,8 +150,11 @@ class Ctx:
                 left -= ev.finish_reason is not None
                 yield i, ev, handles[i]
             self.metrics.finished(time.perf_counter() - t0, handles, counts)
+        except (GeneratorExit, asyncio.CancelledError):  # a streaming client went away
+            self.metrics.counters.inc("tgi_request_failure", err="cancelled")
+            raise
         finally:
-            self.state["in_flight"] -= 1
+            slot.release()
             if watcher is not None:
                 watcher.cancel()
             for h in handles:

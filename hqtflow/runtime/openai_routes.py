@@ -53,14 +53,25 @@ def _byte_symbols() -> dict[str, int]:
 
 
 ROLES = ("system", "developer", "user", "assistant")
+MESSAGE_REFUSED = {"name": "participant names are not passed to the chat template",
+                   **{k: "tool calling is not implemented" for k in ("tool_calls", "tool_call_id", "function_call")},
+                   "refusal": "refusals are not modelled", "audio": "audio is not supported"}
 
 
 def chat_messages(messages: list[dict]) -> list[dict]:
-    """The messages for the chat template: roles checked, content as a string (OpenAI's text parts joined)."""
+    """The messages for the chat template: roles checked, content as a string (OpenAI's text parts joined); a
+    message field other than role and content is a 422 naming it (given as null, it is not given)."""
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"`messages[{i}]` must be an object with `role` and `content`")
         if m.get("role") not in ROLES:
             raise invalid(f"`messages[{i}].role` must be one of {', '.join(ROLES)}. Given: {m.get('role')!r}")
+        for key, value in m.items():
+            if key not in ("role", "content") and value is not None:
+                why = MESSAGE_REFUSED.get(key, "it is not a field of a chat message")
+                raise invalid(f"`messages[{i}].{key}` is not supported: {why}")
+        m = {k: v for k, v in m.items() if k in ("role", "content")}
         content = m.get("content")
         if isinstance(content, list):
             parts = []
@@ -190,7 +201,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
         def entry(tid, lp):
             text = tok.decode([tid])
             return {"token": text, "logprob": lp, "bytes": list(token_bytes(tok, tid, text))}
-        return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in (t.top or [])]} for t in tokens]}
+        return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in (t.top or [])]}
+                            for t in tokens if not t.special]}  # the content's tokens: not the end-of-turn token
 
     def chat_grammar(req: ChatRequest):
         fmt = req.response_format
@@ -230,14 +242,19 @@ def openai_router(ctx: Ctx) -> APIRouter:
 
     # -- streaming (both) -----------------------------------------------------------------------------------
     def stream(jobs, prompts, req, *, chat: bool, echo: list[str] | None = None) -> StreamingResponse:
-        ctx.admit()  # fail before the 200 of the stream
-        h = head(chat, True)
+        slot = ctx.admit()  # fail before the 200 of the stream
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        h = {**head(chat, True), **({"usage": None} if include_usage else {})}  # as OpenAI: null until the last chunk
         per = len(jobs) // len(prompts)
         want_lp = bool(req.logprobs) if chat else req.logprobs is not None
+        unnamed = set(range(len(jobs)))  # chat choices whose role has not been sent (OpenAI sends it once)
 
         def choice(j, text, finish, toks, offset=0, prompt=None):
             if chat:
-                delta = ({"role": "assistant", "content": text} if text else {}) if finish is None else {}
+                delta = {"content": text} if text else {}
+                if j in unnamed:
+                    unnamed.discard(j)
+                    delta = {"role": "assistant", "content": text}
                 return {"index": j, "delta": delta, "logprobs": chat_logprobs(toks) if want_lp and toks else None,
                         "finish_reason": finish}
             lp = completion_logprobs(scored(jobs[j][0], prompt, toks), offset) if want_lp and (toks or prompt) else None
@@ -248,12 +265,12 @@ def openai_router(ctx: Ctx) -> APIRouter:
             echoed = [not echo] * len(jobs)
             seqs = [Sequence() for _ in jobs]
             try:
-                async for i, ev, _ in ctx.stream(jobs):
+                async for i, ev, _ in ctx.stream(jobs, slot=slot):
                     seqs[i].events.append(ev)
                     if not echoed[i]:  # the prompt first, scored (the engine attaches its logprobs to the first event)
                         echoed[i] = True
                         yield chunk({**h, "choices": [choice(i, echo[i // per], None, [], prompt=ev.prompt)]})
-                    if ev.token is not None:
+                    if ev.token is not None and not (chat and ev.token.special):  # chat logprobs: content tokens
                         pending[i].append(ev.token)
                     # stream the text that cannot be part of a stop sequence, so chunks concatenate to the final text
                     if ev.finish_reason:
@@ -267,13 +284,14 @@ def openai_router(ctx: Ctx) -> APIRouter:
                         pending[i] = []
                     if ev.finish_reason:
                         yield chunk({**h, "choices": [choice(i, "", FINISH[ev.finish_reason], [])]})
-                if req.stream_options is not None and req.stream_options.include_usage:
+                if include_usage:
                     yield chunk({**h, "choices": [], "usage": usage(prompts, seqs)})
                 yield "data: [DONE]\n\n"
             except ApiError as e:
+                ctx.metrics.counters.inc("tgi_request_failure", err=e.error_type)
                 yield chunk(openai_error(e.message, e.error_type, e.status))
 
-        return StreamingResponse(chunks(), media_type="text/event-stream")
+        return StreamingResponse(slot.tie_to(chunks()), media_type="text/event-stream")
 
     def model_card() -> dict:
         return {"id": s.model_id, "object": "model", "created": 0, "owned_by": "hqtflow"}

@@ -213,7 +213,7 @@ class OpenAICommon(Strict):
         check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         check_range("n", self.n, 1, MAX_BEST_OF)
         for k, v in (self.logit_bias or {}).items():
-            if not k.isdigit():
+            if not (k.isascii() and k.isdigit()):  # "²" or "٣" pass isdigit() but are not token ids
                 raise ValueError(f"`logit_bias` keys must be token ids. Given: {k!r}")
             check_range("logit_bias", v, -100, 100)
         if self.stream_options is not None and not self.stream:
@@ -261,6 +261,8 @@ class ResponseFormat(Strict):
     def _value(self):
         if self.type == "json_schema" and self.json_schema is None and isinstance(self.value, dict):
             self.json_schema, self.value = JsonSchema.model_validate(self.value), None
+        if self.json_schema is not None and self.type != "json_schema":
+            raise ValueError(f"`response_format.json_schema` is not used with type {self.type!r}")
         wants = {"json": (dict, str), "json_object": (dict, str), "regex": str}.get(self.type)
         if self.type == "json_object" and self.value is None:  # OpenAI's: any JSON
             return self

@@ -45,12 +45,24 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(req: Request, e: ApiError):
-        metrics.counters.inc("tgi_request_failure", err=e.error_type)
+        if generation(req):
+            metrics.counters.inc("tgi_request_failure", err=e.error_type)
         return error(e.status, e.message, e.error_type, req.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http_error(req: Request, e: HTTPException):
         return error(e.status_code, str(e.detail), path=req.url.path)
+
+    @app.exception_handler(Exception)
+    async def _server_error(req: Request, e: Exception):  # a bug: answered in the API's JSON (uvicorn logs the traceback)
+        if generation(req):
+            metrics.counters.inc("tgi_request_failure", err="internal")
+        return error(500, f"Internal server error ({type(e).__name__})", "internal", req.url.path)
+
+
+def generation(req: Request) -> bool:
+    """A request that counts in tgi_request_count (and so in its successes or failures)."""
+    return req.method == "POST" and req.url.path in GENERATION_ROUTES
 
 
 def request_guard(s: ServeSettings, metrics: Metrics):
@@ -58,16 +70,22 @@ def request_guard(s: ServeSettings, metrics: Metrics):
     that a POST body is JSON."""
 
     async def guard(req: Request, call_next):
-        if req.method == "POST" and req.url.path in GENERATION_ROUTES:
+        counted = generation(req)
+        if counted:
             metrics.counters.inc("tgi_request_count")
+
+        def refuse(status: int, message: str, err: str):
+            if counted:
+                metrics.counters.inc("tgi_request_failure", err=err)
+            return error(status, message, path=req.url.path)
+
         if s.api_key and req.url.path not in ("/health", "/metrics") and req.headers.get("authorization") != f"Bearer {s.api_key}":
-            return error(401, "Invalid or missing API key", path=req.url.path)
+            return refuse(401, "Invalid or missing API key", "authentication")
         if int(req.headers.get("content-length") or 0) > MAX_BODY:
-            return error(413, f"Request body larger than {MAX_BODY} bytes", path=req.url.path)
+            return refuse(413, f"Request body larger than {MAX_BODY} bytes", "validation")
         ctype = req.headers.get("content-type", "").split(";")[0].strip().lower()
         if req.method == "POST" and ctype != "application/json":
-            metrics.counters.inc("tgi_request_failure", err="validation")
-            return error(415, "Expected request with `Content-Type: application/json`", path=req.url.path)
+            return refuse(415, "Expected request with `Content-Type: application/json`", "validation")
         return await call_next(req)
 
     return guard

@@ -86,11 +86,11 @@ def tgi_router(ctx: Ctx) -> APIRouter:
 
     def generate_stream_response(req: TgiRequest) -> StreamingResponse:
         ids, p, params = prepare(req, stream=True)
-        ctx.admit()  # fail before the 200 of the stream
+        slot = ctx.admit()  # fail before the 200 of the stream
 
         async def events():
             try:
-                async for _, ev, handle in ctx.stream([(ids, params)]):
+                async for _, ev, handle in ctx.stream([(ids, params)], slot=slot):
                     out = {"index": ev.index, "token": token_json(ev.token),
                            "top_tokens": top_json(ev.token) if p.top_n_tokens else None, "generated_text": None, "details": None}
                     if ev.finish_reason:
@@ -99,9 +99,10 @@ def tgi_router(ctx: Ctx) -> APIRouter:
                                           "seed": handle.seed, "input_length": len(ids)}
                     yield sse(out)
             except ApiError as e:
+                ctx.metrics.counters.inc("tgi_request_failure", err=e.error_type)
                 yield sse({"error": e.message, "error_type": e.error_type})
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(slot.tie_to(events()), media_type="text/event-stream")
 
     @r.post("/")
     async def compat(request: Request):

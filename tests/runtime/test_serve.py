@@ -159,6 +159,49 @@ def test_api_key_overload_and_disconnect(lm):
         assert not engine.active and time.monotonic() - t0 < 5
         ok = httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}, headers=auth)
         assert ok.status_code == 200
+        # every generation request counted is a success or a failure of its kind: 2 x 401, the stream whose client
+        # left (cancelled), the 429, the last one
+        m = metric_values(httpx.get(f"{base}/metrics").text)
+        assert m["tgi_request_count"] == 5 and m["tgi_request_success"] == 1, m
+        assert (m['tgi_request_failure{err="authentication"}'], m['tgi_request_failure{err="cancelled"}'],
+                m['tgi_request_failure{err="overloaded"}']) == (2, 1, 1), m
+
+
+def metric_values(text: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+@pytest.mark.parametrize("route", ["/generate_stream", "/v1/chat/completions"])
+def test_streams_racing_for_the_last_place_get_429_or_a_whole_stream(lm, route):
+    """With --max-concurrent-requests 1, streams sent at once: one runs to its end, the others are a 429 before any
+    200 (never a 200 whose only event is an `overloaded` error); then the place is free again."""
+    import asyncio
+
+    app = create_app(*lm, ServeSettings(max_concurrent_requests=1, max_total_tokens=256, max_input_tokens=32))
+    app.state.engine.on_step = lambda *_: time.sleep(0.02)
+    body = ({"inputs": PROMPT, "parameters": {"max_new_tokens": 8}} if route == "/generate_stream" else
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "stream": True})
+
+    async def send(client):
+        async with client.stream("POST", f"{base}{route}", json=body) as r:
+            return r.status_code, [line async for line in r.aiter_lines() if line.startswith("data:")]
+
+    async def race():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*[send(client) for _ in range(4)])
+
+    with running(app) as base:
+        results = asyncio.run(race())
+        assert sorted(code for code, _ in results).count(429) >= 1, results
+        for code, events in results:
+            assert code == 429 or (code == 200 and "error" not in events[-2 if route != "/generate_stream" else -1]
+                                   and ("[DONE]" in events[-1] or '"finish_reason"' in events[-1])), results
+        assert not any(code == 200 and any('"error"' in e for e in events) for code, events in results), results
+        m = metric_values(httpx.get(f"{base}/metrics").text)
+        assert m["tgi_request_success"] + m['tgi_request_failure{err="overloaded"}'] == 4, m
+        again = httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
+        assert again.status_code == 200
 
 
 @pytest.mark.parametrize("route", ["/generate", "/v1/completions"])

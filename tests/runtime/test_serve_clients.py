@@ -277,6 +277,16 @@ REFUSED = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "`messages[0].content[0]`"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": -1}, "`max_tokens` must be >= 0. Given: -1"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"\u00b2": 5}}, "logit_bias"),  # isdigit() but not a number
+    ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"\u0663": 5}}, "logit_bias"),  # an Arabic-Indic 3
+    ("/v1/chat/completions", {"messages": [{**MESSAGES[0], "name": "bob"}]}, "`messages[0].name`"),
+    ("/v1/chat/completions", {"messages": [{**MESSAGES[0], "foo": "bar"}]}, "`messages[0].foo`"),
+    ("/v1/chat/completions", {"messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "`messages[1].tool_calls`"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_object", "json_schema": {"name": "a", "schema": {"type": "integer"}}}}, "response_format.json_schema"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "text", "json_schema": {"name": "a", "schema": {"type": "integer"}}}}, "response_format.json_schema"),
 ]
 
 
@@ -289,6 +299,38 @@ def test_refused_parameters_are_named(url):
             assert set(err) == {"message", "type", "param", "code"} and name in err["message"], (body, err)
         else:
             assert set(r.json()) == {"error", "error_type"} and name in r.json()["error"], (body, r.json())
+
+
+def test_openai_chat_stream_helper_and_the_end_of_turn(url, lm):
+    """The openai SDK's `chat.completions.stream` helper joins the deltas: the role comes once (in each choice's first
+    chunk), so the final message's role is "assistant" and its content the non-streamed one. Chat logprobs cover the
+    content's tokens, not the end-of-turn token. With include_usage every chunk but the last has `usage: null`.
+    Message fields given as null are fields not given."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, n=2)
+    with client.chat.completions.stream(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, n=2) as s:
+        for _ in s:  # (get_final_completion() raises on finish_reason "length", with any server)
+            pass
+        final = s.current_completion_snapshot
+    assert [c.message.role for c in final.choices] == ["assistant"] * 2
+    assert [c.message.content for c in final.choices] == [c.message.content for c in plain.choices]
+    eos = lm[1].eos_token_id
+    ended = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True,
+             "logit_bias": {str(eos): 100}}  # the first token is the end of the turn
+    out = client.chat.completions.create(**ended).choices[0]
+    assert (out.finish_reason, out.message.content, out.logprobs.content) == ("stop", "", [])
+    chunks = list(client.chat.completions.create(**ended, stream=True))
+    assert all(not (c.logprobs and c.logprobs.content) for ch in chunks for c in ch.choices), chunks
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "stop"
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3, "stream": True,
+                                                                "stream_options": {"include_usage": True}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all("usage" in e and e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 3
+    history = [{"role": "user", "content": "Hello", "name": None},
+               {"role": "assistant", "content": "Hi", "tool_calls": None, "refusal": None, "function_call": None},
+               {"role": "user", "content": "Again"}]
+    assert client.chat.completions.create(model="tiny", messages=history, max_tokens=2).choices[0].message.content is not None
 
 
 def test_openai_completions_stream_without_echo_starts_with_text(url):
