@@ -351,7 +351,7 @@ def prepare_embedded(name: str = DEFAULT_MODEL, *, force: bool = False, install:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = StagingDir(out, overwrite=True)
+    stage = StagingDir(out, overwrite=True, any_dir=True)  # hqtflow's model cache
     tmp = stage.create()
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

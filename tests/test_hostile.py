@@ -684,12 +684,34 @@ def test_stale_partials_of_dead_processes_are_removed(base, tmp_path):
     stale = tmp_path / f".u.partial-{dead.pid}-abc"
     old = tmp_path / f".x.old-{dead.pid}-123"
     live = tmp_path / f".v.partial-{PID}-abc"
-    for d in (stale, old, live):
+    # the user's own directories that only look like leftovers (no staging marker, no manifest) are never removed
+    users = [tmp_path / ".photos.old-2023-summer", tmp_path / f".notes.partial-{dead.pid}-abc", tmp_path / f".y.old-{dead.pid}-9"]
+    for d in (stale, old, live, *users):
         d.mkdir()
         (d / "big.bin").write_bytes(b"0" * 1000)
+    for d in (stale, live):
+        (d / PARTIAL_MARKER).write_text("pid\n")
+    (old / MANIFEST).write_text("{}")
     r = run_cli("unify", "-g", "01", "-m", base["i2"], "-o", tmp_path / "u")
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "u"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "u", *(d.name for d in users)])
+    assert all((d / "big.bin").read_bytes() == b"0" * 1000 for d in users)
+
+
+def test_overwrite_replaces_only_hqtflow_outputs(base, tmp_path):
+    """--overwrite replaces an earlier artifact or an empty directory; a directory of the user's (no manifest) is
+    refused in one sentence and left as it was."""
+    mine = tmp_path / "mydata"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    r = run_cli("unify", "-g", "01", "-m", base["i2"], "-o", mine, "--overwrite")
+    assert r.exit_code == EXIT_CODES["artifact"] and "is not an hqtflow artifact" in r.output, r.output
+    assert [p.name for p in mine.iterdir()] == ["thesis.tex"] and (mine / "thesis.tex").read_text() == "years of work"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for out in (empty, empty):  # an empty directory, then the artifact written there
+        r = run_cli("unify", "-g", "01", "-m", base["i2"], "-o", out, "--overwrite")
+        assert r.exit_code == 0 and (out / MANIFEST).is_file(), r.output
 
 
 def test_overwriting_a_symlinked_output_leaves_no_backup(base, tmp_path):

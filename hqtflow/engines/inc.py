@@ -314,7 +314,7 @@ def quantize(s, device: str = "cpu") -> Path:
     from hqtflow.formats.artifact import ArtifactKind
     from hqtflow.quantize.run import plan_job
 
-    check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config])
+    check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config, s.model if s.model and Path(s.model).exists() else None])
     _settings_check(s)
     if device != "cpu" and not s.scales_only:
         raise ConfigError("quantize --engine inc writes a checkpoint from INC's CPU (QDQ) modules; use --device cpu, "

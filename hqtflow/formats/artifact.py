@@ -43,7 +43,7 @@ class ArtifactKind(StrEnum):
 
 MIN_VERSION = 1  # every schema starts at v1
 PARTIAL_MARKER = ".hqtflow-partial"  # in a staging dir until its commit: a directory holding it is never an input
-_LEFTOVER = re.compile(r"^\..+\.(?:partial|old)-(\d+)-")  # `.<name>.partial-<pid>-*`, `.<name>.old-<pid>-*`
+_LEFTOVER = re.compile(r"^\..+\.(partial|old)-(\d+)-")  # `.<name>.partial-<pid>-*` (staging), `.<name>.old-<pid>-*` (replaced)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -87,14 +87,15 @@ class StagingDir:
     `inputs`: the paths this run reads; `out` may not be, contain or lie inside any of them.
     """
 
-    def __init__(self, out: Path, *, overwrite: bool = False, path: Path | None = None, inputs=()):
+    def __init__(self, out: Path, *, overwrite: bool = False, path: Path | None = None, inputs=(), any_dir: bool = False):
         self.out = Path(out)
         self.overwrite = overwrite
         self.path = path
         self.inputs = tuple(inputs)
+        self.any_dir = any_dir  # overwrite any directory (hqtflow's own cache), not only an hqtflow artifact
 
     def create(self) -> Path:
-        check_output_dir(self.out, self.overwrite, self.inputs)
+        check_output_dir(self.out, self.overwrite, self.inputs, self.any_dir)
         remove_stale_partials(self.out.parent)
         try:
             self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-{os.getpid()}-", dir=self.out.parent))
@@ -115,6 +116,8 @@ class StagingDir:
             if self.out.exists() or self.out.is_symlink():
                 if not self.overwrite:
                     raise ArtifactError(f"Output {self.out} appeared while this run was writing it; nothing was replaced.")
+                if not self.any_dir:
+                    check_replaceable(self.out)
                 backup = self.out.with_name(f".{self.out.name}.old-{os.getpid()}-{int(time.time())}")
                 os.rename(self.out, backup)
             os.rename(self.path, self.out)
@@ -162,7 +165,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_partials(parent: Path) -> list[Path]:
-    """Remove `.<name>.partial-<pid>-*` / `.<name>.old-<pid>-*` directories whose process is gone."""
+    """Remove the leftovers of dead hqtflow processes: staging dirs (named so, holding PARTIAL_MARKER) and replaced
+    outputs (named so, holding a manifest). A directory that only looks like one is the user's: it is kept."""
     removed = []
     try:
         entries = list(Path(parent).iterdir())
@@ -170,7 +174,10 @@ def remove_stale_partials(parent: Path) -> list[Path]:
         return removed
     for p in entries:
         m = _LEFTOVER.match(p.name)
-        if m and p.is_dir() and not p.is_symlink() and int(m[1]) != os.getpid() and not _pid_alive(int(m[1])):
+        if not m or not p.is_dir() or p.is_symlink():
+            continue
+        pid, own = int(m[2]), PARTIAL_MARKER if m[1] == "partial" else MANIFEST
+        if pid != os.getpid() and not _pid_alive(pid) and (p / own).is_file():
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
@@ -199,9 +206,17 @@ def confined(directory: Path, rel: str) -> Path:
     return p
 
 
-def check_output_dir(out: Path, overwrite: bool, inputs=()) -> None:
-    """Refuse an existing output (unless overwrite), an output that is, contains or lies inside one of `inputs`,
-    or an unwritable parent, before any work is done."""
+def check_replaceable(out: Path) -> None:
+    """`--overwrite` replaces hqtflow's own outputs (a directory holding a manifest), an empty directory or a symlink
+    (the link, not what it points to); any other directory is the user's and is refused."""
+    if out.is_dir() and not out.is_symlink() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+        raise ArtifactError(f"Output {out} is not an hqtflow artifact (it has no {MANIFEST}); --overwrite replaces "
+                            "only hqtflow's outputs: move it away or choose another output (nothing was written).")
+
+
+def check_output_dir(out: Path, overwrite: bool, inputs=(), any_dir: bool = False) -> None:
+    """Refuse an existing output (unless overwrite, and then only one of hqtflow's unless `any_dir`), an output that
+    is, contains or lies inside one of `inputs`, or an unwritable parent, before any work is done."""
     out = Path(out)
     target = out.resolve()
     for i in inputs:
@@ -216,6 +231,8 @@ def check_output_dir(out: Path, overwrite: bool, inputs=()) -> None:
         raise ArtifactError(f"Output {out} already exists; pass --overwrite to replace it.")
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"Output {out} exists and is not a directory; nothing was replaced.")
+    if not any_dir:
+        check_replaceable(out)
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         try:

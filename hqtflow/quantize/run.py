@@ -182,7 +182,7 @@ def quantize(s: QuantizeSettings) -> Path:
     from disk, a checkpoint converted in memory), then the manifest, all inside one staged output directory."""
     from hqtflow.formats.artifact import check_output_dir
 
-    check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config])
+    check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config, s.model if s.model and Path(s.model).exists() else None])
     job = plan_job(s)
     kv_stats = _kv_stats(s, job)
     if s.scales_only:
