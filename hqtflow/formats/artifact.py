@@ -264,7 +264,7 @@ def write_manifest(directory: Path, type_: str, version: int | None = None, *, m
     files = {
         str(p.relative_to(directory)): sha256_file(p)
         for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".") and not p.is_symlink()
+        if p.is_file() and p.name not in (MANIFEST, PARTIAL_MARKER) and not p.is_symlink()  # dot-files too
     }
     manifest = {
         "_type": str(type_),

@@ -12,6 +12,7 @@ def _make(out, **kw):
     with staged_output(out, **kw) as tmp:
         (tmp / "a.json").write_text("{}")
         (tmp / "b.bin").write_bytes(b"\x00" * 10)
+        (tmp / ".c_hooks.json").write_text("{}")  # a dot-file (a dump_stats_path named ".c") is hashed too
         write_manifest(tmp, "hqtflow.test", 1, model={"id": "m"}, config={"k": 1}, data={"n": 2})
     return out
 
@@ -19,9 +20,9 @@ def _make(out, **kw):
 def test_roundtrip(tmp_path):
     out = _make(tmp_path / "art")
     m = read_manifest(out, "hqtflow.test", 1)
-    assert m.files.keys() == {"a.json", "b.bin"} and m.data == {"n": 2} and m.model == {"id": "m"}
+    assert m.files.keys() == {"a.json", "b.bin", ".c_hooks.json"} and m.data == {"n": 2} and m.model == {"id": "m"}
     assert m.raw["tool"]["hqtflow"] and m.raw["_version"] == 1
-    assert not list(tmp_path.glob(".*")), "no staging leftovers"
+    assert not list(tmp_path.glob(".*")) and not (out / ".hqtflow-partial").exists(), "no staging leftovers"
 
 
 def test_failure_leaves_nothing(tmp_path):
@@ -57,6 +58,7 @@ def test_failed_overwrite_keeps_old(tmp_path):
         (lambda d: (d / MANIFEST).unlink(), "writing did not finish"),
         (lambda d: (d / "b.bin").unlink(), "incomplete: b.bin"),
         (lambda d: (d / "a.json").write_text('{"x": 1}'), "modified after it was written: a.json"),
+        (lambda d: (d / ".c_hooks.json").write_text('{"x": 1}'), "modified after it was written: .c_hooks.json"),
         (lambda d: (d / MANIFEST).write_text("{"), "corrupt"),
         (lambda d: _patch(d, _version=2), "newer hqtflow"),
         (lambda d: _patch(d, _type="hqtflow.scales"), "not the 'hqtflow.test'"),
