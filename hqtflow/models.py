@@ -216,6 +216,12 @@ def skeleton(path: Path):
         raise ModelError(f"Cannot build the model described by {Path(path) / 'config.json'} ({e}).") from None
 
 
+def attention_modules(model) -> dict[int, str]:
+    """{layer index: name} of the attention modules whose keys and values a KV cache holds (those with `k_proj`)."""
+    return {m.layer_idx: n for n, m in model.named_modules() if isinstance(getattr(m, "layer_idx", None), int)
+            and hasattr(m, "k_proj")}
+
+
 # ---- fingerprint ------------------------------------------------------------------------------
 def safetensors_header(path: Path) -> tuple[int, dict]:
     with open(path, "rb") as f:

@@ -305,6 +305,14 @@ CASES = {
     "quantize/pickle-only dump": (lambda c: quantize(c, npz(c, {"x": 1})), "`hqtflow import-hqt"),
     "quantize/kv negative": (lambda c: quantize(c, rehash(kv(c.copy("m"), -1.0)), "--kv-cache", "fp8"), "negative"),
     "quantize/kv nan": (lambda c: quantize(c, rehash(kv(c.copy("m"), float("nan"))), "--kv-cache", "fp8"), "not finite"),
+    "quantize/kv overflows float32": (lambda c: quantize(c, rehash(kv(c.copy("m"), 1e39)), "--kv-cache", "fp8"),
+                                      "not finite float32"),
+    "quantize/kv lacks a layer": (lambda c: quantize(c, rehash(kv_drop(c.copy("m"), "model.layers.1.self_attn")),
+                                                     "--kv-cache", "fp8"), "lack 1 attention module"),
+    "quantize/statistic a string": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node("3.4")))), "other than numbers"),
+    "quantize/statistic a boolean": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(True)))), "other than numbers"),
+    "quantize/NumSamples negative": (lambda c: quantize(c, rehash(stats(c.copy("i1"), lambda r: r.update(NumSamples=-5)))),
+                                     "cannot be negative"),
     "quantize/kv version 2": (lambda c: quantize(c, rehash(kv_file(c.copy("m"), version=2)), "--kv-cache", "fp8"),
                               "not a KV-cache statistics file"),
     "quantize/scale-mode file": (lambda c: quantize(c, rehash(stats(c.copy("i1"), lambda r: r.update(Mode="Scale")))),
@@ -601,6 +609,11 @@ def kv_scale(d, value):
 
 def kv(d, value):
     edit_json(d / "kv_cache_maxabs.json", lambda k: k["layers"]["model.layers.0.self_attn"].update(k=value))
+    return d
+
+
+def kv_drop(d, name):
+    edit_json(d / "kv_cache_maxabs.json", lambda k: k["layers"].pop(name) and None)
     return d
 
 

@@ -79,6 +79,8 @@ def check_statistics(meas: "Measurement", where: str) -> None:
 
 
 def _array(x) -> np.ndarray:
+    if np.asarray(x).dtype.kind not in "iuf":  # strings, booleans, ragged lists: numpy would turn "3.4" into 3.4
+        raise ValueError("a statistic holds something other than numbers")
     a = np.asarray(x, dtype=np.float32)
     if a.ndim != 2:
         raise ValueError(f"expected a 2-D statistic, got shape {a.shape}")
@@ -205,6 +207,8 @@ def read_measurement(path: Path) -> Measurement:
         samples = int(raw.get("NumSamples", 0))
     except (TypeError, ValueError):
         raise ArtifactError(f"{path} has NumSamples {raw.get('NumSamples')!r}, not a number.") from None
+    if samples < 0:
+        raise ArtifactError(f"{path} has NumSamples {samples}; a count of samples cannot be negative.")
     meas = Measurement(
         nodes={k: NodeStats.from_json(v, where=str(path)) for k, v in nodes.items()},
         local_rank=raw.get("LocalRank"),
@@ -254,6 +258,9 @@ def write_kv_stats(directory: Path, layers: dict[str, dict[str, float]]) -> Path
     return path
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def read_kv_stats(directory: Path) -> dict[str, dict[str, float]] | None:
     """{attention module: {"k": maxabs, "v": maxabs}} from a measurement artifact, None when it has none."""
     import math
@@ -272,8 +279,8 @@ def read_kv_stats(directory: Path) -> dict[str, dict[str, float]] | None:
                             f"version {data.get('version') if isinstance(data, dict) else None}).")
     for name, kv in data["layers"].items():
         vals = [kv.get(x) if isinstance(kv, dict) else None for x in "kv"]
-        if not all(type(v) in (int, float) and math.isfinite(v) for v in vals):
-            raise ArtifactError(f"{path}: the statistics of {name} are not finite numbers.")
+        if not all(type(v) in (int, float) and math.isfinite(v) and abs(v) <= FLOAT32_MAX for v in vals):
+            raise ArtifactError(f"{path}: the statistics of {name} are not finite float32 numbers.")
         if min(vals) < 0:
             raise ArtifactError(f"{path}: the statistics of {name} are negative, which no maxabs can be; the file is corrupt.")
     return data["layers"]

@@ -19,8 +19,9 @@ from transformers import DynamicCache
 
 class KVStats:
     def __init__(self, model):
-        self.names = {m.layer_idx: n for n, m in model.named_modules() if isinstance(getattr(m, "layer_idx", None), int)
-                      and hasattr(m, "k_proj")}
+        from hqtflow.models import attention_modules
+
+        self.names = attention_modules(model)
         self.maxabs: dict[int, list[float]] = {}
 
     def record(self, layer: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:

@@ -43,6 +43,7 @@ def kv_cache_scales(model: nn.Module, stats: dict, method: ScaleMethod, *, targe
     """{"<attention>.k_scale": s, "<attention>.v_scale": s} (0-d float32) from measured KV maxabs, with the scale
     method's activation rule (backoff, power-of-two or hardware rounding), and registered as buffers on `model`."""
     from hqtflow.errors import ArtifactError
+    from hqtflow.models import attention_modules
     from hqtflow.scales import activation_scale
 
     out = {}
@@ -53,8 +54,15 @@ def kv_cache_scales(model: nn.Module, stats: dict, method: ScaleMethod, *, targe
             raise ArtifactError(f"The KV-cache statistics name {name}, which this model does not have.") from None
         for x in "kv":
             s = activation_scale(kv[x], method.activation, target=target, fp8=fp8, hp_dtype=hp_dtype).float().reshape(())
+            if not torch.isfinite(s) or s <= 0:
+                raise ArtifactError(f"The KV-cache statistic {name}.{x} ({kv[x]}) gives no usable {hp_dtype} scale "
+                                    f"({float(s)}); the statistics are corrupt.")
             attn.register_buffer(f"{x}_scale", s.to(next(model.parameters()).device))
             out[f"{name}.{x}_scale"] = s
+    missing = sorted(set(attention_modules(model).values()) - set(stats))
+    if missing:
+        raise ArtifactError(f"The KV-cache statistics lack {len(missing)} attention module(s) of this model "
+                            f"({', '.join(missing[:3])}); measure again to use --kv-cache fp8.")
     return out
 
 
