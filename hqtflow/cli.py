@@ -270,7 +270,7 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (greedy).")] = 32,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
     backend: Backend = "auto",
-    engine: Annotated[str, typer.Option(help="transformers (generate; also 'hqtflow'), static (static KV cache), compiled (static + torch.compile'd decode step), serve (the serving engine, paged KV cache) or inc (Neural Compressor converts MODEL from -m at load).")] = "transformers",
+    engine: Annotated[str, typer.Option(help="serve (the serving engine, paged KV cache: the same text as `hqtflow serve`; also 'hqtflow'), transformers (transformers' generate), static (static KV cache), compiled (static + torch.compile'd decode step) or inc (Neural Compressor converts MODEL from -m at load).")] = "serve",
     kv_cache: Annotated[str, typer.Option(help="bf16, or fp8 (the checkpoint's k/v scales; static, compiled and serve engines).")] = "bf16",
     dtype: ComputeDtype = "auto",
     measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="--engine inc: the measurement MODEL is quantized from.")] = None,
@@ -285,9 +285,9 @@ def generate(
 
     if max_new_tokens < 1:
         raise HqtflowError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
-    engine = "transformers" if engine == "hqtflow" else engine
+    engine = "serve" if engine == "hqtflow" else engine
     if engine not in ("transformers", "static", "compiled", "serve", "inc"):
-        raise HqtflowError(f"Unknown --engine {engine!r}; valid values are transformers (hqtflow), static, compiled, serve, inc.")
+        raise HqtflowError(f"Unknown --engine {engine!r}; valid values are serve (hqtflow), transformers, static, compiled, inc.")
     from hqtflow.choices import KVCache, parse
 
     kv_cache = parse(KVCache, kv_cache, "--kv-cache")
