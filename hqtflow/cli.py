@@ -62,8 +62,17 @@ def user_errors(fn):
     return wrapper
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from hqtflow import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(show_version: Annotated[bool, typer.Option("--version", help="Print the hqtflow version and exit.",
+                                                    callback=_print_version, is_eager=True)] = False) -> None:
     """hqtflow."""
 
 
@@ -347,14 +356,14 @@ def generate(
 def eval_(
     model: Annotated[Optional[str], typer.Argument(help="FP8 checkpoint (or any model) to evaluate.")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="bf16 model to compare with (default: the checkpoint's source model).")] = None,
-    no_baseline: Annotated[bool, typer.Option(help="Evaluate MODEL alone.")] = False,
+    no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Evaluate MODEL alone.")] = False,
     tasks: Annotated[Optional[list[str]], typer.Option("--tasks", "-t", help="lm-eval tasks, comma separated.")] = None,
     include_path: Annotated[Optional[list[Path]], typer.Option("--include-path", help="Directory of lm-eval task YAMLs.")] = None,
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Data for the bundled <task>_local tasks.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="Documents per task.")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward.")] = 8,
     ppl_file: Annotated[Optional[Path], typer.Option(help="Text for perplexity (e.g. ../shared/data/wikitext2_test.txt).")] = None,
-    ppl_windows: Annotated[Optional[int], typer.Option(help="At most this many disjoint 512-token windows.")] = None,
+    ppl_windows: Annotated[Optional[int], typer.Option(help="At most this many disjoint 512-token windows (default: the whole file).")] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
     backend: Backend = "auto",
     dtype: ComputeDtype = "auto",
@@ -387,6 +396,8 @@ def eval_(
                         data_dir=str(data_dir) if data_dir else None, limit=limit, batch_size=batch_size,
                         ppl_file=str(ppl_file) if ppl_file else None, ppl_windows=ppl_windows, report=report,
                         backend=backend, dtype=dtype, device=run_device or "cpu"))
+    if report is not None:
+        typer.echo(f"Wrote {report}.")
 
 
 @app.command()

@@ -90,8 +90,9 @@ def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = ""
                              progress=progress.update, announce=progress.add_total)
         out["tasks"] = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
     if s.ppl_file:
-        out["wikitext"] = perplexity(model, tokenizer, read_ppl_text(s.ppl_file), window=s.ppl_window,
-                                     max_windows=s.ppl_windows, progress=progress, label=f"{prefix}perplexity")
+        out["wikitext"] = {**perplexity(model, tokenizer, read_ppl_text(s.ppl_file), window=s.ppl_window,
+                                        max_windows=s.ppl_windows, progress=progress, label=f"{prefix}perplexity"),
+                           "file": Path(s.ppl_file).name}
     progress.close()
     return out
 
@@ -108,7 +109,8 @@ def comparison_rows(results: dict[str, dict], baseline: str) -> list[dict]:
             if metric in metrics:
                 rows.append(_row(task, metric, results, baseline, lambda r: r.get("tasks", {}).get(task, {}).get(metric)))
     if "wikitext" in base:
-        rows.append(_row("wikitext2", "perplexity", results, baseline, lambda r: r.get("wikitext", {}).get("perplexity")))
+        text = Path(base["wikitext"].get("file") or "wikitext2").stem  # the --ppl-file's name: whatever text it is
+        rows.append(_row(text, "perplexity", results, baseline, lambda r: r.get("wikitext", {}).get("perplexity")))
     return rows
 
 

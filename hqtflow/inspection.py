@@ -58,7 +58,9 @@ RULES = {
 # ---- reading -------------------------------------------------------------------------------------
 def _artifact_type(directory: Path) -> str:
     from hqtflow.formats.artifact import artifact_kind
+    from hqtflow.formats.measurement import refuse_foreign_dump
 
+    refuse_foreign_dump(directory)  # a Gaudi dump: the import-hqt command that brings it in
     t = artifact_kind(directory)
     if t not in KINDS:
         raise InspectError(f"{directory} holds a {t!r} artifact; inspect reads {', '.join(KINDS)}.")

@@ -27,7 +27,7 @@ def test_run_recipe_skips_current_stages(tiny_llama, data_dir, tmp_path):
     assert first.exit_code == 0, first.output
     assert "measure: writing" in first.stdout and "quantize: writing" in first.stdout
     report = json.loads((tmp_path / "run" / "eval.json").read_text())
-    assert set(report["results"]) == {"bf16", "fp8"} and report["comparison"][0]["task"] == "wikitext2"
+    assert set(report["results"]) == {"bf16", "fp8"} and report["comparison"][0]["task"] == "wikitext2_test"  # the --ppl-file's name
     second = run_cli("run", recipe)
     assert second.exit_code == 0, second.output
     assert second.stdout.count("up to date, skipped") == 3

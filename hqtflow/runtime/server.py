@@ -133,7 +133,7 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     engine.on_step = metrics.on_step
     state = {"in_flight": 0, "ready": not s.warmup}
     app = FastAPI(title="hqtflow serve", lifespan=lifespan(engine, tokenizer, s, state))
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.metrics, app.state.model_id = engine, metrics, s.model_id
     add_error_handlers(app, metrics)
     app.middleware("http")(request_guard(s, metrics))
     ctx = Ctx(engine, tokenizer, s, metrics, state)
@@ -192,7 +192,11 @@ def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.
 def _run(app, sock) -> None:
     import uvicorn
 
-    uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+    config = uvicorn.Config(app, log_level="info")  # sets up uvicorn's loggers
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("uvicorn.error").info("Serving %s on http://%s:%d", app.state.model_id,
+                                            f"[{host}]" if ":" in host else host, port)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: str | None, backend: str,
