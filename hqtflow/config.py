@@ -233,6 +233,9 @@ class QuantConfig:
             path = raw["dump_stats_path"]
             if not isinstance(path, str) or not path or path.endswith(("/", "\\")):
                 raise ConfigError(f"{source}: key 'dump_stats_path' must be a path prefix like './hqt_output/measure', not {path!r}.")
+            if "\0" in path or len(Path(path).name.encode()) > 200:  # the files add "_hooks_maxabs_0_8.json" to the name
+                raise ConfigError(f"{source}: key 'dump_stats_path' must name files this file system can hold (no NUL "
+                                  "byte, a last part of at most 200 bytes).")
             v["dump_stats_path"] = path
         for key, choices in (
             ("fp8_config", FP8_FORMATS),

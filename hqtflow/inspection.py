@@ -110,15 +110,20 @@ def _measurement_view(meas) -> dict:
     stats = _stats_from_hqt(meas.ranks)
     types = {}
     skipped, unmeasured = {}, {}
-    for r in meas.records:
-        for name, info in (r.get("layers") or {}).items():
-            types[name] = info.get("type")
-        skipped.update(r.get("skipped") or {})
-        for name in r.get("unmeasured") or []:
-            unmeasured[name] = "registered but never called during calibration (no statistics)"
-    cal = (m.data if m else {}).get("calibration") or {}
+    for r in meas.records:  # what the manifest says about each rank (read as far as it has the expected shape)
+        for name, info in _obj(_obj(r).get("layers")).items():
+            types[name] = _obj(info).get("type")
+        skipped.update(_obj(_obj(r).get("skipped")))
+        for name in _obj(r).get("unmeasured") if isinstance(_obj(r).get("unmeasured"), list) else []:
+            unmeasured[str(name)] = "registered but never called during calibration (no statistics)"
+    cal = _obj(_obj(m.data if m else {}).get("calibration"))
     return {"manifest": m, "stats": stats, "types": types, "skipped": skipped, "unmeasured": unmeasured,
             "world_size": meas.world_size, "samples": cal.get("samples"), "tokens": cal.get("tokens")}
+
+
+def _obj(x) -> dict:
+    """`x` when it is a JSON object, else {} (a manifest edited by hand)."""
+    return x if isinstance(x, dict) else {}
 
 
 def _scale_value(v) -> float:

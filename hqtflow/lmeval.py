@@ -47,6 +47,22 @@ def local_data_file(task: str, data_dir: str | Path) -> tuple[Path, list[str]]:
     return Path(data_dir) / name, sorted(set(fields))
 
 
+def record_problem(doc: dict) -> str | None:
+    """What is wrong with a bundled task's record (None: nothing): texts are strings, the choices a non-empty list
+    of strings, `gold` an index into them."""
+    for f in ("query", "context", "continuation"):
+        if f in doc and not isinstance(doc[f], str):
+            return f"has a {f!r} that is not a string"
+    options = next((doc[f] for f in ("choices", "context_options") if f in doc), None)
+    if options is not None and (not isinstance(options, list) or not options
+                                or not all(isinstance(o, str) for o in options)):
+        return "has choices that are not a non-empty list of strings"
+    gold = doc.get("gold")
+    if options is not None and "gold" in doc and (type(gold) is not int or not 0 <= gold < len(options)):
+        return f"has gold {gold!r}, not the index of one of its {len(options)} choices"
+    return None
+
+
 def check_local_data(task: str, data_dir: str | Path) -> None:
     """Refuse a bundled task's data file that is missing, empty, not UTF-8 JSON lines, or lacks a field it uses."""
     path, fields = local_data_file(task, data_dir)
@@ -68,6 +84,9 @@ def check_local_data(task: str, data_dir: str | Path) -> None:
             what = f"has no field {missing[0]!r}" if missing else "is not a JSON object"
             raise CalibrationError(f"Data file {path} of task {task}: line {n} {what} (a record needs "
                                    f"{', '.join(fields)}).")
+        wrong = record_problem(doc)
+        if wrong:
+            raise CalibrationError(f"Data file {path} of task {task}: line {n} {wrong}.")
         records += 1
     if not records:
         raise CalibrationError(f"Data file {path} of task {task} is empty.")

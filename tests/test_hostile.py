@@ -250,13 +250,21 @@ CASES = {
                                        ["measure", c.model, "--text", c.w / "b.txt", "-o", c.out])[1], "not UTF-8"),
     "measure/--text a directory": (lambda c: ((c.w / "texts").mkdir(),
                                            ["measure", c.model, "--text", c.w / "texts", "-o", c.out])[1], "is a directory"),
-    "measure/--text /dev/null": (lambda c: ["measure", c.model, "--text", "/dev/null", "-o", c.out], "is empty"),
+    "measure/--text /dev/null": (lambda c: ["measure", c.model, "--text", "/dev/null", "-o", c.out], "not a regular file"),
     "measure/jsonl text not a string": (lambda c: ((c.w / "n.jsonl").write_text('{"text": 5}\n'),
                                                    ["measure", c.model, "--text", c.w / "n.jsonl", "-o", c.out])[1],
                                         "field 'text' is not a string"),
     "measure/--data-dir task file not JSON lines": (lambda c: measure(c.model, c, "--tasks", "piqa_local", "--data-dir",
                                                                       data_dir(c, "piqa.jsonl", "garbage\n")),
                                                     "line 1 is not a JSON object"),
+    "measure/--text is a device": (lambda c: ["measure", c.model, "--text", "/dev/zero", "--limit", "2", "-o", c.out],
+                                   "not a regular file"),
+    "measure/dump_stats_path with a NUL byte": (lambda c: measure(c.model, c, "-c", write(c.w / "c.json", json.dumps(
+        {"mode": "MEASURE", "observer": "maxabs", "dump_stats_path": "./x/a\u0000b"}))), "no NUL byte"),
+    "measure/dump_stats_path too long": (lambda c: measure(c.model, c, "-c", write(c.w / "c.json", json.dumps(
+        {"mode": "MEASURE", "observer": "maxabs", "dump_stats_path": "./x/" + "a" * 260}))), "at most 200 bytes"),
+    "unify/-o a symlink loop": (lambda c: (os.symlink("loop", c.w / "loop"), unify(c, c.i2)[:-1] + [c.w / "loop" / "x"])[1],
+                                "symlink loop"),
     "measure/--data-dir task file empty": (lambda c: measure(c.model, c, "--tasks", "piqa_local", "--data-dir",
                                                              data_dir(c, "piqa.jsonl", "")), "is empty"),
     # quantize
@@ -472,6 +480,16 @@ CASES = {
     "eval/--data-dir task record without a field": (lambda c: ["eval", c.ck, "--no-baseline", "--tasks", "piqa_local",
                                                                "--data-dir", data_dir(c, "piqa.jsonl", '{"goal": 1}\n')],
                                                       "line 1 has no field 'choices'"),
+    "eval/--data-dir task record's gold out of range": (
+        lambda c: ["eval", c.ck, "--no-baseline", "--tasks", "piqa_local", "--data-dir",
+                   data_dir(c, "piqa.jsonl", '{"query": "x", "choices": ["a", "b"], "gold": 7}\n')],
+        "has gold 7, not the index of one of its 2 choices"),
+    "eval/--data-dir task record's gold a string": (
+        lambda c: ["eval", c.ck, "--no-baseline", "--tasks", "piqa_local", "--data-dir",
+                   data_dir(c, "piqa.jsonl", '{"query": "x", "choices": ["a", "b"], "gold": "0"}\n')], "has gold '0'"),
+    "eval/--data-dir task record without choices": (
+        lambda c: ["eval", c.ck, "--no-baseline", "--tasks", "piqa_local", "--data-dir",
+                   data_dir(c, "piqa.jsonl", '{"query": "x", "choices": [], "gold": 0}\n')], "not a non-empty list"),
     "eval/--ppl-windows 0": (lambda c: ["eval", c.ck, "--no-baseline", "--ppl-file", c.text, "--ppl-windows", "0"],
                              "--ppl-windows must be at least 1, not 0"),
     "eval/--device a typo": (lambda c: ["eval", c.ck, "--no-baseline", "--ppl-file", c.text, "--device", "gpu"],
@@ -870,3 +888,13 @@ def test_chunked_body_limit_holds_while_streaming(tiny_llama):
             for _ in range((MAX_BODY * 3 // 2) // len(chunk)):  # 1.5x the limit, and the body never ends
                 s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             assert s.recv(64).startswith(b"HTTP/1.1 413")
+
+
+def test_inspect_reads_a_manifest_with_odd_shapes(base, tmp_path):
+    """Manifest fields inspect only reports (calibration, per-rank layers) of an unexpected type are left out, not a
+    traceback: the files the manifest hashes are what inspect checks."""
+    m = tmp_path / "m"
+    shutil.copytree(base["m"], m)
+    edit_manifest(m, lambda raw: raw["data"].update(calibration="x"))
+    r = run_cli("inspect", m)
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output

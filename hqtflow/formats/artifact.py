@@ -206,6 +206,14 @@ def confined(directory: Path, rel: str) -> Path:
     return p
 
 
+def real_path(p: Path) -> Path:
+    """`p.resolve()`, with a symlink loop refused in one sentence."""
+    try:
+        return Path(p).resolve()
+    except (RuntimeError, OSError):  # Python 3.11 raises RuntimeError for a loop, later versions OSError (ELOOP)
+        raise ArtifactError(f"{p} is a symlink loop (or lies behind one).") from None
+
+
 def check_replaceable(out: Path) -> None:
     """`--overwrite` replaces hqtflow's own outputs (a directory holding a manifest), an empty directory or a symlink
     (the link, not what it points to); any other directory is the user's and is refused."""
@@ -218,11 +226,13 @@ def check_output_dir(out: Path, overwrite: bool, inputs=(), any_dir: bool = Fals
     """Refuse an existing output (unless overwrite, and then only one of hqtflow's unless `any_dir`), an output that
     is, contains or lies inside one of `inputs`, or an unwritable parent, before any work is done."""
     out = Path(out)
-    target = out.resolve()
+    if out.name in ("", ".", ".."):  # `-o .`: the directory this runs in
+        raise ArtifactError(f"Output {out} is the current or a parent directory; name a new directory to write.")
+    target = real_path(out)
     for i in inputs:
         if i is None:
             continue
-        src = Path(i).resolve()
+        src = real_path(Path(i))
         if target == src or target.is_relative_to(src) or src.is_relative_to(target):
             how = "is" if target == src else ("lies inside" if target.is_relative_to(src) else "contains")
             raise ArtifactError(f"Output {out} {how} the input {i}; choose an output outside every input "

@@ -25,6 +25,9 @@ def read_texts(path: Path, text_field: str) -> list[str]:
         raise CalibrationError(f"Calibration file {path} does not exist.")
     if path.is_dir():
         raise CalibrationError(f"Calibration file {path} is a directory; give a .txt or .jsonl file.")
+    if not path.is_file():  # /dev/zero would be read until memory runs out, a pipe until its writer closes it
+        raise CalibrationError(f"Calibration file {path} is not a regular file (a device or a pipe); give a .txt or "
+                               ".jsonl file.")
     try:
         content = path.read_text()
     except UnicodeDecodeError:

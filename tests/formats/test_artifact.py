@@ -1,6 +1,7 @@
 """Artifacts are written atomically with a manifest last, and refused when missing, partial, edited or newer."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,14 @@ def _patch(d, **changes):
 def test_missing_dir(tmp_path):
     with pytest.raises(ArtifactError, match="does not exist"):
         read_manifest(tmp_path / "nope", "hqtflow.measurement", 1)
+
+
+def test_output_that_is_the_working_directory_or_a_symlink_loop(tmp_path):
+    from hqtflow.formats.artifact import check_output_dir
+
+    for out in (".", "..", "a/.."):
+        with pytest.raises(ArtifactError, match="current or a parent directory"):
+            check_output_dir(Path(out), True)
+    (tmp_path / "loop").symlink_to("loop")
+    with pytest.raises(ArtifactError, match="symlink loop"):
+        check_output_dir(tmp_path / "loop" / "x", False)
