@@ -73,6 +73,22 @@ def check_own_output(out: Path, kind: str) -> None:
                             "only its own outputs: move it away or choose another output (nothing was written).")
 
 
+def check_not_anothers(checkpoint: Path, measurement: Path) -> None:
+    """`run` writes `fp8/` and `eval.json` beside the recipe's measurement: a checkpoint there quantized from another
+    measurement that still exists is another recipe's (sharing the parent directory), never replaced."""
+    from hqtflow.formats.artifact import MANIFEST, ArtifactKind, read_manifest
+
+    if not (checkpoint / MANIFEST).is_file():
+        return
+    try:
+        source = read_manifest(checkpoint, ArtifactKind.CHECKPOINT, verify=False).data.get("source_measurement")
+    except ArtifactError:
+        return  # a damaged checkpoint is redone
+    if isinstance(source, str) and Path(source).is_dir() and Path(source).resolve() != measurement.resolve():
+        raise ArtifactError(f"{checkpoint} was quantized from {source}, another recipe's measurement, not from "
+                            f"{measurement}: give each recipe an output directory of its own (nothing was written).")
+
+
 def read_own_report(report: Path) -> dict | None:
     """The report an earlier `run` wrote at `report` (None: there is none); any other file there is refused."""
     if not (report.exists() or report.is_symlink()):
@@ -101,6 +117,14 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     root = Path(ms.output).parent
     check_own_output(Path(ms.output), ArtifactKind.MEASUREMENT)
     check_own_output(root / "fp8", ArtifactKind.CHECKPOINT)
+    check_not_anothers(root / "fp8", Path(ms.output))
+    if r.eval.ppl_file:  # the eval's inputs are checked before the stages before it run
+        from hqtflow.errors import CalibrationError
+        from hqtflow.evaluate import read_ppl_text
+
+        if not Path(r.eval.ppl_file).is_file():
+            raise CalibrationError(f"The recipe's eval.ppl_file {r.eval.ppl_file} does not exist (nothing was written).")
+        read_ppl_text(r.eval.ppl_file)
     if not r.eval.empty:
         read_own_report(root / "eval.json")
     kv_missing = r.quantize.kv_cache == KVCache.FP8 and not (Path(ms.output) / KV_FILE).exists()

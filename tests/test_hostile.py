@@ -533,6 +533,8 @@ CASES = {
     # run (recipes)
     "run/recipe with a key twice": (lambda c: ["run", write(c.w / "r.yaml", "name: a\nmeasure:\n  limit: 2\nmeasure:\n  limit: 4\n")],
                                     "gives the key 'measure' twice (again at line 4)"),
+    "run/eval.ppl_file missing (checked before measure runs)": (
+        lambda c: ["run", recipe(c, f"eval:\n  ppl_file: {c.w / 'nowhere.txt'}\n")], "eval.ppl_file"),
     "run/recipe nested too deep": (lambda c: ["run", write(c.w / "r.yaml", "x: " + DEEP + "\n")], "is not valid YAML"),
     "run/a foreign fp8 dir where the checkpoint goes": (lambda c: (foreign_dir(c.w / "fp8"), ["run", recipe(c)])[1],
                                                        "is not an hqtflow checkpoint artifact"),

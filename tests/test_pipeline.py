@@ -36,6 +36,12 @@ def test_run_recipe_skips_current_stages(tiny_llama, data_dir, tmp_path):
     third = run_cli("run", recipe)
     assert "measure: writing" in third.stdout and "quantize: writing" in third.stdout
     assert third.exit_code == 0 and "up to date" not in third.stdout
+    # a second recipe whose measurement sits beside the first's would share its fp8/ and eval.json: refused up front
+    other = write_recipe(tmp_path / "other.yaml", tiny_llama, data_dir, 2)
+    other.write_text(other.read_text().replace(str(tmp_path / "run" / "measure"), str(tmp_path / "run" / "measure2")))
+    clash = run_cli("run", other)
+    assert clash.exit_code == 3 and "another recipe's measurement" in clash.output, clash.output
+    assert not (tmp_path / "run" / "measure2").exists()
 
 
 def test_generate_and_eval(tiny_llama, wiki_text, data_dir, tmp_path):
