@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hqtflow.errors import ConfigError
+from hqtflow.errors import ConfigError, not_a_file
 
 MODES = ("MEASURE", "QUANTIZE", "LOAD", "NONE", "AUTO", "SHAPE")
 OBSERVERS = ("maxabs", "maxabs_per_channel", "shape", "save")
@@ -267,7 +267,7 @@ class QuantConfig:
     def from_file(cls, path: str | Path) -> QuantConfig:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"QUANT_CONFIG file {path} does not exist.")
+            raise ConfigError(f"QUANT_CONFIG file {path} {not_a_file(path)}.")
         try:
             raw = json.loads(path.read_text())
         except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:

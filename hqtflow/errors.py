@@ -61,3 +61,13 @@ EXIT_CODES = {"usage/config": 2, "artifact": 3, "model": 4, "calibration data": 
 
 class ProvenanceWarning(UserWarning):
     """Something is read whose origin hqtflow cannot check (a foreign dump): the CLI prints it as one line."""
+
+
+def not_a_file(path) -> str:
+    """Why `path`, which is not a regular file, cannot be read as one: the end of a one-sentence error."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.exists():
+        return "does not exist"
+    return "is a directory, not a file" if p.is_dir() else "is not a regular file (a device or a pipe)"

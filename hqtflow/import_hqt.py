@@ -96,7 +96,7 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
             "calibration": {"sources": [], "samples": meas.ranks[0].num_samples, "tokens": None},
         }
         if model_dir is not None:
-            data["model_path"] = str(model_dir)
+            data["model_path"] = str(Path(model_dir).absolute())
         mf.write_artifact(tmp, output, base=base, inc_config={"observer": observer, "scale_method": "maxabs_hw"},
                           model=fp, config={"observer": observer, "dump_stats_path": base}, data=data)
     return output

@@ -32,7 +32,7 @@ def local_task_dir(data_dir: str | Path) -> Path:
     """Write the bundled `<task>_local` YAMLs, pointed at `data_dir`, into a temp include path."""
     data_dir = Path(data_dir).resolve()
     if not data_dir.is_dir():
-        raise CalibrationError(f"Data directory {data_dir} does not exist.")
+        raise CalibrationError(f"Data directory {data_dir} {'is not a directory' if data_dir.exists() else 'does not exist'}.")
     out = Path(tempfile.mkdtemp(prefix="hqtflow-tasks-"))
     for p in TASKS_DIR.glob("*.yaml"):
         (out / p.name).write_text(p.read_text().replace("{data_dir}", str(data_dir)))

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hqtflow.errors import ArtifactError, ModelError
+from hqtflow.errors import ArtifactError, HqtflowError, ModelError
 
 DEFAULT_MODEL = "smollm2"
 # name -> (PyPI package, GGUF file inside it)
@@ -58,6 +58,16 @@ def resolve_model(ref: str | None) -> Path:
 
         check_not_partial(p)
         if not (p / "config.json").is_file():
+            if (p / MANIFEST).is_file():  # one of hqtflow's other artifacts: say which, and what makes a model of it
+                from hqtflow.formats.artifact import artifact_kind
+
+                try:
+                    kind = artifact_kind(p).split(".")[-1]
+                except HqtflowError:
+                    kind = "unreadable"
+                source = p if kind == "measurement" else "MEASUREMENT"
+                raise ModelError(f"{p} is an hqtflow {kind} artifact, not a model folder; an FP8 checkpoint comes from "
+                                 f"`hqtflow quantize -m {source} -o OUT`.")
             raise ModelError(f"Model directory {p} has no config.json; it is not a Hugging Face model folder.")
         load_config(p)
         damaged = ArtifactError if (p / MANIFEST).is_file() else ModelError  # hqtflow's checkpoint, or a model

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hqtflow.choices import KVCache, parse
-from hqtflow.errors import ConfigError
+from hqtflow.errors import ConfigError, not_a_file
 from hqtflow.measure.settings import MeasureSettings
 from hqtflow.quantize.settings import QuantizeSettings
 
@@ -162,7 +162,7 @@ def load_recipe(path: str | Path) -> Recipe:
 
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"Recipe {path} does not exist.")
+        raise ConfigError(f"Recipe {path} {not_a_file(path)}.")
     try:
         raw = yaml.load(path.read_text(), Loader=_unique_key_loader())
     except (yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:

@@ -349,7 +349,7 @@ def _common(job, device: str) -> dict:
             "target": device, "fp8": job.cfg.fp8_config, "hp_dtype": job.cfg.hp_dtype,
             "source_measurement": str(meas.directory.resolve()), "source_digest": meas.digest(),
             "provenance_known": meas.manifest.data.get("provenance_known", True),
-            "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]), "model_path": str(job.model_dir),
+            "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]), "model_path": str(Path(job.model_dir).absolute()),
             "engine": {"name": "inc", "version": inc_version(), "device": device}}
 
 

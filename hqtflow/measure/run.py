@@ -187,7 +187,7 @@ def write_artifact_files(path: Path, s: MeasureSettings, cfg: QuantConfig, model
         "observer": cfg.observer,
         "dump_stats_path": cfg.dump_stats_path,
         "model_dtype": s.dtype,
-        "model_path": str(model_dir),
+        "model_path": str(Path(model_dir).absolute()),
         "calibration": {**calibration, "batch_size": s.batch_size, "max_length": s.max_length,
                         "seconds": round(calibration["seconds"], 3)},
         "ranks": records,

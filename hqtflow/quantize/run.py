@@ -222,7 +222,7 @@ def _provenance(job: Job) -> dict:
             "weight_rounding": "gptq" if job.hessians is not None else "nearest",
             "source_measurement": str(meas.directory.resolve()), "source_digest": meas.digest(),
             "provenance_known": meas.manifest.data.get("provenance_known", True),
-            "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]), "model_path": str(job.model_dir)}
+            "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]), "model_path": str(Path(job.model_dir).absolute())}
 
 
 def _scale_files_writer(s: QuantizeSettings, job: Job):
