@@ -85,6 +85,20 @@ def choice(key: str, value: Any, choices: tuple[str, ...], *, source: str) -> st
     raise ConfigError(f"{source}: key '{key}' has value {value!r}; valid values are {', '.join(choices)}.")
 
 
+class _RepeatedKey(Exception):
+    pass
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """json's object hook: a key given twice is refused (json would keep the last one silently)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _RepeatedKey(k)
+        out[k] = v
+    return out
+
+
 def _bool(key: str, value: Any, *, source: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -269,9 +283,11 @@ class QuantConfig:
         if not path.is_file():
             raise ConfigError(f"QUANT_CONFIG file {path} {not_a_file(path)}.")
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(), object_pairs_hook=_no_repeated_keys)
         except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
             raise ConfigError(f"QUANT_CONFIG file {path} is not valid JSON ({e}).") from None
+        except _RepeatedKey as e:
+            raise ConfigError(f"QUANT_CONFIG file {path} gives key {e.args[0]!r} twice; keep one.") from None
         return cls.from_dict(raw, source=str(path))
 
     # ---- queries -------------------------------------------------------------------------------

@@ -337,6 +337,10 @@ CASES = {
     "quantize/QUANT_CONFIG nested too deep": (lambda c: quantize(c, c.m, "-c", write(c.w / "c.json",
                                                                                    '{"mode": "QUANTIZE", "x": ' + DEEP + "}")),
                                               "is not valid JSON"),
+    "quantize/QUANT_CONFIG key twice": (lambda c: quantize(c, c.m, "-c", write(c.w / "c.json",
+                                        '{"mode": "QUANTIZE", "scale_method": "maxabs_pow2", "scale_method": "unit_scale"}')),
+                                        "gives key 'scale_method' twice"),
+    "quantize/statistic overflows float32": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(1e39)))), "non-finite input"),
     "quantize/QUANT_CONFIG selects nothing": (lambda c: quantize(c, c.m, "-c", write(c.w / "c.json", json.dumps(
         {"mode": "QUANTIZE", "allowlist": {"types": [], "names": ["no_such_layer"]}}))), "quantizes no Linear layer"),
     "quantize/manifest model not an object": (lambda c: quantize(c, manifest(c.copy("m"), model="x")), "corrupt"),

@@ -81,7 +81,8 @@ def check_statistics(meas: "Measurement", where: str) -> None:
 def _array(x) -> np.ndarray:
     if np.asarray(x).dtype.kind not in "iuf":  # strings, booleans, ragged lists: numpy would turn "3.4" into 3.4
         raise ValueError("a statistic holds something other than numbers")
-    a = np.asarray(x, dtype=np.float32)
+    with np.errstate(over="ignore"):  # 1e39 becomes inf, which check_statistics refuses by name
+        a = np.asarray(x, dtype=np.float32)
     if a.ndim != 2:
         raise ValueError(f"expected a 2-D statistic, got shape {a.shape}")
     return a
