@@ -226,6 +226,14 @@ def skeleton(path: Path):
         raise ModelError(f"Cannot build the model described by {Path(path) / 'config.json'} ({e}).") from None
 
 
+def cache_kwarg(model) -> str:
+    """The name under which the model's forward takes a KV cache: `cache` (transformers >= 5.24, which warns about
+    the old name) or `past_key_values`."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def attention_modules(model) -> dict[int, str]:
     """{layer index: name} of the attention modules whose keys and values a KV cache holds (those with `k_proj`)."""
     return {m.layer_idx: n for n, m in model.named_modules() if isinstance(getattr(m, "layer_idx", None), int)

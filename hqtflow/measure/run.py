@@ -130,7 +130,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         @torch.inference_mode()
         def forward(ids, mask):
             with session.batch(mask), recording(mask), bf16_matmuls_via_fp32():
-                extra = {"past_key_values": kv.cache(mask), "use_cache": True} if kv else {}
+                extra = {models.cache_kwarg(model): kv.cache(mask), "use_cache": True} if kv else {}
                 logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), **extra).logits
             progress.update(ids.shape[0], int(mask.sum()))
             return logits

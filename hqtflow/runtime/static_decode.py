@@ -82,6 +82,9 @@ class StaticDecoder:
 
             self._kv_scales = kv_scales(model)  # refuse early when the model has none
         self.device = next(model.parameters()).device
+        from hqtflow.models import cache_kwarg
+
+        self._cache_kwarg = cache_kwarg(model)
         self._caches: dict[int, object] = {}
         self._step = self._decode_step
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
@@ -111,7 +114,7 @@ class StaticDecoder:
         return cache
 
     def _decode_step(self, tokens: torch.Tensor, position: torch.Tensor, cache) -> torch.Tensor:
-        logits = self.model(input_ids=tokens, past_key_values=cache, cache_position=position, use_cache=True).logits
+        logits = self.model(input_ids=tokens, **{self._cache_kwarg: cache}, cache_position=position, use_cache=True).logits
         return logits[:, -1].argmax(-1, keepdim=True)
 
     def _graph_step(self, tok: torch.Tensor, position: int, cache) -> torch.Tensor:

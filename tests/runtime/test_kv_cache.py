@@ -108,7 +108,9 @@ def test_decode_with_fp8_kv_cache(artifacts):
 def test_cli_kv_cache_paths(artifacts, tiny_llama, wiki_text, tmp_path):
     r = run_cli("generate", artifacts / "fp8", "--engine", "static", "--kv-cache", "fp8", "--max-new-tokens", "6")
     assert r.exit_code == 0 and r.stdout.strip(), r.stdout + r.stderr
-    r = run_cli("generate", artifacts / "fp8", "--kv-cache", "fp8")
+    r = run_cli("generate", artifacts / "fp8", "--kv-cache", "fp8", "--max-new-tokens", "6")  # the serving engine's
+    assert r.exit_code == 0 and r.stdout.strip(), r.stdout + r.stderr
+    r = run_cli("generate", artifacts / "fp8", "--kv-cache", "fp8", "--engine", "transformers")
     assert r.exit_code == 2 and "--engine static" in r.stderr
     r = run_cli("generate", artifacts / "fp8", "--kv-cache", "int4", "--engine", "static")
     assert r.exit_code == 2 and "bf16 or fp8" in r.stderr
