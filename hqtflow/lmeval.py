@@ -120,7 +120,7 @@ def check_tasks(tasks: list[str], manager, data_dir: str | Path | None) -> None:
             continue
         hint = ""
         if t in LOCAL_TASKS and data_dir is None:
-            hint = " (it reads local data: pass --data-dir, e.g. ../shared/data)"
+            raise CalibrationError(f"The bundled task {t!r} reads local data: pass --data-dir, e.g. ../shared/data.")
         elif f"{t}_local" in LOCAL_TASKS:
             hint = f" (no hub access here? use the offline copy '{t}_local' with --data-dir)"
         else:
