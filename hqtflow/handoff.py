@@ -37,12 +37,13 @@ SRC = "/usr/src"  # TGI-Gaudi's working directory: the seeds mount quantization_
 GAUDI_TARGETS = ("gaudi2", "gaudi3")
 DEFAULT_MEASURE_CONFIG = Path(__file__).resolve().parents[1] / "quantization_config" / "maxabs_measure.json"
 DEFAULTS = {  # without a recipe's gaudi section: the seeds' common flags
-    "measure": {"script": "run_lm_eval.py", "args": ["--use_hpu_graphs", "--use_kv_cache", "--bf16", "--batch_size", "1"]},
+    "measure": {"script": "run_lm_eval.py", "args": ["-o", "acc_measure.txt",  # run_lm_eval.py requires its output file
+                                                     "--use_hpu_graphs", "--use_kv_cache", "--bf16", "--batch_size", "1"]},
     "quantize": {"script": "run_generation.py", "args": ["--use_hpu_graphs", "--use_kv_cache", "--limit_hpu_graphs",
                                                          "--bf16", "--batch_size", "1", "--max_new_tokens", "128"]},
-    "tgi": {"env": {"PREFILL_BATCH_BUCKET_SIZE": "1", "BATCH_BUCKET_SIZE": "16", "PAD_SEQUENCE_TO_MULTIPLE_OF": "128"},
+    "tgi": {"env": {"PREFILL_BATCH_BUCKET_SIZE": "1", "BATCH_BUCKET_SIZE": "64", "PAD_SEQUENCE_TO_MULTIPLE_OF": "128"},
             "args": ["--max-input-tokens", "1024", "--max-batch-prefill-tokens", "4096", "--max-total-tokens", "2048",
-                     "--max-batch-size", "16"]},
+                     "--max-batch-size", "64"]},  # the TGI-Gaudi README's "LLama 7b FP8 on 1 Gaudi2 card"
 }
 ENTRY_KEYS = {"script", "args", "env", "cards"}
 
@@ -69,6 +70,7 @@ class Job:
     config: dict  # QUANT_CONFIG before its dump_stats_path is pointed at the files
     config_name: str  # file name of the QUANT_CONFIG copy
     artifact: Artifact | None  # None in measure mode
+    recipe_cards: int | None = None  # the card count the recipe (and its gaudi section) was written for
 
 
 @dataclass
@@ -200,6 +202,17 @@ def _gaudi_section(recipe_path: str | None, gaudi: Any) -> dict:
     return out
 
 
+def _fewer_cards(job: Job, entry: dict) -> list[str]:
+    """A note when a recipe entry written for more cards (no `cards` of its own) runs on fewer: its batch sizes and
+    token limits were sized for the memory of all of them."""
+    n = job.recipe_cards
+    if entry.get("cards") is None and job.gaudi and n and job.world_size < n:
+        return [f"the batch sizes and token limits below come from the recipe's {n}-card run; on {job.world_size} "
+                "card(s) lower them in proportion, or give the recipe's gaudi section an entry with "
+                f"cards: {job.world_size}."]
+    return []
+
+
 def _entry(job: Job, key: str) -> dict:
     entries = job.gaudi.get(key)
     if not entries:
@@ -276,7 +289,7 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
         model = from_recipe if recipe == source else (artifact.model if artifact else None) or from_recipe
     if not model:
         raise ConfigError("No model: the artifact records none; pass --model.")
-    return Job(mode, world, str(model), gaudi, config, name, artifact)
+    return Job(mode, world, str(model), gaudi, config, name, artifact, r.measure.tp if r else None)
 
 
 def _model_arg(model: str) -> str:
@@ -301,6 +314,7 @@ def optimum_habana(job: Job, handoff_dir: Path) -> Plan:
         config["dump_stats_path"] = str(job.artifact.directory / job.artifact.base)
     plan.configs[rel_cfg] = config
     e = _entry(job, job.mode)
+    plan.notes += _fewer_cards(job, e)
     env = [f"QUANT_CONFIG={handoff_dir / rel_cfg}", *(f"{k}={v}" for k, v in e["env"].items())]
     launch = ["python"] + (["../gaudi_spawn.py", "--use_deepspeed", "--world_size", str(job.world_size)]
                            if job.world_size > 1 else [])
@@ -319,6 +333,7 @@ def tgi_gaudi(job: Job, handoff_dir: Path, *, image: str = TGI_IMAGE, port: int 
     rel_cfg = f"quantization_config/{job.config_name}"
     plan = Plan([], configs={rel_cfg: config}, dirs=["quantization_config"] + (["data"] if volume == handoff_dir / "data" else []))
     e = _entry(job, "tgi")
+    plan.notes += _fewer_cards(job, e)
     local = Path(job.model).expanduser()
     mounts = [f"{volume}:/data", f"{handoff_dir / 'quantization_config'}:{SRC}/quantization_config",
               f"{job.artifact.directory}:{SRC}/hqt_output"]

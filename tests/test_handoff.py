@@ -321,3 +321,14 @@ def test_refusals(arts, tmp_path):
     bad.write_text("model: x\ngaudi:\n  measure: {args: --bf16}\n")
     refused([bad, "--to", "optimum-habana", "--mode", "measure"], "needs a `script`")
     assert not (Path.cwd() / "hqtflow-handoff").exists()  # a refusal writes nothing
+
+
+def test_default_measure_names_run_lm_evals_output_and_fewer_cards_are_flagged(arts, tmp_path):
+    """optimum-habana's run_lm_eval.py requires -o (its output file): the default measure command gives one. A recipe
+    entry written for 8 cards, handed off for a measurement unified to 2, says its sizes are the 8-card ones."""
+    [cmd] = handoff(RECIPES / "smollm2.yaml", "--to", "optimum-habana", "--mode", "measure", tmp=tmp_path)
+    assert "run_lm_eval.py" in cmd and cmd[cmd.index("-o") + 1] == "acc_measure.txt", cmd
+    handoff(RECIPES / "llama2-70b-8x.yaml", "-m", arts["m8to2"], "--to", "optimum-habana", tmp=tmp_path)
+    assert "come from the recipe's 8-card run; on 2 card(s)" in (tmp_path / "run.sh").read_text()
+    handoff(RECIPES / "llama2-70b-8x.yaml", "-m", arts["m8"], "--to", "optimum-habana", tmp=tmp_path)
+    assert "card run" not in (tmp_path / "run.sh").read_text()

@@ -370,7 +370,8 @@ class Engine:
             consecutive = live_rows == list(range(live_rows[0], live_rows[0] + len(live_rows)))  # no copy needed
             picked = logits[live_rows[0]:live_rows[0] + len(live)] if consecutive else logits[live_rows]
             for req, tok in zip(live, self._sample(live, picked)):
-                self._emit(req, tok)
+                if not req.finished:  # (one whose sampling failed has had its error)
+                    self._emit(req, tok)
 
     def _eager_forward(self, plan: list[tuple[Request, int]]) -> tuple[torch.Tensor, list, str, tuple[int, int]]:
         """One flattened forward of the step -> (kept logits, rows (request, new tokens, first kept row, scored
@@ -441,15 +442,19 @@ class Engine:
         toks, chosen, changed = [int(t) for t in picked[0]], picked[1], []
         for row, req in enumerate(reqs):
             p = req.params
-            if p.do_sample:
-                x = self._process(req, logits[row].clone())
-                toks[row] = int(torch.multinomial(_warp(x, p).softmax(-1), 1, generator=req.generator))
-                changed.append(row)
-            elif _processed(req):
-                toks[row] = int(self._process(req, logits[row].clone()).argmax())
-                changed.append(row)
-            if req.matcher is not None:
-                req.matcher.accept_token(toks[row])
+            try:  # a request whose processors or sampling fail ends alone: its neighbours in the batch go on
+                if p.do_sample:
+                    x = self._process(req, logits[row].clone())
+                    toks[row] = int(torch.multinomial(_warp(x, p).softmax(-1), 1, generator=req.generator))
+                    changed.append(row)
+                elif _processed(req):
+                    toks[row] = int(self._process(req, logits[row].clone()).argmax())
+                    changed.append(row)
+                if req.matcher is not None:
+                    req.matcher.accept_token(toks[row])
+            except Exception as e:  # noqa: BLE001 - reported to this request only
+                req.emit(Event(len(req.generated), None, error=f"{type(e).__name__}: {e}"))
+                req.finished = True
         if changed:
             rows = torch.tensor(changed, device=logits.device)
             for row, v in zip(changed, logprobs[rows, torch.tensor([toks[r] for r in changed], device=logits.device)].tolist()):
@@ -571,7 +576,7 @@ def _warp(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     maximum of 0 first (every warper is shift-invariant; +inf from a tiny repetition penalty capped first), so a tiny
     temperature gives -inf, the greedy limit, never +inf and NaN probabilities."""
     x = x.clamp(max=torch.finfo(x.dtype).max)
-    x = (x - x.max()) / p.temperature
+    x = (x - x.max()) / max(p.temperature, torch.finfo(x.dtype).tiny)  # 1e-320 would be 0 in float32: 0 / 0
     if p.top_k and p.top_k < x.numel():
         x[x < torch.topk(x, p.top_k).values[-1]] = -math.inf
     if p.top_p < 1.0:

@@ -11,6 +11,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from hqtflow.runtime.api import Ctx, Sequence
 from hqtflow.runtime.engine import SamplingParams
@@ -79,6 +80,9 @@ def chat_messages(messages: list[dict]) -> list[dict]:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise invalid(f"`messages[{i}].content[{j}]`: only text parts are supported. Given: {kind!r}")
+                extra = next((k for k, v in part.items() if k not in ("type", "text") and v is not None), None)
+                if extra is not None:
+                    raise invalid(f"`messages[{i}].content[{j}].{extra}` is not supported: a text part has type and text")
                 parts.append(part["text"])
             content = "\n".join(parts)
         elif content is None and m["role"] == "assistant":
@@ -226,7 +230,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
         except Exception as e:  # noqa: BLE001 - no or broken template
             raise invalid(f"`messages`: cannot apply the chat template: {e}") from None
         ids = ctx.encode(prompt, "messages", add_special_tokens=False)
-        grammar = chat_grammar(req)
+        grammar = await run_in_threadpool(chat_grammar, req)  # compiled off the event loop: other requests go on
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         names = ("messages", "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")

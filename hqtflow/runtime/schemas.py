@@ -29,7 +29,7 @@ def invalid(message: str) -> ApiError:
 def openai_error(message: str, error_type: str, status: int) -> dict:
     """OpenAI's error body ({"error": {message, type, param, code}}; `param`: the first parameter the message
     names), which the openai client turns into its exception's message, param and code."""
-    named = re.search(r"`([A-Za-z_][\w.\[\]]*)`", message)
+    named = re.search(r"`([A-Za-z_][\w.\[\]]*)`", message) if status == 422 else None  # a failure's text names no parameter
     kind = "server_error" if status >= 500 else "authentication_error" if status == 401 else "invalid_request_error"
     return {"error": {"message": message, "type": kind, "param": named.group(1) if named else None, "code": error_type}}
 

@@ -50,8 +50,10 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return error(e.status, e.message, e.error_type, req.url.path)
 
     @app.exception_handler(HTTPException)
-    async def _http_error(req: Request, e: HTTPException):
-        return error(e.status_code, str(e.detail), path=req.url.path)
+    async def _http_error(req: Request, e: HTTPException):  # its headers kept: a 405's Allow
+        response = error(e.status_code, str(e.detail), path=req.url.path)
+        response.headers.update(e.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def _server_error(req: Request, e: Exception):  # a bug: answered in the API's JSON (uvicorn logs the traceback)
@@ -83,9 +85,14 @@ def request_guard(s: ServeSettings, metrics: Metrics):
             return refuse(401, "Invalid or missing API key", "authentication")
         if int(req.headers.get("content-length") or 0) > MAX_BODY:
             return refuse(413, f"Request body larger than {MAX_BODY} bytes", "validation")
-        ctype = req.headers.get("content-type", "").split(";")[0].strip().lower()
+        ctype, *options = [part.strip().lower() for part in req.headers.get("content-type", "").split(";")]
         if req.method == "POST" and ctype != "application/json":
             return refuse(415, "Expected request with `Content-Type: application/json`", "validation")
+        charset = next((o.split("=", 1)[1].strip('"') for o in options if o.startswith("charset=")), "utf-8")
+        encoding = req.headers.get("content-encoding", "identity").strip().lower()
+        if req.method == "POST" and (charset not in ("utf-8", "utf8") or encoding != "identity"):
+            return refuse(415, "Expected a UTF-8 JSON body without Content-Encoding (given charset "
+                          f"{charset!r}, Content-Encoding {encoding!r})", "validation")
         return await call_next(req)
 
     return guard
@@ -132,7 +139,8 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     metrics = Metrics(engine)
     engine.on_step = metrics.on_step
     state = {"in_flight": 0, "ready": not s.warmup}
-    app = FastAPI(title="hqtflow serve", lifespan=lifespan(engine, tokenizer, s, state))
+    app = FastAPI(title="hqtflow serve", lifespan=lifespan(engine, tokenizer, s, state),
+                  redirect_slashes=False)  # `/generate/` is a 404, not a redirect to a URL built from the Host header
     app.state.engine, app.state.metrics, app.state.model_id = engine, metrics, s.model_id
     add_error_handlers(app, metrics)
     app.middleware("http")(request_guard(s, metrics))

@@ -7,6 +7,7 @@ import json
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from hqtflow.runtime.api import Ctx, Sequence
 from hqtflow.runtime.engine import SamplingParams
@@ -19,18 +20,22 @@ def sse(data) -> str:
     return f"data:{json.dumps(data)}\n\n"
 
 
-def sampling(ctx: Ctx, p: TgiParameters, n_input: int, default_max_new: int = 100) -> SamplingParams:
-    grammar = None
-    if p.grammar is not None:
-        kind, value = p.grammar.type, p.grammar.value
-        if kind == "json_schema":
-            kind, value = "json", value.get("schema") if isinstance(value, dict) else None
-        if not value:
-            raise invalid(f"`value` cannot be empty for `{p.grammar.type}` grammar")
-        try:
-            grammar = compile_grammar(ctx.tok, kind, value)
-        except GrammarError as e:
-            raise invalid(f"`grammar`: {e}") from None
+def tgi_grammar(ctx: Ctx, p: TgiParameters):
+    """The request's grammar, compiled (None without one); slow for a large one, so the routes run it in a thread."""
+    if p.grammar is None:
+        return None
+    kind, value = p.grammar.type, p.grammar.value
+    if kind == "json_schema":
+        kind, value = "json", value.get("schema") if isinstance(value, dict) else None
+    if not value:
+        raise invalid(f"`value` cannot be empty for `{p.grammar.type}` grammar")
+    try:
+        return compile_grammar(ctx.tok, kind, value)
+    except GrammarError as e:
+        raise invalid(f"`grammar`: {e}") from None
+
+
+def sampling(ctx: Ctx, p: TgiParameters, n_input: int, default_max_new: int = 100, grammar=None) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=ctx.max_new(n_input, p.max_new_tokens, default_max_new), do_sample=p.sampling,
         temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
@@ -48,7 +53,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
     def top_json(t):
         return [{"id": i, "text": tok.decode([i]), "logprob": lp, "special": i in ctx.engine.special} for i, lp in t.top]
 
-    def prepare(req: TgiRequest, stream: bool):
+    async def prepare(req: TgiRequest, stream: bool):
         p = req.parameters
         if stream and (p.best_of or 1) > 1:
             raise invalid("`best_of` != 1 is not supported when streaming tokens")
@@ -59,7 +64,9 @@ def tgi_router(ctx: Ctx) -> APIRouter:
             if not 0 < p.truncate <= s.max_input_tokens:
                 raise invalid(f"`truncate` must be strictly positive and less than {s.max_input_tokens}. Given: {p.truncate}")
             ids = ids[-p.truncate:]
-        return ids, p, sampling(ctx, p, len(ids))
+        params = sampling(ctx, p, len(ids))  # the checks first, then the grammar, compiled off the event loop
+        params.grammar = await run_in_threadpool(tgi_grammar, ctx, p)
+        return ids, p, params
 
     def details(seq: Sequence, ids: list[int], p: TgiParameters) -> dict:
         prefill = []
@@ -72,7 +79,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         return out
 
     async def generate_json(req: TgiRequest, request: Request) -> dict:
-        ids, p, params = prepare(req, stream=False)
+        ids, p, params = await prepare(req, stream=False)
         seqs = await ctx.collect([(ids, params)] * (p.best_of or 1), request)
         best = max(seqs, key=lambda q: q.logprob)  # TGI: the sequence with the highest total logprob
         head = req.inputs if p.return_full_text else ""
@@ -84,8 +91,8 @@ def tgi_router(ctx: Ctx) -> APIRouter:
                                                        for q in seqs if q is not best]
         return out
 
-    def generate_stream_response(req: TgiRequest) -> StreamingResponse:
-        ids, p, params = prepare(req, stream=True)
+    async def generate_stream_response(req: TgiRequest) -> StreamingResponse:
+        ids, p, params = await prepare(req, stream=True)
         slot = ctx.admit()  # fail before the 200 of the stream
 
         async def events():
@@ -109,7 +116,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         """TGI's route for its clients: {"inputs", "parameters", "stream"}; a list of one result, or SSE."""
         req = parse(TgiRequest, await read_body(request))
         if req.stream:
-            return generate_stream_response(req)
+            return await generate_stream_response(req)
         return [await generate_json(req, request)]
 
     def no_stream_field(req: TgiRequest, route: str) -> TgiRequest:
@@ -123,9 +130,9 @@ def tgi_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/generate_stream")
     async def generate_stream(request: Request):
-        return generate_stream_response(no_stream_field(parse(TgiRequest, await read_body(request)), "/generate_stream"))
+        return await generate_stream_response(no_stream_field(parse(TgiRequest, await read_body(request)), "/generate_stream"))
 
-    @r.get("/health")
+    @r.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' health checks
     async def health():
         if not ctx.state["ready"]:
             return JSONResponse({"error": "warming up", "error_type": "unhealthy"}, 503)
@@ -142,9 +149,15 @@ def tgi_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/tokenize")
     async def tokenize(request: Request):
-        inputs = parse(TokenizeRequest, await read_body(request)).inputs
+        req = parse(TokenizeRequest, await read_body(request))
+        inputs, truncate = req.inputs, req.parameters.truncate if req.parameters else None
         ctx.encode(inputs)
         enc = tok(inputs, return_offsets_mapping=True)
-        return [{"id": i, "text": inputs[a:b], "start": a, "stop": b} for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
+        pieces = [{"id": i, "text": inputs[a:b], "start": a, "stop": b} for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
+        if truncate is not None:  # as the generation routes: the last `truncate` tokens
+            if not 0 < truncate <= s.max_input_tokens:
+                raise invalid(f"`truncate` must be strictly positive and less than {s.max_input_tokens}. Given: {truncate}")
+            pieces = pieces[-truncate:]
+        return pieces
 
     return r

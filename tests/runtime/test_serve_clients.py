@@ -86,10 +86,50 @@ def test_tiny_temperature_samples_the_greedy_tokens(url, lm):
     ref = alone(lm, lm[1](PROMPT)["input_ids"], 4)
     c = tg.Client(url, timeout=60)
     for extra in ({}, {"repetition_penalty": 1e-300}):  # a tiny penalty turns the prompt's positive logits into inf
-        r = c.generate(PROMPT, max_new_tokens=4, do_sample=True, temperature=1e-40, seed=1, **extra)
-        assert r.details.finish_reason == "length" and len(r.details.tokens) == 4
-        if not extra:
-            assert [t.id for t in r.details.tokens] == ref
+        for t in (1e-40, 1e-320):  # 1e-320 is 0 in float32 (0 / 0 for the largest logit)
+            r = c.generate(PROMPT, max_new_tokens=4, do_sample=True, temperature=t, seed=1, **extra)
+            assert r.details.finish_reason == "length" and len(r.details.tokens) == 4
+            if not extra:
+                assert [t.id for t in r.details.tokens] == ref
+
+
+def test_a_failing_request_leaves_its_neighbours_alone(lm):
+    """A request whose sampling fails gets its error; the requests decoding beside it in the same steps go on to
+    their ends with the tokens they have alone."""
+    import threading
+
+    from hqtflow.runtime import engine as engine_module
+
+    model, tok = lm
+    ids = tok(PROMPT)["input_ids"]
+    ref = alone(lm, ids, 6)
+    eng = Engine(model, tok, max_batch_total_tokens=256)
+    real, runs = engine_module._warp, []
+
+    def broken(x, p):
+        if p.seed == 666:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(x, p)
+
+    def collect():
+        events, done = [], threading.Event()
+        runs.append((events, done))
+        return lambda ev: (events.append(ev), (ev.finish_reason or ev.error) and done.set())
+
+    engine_module._warp = broken
+    try:
+        for params in (SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=6, do_sample=True, seed=666),
+                       SamplingParams(max_new_tokens=6)):
+            eng.submit(ids, params, collect())  # all three wait for the engine: they run in the same steps
+        eng.start()
+        assert all(done.wait(60) for _, done in runs)
+    finally:
+        engine_module._warp = real
+        eng.stop()
+    (first, _), (failed, _), (third, _) = runs
+    assert failed[-1].error and "probability tensor" in failed[-1].error
+    for events in (first, third):
+        assert not any(e.error for e in events) and [e.token.id for e in events] == ref
 
 
 def test_huggingface_hub_inference_client(url, lm, monkeypatch):
@@ -277,6 +317,8 @@ REFUSED = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "`messages[0].content[0]`"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": -1}, "`max_tokens` must be >= 0. Given: -1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}]}, "`messages[0].content[0].cache_control`"),
     ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"\u00b2": 5}}, "logit_bias"),  # isdigit() but not a number
     ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"\u0663": 5}}, "logit_bias"),  # an Arabic-Indic 3
     ("/v1/chat/completions", {"messages": [{**MESSAGES[0], "name": "bob"}]}, "`messages[0].name`"),
@@ -398,8 +440,23 @@ def test_error_json_and_content_type(url):
     for name in ("tgi_request_queue_duration_bucket", "tgi_request_mean_time_per_token_duration_count", "tgi_batch_next_size_sum",
                  "# TYPE tgi_request_count counter", "# TYPE tgi_request_success counter", "# TYPE tgi_request_failure counter"):
         assert name in text, name
+    gzipped = __import__("gzip").compress(json.dumps({"inputs": PROMPT}).encode())
+    for r in (httpx.post(f"{url}/generate", content=gzipped, headers={"content-type": "application/json",
+                                                                      "content-encoding": "gzip"}),
+              httpx.post(f"{url}/generate", content=json.dumps({"inputs": PROMPT}).encode("latin-1"),
+                         headers={"content-type": "application/json; charset=latin-1"})):
+        assert r.status_code == 415 and "UTF-8 JSON body" in r.json()["error"], r.text
+    ok = httpx.post(f"{url}/generate", content=json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 1}}),
+                    headers={"content-type": "application/json; charset=UTF-8"})
+    assert ok.status_code == 200, ok.text
+    slash = httpx.post(f"{url}/generate/", json={"inputs": PROMPT}, headers={"host": "evil.example"})
+    assert slash.status_code == 404 and "location" not in slash.headers and set(slash.json()) == {"error", "error_type"}
+    assert httpx.put(f"{url}/generate", json={}).headers.get("allow") == "POST"  # a 405 says what is allowed
+    assert httpx.head(f"{url}/health").status_code == 200
+    pieces = httpx.post(f"{url}/tokenize", json={"inputs": PROMPT, "parameters": {"truncate": 1}}).json()
+    assert len(pieces) == 1 and pieces[0]["stop"] == len(PROMPT), pieces  # the last token, as the generation routes keep
     count = lambda t: float(re.search(r"^tgi_request_count (\S+)", t, re.M).group(1))  # noqa: E731
-    before = count(text)
+    before = count(httpx.get(f"{url}/metrics").text)
     httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"typical_p": 2}})
     assert count(httpx.get(f"{url}/metrics").text) == before + 1  # validation failures are counted
 
