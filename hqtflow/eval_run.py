@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hqtflow.errors import CalibrationError, HqtflowError, not_a_file
+from hqtflow.errors import HqtflowError
 
 
 def source_model(checkpoint: str | None) -> str | None:
@@ -44,8 +44,6 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     for flag, value in (("--limit", limit), ("--batch-size", batch_size), ("--ppl-windows", ppl_windows)):
         if value is not None and value < 1:
             raise HqtflowError(f"{flag} must be at least 1, not {value}.")
-    if ppl_file and not Path(ppl_file).is_file():
-        raise CalibrationError(f"Perplexity file {ppl_file} {not_a_file(ppl_file)}.")
     if ppl_file:
         from hqtflow.evaluate import read_ppl_text
 

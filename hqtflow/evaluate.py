@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from hqtflow.api import load_any  # noqa: F401 - the loader lives in hqtflow.api; re-exported for old callers
-from hqtflow.errors import CalibrationError
+from hqtflow.errors import CalibrationError, not_a_file
 
 
 @dataclass(frozen=True)
@@ -25,17 +25,18 @@ class EvalSettings:
     ppl_windows: int | None = None  # at most this many windows (None: the whole file)
 
 
-def read_ppl_text(path) -> str:
+def read_ppl_text(path, what: str = "Perplexity file") -> str:
+    """The text of a --ppl-file (`what`: how the messages name it), refused in one sentence when it cannot be one."""
+    if not Path(path).is_file():
+        raise CalibrationError(f"{what} {path} {not_a_file(path)}.")
     try:
         text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CalibrationError(f"Perplexity file {path} does not exist.") from None
     except UnicodeDecodeError:
-        raise CalibrationError(f"Perplexity file {path} is not UTF-8 text (a binary file?).") from None
+        raise CalibrationError(f"{what} {path} is not UTF-8 text (a binary file?).") from None
     except OSError as e:
-        raise CalibrationError(f"Cannot read the perplexity file {path} ({e.strerror}).") from None
+        raise CalibrationError(f"{what} {path} cannot be read ({e.strerror}).") from None
     if not text.strip():
-        raise CalibrationError(f"Perplexity file {path} is empty.")
+        raise CalibrationError(f"{what} {path} is empty.")
     return text
 
 

@@ -68,9 +68,9 @@ def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[
 
     check_not_partial(path)
     if not (path / "config.json").is_file():
-        from hqtflow.formats.artifact import MANIFEST, artifact_kind
+        from hqtflow.formats.artifact import kind_named
 
-        kind = artifact_kind(path).split(".")[-1] if (path / MANIFEST).is_file() else None
+        kind = kind_named(path)
         what = f"an hqtflow {kind} artifact" if kind else "not a checkpoint directory (no config.json)"
         raise ArtifactError(f"{path} is {what}; export reads an FP8 checkpoint (`hqtflow quantize` writes one).")
     _source_manifest(path)

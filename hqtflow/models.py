@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hqtflow.errors import ArtifactError, HqtflowError, ModelError
+from hqtflow.errors import ArtifactError, ModelError
 
 DEFAULT_MODEL = "smollm2"
 # name -> (PyPI package, GGUF file inside it)
@@ -54,17 +54,12 @@ def resolve_model(ref: str | None) -> Path:
         return d
     p = Path(ref).expanduser()
     if p.exists():
-        from hqtflow.formats.artifact import MANIFEST, check_not_partial
+        from hqtflow.formats.artifact import MANIFEST, check_not_partial, kind_named
 
         check_not_partial(p)
         if not (p / "config.json").is_file():
-            if (p / MANIFEST).is_file():  # one of hqtflow's other artifacts: say which, and what makes a model of it
-                from hqtflow.formats.artifact import artifact_kind
-
-                try:
-                    kind = artifact_kind(p).split(".")[-1]
-                except HqtflowError:
-                    kind = "unreadable"
+            kind = kind_named(p)
+            if kind:  # one of hqtflow's other artifacts: say which, and what makes a model of it
                 source = p if kind == "measurement" else "MEASUREMENT"
                 raise ModelError(f"{p} is an hqtflow {kind} artifact, not a model folder; an FP8 checkpoint comes from "
                                  f"`hqtflow quantize -m {source} -o OUT`.")

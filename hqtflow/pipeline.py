@@ -119,13 +119,9 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     check_own_output(root / "fp8", ArtifactKind.CHECKPOINT)
     check_not_anothers(root / "fp8", Path(ms.output))
     if r.eval.ppl_file:  # the eval's inputs are checked before the stages before it run
-        from hqtflow.errors import CalibrationError, not_a_file
         from hqtflow.evaluate import read_ppl_text
 
-        if not Path(r.eval.ppl_file).is_file():
-            raise CalibrationError(f"The recipe's eval.ppl_file {r.eval.ppl_file} {not_a_file(r.eval.ppl_file)} "
-                                   "(nothing was written).")
-        read_ppl_text(r.eval.ppl_file)
+        read_ppl_text(r.eval.ppl_file, "The recipe's eval.ppl_file")
     if not r.eval.empty:
         read_own_report(root / "eval.json")
     kv_missing = r.quantize.kv_cache == KVCache.FP8 and not (Path(ms.output) / KV_FILE).exists()

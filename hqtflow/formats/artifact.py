@@ -344,6 +344,16 @@ def artifact_kind(directory: str | Path) -> str:
     return str(_raw_manifest(Path(directory), "")[1]["_type"])
 
 
+def kind_named(directory: str | Path) -> str | None:
+    """For an error message: "measurement", "checkpoint", ... when `directory` holds an hqtflow manifest, else None."""
+    if not (Path(directory) / MANIFEST).is_file():
+        return None
+    try:
+        return artifact_kind(directory).split(".")[-1]
+    except ArtifactError:
+        return "unreadable"
+
+
 def read_manifest(directory: Path, type_: str, max_version: int | None = None, *, verify: bool = True) -> Manifest:
     """Load and check an artifact's manifest; every failure is one ArtifactError sentence.
 

@@ -9,7 +9,7 @@ from typing import Iterator
 
 import torch
 
-from hqtflow.errors import CalibrationError
+from hqtflow.errors import CalibrationError, not_a_file
 
 
 @dataclass(frozen=True)
@@ -21,13 +21,8 @@ class Batch:
 def read_texts(path: Path, text_field: str) -> list[str]:
     """A .txt file is one text; a .jsonl file gives one text per record (its `text_field`)."""
     path = Path(path)
-    if not path.exists():
-        raise CalibrationError(f"Calibration file {path} does not exist.")
-    if path.is_dir():
-        raise CalibrationError(f"Calibration file {path} is a directory; give a .txt or .jsonl file.")
-    if not path.is_file():  # /dev/zero would be read until memory runs out, a pipe until its writer closes it
-        raise CalibrationError(f"Calibration file {path} is not a regular file (a device or a pipe); give a .txt or "
-                               ".jsonl file.")
+    if not path.is_file():  # (/dev/zero would be read until memory runs out, a pipe until its writer closes it)
+        raise CalibrationError(f"Calibration file {path} {not_a_file(path)}; give a .txt or .jsonl file.")
     try:
         content = path.read_text()
     except UnicodeDecodeError:

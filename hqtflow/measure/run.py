@@ -126,11 +126,12 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         kv = KVStats(model) if world == 1 else None  # tensor-parallel ranks hold head shards: not recorded
         hessians = HessianRecorder(model, list(session.nodes)) if s.hessians else None
         recording = hessians.batch if hessians else lambda mask: nullcontext()
+        cache_name = models.cache_kwarg(model)  # the forward's name for the KV cache (looked up once)
 
         @torch.inference_mode()
         def forward(ids, mask):
             with session.batch(mask), recording(mask), bf16_matmuls_via_fp32():
-                extra = {models.cache_kwarg(model): kv.cache(mask), "use_cache": True} if kv else {}
+                extra = {cache_name: kv.cache(mask), "use_cache": True} if kv else {}
                 logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), **extra).logits
             progress.update(ids.shape[0], int(mask.sum()))
             return logits

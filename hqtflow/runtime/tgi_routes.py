@@ -35,13 +35,14 @@ def tgi_grammar(ctx: Ctx, p: TgiParameters):
         raise invalid(f"`grammar`: {e}") from None
 
 
-def sampling(ctx: Ctx, p: TgiParameters, n_input: int, default_max_new: int = 100, grammar=None) -> SamplingParams:
+def sampling(ctx: Ctx, p: TgiParameters, n_input: int, default_max_new: int = 100) -> SamplingParams:
+    """The engine's parameters for a TGI request (its grammar, compiled apart: `tgi_grammar`)."""
     return SamplingParams(
         max_new_tokens=ctx.max_new(n_input, p.max_new_tokens, default_max_new), do_sample=p.sampling,
         temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
         repetition_penalty=p.repetition_penalty or 1.0, tgi_frequency_penalty=p.frequency_penalty or 0.0,
         stop=stop_list(p.stop, ctx.s.max_stop_sequences), seed=p.seed, watermark=p.watermark, top_n=p.top_n_tokens or 0,
-        prompt_logprobs=0 if p.decoder_input_details else None, grammar=grammar)
+        prompt_logprobs=0 if p.decoder_input_details else None)
 
 
 def tgi_router(ctx: Ctx) -> APIRouter:
@@ -53,17 +54,21 @@ def tgi_router(ctx: Ctx) -> APIRouter:
     def top_json(t):
         return [{"id": i, "text": tok.decode([i]), "logprob": lp, "special": i in ctx.engine.special} for i, lp in t.top]
 
+    def truncated(items: list, truncate: int | None) -> list:
+        """TGI's `truncate`: the last N prompt tokens."""
+        if truncate is None:
+            return items
+        if not 0 < truncate <= s.max_input_tokens:
+            raise invalid(f"`truncate` must be strictly positive and less than {s.max_input_tokens}. Given: {truncate}")
+        return items[-truncate:]
+
     async def prepare(req: TgiRequest, stream: bool):
         p = req.parameters
         if stream and (p.best_of or 1) > 1:
             raise invalid("`best_of` != 1 is not supported when streaming tokens")
         if stream and p.decoder_input_details:
             raise invalid("`decoder_input_details` == true is not supported when streaming tokens")
-        ids = ctx.encode(req.inputs)
-        if p.truncate is not None:
-            if not 0 < p.truncate <= s.max_input_tokens:
-                raise invalid(f"`truncate` must be strictly positive and less than {s.max_input_tokens}. Given: {p.truncate}")
-            ids = ids[-p.truncate:]
+        ids = truncated(ctx.encode(req.inputs), p.truncate)
         params = sampling(ctx, p, len(ids))  # the checks first, then the grammar, compiled off the event loop
         params.grammar = await run_in_threadpool(tgi_grammar, ctx, p)
         return ids, p, params
@@ -154,10 +159,6 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         ctx.encode(inputs)
         enc = tok(inputs, return_offsets_mapping=True)
         pieces = [{"id": i, "text": inputs[a:b], "start": a, "stop": b} for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
-        if truncate is not None:  # as the generation routes: the last `truncate` tokens
-            if not 0 < truncate <= s.max_input_tokens:
-                raise invalid(f"`truncate` must be strictly positive and less than {s.max_input_tokens}. Given: {truncate}")
-            pieces = pieces[-truncate:]
-        return pieces
+        return truncated(pieces, truncate)  # as the generation routes: the last `truncate` tokens
 
     return r
