@@ -33,7 +33,7 @@ def _check_manifest(path: Path, verify: bool) -> None:
 
     try:
         kind = json.loads((path / MANIFEST).read_text()).get("_type")
-    except (OSError, json.JSONDecodeError, RecursionError, UnicodeDecodeError, AttributeError):
+    except (OSError, ValueError, RecursionError, AttributeError):
         kind = None  # read_manifest names what is wrong
     if kind != ArtifactKind.EXPORT:
         read_manifest(path, ArtifactKind.CHECKPOINT, verify=verify)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hqtflow.errors import ConfigError, not_a_file
+from hqtflow.errors import ConfigError, not_a_file, parse_problem
 
 MODES = ("MEASURE", "QUANTIZE", "LOAD", "NONE", "AUTO", "SHAPE")
 OBSERVERS = ("maxabs", "maxabs_per_channel", "shape", "save")
@@ -284,8 +284,8 @@ class QuantConfig:
             raise ConfigError(f"QUANT_CONFIG file {path} {not_a_file(path)}.")
         try:
             raw = json.loads(path.read_text(), object_pairs_hook=_no_repeated_keys)
-        except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
-            raise ConfigError(f"QUANT_CONFIG file {path} is not valid JSON ({e}).") from None
+        except (ValueError, RecursionError) as e:
+            raise ConfigError(f"QUANT_CONFIG file {path} is not valid JSON ({parse_problem(e)}).") from None
         except _RepeatedKey as e:
             raise ConfigError(f"QUANT_CONFIG file {path} gives key {e.args[0]!r} twice; keep one.") from None
         return cls.from_dict(raw, source=str(path))

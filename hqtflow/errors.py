@@ -71,3 +71,10 @@ def not_a_file(path) -> str:
     if not p.exists():
         return "does not exist"
     return "is a directory, not a file" if p.is_dir() else "is not a regular file (a device or a pipe)"
+
+
+def parse_problem(e: Exception) -> str:
+    """The first line of a JSON or YAML reader's error, for a message (Python's integer-size limit in words, not the
+    interpreter setting it suggests)."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return "an integer of more than 4300 digits" if "integer string conversion" in text else text

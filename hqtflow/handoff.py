@@ -97,7 +97,7 @@ def shell_line(words: list[str]) -> str:
 def _load_json(path: Path, what: str) -> dict:
     try:
         raw = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"{what} {path} cannot be read as JSON ({type(e).__name__}).") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{what} {path} must be a JSON object.")

@@ -172,16 +172,24 @@ def _load_scales(directory: Path) -> dict:
 
 
 def _checkpoint_tensors(directory: Path) -> dict[str, dict]:
-    """{layer: {weight, weight_scale, input_scale}} read from the safetensors files (torch tensors)."""
-    from hqtflow.formats.checkpoint import read_tensors
+    """{layer: {weight, weight_scale, input_scale}} read from the safetensors files (torch tensors); scales checked
+    as the loader checks them (positive, finite, per tensor or per output channel)."""
+    from hqtflow.formats.checkpoint import check_scales, read_tensors
 
+    tensors = read_tensors(directory)
+    check_scales(directory, tensors)
     layers: dict[str, dict] = {}
-    for key, t in read_tensors(directory).items():
+    for key, t in tensors.items():
         for suffix in ("weight_scale", "input_scale", "weight"):
             if key.endswith("." + suffix):
                 layers.setdefault(key[: -len(suffix) - 1], {})[suffix] = t
                 break
-    return {k: v for k, v in layers.items() if "weight_scale" in v and "weight" in v}
+    layers = {k: v for k, v in layers.items() if "weight_scale" in v and "weight" in v}
+    for name, t in layers.items():
+        if t["weight_scale"].numel() not in (1, t["weight"].shape[0]):
+            raise ArtifactError(f"{directory}: {name}.weight_scale has shape {list(t['weight_scale'].shape)} for a weight of "
+                                f"shape {list(t['weight'].shape)}; inspect reads per-tensor and per-channel scales.")
+    return layers
 
 
 # ---- analysis ------------------------------------------------------------------------------------

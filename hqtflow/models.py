@@ -93,7 +93,7 @@ def resolve_model(ref: str | None) -> Path:
 def load_config(path: Path) -> dict:
     try:
         cfg = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ModelError(f"Cannot read {Path(path) / 'config.json'} ({type(e).__name__}).") from None
     if not isinstance(cfg, dict):
         raise ModelError(f"{Path(path) / 'config.json'} is not a JSON object; it is not a model config.")
@@ -132,6 +132,11 @@ def config_errors() -> tuple[type[Exception], ...]:
     except ImportError:  # older huggingface_hub: no strict configs
         return ()
     return (StrictDataclassError,)
+
+
+# What transformers' config and modelling code raise for config.json values it cannot build a model from (a list as
+# model_type, a dtype that is a path, a rope type it does not know, a pad id past the vocabulary, nesting past the stack)
+BUILD_ERRORS = (ValueError, TypeError, KeyError, AttributeError, AssertionError, ZeroDivisionError, RecursionError)
 
 
 def bad_config(path: Path, e: Exception) -> ModelError:
@@ -192,8 +197,7 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
     except pickle.UnpicklingError:  # a damaged or foreign pytorch_model.bin: torch's weights-only unpickler refuses it
         raise ModelError(f"Cannot load the model in {path} (its .bin weights are not a plain PyTorch state dict; "
                          "hqtflow reads them weights-only and never unpickles other objects).") from None
-    except (OSError, ValueError, RuntimeError, SafetensorError,  # unreadable files, weights not fitting the config
-            KeyError, AssertionError, ZeroDivisionError) as e:  # config values the modelling code cannot build
+    except (OSError, RuntimeError, SafetensorError, *BUILD_ERRORS) as e:  # unreadable files, weights not fitting
         raise ModelError(f"Cannot load the model in {path} ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
     for kind, meaning in (("missing_keys", "its weight files lack"), ("unexpected_keys", "its config.json has no place for"),
                           ("mismatched_keys", "config.json gives other shapes to")):
@@ -217,7 +221,7 @@ def skeleton(path: Path):
             return AutoModelForCausalLM.from_config(config)
     except config_errors() as e:
         raise bad_config(path, e) from None
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, *BUILD_ERRORS) as e:
         raise ModelError(f"Cannot build the model described by {Path(path) / 'config.json'} ({e}).") from None
 
 

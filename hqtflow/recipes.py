@@ -19,12 +19,13 @@ through `measure_settings`, the one merge of `measure --recipe` and `run`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from hqtflow.choices import KVCache, parse
-from hqtflow.errors import ConfigError, not_a_file
+from hqtflow.errors import ConfigError, not_a_file, parse_problem
 from hqtflow.measure.settings import MeasureSettings
 from hqtflow.quantize.settings import QuantizeSettings
 
@@ -132,6 +133,15 @@ def measure_settings(recipe: Recipe | None, flags: Mapping[str, Any], **fixed: A
     return MeasureSettings(**merge_flags(values, flags), **fixed)
 
 
+def _encodable(path: str) -> bool:
+    """Text that can be written out and named in the file system (a lone surrogate cannot be encoded)."""
+    try:
+        os.fsencode(path)
+    except UnicodeError:
+        return False
+    return True
+
+
 class _DuplicateKey(Exception):
     pass
 
@@ -165,8 +175,8 @@ def load_recipe(path: str | Path) -> Recipe:
         raise ConfigError(f"Recipe {path} {not_a_file(path)}.")
     try:
         raw = yaml.load(path.read_text(), Loader=_unique_key_loader())
-    except (yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
-        raise ConfigError(f"Recipe {path} is not valid YAML ({str(e).splitlines()[0]}).") from None
+    except (yaml.YAMLError, RecursionError, ValueError) as e:  # ValueError: undecodable, or an int of 4301+ digits
+        raise ConfigError(f"Recipe {path} is not valid YAML ({parse_problem(e)}).") from None
     except _DuplicateKey as e:
         raise ConfigError(f"Recipe {path} gives {e}; keep one.") from None
     if not isinstance(raw, dict):
@@ -227,7 +237,9 @@ class _Reader:
         raise ConfigError(f"Recipe {self.file}: '{label}' must be {what}, not {value!r}.")
 
     def text(self, label: str, value: Any) -> str:
-        return value if isinstance(value, str) else self.fail(label, "a string", value)
+        if not isinstance(value, str):
+            self.fail(label, "a string", value)
+        return value if _encodable(value) else self.fail(label, "valid text (it holds a lone surrogate)", value)
 
     def count(self, label: str, value: Any) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -241,7 +253,7 @@ class _Reader:
         return parse(KVCache, value, f"Recipe {self.file}: {label}")
 
     def path(self, label: str, value: Any) -> str:
-        if not isinstance(value, str):
+        if not isinstance(value, str) or "\0" in value or not _encodable(value):  # NUL: no file name holds one
             self.fail(label, "a path", value)
         p = Path(value).expanduser()
         return str(p if p.is_absolute() else (self.base / p).resolve())

@@ -271,7 +271,7 @@ def _read_plan(path) -> dict[str, str]:
         return {}
     try:
         plan = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"Parallel plan {path} cannot be read as JSON ({e}).") from None
     if not isinstance(plan, dict) or not all(v in ("column", "row", "replicated") for v in plan.values()):
         raise ConfigError(f"Parallel plan {path} must map module-name regexes to column, row or replicated.")

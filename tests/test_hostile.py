@@ -328,7 +328,7 @@ CASES = {
     "quantize/truncated json": (lambda c: (truncate(c.copy("i1") / f"{STEM}.json"), quantize(c, rehash(c.w / "i1")))[1],
                                 "not an HQT measurement file"),
     "quantize/NumSamples not a number": (lambda c: quantize(c, rehash(stats(c.copy("i1"), lambda r: r.update(NumSamples="many")))),
-                                         "not a number"),
+                                         "not a whole number"),
     "quantize/manifest nested too deep": (lambda c: quantize(c, (write(c.copy("m") / MANIFEST, DEEP), c.w / "m")[1]),
                                           "corrupt"),
     "quantize/statistics nested too deep, hashes rewritten": (
@@ -403,7 +403,7 @@ CASES = {
     "import-hqt/Nodes not an object": (lambda c: ["import-hqt", stats(c.copy("f1"), lambda r: r.update(Nodes=[])), "-o", c.out],
                                        "not an HQT measurement file"),
     "import-hqt/NumSamples not a number": (lambda c: ["import-hqt", stats(c.copy("f1"), lambda r: r.update(NumSamples=[1])),
-                                                      "-o", c.out], "not a number"),
+                                                      "-o", c.out], "not a whole number"),
     # export
     "export/truncated weights, hashes rewritten": (lambda c: export(c, rehash(trunc_ck(c))), "is truncated"),
     "export/truncated weights": (lambda c: export(c, trunc_ck(c)), "modified after it was written"),
@@ -549,7 +549,58 @@ CASES = {
                              "is not an hqtflow measurement artifact"),
     "run/recipe not UTF-8": (lambda c: ((c.w / "r.yaml").write_bytes(b"\xff\xfe\x00\x01"), ["run", c.w / "r.yaml"])[1],
                              "is not valid YAML"),
+    # from fuzzing the readers (stop 48): huge integers, Infinity where a count goes, wrong nested types, odd scales
+    "inspect/measurement with a 5000-digit integer": (lambda c: ["inspect", rehash(big_int(c.copy("m"), f"{STEM}.json", "NumSamples"))],
+                                                      "not an HQT measurement file"),
+    "inspect/manifest with a 5000-digit integer": (lambda c: ["inspect", big_int(c.copy("m"), MANIFEST, "_version")], "corrupt"),
+    "quantize/QUANT_CONFIG with a 5000-digit integer": (lambda c: quantize(c, c.m, "-c", write(
+        c.w / "c.json", '{"mode": "QUANTIZE", "fake_quant": ' + "1" * 5000 + "}")), "an integer of more than 4300 digits"),
+    "run/recipe with a 5000-digit integer": (lambda c: ["run", write(c.w / "r.yaml", "version: " + "1" * 5000 + "\n")],
+                                             "an integer of more than 4300 digits"),
+    "inspect/manifest world_size Infinity": (lambda c: ["inspect", edit_manifest(c.copy("m"), lambda m: m["data"].update(
+        world_size=float("inf")))], "not a whole number"),
+    "unify/NumSamples Infinity": (lambda c: unify(c, rehash(stats(c.copy("i2"), lambda r: r.update(NumSamples=float("inf")),
+                                                                  f"{STEM}_1_2.json"))), "not a whole number"),
+    "unify/manifest layer record a list": (lambda c: unify(c, edit_manifest(c.copy("m"), lambda m: m["data"]["ranks"][0].update(
+        layers={NODE: ["column"]})), "0"), "malformed layer record"),
+    "generate/quantization_config config_groups a number": (lambda c: gen(rehash(edit_config(c.copy("ck"), lambda cfg: cfg[
+        "quantization_config"].update(config_groups=5)))), "quantization_config is malformed"),
+    "generate/quantization_config ignore a number": (lambda c: gen(rehash(edit_config(c.copy("ck"), lambda cfg: cfg[
+        "quantization_config"].update(ignore=0.5)))), "must be a list of module names"),
+    "generate/config.json dtype a path": (lambda c: gen(rehash(config(c.copy("ck"), dtype="../../etc/passwd"))),
+                                          "is not a valid model config"),
+    "generate/config.json model_type a list": (lambda c: gen(rehash(config(c.copy("ck"), model_type=["llama"]))),
+                                               "is not a valid model config"),
+    "generate/KV scale of 64 values": (lambda c: gen(rehash(tensors(c.copy("ck"), set_tensor(
+        "model.layers.1.self_attn.k_scale", torch.ones(64))))), "KV-cache scales are per tensor"),
+    "generate/weight scale 3e38": (lambda c: gen(rehash(tensors(c.copy("ck"), set_tensor(
+        "model.layers.0.mlp.gate_proj.weight_scale", torch.full((1,), 3e38))))), "overflows float32"),
+    "inspect/per-channel weight scale of the wrong length": (lambda c: ["inspect", rehash(tensors(c.copy("ck"), set_tensor(
+        f"{NODE}.weight_scale", torch.ones(128, 1))))], "inspect reads per-tensor and per-channel scales"),
+    "run/recipe output with a NUL byte": (lambda c: ["run", write(c.w / "r.yaml", f"model: {c.model}\ncalibration:\n  text: "
+                                                                  f"{c.text}\noutput: \"out\\0dir\"\n")], "not a usable path"),
+    "run/recipe output with a lone surrogate": (lambda c: ["run", write(c.w / "r.yaml", f"model: {c.model}\ncalibration:\n  "
+                                                                        f"text: {c.text}\noutput: \"out\\ud800dir\"\n")],
+                                                "must be valid text"),
 }
+
+
+def big_int(d, name, key):
+    """`key` of the JSON file set to an integer of 5000 digits (json.dumps cannot write one: Python's limit is 4300)."""
+    edit_json(d / name, lambda raw: raw.update({key: "BIG"}))
+    write(d / name, (d / name).read_text().replace('"BIG"', "1" * 5000))
+    return d
+
+
+def edit_config(d, fn):
+    edit_json(d / "config.json", fn)
+    return d
+
+
+def set_tensor(key, value):
+    def fn(t):
+        t[key] = value.to(t[key].dtype) if key in t else value
+    return fn
 
 
 def data_dir(c, name, text):

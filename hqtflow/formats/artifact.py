@@ -212,6 +212,8 @@ def real_path(p: Path) -> Path:
         return Path(p).resolve()
     except (RuntimeError, OSError):  # Python 3.11 raises RuntimeError for a loop, later versions OSError (ELOOP)
         raise ArtifactError(f"{p} is a symlink loop (or lies behind one).") from None
+    except ValueError:  # a NUL byte, or a lone surrogate no file system name can hold
+        raise ArtifactError(f"{str(p)!r} is not a usable path (a NUL byte or an unencodable character).") from None
 
 
 def check_replaceable(out: Path) -> None:
@@ -334,7 +336,7 @@ def _raw_manifest(directory: Path, kind: str) -> tuple[Path, dict]:
     try:
         raw = json.loads(mpath.read_text())
         raw["_type"], raw["_version"]
-    except (OSError, json.JSONDecodeError, RecursionError, UnicodeDecodeError, KeyError, TypeError):
+    except (OSError, ValueError, RecursionError, KeyError, TypeError):
         raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).") from None
     return mpath, raw
 

@@ -277,11 +277,20 @@ def read_tensors(directory: Path, *, device: str = "cpu") -> dict[str, torch.Ten
         return {k: tf.get(k) for k in tf.entries}
 
 
+MAX_SCALE = torch.finfo(torch.float32).max / torch.finfo(torch.float8_e5m2).max  # larger: scale x FP8 value overflows
+
+
 def check_scales(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Every scale of a checkpoint must be positive and finite (a zero or NaN scale cannot be right)."""
+    """Every scale of a checkpoint must be positive and finite (a zero or NaN scale cannot be right), and small enough
+    that dequantizing with it stays finite in float32."""
     for k, v in tensors.items():
-        if k.endswith(("_scale", ".scale", "_scale_inv")) and not bool((torch.isfinite(v.float()) & (v.float() > 0)).all()):
-            raise ArtifactError(f"{path}: {k} holds a zero, negative or non-finite scale, which cannot be right.")
+        if k.endswith(("_scale", ".scale", "_scale_inv")):
+            v = v.float()
+            if not bool((torch.isfinite(v) & (v > 0)).all()):
+                raise ArtifactError(f"{path}: {k} holds a zero, negative or non-finite scale, which cannot be right.")
+            if bool((v > MAX_SCALE).any()):
+                raise ArtifactError(f"{path}: {k} holds a scale of {v.max().item():.3g}, over {MAX_SCALE:.3g}: "
+                                    "dequantizing with it overflows float32, so it cannot be right.")
 
 
 def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -302,7 +311,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hqtflow.formats.compressed_tensors import parse_quantization_config
-    from hqtflow.models import bad_config, config_errors, load_config
+    from hqtflow.models import BUILD_ERRORS, bad_config, config_errors, load_config
     from hqtflow.quantize.fp8_linear import FP8Linear
 
     path = Path(path)
@@ -314,7 +323,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
         hp = dtype or (config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.bfloat16)
         with init_empty_weights(include_buffers=False):  # parameters on meta; computed buffers (rotary) real
             model = AutoModelForCausalLM.from_config(config, dtype=hp)
-    except config_errors() as e:
+    except (*config_errors(), *BUILD_ERRORS) as e:
         raise bad_config(path, e) from None
     if tensors is None:
         tensors = read_tensors(path, device=device)
@@ -371,6 +380,8 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
             attn = model.get_submodule(mod_name)
         except AttributeError:
             raise ArtifactError(f"{path}: {key} belongs to no module of this model.") from None
+        if value.numel() != 1:
+            raise ArtifactError(f"{path}: {key} has {value.numel()} values; KV-cache scales are per tensor (one value).")
         for leaf in (("k_scale", "v_scale") if leaf == "kv_scale" else (leaf,)):
             attn.register_buffer(leaf, torch.empty((), dtype=torch.float32, device="meta"))
             tensors[f"{mod_name}.{leaf}"] = value.float().reshape(())

@@ -59,6 +59,17 @@ def parse_quantization_config(qc: dict) -> dict:
     """
     if not isinstance(qc, dict):
         raise ArtifactError(f"config.json's quantization_config is not an object ({type(qc).__name__}).")
+    ignore = qc.get("ignore") or []
+    if not (isinstance(ignore, list) and all(isinstance(x, str) for x in ignore)):
+        raise ArtifactError(f"config.json's quantization_config.ignore must be a list of module names, not {ignore!r:.80}.")
+    try:
+        return _parse(qc)
+    except (AttributeError, TypeError, ValueError):  # a field of the wrong JSON type where an object or number belongs
+        raise ArtifactError("config.json's quantization_config is malformed: a field has the wrong type (an object, "
+                            "list or number where another belongs).") from None
+
+
+def _parse(qc: dict) -> dict:
     method = qc.get("quant_method")
     if method == "fp8":
         return _parse_autofp8(qc)

@@ -188,6 +188,11 @@ class Measurement:
     mode: str
 
 
+def whole(x) -> bool:
+    """A JSON integer (not a float such as 2.5, Infinity or 1e400, nor a boolean)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def read_measurement(path: Path) -> Measurement:
     """Read a measurement `.json` (never the pickled `.npz`)."""
     path = Path(path)
@@ -197,17 +202,16 @@ def read_measurement(path: Path) -> Measurement:
         raw = json.loads(path.read_text())
         nodes = raw["Nodes"]
         mode = raw.get("Mode", "DynamicRange")
-    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError, KeyError, TypeError):
+    except (ValueError, RecursionError, KeyError, TypeError):
         raise ArtifactError(f"{path} is not an HQT measurement file (corrupt JSON or no 'Nodes').") from None
     if not isinstance(nodes, dict) or not isinstance(raw, dict):
         raise ArtifactError(f"{path} is not an HQT measurement file ('Nodes' is not an object).")
     bad = next((k for k in nodes if not NODE_NAME.match(k)), None)
     if bad is not None:
         raise ArtifactError(f"{path} has a node named {bad!r}, which is not a module name; the file is corrupt or hostile.")
-    try:
-        samples = int(raw.get("NumSamples", 0))
-    except (TypeError, ValueError):
-        raise ArtifactError(f"{path} has NumSamples {raw.get('NumSamples')!r}, not a number.") from None
+    samples = raw.get("NumSamples", 0)
+    if not whole(samples):
+        raise ArtifactError(f"{path} has NumSamples {samples!r}, not a whole number.")
     if samples < 0:
         raise ArtifactError(f"{path} has NumSamples {samples}; a count of samples cannot be negative.")
     meas = Measurement(
@@ -272,7 +276,7 @@ def read_kv_stats(directory: Path) -> dict[str, dict[str, float]] | None:
     try:
         data = json.loads(path.read_text())
         ok = data.get("format") == KV_FORMAT and data.get("version") == 1 and isinstance(data["layers"], dict)
-    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError, AttributeError, KeyError):
+    except (ValueError, RecursionError, AttributeError, KeyError):
         ok, data = False, {}
     if not ok:
         raise ArtifactError(f"{path} is not a KV-cache statistics file this hqtflow reads (format "
@@ -320,8 +324,13 @@ class LoadedMeasurement:
 
     @property
     def layers(self) -> list[dict]:
-        """Per rank: node -> what `measure` recorded of its layer (type, parallel style, shapes); empty if foreign."""
-        return [r.get("layers") or {} for r in self.records] or [{} for _ in self.stems]
+        """Per rank: node -> what `measure` recorded of its layer (type, parallel style, shapes); empty if foreign.
+        The manifest is not hashed (it holds the hashes), so its fields are checked here."""
+        out = [r.get("layers") or {} if isinstance(r, dict) else None for r in self.records]
+        bad = next((i for i, layers in enumerate(out) if not _layer_records(layers)), None)
+        if bad is not None:
+            raise ArtifactError(f"{self.manifest.path} has a malformed layer record for rank {bad}; it is corrupt.")
+        return out or [{} for _ in self.stems]
 
     @property
     def base(self) -> str:
@@ -353,12 +362,25 @@ class LoadedMeasurement:
         return read_hessians(self.directory) if listed else None
 
 
+def _layer_records(layers) -> bool:
+    """What `measure` writes per layer: {node: {"style": str | None, "weight_shape": [int], "output_dim": int, ...}}."""
+    def ints(v):
+        return isinstance(v, list) and all(whole(x) for x in v)
+
+    kinds = {"style": lambda v: v is None or isinstance(v, str), "weight_shape": ints, "global_weight_shape": ints,
+             "output_dim": lambda v: v is None or whole(v), "input_dim": lambda v: v is None or whole(v)}
+    return isinstance(layers, dict) and all(
+        isinstance(info, dict) and all(ok(info[k]) for k, ok in kinds.items() if k in info) for info in layers.values())
+
+
 def manifest_ranks(m: Manifest) -> tuple[list[str], int]:
     """The rank stems and world size a measurement manifest records (checked: one stem per rank)."""
     try:
-        stems, world = [str(r["stem"]) for r in m.data["ranks"]], int(m.data["world_size"])
+        stems, world = [str(r["stem"]) for r in m.data["ranks"]], m.data["world_size"]
     except (KeyError, TypeError, ValueError):
         raise ArtifactError(f"{m.path} is corrupt (no valid ranks / world_size).") from None
+    if not whole(world):
+        raise ArtifactError(f"{m.path} has world_size {world!r}, not a whole number; it is corrupt.")
     if len(stems) != world or world < 1:
         raise ArtifactError(f"{m.path} lists {len(stems)} rank(s) for world size {world}; it is corrupt.")
     return stems, world

@@ -47,7 +47,7 @@ def read_scale_file(path: Path) -> dict[str, dict]:
     try:
         raw = json.loads(Path(path).read_text())
         nodes, mode = raw["Nodes"], raw.get("Mode")
-    except (OSError, json.JSONDecodeError, RecursionError, UnicodeDecodeError, KeyError, TypeError):
+    except (OSError, ValueError, RecursionError, KeyError, TypeError):
         raise ArtifactError(f"{path} is not an INC scale file (unreadable JSON or no 'Nodes').") from None
     if mode != "Scale" or not isinstance(nodes, dict) or not all(isinstance(n, dict) for n in nodes.values()):
         raise ArtifactError(f"{path} is not an INC scale file (Mode {mode!r}, or its nodes are not objects).")
@@ -58,7 +58,7 @@ def is_scale_file(path: Path) -> bool:
     """Whether a `.json` holds scales (Mode 'Scale') rather than a measurement."""
     try:
         return json.loads(Path(path).read_text()).get("Mode") == "Scale"
-    except (OSError, json.JSONDecodeError, RecursionError, UnicodeDecodeError, AttributeError):
+    except (OSError, ValueError, RecursionError, AttributeError):
         return False
 
 

@@ -39,7 +39,7 @@ def read_texts(path: Path, text_field: str) -> list[str]:
             continue
         try:
             rec = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             raise CalibrationError(f"{path} line {lineno} is not valid JSON.") from None
         if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
             if isinstance(rec, dict) and text_field in rec:
