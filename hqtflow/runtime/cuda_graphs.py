@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from hqtflow.runtime.paged import DecodeBatch, KVPool
+from hqtflow.runtime.paged import DecodeBatch, KVPool, stepping
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 MIN_CONTEXT = 256
@@ -95,7 +95,8 @@ class DecodeGraphs:
         if not self.capture:
             plan = DecodeBatch(self.pool, *key, self.scratch)
             plan.fill(seqs)
-            return self._step(plan)[: len(seqs)]
+            with stepping(plan):
+                return self._step(plan)[: len(seqs)]
         entry = self.graphs.get(key)
         if entry is None:
             plan = DecodeBatch(self.pool, *key, self.scratch)
@@ -136,7 +137,8 @@ class DecodeGraphs:
     def _try_capture(self, key: tuple[int, int], plan: DecodeBatch) -> bool:
         """Capture `plan`'s step as graph `key`; a failure turns graphs off for good (the reason in `failed`, logged)."""
         try:
-            graph, logits = capture(lambda: self._step(plan), pool=self.mempool)
+            with stepping(plan):
+                graph, logits = capture(lambda: self._step(plan), pool=self.mempool)
         except Exception as e:  # noqa: BLE001 - graphs are an optimization: run eagerly from now on
             self.failed = f"{type(e).__name__}: {e}"
             logging.getLogger("hqtflow").warning("CUDA graph capture failed, decode steps run eagerly from now on: %s",

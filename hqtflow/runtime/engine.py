@@ -356,8 +356,10 @@ class Engine:
         live, live_rows = [], []
         for req, n, first, scored in rows:
             req.computed += n
+            if req.params.prompt_logprobs is not None and req.prompt is None:
+                req.prompt = [(None, [])]  # the first prompt token has no logprob (all a one-token prompt has)
             if scored:
-                req.prompt = (req.prompt or [(None, [])]) + self._prompt_logprobs(req, logits[first:first + len(scored)], scored)
+                req.prompt += self._prompt_logprobs(req, logits[first:first + len(scored)], scored)
             if req.computed < len(req.tokens):
                 continue
             if req.params.max_new_tokens <= 0:  # prompt scoring only (OpenAI max_tokens=0 with echo)
@@ -376,7 +378,7 @@ class Engine:
     def _eager_forward(self, plan: list[tuple[Request, int]]) -> tuple[torch.Tensor, list, str, tuple[int, int]]:
         """One flattened forward of the step -> (kept logits, rows (request, new tokens, first kept row, scored
         prompt positions), "prefill" | "decode", (sequences, tokens run))."""
-        from hqtflow.runtime.paged import Seq, StepPlan
+        from hqtflow.runtime.paged import Seq, StepPlan, stepping
 
         ids, pos, seqs, keep, rows = [], [], [], [], []  # rows: (request, n, first kept row, scored prompt positions)
         for req, n in plan:
@@ -388,7 +390,7 @@ class Engine:
             seqs.append(Seq(start, n, past, table[past:past + n], table[:past + n]))
             scored = []
             if req.params.prompt_logprobs is not None:  # logits at prompt position i score prompt token i + 1
-                done = len(req.prompt) if req.prompt else 1
+                done = len(req.prompt) if req.prompt else 1  # prompt tokens scored (the first needs none)
                 scored = [i for i in range(past, past + n) if done - 1 <= i < len(req.input_ids) - 1]
             first = len(keep)
             keep += [start + i - past for i in scored]
@@ -400,9 +402,10 @@ class Engine:
         real = len(ids)
         ids += [0] * (-real % multiple)
         pos += [0] * (len(ids) - real)
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=torch.tensor([pos], device=self.device),
-                         use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-                         paged=StepPlan(self.pool, seqs, len(ids)))
+        step = StepPlan(self.pool, seqs, len(ids))
+        with stepping(step):
+            out = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=torch.tensor([pos], device=self.device),
+                             use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device), paged=step)
         return out.logits[0].float(), rows, "prefill" if prefill else "decode", (len(plan), len(ids))
 
     def _slots(self, req: Request) -> torch.Tensor:

@@ -46,6 +46,20 @@ def _compile(tokenizer, kind: str, value: str):
     raise GrammarError(f"unknown grammar type {kind!r}")
 
 
+MAX_SCHEMA_DEPTH = 64
+
+
+def depth(value) -> int:
+    """How deep dicts and lists nest in a parsed JSON value (iterative: no recursion limit)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            todo += [(x, d + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return deepest
+
+
 def compile_grammar(tokenizer, kind: str, value=None):
     """kind: "json" (value: a JSON schema, dict or string), "regex" (value: a regex) or "json_object" (any JSON)."""
     if not available():
@@ -54,8 +68,10 @@ def compile_grammar(tokenizer, kind: str, value=None):
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested past Python's stack
                 raise GrammarError("the json grammar's `value` is not valid JSON") from None
+        if depth(value) > MAX_SCHEMA_DEPTH:  # compiling takes seconds from ~300 levels (a cheap way to burn CPU)
+            raise GrammarError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
         value = json.dumps(value, sort_keys=True)
     return _compile(tokenizer, kind, value)
 

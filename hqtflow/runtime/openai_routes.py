@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from hqtflow.runtime.api import Ctx, Sequence
 from hqtflow.runtime.engine import SamplingParams
 from hqtflow.runtime.grammar import GrammarError, compile_grammar
-from hqtflow.runtime.schemas import (ApiError, ChatRequest, CompletionRequest, OpenAICommon, invalid, openai_error, parse,
+from hqtflow.runtime.schemas import (ROLES, ApiError, ChatRequest, CompletionRequest, OpenAICommon, invalid, openai_error, parse,
                                      read_body, stop_list)
 
 FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
@@ -53,7 +53,6 @@ def _byte_symbols() -> dict[str, int]:
     return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
-ROLES = ("system", "developer", "user", "assistant")
 MESSAGE_REFUSED = {"name": "participant names are not passed to the chat template",
                    **{k: "tool calling is not implemented" for k in ("tool_calls", "tool_call_id", "function_call")},
                    "refusal": "refusals are not modelled", "audio": "audio is not supported"}

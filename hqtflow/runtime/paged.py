@@ -29,6 +29,8 @@ picks its GEMM by M anyway).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import itertools
 from dataclasses import dataclass
@@ -196,10 +198,26 @@ def _per_head(scale: torch.Tensor, kv_heads: int, device) -> torch.Tensor:
     raise ValueError(f"A KV scale with {s.numel()} values fits neither one per layer nor one per KV head ({kv_heads}).")
 
 
+_STEP: contextvars.ContextVar = contextvars.ContextVar("hqtflow_paged_step", default=None)
+
+
+@contextlib.contextmanager
+def stepping(plan):
+    """The engine's step plan for the forward run inside: attention finds it here when a decoder layer does not pass
+    its keyword arguments on (StableLM's does not: attention then ran without the sequences' past, silently)."""
+    token = _STEP.set(plan)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query [1, heads, T, d], key/value [1, kv_heads, T, d] of a flattened step -> ([1, T, heads, d], None)."""
     plan: StepPlan | None = kwargs.pop("paged", None)
     if plan is None:
+        plan = _STEP.get()
+    if plan is None:  # the model run outside the engine (transformers' generate on the same model)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

@@ -7,9 +7,9 @@ refused with a 422 that names it. Unknown fields are a 422 naming them too (extr
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 MAX_BEST_OF = 4
@@ -53,18 +53,31 @@ def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        if err["type"] == "json_invalid":
-            raise invalid("the body is not valid JSON") from None
-        if err["type"] == "model_type" and not err["loc"]:
-            raise invalid("the body must be a JSON object") from None
-        field = ".".join(str(x) for x in err["loc"] if not isinstance(x, int) and not _union_tag(str(x)))
-        if err["type"] == "extra_forbidden":
-            raise invalid(f"`{field}` is not a supported parameter") from None
-        if err["type"] == "missing":
-            raise invalid(f"`{field}` is required") from None
-        msg = err["msg"].removeprefix("Value error, ")
-        raise invalid(msg if msg.startswith("`") else f"`{field or 'body'}`: {msg}") from None
+        raise _named(e) from None
+
+
+def parse_part(model: type[BaseModel], value: dict, where: str) -> BaseModel:
+    """Validate a part of a parsed body (a grammar's value); its problems are named from `where`."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        raise _named(e, where) from None
+
+
+def _named(e: ValidationError, where: str = "") -> ApiError:
+    """The first problem of a validation as TGI's 422, naming the field (under `where`)."""
+    err = e.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return invalid("the body is not valid JSON")
+    if err["type"] == "model_type" and not err["loc"]:
+        return invalid("the body must be a JSON object")
+    field = ".".join([where] * bool(where) + [str(x) for x in err["loc"] if not isinstance(x, int) and not _union_tag(str(x))])
+    if err["type"] == "extra_forbidden":
+        return invalid(f"`{field}` is not a supported parameter")
+    if err["type"] == "missing":
+        return invalid(f"`{field}` is required")
+    msg = err["msg"].removeprefix("Value error, ")
+    return invalid(msg if msg.startswith("`") else f"`{field or 'body'}`: {msg}")
 
 
 def _union_tag(part: str) -> bool:
@@ -72,10 +85,41 @@ def _union_tag(part: str) -> bool:
     return part in ("str", "int", "float", "bool", "dict", "list") or part.startswith(("list[", "dict["))
 
 
+def _integral(v):
+    """JSON Schema's integers include 2.0: taken as 2 (any other float stays a float, refused by the strict int)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]  # an integer field: strict (no "2", no true), but 2.0 is 2
+
+
+def bounded(default=None, **bounds) -> Any:
+    """A number field whose range the model's validator checks (with TGI's or OpenAI's message), published as JSON
+    Schema bounds (minimum, exclusiveMinimum, maximum, exclusiveMaximum) in /openapi.json; a test holds the two
+    together."""
+    return Field(default, json_schema_extra=bounds)
+
+
+NOT_GIVEN = [None, False, [], {}]  # what a refused field may be: not given
+
+
+def _published(schema: dict, model: type) -> None:
+    """The JSON schema of a Strict model as the server reads it: a property that is not required may be null (not
+    given); a REFUSED one may only be not given."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        doc = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+        if name not in required and {"type": "null"} not in prop.get("anyOf", ()):
+            prop = {"anyOf": [prop, {"type": "null"}]}
+        if name in model.REFUSED:
+            prop = {"allOf": [prop], "enum": NOT_GIVEN, "description": f"not supported: {model.REFUSED[name]}"}
+        schema["properties"][name] = {**doc, **prop}
+
+
 class Strict(BaseModel):
     """Unknown fields are refused; REFUSED names declared fields refused when given (not null/false/empty); a
     field given as null is a field not given (its default); NaN and Infinity are refused (no range check sees them)."""
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, json_schema_extra=_published)
     REFUSED: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
@@ -86,7 +130,7 @@ class Strict(BaseModel):
     @model_validator(mode="after")
     def _refused(self):
         for name, why in self.REFUSED.items():
-            if getattr(self, name) not in (None, False, [], {}):
+            if getattr(self, name) not in NOT_GIVEN:
                 raise ValueError(f"`{name}` is not supported: {why}")
         return self
 
@@ -123,23 +167,23 @@ class Grammar(Strict):
 
 class TgiParameters(Strict):
     adapter_id: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = bounded(minimum=1, maximum=MAX_BEST_OF)
     decoder_input_details: bool = False
     details: bool = False
     do_sample: bool = False
-    frequency_penalty: float | None = None
+    frequency_penalty: float | None = bounded(minimum=-2.0, maximum=2.0)
     grammar: Grammar | None = None
-    max_new_tokens: int | None = None
-    repetition_penalty: float | None = None
+    max_new_tokens: Int | None = bounded(minimum=1)
+    repetition_penalty: float | None = bounded(exclusiveMinimum=0)
     return_full_text: bool | None = False
-    seed: int | None = Field(None, ge=0, lt=2**64)
+    seed: Int | None = Field(None, ge=0, lt=2**64)
     stop: list[str] | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_n_tokens: int | None = None
-    top_p: float | None = None
-    truncate: int | None = None
-    typical_p: float | None = None
+    temperature: float | None = bounded(exclusiveMinimum=0)
+    top_k: Int | None = bounded(minimum=1)
+    top_n_tokens: Int | None = bounded(minimum=0, maximum=MAX_TOP_N_TOKENS)
+    top_p: float | None = bounded(exclusiveMinimum=0, maximum=1)
+    truncate: Int | None = bounded(minimum=1)  # and <= --max-input-tokens (published per server)
+    typical_p: float | None = bounded(exclusiveMinimum=0, maximum=1)
     watermark: bool = False
 
     REFUSED: ClassVar[dict[str, str]] = {"adapter_id": "no LoRA adapters are loaded"}
@@ -192,17 +236,18 @@ class StreamOptions(Strict):
 
 class OpenAICommon(Strict):
     model: str | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    max_tokens: int | None = None
-    n: int = 1
-    seed: int | None = Field(None, ge=0, lt=2**64)
+    frequency_penalty: float | None = bounded(minimum=-2.0, maximum=2.0)
+    presence_penalty: float | None = bounded(minimum=-2.0, maximum=2.0)
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={  # token id -> bias
+        "propertyNames": {"pattern": "^[0-9]{1,12}$"}, "additionalProperties": {"minimum": -100, "maximum": 100}})
+    max_tokens: Int | None = None  # (completions: >= 0, chat: >= 1; published per route)
+    n: Int = bounded(1, minimum=1, maximum=MAX_BEST_OF)
+    seed: Int | None = Field(None, ge=0, lt=2**64)
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = bounded(minimum=0.0, maximum=2.0)
+    top_p: float | None = bounded(exclusiveMinimum=0, maximum=1)
     user: str | None = None  # an end-user id for abuse tracking: no effect on output
 
     @model_validator(mode="after")
@@ -213,8 +258,9 @@ class OpenAICommon(Strict):
         check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         check_range("n", self.n, 1, MAX_BEST_OF)
         for k, v in (self.logit_bias or {}).items():
-            if not (k.isascii() and k.isdigit()):  # "²" or "٣" pass isdigit() but are not token ids
-                raise ValueError(f"`logit_bias` keys must be token ids. Given: {k!r}")
+            # "²" or "٣" pass isdigit() but are not token ids; over 12 digits, no vocabulary's (and int() refuses 4301)
+            if not (k.isascii() and k.isdigit() and len(k) <= 12):
+                raise ValueError(f"`logit_bias` keys must be token ids. Given: {k[:20]!r}{'...' if len(k) > 20 else ''}")
             check_range("logit_bias", v, -100, 100)
         if self.stream_options is not None and not self.stream:
             raise ValueError("`stream_options` is only allowed when `stream` is true")
@@ -222,10 +268,10 @@ class OpenAICommon(Strict):
 
 
 class CompletionRequest(OpenAICommon):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    best_of: int | None = None
+    prompt: Union[str, list[str], list[Int], list[list[Int]]]
+    best_of: Int | None = bounded(minimum=1, maximum=MAX_BEST_OF)  # and >= n
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int | None = bounded(minimum=0, maximum=5)
     suffix: str | None = None
 
     REFUSED: ClassVar[dict[str, str]] = {"suffix": "no fill-in-the-middle model is served"}
@@ -274,14 +320,26 @@ class ResponseFormat(Strict):
         return self
 
 
+ROLES = ("system", "developer", "user", "assistant")
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": {"type": "null"},
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+MESSAGE = {  # a chat message as openai_routes.chat_messages reads it (other fields: null, i.e. not given)
+    "description": "role and content (a string or text parts; an assistant's may be null or left out)",
+    "anyOf": [{"type": "object", "required": ["role", "content"], "additionalProperties": {"type": "null"},
+               "properties": {"role": {"enum": [r for r in ROLES if r != "assistant"]}, "content": _CONTENT}},
+              {"type": "object", "required": ["role"], "additionalProperties": {"type": "null"},
+               "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [*_CONTENT["anyOf"], {"type": "null"}]}}}]}
+
+
 class ChatRequest(OpenAICommon):
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(json_schema_extra={"minItems": 1, "items": MESSAGE})  # checked by chat_messages
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: Int | None = bounded(minimum=0, maximum=20)
+    max_completion_tokens: Int | None = bounded(minimum=1)
     response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
-    tool_choice: Union[str, dict, None] = None
+    tool_choice: Union[str, dict, None] = Field(None, json_schema_extra={"enum": [None, "none", "auto"]})
     tool_prompt: str | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict] | None = None

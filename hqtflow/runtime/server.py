@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import warnings
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -28,6 +29,7 @@ from hqtflow.runtime.tgi_routes import tgi_router
 
 
 GENERATION_ROUTES = ("/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions")
+BODY_ROUTES = (*GENERATION_ROUTES, "/tokenize")  # the POST routes that read a JSON body
 ERROR_TYPES = {401: "authentication_error", 404: "not_found", 405: "method_not_allowed", 413: "validation",
                415: "unsupported_media_type", 422: "validation", 429: "overloaded"}
 
@@ -85,12 +87,17 @@ def request_guard(s: ServeSettings, metrics: Metrics):
             return refuse(401, "Invalid or missing API key", "authentication")
         if int(req.headers.get("content-length") or 0) > MAX_BODY:
             return refuse(413, f"Request body larger than {MAX_BODY} bytes", "validation")
+        if req.method != "POST" or req.url.path not in BODY_ROUTES:  # other methods and paths: routing's 404 / 405
+            return await call_next(req)
+        if req.query_params:  # TGI and OpenAI take every parameter in the body: one in the URL would be ignored
+            names = ", ".join(f"`{k}`" for k in dict.fromkeys(req.query_params.keys()))
+            return refuse(422, f"Query parameters are not accepted (parameters go in the JSON body). Given: {names}", "validation")
         ctype, *options = [part.strip().lower() for part in req.headers.get("content-type", "").split(";")]
-        if req.method == "POST" and ctype != "application/json":
+        if ctype != "application/json":
             return refuse(415, "Expected request with `Content-Type: application/json`", "validation")
         charset = next((o.split("=", 1)[1].strip('"') for o in options if o.startswith("charset=")), "utf-8")
         encoding = req.headers.get("content-encoding", "identity").strip().lower()
-        if req.method == "POST" and (charset not in ("utf-8", "utf8") or encoding != "identity"):
+        if charset not in ("utf-8", "utf8") or encoding != "identity":
             return refuse(415, "Expected a UTF-8 JSON body without Content-Encoding (given charset "
                           f"{charset!r}, Content-Encoding {encoding!r})", "validation")
         return await call_next(req)
@@ -147,6 +154,23 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     ctx = Ctx(engine, tokenizer, s, metrics, state)
     for router in (tgi_router(ctx), openai_router(ctx), metrics_router(metrics)):
         app.include_router(router)
+
+    def openapi() -> dict:  # FastAPI's, completed with the bodies and answers the routes handle themselves
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            from hqtflow import __version__
+            from hqtflow.runtime.openapi import publish
+
+            with warnings.catch_warnings():  # GET and HEAD /health share a route: publish() names them apart
+                warnings.filterwarnings("ignore", "Duplicate Operation ID")
+                spec = get_openapi(title=app.title, version=__version__, routes=app.routes)
+            app.openapi_schema = publish(spec, vocab=len(tokenizer), max_input_tokens=s.max_input_tokens,
+                                         max_total_tokens=s.max_total_tokens, max_stop_sequences=s.max_stop_sequences,
+                                         api_key=bool(s.api_key))
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 

@@ -12,8 +12,8 @@ from starlette.concurrency import run_in_threadpool
 from hqtflow.runtime.api import Ctx, Sequence
 from hqtflow.runtime.engine import SamplingParams
 from hqtflow.runtime.grammar import GrammarError, compile_grammar
-from hqtflow.runtime.schemas import (MAX_BEST_OF, MAX_TOP_N_TOKENS, ApiError, TgiParameters, TgiRequest,
-                                     TokenizeRequest, invalid, parse, read_body, stop_list)
+from hqtflow.runtime.schemas import (MAX_BEST_OF, MAX_TOP_N_TOKENS, ApiError, JsonSchema, TgiParameters, TgiRequest,
+                                     TokenizeRequest, invalid, parse, parse_part, read_body, stop_list)
 
 
 def sse(data) -> str:
@@ -25,8 +25,8 @@ def tgi_grammar(ctx: Ctx, p: TgiParameters):
     if p.grammar is None:
         return None
     kind, value = p.grammar.type, p.grammar.value
-    if kind == "json_schema":
-        kind, value = "json", value.get("schema") if isinstance(value, dict) else None
+    if kind == "json_schema":  # value: {"name", "schema", ...} as OpenAI's json_schema (other keys: a 422 naming them)
+        kind, value = "json", parse_part(JsonSchema, value, "parameters.grammar.value").schema_ if isinstance(value, dict) else None
     if not value:
         raise invalid(f"`value` cannot be empty for `{p.grammar.type}` grammar")
     try:
@@ -156,6 +156,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
     async def tokenize(request: Request):
         req = parse(TokenizeRequest, await read_body(request))
         inputs, truncate = req.inputs, req.parameters.truncate if req.parameters else None
+        stop_list(req.parameters.stop if req.parameters else None, s.max_stop_sequences)  # checked as for generation
         ctx.encode(inputs)
         enc = tok(inputs, return_offsets_mapping=True)
         pieces = [{"id": i, "text": inputs[a:b], "start": a, "stop": b} for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]

@@ -1,0 +1,144 @@
+"""The HTTP contract at its edges (stop 48's probes: schemathesis, hand-made hostile requests): what /openapi.json
+publishes is what the routes accept and answer, and edge inputs are 4xx or right, never a 500."""
+
+import json
+
+import httpx
+import pytest
+
+from conftest import running
+from hqtflow.runtime.server import ServeSettings, create_app
+
+BODY_ROUTES = ("/", "/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/chat/completions")
+
+
+@pytest.fixture(scope="module")
+def url(lm):
+    app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=48, max_total_tokens=96, max_batch_size=8))
+    with running(app) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def spec(url):
+    return httpx.get(f"{url}/openapi.json").json()
+
+
+def post(url, path, body):
+    return httpx.post(f"{url}{path}", json=body, timeout=60)
+
+
+def test_one_token_prompt_is_scored_like_longer_ones(url, lm):
+    """A one-token prompt has one prefill entry (logprob null), as TGI; echo + logprobs lists it (it was a 500, and
+    a list without the prompt token whose offsets pointed into the prompt)."""
+    tok = lm[1]
+    word = next(w for w in ("hi", "The", "a") if len(tok(w, add_special_tokens=False)["input_ids"]) == 1)
+    [tid] = tok(word, add_special_tokens=False)["input_ids"]
+    for path in ("/generate", "/"):
+        r = post(url, path, {"inputs": word, "parameters": {"max_new_tokens": 1, "details": True, "decoder_input_details": True}})
+        assert r.status_code == 200, r.text
+        out = r.json()[0] if path == "/" else r.json()
+        assert out["details"]["prefill"] == [{"id": tid, "text": word, "logprob": None}]
+    r = post(url, "/generate", {"inputs": f"{word} {word} {word}", "parameters": {
+        "max_new_tokens": 1, "truncate": 1, "details": True, "decoder_input_details": True}})
+    assert r.status_code == 200 and len(r.json()["details"]["prefill"]) == 1, r.text
+    for max_tokens in (2, 0):
+        r = post(url, "/v1/completions", {"prompt": [tid], "max_tokens": max_tokens, "echo": True, "logprobs": 1, "temperature": 0})
+        c = r.json()["choices"][0]
+        lp = c["logprobs"]
+        assert lp["tokens"][0] == word and lp["token_logprobs"][0] is None and lp["text_offset"][0] == 0
+        assert "".join(lp["tokens"]) == c["text"] and len(lp["tokens"]) == 1 + max_tokens
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+
+
+def test_edge_values_are_named_422s(url):
+    huge_key = "1" * 4301  # passes isdigit(); int() refuses it (Python's 4300-digit limit): was a 500
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})):
+        r = post(url, path, {**body, "logit_bias": {huge_key: 1}})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "logit_bias", r.text
+    deep = "[" * 5000 + "]" * 5000  # a JSON string nested past Python's stack: a RecursionError (500) before
+    r = post(url, "/generate", {"inputs": "x", "parameters": {"max_new_tokens": 1, "grammar": {"type": "json", "value": deep}}})
+    assert r.status_code == 422 and "grammar" in r.json()["error"], r.text
+    schema = {"type": "integer"}
+    for _ in range(70):  # 71 levels: compiling such a schema takes seconds from ~300 levels (a cheap CPU burn)
+        schema = {"type": "array", "items": schema}
+    r = post(url, "/generate", {"inputs": "x", "parameters": {"max_new_tokens": 1, "grammar": {"type": "json", "value": schema}}})
+    assert r.status_code == 422 and "nests deeper than 64 levels" in r.json()["error"], r.text
+    r = post(url, "/generate", {"inputs": "x", "parameters": {"max_new_tokens": 1, "grammar": {
+        "type": "json_schema", "value": {"name": "n", "schema": {"type": "object"}, "extra": 1}}}})
+    assert r.status_code == 422 and "`parameters.grammar.value.extra` is not a supported parameter" in r.json()["error"], r.text
+    r = post(url, "/tokenize", {"inputs": "x", "parameters": {"stop": [""]}})
+    assert r.status_code == 422 and "`stop` sequences cannot be empty" in r.json()["error"], r.text
+    r = post(url, "/generate", {"inputs": "x", "parameters": {"max_new_tokens": 1.0, "seed": 7.0}})  # JSON Schema's integers
+    assert r.status_code == 200, r.text
+    r = post(url, "/generate", {"inputs": "x", "parameters": {"max_new_tokens": 1.5}})
+    assert r.status_code == 422, r.text
+
+
+def test_routing_answers_before_the_body_checks(url):
+    """A POST to a GET route is a 405 with Allow, an unknown path a 404, whatever the Content-Type (it was a 415);
+    a query parameter on a body route is a 422 naming it (it was ignored)."""
+    for path in ("/health", "/info", "/metrics", "/v1/models"):
+        r = httpx.post(f"{url}{path}", content=b"x")
+        assert r.status_code == 405 and "GET" in r.headers["allow"], (path, r.status_code, r.text)
+    assert httpx.post(f"{url}/no-such-route", content=b"x").status_code == 404
+    r = httpx.post(f"{url}/v1/completions?stream=true&bogus=1", json={"prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 422 and "`stream`, `bogus`" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{url}/generate?max_new_tokens=1", json={"inputs": "hi"})
+    assert r.status_code == 422 and "`max_new_tokens`" in r.json()["error"], r.text
+
+
+def test_openapi_describes_the_routes(spec):
+    paths = spec["paths"]
+    for path in BODY_ROUTES:
+        op = paths[path]["post"]
+        assert op["requestBody"]["required"], path
+        assert {"200", "413", "415", "422", "429"} <= set(op["responses"]), path
+        assert "HTTPValidationError" not in json.dumps(op)  # FastAPI's default 422 body: the server never sends it
+    assert set(paths["/generate_stream"]["post"]["responses"]["200"]["content"]) == {"text/event-stream"}
+    assert set(paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert "text/plain" in paths["/metrics"]["get"]["responses"]["200"]["content"]
+    assert "404" in paths["/v1/models/{model}"]["get"]["responses"]
+    ids = [op["operationId"] for item in paths.values() for op in item.values()]
+    assert len(ids) == len(set(ids)), ids
+    params = spec["components"]["schemas"]["TgiParameters"]["properties"]
+    assert params["truncate"]["maximum"] == 48 and params["max_new_tokens"]["maximum"] == 95
+
+
+# (the schema component, the field, a request it goes into): every published bound is the validator's own
+BOUNDED = [("TgiParameters", "/generate", lambda p: {"inputs": "x", "parameters": p}, {"do_sample": True, "max_new_tokens": 1}),
+           ("CompletionRequest", "/v1/completions", lambda p: {"prompt": "x", "max_tokens": 1, **p}, {}),
+           ("ChatRequest", "/v1/chat/completions",
+            lambda p: {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, **p}, {"logprobs": True})]
+
+
+def test_published_bounds_are_the_validators(url, spec):
+    """For every number bound /openapi.json publishes, the value at the bound is accepted and one step past it is
+    refused by name: the published schema and the validators (with TGI's and OpenAI's messages) agree."""
+    checked = 0
+    for name, path, body, context in BOUNDED:
+        for field, prop in spec["components"]["schemas"][name]["properties"].items():
+            integer = "integer" in json.dumps(prop)
+            step = 1 if integer else 0.01
+            cases = []
+            if "minimum" in prop:
+                cases += [(prop["minimum"], True), (prop["minimum"] - step, False)]
+            if "exclusiveMinimum" in prop:
+                cases += [(prop["exclusiveMinimum"] + step, True), (prop["exclusiveMinimum"], False)]
+            if "maximum" in prop:
+                cases += [(prop["maximum"], True), (prop["maximum"] + step, False)]
+            for value, ok in cases:
+                given = {**context, field: value}
+                if field == "best_of" and name == "CompletionRequest":
+                    given["n"] = min(value, 1) if value >= 1 else 1
+                if field == "max_new_tokens" and ok and value > 1:
+                    continue  # with the prompt's tokens it would pass max_total_tokens: checked after tokenizing
+                if field in ("max_tokens", "max_completion_tokens") and ok and value > 1:
+                    continue
+                r = post(url, path, body(given))
+                assert (r.status_code == 200) == ok, (name, field, value, r.status_code, r.text)
+                if not ok:
+                    assert f"`{field}" in r.text or f"`parameters.{field}" in r.text, (field, r.text)
+                checked += 1
+    assert checked >= 40, checked
