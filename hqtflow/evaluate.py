@@ -44,7 +44,12 @@ def read_ppl_text(path, what: str = "Perplexity file") -> str:
 def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: int | None = None, progress=None,
                label: str = "perplexity") -> dict:
     """Perplexity over disjoint `window`-token windows (each scored from its own start, no overlap); `progress`
-    (a hqtflow.progress.Progress) gets a bar over the windows."""
+    (a hqtflow.progress.Progress) gets a bar over the windows. A model whose context is shorter than `window` is
+    scored in windows of its context (positions past it were never trained, or do not exist)."""
+    from hqtflow.models import context_length
+
+    context = context_length(model.config.to_dict())
+    window = min(window, context[0]) if context else window
     ids = tokenizer.encode(text, add_special_tokens=False)
     n = len(ids) // window
     if max_windows:
@@ -62,7 +67,7 @@ def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: i
         count += window - 1
         if progress is not None:
             progress.update(1, window)
-    return {"perplexity": math.exp(nll / count), "windows": n, "tokens": count}
+    return {"perplexity": math.exp(nll / count), "windows": n, "window": window, "tokens": count}
 
 
 def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = "", show_progress: bool = True) -> dict:

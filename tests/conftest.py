@@ -68,6 +68,7 @@ TINY = {
                    num_kv_heads=2, parallel_attn=True, bias=False),
     "phi": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=256),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),  # transformers' Conv1D projections
     "stablelm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=256),  # its decoder layers drop attention kwargs
 }

@@ -24,7 +24,14 @@ from hqtflow.errors import HqtflowError, ModelError
 
 
 def check_tp_split(config: dict, tp: int) -> None:
-    """Refuse a TP degree that does not divide the model's heads or MLP before any rank is started."""
+    """Refuse a TP degree that does not divide the model's heads or MLP, or a model transformers has no
+    tensor-parallel plan for, before any rank is started."""
+    from transformers import CONFIG_MAPPING
+
+    kind = config.get("model_type")
+    if kind in CONFIG_MAPPING and not getattr(CONFIG_MAPPING[kind], "base_model_tp_plan", None):
+        raise ModelError(f"--tp {tp} cannot split this model: transformers has no tensor-parallel plan for {kind!r} "
+                         "models; measure it on one rank (without --tp).")
     text = config.get("text_config", config)
     checks = {
         "attention heads": text.get("num_attention_heads"),

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hqtflow.config import QuantConfig
+from hqtflow.errors import ModelError
 from hqtflow.formats.measurement import NodeStats
 from hqtflow.measure.observers import make_observer, weight_stat
 
@@ -45,6 +46,17 @@ def parallel_style(w: torch.Tensor) -> tuple[str, int]:
 def is_fused_experts(mod: nn.Module) -> bool:
     gu, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
     return isinstance(gu, nn.Parameter) and isinstance(down, nn.Parameter) and gu.dim() == 3 and down.dim() == 3
+
+
+def unsupported(mod: nn.Module) -> str | None:
+    """Why a module cannot be measured, where calibration would otherwise pass it over without a word."""
+    kind = type(mod).__name__
+    if kind == "Conv1D":  # transformers' GPT-2 family: x @ W + b with W stored [in, out]
+        return "its projections are transformers' Conv1D layers, not nn.Linear"
+    if is_fused_experts(mod) and (not callable(getattr(mod, "act_fn", None)) or
+                                  any(n.endswith("bias") for n, _ in mod.named_parameters(recurse=False))):
+        return f"its fused experts ({kind}) are not of Mixtral's layout (gate_up_proj and down_proj without biases, act_fn)"
+    return None
 
 
 @dataclass
@@ -81,6 +93,10 @@ class ObserverSession:
         self.samples = 0
         self.tokens = 0
         for name, mod in model.named_modules():
+            why = unsupported(mod)
+            if why:
+                raise ModelError(f"hqtflow cannot measure {type(model).__name__}: {why} ({name}). It measures and quantizes "
+                                 "nn.Linear layers and Mixtral-style fused experts.")
             if isinstance(mod, nn.Linear):
                 self._attach_linear(name, mod)
             elif is_fused_experts(mod):

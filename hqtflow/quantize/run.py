@@ -301,11 +301,16 @@ def _in_memory_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
 
 
 def plan_modules(model, cfg: QuantConfig, meas: Measurement) -> dict:
-    """Which Linear modules get quantized; the rest are kept in high precision with a reason."""
+    """Which Linear modules get quantized; the rest are kept in high precision with a reason (fused MoE experts too:
+    measured, for Gaudi, but kept in high precision here)."""
     from torch import nn
+
+    from hqtflow.measure.hooks import is_fused_experts
 
     quantize, ignore, skipped, missing = [], [], {}, []
     for name, mod in model.named_modules():
+        if is_fused_experts(mod):
+            skipped[name] = "fused MoE experts: kept in high precision (hqtflow's FP8 runtime quantizes nn.Linear only)"
         if not isinstance(mod, nn.Linear):
             continue
         if not cfg.selects(name, type(mod).__name__):

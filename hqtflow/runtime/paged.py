@@ -313,7 +313,9 @@ def install(model) -> None:
     types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
     sliding = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
     if any(t != "full_attention" for t in types) or (sliding and not getattr(text, "layer_types", None)):
-        raise ValueError("The paged KV cache supports full-attention models only (this one has sliding-window layers).")
+        raise ValueError(f"The serving engine's paged KV cache supports full-attention models only, and this "
+                         f"{getattr(text, 'model_type', None) or 'model'} has sliding-window layers (`hqtflow generate "
+                         "--engine static` or `--engine transformers` runs it; `serve` cannot).")
     if model.config._attn_implementation != NAME:
         model.set_attn_implementation(NAME)
 
