@@ -142,6 +142,8 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
         target_pc = False
     elif fmt == "fp8":
         out_t = autofp8_tensors(tensors, linears, static=static)
+        notes.append("for vLLM (and hqtflow): transformers' `quant_method: fp8` loader expects block-wise scales and drops "
+                     "these per-tensor ones (its logits are then wrong); for transformers export compressed-tensors")
         if src_pc:
             notes.append("per-channel weights re-quantized to one scale per tensor (largest channel scale)")
         if not static:
