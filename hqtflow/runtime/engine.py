@@ -480,7 +480,8 @@ class Engine:
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(req.input_ids + req.generated, device=x.device).unique()
             s = x[seen]
-            x[seen] = torch.where(s < 0, s * p.repetition_penalty, s / p.repetition_penalty)
+            lowest = torch.finfo(x.dtype).min  # a huge penalty overflows to -inf: with a grammar, no token was left
+            x[seen] = torch.where(s < 0, s * p.repetition_penalty, s / p.repetition_penalty).clamp_(min=lowest)
         if p.tgi_frequency_penalty:
             every = torch.tensor(req.input_ids + req.generated, device=x.device)
             x -= torch.bincount(every, minlength=x.numel())[: x.numel()].float() / every.numel() * p.tgi_frequency_penalty

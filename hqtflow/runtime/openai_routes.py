@@ -233,6 +233,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         names = ("messages", "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        if req.max_completion_tokens is not None and req.max_tokens is not None:  # both given: each must fit
+            ctx.max_new(len(ids), req.max_tokens, 100, names=("messages", "max_tokens"))
         make = lambda n: params(req, n, max_new, top_n=top_n, grammar=grammar, default_max_new=100, names=names)  # noqa: E731
         jobs = jobs_for([ids], make, req.n, req.seed)
         if req.stream:

@@ -4,7 +4,9 @@ clients and schema-driven testers (schemathesis) see the API as it is: request b
 
 from __future__ import annotations
 
-from hqtflow.runtime.schemas import ChatRequest, CompletionRequest, TgiRequest, TokenizeRequest
+import copy
+
+from hqtflow.runtime.schemas import MAX_BEST_OF, ChatRequest, CompletionRequest, TgiRequest, TokenizeRequest
 
 TGI_ERROR = {"type": "object", "required": ["error", "error_type"],
              "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}}}
@@ -20,6 +22,7 @@ COMPLETION = {**OBJECT, "required": ["id", "object", "created", "model", "choice
 
 # The grammars as the validators read them (one branch per type; whether a regex or schema compiles, no schema says)
 _NONEMPTY = [{"type": "object", "minProperties": 1}, {"type": "string", "minLength": 1}]
+_JSON_TEXT = {"type": "string", "minLength": 1, "contentMediaType": "application/json"}  # a JSON schema as a string
 _JSON_SCHEMA = {"type": "object", "required": ["schema"], "additionalProperties": False, "properties": {
     "name": {"type": ["string", "null"]}, "description": {"type": ["string", "null"]},
     "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}
@@ -32,12 +35,12 @@ def _branch(kind: str, required: tuple = (), **properties) -> dict:
 
 
 GRAMMAR = {"description": "TGI's grammar", "anyOf": [
-    _branch("json", ("value",), value={"anyOf": _NONEMPTY}), _branch("regex", ("value",), value=_NONEMPTY[1]),
+    _branch("json", ("value",), value={"anyOf": [_NONEMPTY[0], _JSON_TEXT]}), _branch("regex", ("value",), value=_NONEMPTY[1]),
     _branch("json_schema", ("value",), value=_TGI_JSON_SCHEMA)]}
 RESPONSE_FORMAT = {"description": "OpenAI's response_format, or TGI's grammar types", "anyOf": [
     _branch("text", json_schema={"type": "null"}, value={"type": "null"}),
-    _branch("json_object", json_schema={"type": "null"}, value={"anyOf": [*_NONEMPTY, {"type": "null"}]}),
-    _branch("json", ("value",), json_schema={"type": "null"}, value={"anyOf": _NONEMPTY}),
+    _branch("json_object", json_schema={"type": "null"}, value={"anyOf": [_NONEMPTY[0], _JSON_TEXT, {"type": "null"}]}),
+    _branch("json", ("value",), json_schema={"type": "null"}, value={"anyOf": [_NONEMPTY[0], _JSON_TEXT]}),
     _branch("regex", ("value",), json_schema={"type": "null"}, value=_NONEMPTY[1]),
     _branch("json_schema", ("json_schema",), json_schema=_JSON_SCHEMA, value={"type": "null"}),
     _branch("json_schema", ("value",), json_schema={"type": "null"}, value=_JSON_SCHEMA)]}
@@ -48,6 +51,16 @@ def _given(name: str, schema: dict) -> dict:
 
 
 _NOT_ONE = {"type": "number", "not": {"const": 1}}
+
+
+def _best_of_vs_n(at_least: bool) -> dict:
+    """`best_of` >= `n` (or <= `n`), spelled out for n up to MAX_BEST_OF (JSON Schema cannot compare two fields)."""
+    def given(k: int) -> dict:
+        return {"properties": {"n": {"const": k}}, "required": ["n"]} if k > 1 else {"properties": {"n": {"enum": [1, None]}}}
+    bound = "minimum" if at_least else "maximum"
+    return {"anyOf": [{"properties": {"best_of": {"type": "null"}}},
+                      *({**given(k), "properties": {**given(k)["properties"], "best_of": {bound: k}}} for k in range(1, MAX_BEST_OF + 1))]}
+
 # The validators' rules between fields, as JSON Schema conditions: (model, if, then)
 RULES = [
     ("TgiParameters", _given("best_of", {"type": "integer", "minimum": 2}), {  # TGI: best_of needs sampling, no seed
@@ -55,6 +68,8 @@ RULES = [
         "anyOf": [_given("do_sample", {"const": True}), _given("temperature", _NOT_ONE), _given("top_p", _NOT_ONE),
                   _given("typical_p", _NOT_ONE), _given("top_k", {"type": "integer"})]}),
     ("CompletionRequest", _given("stream_options", {"type": "object"}), _given("stream", {"const": True})),
+    ("CompletionRequest", {}, _best_of_vs_n(at_least=True)),  # (no `if`: always)
+    ("CompletionRequest", _given("stream", {"const": True}), _best_of_vs_n(at_least=False)),  # streams: best_of == n
     ("ChatRequest", _given("stream_options", {"type": "object"}), _given("stream", {"const": True})),
     ("ChatRequest", _given("top_logprobs", {"type": "integer"}), _given("logprobs", {"const": True})),
 ]
@@ -92,9 +107,7 @@ def publish(spec: dict, *, vocab: int, max_input_tokens: int, max_total_tokens: 
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}}
     stops = {"type": "array", "maxItems": max_stop_sequences, "items": text}
     params = schemas["TgiParameters"]["properties"]
-    params.update(truncate={**params["truncate"], "maximum": max_input_tokens},
-                  max_new_tokens={**params["max_new_tokens"], "maximum": max_total_tokens - 1},
-                  stop={"anyOf": [stops, {"type": "null"}]})
+    params.update(truncate={**params["truncate"], "maximum": max_input_tokens}, stop={"anyOf": [stops, {"type": "null"}]})
     for name in ("TgiRequest", "TokenizeRequest"):
         schemas[name]["properties"]["inputs"].update(minLength=1)
     completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatRequest"]["properties"]
@@ -104,10 +117,22 @@ def publish(spec: dict, *, vocab: int, max_input_tokens: int, max_total_tokens: 
         props["max_tokens"].update(minimum=lowest, maximum=max_total_tokens - 1)
         props["stop"] = {"anyOf": [text, stops, {"type": "null"}]}
     chat["max_completion_tokens"]["maximum"] = max_total_tokens - 1
+    for budget in (params["max_new_tokens"], completion["max_tokens"], chat["max_tokens"], chat["max_completion_tokens"]):
+        budget.pop("default", None)  # the server's default is as many as fit: a tester sending null waits for them all
+        budget["examples"] = [1]
     schemas.update(Grammar=GRAMMAR, ResponseFormat=RESPONSE_FORMAT)
     schemas.pop("JsonSchema", None)
     for name, if_, then in RULES:
-        schemas[name].setdefault("allOf", []).append({"if": if_, "then": then})
+        schemas[name].setdefault("allOf", []).append({"if": if_, "then": then} if if_ else then)
+    # /tokenize reads the parameters' truncate and stop only: its copy has no generation budget
+    schemas["TokenizeParameters"] = tokenize = {**copy.deepcopy(schemas["TgiParameters"]), "title": "TokenizeParameters"}
+    tokenize["properties"]["grammar"] = {"anyOf": [{  # read for its shape only: nothing is compiled
+        "type": "object", "required": ["type", "value"], "additionalProperties": False,
+        "properties": {"type": {"enum": ["json", "regex", "json_schema"]}, "value": {"type": ["string", "object"]}}},
+        {"type": "null"}]}
+    schemas["TokenizeRequest"]["properties"]["parameters"] = {"anyOf": [
+        {"$ref": "#/components/schemas/TokenizeParameters"}, {"type": "null"}]}
+    params["max_new_tokens"]["maximum"] = max_total_tokens - 1
     # /generate and /generate_stream: TGI's request without `stream` (only POST / switches on it)
     schemas["TgiGenerateRequest"] = {**schemas["TgiRequest"], "title": "TgiGenerateRequest", "properties": {
         **schemas["TgiRequest"]["properties"], "stream": {"type": "null", "description": "only POST / streams on request"}}}

@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
+                      model_validator)
 
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 MAX_BEST_OF = 4
@@ -91,6 +92,8 @@ def _integral(v):
 
 
 Int = Annotated[int, BeforeValidator(_integral)]  # an integer field: strict (no "2", no true), but 2.0 is 2
+Seed = Annotated[int, BeforeValidator(_integral), Field(ge=0, lt=2**64),  # a u64, as TGI's
+                 WithJsonSchema({"type": "integer", "minimum": 0, "maximum": 2**64 - 1})]
 
 
 def bounded(default=None, **bounds) -> Any:
@@ -176,7 +179,7 @@ class TgiParameters(Strict):
     max_new_tokens: Int | None = bounded(minimum=1)
     repetition_penalty: float | None = bounded(exclusiveMinimum=0)
     return_full_text: bool | None = False
-    seed: Int | None = Field(None, ge=0, lt=2**64)
+    seed: Seed | None = None
     stop: list[str] | None = None
     temperature: float | None = bounded(exclusiveMinimum=0)
     top_k: Int | None = bounded(minimum=1)
@@ -242,7 +245,7 @@ class OpenAICommon(Strict):
         "propertyNames": {"pattern": "^[0-9]{1,12}$"}, "additionalProperties": {"minimum": -100, "maximum": 100}})
     max_tokens: Int | None = None  # (completions: >= 0, chat: >= 1; published per route)
     n: Int = bounded(1, minimum=1, maximum=MAX_BEST_OF)
-    seed: Int | None = Field(None, ge=0, lt=2**64)
+    seed: Seed | None = None
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
