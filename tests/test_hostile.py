@@ -382,7 +382,7 @@ CASES = {
                                              "is not an INC measurement .npz"),
     "import-hqt/pickle refused without opt-in": (lambda c: ["import-hqt", npz(c, {"x": 1}), "-o", c.out], "--trust-pickle"),
     "import-hqt/world size not there": (lambda c: ["import-hqt", c.copy("f2"), "-o", c.out, "--world-size", "4"],
-                                        "missing the rank file(s) 0, 1, 2, 3"),
+                                        "rank(s) 0, 1, 2, 3 are missing"),
     "import-hqt/node path traversal": (lambda c: ["import-hqt", stats(c.copy("f1"), rename_node), "-o", c.out],
                                        "not a module name"),
     "import-hqt/mode Scale": (lambda c: ["import-hqt", stats(c.copy("f1"), lambda r: r.update(Mode="Scale")), "-o", c.out],
@@ -550,6 +550,9 @@ CASES = {
     "run/recipe not UTF-8": (lambda c: ((c.w / "r.yaml").write_bytes(b"\xff\xfe\x00\x01"), ["run", c.w / "r.yaml"])[1],
                              "is not valid YAML"),
     # from fuzzing the readers (stop 48): huge integers, Infinity where a count goes, wrong nested types, odd scales
+    "import-hqt/a file name claiming 10**20 ranks": (lambda c: ["import-hqt", renamed(c.copy("f1"), f"{STEM}.json",
+                                                                                     f"{STEM}_3_{10**20}.json"),
+                                                               "-o", c.out, "--model", c.model], "and 99999999999999999991 more"),
     "inspect/measurement with a 5000-digit integer": (lambda c: ["inspect", rehash(big_int(c.copy("m"), f"{STEM}.json", "NumSamples"))],
                                                       "not an HQT measurement file"),
     "inspect/manifest with a 5000-digit integer": (lambda c: ["inspect", big_int(c.copy("m"), MANIFEST, "_version")], "corrupt"),
@@ -583,6 +586,11 @@ CASES = {
                                                                         f"text: {c.text}\noutput: \"out\\ud800dir\"\n")],
                                                 "must be valid text"),
 }
+
+
+def renamed(d, name, new):
+    (d / name).rename(d / new)
+    return d
 
 
 def big_int(d, name, key):

@@ -215,7 +215,7 @@ def test_bad_input(runs, tmp_path):
     foreign.mkdir()
     shutil.copy(runs["pt2"] / "measure_hooks_maxabs_0_2.json", foreign)
     refused(["-g", "01", "-m", foreign], "hqtflow import-hqt")
-    refused([foreign], "missing the rank file(s) 1", "import-hqt")
+    refused([foreign], "rank(s) 1 are missing", "import-hqt")
     corrupt = tmp_path / "corrupt"
     shutil.copytree(foreign, corrupt)
     (corrupt / "measure_hooks_maxabs_1_2.json").write_text("[]")

@@ -14,6 +14,7 @@ file names (`read_dump`) only by `import-hqt`, which wraps it into an artifact.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -450,11 +451,12 @@ def read_dump(directory: Path, *, trust_pickle: bool = False, world_size: int | 
         raise ArtifactError(f"{directory} holds several measurements ({shown}{hint}); copy one of them into a directory "
                             "of its own.")
     (_, _, world), files = next(iter(groups.items()))
-    missing = [r for r in range(world) if r not in files]
-    if missing:
-        shown = ", ".join(map(str, missing))
-        raise ArtifactError(f"{directory} is missing the rank file(s) {shown} of its {world}-rank measurement: "
-                            f"rank(s) {shown} are missing.")
+    present = {r for r in files if 0 <= r < world}
+    if len(present) < world:  # the first few missing ranks named (a file name may claim a world of 10**20)
+        first = list(itertools.islice((r for r in range(world) if r not in present), 8))
+        more = world - len(present) - len(first)
+        shown = ", ".join(map(str, first)) + (f" and {more} more" if more else "")
+        raise ArtifactError(f"{directory} lacks files of its {world}-rank measurement: rank(s) {shown} are missing.")
     extra = sorted(set(files) - set(range(world)))
     if extra:
         raise ArtifactError(f"{directory} has files for rank {extra[0]}, outside its world size {world}.")
