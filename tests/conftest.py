@@ -71,6 +71,11 @@ TINY = {
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),  # transformers' Conv1D projections
     "stablelm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=256),  # its decoder layers drop attention kwargs
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=256, sliding_window=8),  # every layer sliding
+    "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"]),  # local and global layers
 }
 
 
@@ -113,7 +118,7 @@ def tiny_factory(tmp_path_factory, tokenizer_dir):
     cache: dict = {}
 
     def make(model_type: str, **overrides) -> Path:
-        key = (model_type, tuple(sorted(overrides.items())))
+        key = (model_type, repr(sorted(overrides.items())))
         if key not in cache:
             cache[key] = build_tiny(model_type, tmp_path_factory.mktemp(f"tiny_{model_type}"), tokenizer_dir, **overrides)
         return cache[key]

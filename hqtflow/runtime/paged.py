@@ -19,6 +19,12 @@ so a token's logprob would depend on its neighbours (tests compare the logprobs 
 bit).
 Called without a step plan (a plain `model.generate` on the same model), it is transformers' SDPA attention.
 
+Sliding-window layers (Mistral, Gemma 3's local layers, Phi-3, Qwen2 with `use_sliding_window`, ...) read the window
+transformers passes them (`sliding_window=`) and attend only the keys of the last `window` positions, as
+transformers' sliding mask (query i sees key j when i - window < j <= i): a decoding sequence reads only those slots,
+a prefill chunk only the slots from its first query's window on. Every layer keeps its whole context in the pool
+(the layers share the block tables), so a sliding model's KV memory is that of a full-attention one.
+
 `DecodeBatch` is the fixed-shape form of a decode-only step, for CUDA graphs (runtime/cuda_graphs.py): B sequences
 (padded with dummy rows), each reading at most L context slots through a [B, L] slot table, attention batched over
 the B rows by SDPA with the slots past each sequence's length masked out. Its results match the per-sequence path to
@@ -71,6 +77,22 @@ class StepPlan:
         # a step of decoding rows only, one per sequence in order, no padding: the op's output is the whole output
         self.decode_only = (self.decode_op and not self.prefill and len(self.decode) == tokens
                             and all(s.start == i for i, s in enumerate(self.decode)))
+        self._windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def decode_contexts(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, offsets) of the decoding rows' contexts for the CPU op: whole, or the last `window` positions of
+        each under a sliding window (built once per step and window, not once per layer)."""
+        if not window or all(s.past < window for s in self.decode):
+            return self.decode_slots, self.decode_offsets
+        if window not in self._windowed:
+            reads = [s.read[first_key(s.past, window):] for s in self.decode]
+            self._windowed[window] = torch.cat(reads), torch.tensor([0, *itertools.accumulate(len(r) for r in reads)])
+        return self._windowed[window]
+
+
+def first_key(position: int, window: int | None) -> int:
+    """The first context position a query at `position` attends: 0, or position - window + 1 in a sliding window."""
+    return max(0, position - window + 1) if window else 0
 
 
 class DecodeBatch:
@@ -85,6 +107,7 @@ class DecodeBatch:
         self.position_ids = torch.zeros(1, batch, dtype=long, device=dev)
         self.write = torch.full((batch,), scratch, dtype=long, device=dev)
         self.read = torch.full((batch, length), scratch, dtype=long, device=dev)
+        self.read_positions = torch.arange(length, device=dev)  # read[:, j] holds position j (for sliding windows)
         # SDPA's additive mask, made once per step, not converted from a boolean one in every layer
         self.bias = torch.zeros(batch, 1, 1, length, dtype=pool.dtype, device=dev)
 
@@ -212,6 +235,9 @@ def stepping(plan):
         _STEP.reset(token)
 
 
+UNSUPPORTED = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks"}
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query [1, heads, T, d], key/value [1, kv_heads, T, d] of a flattened step -> ([1, T, heads, d], None)."""
     plan: StepPlan | None = kwargs.pop("paged", None)
@@ -221,43 +247,50 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    for name, what in UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"The serving engine's attention has no {what} ({name}=), which this model uses.")
+    window = kwargs.get("sliding_window")  # a sliding-window layer's window, None for full attention
     if isinstance(plan, DecodeBatch):
-        return decode_batch_attention(module.layer_idx, plan, query, key, value, scaling), None
+        return decode_batch_attention(module.layer_idx, plan, query, key, value, scaling, window), None
     layer, pool = module.layer_idx, plan.pool
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
     pool.write(layer, plan.write, k_new[:plan.real], v_new[:plan.real])  # every real token's KV, one copy
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if plan.decode_only:  # no gather of the decoding rows, no zeroed output to scatter them into
-        return _decode_op(plan, layer, query[0].transpose(0, 1), scale)[None], None
+        return _decode_op(plan, layer, query[0].transpose(0, 1), scale, window)[None], None
     out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
     for s in plan.prefill:  # SDPA per sequence
+        lo = first_key(s.past, window)  # the chunk's first query sees no key before lo; later ones see fewer
         if s.past or pool.scales is not None:
-            k, v = pool.read(layer, s.read, query.dtype)
-        else:  # the whole context is this step's tokens: the same values as reading them back
+            k, v = pool.read(layer, s.read[lo:], query.dtype)
+        else:  # the whole context is this step's tokens: the same values as reading them back (lo is 0)
             k, v = k_new[s.start:s.start + s.n], v_new[s.start:s.start + s.n]
         q = query[0, :, s.start:s.start + s.n]  # [heads, n, d]
-        mask = None
-        if s.n > 1 and s.past:  # query i (position past + i) sees keys 0..past + i
-            mask = torch.arange(s.past + s.n, device=q.device)[None] <= torch.arange(s.past, s.past + s.n, device=q.device)[:, None]
+        mask, causal = None, s.n > 1 and not s.past and not (window and s.n > window)
+        if s.n > 1 and not causal:  # query i (position past + i) sees keys from lo, up to past + i, in its window
+            keys = torch.arange(lo, s.past + s.n, device=q.device)[None]
+            queries = torch.arange(s.past, s.past + s.n, device=q.device)[:, None]
+            mask = (keys <= queries) & (keys > queries - window) if window else keys <= queries
         o = F.scaled_dot_product_attention(q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-                                           is_causal=s.n > 1 and not s.past, scale=scaling,
-                                           enable_gqa=q.shape[0] != k.shape[1])
+                                           is_causal=causal, scale=scaling, enable_gqa=q.shape[0] != k.shape[1])
         out[s.start:s.start + s.n] = o[0].transpose(0, 1)
     if plan.decode_op:  # every decoding sequence in one call of hqtflow's CPU op, each over its own context
-        out[plan.decode_rows] = _decode_op(plan, layer, query[0, :, plan.decode_rows].transpose(0, 1), scale)
+        out[plan.decode_rows] = _decode_op(plan, layer, query[0, :, plan.decode_rows].transpose(0, 1), scale, window)
         return out[None], None
-    for s in plan.decode:  # one query per sequence, over its own context only
-        k, v = pool.read(layer, s.read, query.dtype)
+    for s in plan.decode:  # one query per sequence, over its own context (window) only
+        k, v = pool.read(layer, s.read[first_key(s.past, window):], query.dtype)
         out[s.start] = attend_one(query[0, :, s.start], k, v, scaling)
     return out[None], None
 
 
-def _decode_op(plan: StepPlan, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+def _decode_op(plan: StepPlan, layer: int, q: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
     """The step's decoding rows q [sequences, heads, d] through hqtflow's CPU op, each over its own context."""
     pool = plan.pool
     ks, vs = pool.scales[layer] if pool.scales is not None else (None, None)
-    return torch.ops.hqtflow.paged_decode_attention(q, pool.keys[layer], pool.values[layer], plan.decode_slots,
-                                                    plan.decode_offsets, ks, vs, scale)
+    slots, offsets = plan.decode_contexts(window)
+    return torch.ops.hqtflow.paged_decode_attention(q, pool.keys[layer], pool.values[layer], slots, offsets, ks, vs,
+                                                    scale)
 
 
 @functools.cache
@@ -279,10 +312,11 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
     return torch.matmul(scores.softmax(-1), v.float().transpose(0, 1)).reshape(heads, d).to(q.dtype)
 
 
-def decode_batch_attention(layer: int, plan: DecodeBatch, query, key, value, scaling) -> torch.Tensor:
+def decode_batch_attention(layer: int, plan: DecodeBatch, query, key, value, scaling, window: int | None = None) -> torch.Tensor:
     """A `DecodeBatch` step: query [1, heads, B, d] -> [1, B, heads, d]. Each row's context is gathered in the
-    model's dtype ([B, kv_heads, L, d], slots past the row's position masked) and attended by SDPA, the query heads
-    that share a KV head being that head's query rows; SDPA's kernels keep the softmax in float32."""
+    model's dtype ([B, kv_heads, L, d], slots past the row's position masked, and in a sliding-window layer those
+    before its window) and attended by SDPA, the query heads that share a KV head being that head's query rows;
+    SDPA's kernels keep the softmax in float32."""
     pool = plan.pool
     pool.write(layer, plan.write, key[0].transpose(0, 1), value[0].transpose(0, 1))
     b, length = plan.read.shape
@@ -291,8 +325,11 @@ def decode_batch_attention(layer: int, plan: DecodeBatch, query, key, value, sca
     kv_heads = k.shape[1]
     k, v = (t.view(b, length, kv_heads, d).transpose(1, 2) for t in (k, v))
     q = query[0].transpose(0, 1).reshape(b, kv_heads, heads // kv_heads, d)
-    # plan.bias: -inf past each row's position (a dummy row sees slot 0)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.bias.to(q.dtype), scale=scaling)  # [B, kvh, g, d]
+    bias = plan.bias  # -inf past each row's position (a dummy row sees slot 0)
+    if window:  # and before its window (tensor ops on the static buffers: a CUDA graph replays them)
+        old = plan.read_positions[None] <= plan.position_ids[0][:, None] - window  # [B, L]
+        bias = bias.masked_fill(old[:, None, None], float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=scaling)  # [B, kvh, g, d]
     return out.reshape(b, heads, d)[None]
 
 
@@ -310,12 +347,13 @@ def install(model) -> None:
     """Register "hqtflow_paged" with transformers and switch the model to it."""
     register_attention(NAME, paged_attention)
     text = model.config.get_text_config(decoder=True)
-    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    sliding = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
-    if any(t != "full_attention" for t in types) or (sliding and not getattr(text, "layer_types", None)):
-        raise ValueError(f"The serving engine's paged KV cache supports full-attention models only, and this "
-                         f"{getattr(text, 'model_type', None) or 'model'} has sliding-window layers (`hqtflow generate "
-                         "--engine static` or `--engine transformers` runs it; `serve` cannot).")
+    kind = getattr(text, "model_type", None) or "model"
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"The serving engine's attention has no attention logit soft-capping, which this {kind} uses "
+                         "(`hqtflow generate --engine transformers` runs it; `serve` cannot).")
+    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
+        raise ValueError(f"The serving engine's attention has no attention sinks, which this {kind} uses "
+                         "(`hqtflow generate --engine transformers` runs it; `serve` cannot).")
     if model.config._attn_implementation != NAME:
         model.set_attn_implementation(NAME)
 

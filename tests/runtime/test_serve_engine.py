@@ -81,6 +81,57 @@ def test_engine_on_a_model_whose_layers_drop_attention_kwargs(tiny_factory):
         assert [e.token.id for e in events] == ref[i]
 
 
+@pytest.mark.parametrize("model_type, full", [("mistral", dict(sliding_window=None)),
+                                               ("gemma3_text", dict(layer_types=["full_attention"] * 2))])
+def test_sliding_window_models_equal_a_full_recompute(tiny_factory, model_type, full):
+    """Sliding-window layers (window 8 here; Mistral: every layer, Gemma 3: a local and a global one) attend only
+    their window in every path of the engine: a whole prefill, chunked prefill (chunks of 5 with a past), decode
+    through the CPU op beside a sequence shorter than the window, and the fixed-shape decode step of CUDA graphs
+    (run eagerly). Tokens and logprobs equal transformers' full recompute with its sliding mask, which differs from
+    the same weights without the window."""
+    from hqtflow import models
+
+    path = tiny_factory(model_type)
+    model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
+    prompts = [tok(" ".join(["The tower is tall and the river is wide."] * 3))["input_ids"], tok("A way")["input_ids"]]
+    assert len(prompts[0]) > 3 * 8 and len(prompts[1]) < 8
+    n = 12
+    outs = {}
+    for name, kw in {"whole": {}, "chunked": dict(max_prefill_tokens=5),
+                     "graph step": dict(cuda_graphs=(1, 2), capture=False)}.items():
+        eng = Engine(model, tok, max_batch_total_tokens=256, **kw)
+        outs[name] = run_all(eng, [(x, SamplingParams(max_new_tokens=n, ignore_eos=True)) for x in prompts])
+    unwindowed = models.load_model(tiny_factory(model_type, **full), "fp32")
+    with torch.inference_mode():
+        for i, x in enumerate(prompts):
+            tokens = [e.token.id for e in outs["whole"][i]]
+            seq = torch.tensor([x + tokens[:-1]])
+            ref = model(seq, use_cache=False).logits[0, len(x) - 1:].log_softmax(-1)
+            assert tokens == ref.argmax(-1).tolist()
+            for name, out in outs.items():
+                assert [e.token.id for e in out[i]] == tokens, name
+                torch.testing.assert_close(torch.tensor([e.token.logprob for e in out[i]]),
+                                           ref[torch.arange(n), tokens], rtol=1e-4, atol=1e-4)
+            if i == 0:  # the window matters for this prompt
+                assert (unwindowed(seq, use_cache=False).logits[0, len(x) - 1:].log_softmax(-1) - ref).abs().max() > 1e-2
+
+
+def test_engine_refuses_attention_it_does_not_compute(tiny_factory):
+    """Attention logit soft-capping (Gemma 2) and attention sinks (gpt-oss) are refused when the engine is made,
+    naming them, not silently left out."""
+    from hqtflow import models
+
+    path = tiny_factory("mistral")
+    model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
+    model.config.attn_logit_softcapping = 50.0
+    with pytest.raises(ValueError, match="soft-capping, which this mistral uses"):
+        Engine(model, tok)
+    model.config.attn_logit_softcapping = None
+    model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match="attention sinks"):
+        Engine(model, tok)
+
+
 def test_concurrent_requests_match_alone(lm, engine):
     _, tok = lm
     lengths = [10, 4, 16, 7]
