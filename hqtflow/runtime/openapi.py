@@ -113,10 +113,10 @@ def publish(spec: dict, *, vocab: int, max_input_tokens: int, max_total_tokens: 
     completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatRequest"]["properties"]
     completion["prompt"] = {"anyOf": [text, {"type": "array", "minItems": 1, "items": text}, ids,
                                       {"type": "array", "minItems": 1, "items": ids}]}
-    for props, lowest in ((completion, 0), (chat, 1)):
-        props["max_tokens"].update(minimum=lowest, maximum=max_total_tokens - 1)
+    for props in (completion, chat):
         props["stop"] = {"anyOf": [text, stops, {"type": "null"}]}
-    chat["max_completion_tokens"]["maximum"] = max_total_tokens - 1
+    for budget in (completion["max_tokens"], chat["max_tokens"], chat["max_completion_tokens"]):
+        budget["maximum"] = max_total_tokens - 1
     for budget in (params["max_new_tokens"], completion["max_tokens"], chat["max_tokens"], chat["max_completion_tokens"]):
         budget.pop("default", None)  # the server's default is as many as fit: a tester sending null waits for them all
         budget["examples"] = [1]

@@ -96,11 +96,27 @@ Seed = Annotated[int, BeforeValidator(_integral), Field(ge=0, lt=2**64),  # a u6
                  WithJsonSchema({"type": "integer", "minimum": 0, "maximum": 2**64 - 1})]
 
 
+RANGE = ("minimum", "exclusiveMinimum", "maximum")
+
+
 def bounded(default=None, **bounds) -> Any:
-    """A number field whose range the model's validator checks (with TGI's or OpenAI's message), published as JSON
-    Schema bounds (minimum, exclusiveMinimum, maximum, exclusiveMaximum) in /openapi.json; a test holds the two
-    together."""
+    """A number field with a range, given as JSON Schema's keywords (minimum, exclusiveMinimum, maximum): published
+    so in /openapi.json, and checked by `Strict` from the same keywords (`out_of_range`)."""
+    assert bounds and set(bounds) <= set(RANGE), bounds
     return Field(default, json_schema_extra=bounds)
+
+
+def out_of_range(name: str, v, bounds: dict) -> str | None:
+    """None if `v` is within `bounds`, else the refusal in TGI's words ("`top_k` must be strictly positive",
+    "`top_p` must be > 0.0 and <= 1.0. Given: 1.5")."""
+    lo_open = "exclusiveMinimum" in bounds
+    lo, hi = bounds.get("exclusiveMinimum", bounds.get("minimum")), bounds.get("maximum")
+    if (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or v <= hi):
+        return None
+    if lo == 0 and lo_open and hi is None:
+        return f"`{name}` must be strictly positive"
+    parts = ([f"{'>' if lo_open else '>='} {lo}"] if lo is not None else []) + ([f"<= {hi}"] if hi is not None else [])
+    return f"`{name}` must be {' and '.join(parts)}. Given: {v}"
 
 
 NOT_GIVEN = [None, False, [], {}]  # what a refused field may be: not given
@@ -137,6 +153,17 @@ class Strict(BaseModel):
                 raise ValueError(f"`{name}` is not supported: {why}")
         return self
 
+    @model_validator(mode="after")
+    def _ranges(self):
+        """Every `bounded` field within its published range."""
+        for name, field in type(self).model_fields.items():
+            bounds = {k: v for k, v in (field.json_schema_extra or {}).items() if k in RANGE} \
+                if isinstance(field.json_schema_extra, dict) else {}
+            value = getattr(self, name)
+            if bounds and value is not None and (problem := out_of_range(name, value, bounds)):
+                raise ValueError(problem)
+        return self
+
 
 Stop = Union[str, list[str], None]
 
@@ -149,15 +176,6 @@ def stop_list(stop: Stop, limit: int) -> tuple[str, ...]:
     if len(stop) > limit:
         raise invalid(f"`stop` supports up to {limit} stop sequences (--max-stop-sequences). Given: {len(stop)}")
     return tuple(stop)
-
-
-def check_range(name: str, v, lo=None, hi=None, lo_open=False, hi_open=False, text=None):
-    if v is None:
-        return
-    bad = (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and (v >= hi if hi_open else v > hi))
-    if bad:
-        bounds = [f"{'>' if lo_open else '>='} {lo}" if lo is not None else "", f"{'<' if hi_open else '<='} {hi}" if hi is not None else ""]
-        raise ValueError(text or f"`{name}` must be {' and '.join(b for b in bounds if b)}. Given: {v}")
 
 
 # ---- TGI ---------------------------------------------------------------------------------------------------
@@ -192,17 +210,7 @@ class TgiParameters(Strict):
     REFUSED: ClassVar[dict[str, str]] = {"adapter_id": "no LoRA adapters are loaded"}
 
     @model_validator(mode="after")
-    def _ranges(self):
-        check_range("temperature", self.temperature, 0, None, lo_open=True, text="`temperature` must be strictly positive")
-        check_range("repetition_penalty", self.repetition_penalty, 0, None, lo_open=True,
-                    text="`repetition_penalty` must be strictly positive")
-        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, text="`frequency_penalty` must be >= -2.0 and <= 2.0")
-        check_range("top_p", self.top_p, 0, 1, lo_open=True, text="`top_p` must be > 0.0 and <= 1.0")
-        check_range("typical_p", self.typical_p, 0, 1, lo_open=True, text="`typical_p` must be > 0.0 and <= 1.0")
-        check_range("top_k", self.top_k, 0, None, lo_open=True, text="`top_k` must be strictly positive")
-        check_range("top_n_tokens", self.top_n_tokens, 0, MAX_TOP_N_TOKENS)
-        check_range("max_new_tokens", self.max_new_tokens, 0, None, lo_open=True, text="`max_new_tokens` must be strictly positive")
-        check_range("best_of", self.best_of, 0, MAX_BEST_OF, lo_open=True)
+    def _best_of(self):
         if (self.best_of or 1) > 1:
             if self.seed is not None:
                 raise ValueError("`seed` must not be set when `best_of` > 1")
@@ -237,13 +245,15 @@ class StreamOptions(Strict):
     REFUSED: ClassVar[dict[str, str]] = {"continuous_usage_stats": "usage is reported once, in the last chunk"}
 
 
+LOGIT_BIAS = {"minimum": -100, "maximum": 100}  # a bias's range
+
+
 class OpenAICommon(Strict):
     model: str | None = None
     frequency_penalty: float | None = bounded(minimum=-2.0, maximum=2.0)
     presence_penalty: float | None = bounded(minimum=-2.0, maximum=2.0)
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={  # token id -> bias
-        "propertyNames": {"pattern": "^[0-9]{1,12}$"}, "additionalProperties": {"minimum": -100, "maximum": 100}})
-    max_tokens: Int | None = None  # (completions: >= 0, chat: >= 1; published per route)
+        "propertyNames": {"pattern": "^[0-9]{1,12}$"}, "additionalProperties": LOGIT_BIAS})
     n: Int = bounded(1, minimum=1, maximum=MAX_BEST_OF)
     seed: Seed | None = None
     stop: Stop = None
@@ -255,16 +265,12 @@ class OpenAICommon(Strict):
 
     @model_validator(mode="after")
     def _common(self):
-        check_range("temperature", self.temperature, 0.0, 2.0)
-        check_range("top_p", self.top_p, 0, 1, lo_open=True, text="`top_p` must be > 0.0 and <= 1.0")
-        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        check_range("n", self.n, 1, MAX_BEST_OF)
         for k, v in (self.logit_bias or {}).items():
             # "²" or "٣" pass isdigit() but are not token ids; over 12 digits, no vocabulary's (and int() refuses 4301)
             if not (k.isascii() and k.isdigit() and len(k) <= 12):
                 raise ValueError(f"`logit_bias` keys must be token ids. Given: {k[:20]!r}{'...' if len(k) > 20 else ''}")
-            check_range("logit_bias", v, -100, 100)
+            if problem := out_of_range("logit_bias", v, LOGIT_BIAS):
+                raise ValueError(problem)
         if self.stream_options is not None and not self.stream:
             raise ValueError("`stream_options` is only allowed when `stream` is true")
         return self
@@ -275,15 +281,15 @@ class CompletionRequest(OpenAICommon):
     best_of: Int | None = bounded(minimum=1, maximum=MAX_BEST_OF)  # and >= n
     echo: bool = False
     logprobs: Int | None = bounded(minimum=0, maximum=5)
+    max_tokens: Int | None = bounded(minimum=0)  # 0: score the prompt only
     suffix: str | None = None
 
     REFUSED: ClassVar[dict[str, str]] = {"suffix": "no fill-in-the-middle model is served"}
 
     @model_validator(mode="after")
     def _completion(self):
-        check_range("logprobs", self.logprobs, 0, 5)
-        check_range("max_tokens", self.max_tokens, 0, None)
-        check_range("best_of", self.best_of, self.n, MAX_BEST_OF, text=f"`best_of` must be >= `n` and <= {MAX_BEST_OF}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"`best_of` must be >= `n` and <= {MAX_BEST_OF}. Given: {self.best_of}")
         if self.stream and (self.best_of or self.n) > self.n:
             raise ValueError("`best_of` > `n` is not supported when streaming")
         return self
@@ -339,6 +345,7 @@ class ChatRequest(OpenAICommon):
     messages: list[dict[str, Any]] = Field(json_schema_extra={"minItems": 1, "items": MESSAGE})  # checked by chat_messages
     logprobs: bool = False
     top_logprobs: Int | None = bounded(minimum=0, maximum=20)
+    max_tokens: Int | None = bounded(minimum=1)
     max_completion_tokens: Int | None = bounded(minimum=1)
     response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
@@ -366,12 +373,8 @@ class ChatRequest(OpenAICommon):
     def _chat(self):
         if not self.messages:
             raise ValueError("`messages` must be a non-empty list")
-        check_range("top_logprobs", self.top_logprobs, 0, 20)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("`top_logprobs` needs `logprobs` set to true")
-        check_range("max_tokens", self.max_tokens, 1, None, text="`max_tokens` must be strictly positive")
-        check_range("max_completion_tokens", self.max_completion_tokens, 1, None,
-                    text="`max_completion_tokens` must be strictly positive")
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
             raise ValueError("`response_format.json_schema.schema` must be a JSON schema object")
