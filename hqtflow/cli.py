@@ -120,7 +120,7 @@ def _csv(values: Optional[list[str]]) -> Optional[tuple[str, ...]]:
 
 Engine = Annotated[str, typer.Option(help="hqtflow (its own observers / FP8 runtime) or inc (Neural Compressor's prepare/convert, driven by hqtflow).")]
 Device = Annotated[Optional[str], typer.Option(help="--engine inc: cpu or hpu (default: hpu when habana_frameworks.torch imports, else cpu).")]
-RunDevice = Annotated[Optional[str], typer.Option(help="Where the model runs: cpu or cuda (default: cuda when PyTorch sees a CUDA GPU, else cpu); with --engine inc: cpu or hpu (default: hpu when habana_frameworks.torch imports).")]
+RunDevice = Annotated[Optional[str], typer.Option(help="Where the model runs: auto, cpu or cuda (default auto: cuda when PyTorch sees a CUDA GPU, else cpu); with --engine inc: cpu or hpu (default: hpu when habana_frameworks.torch imports).")]
 
 
 def _inc_device(engine: str, device: Optional[str]) -> Optional[str]:
@@ -633,7 +633,7 @@ def bench(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write every figure as JSON here.")] = None,
     backend: Backend = "auto",
     dtype: ComputeDtype = "auto",
-    device: Annotated[Optional[str], typer.Option(help="Where both models run: cpu or cuda (default: cuda when PyTorch sees a CUDA GPU, else cpu).")] = None,
+    device: Annotated[Optional[str], typer.Option(help="Where both models run: auto, cpu or cuda (default auto: cuda when PyTorch sees a CUDA GPU, else cpu).")] = None,
 ) -> None:
     """Prefill/decode latency and throughput per batch size through the serving engine, FP8 vs bf16 side by side (text-generation-benchmark style)."""
     from hqtflow.runtime.bench import BenchSettings, parse_batch_sizes, run_bench
