@@ -124,7 +124,7 @@ def read_artifact(directory: str | Path) -> Artifact:
     """An hqtflow measurement or scales artifact, checked: every rank's files INC reads are there and unchanged."""
     from hqtflow.formats.artifact import artifact_kind, read_manifest
     from hqtflow.formats.measurement import INC_CONFIG, measurement_stem, refuse_foreign_dump
-    from hqtflow.formats.scale_files import scale_stem
+    from hqtflow.formats.scale_files import read_scale_file, scale_stem
 
     directory = Path(directory)
     if not directory.is_dir():
@@ -143,6 +143,8 @@ def read_artifact(directory: str | Path) -> Artifact:
     config = _load_json(directory / INC_CONFIG, "QUANT_CONFIG")
     try:
         world = int(data["world_size"])
+        if world > len(raw["files"]):  # (each rank has files of its own)
+            raise ValueError
         observer = str(data.get("observer") or config.get("observer") or "maxabs")
         if kind == "measurement":
             stems = [str(r["stem"]) for r in data["ranks"]]
@@ -162,12 +164,16 @@ def read_artifact(directory: str | Path) -> Artifact:
                                 "`hqtflow quantize --scales-only --scales-for gaudi2` (or gaudi3).")
         method = str(data.get("scale_method") or "")
         for r in range(world):
-            needed[r].append(scale_stem(base, observer, method, r if world > 1 else None, world) + ".npz")
+            stem = scale_stem(base, observer, method, r if world > 1 else None, world)
+            needed[r] += [stem + ".json", stem + ".npz"]
     missing = sorted({r for r, names in needed.items() if not all((directory / n).is_file() for n in names)})
     if missing:
         raise ArtifactError(f"{directory} is a {world}-rank {kind} but the files of rank(s) "
                             f"{', '.join(map(str, missing))} are missing.")
     read_manifest(directory, type_)  # every listed file present and unchanged
+    if kind == "scales":  # what INC will load (the .npz) is written from the same nodes as the JSON twin checked here
+        for names in needed.values():
+            read_scale_file(directory / names[-2])
     return Artifact(directory.resolve(), kind, world, base, config, data.get("model_path"), _recorded_recipe(data))
 
 

@@ -151,15 +151,10 @@ def _load_scales(directory: Path) -> dict:
         if not is_scale_file(path):
             meas.append(read_measurement(path))
             continue
-        for name, n in read_scale_file(path).items():
-            try:
-                inputs = [_scale_value(x) for x in n.get("inputs") or []]
-                w = (n.get("params") or {}).get("weight")
-                weight = None if w is None else _scale_value(w)
-            except (TypeError, ValueError, AttributeError) as e:
-                raise ArtifactError(f"{path} has a malformed node {name} ({e}).") from None
-            if any(not math.isfinite(v) or v < 0 for v in inputs + [weight or 0.0]):
-                raise ArtifactError(f"{path}: module {name} has a non-finite or negative scale; the file is corrupt.")
+        for name, n in read_scale_file(path).items():  # (checked there: every scale a number in range)
+            inputs = [_scale_value(x) for x in n.get("inputs") or []]
+            w = (n.get("params") or {}).get("weight")
+            weight = None if w is None else _scale_value(w)
             if inputs:
                 _merge(scales, name, "input_scale", max(inputs))
             if weight is not None:

@@ -49,10 +49,11 @@ def base(tiny_llama, wiki_text, tmp_path_factory):
     for f in ("f1", "f2"):  # the same dumps brought in: what quantize and unify read
         r = run_cli("import-hqt", d / f, "-o", d / f"i{f[1]}", "--model", tiny_llama)
         assert r.exit_code == 0, r.output
-    r = run_cli("quantize", tiny_llama, "-m", d / "m", "-o", d / "s", "--scales-only")
-    assert r.exit_code == 0, r.output
+    for out, target in (("s", "cpu"), ("g", "gaudi2")):  # scale files: for this machine, and for a Gaudi (handoff)
+        r = run_cli("quantize", tiny_llama, "-m", d / "m", "-o", d / out, "--scales-only", "--scales-for", target)
+        assert r.exit_code == 0, r.output
     return {"model": tiny_llama, "text": wiki_text, "m": d / "m", "ck": d / "ck", "f1": f1, "f2": f2,
-            "i1": d / "i1", "i2": d / "i2", "s": d / "s"}
+            "i1": d / "i1", "i2": d / "i2", "s": d / "s", "g": d / "g"}
 
 
 class Ctx:
@@ -125,10 +126,10 @@ def write(path, text):
     return path
 
 
-def scale_node(d, value):
-    """Set the input scale of NODE in a scales artifact's scale file."""
+def scale_node(d, value, key="inputs"):
+    """Set the input scale (or with key="weight", the weight scale) of NODE in a scales artifact's scale file."""
     [f] = [p for p in d.glob(f"{STEM}_MAXABS_*.json")]
-    edit_json(f, lambda r: r["Nodes"][NODE].update(inputs=value))
+    edit_json(f, lambda r: r["Nodes"][NODE]["params"].update(weight=value) if key == "weight" else r["Nodes"][NODE].update(inputs=value))
     return d
 
 
@@ -436,9 +437,10 @@ CASES = {
     # inspect
     "inspect/manifest nested too deep": (lambda c: ["inspect", (write(c.copy("m") / MANIFEST, DEEP), c.w / "m")[1]], "corrupt"),
     "inspect/manifest model not an object": (lambda c: ["inspect", manifest(c.copy("m"), model=[1])], "corrupt"),
-    "inspect/string scale, hashes rewritten": (lambda c: ["inspect", rehash(scale_node(c.copy("s"), "x"))], "malformed node"),
+    "inspect/string scale, hashes rewritten": (lambda c: ["inspect", rehash(scale_node(c.copy("s"), "x"))],
+                                               "not a number or a list of numbers"),
     "inspect/nan scale, hashes rewritten": (lambda c: ["inspect", rehash(scale_node(c.copy("s"), [float("nan")]))],
-                                            "non-finite or negative scale"),
+                                            "has a scale of nan"),
     "inspect/partial dir": (lambda c: ["inspect", c.partial("m")], "unfinished output"),
     "inspect/manifest version 0": (lambda c: ["inspect", manifest(c.copy("m"), _version=0)], "schema version 0"),
     "inspect/manifest file outside": (lambda c: ["inspect", manifest(c.copy("m"), files={"../../outside_dir/x.json": "0"})],
@@ -582,6 +584,24 @@ CASES = {
         f"{NODE}.weight_scale", torch.ones(128, 1))))], "inspect reads per-tensor and per-channel scales"),
     "run/recipe output with a NUL byte": (lambda c: ["run", write(c.w / "r.yaml", f"model: {c.model}\ncalibration:\n  text: "
                                                                   f"{c.text}\noutput: \"out\\0dir\"\n")], "not a usable path"),
+    # from fuzzing the scale-file readers (stop 49): scales as strings, out of range, wrong-typed manifest fields
+    "inspect/per-channel weight scale of strings, hashes rewritten": (lambda c: ["inspect", rehash(scale_node(
+        c.copy("s"), {"0": ["0.1"] * 64, "1": [1.0] * 64}, "weight"))], "not a number or a list of numbers"),
+    "inspect/negative weight scale, hashes rewritten": (lambda c: ["inspect", rehash(scale_node(c.copy("s"), -1.0, "weight"))],
+                                                        "has a scale of -1.0"),
+    "inspect/weight scale 1e-45, hashes rewritten": (lambda c: ["inspect", rehash(scale_node(c.copy("s"), 1e-45, "weight"))],
+                                                     "no scale method makes one"),
+    "inspect/scales manifest skipped a number": (lambda c: ["inspect", edit_manifest(c.copy("s"), lambda m: m["data"].update(
+        skipped=1.5))], "'skipped' is not an object"),
+    "inspect/scales manifest files of numbers": (lambda c: ["inspect", edit_manifest(c.copy("s"), lambda m: m["data"].update(
+        files=[7]))], "'files' is not a list of file names"),
+    "inspect/manifest with a lone surrogate": (lambda c: ["inspect", write(c.copy("s") / MANIFEST, (c.s / MANIFEST).read_text()
+                                                                            .replace('"target": "cpu"', '"target": "x\\ud800"'))
+                                                .parent], "corrupt"),
+    "handoff/scales world_size 10**9": (lambda c: ["handoff", edit_manifest(c.copy("g"), lambda m: m["data"].update(
+        world_size=10**9)), "--to", "optimum-habana", "--dir", c.w / "h"], "no valid ranks"),
+    "handoff/nan in a Gaudi scale file, hashes rewritten": (lambda c: ["handoff", rehash(scale_node(c.copy("g"), [float("nan")])),
+                                                            "--to", "optimum-habana", "--dir", c.w / "h"], "has a scale of nan"),
     "run/recipe output with a lone surrogate": (lambda c: ["run", write(c.w / "r.yaml", f"model: {c.model}\ncalibration:\n  "
                                                                         f"text: {c.text}\noutput: \"out\\ud800dir\"\n")],
                                                 "must be valid text"),

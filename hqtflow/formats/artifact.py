@@ -336,9 +336,33 @@ def _raw_manifest(directory: Path, kind: str) -> tuple[Path, dict]:
     try:
         raw = json.loads(mpath.read_text())
         raw["_type"], raw["_version"]
+        json.dumps(raw, ensure_ascii=False).encode()  # no lone surrogate ("\ud800"): every string prints and saves
     except (OSError, ValueError, RecursionError, KeyError, TypeError):
         raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).") from None
     return mpath, raw
+
+
+def _strings(x) -> bool:
+    return isinstance(x, list) and all(isinstance(s, str) for s in x)
+
+
+# The data fields stages read back from a manifest, each with its type; a hand-edited one of another type is corrupt.
+DATA_FIELDS = {
+    "files": (_strings, "a list of file names"),
+    "quantized": (_strings, "a list of module names"),
+    "skipped": (lambda x: isinstance(x, dict) and all(isinstance(v, str) for v in x.values()),
+                "an object of module names and reasons"),
+    "world_size": (lambda x: type(x) is int and x >= 1, "a whole number of ranks"),
+    "scale_method": (lambda x: isinstance(x, (str, dict)), "a scale method or per-module rules"),
+    **{k: (lambda x: isinstance(x, str), "a string") for k in ("model_path", "target", "fp8", "mode", "observer")},
+}
+
+
+def _data_problem(data: dict) -> str | None:
+    for key, (ok, what) in DATA_FIELDS.items():
+        if data.get(key) is not None and not ok(data[key]):
+            return f"its data field {key!r} is not {what}"
+    return None
 
 
 def artifact_kind(directory: str | Path) -> str:
@@ -380,6 +404,8 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
     if not isinstance(files, dict) or not files or not isinstance(raw.get("data", {}), dict) or \
             not isinstance(raw.get("model"), (dict, type(None))):
         raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).")
+    if (problem := _data_problem(raw.get("data") or {})) is not None:
+        raise ArtifactError(f"{mpath} is corrupt: {problem}.")
     for rel in files:
         confined(directory, rel)
     if verify:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hqtflow.errors import ArtifactError
+from hqtflow.formats.scale_files import MAX_SCALE  # larger: scale x FP8 value overflows float32
 from hqtflow.scales import FP8_DTYPES, HP_DTYPES, ScaleMethod
 
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -277,7 +278,6 @@ def read_tensors(directory: Path, *, device: str = "cpu") -> dict[str, torch.Ten
         return {k: tf.get(k) for k in tf.entries}
 
 
-MAX_SCALE = torch.finfo(torch.float32).max / torch.finfo(torch.float8_e5m2).max  # larger: scale x FP8 value overflows
 
 
 def check_scales(path: Path, tensors: dict[str, torch.Tensor]) -> None:

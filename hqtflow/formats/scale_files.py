@@ -19,6 +19,11 @@ from hqtflow.errors import ArtifactError
 from hqtflow.formats.artifact import write_json_atomic
 from hqtflow.formats.measurement import INC_CONFIG, rank_suffix
 
+# A scale's bounds: every scale method floors its scales at the smallest normal number of its dtype (float32's at the
+# least), and a scale past f32max / 57344 (E5M2's largest value) overflows float32 when dequantizing.
+MIN_SCALE = float(np.finfo(np.float32).tiny)
+MAX_SCALE = float(np.finfo(np.float32).max) / 57344.0
+
 
 def scale_stem(dump_stats_path: str, observer: str, method_name: str, rank: int | None, world: int) -> str:
     return f"{Path(dump_stats_path).name}_hooks_{observer}_{method_name.upper()}{rank_suffix(rank, world)}"
@@ -51,7 +56,42 @@ def read_scale_file(path: Path) -> dict[str, dict]:
         raise ArtifactError(f"{path} is not an INC scale file (unreadable JSON or no 'Nodes').") from None
     if mode != "Scale" or not isinstance(nodes, dict) or not all(isinstance(n, dict) for n in nodes.values()):
         raise ArtifactError(f"{path} is not an INC scale file (Mode {mode!r}, or its nodes are not objects).")
+    if not nodes:
+        raise ArtifactError(f"{path} holds no scales; it is corrupt.")
+    for name, node in nodes.items():
+        if (problem := node_problem(node)) is not None:
+            raise ArtifactError(f"{path}: node {name[:80]!r} {problem}; the file is corrupt.")
     return nodes
+
+
+def _numbers(v) -> list | None:
+    """A scale (a number) or a list of them as a list; None for anything else (strings and booleans included)."""
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
+    if number(v):
+        return [v]
+    return list(v) if isinstance(v, list) and all(number(x) for x in v) else None
+
+
+def node_problem(node: dict) -> str | None:
+    """Why a node is not as `scale_entry` writes it, or None: `inputs` a list of scales; `outputs` a list of scales or
+    of per-channel lists; `params.weight` a scale or INC's per-channel {"0": [...], "1": [...]}; every scale a number
+    in [MIN_SCALE, MAX_SCALE]."""
+    params = node.get("params", {})
+    if set(node) - {"inputs", "outputs", "params"} or not isinstance(params, dict) or set(params) - {"weight"}:
+        return "has fields a scale file does not have"
+    groups = [node.get("inputs", []), *node.get("outputs", [])] if isinstance(node.get("outputs", []), list) else [None]
+    weight = params.get("weight", [])
+    if isinstance(weight, dict):
+        groups += [weight.get("0"), weight.get("1")] if set(weight) == {"0", "1"} else [None]
+    else:
+        groups.append(weight)
+    values = [_numbers(g) for g in groups]
+    if any(v is None for v in values) or not isinstance(node.get("inputs", []), list):
+        return "has a scale that is not a number or a list of numbers"
+    bad = [x for v in values for x in v if not MIN_SCALE <= x <= MAX_SCALE]  # NaN fails both
+    if bad:
+        return f"has a scale of {bad[0]!r}, outside [{MIN_SCALE:.3g}, {MAX_SCALE:.3g}] (no scale method makes one)"
+    return None
 
 
 def is_scale_file(path: Path) -> bool:
