@@ -278,8 +278,6 @@ def read_tensors(directory: Path, *, device: str = "cpu") -> dict[str, torch.Ten
         return {k: tf.get(k) for k in tf.entries}
 
 
-
-
 def check_scales(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Every scale of a checkpoint must be positive and finite (a zero or NaN scale cannot be right), and small enough
     that dequantizing with it stays finite in float32."""

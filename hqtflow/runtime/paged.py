@@ -348,11 +348,14 @@ def install(model) -> None:
     register_attention(NAME, paged_attention)
     text = model.config.get_text_config(decoder=True)
     kind = getattr(text, "model_type", None) or "model"
+    other = set(getattr(text, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    missing = [f"{t} layers" for t in sorted(other)]  # e.g. Llama 4's chunked, Qwen3-Next's linear attention
     if getattr(text, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"The serving engine's attention has no attention logit soft-capping, which this {kind} uses "
-                         "(`hqtflow generate --engine transformers` runs it; `serve` cannot).")
+        missing.append("attention logit soft-capping")
     if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
-        raise ValueError(f"The serving engine's attention has no attention sinks, which this {kind} uses "
+        missing.append("attention sinks")
+    if missing:
+        raise ValueError(f"The serving engine's attention has no {' or '.join(missing)}, which this {kind} uses "
                          "(`hqtflow generate --engine transformers` runs it; `serve` cannot).")
     if model.config._attn_implementation != NAME:
         model.set_attn_implementation(NAME)

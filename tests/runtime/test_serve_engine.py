@@ -117,8 +117,8 @@ def test_sliding_window_models_equal_a_full_recompute(tiny_factory, model_type, 
 
 
 def test_engine_refuses_attention_it_does_not_compute(tiny_factory):
-    """Attention logit soft-capping (Gemma 2) and attention sinks (gpt-oss) are refused when the engine is made,
-    naming them, not silently left out."""
+    """Attention logit soft-capping (Gemma 2), attention sinks (gpt-oss) and layers of another attention type are
+    refused when the engine is made, naming them, not silently left out."""
     from hqtflow import models
 
     path = tiny_factory("mistral")
@@ -129,6 +129,10 @@ def test_engine_refuses_attention_it_does_not_compute(tiny_factory):
     model.config.attn_logit_softcapping = None
     model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
     with pytest.raises(ValueError, match="attention sinks"):
+        Engine(model, tok)
+    del model.model.layers[0].self_attn.sinks
+    model.config.layer_types = ["chunked_attention", "full_attention"]  # Llama 4's: neither full nor sliding
+    with pytest.raises(ValueError, match="no chunked_attention layers, which this mistral uses"):
         Engine(model, tok)
 
 
