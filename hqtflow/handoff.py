@@ -142,7 +142,7 @@ def read_artifact(directory: str | Path) -> Artifact:
         raise ArtifactError(f"{directory} has no {INC_CONFIG}; it is not a complete hqtflow {kind} artifact.")
     config = _load_json(directory / INC_CONFIG, "QUANT_CONFIG")
     try:
-        world = int(data["world_size"])
+        world = data["world_size"]  # (a whole number >= 1: read_manifest checks it)
         if world > len(raw["files"]):  # (each rank has files of its own)
             raise ValueError
         observer = str(data.get("observer") or config.get("observer") or "maxabs")
@@ -154,7 +154,7 @@ def read_artifact(directory: str | Path) -> Artifact:
             stems = [measurement_stem(base, observer, r if world > 1 else None, world) for r in range(world)]
     except (KeyError, TypeError, ValueError, IndexError):
         raise ArtifactError(f"{m.path} is corrupt (no valid ranks / world_size).") from None
-    if len(stems) != world or world < 1:
+    if len(stems) != world:
         raise ArtifactError(f"{directory} lists {len(stems)} rank file(s) for world size {world}; it is corrupt.")
     needed = {r: [f"{s}.json", f"{s}.npz"] for r, s in enumerate(stems)}  # INC reads the .npz
     if kind == "scales":

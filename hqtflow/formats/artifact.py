@@ -342,6 +342,11 @@ def _raw_manifest(directory: Path, kind: str) -> tuple[Path, dict]:
     return mpath, raw
 
 
+def whole(x) -> bool:
+    """A JSON integer (not a float such as 2.5, Infinity or 1e400, nor a boolean)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _strings(x) -> bool:
     return isinstance(x, list) and all(isinstance(s, str) for s in x)
 
@@ -352,7 +357,7 @@ DATA_FIELDS = {
     "quantized": (_strings, "a list of module names"),
     "skipped": (lambda x: isinstance(x, dict) and all(isinstance(v, str) for v in x.values()),
                 "an object of module names and reasons"),
-    "world_size": (lambda x: type(x) is int and x >= 1, "a whole number of ranks"),
+    "world_size": (lambda x: whole(x) and x >= 1, "a whole number of ranks"),
     "scale_method": (lambda x: isinstance(x, (str, dict)), "a scale method or per-module rules"),
     **{k: (lambda x: isinstance(x, str), "a string") for k in ("model_path", "target", "fp8", "mode", "observer")},
 }

@@ -25,7 +25,7 @@ import numpy as np
 
 from hqtflow.errors import ArtifactError
 from hqtflow.formats.artifact import (MANIFEST, ArtifactKind, Manifest, check_not_partial, confined, read_manifest,
-                                      sha256_file, write_json_atomic, write_manifest)
+                                      sha256_file, whole, write_json_atomic, write_manifest)
 
 
 @dataclass
@@ -187,11 +187,6 @@ class Measurement:
     local_rank: int | None
     num_samples: int
     mode: str
-
-
-def whole(x) -> bool:
-    """A JSON integer (not a float such as 2.5, Infinity or 1e400, nor a boolean)."""
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def read_measurement(path: Path) -> Measurement:
@@ -380,9 +375,7 @@ def manifest_ranks(m: Manifest) -> tuple[list[str], int]:
         stems, world = [str(r["stem"]) for r in m.data["ranks"]], m.data["world_size"]
     except (KeyError, TypeError, ValueError):
         raise ArtifactError(f"{m.path} is corrupt (no valid ranks / world_size).") from None
-    if not whole(world):
-        raise ArtifactError(f"{m.path} has world_size {world!r}, not a whole number; it is corrupt.")
-    if len(stems) != world or world < 1:
+    if len(stems) != world:  # (world_size: a whole number >= 1, checked by read_manifest)
         raise ArtifactError(f"{m.path} lists {len(stems)} rank(s) for world size {world}; it is corrupt.")
     return stems, world
 

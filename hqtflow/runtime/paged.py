@@ -235,9 +235,6 @@ def stepping(plan):
         _STEP.reset(token)
 
 
-UNSUPPORTED = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks"}
-
-
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query [1, heads, T, d], key/value [1, kv_heads, T, d] of a flattened step -> ([1, T, heads, d], None)."""
     plan: StepPlan | None = kwargs.pop("paged", None)
@@ -247,9 +244,6 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    for name, what in UNSUPPORTED.items():
-        if kwargs.get(name) is not None:
-            raise ValueError(f"The serving engine's attention has no {what} ({name}=), which this model uses.")
     window = kwargs.get("sliding_window")  # a sliding-window layer's window, None for full attention
     if isinstance(plan, DecodeBatch):
         return decode_batch_attention(module.layer_idx, plan, query, key, value, scaling, window), None
