@@ -32,13 +32,13 @@ def _compiler(tokenizer):
 
 
 @functools.lru_cache(maxsize=64)
-def _compile(tokenizer, kind: str, value: str):
+def _compile(tokenizer, kind: str, value: str, any_whitespace: bool = True):
     c = _compiler(tokenizer)
     try:
         if kind == "json_object":
             return c.compile_builtin_json_grammar()
         if kind == "json":
-            return c.compile_json_schema(value, strict_mode=False)
+            return c.compile_json_schema(value, strict_mode=False, any_whitespace=any_whitespace)
         if kind == "regex":
             return c.compile_regex(value)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError on a bad schema or regex
@@ -60,8 +60,9 @@ def depth(value) -> int:
     return deepest
 
 
-def compile_grammar(tokenizer, kind: str, value=None):
-    """kind: "json" (value: a JSON schema, dict or string), "regex" (value: a regex) or "json_object" (any JSON)."""
+def compile_grammar(tokenizer, kind: str, value=None, any_whitespace: bool = True):
+    """kind: "json" (value: a JSON schema, dict or string), "regex" (value: a regex) or "json_object" (any JSON).
+    any_whitespace=False: JSON written on one line, with ", " and ": " between items."""
     if not available():
         raise GrammarError("constrained output needs xgrammar (`pip install xgrammar`)")
     if kind == "json":
@@ -72,8 +73,8 @@ def compile_grammar(tokenizer, kind: str, value=None):
                 raise GrammarError("the json grammar's `value` is not valid JSON") from None
         if depth(value) > MAX_SCHEMA_DEPTH:  # compiling takes seconds from ~300 levels (a cheap way to burn CPU)
             raise GrammarError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-        value = json.dumps(value, sort_keys=True)
-    return _compile(tokenizer, kind, value)
+        value = json.dumps(value)  # keys in the order given: the grammar writes properties in that order
+    return _compile(tokenizer, kind, value, any_whitespace)
 
 
 def matcher(compiled):

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from hqtflow.runtime import tools
 from hqtflow.runtime.api import Ctx, Sequence
 from hqtflow.runtime.engine import SamplingParams
 from hqtflow.runtime.grammar import GrammarError, compile_grammar
@@ -54,41 +55,86 @@ def _byte_symbols() -> dict[str, int]:
 
 
 MESSAGE_REFUSED = {"name": "participant names are not passed to the chat template",
-                   **{k: "tool calling is not implemented" for k in ("tool_calls", "tool_call_id", "function_call")},
+                   "function_call": "the deprecated function calling is not implemented: use `tools`",
                    "refusal": "refusals are not modelled", "audio": "audio is not supported"}
+MESSAGE_FIELDS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}  # beside role and content
 
 
-def chat_messages(messages: list[dict]) -> list[dict]:
-    """The messages for the chat template: roles checked, content as a string (OpenAI's text parts joined); a
-    message field other than role and content is a 422 naming it (given as null, it is not given)."""
+def chat_messages(messages: list[dict], renders_tools: bool) -> list[dict]:
+    """The messages for the chat template: roles checked, content as a string (OpenAI's text parts joined), an
+    assistant's tool calls and a tool result's call id passed on to a template that renders tools (else the calls are
+    written into the content as the model writes them); any other message field is a 422 naming it (given as null,
+    it is not given)."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise invalid(f"`messages[{i}]` must be an object with `role` and `content`")
-        if m.get("role") not in ROLES:
-            raise invalid(f"`messages[{i}].role` must be one of {', '.join(ROLES)}. Given: {m.get('role')!r}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise invalid(f"`messages[{i}].role` must be one of {', '.join(ROLES)}. Given: {role!r}")
         for key, value in m.items():
-            if key not in ("role", "content") and value is not None:
+            if key not in ("role", "content", *MESSAGE_FIELDS.get(role, ())) and value is not None:
                 why = MESSAGE_REFUSED.get(key, "it is not a field of a chat message")
+                if key in ("tool_calls", "tool_call_id"):
+                    why = f"only {'an assistant' if key == 'tool_calls' else 'a tool'} message has it"
                 raise invalid(f"`messages[{i}].{key}` is not supported: {why}")
-        m = {k: v for k, v in m.items() if k in ("role", "content")}
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise invalid(f"`messages[{i}].content[{j}]`: only text parts are supported. Given: {kind!r}")
-                extra = next((k for k, v in part.items() if k not in ("type", "text") and v is not None), None)
-                if extra is not None:
-                    raise invalid(f"`messages[{i}].content[{j}].{extra}` is not supported: a text part has type and text")
-                parts.append(part["text"])
-            content = "\n".join(parts)
-        elif content is None and m["role"] == "assistant":
-            content = ""
-        elif not isinstance(content, str):
-            raise invalid(f"`messages[{i}].content` must be a string or a list of text parts")
-        out.append({**m, "content": content})
+        content = message_text(m.get("content"), i, optional=role == "assistant")
+        calls = message_calls(m.get("tool_calls"), i) if role == "assistant" else []
+        if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+            raise invalid(f"`messages[{i}].tool_call_id` must be a string")
+        if not renders_tools:
+            content = "\n".join([content] * bool(content) + [tools.call_text(c["function"]["name"], c["function"]["arguments"])
+                                                             for c in calls])
+            out.append({"role": role, "content": content})
+            continue
+        extra = {"tool_calls": calls} if calls else {"tool_call_id": m["tool_call_id"]} if m.get("tool_call_id") else {}
+        out.append({"role": role, "content": content, **extra})
+    return out
+
+
+def message_text(content, i: int, optional: bool) -> str:
+    """A message's content as one string: OpenAI's text parts joined with newlines; null (an assistant's) is empty."""
+    if isinstance(content, str):
+        return content
+    if content is None and optional:
+        return ""
+    if not isinstance(content, list):
+        raise invalid(f"`messages[{i}].content` must be a string or a list of text parts")
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise invalid(f"`messages[{i}].content[{j}]`: only text parts are supported. Given: {kind!r}")
+        extra = next((k for k, v in part.items() if k not in ("type", "text") and v is not None), None)
+        if extra is not None:
+            raise invalid(f"`messages[{i}].content[{j}].{extra}` is not supported: a text part has type and text")
+        parts.append(part["text"])
+    return "\n".join(parts)
+
+
+def message_calls(calls, i: int) -> list[dict]:
+    """An assistant message's tool calls as chat templates take them: {"id"?, "type": "function", "function":
+    {"name", "arguments": the parsed arguments}} (OpenAI sends the arguments as a JSON string)."""
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise invalid(f"`messages[{i}].tool_calls` must be a list of tool calls")
+    out = []
+    for j, c in enumerate(calls):
+        where = f"`messages[{i}].tool_calls[{j}]"
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or c.get("type", "function") != "function" or not isinstance(f.get("name"), str) \
+                or not isinstance(f.get("arguments"), str) or not isinstance(c.get("id", ""), str):
+            raise invalid(f'{where}` must be {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": a JSON string}}}}')
+        if extra := next((k for k, v in [*c.items(), *f.items()] if k not in ("id", "type", "function", "name", "arguments")
+                          and v is not None), None):
+            raise invalid(f"{where}.{extra}` is not supported: a tool call has id, type and function (name, arguments)")
+        try:
+            arguments = json.loads(f["arguments"])
+        except (ValueError, RecursionError):
+            raise invalid(f"{where}.function.arguments` is not valid JSON") from None
+        out.append({**({"id": c["id"]} if c.get("id") else {}), "type": "function",
+                    "function": {"name": f["name"], "arguments": arguments}})
     return out
 
 
@@ -207,29 +253,49 @@ def openai_router(ctx: Ctx) -> APIRouter:
         return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in (t.top or [])]}
                             for t in tokens if not t.special]}  # the content's tokens: not the end-of-turn token
 
-    def chat_grammar(req: ChatRequest):
+    def chat_grammar(req: ChatRequest, plan: tools.ToolPlan | None):
         fmt = req.response_format
-        if fmt is None or fmt.type == "text":
-            return None
         try:
+            if plan is not None:
+                return compile_grammar(tok, "json", plan.schema, any_whitespace=False)  # a call on one line
+            if fmt is None or fmt.type == "text":
+                return None
             if fmt.value is not None:  # TGI's grammar types: json (alias json_object) or regex, in `value`
                 return compile_grammar(tok, "regex" if fmt.type == "regex" else "json", fmt.value)
             if fmt.type == "json_object":
                 return compile_grammar(tok, "json_object")
             return compile_grammar(tok, "json", fmt.json_schema.schema_)
         except GrammarError as e:
-            raise invalid(f"`response_format`: {e}") from None
+            raise invalid(f"`{'tools' if plan is not None else 'response_format'}`: {e}") from None
+
+    def chat_message(q, plan) -> tuple[dict, str]:
+        """A finished choice's message and finish_reason: its text, or (with tools) its tool call."""
+        text, finish = final_text(q.last), FINISH[q.last.finish_reason]
+        if plan is None:
+            return {"role": "assistant", "content": text}, finish
+        reply = tools.read_reply(text, final=True)
+        if reply.name is None:
+            return {"role": "assistant", "content": reply.text}, finish
+        call = tools.tool_call(f"call_{uuid.uuid4().hex[:24]}", reply.name, reply.text)
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, tools.finish_reason(reply, finish)
 
     @r.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse(ChatRequest, await read_body(request))
-        messages = chat_messages(req.messages)
+        plan = tools.plan(req.tools, req.tool_choice, req.tool_prompt)
+        if plan is not None and req.response_format is not None and req.response_format.type != "text":
+            raise invalid("`response_format` cannot be combined with `tools`: a tool call's grammar holds the reply")
+        renders_tools = tools.takes_tools(tok.chat_template)
+        messages = chat_messages(req.messages, renders_tools)
+        if plan is not None:
+            messages = tools.with_tools(messages, plan, renders_tools)
         try:
-            prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            prompt = tok.apply_chat_template(messages, tools=plan.offered if plan and renders_tools else None,
+                                             tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - no or broken template
             raise invalid(f"`messages`: cannot apply the chat template: {e}") from None
         ids = ctx.encode(prompt, "messages", add_special_tokens=False)
-        grammar = await run_in_threadpool(chat_grammar, req)  # compiled off the event loop: other requests go on
+        grammar = await run_in_threadpool(chat_grammar, req, plan)  # compiled off the event loop: other requests go on
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         names = ("messages", "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
@@ -238,15 +304,17 @@ def openai_router(ctx: Ctx) -> APIRouter:
         make = lambda n: params(req, n, max_new, top_n=top_n, grammar=grammar, default_max_new=100, names=names)  # noqa: E731
         jobs = jobs_for([ids], make, req.n, req.seed)
         if req.stream:
-            return stream(jobs, [ids], req, chat=True)
+            return stream(jobs, [ids], req, chat=True, plan=plan)
         seqs = await ctx.collect(jobs, request)
-        choices = [{"index": j, "message": {"role": "assistant", "content": final_text(q.last)},
-                    "logprobs": chat_logprobs(q.tokens) if req.logprobs else None, "finish_reason": FINISH[q.last.finish_reason]}
-                   for j, q in enumerate(seqs)]
+        choices = []
+        for j, q in enumerate(seqs):
+            message, finish = chat_message(q, plan)
+            choices.append({"index": j, "message": message, "logprobs": chat_logprobs(q.tokens) if req.logprobs else None,
+                            "finish_reason": finish})
         return {**head(True, False), "choices": choices, "usage": usage([ids], seqs)}
 
     # -- streaming (both) -----------------------------------------------------------------------------------
-    def stream(jobs, prompts, req, *, chat: bool, echo: list[str] | None = None) -> StreamingResponse:
+    def stream(jobs, prompts, req, *, chat: bool, echo: list[str] | None = None, plan=None) -> StreamingResponse:
         slot = ctx.admit()  # fail before the 200 of the stream
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         h = {**head(chat, True), **({"usage": None} if include_usage else {})}  # as OpenAI: null until the last chunk
@@ -254,12 +322,14 @@ def openai_router(ctx: Ctx) -> APIRouter:
         want_lp = bool(req.logprobs) if chat else req.logprobs is not None
         unnamed = set(range(len(jobs)))  # chat choices whose role has not been sent (OpenAI sends it once)
 
-        def choice(j, text, finish, toks, offset=0, prompt=None):
+        calls = [tools.ToolStream(f"call_{uuid.uuid4().hex[:24]}") for _ in jobs] if plan is not None else None
+
+        def choice(j, text, finish, toks, offset=0, prompt=None, delta=None):
             if chat:
-                delta = {"content": text} if text else {}
+                delta = delta if delta is not None else {"content": text} if text else {}
                 if j in unnamed:
                     unnamed.discard(j)
-                    delta = {"role": "assistant", "content": text}
+                    delta = {"role": "assistant", "content": None if "tool_calls" in delta else text, **delta}
                 return {"index": j, "delta": delta, "logprobs": chat_logprobs(toks) if want_lp and toks else None,
                         "finish_reason": finish}
             lp = completion_logprobs(scored(jobs[j][0], prompt, toks), offset) if want_lp and (toks or prompt) else None
@@ -283,12 +353,20 @@ def openai_router(ctx: Ctx) -> APIRouter:
                     else:
                         text[i] += "" if ev.token.special else ev.token.text
                         visible = text[i][:len(text[i]) - held_back(text[i], jobs[i][1].stop)]
-                    delta, offset, sent[i] = visible[len(sent[i]):], len(sent[i]), visible
-                    if delta or (pending[i] and ev.finish_reason):
-                        yield chunk({**h, "choices": [choice(i, delta, None, pending[i], (len(echo[i // per]) if echo else 0) + offset)]})
-                        pending[i] = []
-                    if ev.finish_reason:
-                        yield chunk({**h, "choices": [choice(i, "", FINISH[ev.finish_reason], [])]})
+                    finish = ev.finish_reason and FINISH[ev.finish_reason]
+                    if calls is not None:  # a tool reply: its call's deltas, or its text's
+                        for d in calls[i].deltas(visible, bool(finish)):
+                            yield chunk({**h, "choices": [choice(i, "", None, pending[i], delta=d)]})
+                            pending[i] = []
+                        if finish:
+                            finish = tools.finish_reason(calls[i].reply, finish)
+                    else:
+                        delta, offset, sent[i] = visible[len(sent[i]):], len(sent[i]), visible
+                        if delta or (pending[i] and finish):
+                            yield chunk({**h, "choices": [choice(i, delta, None, pending[i], (len(echo[i // per]) if echo else 0) + offset)]})
+                            pending[i] = []
+                    if finish:
+                        yield chunk({**h, "choices": [choice(i, "", finish, pending[i] if calls is not None else [])]})
                 if include_usage:
                     yield chunk({**h, "choices": [], "usage": usage(prompts, seqs)})
                 yield "data: [DONE]\n\n"

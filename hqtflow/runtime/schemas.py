@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, WithJsonSchema,
                       model_validator)
 
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
@@ -329,16 +329,54 @@ class ResponseFormat(Strict):
         return self
 
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 _TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": {"type": "null"},
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 _CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+_CALL = {"type": "object", "required": ["function"], "additionalProperties": {"type": "null"},
+         "properties": {"id": {"type": "string"}, "type": {"const": "function"}, "function": {
+             "type": "object", "required": ["name", "arguments"], "additionalProperties": {"type": "null"},
+             "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
 MESSAGE = {  # a chat message as openai_routes.chat_messages reads it (other fields: null, i.e. not given)
-    "description": "role and content (a string or text parts; an assistant's may be null or left out)",
+    "description": "role and content (a string or text parts); an assistant's content may be null or left out "
+                   "beside its tool calls; a tool's result names the call it answers",
     "anyOf": [{"type": "object", "required": ["role", "content"], "additionalProperties": {"type": "null"},
-               "properties": {"role": {"enum": [r for r in ROLES if r != "assistant"]}, "content": _CONTENT}},
+               "properties": {"role": {"enum": ["system", "developer", "user"]}, "content": _CONTENT}},
               {"type": "object", "required": ["role"], "additionalProperties": {"type": "null"},
-               "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [*_CONTENT["anyOf"], {"type": "null"}]}}}]}
+               "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [*_CONTENT["anyOf"], {"type": "null"}]},
+                              "tool_calls": {"anyOf": [{"type": "array", "items": _CALL}, {"type": "null"}]}}},
+              {"type": "object", "required": ["role", "content"], "additionalProperties": {"type": "null"},
+               "properties": {"role": {"const": "tool"}, "content": _CONTENT,
+                              "tool_call_id": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}]}
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+
+
+class FunctionSpec(Strict):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema for the arguments object (none: no arguments)
+    strict: bool | None = None  # nothing more to do: the grammar always holds the arguments to the schema
+
+
+class ToolSpec(Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+ToolChoice = Annotated[  # "none", "auto", "required", a tool's name (TGI's), or OpenAI's {"type": "function", ...}
+    Union[Annotated[str, Tag("str")], Annotated[NamedToolChoice, Tag("dict")]],
+    Discriminator(lambda v: "str" if isinstance(v, str) else "dict" if isinstance(v, (dict, NamedToolChoice)) else None,
+                  custom_error_type="tool_choice", custom_error_message=(
+                      'must be "none", "auto", "required", a tool\'s name or {"type": "function", "function": {"name": ...}}'))]
 
 
 class ChatRequest(OpenAICommon):
@@ -348,26 +386,18 @@ class ChatRequest(OpenAICommon):
     max_tokens: Int | None = bounded(minimum=1)
     max_completion_tokens: Int | None = bounded(minimum=1)
     response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: Union[str, dict, None] = Field(None, json_schema_extra={"enum": [None, "none", "auto"]})
-    tool_prompt: str | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    tool_prompt: str | None = None  # TGI's: the instruction after the tools (runtime/tools.py has the default)
+    parallel_tool_calls: bool | None = None  # allowed, not required: a choice makes one call
     functions: list[dict] | None = None
     function_call: Union[str, dict, None] = None
     store: bool = False  # false is what the server does: nothing is stored
     metadata: dict[str, str] | None = None  # tags of stored completions
 
     REFUSED: ClassVar[dict[str, str]] = {
-        **{name: "tool calling is not implemented" for name in (
-            "tools", "tool_prompt", "parallel_tool_calls", "functions", "function_call")},
+        **{name: "the deprecated function calling is not implemented: use `tools`" for name in ("functions", "function_call")},
         "store": "completions are not stored", "metadata": "completions are not stored"}
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, v):
-        if v not in (None, "none", "auto"):
-            raise ValueError("`tool_choice` is not supported: tool calling is not implemented")
-        return v
 
     @model_validator(mode="after")
     def _chat(self):

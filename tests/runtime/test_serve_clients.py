@@ -304,7 +304,7 @@ REFUSED = [
     ("/v1/completions", {"prompt": [10**9], "max_tokens": 1}, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "presence_penalty": -3}, "presence_penalty"),
     ("/v1/completions", {"prompt": [[1]] * 40, "n": 2, "max_tokens": 1}, "`prompt`"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "store": True}, "store"),
     ("/v1/chat/completions", {"messages": MESSAGES, "metadata": {"team": "a"}}, "metadata"),
@@ -323,7 +323,7 @@ REFUSED = [
     ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"\u0663": 5}}, "logit_bias"),  # an Arabic-Indic 3
     ("/v1/chat/completions", {"messages": [{**MESSAGES[0], "name": "bob"}]}, "`messages[0].name`"),
     ("/v1/chat/completions", {"messages": [{**MESSAGES[0], "foo": "bar"}]}, "`messages[0].foo`"),
-    ("/v1/chat/completions", {"messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+    ("/v1/chat/completions", {"messages": MESSAGES + [{"role": "user", "content": "x", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "`messages[1].tool_calls`"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
         "type": "json_object", "json_schema": {"name": "a", "schema": {"type": "integer"}}}}, "response_format.json_schema"),
@@ -400,12 +400,12 @@ def test_openai_json_schema_fields_are_checked(url):
 
 
 def test_openai_bad_message_is_named_once(url):
-    """A message the server refuses (a tool result: tool calling is not implemented) is one validation error whose
-    `param` is that message's field, not wrapped as a chat template failure of `messages`."""
+    """A message the server refuses (the deprecated `function` role) is one validation error whose `param` is that
+    message's field, not wrapped as a chat template failure of `messages`."""
     openai = client_lib("openai")
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
     with pytest.raises(openai.UnprocessableEntityError) as e:
-        client.chat.completions.create(model="tiny", messages=MESSAGES + [{"role": "tool", "content": "4", "tool_call_id": "1"}],
+        client.chat.completions.create(model="tiny", messages=MESSAGES + [{"role": "function", "content": "4", "name": "f"}],
                                        max_tokens=2)
     assert e.value.param == "messages[1].role" and e.value.message.count("Input validation error") == 1, e.value.message
     assert "chat template" not in e.value.message

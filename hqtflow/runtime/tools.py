@@ -1,0 +1,170 @@
+"""Tool calling on /v1/chat/completions, as TGI does it: the tools go into the prompt (to the chat template when it
+takes `tools`, else as JSON after the last message), a JSON grammar holds the reply to one call
+{"name": ..., "arguments": {...}} of an offered tool, and the reply becomes OpenAI's `tool_calls`. With
+`tool_choice` "auto" the model may pick TGI's `no_tool` pseudo-tool and answer in text instead.
+
+Pure functions of the request's values; the route does the I/O."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from hqtflow.runtime.schemas import invalid
+
+NO_TOOL = "no_tool"
+NO_TOOL_SPEC = {"type": "function", "function": {
+    "name": NO_TOOL, "description": "Open-ended response with no specific tool selected",
+    "parameters": {"type": "object", "properties": {"content": {"type": "string", "description": "The response"}},
+                   "required": ["content"], "additionalProperties": False}}}
+DEFAULT_PROMPT = ('Given the functions available, please respond with a JSON for a function call with its proper '
+                  'arguments that best answers the given prompt. Respond in the format {"name": function name, '
+                  '"arguments": dictionary of argument name and its value}. Do not use variables.')
+# the start of a call as the grammar writes it, up to the arguments' value; group 1: the name as a JSON string
+HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+_TAIL = re.compile(r"[\s}]*\Z")  # what may still close the arguments and the call: held back while streaming
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    offered: list[dict]  # the tools the prompt shows (with `no_tool` under "auto")
+    schema: dict  # the reply's JSON schema: one call of an offered tool
+    prompt: str  # the tool prompt appended to the last message
+
+
+def plan(tools: list | None, tool_choice, tool_prompt: str | None) -> ToolPlan | None:
+    """What a request's tools (schemas.ToolSpec) and tool_choice ("none", "auto", "required", a tool's name, or
+    schemas.NamedToolChoice) ask of the reply; None when no tool may be called."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise invalid("`tool_choice` needs `tools`")
+        if tool_prompt is not None:
+            raise invalid("`tool_prompt` needs `tools`")
+        return None
+    specs = [t.model_dump(exclude_none=True) for t in tools]
+    names = [t["function"]["name"] for t in specs]
+    for i, name in enumerate(names):
+        if name == NO_TOOL or name in names[:i]:
+            raise invalid(f"`tools[{i}].function.name` {name!r} is {'reserved' if name == NO_TOOL else 'given twice'}")
+    choice = "auto" if tool_choice is None else tool_choice if isinstance(tool_choice, str) else tool_choice.function.name
+    if choice == "none":
+        return None
+    if choice == "auto":
+        offered = [*specs, NO_TOOL_SPEC]
+    elif choice == "required":
+        offered = specs
+    elif choice in names:
+        offered = [specs[names.index(choice)]]
+    else:
+        raise invalid(f"`tool_choice` names {choice!r:.80}, which is not one of `tools`")
+    calls = [call_schema(t["function"]) for t in offered]
+    return ToolPlan(offered, calls[0] if len(calls) == 1 else {"anyOf": calls},
+                    DEFAULT_PROMPT if tool_prompt is None else tool_prompt)
+
+
+def call_schema(function: dict) -> dict:
+    """One call of `function`: its name, then its arguments (the function's parameters schema; only the parameters
+    it names unless it says `additionalProperties`)."""
+    params = {"type": "object", "properties": {}, **(function.get("parameters") or {})}
+    params.setdefault("additionalProperties", False)
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def takes_tools(template) -> bool:
+    """Whether a chat template renders `tools` itself (then it gets them; else they are written after the last message)."""
+    return isinstance(template, str) and re.search(r"\btools\b", template) is not None
+
+
+def with_tools(messages: list[dict], p: ToolPlan, template_takes_tools: bool) -> list[dict]:
+    """The messages with TGI's tool prompt after the last one's content: the tools as JSON first unless the template
+    renders them."""
+    shown = "" if template_takes_tools else json.dumps(p.offered) + "\n"
+    last = messages[-1]
+    return [*messages[:-1], {**last, "content": f"{last.get('content') or ''}\n---\n{shown}{p.prompt}"}]
+
+
+def call_text(name: str, arguments) -> str:
+    """A call written as the grammar has the model write it (for an assistant message's `tool_calls` in a template
+    that does not render them)."""
+    return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+
+
+@dataclass
+class Reply:
+    """A generated tool reply read back: a call (`name`, and `text` its arguments' JSON) or a text answer (`name`
+    None, `text` the `no_tool` content, or the raw reply when it was cut before the tool's name was complete)."""
+    name: str | None = None
+    text: str = ""
+    complete: bool = False  # the reply ended where the grammar ends it
+
+
+def read_reply(text: str, final: bool) -> Reply | None:
+    """The reply so far. `final`: the whole reply. Not final (streaming): None until the name is complete, then only
+    what more text cannot change: the arguments without what may still close them, the content decoded so far."""
+    head = HEAD.match(text)
+    if head is None:
+        return Reply(text=text) if final else None
+    name, rest = json.loads(head.group(1)), text[head.end():]
+    if name == NO_TOOL:
+        opening = re.match(r'\{\s*"content"\s*:\s*"', rest)
+        content, end = _string_prefix(rest[opening.end():]) if opening else ("", None)
+        complete = end is not None and re.fullmatch(r"\s*}\s*}\s*", rest[opening.end() + end:]) is not None
+        return Reply(text=content, complete=complete)
+    if not final:
+        return Reply(name, rest[:_TAIL.search(rest).start()])
+    try:
+        end = json.JSONDecoder().raw_decode(rest)[1]
+    except ValueError:
+        return Reply(name, rest)
+    return Reply(name, rest[:end], re.fullmatch(r"\s*}\s*", rest[end:]) is not None)
+
+
+def _string_prefix(s: str) -> tuple[str, int | None]:
+    """A JSON string's value from `s` (the text after its opening quote), and where its closing quote ends (None
+    while it is open: then the value so far, without a half-written escape or half of a surrogate pair)."""
+    try:
+        value, end = json.JSONDecoder().raw_decode('"' + s)
+        return value, end - 1
+    except ValueError:
+        pass
+    for cut in range(len(s), max(len(s) - 6, 0) - 1, -1):
+        try:
+            value = json.loads('"' + s[:cut] + '"')
+        except ValueError:
+            continue
+        return (value[:-1] if value and "\ud800" <= value[-1] <= "\udbff" else value), None
+    return "", None
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class ToolStream:
+    """One choice's tool reply as stream deltas, which OpenAI's clients join into the non-streamed message: the
+    call's id and name once the name is complete, then its arguments as they come; or the `no_tool` content."""
+
+    def __init__(self, call_id: str):
+        self.call_id, self.named, self.sent, self.reply = call_id, False, "", None
+
+    def deltas(self, visible: str, final: bool) -> list[dict]:
+        r = self.reply = read_reply(visible, final)
+        if r is None:
+            return []
+        out = []
+        if r.name is not None and not self.named:
+            self.named = True
+            out.append({"tool_calls": [{"index": 0, **tool_call(self.call_id, r.name, "")}]})
+        new, self.sent = r.text[len(self.sent):], r.text
+        if new and r.name is not None:  # id and type again (TGI's client needs them), empty: joined, they stay
+            out.append({"tool_calls": [{"index": 0, "id": "", "type": "function", "function": {"arguments": new}}]})
+        elif new:
+            out.append({"content": new})
+        return out
+
+
+def finish_reason(reply: Reply, reason: str) -> str:
+    """OpenAI's "tool_calls" for a call the grammar ended; else the engine's reason."""
+    return "tool_calls" if reply.name is not None and reply.complete else reason

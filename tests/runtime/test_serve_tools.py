@@ -1,0 +1,238 @@
+"""Tool calling on /v1/chat/completions through the official clients (openai, huggingface_hub, text-generation) on a
+real uvicorn server over a tiny random Llama (the grammar holds its replies to a call), and the reading of tool
+replies and their stream deltas as pure functions."""
+
+import json
+
+import httpx
+import pytest
+from jinja2 import Template
+
+from conftest import need, running
+from hqtflow.runtime import tools
+from hqtflow.runtime.openai_routes import chat_messages
+from hqtflow.runtime.schemas import ApiError, ChatRequest, parse
+from hqtflow.runtime.server import ServeSettings, create_app
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}}
+TOOLS = [WEATHER, CLOCK]  # enums only: a random model's call is short and complete
+ARGS = {"get_weather": {"city", "unit"}, "get_time": {"zone"}}
+
+
+@pytest.fixture(scope="module")
+def url(lm):
+    app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=1000, max_total_tokens=1100, max_batch_size=8))
+    with running(app) as base:
+        yield base
+
+
+def client_lib(name):
+    try:
+        return __import__(name)
+    except ImportError as e:
+        need(False, f"{name} is not installed ({e}); see the test extra in pyproject.toml")
+
+
+def check_call(name: str, arguments: str) -> dict:
+    """A call of one of TOOLS whose arguments are JSON holding to its schema (only the named parameters)."""
+    args = json.loads(arguments)
+    assert name in ARGS and set(args) == ARGS[name], (name, arguments)
+    return args
+
+
+def test_openai_tool_calls_plain_streamed_and_answered(url):
+    """tool_choice "required" and a named tool give a call (finish_reason "tool_calls", content null, arguments a
+    JSON string within the tool's schema); the stream helper joins its deltas into the same call; the call and a
+    tool result fed back as the next turn's history are accepted."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    ask = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=60, temperature=0)
+    out = client.chat.completions.create(**ask, tool_choice="required").choices[0]
+    (call,) = out.message.tool_calls
+    assert (out.finish_reason, out.message.content, call.type) == ("tool_calls", None, "function") and call.id.startswith("call_")
+    check_call(call.function.name, call.function.arguments)
+    named = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "get_time"
+    with client.chat.completions.stream(**ask, tool_choice="required") as s:
+        for _ in s:
+            pass
+        streamed = s.get_final_completion().choices[0]
+    (joined,) = streamed.message.tool_calls
+    assert (joined.function.name, joined.function.arguments) == (call.function.name, call.function.arguments)
+    assert streamed.finish_reason == "tool_calls" and joined.id.startswith("call_")
+    history = MESSAGES + [out.message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"}]
+    again = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none", max_tokens=3)
+    assert again.choices[0].message.tool_calls is None and again.choices[0].finish_reason in ("length", "stop")
+
+
+def test_auto_calls_a_tool_or_answers(url):
+    """With tool_choice "auto" (the default with tools) every sampled reply is a call of a given tool or a text
+    answer (the `no_tool` pseudo-tool's content), never `no_tool` itself; streamed and plain agree. Seeds 0-5 give
+    both kinds of reply here."""
+    kinds = set()
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    for seed in range(6):
+        ask = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=1.0, seed=seed)
+        plain = client.chat.completions.create(**ask).choices[0]
+        with client.chat.completions.stream(**ask) as s:
+            for _ in s:
+                pass
+            streamed = s.current_completion_snapshot.choices[0]
+        for c in (plain, streamed):
+            if c.message.tool_calls and c.finish_reason == "length":  # a call cut short
+                assert c.message.tool_calls[0].function.name in ARGS
+            elif c.message.tool_calls:
+                check_call(c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
+                assert c.finish_reason == "tool_calls" and c.message.content is None
+            else:
+                assert isinstance(c.message.content, str) and "no_tool" not in c.message.content, c
+            kinds.add(bool(c.message.tool_calls))
+        assert streamed.message.content == plain.message.content
+        assert [t.function.arguments for t in streamed.message.tool_calls or []] == \
+            [t.function.arguments for t in plain.message.tool_calls or []]
+    assert kinds == {True, False}, kinds
+
+
+def test_huggingface_hub_and_text_generation_clients_call_tools(url, monkeypatch):
+    """huggingface_hub's chat_completion reads the calls, plain and streamed; TGI's own text_generation client reads
+    them plain (it sends a tool's bare name as tool_choice, as TGI takes it). Its stream parser (0.7) wants one tool
+    call object per delta, not OpenAI's list, so it cannot read a streamed call; openai and huggingface_hub can."""
+    hub = client_lib("huggingface_hub")
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)  # the tests run offline; the server is on loopback
+    client = hub.InferenceClient(base_url=url, timeout=120)
+    out = client.chat_completion(MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=60, temperature=0)
+    (call,) = out.choices[0].message.tool_calls
+    check_call(call.function.name, call.function.arguments)
+    parts = [ch.choices[0].delta.tool_calls for ch in client.chat_completion(
+        MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=60, temperature=0, stream=True) if ch.choices]
+    parts = [p[0] for p in parts if p]
+    assert parts[0].function.name == call.function.name
+    assert "".join(p.function.arguments for p in parts) == call.function.arguments
+    tg = client_lib("text_generation")
+    tgc = tg.Client(url, timeout=120)
+    msg = [tg.types.Message(role="user", content=MESSAGES[0]["content"])]
+    chat = tgc.chat(msg, tools=[tg.types.Tool(**t) for t in TOOLS], tool_choice="get_time", max_tokens=60, temperature=0.01,
+                    seed=1)
+    (tg_call,) = chat.choices[0].message.tool_calls
+    assert tg_call["function"]["name"] == "get_time" and set(json.loads(tg_call["function"]["arguments"])) == {"zone"}
+
+
+def test_a_reply_cut_short_says_length(url):
+    """max_tokens that ends a reply mid-call: finish_reason "length", the text so far (before the name is complete)
+    or the call with its arguments so far (OpenAI's clients then get arguments that do not parse)."""
+    for n in (2, 9):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                                                           "max_tokens": n, "temperature": 0}, timeout=60).json()
+        (c,) = r["choices"]
+        assert c["finish_reason"] == "length", c
+        assert c["message"]["content"] or c["message"]["tool_calls"][0]["function"]["name"] in ARGS, c
+
+
+BAD = [
+    ({"tool_choice": "required"}, "`tool_choice` needs `tools`"),
+    ({"tool_prompt": "Use a tool"}, "`tool_prompt` needs `tools`"),
+    ({"tools": TOOLS, "tool_choice": "get_date"}, "`tool_choice` names 'get_date'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"nam": "x"}}}, "`tool_choice.function.name` is required"),
+    ({"tools": TOOLS, "tool_choice": 7}, "`tool_choice`: must be"),
+    ({"tools": [WEATHER, WEATHER]}, "`tools[1].function.name` 'get_weather' is given twice"),
+    ({"tools": [{"type": "function", "function": {"name": "no_tool"}}]}, "`tools[0].function.name` 'no_tool' is reserved"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "`tools.function.name`"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "a"}}]}, "`tools.type`"),
+    ({"tools": [{"type": "function", "function": {"name": "a", "returns": {}}}]}, "`tools.function.returns`"),
+    ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {
+        "x": {"type": "nonsense"}}}}}]}, "`tools`: json grammar does not compile"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "`response_format` cannot be combined with `tools`"),
+    ({"functions": [{"name": "a"}]}, "`functions` is not supported"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "`messages[0].tool_calls` is not supported"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, "`messages[0].tool_call_id` is not supported"),
+    ({"messages": [{"role": "tool", "tool_call_id": "1"}]}, "`messages[0].content`"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}]}]},
+     "`messages[0].tool_calls[0].function.arguments` is not valid JSON"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}]},
+     "`messages[0].tool_calls[0]` must be"),
+    ({"messages": [{"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]}, "`messages[0].function_call`"),
+]
+
+
+def test_bad_tool_requests_are_named(url):
+    """Each malformed tool request is one 422 whose message names the field, in OpenAI's error body."""
+    for body, name in BAD:
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **body}, timeout=60)
+        assert r.status_code == 422 and name in r.json()["error"]["message"], (body, r.status_code, r.text)
+
+
+def test_tool_replies_read_back_and_streamed():
+    """A reply as the grammar writes it, fed a character at a time: the stream's deltas join into the plain reply
+    (name once, then the arguments; `no_tool`'s content decoded, escapes and a surrogate pair included); a reply cut
+    short reads as text (name incomplete) or as a call that did not complete."""
+    cases = [('{"name": "get_time", "arguments": {"zone": "}cet}"}}', "get_time", '{"zone": "}cet}"}', True),
+             ('{"name": "no_tool", "arguments": {"content": "a \\"b\\" \\\\ \\ud83d\\ude00 \\u00e9}"}}', None, 'a "b" \\ 😀 é}', True),
+             ('{"name": "get_t', None, '{"name": "get_t', False),
+             ('{"name": "get_time", "arguments": {"zo', "get_time", '{"zo', False),
+             ('{"name": "no_tool", "arguments": {"content": "half \\ud83d', None, "half ", False)]
+    for text, name, final, complete in cases:
+        r = tools.read_reply(text, final=True)
+        assert (r.name, r.text, r.complete) == (name, final, complete), (text, r)
+        s, parts = tools.ToolStream("call_1"), []
+        for n in range(1, len(text) + 1):
+            parts += s.deltas(text[:n], final=n == len(text))
+        calls = [d["tool_calls"][0] for d in parts if "tool_calls" in d]
+        assert "".join(d.get("content", "") for d in parts) == (final if name is None else "")
+        assert "".join(c["function"]["arguments"] for c in calls) == (final if name is not None else "")
+        assert [c["function"].get("name") for c in calls if c["id"]] == ([name] if name else [])
+        assert tools.finish_reason(s.reply, "length") == ("tool_calls" if name and complete else "length")
+
+
+TOOL_TEMPLATE = ("{% if tools %}[tools]{{ tools | tojson }}\n{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                 "{% for c in m.tool_calls or [] %}[call {{ c.id }}]{{ c.function.name }}{{ c.function.arguments | tojson }}"
+                 "{% endfor %}{% if m.tool_call_id %}[for {{ m.tool_call_id }}]{% endif %}\n{% endfor %}<assistant>")
+
+
+def test_tools_reach_the_prompt_both_ways():
+    """A template that renders `tools` gets the offered tools and the history's calls (arguments parsed) and call ids;
+    for one that does not, the tools are written after the last message (TGI's way) and a history's calls go into
+    the assistant's content as the model writes them."""
+    req = parse(ChatRequest, json.dumps({"tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}]}).encode())
+    plan = tools.plan(req.tools, req.tool_choice, req.tool_prompt)
+    assert [t["function"]["name"] for t in plan.offered] == ["get_weather", "no_tool"]
+    assert tools.takes_tools(TOOL_TEMPLATE) and not tools.takes_tools("{{ messages }}")
+    rendered = Template(TOOL_TEMPLATE).render(messages=tools.with_tools(chat_messages(req.messages, True), plan, True),
+                                              tools=plan.offered)
+    assert rendered.startswith("[tools]") and '"no_tool"' in rendered
+    assert '[call call_9]get_weather{"city": "Rome"}' in rendered and "<tool>sunny\n---\n" + tools.DEFAULT_PROMPT in rendered
+    plain = tools.with_tools(chat_messages(req.messages, False), plan, False)
+    assert plain[1] == {"role": "assistant", "content": '{"name": "get_weather", "arguments": {"city": "Rome"}}'}
+    assert plain[2]["content"] == "sunny\n---\n" + json.dumps(plan.offered) + "\n" + tools.DEFAULT_PROMPT
+    with pytest.raises(ApiError, match="needs `tools`"):
+        tools.plan(None, "auto", None)
+    assert tools.plan(req.tools, "none", None) is None
+
+
+@pytest.mark.slow
+def test_smollm2_calls_the_named_tool(smollm2):
+    """The real SmolLM2 asked for the weather in Rome with a free-text city parameter calls get_weather with Rome."""
+    openai = client_lib("openai")
+    from hqtflow import models
+
+    app = create_app(models.load_model(smollm2, "bf16"), models.load_tokenizer(smollm2), ServeSettings(model_id="smollm2"))
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
+                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                               "required": ["city"]}}}
+    with running(app) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "What's the weather in Rome?"}],
+                                           tools=[weather], tool_choice="required", max_tokens=40, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}, call
