@@ -11,6 +11,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from hqtflow.runtime.grammar import MAX_SCHEMA_DEPTH, depth
 from hqtflow.runtime.schemas import invalid
 
 NO_TOOL = "no_tool"
@@ -58,18 +59,31 @@ def plan(tools: list | None, tool_choice, tool_prompt: str | None) -> ToolPlan |
         offered = [specs[names.index(choice)]]
     else:
         raise invalid(f"`tool_choice` names {choice!r:.80}, which is not one of `tools`")
-    calls = [call_schema(t["function"]) for t in offered]
-    return ToolPlan(offered, calls[0] if len(calls) == 1 else {"anyOf": calls},
-                    DEFAULT_PROMPT if tool_prompt is None else tool_prompt)
+    for i, t in enumerate(offered):
+        if depth(t["function"].get("parameters")) > MAX_SCHEMA_DEPTH:
+            raise invalid(f"`tools[{i}].function.parameters` nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    calls = [call_schema(t["function"], f"#/$defs/tool{i}") for i, t in enumerate(offered)]
+    schema = {"$defs": {f"tool{i}": params for i, (_, params) in enumerate(calls)}}
+    schema |= calls[0][0] if len(calls) == 1 else {"anyOf": [call for call, _ in calls]}
+    return ToolPlan(offered, schema, DEFAULT_PROMPT if tool_prompt is None else tool_prompt)
 
 
-def call_schema(function: dict) -> dict:
-    """One call of `function`: its name, then its arguments (the function's parameters schema; only the parameters
-    it names unless it says `additionalProperties`)."""
-    params = {"type": "object", "properties": {}, **(function.get("parameters") or {})}
+def call_schema(function: dict, at: str) -> tuple[dict, dict]:
+    """One call of `function`: its name, then its arguments, whose schema (the function's parameters; only the
+    parameters it names unless it says `additionalProperties`) is put at `at`, its own references rebased there."""
+    params = rebased({"type": "object", "properties": {}, **(function.get("parameters") or {})}, at)
     params.setdefault("additionalProperties", False)
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": params},
+    call = {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": {"$ref": at}},
             "required": ["name", "arguments"], "additionalProperties": False}
+    return call, params
+
+
+def rebased(schema, at: str):
+    """A copy of a JSON schema whose local references ("#", "#/$defs/X", ...) point into the copy placed at `at`."""
+    if isinstance(schema, dict):
+        return {k: at + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else rebased(v, at)
+                for k, v in schema.items()}
+    return [rebased(v, at) for v in schema] if isinstance(schema, list) else schema
 
 
 def takes_tools(template) -> bool:

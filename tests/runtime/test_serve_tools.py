@@ -72,6 +72,28 @@ def test_openai_tool_calls_plain_streamed_and_answered(url):
     assert again.choices[0].message.tool_calls is None and again.choices[0].finish_reason in ("length", "stop")
 
 
+def test_openai_parse_helper_reads_pydantic_tools(url):
+    """openai's `pydantic_function_tool` (strict, nested models as `$defs` references) and its `parse` helper: the call's
+    arguments come back as the model (the references are rebased where the grammar puts the tool's schema)."""
+    openai = client_lib("openai")
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Place(BaseModel):
+        city: Literal["Paris", "Rome"]
+
+    class Trip(BaseModel):
+        to: Place
+        days: Literal[1, 2]
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    r = client.chat.completions.parse(model="tiny", messages=MESSAGES, tools=[openai.pydantic_function_tool(Trip)],
+                                      tool_choice="required", max_tokens=120, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "Trip" and isinstance(call.function.parsed_arguments, Trip), call
+
+
 def test_auto_calls_a_tool_or_answers(url):
     """With tool_choice "auto" (the default with tools) every sampled reply is a call of a given tool or a text
     answer (the `no_tool` pseudo-tool's content), never `no_tool` itself; streamed and plain agree. Seeds 0-5 give
@@ -136,6 +158,10 @@ def test_a_reply_cut_short_says_length(url):
         assert c["message"]["content"] or c["message"]["tool_calls"][0]["function"]["name"] in ARGS, c
 
 
+DEEP: dict = {}
+for _ in range(70):
+    DEEP = {"type": "object", "properties": {"x": DEEP}}
+
 BAD = [
     ({"tool_choice": "required"}, "`tool_choice` needs `tools`"),
     ({"tool_prompt": "Use a tool"}, "`tool_prompt` needs `tools`"),
@@ -149,6 +175,9 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "a", "returns": {}}}]}, "`tools.function.returns`"),
     ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {
         "x": {"type": "nonsense"}}}}}]}, "`tools`: json grammar does not compile"),
+    ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {
+        "x": {"$ref": "#/$defs/Missing"}}}}}]}, "`tools`: json grammar does not compile"),
+    ({"tools": [{"type": "function", "function": {"name": "a", "parameters": DEEP}}]}, "`tools[0].function.parameters` nests deeper"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "`response_format` cannot be combined with `tools`"),
     ({"functions": [{"name": "a"}]}, "`functions` is not supported"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "`messages[0].tool_calls` is not supported"),
