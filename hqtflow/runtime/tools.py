@@ -24,7 +24,7 @@ DEFAULT_PROMPT = ('Given the functions available, please respond with a JSON for
                   '"arguments": dictionary of argument name and its value}. Do not use variables.')
 # the start of a call as the grammar writes it, up to the arguments' value; group 1: the name as a JSON string
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
-_TAIL = re.compile(r"[\s}]*\Z")  # what may still close the arguments and the call: held back while streaming
+CLOSING = " \t\n\r}"  # what may still close the arguments and the call: held back while streaming
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,11 @@ def plan(tools: list | None, tool_choice, tool_prompt: str | None) -> ToolPlan |
         return None
     specs = [t.model_dump(exclude_none=True) for t in tools]
     names = [t["function"]["name"] for t in specs]
-    for i, name in enumerate(names):
+    for i, (name, t) in enumerate(zip(names, specs)):
         if name == NO_TOOL or name in names[:i]:
             raise invalid(f"`tools[{i}].function.name` {name!r} is {'reserved' if name == NO_TOOL else 'given twice'}")
+        if depth(t["function"].get("parameters")) > MAX_SCHEMA_DEPTH:
+            raise invalid(f"`tools[{i}].function.parameters` nests deeper than {MAX_SCHEMA_DEPTH} levels")
     choice = "auto" if tool_choice is None else tool_choice if isinstance(tool_choice, str) else tool_choice.function.name
     if choice == "none":
         return None
@@ -59,9 +61,6 @@ def plan(tools: list | None, tool_choice, tool_prompt: str | None) -> ToolPlan |
         offered = [specs[names.index(choice)]]
     else:
         raise invalid(f"`tool_choice` names {choice!r:.80}, which is not one of `tools`")
-    for i, t in enumerate(offered):
-        if depth(t["function"].get("parameters")) > MAX_SCHEMA_DEPTH:
-            raise invalid(f"`tools[{i}].function.parameters` nests deeper than {MAX_SCHEMA_DEPTH} levels")
     calls = [call_schema(t["function"], f"#/$defs/tool{i}") for i, t in enumerate(offered)]
     schema = {"$defs": {f"tool{i}": params for i, (_, params) in enumerate(calls)}}
     schema |= calls[0][0] if len(calls) == 1 else {"anyOf": [call for call, _ in calls]}
@@ -127,7 +126,7 @@ def read_reply(text: str, final: bool) -> Reply | None:
         complete = end is not None and re.fullmatch(r"\s*}\s*}\s*", rest[opening.end() + end:]) is not None
         return Reply(text=content, complete=complete)
     if not final:
-        return Reply(name, rest[:_TAIL.search(rest).start()])
+        return Reply(name, rest.rstrip(CLOSING))
     try:
         end = json.JSONDecoder().raw_decode(rest)[1]
     except ValueError:
