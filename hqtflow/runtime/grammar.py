@@ -60,6 +60,68 @@ def depth(value) -> int:
     return deepest
 
 
+# keywords whose schemas hold subschemas: a map of them, one, or a list; const, enum, default, examples hold data
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SUBSCHEMA_ONE = ("additionalProperties", "items", "additionalItems", "contains", "propertyNames", "not", "if", "then",
+                 "else", "unevaluatedItems", "unevaluatedProperties")
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+# what xgrammar (0.1) compiles but does not hold the output to: refused rather than silently not enforced
+UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "contains",
+              "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef")
+
+
+def subschemas(schema):
+    """(path, schema object) for a JSON schema and every schema within it (iterative: no recursion limit)."""
+    todo = [("", schema)]
+    while todo:
+        path, s = todo.pop()
+        if not isinstance(s, dict):
+            continue
+        yield path, s
+        todo += [(f"{path}/{k}/{n}", v) for k in SUBSCHEMA_MAPS if isinstance(s.get(k), dict) for n, v in s[k].items()]
+        todo += [(f"{path}/{k}", s[k]) for k in SUBSCHEMA_ONE if isinstance(s.get(k), dict)]
+        todo += [(f"{path}/{k}/{i}", v) for k in SUBSCHEMA_LISTS if isinstance(s.get(k), list) for i, v in enumerate(s[k])]
+
+
+def schema_problem(schema) -> str | None:
+    """Why the grammar would not hold output to a JSON schema (None: it would): the keywords above, `allOf` of more
+    than one schema, `multipleOf` on non-integers, `uniqueItems`, a reference outside the schema or that does not
+    resolve in it, `required` names that are not among the `properties`."""
+    for path, s in subschemas(schema):
+        where = f"at {path}" if path else "at the root"
+        if bad := next((k for k in UNENFORCED if k in s), None):
+            return f"`{bad}` ({where}) is not enforced by the grammar"
+        if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
+            return f"`allOf` of more than one schema ({where}) is not enforced by the grammar"
+        if "multipleOf" in s and s.get("type") != "integer":
+            return f"`multipleOf` ({where}) is enforced on integers only"
+        if s.get("uniqueItems") is True:
+            return f"`uniqueItems` ({where}) is not enforced by the grammar"
+        ref = s.get("$ref")
+        if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+            return f"`$ref` {ref[:80]!r} ({where}): only references within the schema (\"#/...\") are supported"
+        if isinstance(ref, str) and not resolves(schema, ref):
+            return f"`$ref` {ref[:80]!r} ({where}) does not resolve in the schema"
+        props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+        if isinstance(s.get("required"), list) and (ghost := [r for r in s["required"] if r not in props]):
+            return f"`required` ({where}) names {str(ghost[0])[:80]!r}, which is not one of its `properties`"
+    return None
+
+
+def resolves(schema, ref: str) -> bool:
+    """Whether a local reference ("#" or a JSON pointer "#/a/b") names a schema within `schema`."""
+    node = schema
+    for part in ref[2:].split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return isinstance(node, (dict, bool))
+
+
 def compile_grammar(tokenizer, kind: str, value=None, any_whitespace: bool = True):
     """kind: "json" (value: a JSON schema, dict or string), "regex" (value: a regex) or "json_object" (any JSON).
     any_whitespace=False: JSON written on one line, with ", " and ": " between items."""
@@ -73,6 +135,8 @@ def compile_grammar(tokenizer, kind: str, value=None, any_whitespace: bool = Tru
                 raise GrammarError("the json grammar's `value` is not valid JSON") from None
         if depth(value) > MAX_SCHEMA_DEPTH:  # compiling takes seconds from ~300 levels (a cheap way to burn CPU)
             raise GrammarError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if problem := schema_problem(value):
+            raise GrammarError(problem)
         value = json.dumps(value)  # keys in the order given: the grammar writes properties in that order
     return _compile(tokenizer, kind, value, any_whitespace)
 

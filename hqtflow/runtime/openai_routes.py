@@ -122,7 +122,9 @@ def message_calls(calls, i: int) -> list[dict]:
     out = []
     for j, c in enumerate(calls):
         where = f"`messages[{i}].tool_calls[{j}]"
+        c = {k: v for k, v in c.items() if v is not None} if isinstance(c, dict) else c  # null: not given
         f = c.get("function") if isinstance(c, dict) else None
+        f = {k: v for k, v in f.items() if v is not None} if isinstance(f, dict) else f
         if not isinstance(f, dict) or c.get("type", "function") != "function" or not isinstance(f.get("name"), str) \
                 or not isinstance(f.get("arguments"), str) or not isinstance(c.get("id", ""), str):
             raise invalid(f'{where}` must be {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": a JSON string}}}}')
@@ -285,6 +287,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
         plan = tools.plan(req.tools, req.tool_choice, req.tool_prompt)
         if plan is not None and req.response_format is not None and req.response_format.type != "text":
             raise invalid("`response_format` cannot be combined with `tools`: a tool call's grammar holds the reply")
+        if plan is not None and req.stop:  # a stop sequence would cut a call short of its grammar's end
+            raise invalid("`stop` cannot be combined with `tools`: a tool reply ends where its grammar ends it")
         renders_tools = tools.takes_tools(tok.chat_template)
         messages = chat_messages(req.messages, renders_tools)
         if plan is not None:

@@ -69,10 +69,13 @@ def _named(e: ValidationError, where: str = "") -> ApiError:
     """The first problem of a validation as TGI's 422, naming the field (under `where`)."""
     err = e.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
-        return invalid("the body is not valid JSON")
+        deep = "recursion limit" in err["msg"]  # valid JSON, nested past the parser's limit
+        return invalid("the body nests too deeply" if deep else "the body is not valid JSON")
     if err["type"] == "model_type" and not err["loc"]:
         return invalid("the body must be a JSON object")
-    field = ".".join([where] * bool(where) + [str(x) for x in err["loc"] if not isinstance(x, int) and not _union_tag(str(x))])
+    field = ""
+    for x in [where] * bool(where) + [x for x in err["loc"] if not _union_tag(str(x))]:
+        field += f"[{x}]" if isinstance(x, int) else f".{x}" if field else str(x)
     if err["type"] == "extra_forbidden":
         return invalid(f"`{field}` is not a supported parameter")
     if err["type"] == "missing":
@@ -334,7 +337,7 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalPropert
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 _CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
 _CALL = {"type": "object", "required": ["function"], "additionalProperties": {"type": "null"},
-         "properties": {"id": {"type": "string"}, "type": {"const": "function"}, "function": {
+         "properties": {"id": {"type": ["string", "null"]}, "type": {"enum": ["function", None]}, "function": {
              "type": "object", "required": ["name", "arguments"], "additionalProperties": {"type": "null"},
              "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
 MESSAGE = {  # a chat message as openai_routes.chat_messages reads it (other fields: null, i.e. not given)

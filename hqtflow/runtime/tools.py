@@ -11,7 +11,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from hqtflow.runtime.grammar import MAX_SCHEMA_DEPTH, depth
+from hqtflow.runtime.grammar import (MAX_SCHEMA_DEPTH, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS, SUBSCHEMA_ONE, depth,
+                                     schema_problem)
 from hqtflow.runtime.schemas import invalid
 
 NO_TOOL = "no_tool"
@@ -48,8 +49,10 @@ def plan(tools: list | None, tool_choice, tool_prompt: str | None) -> ToolPlan |
     for i, (name, t) in enumerate(zip(names, specs)):
         if name == NO_TOOL or name in names[:i]:
             raise invalid(f"`tools[{i}].function.name` {name!r} is {'reserved' if name == NO_TOOL else 'given twice'}")
-        if depth(t["function"].get("parameters")) > MAX_SCHEMA_DEPTH:
-            raise invalid(f"`tools[{i}].function.parameters` nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if problem := parameters_problem(t["function"].get("parameters")):
+            raise invalid(f"`tools[{i}].function.parameters`: {problem}")
+    if tool_choice == "none" and tool_prompt is not None:
+        raise invalid('`tool_prompt` is not used with `tool_choice` "none" (no tool is offered)')
     choice = "auto" if tool_choice is None else tool_choice if isinstance(tool_choice, str) else tool_choice.function.name
     if choice == "none":
         return None
@@ -67,22 +70,51 @@ def plan(tools: list | None, tool_choice, tool_prompt: str | None) -> ToolPlan |
     return ToolPlan(offered, schema, DEFAULT_PROMPT if tool_prompt is None else tool_prompt)
 
 
+def parameters_problem(params) -> str | None:
+    """Why a function's `parameters` cannot be held to (None: it can): not an object schema (the arguments are a JSON
+    object), deeper than the grammar takes beside the call around it, or what the grammar would not enforce."""
+    if params is None:
+        return None
+    if params.get("type", "object") != "object":
+        return f"must be an object schema ({{\"type\": \"object\", \"properties\": ...}}). Given type: {params['type']!r:.40}"
+    if root := next((k for k in ROOT_NOT_OBJECT if k in params), None):
+        return f"must be an object schema: a root `{root}` may make the arguments something else"
+    if depth(params) > MAX_SCHEMA_DEPTH - 2:  # the call around the arguments adds two levels
+        return f"nests deeper than {MAX_SCHEMA_DEPTH - 2} levels"
+    return schema_problem(params)
+
+
+ROOT_NOT_OBJECT = ("const", "enum", "anyOf", "oneOf", "allOf", "$ref")  # at the root, they may make the arguments no object
+
+
 def call_schema(function: dict, at: str) -> tuple[dict, dict]:
-    """One call of `function`: its name, then its arguments, whose schema (the function's parameters; only the
-    parameters it names unless it says `additionalProperties`) is put at `at`, its own references rebased there."""
-    params = rebased({"type": "object", "properties": {}, **(function.get("parameters") or {})}, at)
-    params.setdefault("additionalProperties", False)
+    """One call of `function`: its name, then its arguments, whose schema (the function's parameters) is put at `at`."""
     call = {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": {"$ref": at}},
             "required": ["name", "arguments"], "additionalProperties": False}
-    return call, params
+    return call, arguments_schema({"type": "object", "properties": {}, **(function.get("parameters") or {})}, at)
 
 
-def rebased(schema, at: str):
-    """A copy of a JSON schema whose local references ("#", "#/$defs/X", ...) point into the copy placed at `at`."""
-    if isinstance(schema, dict):
-        return {k: at + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else rebased(v, at)
-                for k, v in schema.items()}
-    return [rebased(v, at) for v in schema] if isinstance(schema, list) else schema
+def arguments_schema(schema, at: str):
+    """A copy of a function's parameters schema placed at `at`: its local references rebased there, and each object
+    that lists `properties` closed to them unless it says `additionalProperties` or `patternProperties` (a model
+    would otherwise add keys of its own). Only schema positions are touched: const, enum, default, examples are data."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("$ref"), str):
+        out["$ref"] = at + out["$ref"][1:]
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    for k in SUBSCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: arguments_schema(v, at) for name, v in out[k].items()}
+    for k in SUBSCHEMA_ONE:
+        if isinstance(out.get(k), dict):
+            out[k] = arguments_schema(out[k], at)
+    for k in SUBSCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [arguments_schema(v, at) for v in out[k]]
+    return out
 
 
 def takes_tools(template) -> bool:

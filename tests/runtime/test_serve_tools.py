@@ -158,6 +158,10 @@ def test_a_reply_cut_short_says_length(url):
         assert c["message"]["content"] or c["message"]["tool_calls"][0]["function"]["name"] in ARGS, c
 
 
+def fn(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 DEEP: dict = {}
 for _ in range(70):
     DEEP = {"type": "object", "properties": {"x": DEEP}}
@@ -170,14 +174,26 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": 7}, "`tool_choice`: must be"),
     ({"tools": [WEATHER, WEATHER]}, "`tools[1].function.name` 'get_weather' is given twice"),
     ({"tools": [{"type": "function", "function": {"name": "no_tool"}}]}, "`tools[0].function.name` 'no_tool' is reserved"),
-    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "`tools.function.name`"),
-    ({"tools": [{"type": "retrieval", "function": {"name": "a"}}]}, "`tools.type`"),
-    ({"tools": [{"type": "function", "function": {"name": "a", "returns": {}}}]}, "`tools.function.returns`"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "a b"}}]}, "`tools[1].function.name`"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "a"}}]}, "`tools[0].type`"),
+    ({"tools": [{"type": "function", "function": {"name": "a", "returns": {}}}]}, "`tools[0].function.returns`"),
     ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {
         "x": {"type": "nonsense"}}}}}]}, "`tools`: json grammar does not compile"),
     ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {
-        "x": {"$ref": "#/$defs/Missing"}}}}}]}, "`tools`: json grammar does not compile"),
-    ({"tools": [{"type": "function", "function": {"name": "a", "parameters": DEEP}}]}, "`tools[0].function.parameters` nests deeper"),
+        "x": {"$ref": "#/$defs/Missing"}}}}}]}, "`$ref` '#/$defs/Missing' (at /properties/x) does not resolve"),
+    ({"tools": [{"type": "function", "function": {"name": "a", "parameters": DEEP}}]}, "`tools[0].function.parameters`: nests deeper"),
+    ({"tools": [WEATHER, fn("b", {"type": "string"})]}, "`tools[1].function.parameters`: must be an object schema"),
+    ({"tools": [fn("b", {"anyOf": [{"type": "object"}, {"type": "string"}]})]}, "a root `anyOf` may make"),
+    ({"tools": [fn("b", {"properties": {"n": {"allOf": [{"type": "integer"}, {"minimum": 3}]}}})]},
+     "`allOf` of more than one schema (at /properties/n) is not enforced"),
+    ({"tools": [fn("b", {"properties": {"n": {"not": {"type": "string"}}}})]}, "`not` (at /properties/n) is not enforced"),
+    ({"tools": [fn("b", {"properties": {"n": {"$ref": "http://example.com/s.json"}}})]}, "only references within the schema"),
+    ({"tools": [fn("b", {"properties": {"x": {}}, "required": ["x", "ghost"]})]}, "names 'ghost', which is not one of its"),
+    ({"tools": [fn("b", {"properties": {"n": {"type": "number", "multipleOf": 7}}})]}, "`multipleOf` (at /properties/n)"),
+    ({"tools": TOOLS, "stop": ["}"]}, "`stop` cannot be combined with `tools`"),
+    ({"tools": TOOLS, "tool_choice": "none", "tool_prompt": "Use tools"}, "`tool_prompt` is not used with `tool_choice` \"none\""),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "array", "uniqueItems": True}}}},
+     "`response_format`: `uniqueItems` (at the root) is not enforced"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "`response_format` cannot be combined with `tools`"),
     ({"functions": [{"name": "a"}]}, "`functions` is not supported"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "`messages[0].tool_calls` is not supported"),
@@ -265,3 +281,26 @@ def test_smollm2_calls_the_named_tool(smollm2):
                                            tools=[weather], tool_choice="required", max_tokens=40, temperature=0)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}, call
+
+
+def test_arguments_schema_rebases_references_and_closes_objects():
+    """A tool's parameters placed in the call's grammar: references in schema positions are rebased, a `$ref` inside
+    const/enum data is left as it is, and objects that list properties are closed unless they say otherwise."""
+    params = {"type": "object", "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+              "properties": {"p": {"$ref": "#/$defs/P"}, "k": {"const": {"$ref": "#/x"}}, "e": {"enum": [{"$ref": "#"}]},
+                             "open": {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+                             "kids": {"type": "array", "items": {"$ref": "#"}}}}
+    out = tools.arguments_schema(params, "#/$defs/tool3")
+    assert out["properties"]["p"] == {"$ref": "#/$defs/tool3/$defs/P"} and out["properties"]["kids"]["items"] == {"$ref": "#/$defs/tool3"}
+    assert out["properties"]["k"] == {"const": {"$ref": "#/x"}} and out["properties"]["e"] == {"enum": [{"$ref": "#"}]}
+    assert out["additionalProperties"] is False and out["$defs"]["P"]["additionalProperties"] is False
+    assert out["properties"]["open"]["additionalProperties"] is True
+    assert tools.parameters_problem(params) is None
+
+
+def test_a_ref_in_const_data_comes_back_as_given(url):
+    """The grammar writes a const that holds a `$ref` object verbatim (it is data, not a reference)."""
+    body = {"messages": MESSAGES, "max_tokens": 60, "temperature": 0, "tool_choice": "required",
+            "tools": [fn("k", {"properties": {"k": {"const": {"$ref": "#/x"}}}, "required": ["k"]})]}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    assert json.loads(r["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {"k": {"$ref": "#/x"}}, r
