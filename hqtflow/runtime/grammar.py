@@ -66,8 +66,10 @@ SUBSCHEMA_ONE = ("additionalProperties", "items", "additionalItems", "contains",
                  "else", "unevaluatedItems", "unevaluatedProperties")
 SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 # what xgrammar (0.1) compiles but does not hold the output to: refused rather than silently not enforced
+# (multipleOf is held alone but not beside minimum; patternProperties lets a key repeat)
 UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "contains",
-              "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef")
+              "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef",
+              "multipleOf", "patternProperties")
 
 
 def subschemas(schema):
@@ -85,7 +87,7 @@ def subschemas(schema):
 
 def schema_problem(schema) -> str | None:
     """Why the grammar would not hold output to a JSON schema (None: it would): the keywords above, `allOf` of more
-    than one schema, `multipleOf` on non-integers, `uniqueItems`, a reference outside the schema or that does not
+    than one schema, `uniqueItems`, a reference outside the schema or that does not
     resolve in it, `required` names that are not among the `properties`."""
     for path, s in subschemas(schema):
         where = f"at {path}" if path else "at the root"
@@ -93,8 +95,6 @@ def schema_problem(schema) -> str | None:
             return f"`{bad}` ({where}) is not enforced by the grammar"
         if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
             return f"`allOf` of more than one schema ({where}) is not enforced by the grammar"
-        if "multipleOf" in s and s.get("type") != "integer":
-            return f"`multipleOf` ({where}) is enforced on integers only"
         if s.get("uniqueItems") is True:
             return f"`uniqueItems` ({where}) is not enforced by the grammar"
         ref = s.get("$ref")

@@ -96,14 +96,14 @@ def call_schema(function: dict, at: str) -> tuple[dict, dict]:
 
 def arguments_schema(schema, at: str):
     """A copy of a function's parameters schema placed at `at`: its local references rebased there, and each object
-    that lists `properties` closed to them unless it says `additionalProperties` or `patternProperties` (a model
+    that lists `properties` closed to them unless it says `additionalProperties` (a model
     would otherwise add keys of its own). Only schema positions are touched: const, enum, default, examples are data."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     if isinstance(out.get("$ref"), str):
         out["$ref"] = at + out["$ref"][1:]
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out and "patternProperties" not in out:
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     for k in SUBSCHEMA_MAPS:
         if isinstance(out.get(k), dict):
