@@ -510,6 +510,40 @@ def test_lm_eval_local_completions_matches_in_process(tiny_llama, wiki_text, dat
         assert sample["filtered_resps"][0] == want, sample
 
 
+@pytest.mark.slow
+def test_lm_eval_local_chat_completions_generates_as_the_engine(lm, data_dir, tmp_path):
+    """lm-eval's local-chat-completions (a generate_until task, the chat template applied by the server, the task's
+    stop list sent as `stop`): every response is the serving engine's greedy text for that templated context."""
+    from lm_eval.evaluator import simple_evaluate
+
+    from hqtflow import lmeval
+
+    model, tok = lm
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "lambada_gen.yaml").write_text(GEN_TASK.format(data=data_dir / "lambada_openai.jsonl"))
+    with running(create_app(model, tok, ServeSettings(model_id="tiny", max_input_tokens=1023, max_total_tokens=1024))) as base:
+        res = simple_evaluate(model="local-chat-completions", model_args=f"model=tiny,base_url={base}/v1/chat/completions,"
+                              "num_concurrent=1,max_retries=1", apply_chat_template=True, tasks=["lambada_gen"], limit=6,
+                              task_manager=lmeval.task_manager([tasks], data_dir, ["lambada_gen"]), bootstrap_iters=0,
+                              verbosity="ERROR", log_samples=True)
+    samples = res["samples"]["lambada_gen"]
+    assert len(samples) == 6
+    for sample in samples:
+        args = sample["arguments"]
+        context = args["gen_args_0"]["arg_0"] if isinstance(args, dict) else args[0][0]
+        messages = json.loads(context[0] if isinstance(context, tuple) else context)  # (JSON of the messages,)
+        ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        engine, events = Engine(model, tok), []
+        engine.submit(ids, SamplingParams(max_new_tokens=6), events.append)
+        while engine.step():
+            pass
+        want = tok.decode([e.token.id for e in events], skip_special_tokens=True)
+        for stop in ("\n", "."):
+            want = want.split(stop)[0]
+        assert sample["resps"][0][0] == want, sample
+
+
 GEN_TASK = """task: lambada_gen
 dataset_path: json
 dataset_kwargs:
