@@ -34,6 +34,14 @@ def need(condition: bool, why: str) -> None:
     pytest.skip(why)
 
 
+def client_lib(name: str):
+    """An official client library (openai, huggingface_hub, text_generation, ...), which the test extra installs."""
+    try:
+        return __import__(name)
+    except ImportError as e:
+        need(False, f"{name} is not installed ({e}); see the test extra in pyproject.toml")
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     need((DATA_DIR / "wikitext2_valid.txt").is_file(), f"shared data not found at {DATA_DIR}")

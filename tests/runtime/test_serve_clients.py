@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import need, running
+from conftest import client_lib, running
 from hqtflow.runtime.engine import Engine, SamplingParams
 from hqtflow.runtime.server import ServeSettings, create_app
 
@@ -21,13 +21,6 @@ def url(lm):
     app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=48, max_total_tokens=96, max_batch_size=8))
     with running(app) as base:
         yield base
-
-
-def client_lib(name):
-    try:
-        return __import__(name)
-    except ImportError as e:
-        need(False, f"{name} is not installed ({e}); see the test extra in pyproject.toml")
 
 
 def alone(lm, ids, n):
@@ -499,15 +492,7 @@ def test_lm_eval_local_completions_matches_in_process(tiny_llama, wiki_text, dat
     for sample in samples:
         args = sample["arguments"]
         context = args["gen_args_0"]["arg_0"] if isinstance(args, dict) else args[0][0]
-        ids = tok(context, add_special_tokens=False)["input_ids"]
-        engine, events = Engine(model, tok), []
-        engine.submit(ids, SamplingParams(max_new_tokens=6), events.append)
-        while engine.step():
-            pass
-        want = tok.decode([e.token.id for e in events], skip_special_tokens=True)
-        for stop in ("\n", "."):
-            want = want.split(stop)[0]
-        assert sample["filtered_resps"][0] == want, sample
+        assert sample["filtered_resps"][0] == gen_task_answer(model, tok, context), sample
 
 
 @pytest.mark.slow
@@ -533,15 +518,20 @@ def test_lm_eval_local_chat_completions_generates_as_the_engine(lm, data_dir, tm
         args = sample["arguments"]
         context = args["gen_args_0"]["arg_0"] if isinstance(args, dict) else args[0][0]
         messages = json.loads(context[0] if isinstance(context, tuple) else context)  # (JSON of the messages,)
-        ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-        engine, events = Engine(model, tok), []
-        engine.submit(ids, SamplingParams(max_new_tokens=6), events.append)
-        while engine.step():
-            pass
-        want = tok.decode([e.token.id for e in events], skip_special_tokens=True)
-        for stop in ("\n", "."):
-            want = want.split(stop)[0]
-        assert sample["resps"][0][0] == want, sample
+        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert sample["resps"][0][0] == gen_task_answer(model, tok, prompt), sample
+
+
+def gen_task_answer(model, tok, prompt: str) -> str:
+    """GEN_TASK's answer to a prompt: the serving engine's greedy tokens, alone, cut at the task's stop sequences."""
+    engine, events = Engine(model, tok), []
+    engine.submit(tok(prompt, add_special_tokens=False)["input_ids"], SamplingParams(max_new_tokens=6), events.append)
+    while engine.step():
+        pass
+    text = tok.decode([e.token.id for e in events], skip_special_tokens=True)
+    for stop in ("\n", "."):
+        text = text.split(stop)[0]
+    return text
 
 
 GEN_TASK = """task: lambada_gen

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from jinja2 import Template
 
-from conftest import need, running
+from conftest import client_lib, running
 from hqtflow.runtime import tools
 from hqtflow.runtime.openai_routes import chat_messages
 from hqtflow.runtime.schemas import ApiError, ChatRequest, parse
@@ -30,13 +30,6 @@ def url(lm):
     app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=1000, max_total_tokens=1100, max_batch_size=8))
     with running(app) as base:
         yield base
-
-
-def client_lib(name):
-    try:
-        return __import__(name)
-    except ImportError as e:
-        need(False, f"{name} is not installed ({e}); see the test extra in pyproject.toml")
 
 
 def check_call(name: str, arguments: str) -> dict:
