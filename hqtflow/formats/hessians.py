@@ -77,7 +77,8 @@ class Hessians:
             raise ArtifactError(f"{self.path}: the Hessian of {module} is {self._dtypes[key]}, not F32; the file is corrupt.")
         if self._shapes[key] != [in_features, in_features]:
             raise ArtifactError(f"{self.path}: the Hessian of {module} is {self._shapes[key]}, not "
-                                f"[{in_features}, {in_features}]; it was measured on another model.")
+                                f"[{in_features}, {in_features}] as the layer's inputs are; the file is corrupt or "
+                                "was measured on another model.")
         with _open(self.path) as f:
             h = f.get_tensor(key)
         d = h.diagonal()
