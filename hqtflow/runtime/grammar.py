@@ -87,7 +87,7 @@ def subschemas(schema):
 
 def schema_problem(schema) -> str | None:
     """Why the grammar would not hold output to a JSON schema (None: it would): the keywords above, `allOf` of more
-    than one schema, `uniqueItems`, a reference outside the schema or that does not
+    than one schema, a reference outside the schema or that does not
     resolve in it, `required` names that are not among the `properties`."""
     for path, s in subschemas(schema):
         where = f"at {path}" if path else "at the root"
@@ -95,8 +95,6 @@ def schema_problem(schema) -> str | None:
             return f"`{bad}` ({where}) is not enforced by the grammar"
         if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
             return f"`allOf` of more than one schema ({where}) is not enforced by the grammar"
-        if s.get("uniqueItems") is True:
-            return f"`uniqueItems` ({where}) is not enforced by the grammar"
         ref = s.get("$ref")
         if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
             return f"`$ref` {ref[:80]!r} ({where}): only references within the schema (\"#/...\") are supported"
