@@ -1,6 +1,7 @@
-"""Constrained decoding with xgrammar (a maintained grammar engine): TGI's `grammar` ({"type": "json"|"regex"}) and
-OpenAI's `response_format` ({"type": "json_object"|"json_schema"}) compile to a grammar once per tokenizer and
-schema; each request gets its own matcher, which masks the logits before sampling and accepts each chosen token.
+"""Constrained decoding with xgrammar (a maintained grammar engine): TGI's `grammar` ({"type": "json"|"regex"}),
+OpenAI's `response_format` ({"type": "json_object"|"json_schema"}) and a tool call's schema (runtime/tools.py)
+compile to a grammar once per tokenizer and schema; each request gets its own matcher, which masks the logits
+before sampling and accepts each chosen token. A JSON schema using what xgrammar would not enforce is refused.
 """
 
 from __future__ import annotations
@@ -60,13 +61,14 @@ def depth(value) -> int:
     return deepest
 
 
-# keywords whose schemas hold subschemas: a map of them, one, or a list; const, enum, default, examples hold data
+# keywords whose values are subschemas: a map of them, one (`items` as an object), or a list (`items` as a tuple,
+# draft 4); the values of const, enum, default and examples are data
 SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 SUBSCHEMA_ONE = ("additionalProperties", "items", "additionalItems", "contains", "propertyNames", "not", "if", "then",
                  "else", "unevaluatedItems", "unevaluatedProperties")
 SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-# what xgrammar (0.1) compiles but does not hold the output to: refused rather than silently not enforced
-# (multipleOf is held alone but not beside minimum; patternProperties lets a key repeat)
+# what xgrammar compiles but does not hold the output to (probed with its matcher on 0.2.9): refused rather than
+# silently not enforced (multipleOf is held alone but not beside minimum; patternProperties lets a key repeat)
 UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "contains",
               "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef",
               "multipleOf", "patternProperties")
@@ -101,7 +103,7 @@ def schema_problem(schema) -> str | None:
         if isinstance(ref, str) and not resolves(schema, ref):
             return f"`$ref` {ref[:80]!r} ({where}) does not resolve in the schema"
         props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
-        if isinstance(s.get("required"), list) and (ghost := [r for r in s["required"] if r not in props]):
+        if isinstance(s.get("required"), list) and (ghost := [r for r in s["required"] if not isinstance(r, str) or r not in props]):
             return f"`required` ({where}) names {str(ghost[0])[:80]!r}, which is not one of its `properties`"
     return None
 
@@ -113,7 +115,7 @@ def resolves(schema, ref: str) -> bool:
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):  # "²".isdigit()
             node = node[int(part)]
         else:
             return False

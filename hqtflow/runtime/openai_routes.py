@@ -1,6 +1,6 @@
 """OpenAI's /v1/completions (string, token-id and batched prompts; echo; logprobs with prompt scoring, which
-lm-eval's local-completions needs), /v1/chat/completions (logprobs/top_logprobs, response_format), n/best_of, and
-stream_options.include_usage."""
+lm-eval's local-completions needs), /v1/chat/completions (logprobs/top_logprobs, response_format, tool calling with
+runtime/tools.py), n/best_of, and stream_options.include_usage."""
 
 from __future__ import annotations
 
@@ -60,11 +60,11 @@ MESSAGE_REFUSED = {"name": "participant names are not passed to the chat templat
 MESSAGE_FIELDS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}  # beside role and content
 
 
-def chat_messages(messages: list[dict], renders_tools: bool) -> list[dict]:
+def chat_messages(messages: list[dict], renders_calls: bool) -> list[dict]:
     """The messages for the chat template: roles checked, content as a string (OpenAI's text parts joined), an
-    assistant's tool calls and a tool result's call id passed on to a template that renders tools (else the calls are
-    written into the content as the model writes them); any other message field is a 422 naming it (given as null,
-    it is not given)."""
+    assistant's tool calls and a tool result's call id passed on to a template that renders `tool_calls` (else the
+    calls are written into the content as the model writes them); any other message field is a 422 naming it
+    (given as null, it is not given)."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -82,12 +82,12 @@ def chat_messages(messages: list[dict], renders_tools: bool) -> list[dict]:
         calls = message_calls(m.get("tool_calls"), i) if role == "assistant" else []
         if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
             raise invalid(f"`messages[{i}].tool_call_id` must be a string")
-        if not renders_tools:
+        if not renders_calls:
             content = "\n".join([content] * bool(content) + [tools.call_text(c["function"]["name"], c["function"]["arguments"])
                                                              for c in calls])
             out.append({"role": role, "content": content})
             continue
-        extra = {"tool_calls": calls} if calls else {"tool_call_id": m["tool_call_id"]} if m.get("tool_call_id") else {}
+        extra = {"tool_calls": calls} if calls else {"tool_call_id": m["tool_call_id"]} if m.get("tool_call_id") is not None else {}
         out.append({"role": role, "content": content, **extra})
     return out
 
@@ -119,23 +119,27 @@ def message_calls(calls, i: int) -> list[dict]:
         return []
     if not isinstance(calls, list):
         raise invalid(f"`messages[{i}].tool_calls` must be a list of tool calls")
+    shape = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": a JSON string}}'
     out = []
     for j, c in enumerate(calls):
-        where = f"`messages[{i}].tool_calls[{j}]"
+        where = f"messages[{i}].tool_calls[{j}]"
         c = {k: v for k, v in c.items() if v is not None} if isinstance(c, dict) else c  # null: not given
         f = c.get("function") if isinstance(c, dict) else None
         f = {k: v for k, v in f.items() if v is not None} if isinstance(f, dict) else f
         if not isinstance(f, dict) or c.get("type", "function") != "function" or not isinstance(f.get("name"), str) \
                 or not isinstance(f.get("arguments"), str) or not isinstance(c.get("id", ""), str):
-            raise invalid(f'{where}` must be {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": a JSON string}}}}')
-        if extra := next((k for k, v in [*c.items(), *f.items()] if k not in ("id", "type", "function", "name", "arguments")
-                          and v is not None), None):
-            raise invalid(f"{where}.{extra}` is not supported: a tool call has id, type and function (name, arguments)")
+            raise invalid(f"`{where}` must be {shape}")
+        if extra := next((k for k in c if k not in ("id", "type", "function")), None):
+            raise invalid(f"`{where}.{extra}` is not supported: a tool call has id, type and function")
+        if extra := next((k for k in f if k not in ("name", "arguments")), None):
+            raise invalid(f"`{where}.function.{extra}` is not supported: a tool call's function has name and arguments")
         try:
             arguments = json.loads(f["arguments"])
-        except (ValueError, RecursionError):
-            raise invalid(f"{where}.function.arguments` is not valid JSON") from None
-        out.append({**({"id": c["id"]} if c.get("id") else {}), "type": "function",
+        except RecursionError:
+            raise invalid(f"`{where}.function.arguments` nests too deeply") from None
+        except ValueError:
+            raise invalid(f"`{where}.function.arguments` is not valid JSON") from None
+        out.append({**({"id": c["id"]} if "id" in c else {}), "type": "function",
                     "function": {"name": f["name"], "arguments": arguments}})
     return out
 
@@ -255,11 +259,23 @@ def openai_router(ctx: Ctx) -> APIRouter:
         return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in (t.top or [])]}
                             for t in tokens if not t.special]}  # the content's tokens: not the end-of-turn token
 
+    def tools_grammar(plan: tools.ToolPlan):
+        """The grammar of a call of one of the plan's tools, on one line; a schema that does not compile is named."""
+        try:
+            return compile_grammar(tok, "json", plan.schema, any_whitespace=False)
+        except GrammarError as e:
+            for tool, i in zip(plan.offered, plan.given):
+                try:
+                    compile_grammar(tok, "json", tools.one_call_schema(tool), any_whitespace=False)
+                except GrammarError as alone:
+                    raise invalid(f"`tools[{i}].function.parameters`: {alone}") from None
+            raise invalid(f"`tools`: {e}") from None
+
     def chat_grammar(req: ChatRequest, plan: tools.ToolPlan | None):
+        if plan is not None:
+            return tools_grammar(plan)
         fmt = req.response_format
         try:
-            if plan is not None:
-                return compile_grammar(tok, "json", plan.schema, any_whitespace=False)  # a call on one line
             if fmt is None or fmt.type == "text":
                 return None
             if fmt.value is not None:  # TGI's grammar types: json (alias json_object) or regex, in `value`
@@ -268,7 +284,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
                 return compile_grammar(tok, "json_object")
             return compile_grammar(tok, "json", fmt.json_schema.schema_)
         except GrammarError as e:
-            raise invalid(f"`{'tools' if plan is not None else 'response_format'}`: {e}") from None
+            raise invalid(f"`response_format`: {e}") from None
 
     def chat_message(q, plan) -> tuple[dict, str]:
         """A finished choice's message and finish_reason: its text, or (with tools) its tool call."""
@@ -278,7 +294,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
         reply = tools.read_reply(text, final=True)
         if reply.name is None:
             return {"role": "assistant", "content": reply.text}, finish
-        call = tools.tool_call(f"call_{uuid.uuid4().hex[:24]}", reply.name, reply.text)
+        call = tools.tool_call(tools.new_call_id(), reply.name, reply.text)
         return {"role": "assistant", "content": None, "tool_calls": [call]}, tools.finish_reason(reply, finish)
 
     @r.post("/v1/chat/completions")
@@ -289,8 +305,12 @@ def openai_router(ctx: Ctx) -> APIRouter:
             raise invalid("`response_format` cannot be combined with `tools`: a tool call's grammar holds the reply")
         if plan is not None and req.stop:  # a stop sequence would cut a call short of its grammar's end
             raise invalid("`stop` cannot be combined with `tools`: a tool reply ends where its grammar ends it")
-        renders_tools = tools.takes_tools(tok.chat_template)
-        messages = chat_messages(req.messages, renders_tools)
+        try:
+            template = tok.get_chat_template(tools=plan.offered if plan else None)  # (a model may have a tool_use one)
+        except Exception:  # noqa: BLE001 - no template: apply_chat_template below says so
+            template = None
+        renders_tools = tools.renders(template, "tools")
+        messages = chat_messages(req.messages, tools.renders(template, "tool_calls"))
         if plan is not None:
             messages = tools.with_tools(messages, plan, renders_tools)
         try:
@@ -326,7 +346,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
         want_lp = bool(req.logprobs) if chat else req.logprobs is not None
         unnamed = set(range(len(jobs)))  # chat choices whose role has not been sent (OpenAI sends it once)
 
-        calls = [tools.ToolStream(f"call_{uuid.uuid4().hex[:24]}") for _ in jobs] if plan is not None else None
+        calls = [tools.ToolStream() for _ in jobs] if plan is not None else None
 
         def choice(j, text, finish, toks, offset=0, prompt=None, delta=None):
             if chat:
@@ -363,7 +383,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
                             yield chunk({**h, "choices": [choice(i, "", None, pending[i], delta=d)]})
                             pending[i] = []
                         if finish:
-                            finish = tools.finish_reason(calls[i].reply, finish)
+                            finish = calls[i].finish_reason(finish)
                     else:
                         delta, offset, sent[i] = visible[len(sent[i]):], len(sent[i]), visible
                         if delta or (pending[i] and finish):

@@ -15,6 +15,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 MAX_BEST_OF = 4
 MAX_BODY = 1 << 20
+MAX_TOOLS = 128  # OpenAI's limit on a request's tools
 
 
 class ApiError(Exception):
@@ -127,7 +128,9 @@ NOT_GIVEN = [None, False, [], {}]  # what a refused field may be: not given
 
 def _published(schema: dict, model: type) -> None:
     """The JSON schema of a Strict model as the server reads it: a property that is not required may be null (not
-    given); a REFUSED one may only be not given."""
+    given), and so may an unknown one; a REFUSED one may only be not given."""
+    if schema.get("additionalProperties") is False:  # an unknown field given as null is a field not given
+        schema["additionalProperties"] = {"type": "null"}
     required = set(schema.get("required", ()))
     for name, prop in schema.get("properties", {}).items():
         doc = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
@@ -389,7 +392,7 @@ class ChatRequest(OpenAICommon):
     max_tokens: Int | None = bounded(minimum=1)
     max_completion_tokens: Int | None = bounded(minimum=1)
     response_format: ResponseFormat | None = None
-    tools: list[ToolSpec] | None = None
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     tool_prompt: str | None = None  # TGI's: the instruction after the tools (runtime/tools.py has the default)
     parallel_tool_calls: bool | None = None  # allowed, not required: a choice makes one call

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 from dataclasses import dataclass
 
 from hqtflow.runtime.grammar import (MAX_SCHEMA_DEPTH, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS, SUBSCHEMA_ONE, depth,
@@ -27,10 +29,14 @@ DEFAULT_PROMPT = ('Given the functions available, please respond with a JSON for
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 CLOSING = " \t\n\r}"  # what may still close the arguments and the call: held back while streaming
 
+ROOT_NOT_OBJECT = ("const", "enum", "anyOf", "oneOf", "allOf", "$ref")  # at the root, they may make the arguments no object
+ID_CHARS = string.ascii_letters + string.digits
+
 
 @dataclass(frozen=True)
 class ToolPlan:
     offered: list[dict]  # the tools the prompt shows (with `no_tool` under "auto")
+    given: list[int | None]  # each offered tool's index in the request's `tools` (None: `no_tool`)
     schema: dict  # the reply's JSON schema: one call of an offered tool
     prompt: str  # the tool prompt appended to the last message
 
@@ -45,10 +51,11 @@ def plan(tools: list | None, tool_choice, tool_prompt: str | None) -> ToolPlan |
             raise invalid("`tool_prompt` needs `tools`")
         return None
     specs = [t.model_dump(exclude_none=True) for t in tools]
-    names = [t["function"]["name"] for t in specs]
+    names, seen = [t["function"]["name"] for t in specs], set()
     for i, (name, t) in enumerate(zip(names, specs)):
-        if name == NO_TOOL or name in names[:i]:
+        if name == NO_TOOL or name in seen:
             raise invalid(f"`tools[{i}].function.name` {name!r} is {'reserved' if name == NO_TOOL else 'given twice'}")
+        seen.add(name)
         if problem := parameters_problem(t["function"].get("parameters")):
             raise invalid(f"`tools[{i}].function.parameters`: {problem}")
     if tool_choice == "none" and tool_prompt is not None:
@@ -56,18 +63,17 @@ def plan(tools: list | None, tool_choice, tool_prompt: str | None) -> ToolPlan |
     choice = "auto" if tool_choice is None else tool_choice if isinstance(tool_choice, str) else tool_choice.function.name
     if choice == "none":
         return None
-    if choice == "auto":
-        offered = [*specs, NO_TOOL_SPEC]
-    elif choice == "required":
-        offered = specs
-    elif choice in names:
-        offered = [specs[names.index(choice)]]
+    if choice in ("auto", "required"):
+        given = [*range(len(specs)), *[None] * (choice == "auto")]
+    elif choice in seen:
+        given = [names.index(choice)]
     else:
         raise invalid(f"`tool_choice` names {choice!r:.80}, which is not one of `tools`")
+    offered = [NO_TOOL_SPEC if i is None else specs[i] for i in given]
     calls = [call_schema(t["function"], f"#/$defs/tool{i}") for i, t in enumerate(offered)]
     schema = {"$defs": {f"tool{i}": params for i, (_, params) in enumerate(calls)}}
     schema |= calls[0][0] if len(calls) == 1 else {"anyOf": [call for call, _ in calls]}
-    return ToolPlan(offered, schema, DEFAULT_PROMPT if tool_prompt is None else tool_prompt)
+    return ToolPlan(offered, given, schema, DEFAULT_PROMPT if tool_prompt is None else tool_prompt)
 
 
 def parameters_problem(params) -> str | None:
@@ -84,14 +90,20 @@ def parameters_problem(params) -> str | None:
     return schema_problem(params)
 
 
-ROOT_NOT_OBJECT = ("const", "enum", "anyOf", "oneOf", "allOf", "$ref")  # at the root, they may make the arguments no object
+
+def one_call_schema(tool: dict) -> dict:
+    """The reply's schema were `tool` the only one offered (to find which tool's schema does not compile)."""
+    call, params = call_schema(tool["function"], "#/$defs/tool0")
+    return {"$defs": {"tool0": params}, **call}
 
 
 def call_schema(function: dict, at: str) -> tuple[dict, dict]:
-    """One call of `function`: its name, then its arguments, whose schema (the function's parameters) is put at `at`."""
+    """One call of `function`: its name, then its arguments, whose schema (the function's parameters; none: no
+    arguments, `{}`) is put at `at`."""
     call = {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": {"$ref": at}},
             "required": ["name", "arguments"], "additionalProperties": False}
-    return call, arguments_schema({"type": "object", "properties": {}, **(function.get("parameters") or {})}, at)
+    params = function.get("parameters")
+    return call, arguments_schema({"type": "object", "properties": {}} if params is None else {"type": "object", **params}, at)
 
 
 def arguments_schema(schema, at: str):
@@ -117,15 +129,15 @@ def arguments_schema(schema, at: str):
     return out
 
 
-def takes_tools(template) -> bool:
-    """Whether a chat template renders `tools` itself (then it gets them; else they are written after the last message)."""
-    return isinstance(template, str) and re.search(r"\btools\b", template) is not None
+def renders(template: str | None, name: str) -> bool:
+    """Whether a chat template's text uses the variable or field `name` (`tools`, `tool_calls`)."""
+    return isinstance(template, str) and re.search(rf"\b{name}\b", template) is not None
 
 
 def with_tools(messages: list[dict], p: ToolPlan, template_takes_tools: bool) -> list[dict]:
     """The messages with TGI's tool prompt after the last one's content: the tools as JSON first unless the template
     renders them."""
-    shown = "" if template_takes_tools else json.dumps(p.offered) + "\n"
+    shown = "" if template_takes_tools else json.dumps(p.offered, ensure_ascii=False) + "\n"
     last = messages[-1]
     return [*messages[:-1], {**last, "content": f"{last.get('content') or ''}\n---\n{shown}{p.prompt}"}]
 
@@ -145,18 +157,21 @@ class Reply:
     complete: bool = False  # the reply ended where the grammar ends it
 
 
-def read_reply(text: str, final: bool) -> Reply | None:
+def read_reply(text: str, final: bool, content: StringReader | None = None) -> Reply | None:
     """The reply so far. `final`: the whole reply. Not final (streaming): None until the name is complete, then only
-    what more text cannot change: the arguments without what may still close them, the content decoded so far."""
+    what more text cannot change: the arguments without what may still close them, the content decoded so far
+    (`content`: the reader that decoded its earlier part, so each call decodes only what is new)."""
     head = HEAD.match(text)
     if head is None:
         return Reply(text=text) if final else None
     name, rest = json.loads(head.group(1)), text[head.end():]
     if name == NO_TOOL:
         opening = re.match(r'\{\s*"content"\s*:\s*"', rest)
-        content, end = _string_prefix(rest[opening.end():]) if opening else ("", None)
+        if opening is None:
+            return Reply(text="")
+        value, end = (content or StringReader()).read(rest[opening.end():])
         complete = end is not None and re.fullmatch(r"\s*}\s*}\s*", rest[opening.end() + end:]) is not None
-        return Reply(text=content, complete=complete)
+        return Reply(text=value, complete=complete)
     if not final:
         return Reply(name, rest.rstrip(CLOSING))
     try:
@@ -166,21 +181,37 @@ def read_reply(text: str, final: bool) -> Reply | None:
     return Reply(name, rest[:end], re.fullmatch(r"\s*}\s*", rest[end:]) is not None)
 
 
-def _string_prefix(s: str) -> tuple[str, int | None]:
-    """A JSON string's value from `s` (the text after its opening quote), and where its closing quote ends (None
-    while it is open: then the value so far, without a half-written escape or half of a surrogate pair)."""
-    try:
-        value, end = json.JSONDecoder().raw_decode('"' + s)
-        return value, end - 1
-    except ValueError:
-        pass
-    for cut in range(len(s), max(len(s) - 6, 0) - 1, -1):
-        try:
-            value = json.loads('"' + s[:cut] + '"')
-        except ValueError:
-            continue
-        return (value[:-1] if value and "\ud800" <= value[-1] <= "\udbff" else value), None
-    return "", None
+STRING_BODY = re.compile(r'(?:[^"\\]+|\\u[0-9a-fA-F]{4}|\\[^u])*')  # a JSON string's text up to a half-written escape
+
+
+class StringReader:
+    """A JSON string's value read as its text grows: each `read` decodes only the text the last one left."""
+
+    def __init__(self):
+        self.raw, self.value, self.end = 0, "", None  # text decoded, its value, where the closing quote ends
+
+    def read(self, s: str) -> tuple[str, int | None]:
+        """(value so far, end of the closing quote or None while open) of the string whose text (after the opening
+        quote) `s` is. While open, a half-written escape or the first half of a surrogate pair waits for the rest;
+        a lone surrogate becomes U+FFFD (it cannot be sent as UTF-8)."""
+        if self.end is not None:
+            return self.value, self.end
+        tail = s[self.raw:]
+        cut = STRING_BODY.match(tail).end()
+        closed = cut < len(tail) and tail[cut] == '"'
+        value = json.loads('"' + tail[:cut] + '"', strict=False)
+        if not closed and value and "\ud800" <= value[-1] <= "\udbff":  # its low half may come next: a 6-char escape
+            value, cut = value[:-1], cut - 6
+        self.value += re.sub("[\ud800-\udfff]", "\ufffd", value)
+        self.raw += cut
+        if closed:
+            self.end = self.raw + 1
+        return self.value, self.end
+
+
+def new_call_id() -> str:
+    """A tool call's id: 9 letters or digits (OpenAI's ids have no set form; Mistral's chat templates require this one)."""
+    return "".join(secrets.choice(ID_CHARS) for _ in range(9))
 
 
 def tool_call(call_id: str, name: str, arguments: str) -> dict:
@@ -189,13 +220,14 @@ def tool_call(call_id: str, name: str, arguments: str) -> dict:
 
 class ToolStream:
     """One choice's tool reply as stream deltas, which OpenAI's clients join into the non-streamed message: the
-    call's id and name once the name is complete, then its arguments as they come; or the `no_tool` content."""
+    call's id, type and name once the name is complete, then its arguments as they come (index and arguments only,
+    as OpenAI sends them); or the `no_tool` content as it is decoded."""
 
-    def __init__(self, call_id: str):
-        self.call_id, self.named, self.sent, self.reply = call_id, False, "", None
+    def __init__(self):
+        self.call_id, self.named, self.sent, self.reply, self.content = new_call_id(), False, "", None, StringReader()
 
     def deltas(self, visible: str, final: bool) -> list[dict]:
-        r = self.reply = read_reply(visible, final)
+        r = self.reply = read_reply(visible, final, self.content)
         if r is None:
             return []
         out = []
@@ -203,11 +235,14 @@ class ToolStream:
             self.named = True
             out.append({"tool_calls": [{"index": 0, **tool_call(self.call_id, r.name, "")}]})
         new, self.sent = r.text[len(self.sent):], r.text
-        if new and r.name is not None:  # id and type again (TGI's client needs them), empty: joined, they stay
-            out.append({"tool_calls": [{"index": 0, "id": "", "type": "function", "function": {"arguments": new}}]})
+        if new and r.name is not None:
+            out.append({"tool_calls": [{"index": 0, "function": {"arguments": new}}]})
         elif new:
             out.append({"content": new})
         return out
+
+    def finish_reason(self, reason: str) -> str:
+        return finish_reason(self.reply, reason)
 
 
 def finish_reason(reply: Reply, reason: str) -> str:

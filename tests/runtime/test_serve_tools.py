@@ -48,7 +48,8 @@ def test_openai_tool_calls_plain_streamed_and_answered(url):
     ask = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=60, temperature=0)
     out = client.chat.completions.create(**ask, tool_choice="required").choices[0]
     (call,) = out.message.tool_calls
-    assert (out.finish_reason, out.message.content, call.type) == ("tool_calls", None, "function") and call.id.startswith("call_")
+    assert (out.finish_reason, out.message.content, call.type) == ("tool_calls", None, "function")
+    assert len(call.id) == 9 and call.id.isalnum()  # Mistral's templates take only such ids back
     check_call(call.function.name, call.function.arguments)
     named = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert named.choices[0].message.tool_calls[0].function.name == "get_time"
@@ -58,7 +59,7 @@ def test_openai_tool_calls_plain_streamed_and_answered(url):
         streamed = s.get_final_completion().choices[0]
     (joined,) = streamed.message.tool_calls
     assert (joined.function.name, joined.function.arguments) == (call.function.name, call.function.arguments)
-    assert streamed.finish_reason == "tool_calls" and joined.id.startswith("call_")
+    assert streamed.finish_reason == "tool_calls" and len(joined.id) == 9
     history = MESSAGES + [out.message.model_dump(exclude_none=True),
                           {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"}]
     again = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none", max_tokens=3)
@@ -171,7 +172,15 @@ BAD = [
     ({"tools": [{"type": "retrieval", "function": {"name": "a"}}]}, "`tools[0].type`"),
     ({"tools": [{"type": "function", "function": {"name": "a", "returns": {}}}]}, "`tools[0].function.returns`"),
     ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {
-        "x": {"type": "nonsense"}}}}}]}, "`tools`: json grammar does not compile"),
+        "x": {"type": "nonsense"}}}}}]}, "`tools[0].function.parameters`: json grammar does not compile"),
+    ({"tools": [WEATHER, fn("b", {"properties": {"x": {"type": "nonsense"}}})], "tool_choice": "b"},
+     "`tools[1].function.parameters`: json grammar does not compile"),
+    ({"tools": [fn("b", {"properties": {"a": {}}, "required": [["a"]]})]}, "`required` (at the root) names"),
+    ({"tools": [fn("b", {"properties": {"a": {"anyOf": [{}]}, "b": {"$ref": "#/properties/a/anyOf/\u00b2"}}})]},
+     "does not resolve"),
+    ({"tools": [fn(f"t{i}", {}) for i in range(129)]}, "`tools`: List should have at most 128 items"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}", "id": "z"}}]}]},
+     "`messages[0].tool_calls[0].function.id` is not supported"),
     ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {
         "x": {"$ref": "#/$defs/Missing"}}}}}]}, "`$ref` '#/$defs/Missing' (at /properties/x) does not resolve"),
     ({"tools": [{"type": "function", "function": {"name": "a", "parameters": DEEP}}]}, "`tools[0].function.parameters`: nests deeper"),
@@ -211,24 +220,27 @@ def test_bad_tool_requests_are_named(url):
 
 def test_tool_replies_read_back_and_streamed():
     """A reply as the grammar writes it, fed a character at a time: the stream's deltas join into the plain reply
-    (name once, then the arguments; `no_tool`'s content decoded, escapes and a surrogate pair included); a reply cut
-    short reads as text (name incomplete) or as a call that did not complete."""
+    (name once, then the arguments; `no_tool`'s content decoded, escapes and a surrogate pair included, a lone
+    surrogate as U+FFFD, which UTF-8 can carry); a reply cut short reads as text (name incomplete) or as a call that
+    did not complete."""
     cases = [('{"name": "get_time", "arguments": {"zone": "}cet}"}}', "get_time", '{"zone": "}cet}"}', True),
              ('{"name": "no_tool", "arguments": {"content": "a \\"b\\" \\\\ \\ud83d\\ude00 \\u00e9}"}}', None, 'a "b" \\ 😀 é}', True),
              ('{"name": "get_t', None, '{"name": "get_t', False),
              ('{"name": "get_time", "arguments": {"zo', "get_time", '{"zo', False),
-             ('{"name": "no_tool", "arguments": {"content": "half \\ud83d', None, "half ", False)]
+             ('{"name": "no_tool", "arguments": {"content": "half \\ud83d', None, "half ", False),
+             ('{"name": "no_tool", "arguments": {"content": "lone \\ud800 \\udc00"}}', None, "lone \ufffd \ufffd", True)]
     for text, name, final, complete in cases:
         r = tools.read_reply(text, final=True)
         assert (r.name, r.text, r.complete) == (name, final, complete), (text, r)
-        s, parts = tools.ToolStream("call_1"), []
+        s, parts = tools.ToolStream(), []
         for n in range(1, len(text) + 1):
             parts += s.deltas(text[:n], final=n == len(text))
         calls = [d["tool_calls"][0] for d in parts if "tool_calls" in d]
         assert "".join(d.get("content", "") for d in parts) == (final if name is None else "")
         assert "".join(c["function"]["arguments"] for c in calls) == (final if name is not None else "")
-        assert [c["function"].get("name") for c in calls if c["id"]] == ([name] if name else [])
-        assert tools.finish_reason(s.reply, "length") == ("tool_calls" if name and complete else "length")
+        assert [c["function"].get("name") for c in calls if c.get("id")] == ([name] if name else [])
+        assert all(set(c) == {"index", "function"} for c in calls[1:])  # later deltas: the arguments only
+        assert s.finish_reason("length") == ("tool_calls" if name and complete else "length")
 
 
 TOOL_TEMPLATE = ("{% if tools %}[tools]{{ tools | tojson }}\n{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}"
@@ -247,7 +259,8 @@ def test_tools_reach_the_prompt_both_ways():
         {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}]}).encode())
     plan = tools.plan(req.tools, req.tool_choice, req.tool_prompt)
     assert [t["function"]["name"] for t in plan.offered] == ["get_weather", "no_tool"]
-    assert tools.takes_tools(TOOL_TEMPLATE) and not tools.takes_tools("{{ messages }}")
+    assert tools.renders(TOOL_TEMPLATE, "tools") and tools.renders(TOOL_TEMPLATE, "tool_calls")
+    assert not tools.renders("{{ messages }}", "tools") and not tools.renders(None, "tools")
     rendered = Template(TOOL_TEMPLATE).render(messages=tools.with_tools(chat_messages(req.messages, True), plan, True),
                                               tools=plan.offered)
     assert rendered.startswith("[tools]") and '"no_tool"' in rendered
