@@ -90,7 +90,6 @@ def parameters_problem(params) -> str | None:
     return schema_problem(params)
 
 
-
 def one_call_schema(tool: dict) -> dict:
     """The reply's schema were `tool` the only one offered (to find which tool's schema does not compile)."""
     call, params = call_schema(tool["function"], "#/$defs/tool0")
@@ -108,8 +107,8 @@ def call_schema(function: dict, at: str) -> tuple[dict, dict]:
 
 def arguments_schema(schema, at: str):
     """A copy of a function's parameters schema placed at `at`: its local references rebased there, and each object
-    that lists `properties` closed to them unless it says `additionalProperties` (a model
-    would otherwise add keys of its own). Only schema positions are touched: const, enum, default, examples are data."""
+    that lists `properties` closed to them unless it says `additionalProperties` (a model would otherwise add keys of
+    its own). Only schema positions are touched: the values of const, enum, default and examples are data."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
