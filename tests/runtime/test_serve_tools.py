@@ -312,3 +312,28 @@ def test_a_ref_in_const_data_comes_back_as_given(url):
             "tools": [fn("k", {"properties": {"k": {"const": {"$ref": "#/x"}}}, "required": ["k"]})]}
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
     assert json.loads(r["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {"k": {"$ref": "#/x"}}, r
+
+
+def test_a_tool_use_template_gets_the_tools(lm):
+    """A tokenizer with named templates ({"default", "tool_use"}): a request with tools is rendered by `tool_use`
+    (given the offered tools and the history's calls), one without by `default` (counted in usage.prompt_tokens)."""
+    import copy
+
+    model, tok = lm
+    tok = copy.deepcopy(tok)
+    tok.chat_template = {"default": tok.chat_template, "tool_use": TOOL_TEMPLATE}
+    history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "abcdefghi", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}]},
+        {"role": "tool", "tool_call_id": "abcdefghi", "content": "noon"}]
+    app = create_app(model, tok, ServeSettings(model_id="tiny", max_input_tokens=1000, max_total_tokens=1100))
+    with running(app) as base:
+        body = {"messages": history, "tools": TOOLS, "tool_choice": "required", "max_tokens": 60, "temperature": 0}
+        used = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()["usage"]["prompt_tokens"]
+        plain = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}, timeout=60).json()
+    plan = tools.plan(parse(ChatRequest, json.dumps(body).encode()).tools, "required", None)
+    rendered = tok.apply_chat_template(tools.with_tools(chat_messages(history, True), plan, True), tools=plan.offered,
+                                       chat_template="tool_use", tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith("[tools]") and "[call abcdefghi]get_time" in rendered and "[for abcdefghi]" in rendered
+    assert used == len(tok(rendered, add_special_tokens=False)["input_ids"])
+    default = tok.apply_chat_template(MESSAGES, chat_template="default", tokenize=False, add_generation_prompt=True)
+    assert plain["usage"]["prompt_tokens"] == len(tok(default, add_special_tokens=False)["input_ids"])
