@@ -118,7 +118,7 @@ def test_every_readme_command_runs(tmp_path, smollm2):
             assert rc == 0 and again.count("up to date") == 3, again[-3000:]
             assert "wikitext2" in again, "make demo run twice does not print the table again"
         if "hqtflow serve" in block:
-            assert '"generated_text"' in out and '"chat.completion"' in out, out[-3000:]
+            assert '"generated_text"' in out and '"chat.completion"' in out and '"tool_calls"' in out, out[-3000:]
         if "hqtflow unify" in block:
             assert (repo / "out/m3to1/hqtflow_manifest.json").is_file()
             assert (repo / "out/fp8-from-m3/hqtflow_manifest.json").is_file()
