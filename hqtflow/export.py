@@ -48,6 +48,7 @@ from hqtflow.formats.artifact import MANIFEST, ArtifactKind, artifact_kind, read
 from hqtflow.formats.checkpoint import (HP_DTYPE_NAMES, KV_SUFFIXES, autofp8_tensors, check_scales, inc_tensors,
                                         load_checkpoint, read_tensors, requantize, write_safetensors)
 from hqtflow.formats.compressed_tensors import autofp8_quantization_config, inc_quantization_config
+from hqtflow.quantize.experts import per_expert_containers
 
 FORMATS = ("fp8", "compressed-tensors", "inc")
 LOADABLE_FORMATS = ("fp8", "compressed-tensors")  # what hqtflow.load runs ("inc" is Neural Compressor's)
@@ -115,6 +116,15 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
     src_pc, static = parsed["per_channel"], parsed["static_input"]
     ignore = parsed["ignore"]
     notes: list[str] = []
+    experts = sorted(per_expert_containers(tensors))
+    if experts and fmt == "inc":
+        raise ConfigError(f"{checkpoint} holds MoE experts quantized one by one ({experts[0]}.<e>.gate_up_proj); "
+                          "Neural Compressor's huggingface loader has no module for them, so --format inc cannot "
+                          "write them (quantize with the experts blocklisted, or hand INC the scale files of --scales-only).")
+    if experts:
+        notes.append("MoE experts stay under transformers 5's module names, one Linear pair per expert "
+                     f"({experts[0]}.<e>.gate_up_proj, .down_proj), which hqtflow reads; vLLM expects the original "
+                     "checkpoint's names and does not")
     out_t: dict[str, torch.Tensor] = {}
     extra_files: dict[str, str] = {}
     if fmt == "inc":

@@ -286,7 +286,11 @@ def _source_model(data: dict, fp: dict | None, dtype: str = "bf16"):
     try:
         if fp and fp.get("id") and models.fingerprint(Path(path)).get("id") != fp.get("id"):
             return None, f"source model {path} has changed since quantization (fingerprint differs); weight error not computed"
-        return models.load_model(Path(path), dtype), f"weight error against {path}"
+        from hqtflow.quantize.experts import unfuse_experts
+
+        model = models.load_model(Path(path), dtype)
+        unfuse_experts(model)  # MoE experts by the names the checkpoint gives them (`<experts>.<e>.gate_up_proj`)
+        return model, f"weight error against {path}"
     except HqtflowError as e:
         return None, f"source model {path} could not be loaded ({e}); weight error not computed"
     except Exception as e:  # a broken folder: report, do not crash the inspection

@@ -76,6 +76,7 @@ def tune(s: TuneSettings, progress=None) -> Path:
     from hqtflow.formats.artifact import check_output_dir, staged_output, write_manifest
     from hqtflow.hardware import fastest_dtype
     from hqtflow.quantize.convert import _set_module, convert_model
+    from hqtflow.quantize.experts import unfuse_experts
     from hqtflow.quantize.run import QuantizeSettings, plan_job, quant_config, quantize, weight_rounding
 
     out = Path(s.output)
@@ -89,6 +90,7 @@ def tune(s: TuneSettings, progress=None) -> Path:
     say = progress or (lambda msg: None)
     compute = fastest_dtype() if job.dtype == "bf16" else job.dtype
     model = models.load_model(job.model_dir, compute)
+    unfuse_experts(model, job.plan["unfused"])
     tok = models.load_tokenizer(job.model_dir)
     windows = token_windows(tok, s.text, s.tokens, s.window)
     if not windows:

@@ -19,14 +19,18 @@ def test_conv1d_models_are_refused_before_calibrating(tiny_factory, wiki_text, t
 
 
 def test_fused_experts_kept_in_high_precision_are_listed(tiny_factory, wiki_text, tmp_path):
-    """Fused MoE experts are measured (for Gaudi) but stay in bf16 in hqtflow's checkpoint: the manifest and the
-    summary say so (they were left out of both)."""
+    """Fused MoE experts a config blocklists by type stay in bf16 in hqtflow's checkpoint: the manifest and the
+    summary say so (they were once left out of both). `tests/quantize/test_experts.py` has them quantized."""
     model = tiny_factory("mixtral")
     r = run_cli("measure", model, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2", "--max-length", "16")
     assert r.exit_code == 0, r.output
-    r = run_cli("quantize", model, "-m", tmp_path / "m", "-o", tmp_path / "q")
+    cfg = tmp_path / "q.json"
+    cfg.write_text(json.dumps({"mode": "QUANTIZE", "scale_method": "maxabs_hw",
+                               "blocklist": {"types": ["MixtralExperts"], "names": ["lm_head"]}}))
+    r = run_cli("quantize", model, "-m", tmp_path / "m", "-o", tmp_path / "q", "-c", cfg)
     assert r.exit_code == 0, r.output
-    skipped = json.loads((tmp_path / "q" / MANIFEST).read_text())["data"]["skipped"]
-    experts = {k: v for k, v in skipped.items() if k.endswith("mlp.experts")}
-    assert len(experts) == 2 and all("fused MoE experts" in v for v in experts.values()), skipped
-    assert f"{len(skipped)} kept in high precision" in r.stdout + r.stderr
+    data = json.loads((tmp_path / "q" / MANIFEST).read_text())["data"]
+    experts = {k: v for k, v in data["skipped"].items() if k.endswith("mlp.experts")}
+    assert len(experts) == 2 and all("blocklist" in v for v in experts.values()), data["skipped"]
+    assert not [n for n in data["quantized"] if "experts" in n]
+    assert f"{len(data['skipped'])} kept in high precision" in r.stdout + r.stderr

@@ -310,6 +310,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
 
     from hqtflow.formats.compressed_tensors import parse_quantization_config
     from hqtflow.models import BUILD_ERRORS, bad_config, config_errors, load_config
+    from hqtflow.quantize.experts import per_expert_containers, unfuse_experts
     from hqtflow.quantize.fp8_linear import FP8Linear
 
     path = Path(path)
@@ -333,6 +334,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
             dropped.append(tensors.pop(k))
     check_scales(path, tensors)
     kv_scales = {k: tensors.pop(k) for k in list(tensors) if k.endswith(KV_SUFFIXES)}
+    unfuse_experts(model, sorted(per_expert_containers(tensors)))  # MoE experts stored one by one (quantize's)
     for name, mod in list(model.named_modules()):
         w = tensors.get(f"{name}.weight")
         if not isinstance(mod, nn.Linear) or w is None or w.dtype not in FP8_WEIGHT_DTYPES:

@@ -1,7 +1,8 @@
 """`measure --hessians`: each Linear input's second moment E[x xᵀ] over the calibration tokens, for GPTQ.
 
 Linears fed the same tensor in a forward (q/k/v, gate/up) share one matrix, accumulated once: the first of them
-to see an input owns the matrix and the others point at it. Padding positions are left out, as the observers do.
+to see an input owns the matrix and the others point at it. Fused MoE experts get one matrix per expert and
+projection (`<experts>.<e>.gate_up_proj`, `.down_proj`), from the tokens routed to that expert. Padding positions are left out, as the observers do.
 The cost is one [in, in] float32 matrix per distinct input and a `xᵀx` product per forward.
 """
 
@@ -12,6 +13,8 @@ from typing import Iterator
 
 import torch
 from torch import nn
+
+from hqtflow.measure.hooks import expert_inputs, is_fused_experts
 
 
 class HessianRecorder:
@@ -26,6 +29,33 @@ class HessianRecorder:
         wanted = set(names)
         self._handles = [mod.register_forward_hook(self._hook(n)) for n, mod in model.named_modules()
                          if n in wanted and isinstance(mod, nn.Linear)]
+        for n, mod in model.named_modules():  # fused MoE experts: one matrix per expert and projection
+            if is_fused_experts(mod):
+                names_of = {e: (f"{n}.{e}.gate_up_proj", f"{n}.{e}.down_proj") for e in range(mod.gate_up_proj.shape[0])}
+                names_of = {e: p for e, p in names_of.items() if wanted & set(p)}
+                if names_of:
+                    self._handles.append(mod.register_forward_pre_hook(self._experts_hook(names_of, wanted)))
+
+    def _add(self, name: str, rows: torch.Tensor) -> None:
+        rows = rows.float()
+        if name not in self.sums:
+            self.sums[name] = torch.zeros(rows.shape[1], rows.shape[1], device=rows.device)
+            self.tokens[name] = 0
+        self.sums[name].addmm_(rows.t(), rows)
+        self.tokens[name] += rows.shape[0]
+
+    def _experts_hook(self, names_of: dict[int, tuple[str, str]], wanted: set[str]):
+        @torch.no_grad()
+        def hook(mod, args):
+            hidden, mask = args[0], self._mask
+            valid = mask.reshape(-1).to(hidden.device) if mask is not None and mask.numel() == hidden.shape[0] else None
+            for e, x, _, inner, _ in expert_inputs(mod, hidden, args[1], valid, list(names_of)):
+                for name, rows in zip(names_of[e], (x, inner)):
+                    if name in wanted:
+                        self._add(name, rows)
+                        self.owner[name] = name
+
+        return hook
 
     def _hook(self, name: str):
         def hook(mod, args, output):
@@ -37,12 +67,7 @@ class HessianRecorder:
                 rows = x.reshape(-1, x.shape[-1])
                 if self._mask is not None and self._mask.numel() == rows.shape[0]:
                     rows = rows[self._mask.reshape(-1).to(rows.device)]
-                rows = rows.float()
-                if name not in self.sums:
-                    self.sums[name] = torch.zeros(rows.shape[1], rows.shape[1], device=rows.device)
-                    self.tokens[name] = 0
-                self.sums[name].addmm_(rows.t(), rows)
-                self.tokens[name] += rows.shape[0]
+                self._add(name, rows)
                 self._last = (x, name)
             if self.owner.setdefault(name, owner) != owner:
                 raise RuntimeError(f"{name} shared its input with {self.owner[name]} in one forward and with {owner} "

@@ -48,6 +48,27 @@ def is_fused_experts(mod: nn.Module) -> bool:
     return isinstance(gu, nn.Parameter) and isinstance(down, nn.Parameter) and gu.dim() == 3 and down.dim() == 3
 
 
+def expert_inputs(mod: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, valid: torch.Tensor | None,
+                  experts: list[int]) -> Iterator[tuple]:
+    """For each expert of `experts` that the router sent tokens to (`valid`: a mask of the tokens to count, padding
+    excluded): (e, its input x, gate_up output h, down_proj's input act(gate) * up, down_proj's weight), from the fused
+    weights (local shards under tensor parallelism)."""
+    gu_all, down_all = _local(mod.gate_up_proj), _local(mod.down_proj)
+    for e in experts:
+        routed = (top_k_index == e).any(dim=-1)
+        if valid is not None:
+            routed &= valid
+        if not routed.any():
+            continue
+        x = hidden[routed]
+        gu_w = gu_all[e] if gu_all.shape[-1] == x.shape[-1] else gu_all[e].t()
+        h = nn.functional.linear(x, gu_w)
+        gate, up = h.chunk(2, dim=-1)
+        inner = mod.act_fn(gate) * up
+        down_w = down_all[e] if down_all.shape[-1] == inner.shape[-1] else down_all[e].t()
+        yield e, x, h, inner, down_w
+
+
 def unsupported(mod: nn.Module) -> str | None:
     """Why a module cannot be measured, where calibration would otherwise pass it over without a word."""
     kind = type(mod).__name__
@@ -167,28 +188,13 @@ class ObserverSession:
             self._handles.append(mod.register_forward_pre_hook(self._experts_hook(mod, experts)))
 
     def _experts_hook(self, mod: nn.Module, experts: list[dict]):
-        act = mod.act_fn
-
         @torch.no_grad()
         def hook(m, args):
-            hidden, top_k_index = args[0], args[1]
             mask = self._mask
-            valid = mask.reshape(-1) if mask is not None and mask.numel() == hidden.shape[0] else None
-            gu_all, down_all = _local(m.gate_up_proj), _local(m.down_proj)
-            for e, pair in enumerate(experts):
-                if not pair:
-                    continue
-                routed = (top_k_index == e).any(dim=-1)
-                if valid is not None:
-                    routed &= valid
-                if not routed.any():
-                    continue
-                x = hidden[routed]
-                gu_w = gu_all[e] if gu_all.shape[-1] == x.shape[-1] else gu_all[e].t()
-                h = nn.functional.linear(x, gu_w)
-                gate, up = h.chunk(2, dim=-1)
-                inner = act(gate) * up
-                down_w = down_all[e] if down_all.shape[-1] == inner.shape[-1] else down_all[e].t()
+            valid = mask.reshape(-1) if mask is not None and mask.numel() == args[0].shape[0] else None
+            wanted = [e for e, pair in enumerate(experts) if pair]
+            for e, x, h, inner, down_w in expert_inputs(m, args[0], args[1], valid, wanted):
+                pair = experts[e]
                 for proj, xin, y in (("gate_up_proj", x, h), ("down_proj", inner, None)):
                     node = pair.get(proj)
                     if node is None:

@@ -144,6 +144,9 @@ def _convert(model, job: Job, *, weight_only: bool) -> None:
     """Swap the planned Linears for FP8Linear: the scale method(s), or HQT's SmoothQuant folded into the model."""
     from hqtflow.quantize.convert import convert_model
 
+    from hqtflow.quantize.experts import unfuse_experts
+
+    unfuse_experts(model, job.plan["unfused"])
     kw = dict(target=job.target, fp8=job.cfg.fp8_config, hp_dtype=job.cfg.hp_dtype)
     if job.method.default.smoothquant:
         from hqtflow.quantize.smoothquant import convert_smoothquant
@@ -301,25 +304,38 @@ def _in_memory_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
 
 
 def plan_modules(model, cfg: QuantConfig, meas: Measurement) -> dict:
-    """Which Linear modules get quantized; the rest are kept in high precision with a reason (fused MoE experts too:
-    measured, for Gaudi, but kept in high precision here)."""
+    """Which Linear modules get quantized; the rest are kept in high precision with a reason. Fused MoE experts of
+    Mixtral's layout are unfused first (`hqtflow.quantize.experts`): each expert's `gate_up_proj` and `down_proj` is
+    then a Linear like any other; an expert no calibration token reached keeps high precision, listed.
+    `unfused`: the experts modules the converted model must unfuse (`_convert` does)."""
     from torch import nn
 
     from hqtflow.measure.hooks import is_fused_experts
+    from hqtflow.quantize.experts import unfuse_experts, why_not_unfused
 
-    quantize, ignore, skipped, missing = [], [], {}, []
+    quantize, ignore, skipped, missing, experts = [], [], {}, [], []
     for name, mod in model.named_modules():
-        if is_fused_experts(mod):
-            skipped[name] = "fused MoE experts: kept in high precision (hqtflow's FP8 runtime quantizes nn.Linear only)"
+        if not is_fused_experts(mod):
+            continue
+        if type(mod).__name__ in cfg.blocklist.types:
+            skipped[name] = "excluded by blocklist types"
+        elif why := why_not_unfused(mod):
+            skipped[name] = f"{why}: kept in high precision"
+        else:
+            experts.append(name)
+    unfuse_experts(model, experts)
+    for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
             continue
+        expert = any(name.startswith(f"{c}.") for c in experts)
         if not cfg.selects(name, type(mod).__name__):
             ignore.append(name)
             skipped[name] = "excluded by allowlist/blocklist"
         elif name not in meas.nodes or not meas.nodes[name].inputs:
-            if cfg.ignore_modules_wo_measures:
+            if expert or cfg.ignore_modules_wo_measures:
                 ignore.append(name)
-                skipped[name] = "no statistics (ignore_modules_wo_measures)"
+                skipped[name] = ("MoE expert without statistics (no calibration token was routed to it)" if expert
+                                 else "no statistics (ignore_modules_wo_measures)")
             else:
                 missing.append(name)
         else:
@@ -328,7 +344,7 @@ def plan_modules(model, cfg: QuantConfig, meas: Measurement) -> dict:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise ArtifactError(f"The measurement has no input statistics for {shown}; re-measure, blocklist them, "
                             "or set ignore_modules_wo_measures.")
-    return {"quantize": quantize, "ignore": ignore, "skipped": skipped}
+    return {"quantize": quantize, "ignore": ignore, "skipped": skipped, "unfused": experts}
 
 
 def summary(out: Path) -> str:

@@ -1,0 +1,207 @@
+"""Fused MoE experts (transformers 5's 3-D `gate_up_proj` / `down_proj`) are quantized expert by expert: unfused into
+one Linear pair per expert (the same function as transformers' eager loop, bit for bit), each pair scaled from its own
+routed-token statistics, stored per expert in the checkpoint and run by the FP8 runtime."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_cli, sqnr
+from hqtflow.formats.artifact import MANIFEST
+
+
+def _eager(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, experts_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "olmoe"])
+def test_unfused_experts_compute_the_eager_loop(tiny_factory, model_type):
+    from hqtflow.quantize.experts import Experts, unfuse_experts
+
+    model = _eager(tiny_factory(model_type))
+    ids = torch.randint(0, 500, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+        fused = dict(model.named_modules())["model.layers.0.mlp.experts"]
+        names = unfuse_experts(model)
+        out = model(ids).logits
+    assert names == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert torch.equal(out, ref)
+    experts = model.get_submodule(names[0])
+    assert isinstance(experts, Experts) and experts.num_experts == fused.gate_up_proj.shape[0]
+    # views of the fused weights, not copies
+    w1 = experts.get_submodule("1.gate_up_proj").weight
+    assert w1.untyped_storage().data_ptr() == fused.gate_up_proj.untyped_storage().data_ptr()
+    assert torch.equal(w1, fused.gate_up_proj[1]) and torch.equal(experts.get_submodule("2.down_proj").weight, fused.down_proj[2])
+
+
+def test_an_experts_module_of_another_function_is_refused():
+    """An experts class whose forward is not Mixtral's loop (here: a scaled output) is not quantized one by one."""
+    from torch import nn
+
+    from hqtflow.errors import ModelError
+    from hqtflow.quantize.experts import Experts, _unfused, unfuse_experts
+
+    class Scaled(nn.Module):  # Mixtral's parameters, another function
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.randn(3, 8, 4))
+            self.down_proj = nn.Parameter(torch.randn(3, 4, 4))
+            self.act_fn = nn.functional.silu
+
+        def forward(self, h, idx, w):
+            return 2 * Experts.forward(_unfused(self), h, idx, w)
+
+    holder = nn.Module()
+    holder.experts = Scaled()
+    with pytest.raises(ModelError, match="does not compute Mixtral's expert loop"):
+        unfuse_experts(holder)
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_factory, wiki_text, tmp_path_factory):
+    """A tiny Mixtral measured (with Hessians) and quantized, nearest rounding and GPTQ."""
+    d = tmp_path_factory.mktemp("moe")
+    model = tiny_factory("mixtral")
+    r = run_cli("measure", model, "-o", d / "m", "--text", wiki_text, "--limit", "8", "--max-length", "64", "--hessians")
+    assert r.exit_code == 0, r.output
+    r = run_cli("quantize", model, "-m", d / "m", "-o", d / "q")
+    assert r.exit_code == 0, r.output
+    return model, d, r.stdout + r.stderr
+
+
+def _expert_linears(n_layers=2, n_experts=4):
+    return [f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(n_layers) for e in range(n_experts)
+            for p in ("gate_up_proj", "down_proj")]
+
+
+def test_every_expert_is_quantized_from_its_own_statistics(moe):
+    from hqtflow.formats.checkpoint import read_tensors
+    from hqtflow.formats.measurement import load_measurement
+    from hqtflow.scales import linear_scales, scale_method
+
+    model_dir, d, said = moe
+    manifest = json.loads((d / "q" / MANIFEST).read_text())["data"]
+    assert set(_expert_linears()) <= set(manifest["quantized"]), manifest["quantized"]
+    assert not [k for k in manifest["skipped"] if "experts" in k], manifest["skipped"]
+    assert f"{len(manifest['quantized'])} modules quantized" in said
+    tensors = read_tensors(d / "q")
+    assert not [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]  # no fused copy left
+    meas = load_measurement(d / "m").ranks[0]
+    bf16 = _eager(model_dir)
+    method = scale_method("maxabs_arbitrary", "cpu")
+    input_scales = set()
+    for name in _expert_linears():
+        container, e, proj = name.rsplit(".", 2)
+        w = getattr(bf16.get_submodule(container), proj)[int(e)]
+        want = linear_scales(method, meas.nodes[name].inputs[0], w)
+        assert tensors[f"{name}.weight"].dtype == torch.float8_e4m3fn and list(tensors[f"{name}.weight"].shape) == list(w.shape)
+        assert torch.equal(tensors[f"{name}.weight_scale"].reshape(()), want.weight.reshape(())), name
+        assert torch.equal(tensors[f"{name}.input_scale"].reshape(()), want.input.reshape(())), name
+        input_scales.add(float(want.input))
+    assert len(input_scales) > 4  # each expert saw its own tokens
+
+
+def test_checkpoint_runs_as_converted_and_close_to_bf16(moe, wiki_text, cpu_kernel_loaded):
+    import hqtflow
+    from hqtflow.quantize.experts import Experts
+    from hqtflow.quantize.fp8_linear import FP8Linear
+    from hqtflow.quantize.run import QuantizeSettings, quantize_in_memory
+
+    model_dir, d, _ = moe
+    loaded = hqtflow.load(d / "q", backend="qdq", dtype="bf16")[0]
+    experts = loaded.get_submodule("model.layers.1.mlp.experts")
+    assert isinstance(experts, Experts) and isinstance(experts.get_submodule("3.down_proj"), FP8Linear)
+    converted, _ = quantize_in_memory(QuantizeSettings(measurement=str(d / "m"), output=str(d / "unused")))
+    converted.eval()
+    from hqtflow.models import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    ids = tok(wiki_text.read_text()[:4000], return_tensors="pt").input_ids[:, :128]
+    with torch.no_grad():
+        a, b = loaded(ids).logits, converted(ids).logits
+        ref = _eager(model_dir)(ids).logits
+    assert torch.equal(a, b)  # the checkpoint is the in-memory conversion
+    assert sqnr(ref, a) > 25, sqnr(ref, a)  # FP8 experts and attention vs bf16 on real text
+    fast = hqtflow.load(d / "q", backend="cpu", dtype="bf16")[0]
+    with torch.no_grad():
+        c = fast(ids).logits
+    assert sqnr(a, c) > 40, sqnr(a, c)  # the CPU kernel: the reference's function, fp32 sums in another order
+
+
+def test_fp8_experts_are_batch_invariant(moe, cpu_kernel_loaded):
+    """A token's output from the FP8 experts (CPU kernel) does not depend on the other tokens routed with it."""
+    import hqtflow
+
+    _, d, _ = moe
+    experts = hqtflow.load(d / "q", backend="cpu", dtype="bf16")[0].get_submodule("model.layers.0.mlp.experts")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 64, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(40)])
+    w = torch.rand(40, 2, generator=g).bfloat16()
+    with torch.no_grad():
+        together = experts(x, idx, w)
+        for lo, hi in ((0, 1), (5, 12), (20, 40)):
+            assert torch.equal(experts(x[lo:hi], idx[lo:hi], w[lo:hi]), together[lo:hi]), (lo, hi)
+
+
+def test_gptq_rounds_each_expert_with_its_own_hessian(moe):
+    from hqtflow.formats.checkpoint import read_tensors
+    from hqtflow.formats.hessians import Hessians
+
+    model_dir, d, _ = moe
+    h = Hessians(d / "m" / "hessians.safetensors")
+    meas = json.loads((d / "m" / MANIFEST).read_text())["data"]
+    tokens = meas["calibration"]["tokens"]
+    for layer in range(2):
+        routed = [h.tokens[h.modules[f"model.layers.{layer}.mlp.experts.{e}.gate_up_proj"]] for e in range(4)]
+        assert sum(routed) == 2 * tokens, routed  # top-2: every token counted by two experts
+        for e in range(4):
+            down = h.modules[f"model.layers.{layer}.mlp.experts.{e}.down_proj"]
+            assert h.tokens[down] == routed[e]
+    r = run_cli("quantize", model_dir, "-m", d / "m", "-o", d / "gptq", "--gptq")
+    assert r.exit_code == 0, r.output
+    a, b = read_tensors(d / "q"), read_tensors(d / "gptq")
+    name = "model.layers.0.mlp.experts.2.down_proj.weight"
+    assert a[name].shape == b[name].shape and not torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8))
+
+
+def test_an_expert_no_token_reached_stays_in_high_precision(tiny_factory, wiki_text, tmp_path):
+    """Top-1 routing over 8 experts and 4 calibration tokens: the experts that saw none keep bf16, listed; the
+    checkpoint still loads and runs."""
+    import hqtflow
+
+    model = tiny_factory("mixtral", num_local_experts=8, num_experts_per_tok=1)
+    r = run_cli("measure", model, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "1", "--max-length", "4")
+    assert r.exit_code == 0, r.output
+    nodes = set(json.loads((tmp_path / "m" / "measure_hooks_maxabs_mod_list.json").read_text()))
+    unrouted = {n for n in _expert_linears(2, 8) if n not in nodes}
+    assert unrouted, "every expert was reached: the case is not exercised"
+    r = run_cli("quantize", model, "-m", tmp_path / "m", "-o", tmp_path / "q")
+    assert r.exit_code == 0, r.output
+    skipped = json.loads((tmp_path / "q" / MANIFEST).read_text())["data"]["skipped"]
+    assert {k for k, v in skipped.items() if "no calibration token was routed" in v} == unrouted
+    loaded = hqtflow.load(tmp_path / "q", backend="qdq")[0]
+    name = sorted(unrouted)[0]
+    assert type(loaded.get_submodule(name)).__name__ == "Linear"
+    with torch.no_grad():
+        assert torch.isfinite(loaded(torch.tensor([[1, 2, 3, 4, 5]])).logits).all()
+
+
+def test_export_of_moe_experts(moe, tmp_path):
+    import hqtflow
+
+    _, d, _ = moe
+    r = run_cli("export", d / "q", "--format", "inc", "-o", tmp_path / "inc")
+    assert r.exit_code != 0 and "MoE experts quantized one by one" in r.stderr and "Traceback" not in r.output, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "inc").exists()
+    r = run_cli("export", d / "q", "--format", "fp8", "-o", tmp_path / "fp8")
+    assert r.exit_code == 0 and "transformers 5's module names" in r.stdout + r.stderr, r.output
+    ids = torch.tensor([[5, 9, 13, 2, 77, 31]])
+    with torch.no_grad():
+        a = hqtflow.load(d / "q", backend="qdq", dtype="bf16")[0](ids).logits
+        b = hqtflow.load(tmp_path / "fp8", backend="qdq", dtype="bf16")[0](ids).logits
+    assert torch.equal(a, b)  # per-tensor bf16 scales are exact in float32
