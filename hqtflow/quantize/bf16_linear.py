@@ -10,13 +10,17 @@ kernel, each output's products added in the FP8 layers' fixed order:
   (then it is the function of fp32 `F.linear` up to the order of the sums);
 - bf16 models on the kernel's bf16 paths (AMX, AVX512-BF16): bf16 weights (the function of bf16 `F.linear`, the bias
   added after the rounding to bf16 as in the FP8 layers).
-Others, and inputs of another dtype, keep `F.linear`.
+Others, and inputs of another dtype, keep `F.linear`. The router of an unfused MoE block (`hqtflow.quantize.experts`;
+transformers' routers call `F.linear` on a plain weight) gets the same treatment for its one product.
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 
 class PackedBf16Linear(nn.Linear):
@@ -26,13 +30,7 @@ class PackedBf16Linear(nn.Linear):
     _packed_from: tuple[int, int] | None = None  # (data_ptr, version) of the weight `packed` was made from
 
     def repack(self) -> None:
-        w = self.weight.detach()
-        self.packed = None
-        if w.dtype == kernel_dtype() and w.device.type == "cpu":
-            wb = w.to(torch.bfloat16)
-            if torch.equal(wb.to(w.dtype), w):
-                packed = torch.ops.hqtflow.bf16_pack(wb)
-                self.packed = packed if packed.numel() else None
+        self.packed = _pack(self.weight)
         self._packed_from = (self.weight.data_ptr(), self.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,6 +39,62 @@ class PackedBf16Linear(nn.Linear):
         if self.packed is None or x.dtype != self.weight.dtype:
             return super().forward(x)
         return torch.ops.hqtflow.bf16_linear(x, self.packed, self.out_features, self.bias)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` laid out for the kernel's `bf16_linear`, or None where the kernel does not take it (see above)."""
+    w = weight.detach()
+    if w.dtype == kernel_dtype() and w.device.type == "cpu":
+        wb = w.to(torch.bfloat16)
+        if torch.equal(wb.to(w.dtype), w):
+            packed = torch.ops.hqtflow.bf16_pack(wb)
+            return packed if packed.numel() else None
+    return None
+
+
+class _RouterOnKernel(TorchFunctionMode):
+    """Inside a MoE router's forward (transformers' routers are not `nn.Linear`: they call `F.linear(x,
+    self.weight)`), that one product on the kernel, so the routing of a token does not depend on its neighbours."""
+
+    def __init__(self, router: nn.Module):
+        super().__init__()
+        self.router = router
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        r = self.router
+        if (func is nn.functional.linear and len(args) == 2 and not kwargs and args[1] is r.weight
+                and args[0].dtype == r.weight.dtype and args[0].dim() == 2):
+            return torch.ops.hqtflow.bf16_linear(args[0], r.hqtflow_packed, r.weight.shape[0], None)
+        return func(*args, **kwargs)
+
+
+def _router_forward(self, *args, **kwargs):
+    if torch.compiler.is_compiling():
+        return type(self).forward(self, *args, **kwargs)
+    w = self.weight
+    if self.hqtflow_packed_from != (w.data_ptr(), w._version, w.dtype):  # remade when the weight changed
+        self.hqtflow_packed, self.hqtflow_packed_from = _pack(w), (w.data_ptr(), w._version, w.dtype)
+    if self.hqtflow_packed is None:
+        return type(self).forward(self, *args, **kwargs)
+    with _RouterOnKernel(self):
+        return type(self).forward(self, *args, **kwargs)
+
+
+def _routers(model: nn.Module) -> list[nn.Module]:
+    """The routers of `model`'s unfused MoE blocks: a sibling of an `Experts` module with a [E, H] weight."""
+    from hqtflow.quantize.experts import Experts
+
+    found = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, Experts):
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            for child in parent.children():
+                w = getattr(child, "weight", None)
+                if (type(child) is not nn.Linear and isinstance(w, torch.Tensor) and w.dim() == 2
+                        and w.shape[0] == mod.num_experts):
+                    found.append(child)
+    return found
 
 
 def kernel_dtype() -> torch.dtype:
@@ -52,6 +106,14 @@ def use_kernel(model: nn.Module, on: bool) -> int:
     """Swap `model`'s plain Linears of the kernel's dtype to `PackedBf16Linear` (on) or back; returns how many read
     packed bf16."""
     n = 0
+    for router in _routers(model):
+        if on:
+            w = router.weight
+            router.hqtflow_packed, router.hqtflow_packed_from = _pack(w), (w.data_ptr(), w._version, w.dtype)
+            router.forward = types.MethodType(_router_forward, router)
+            n += router.hqtflow_packed is not None
+        elif "forward" in router.__dict__:
+            del router.forward, router.hqtflow_packed, router.hqtflow_packed_from
     for mod in model.modules():
         if on and type(mod) is nn.Linear and mod.weight.dtype == kernel_dtype():
             mod.__class__ = PackedBf16Linear

@@ -3,6 +3,7 @@ one Linear pair per expert (the same function as transformers' eager loop, bit f
 routed-token statistics, stored per expert in the checkpoint and run by the FP8 runtime."""
 
 import json
+import threading
 
 import pytest
 import torch
@@ -205,3 +206,58 @@ def test_export_of_moe_experts(moe, tmp_path):
         a = hqtflow.load(d / "q", backend="qdq", dtype="bf16")[0](ids).logits
         b = hqtflow.load(tmp_path / "fp8", backend="qdq", dtype="bf16")[0](ids).logits
     assert torch.equal(a, b)  # per-tensor bf16 scales are exact in float32
+
+
+def test_engine_serves_fp8_experts_batch_invariantly(moe, cpu_kernel_loaded):
+    """The serving engine on the FP8 MoE checkpoint: each request's greedy tokens and logprobs are the same alone and
+    decoded together with the others, and equal a full recompute of the FP8 model."""
+    import hqtflow
+    from hqtflow.runtime.engine import Engine, SamplingParams
+
+    _, d, _ = moe
+    model, tok = hqtflow.load(d / "q", backend="cpu", dtype="auto")  # the kernel's dtype: bf16 or fp32 by machine
+    prompts = [tok(p)["input_ids"] for p in ("The tower is", "In 1990 the band released their second album , which", "A")]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    eng = Engine(model, tok, max_batch_size=4).start()
+    try:
+        alone = [eng.generate(x, params) for x in prompts]
+        together: list = [None] * len(prompts)
+        threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, eng.generate(prompts[i], params)))
+                   for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        eng.stop()
+    for x, a, b in zip(prompts, alone, together):
+        assert [(e.token.id, e.token.logprob) for e in a] == [(e.token.id, e.token.logprob) for e in b]
+        tokens = [e.token.id for e in a]
+        with torch.inference_mode():
+            ref = model(torch.tensor([x + tokens[:-1]]), use_cache=False).logits[0, len(x) - 1:]
+        assert tokens == ref.argmax(-1).tolist()
+
+
+def test_routers_run_on_the_kernel_batch_invariantly(moe, cpu_kernel_loaded):
+    """transformers' routers call `F.linear` on a plain weight; on the "cpu" backend that product runs on the kernel,
+    so a token's routing weights do not depend on the tokens beside it, and equal `F.linear`'s up to the sums' order."""
+    import hqtflow
+    from hqtflow.quantize.bf16_linear import kernel_dtype
+    from hqtflow.quantize.fp8_linear import set_backend
+
+    _, d, _ = moe
+    dtype = "bf16" if kernel_dtype() == torch.bfloat16 else "fp32"
+    model = hqtflow.load(d / "q", backend="cpu", dtype=dtype)[0]
+    router = model.get_submodule("model.layers.0.mlp.gate")
+    assert router.hqtflow_packed is not None
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(5)).to(kernel_dtype())
+    with torch.no_grad():
+        together = router(x)
+        for lo, hi in ((0, 1), (3, 11), (11, 37)):
+            for a, b in zip(router(x[lo:hi]), together):
+                assert torch.equal(a, b[lo:hi]), (lo, hi)
+        set_backend(model, "qdq")  # back to transformers' own forward
+        assert "forward" not in router.__dict__
+        ref = router(x)
+    torch.testing.assert_close(together[0].float(), ref[0].float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(together[2], ref[2]) or (together[2] != ref[2]).float().mean() < 0.05
