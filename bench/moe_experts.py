@@ -86,7 +86,11 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=1024)
     a = ap.parse_args()
     torch.set_grad_enabled(False)
-    print(f"CPU flags: {' '.join(sorted(cpu_flags() & {'avx2', 'fma', 'f16c', 'avx512f', 'avx512_bf16', 'avx512_vnni', 'amx_bf16'}))}")
+    from hqtflow.quantize import cpu_kernel
+
+    if not cpu_kernel.available():
+        sys.exit(f"the CPU FP8 kernel could not be built: {cpu_kernel.build_error()}")
+    print(f"CPU flags: {' '.join(cpu_flags())}; FP8 kernel path {torch.ops.hqtflow.fp8_isa()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; experts {a.experts}, top-{a.top_k}, "
           f"hidden {a.hidden}, expert intermediate {a.inter}")
     g = torch.Generator().manual_seed(0)
