@@ -6,6 +6,8 @@ pages are file pages, reclaimable, not anonymous memory), quantized with `hqtflo
 measurement's input statistics exactly as `convert_model` does (bit-identical tensors), and written straight into
 its place in an output shard. Non-quantized tensors are copied through (cast to the model dtype, as loading would).
 A tied `lm_head` is dropped like `save_checkpoint` does, or untied (quantized from the embedding) when it is quantized.
+Checkpoint names transformers renames on loading are found through the model's conversion mapping; fused MoE experts
+are written per expert (`hqtflow.quantize.experts`), each read from its own rows of the source (`_expert_parts`).
 
 Output: `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards of at most `shard_size` bytes of tensor
 data each (a single tensor larger than that gets a shard of its own) plus `model.safetensors.index.json`. The
@@ -65,6 +67,21 @@ class Unit:
     bias_source: TensorEntry | None = None
     module: str | None = None
     value: torch.Tensor | None = None
+    parts: list[tuple[TensorEntry, int | None]] | None = None  # an MoE expert's weight: (tensor, expert index) rows
+
+    def read(self, files: TensorFiles) -> torch.Tensor:
+        """The unit's source weight: one tensor, or an expert's rows gathered from its parts (gate and up
+        concatenated, or one expert of a fused 3-D tensor)."""
+        if self.parts is None:
+            return files.get(self.source.key)
+        rows = [files.get(e.key) if i is None else files.get(e.key)[i] for e, i in self.parts]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    @property
+    def source_bytes(self) -> int:
+        if self.parts is None:
+            return self.source.nbytes
+        return sum(e.nbytes if i is None else e.nbytes // e.shape[0] for e, i in self.parts)
 
     @property
     def nbytes(self) -> int:
@@ -93,6 +110,66 @@ def read_sources(model_dir: Path) -> dict[str, TensorEntry]:
     return tf.entries
 
 
+def _renamed_sources(skel, sources: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """{the model's name: source tensor} for the checkpoint tensors transformers renames on loading (Mixtral's
+    `block_sparse_moe.gate` is the model's `mlp.gate`); merged tensors are `_expert_parts`'."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(skel)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return {}
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    out = {}
+    for key, entry in sources.items():
+        target, pattern = rename_source_key(key, renamings, converters, getattr(skel, "base_model_prefix", None))
+        if pattern is None and target != key:
+            out[target] = entry
+    return out
+
+
+def _expert_parts(skel, sources: dict[str, TensorEntry], containers: list[str]) -> dict[tuple[str, str], dict]:
+    """{(experts module, "gate_up_proj" | "down_proj"): {expert: [(source tensor, index)], ...}} for the fused experts
+    `containers`, found as transformers loads them: the checkpoint's per-expert tensors renamed and merged by the
+    model's conversion mapping (Mixtral's `block_sparse_moe.experts.<e>.w1/w3/w2`, Qwen-MoE's `gate_proj/up_proj/
+    down_proj`), or a fused 3-D tensor already under the module's own name (index: the expert's row)."""
+    import re
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
+                                                 rename_source_key)
+
+    out: dict[tuple[str, str], dict] = {}
+    wanted = {f"{c}.{p}": (c, p) for c in containers for p in ("gate_up_proj", "down_proj")}
+    shapes = {k: v.shape for k, v in skel.state_dict().items() if k in wanted}
+    for target, (c, p) in wanted.items():
+        if target in sources and list(sources[target].shape) == list(shapes[target]):
+            out[(c, p)] = {e: [(sources[target], e)] for e in range(shapes[target][0])}
+    if len(out) == len(wanted):
+        return out
+    transforms = get_model_conversion_mapping(skel)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+
+    def layout(conv) -> bool:  # the merge transformers does for Mixtral-style experts, nothing else
+        ops = [(type(o), getattr(o, "dim", None)) for o in conv.operations]
+        return ops == [(MergeModulelist, 0), (Concatenate, 1)][: len(conv.source_patterns)]
+
+    for key, entry in sources.items():
+        target, pattern = rename_source_key(key, renamings, converters, getattr(skel, "base_model_prefix", None))
+        if pattern is None or target not in wanted or wanted[target] in out and target in sources:
+            continue
+        conv = next(c for c in converters if pattern in c.source_patterns)
+        index = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+        if not layout(conv) or index is None:
+            raise ModelError(f"--disk-offload cannot read the experts weight {key} (its conversion to {target} is not "
+                             "a merge of per-expert matrices); drop --disk-offload.")
+        parts = out.setdefault(wanted[target], {}).setdefault(int(index.group(1)), [None] * len(conv.source_patterns))
+        parts[conv.source_patterns.index(pattern)] = (entry, None)
+    return out
+
+
 def _skeleton(model_dir: Path, dtype: torch.dtype):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -117,8 +194,10 @@ def _generation_config(model_dir: Path, skel):
 
 
 def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: bool, per_channel: bool,
-                 shard_size: int | None = None, extra_values: dict[str, torch.Tensor] | None = None) -> OffloadPlan:
-    """Map every tensor of the converted model to its source tensor and its output shard (nothing is read yet)."""
+                 shard_size: int | None = None, extra_values: dict[str, torch.Tensor] | None = None,
+                 unfused: list[str] = ()) -> OffloadPlan:
+    """Map every tensor of the converted model to its source tensor and its output shard (nothing is read yet).
+    `unfused`: fused MoE experts modules written per expert (`hqtflow.quantize.experts`), from their source parts."""
     from hqtflow.models import torch_dtype
 
     model_dir = Path(model_dir)
@@ -138,9 +217,13 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
         config.tie_word_embeddings = False  # as convert_model's untying does
     prefix = getattr(skel, "base_model_prefix", "") or ""
 
+    renamed = _renamed_sources(skel, sources)
+
     def find(key: str) -> TensorEntry | None:
         if key in sources:
             return sources[key]
+        if key in renamed:
+            return renamed[key]
         if prefix and key.startswith(prefix + ".") and key[len(prefix) + 1:] in sources:
             return sources[key[len(prefix) + 1:]]
         if prefix and f"{prefix}.{key}" in sources:
@@ -151,17 +234,40 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
         src = find(key)
         if src is None:
             raise ModelError(f"--disk-offload cannot find {key} in the safetensors files of {model_dir} "
-                             "(renamed or fused weights need the in-memory path: drop --disk-offload).")
+                             "(weights stored under other names need the in-memory path: drop --disk-offload).")
         if list(src.shape) != list(shape):
             raise ModelError(f"{model_dir}: {key} has shape {src.shape} in the checkpoint, the model expects {list(shape)}.")
         return src
 
     from hqtflow.scales import FP8_DTYPES
 
+    experts = _expert_parts(skel, sources, list(unfused)) if unfused else {}
     units: list[Unit] = []
     largest = 0
     for key, v in skel.state_dict().items():
         mod, _, leaf = key.rpartition(".")
+        if (mod, leaf) in experts or mod in unfused and leaf in ("gate_up_proj", "down_proj"):
+            parts = experts.get((mod, leaf), {})
+            for e in range(v.shape[0]):
+                name, (out_f, in_f) = f"{mod}.{e}.{leaf}", v.shape[1:]
+                if e not in parts or None in parts[e]:
+                    raise ModelError(f"--disk-offload cannot find the weights of expert {e} of {mod} in the "
+                                     f"safetensors files of {model_dir}.")
+                rows = sum(p.shape[1] if i is not None else p.shape[0] for p, i in parts[e])
+                cols = {p.shape[-1] for p, _ in parts[e]}
+                if rows != out_f or cols != {in_f}:
+                    raise ModelError(f"{model_dir}: the weights of expert {e} of {mod} make a [{rows}, {sorted(cols)}] "
+                                     f"matrix, the model expects [{out_f}, {in_f}].")
+                if name in quant:
+                    outs = [TensorSpec(f"{name}.weight", FP8_DTYPES["E4M3"], [out_f, in_f]),
+                            TensorSpec(f"{name}.weight_scale", v.dtype, [out_f, 1] if per_channel else [1])]
+                    if not weight_only:
+                        outs.append(TensorSpec(f"{name}.input_scale", v.dtype, [1]))
+                    units.append(Unit("quant", outs, module=name, parts=parts[e]))
+                else:
+                    units.append(Unit("copy", [TensorSpec(f"{name}.weight", v.dtype, [out_f, in_f])], parts=parts[e]))
+                largest = max(largest, out_f * in_f)
+            continue
         if mod in quant:
             if leaf != "weight":
                 continue  # the bias is written with its module
@@ -248,8 +354,8 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
                     if u.kind == "value":
                         shard.write(u.outputs[0].key, u.value.to(u.outputs[0].dtype))
                         continue
-                    src = source.get(u.source.key)  # memory-mapped: file pages, not anonymous memory
-                    read_bytes += u.source.nbytes
+                    src = u.read(source)  # memory-mapped: file pages, not anonymous memory (an expert's rows: a copy)
+                    read_bytes += u.source_bytes
                     if u.kind == "copy":
                         shard.write(u.outputs[0].key, src.to(u.outputs[0].dtype))
                         del src
@@ -285,7 +391,7 @@ def prepare(model_dir: Path, plan: dict, output: Path, *, dtype: str, weight_onl
             shard_size: int | None = None, extra_values: dict[str, torch.Tensor] | None = None) -> OffloadPlan:
     """The plan for `run.quantize` plus the resource checks, before any output is created."""
     p = plan_offload(model_dir, plan["quantize"], dtype=dtype, weight_only=weight_only, per_channel=per_channel,
-                     shard_size=shard_size, extra_values=extra_values)
+                     shard_size=shard_size, extra_values=extra_values, unfused=plan.get("unfused", []))
     p.stats["ignore"] = list(plan["ignore"])
     p.stats["kv_cache"] = bool(extra_values)
     check_resources(p, output)

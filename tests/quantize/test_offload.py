@@ -89,6 +89,40 @@ def test_offload_equals_in_memory(measured, tmp_path, monkeypatch, extra):
         assert torch.equal(a(ids).logits, b(ids).logits)
 
 
+def _fused_copy(model_dir, out):
+    """The model with its weights saved under the model's own names (fused 3-D experts), not the original layout."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(model_dir, out)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("model_type, layout, extra", [("mixtral", "original", ()),
+                                                       ("qwen3_moe", "original", ("--gptq",)),
+                                                       ("mixtral", "fused", ())])
+def test_offload_moe_experts_equal_in_memory(tiny_factory, wiki_text, tmp_path, monkeypatch, model_type, layout, extra):
+    """MoE experts streamed one expert at a time from the original checkpoint's per-expert matrices (Mixtral's
+    block_sparse_moe.experts.<e>.w1/w3/w2, Qwen's gate_proj/up_proj/down_proj, merged as transformers merges
+    them) or from fused 3-D tensors: the same checkpoint as the in-memory path, tensor for tensor."""
+    model = tiny_factory(model_type)
+    if layout == "fused":
+        model = _fused_copy(model, tmp_path / "fused")
+    meas = tmp_path / "meas"
+    r = run_cli("measure", model, "-o", meas, "--text", wiki_text, "--limit", "4", "--max-length", "64",
+                *(("--hessians",) if "--gptq" in extra else ()))
+    assert r.exit_code == 0, r.output
+    ref = _quantize(meas, tmp_path / "ref", *extra)
+    monkeypatch.setattr(offload, "QUANT_CHUNK_ELEMS", 1000)
+    out = _quantize(meas, tmp_path / "off", *extra, "--disk-offload")
+    _assert_same_checkpoint(ref, out)
+    assert any(".experts.3.gate_up_proj.weight" in k for k in _tensors(out))
+
+
 def test_offload_single_shard_default(measured, tmp_path):
     out = _quantize(measured, tmp_path / "off", "--disk-offload")
     assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
