@@ -110,35 +110,37 @@ def read_sources(model_dir: Path) -> dict[str, TensorEntry]:
     return tf.entries
 
 
-def _renamed_sources(skel, sources: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
-    """{the model's name: source tensor} for the checkpoint tensors transformers renames on loading (Mixtral's
-    `block_sparse_moe.gate` is the model's `mlp.gate`); merged tensors are `_expert_parts`'."""
+def _source_names(skel, sources: dict[str, TensorEntry]) -> tuple[dict[str, TensorEntry], list[tuple]]:
+    """Each source tensor under the name transformers loads it as (the model's conversion mapping): ({model name:
+    tensor} for renamed ones, e.g. Mixtral's `block_sparse_moe.gate` is the model's `mlp.gate`; [(model name, source
+    pattern, converter, tensor)] for those merged into one parameter, e.g. its per-expert `w1`/`w3` into
+    `mlp.experts.gate_up_proj`)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     transforms = get_model_conversion_mapping(skel)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    if not renamings:
-        return {}
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    out = {}
+    renamed, merged = {}, []
+    if not transforms:
+        return renamed, merged
     for key, entry in sources.items():
         target, pattern = rename_source_key(key, renamings, converters, getattr(skel, "base_model_prefix", None))
-        if pattern is None and target != key:
-            out[target] = entry
-    return out
+        if pattern is not None:
+            merged.append((target, pattern, next(c for c in converters if pattern in c.source_patterns), entry))
+        elif target != key:
+            renamed[target] = entry
+    return renamed, merged
 
 
-def _expert_parts(skel, sources: dict[str, TensorEntry], containers: list[str]) -> dict[tuple[str, str], dict]:
+def _expert_parts(skel, sources: dict[str, TensorEntry], merged: list[tuple], containers: list[str]) -> dict:
     """{(experts module, "gate_up_proj" | "down_proj"): {expert: [(source tensor, index)], ...}} for the fused experts
-    `containers`, found as transformers loads them: the checkpoint's per-expert tensors renamed and merged by the
-    model's conversion mapping (Mixtral's `block_sparse_moe.experts.<e>.w1/w3/w2`, Qwen-MoE's `gate_proj/up_proj/
-    down_proj`), or a fused 3-D tensor already under the module's own name (index: the expert's row)."""
+    `containers`: a fused 3-D tensor under the module's own name (index: the expert's row), or the checkpoint's
+    per-expert matrices that transformers merges into it (`merged` of `_source_names`: Mixtral's
+    `block_sparse_moe.experts.<e>.w1/w3/w2`, Qwen-MoE's `gate_proj/up_proj/down_proj`; index None)."""
     import re
 
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
-                                                 rename_source_key)
+    from transformers.core_model_loading import Concatenate, MergeModulelist
 
     out: dict[tuple[str, str], dict] = {}
     wanted = {f"{c}.{p}": (c, p) for c in containers for p in ("gate_up_proj", "down_proj")}
@@ -146,25 +148,14 @@ def _expert_parts(skel, sources: dict[str, TensorEntry], containers: list[str]) 
     for target, (c, p) in wanted.items():
         if target in sources and list(sources[target].shape) == list(shapes[target]):
             out[(c, p)] = {e: [(sources[target], e)] for e in range(shapes[target][0])}
-    if len(out) == len(wanted):
-        return out
-    transforms = get_model_conversion_mapping(skel)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-
-    def layout(conv) -> bool:  # the merge transformers does for Mixtral-style experts, nothing else
-        ops = [(type(o), getattr(o, "dim", None)) for o in conv.operations]
-        return ops == [(MergeModulelist, 0), (Concatenate, 1)][: len(conv.source_patterns)]
-
-    for key, entry in sources.items():
-        target, pattern = rename_source_key(key, renamings, converters, getattr(skel, "base_model_prefix", None))
-        if pattern is None or target not in wanted or wanted[target] in out and target in sources:
+    for target, pattern, conv, entry in merged:
+        if target not in wanted or wanted[target] in out and target in sources:
             continue
-        conv = next(c for c in converters if pattern in c.source_patterns)
-        index = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
-        if not layout(conv) or index is None:
-            raise ModelError(f"--disk-offload cannot read the experts weight {key} (its conversion to {target} is not "
-                             "a merge of per-expert matrices); drop --disk-offload.")
+        ops = [(type(o), getattr(o, "dim", None)) for o in conv.operations]  # the merge of Mixtral-style experts only
+        index = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), entry.key)
+        if ops != [(MergeModulelist, 0), (Concatenate, 1)][: len(conv.source_patterns)] or index is None:
+            raise ModelError(f"--disk-offload cannot read the experts weight {entry.key} (its conversion to {target} "
+                             "is not a merge of per-expert matrices); drop --disk-offload.")
         parts = out.setdefault(wanted[target], {}).setdefault(int(index.group(1)), [None] * len(conv.source_patterns))
         parts[conv.source_patterns.index(pattern)] = (entry, None)
     return out
@@ -217,7 +208,7 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
         config.tie_word_embeddings = False  # as convert_model's untying does
     prefix = getattr(skel, "base_model_prefix", "") or ""
 
-    renamed = _renamed_sources(skel, sources)
+    renamed, merged = _source_names(skel, sources)
 
     def find(key: str) -> TensorEntry | None:
         if key in sources:
@@ -241,7 +232,7 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
 
     from hqtflow.scales import FP8_DTYPES
 
-    experts = _expert_parts(skel, sources, list(unfused)) if unfused else {}
+    experts = _expert_parts(skel, sources, merged, list(unfused)) if unfused else {}
     units: list[Unit] = []
     largest = 0
     for key, v in skel.state_dict().items():

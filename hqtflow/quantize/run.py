@@ -143,7 +143,6 @@ def weight_rounding(job: Job, *, show_progress: bool = True):
 def _convert(model, job: Job, *, weight_only: bool) -> None:
     """Swap the planned Linears for FP8Linear: the scale method(s), or HQT's SmoothQuant folded into the model."""
     from hqtflow.quantize.convert import convert_model
-
     from hqtflow.quantize.experts import unfuse_experts
 
     unfuse_experts(model, job.plan["unfused"])
