@@ -120,11 +120,11 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
     if experts and fmt == "inc":
         raise ConfigError(f"{checkpoint} holds MoE experts quantized one by one ({experts[0]}.<e>.gate_up_proj); "
                           "Neural Compressor's huggingface loader has no module for them, so --format inc cannot "
-                          "write them (quantize with the experts blocklisted, or hand INC the scale files of --scales-only).")
+                          "write them (quantize with the experts module's type in the config's blocklist types).")
     if experts:
         notes.append("MoE experts stay under transformers 5's module names, one Linear pair per expert "
-                     f"({experts[0]}.<e>.gate_up_proj, .down_proj), which hqtflow reads; vLLM expects the original "
-                     "checkpoint's names and does not")
+                     f"({experts[0]}.<e>.gate_up_proj, .down_proj), which hqtflow reads; vLLM and transformers expect "
+                     "other names and do not (transformers would leave those experts randomly initialised)")
     out_t: dict[str, torch.Tensor] = {}
     extra_files: dict[str, str] = {}
     if fmt == "inc":

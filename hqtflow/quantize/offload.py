@@ -75,7 +75,7 @@ class Unit:
         if self.parts is None:
             return files.get(self.source.key)
         rows = [files.get(e.key) if i is None else files.get(e.key)[i] for e, i in self.parts]
-        return rows[0] if len(rows) == 1 else torch.cat(rows)
+        return (rows[0] if len(rows) == 1 else torch.cat(rows)).reshape(self.outputs[0].shape)
 
     @property
     def source_bytes(self) -> int:
@@ -232,15 +232,18 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
 
     from hqtflow.scales import FP8_DTYPES
 
-    experts = _expert_parts(skel, sources, merged, list(unfused)) if unfused else {}
+    from hqtflow.measure.hooks import is_fused_experts
+
+    fused = [n for n, m in skel.named_modules() if is_fused_experts(m)]
+    experts = _expert_parts(skel, sources, merged, fused) if fused else {}
     units: list[Unit] = []
     largest = 0
     for key, v in skel.state_dict().items():
         mod, _, leaf = key.rpartition(".")
-        if (mod, leaf) in experts or mod in unfused and leaf in ("gate_up_proj", "down_proj"):
+        if mod in fused and leaf in ("gate_up_proj", "down_proj") and (mod in unfused or find(key) is None):
             parts = experts.get((mod, leaf), {})
             for e in range(v.shape[0]):
-                name, (out_f, in_f) = f"{mod}.{e}.{leaf}", v.shape[1:]
+                out_f, in_f = v.shape[1:]
                 if e not in parts or None in parts[e]:
                     raise ModelError(f"--disk-offload cannot find the weights of expert {e} of {mod} in the "
                                      f"safetensors files of {model_dir}.")
@@ -249,6 +252,13 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
                 if rows != out_f or cols != {in_f}:
                     raise ModelError(f"{model_dir}: the weights of expert {e} of {mod} make a [{rows}, {sorted(cols)}] "
                                      f"matrix, the model expects [{out_f}, {in_f}].")
+            if mod not in unfused:  # kept fused (blocklisted): the 3-D tensor, gathered expert after expert
+                units.append(Unit("copy", [TensorSpec(key, v.dtype, list(v.shape))],
+                                  parts=[part for e in range(v.shape[0]) for part in parts[e]]))
+                largest = max(largest, v.numel())
+                continue
+            for e in range(v.shape[0]):
+                name, (out_f, in_f) = f"{mod}.{e}.{leaf}", v.shape[1:]
                 if name in quant:
                     outs = [TensorSpec(f"{name}.weight", FP8_DTYPES["E4M3"], [out_f, in_f]),
                             TensorSpec(f"{name}.weight_scale", v.dtype, [out_f, 1] if per_channel else [1])]

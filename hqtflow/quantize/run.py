@@ -101,7 +101,7 @@ def plan_job(s: QuantizeSettings) -> Job:
                                 f"run `hqtflow unify -g {''.join(map(str, range(meas.world_size)))} -m {meas.directory} -o DIR` first.")
         if cfg.fp8_config != "E4M3":
             raise ConfigError("compressed-tensors FP8 checkpoints are E4M3; fp8_config E5M2 is supported with --scales-only.")
-    plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0])
+    plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0], unfuse=not s.scales_only)
     if not plan["quantize"]:
         raise ConfigError("The config quantizes no Linear layer of this model (every one is excluded by its "
                           "allowlist/blocklist or has no statistics): check the config.")
@@ -302,11 +302,12 @@ def _in_memory_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
     return write
 
 
-def plan_modules(model, cfg: QuantConfig, meas: Measurement) -> dict:
+def plan_modules(model, cfg: QuantConfig, meas: Measurement, *, unfuse: bool = True) -> dict:
     """Which Linear modules get quantized; the rest are kept in high precision with a reason. Fused MoE experts of
     Mixtral's layout are unfused first (`hqtflow.quantize.experts`): each expert's `gate_up_proj` and `down_proj` is
     then a Linear like any other; an expert no calibration token reached keeps high precision, listed.
-    `unfused`: the experts modules the converted model must unfuse (`_convert` does)."""
+    `unfused`: the experts modules the converted model must unfuse (`_convert` does). `unfuse` False (INC scale
+    files, which have no entry for them): fused experts are listed as kept."""
     from torch import nn
 
     from hqtflow.measure.hooks import is_fused_experts
@@ -316,8 +317,10 @@ def plan_modules(model, cfg: QuantConfig, meas: Measurement) -> dict:
     for name, mod in model.named_modules():
         if not is_fused_experts(mod):
             continue
-        if type(mod).__name__ in cfg.blocklist.types:
-            skipped[name] = "excluded by blocklist types"
+        if type(mod).__name__ in cfg.blocklist.types or cfg.blocklist.matches_name(name):
+            skipped[name] = "excluded by blocklist"
+        elif not unfuse:
+            skipped[name] = "fused MoE experts: INC's scale files have no entry for them (INC on Gaudi runs MoE through its own modules)"
         elif why := why_not_unfused(mod):
             skipped[name] = f"{why}: kept in high precision"
         else:

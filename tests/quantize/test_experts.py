@@ -261,3 +261,31 @@ def test_routers_run_on_the_kernel_batch_invariantly(moe, cpu_kernel_loaded):
         ref = router(x)
     torch.testing.assert_close(together[0].float(), ref[0].float(), rtol=1e-2, atol=1e-2)
     assert torch.equal(together[2], ref[2]) or (together[2] != ref[2]).float().mean() < 0.05
+
+
+def test_scales_only_and_a_container_blocklisted_by_name_keep_the_experts_fused(moe, tmp_path):
+    """INC's scale files have no entry for fused experts: --scales-only lists them as kept, never as quantized; a
+    blocklist name that matches the experts module (not its per-expert children) keeps them fused too."""
+    model_dir, d, _ = moe
+    r = run_cli("quantize", model_dir, "-m", d / "m", "-o", tmp_path / "so", "--scales-only")
+    assert r.exit_code == 0, r.output
+    data = json.loads((tmp_path / "so" / MANIFEST).read_text())["data"]
+    assert not [n for n in data["quantized"] if "experts" in n]
+    assert {k for k, v in data["skipped"].items() if "INC's scale files" in v} == {
+        "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    cfg = tmp_path / "q.json"
+    cfg.write_text(json.dumps({"mode": "QUANTIZE", "blocklist": {"names": ["lm_head", r"layers\.1\.mlp\.experts$"]}}))
+    r = run_cli("quantize", model_dir, "-m", d / "m", "-o", tmp_path / "bl", "-c", cfg)
+    assert r.exit_code == 0, r.output
+    data = json.loads((tmp_path / "bl" / MANIFEST).read_text())["data"]
+    assert data["skipped"]["model.layers.1.mlp.experts"] == "excluded by blocklist"
+    assert not [n for n in data["quantized"] if "layers.1.mlp.experts" in n]
+    assert "model.layers.0.mlp.experts.0.gate_up_proj" in data["quantized"]
+    import hqtflow
+    from hqtflow.quantize.experts import Experts
+
+    model = hqtflow.load(tmp_path / "bl", backend="qdq")[0]  # one layer's experts per expert, the other's fused
+    assert isinstance(model.get_submodule("model.layers.0.mlp.experts"), Experts)
+    assert not isinstance(model.get_submodule("model.layers.1.mlp.experts"), Experts)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[3, 1, 4, 1, 5]])).logits).all()

@@ -104,11 +104,17 @@ def _fused_copy(model_dir, out):
 
 @pytest.mark.parametrize("model_type, layout, extra", [("mixtral", "original", ()),
                                                        ("qwen3_moe", "original", ("--gptq",)),
-                                                       ("mixtral", "fused", ())])
+                                                       ("mixtral", "fused", ()),
+                                                       ("mixtral", "original", ("blocklisted",))])
 def test_offload_moe_experts_equal_in_memory(tiny_factory, wiki_text, tmp_path, monkeypatch, model_type, layout, extra):
     """MoE experts streamed one expert at a time from the original checkpoint's per-expert matrices (Mixtral's
     block_sparse_moe.experts.<e>.w1/w3/w2, Qwen's gate_proj/up_proj/down_proj, merged as transformers merges
-    them) or from fused 3-D tensors: the same checkpoint as the in-memory path, tensor for tensor."""
+    them) or from fused 3-D tensors, and experts a blocklist keeps fused gathered into their 3-D tensors: the same
+    checkpoint as the in-memory path, tensor for tensor."""
+    if extra == ("blocklisted",):
+        cfg = tmp_path / "q.json"
+        cfg.write_text(json.dumps({"mode": "QUANTIZE", "blocklist": {"types": ["MixtralExperts"], "names": ["lm_head"]}}))
+        extra = ("-c", str(cfg))
     model = tiny_factory(model_type)
     if layout == "fused":
         model = _fused_copy(model, tmp_path / "fused")
@@ -120,7 +126,8 @@ def test_offload_moe_experts_equal_in_memory(tiny_factory, wiki_text, tmp_path, 
     monkeypatch.setattr(offload, "QUANT_CHUNK_ELEMS", 1000)
     out = _quantize(meas, tmp_path / "off", *extra, "--disk-offload")
     _assert_same_checkpoint(ref, out)
-    assert any(".experts.3.gate_up_proj.weight" in k for k in _tensors(out))
+    per_expert = any(".experts.3.gate_up_proj.weight" in k for k in _tensors(out))
+    assert per_expert == ("-c" not in extra)
 
 
 def test_offload_single_shard_default(measured, tmp_path):
