@@ -38,6 +38,7 @@ The output also gets the tokenizer and generation config of the source and an `h
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -116,15 +117,14 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
     src_pc, static = parsed["per_channel"], parsed["static_input"]
     ignore = parsed["ignore"]
     notes: list[str] = []
-    experts = sorted(per_expert_containers(tensors))
+    experts = sorted(k for k in linears if re.search(r"\.experts\.\d+\.", k))
     if experts and fmt == "inc":
-        raise ConfigError(f"{checkpoint} holds MoE experts quantized one by one ({experts[0]}.<e>.gate_up_proj); "
-                          "Neural Compressor's huggingface loader has no module for them, so --format inc cannot "
-                          "write them (quantize with the experts module's type in the config's blocklist types).")
-    if experts:
-        notes.append("MoE experts stay under transformers 5's module names, one Linear pair per expert "
-                     f"({experts[0]}.<e>.gate_up_proj, .down_proj), which hqtflow reads; vLLM and transformers expect "
-                     "other names and do not (transformers would leave those experts randomly initialised)")
+        raise ConfigError(f"{checkpoint} holds MoE experts quantized one by one ({experts[0]}); Neural Compressor's "
+                          "huggingface loader has no module for them, so --format inc cannot write them (quantize "
+                          "with the experts module's type in the config's blocklist types).")
+    if per_expert_containers(tensors):
+        notes.append("MoE experts are under hqtflow's own per-expert names (<experts>.<e>.gate_up_proj), which "
+                     "hqtflow reads; vLLM and transformers expect the original checkpoint's names and do not")
     out_t: dict[str, torch.Tensor] = {}
     extra_files: dict[str, str] = {}
     if fmt == "inc":

@@ -169,10 +169,13 @@ def _load_scales(directory: Path) -> dict:
 def _checkpoint_tensors(directory: Path) -> dict[str, dict]:
     """{layer: {weight, weight_scale, input_scale}} read from the safetensors files (torch tensors); scales checked
     as the loader checks them (positive, finite, per tensor or per output channel)."""
-    from hqtflow.formats.checkpoint import check_scales, read_tensors
+    from hqtflow.formats.checkpoint import check_scales, read_tensors, skeleton_of
 
     tensors = read_tensors(directory)
     check_scales(directory, tensors)
+    from hqtflow.formats.hf_names import to_model_names
+
+    tensors = to_model_names(skeleton_of(directory), tensors, str(directory))  # MoE experts: measurement names
     layers: dict[str, dict] = {}
     for key, t in tensors.items():
         for suffix in ("weight_scale", "input_scale", "weight"):

@@ -134,6 +134,8 @@ def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_chann
     `dynamic`: the dynamic method the FP8Linears run (`dynamic: true`, strategy token or tensor; an INC method's
     rule is recorded under INC_DYNAMIC_KEY)."""
     from hqtflow.formats.compressed_tensors import quantization_config
+    from hqtflow.formats.hf_names import disk_module_names, to_disk_names
+    from hqtflow.quantize.experts import Experts
     from hqtflow.quantize.fp8_linear import FP8Linear
 
     out = Path(out)
@@ -146,6 +148,10 @@ def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_chann
         out_emb = model.get_output_embeddings()
         lm_name = next((n for n, m in model.named_modules() if m is out_emb), None)
         state.pop(f"{lm_name}.weight", None)
+    experts = [n for n, m in model.named_modules() if isinstance(m, Experts)]
+    if experts:  # MoE experts one Linear pair each: under the checkpoint's own names (gate and up apart)
+        state = to_disk_names(model, state, experts)
+        ignore = disk_module_names(model, ignore, experts)
     write_safetensors(out / "model.safetensors", state)
     kind = rule = None
     if dynamic is not None:
@@ -291,6 +297,25 @@ def check_scales(path: Path, tensors: dict[str, torch.Tensor]) -> None:
                                     "dequantizing with it overflows float32, so it cannot be right.")
 
 
+def skeleton_of(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model a checkpoint's config.json describes, its parameters on the meta device (computed buffers, rotary,
+    real), in `dtype` (None: the config's own, bf16 if it names none)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hqtflow.models import BUILD_ERRORS, bad_config, config_errors, load_config
+
+    raw = load_config(path)
+    raw.pop("quantization_config", None)
+    try:
+        config = AutoConfig.for_model(**raw)
+        hp = dtype or (config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.bfloat16)
+        with init_empty_weights(include_buffers=False):  # parameters on meta; computed buffers (rotary) real
+            return AutoModelForCausalLM.from_config(config, dtype=hp)
+    except (*config_errors(), *BUILD_ERRORS) as e:
+        raise bad_config(path, e) from None
+
+
 def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | None = None,
                     tensors: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """Build the model skeleton on the meta device, swap in FP8Linear where the checkpoint has FP8 weights, load.
@@ -305,27 +330,20 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     module (the static decoder's FP8 KV cache uses them); `output_scale` and all-zero zero points are dropped.
     Unsupported schemes are refused by parse_quantization_config.
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from hqtflow.formats.compressed_tensors import parse_quantization_config
-    from hqtflow.models import BUILD_ERRORS, bad_config, config_errors, load_config
+    from hqtflow.formats.hf_names import to_model_names
+    from hqtflow.models import load_config
     from hqtflow.quantize.experts import per_expert_containers, unfuse_experts
     from hqtflow.quantize.fp8_linear import FP8Linear
 
     path = Path(path)
     raw = load_config(path)
     qc = parse_quantization_config(raw.get("quantization_config") or {})
-    raw.pop("quantization_config", None)
-    try:
-        config = AutoConfig.for_model(**raw)
-        hp = dtype or (config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.bfloat16)
-        with init_empty_weights(include_buffers=False):  # parameters on meta; computed buffers (rotary) real
-            model = AutoModelForCausalLM.from_config(config, dtype=hp)
-    except (*config_errors(), *BUILD_ERRORS) as e:
-        raise bad_config(path, e) from None
+    model = skeleton_of(path, dtype)
+    config, hp = model.config, next(model.parameters()).dtype
     if tensors is None:
         tensors = read_tensors(path, device=device)
+    tensors = to_model_names(model, tensors, str(path))  # renamed or per-expert tensors as transformers names them
     dropped = []
     for k in list(tensors):
         if k.endswith(DROPPED_SUFFIXES):

@@ -30,6 +30,7 @@ import torch
 
 from hqtflow.errors import ModelError, ResourceError
 from hqtflow.formats.checkpoint import ST_DTYPES, SafetensorsWriter, TensorEntry, TensorFiles, TensorSpec, shard_names
+from hqtflow.formats.hf_names import disk_keys, disk_module_names, split, split_shape
 
 DEFAULT_SHARD_SIZE = 512 * 2**20  # bytes of tensor data per output file
 QUANT_CHUNK_ELEMS = 1 << 20  # weights are cast to FP8 in row blocks of about this many elements
@@ -68,6 +69,24 @@ class Unit:
     module: str | None = None
     value: torch.Tensor | None = None
     parts: list[tuple[TensorEntry, int | None]] | None = None  # an MoE expert's weight: (tensor, expert index) rows
+    disk: dict[str, list[str]] | None = None  # output name -> its names in the file (an expert's gate and up apart)
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        """What the unit writes, under the checkpoint's names."""
+        if self.disk is None:
+            return self.outputs
+        return [TensorSpec(k, t.dtype, split_shape(t.shape, len(self.disk[t.key]))) for t in self.outputs
+                for k in self.disk[t.key]]
+
+    def write(self, shard: SafetensorsWriter, key: str, tensor: torch.Tensor) -> None:
+        names = self.disk[key] if self.disk else [key]
+        for i, name in enumerate(names):
+            shard.write(name, split(key, tensor, i, len(names)))
+
+    def whole(self, key: str) -> bool:
+        """Whether output `key` is written as one tensor (so it can be streamed in row blocks)."""
+        return self.disk is None or len(self.disk[key]) == 1
 
     def read(self, files: TensorFiles) -> torch.Tensor:
         """The unit's source weight: one tensor, or an expert's rows gathered from its parts (gate and up
@@ -186,9 +205,10 @@ def _generation_config(model_dir: Path, skel):
 
 def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: bool, per_channel: bool,
                  shard_size: int | None = None, extra_values: dict[str, torch.Tensor] | None = None,
-                 unfused: list[str] = ()) -> OffloadPlan:
+                 unfused: list[str] = (), ignore: list[str] = ()) -> OffloadPlan:
     """Map every tensor of the converted model to its source tensor and its output shard (nothing is read yet).
-    `unfused`: fused MoE experts modules written per expert (`hqtflow.quantize.experts`), from their source parts."""
+    `unfused`: fused MoE experts modules written per expert (`hqtflow.quantize.experts`), from their source parts.
+    `ignore`: the modules kept in high precision (the config's list, under the checkpoint's names)."""
     from hqtflow.models import torch_dtype
 
     model_dir = Path(model_dir)
@@ -299,6 +319,11 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
             largest = max(largest, v.numel())
     for key, v in (extra_values or {}).items():  # computed tensors the source lacks (KV-cache scales)
         units.append(Unit("value", [TensorSpec(key, v.dtype, list(v.shape))], value=v))
+    keys = disk_keys(skel, [t.key for u in units for t in u.outputs], unfused) if unfused else None
+    if keys is not None:  # MoE experts per expert: under the checkpoint's own names, as save_checkpoint writes them
+        for u in units:
+            u.disk = {t.key: keys[t.key] for t in u.outputs}
+        ignore = disk_module_names(skel, list(ignore), unfused)
     for u in units:
         for t in u.outputs:
             if t.dtype not in ST_DTYPES:
@@ -312,7 +337,7 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
         shards[-1].append(i)
         size += u.nbytes
     return OffloadPlan(model_dir, config, _generation_config(model_dir, skel), units, shards, shard_names(len(shards)),
-                       sum(u.nbytes for u in units), largest, weight_only, per_channel)
+                       sum(u.nbytes for u in units), largest, weight_only, per_channel, {"ignore": list(ignore)})
 
 
 def check_resources(p: OffloadPlan, output: Path) -> None:
@@ -348,17 +373,17 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
     read_bytes = 0
     with TensorFiles(p.model_dir) as source, torch.no_grad():
         for name, idx in zip(p.shard_names, p.shards):
-            outs = [t for i in idx for t in p.units[i].outputs]
+            outs = [t for i in idx for t in p.units[i].specs]
             with SafetensorsWriter(out / name, outs) as shard:
                 for i in idx:
                     u = p.units[i]
                     if u.kind == "value":
-                        shard.write(u.outputs[0].key, u.value.to(u.outputs[0].dtype))
+                        u.write(shard, u.outputs[0].key, u.value.to(u.outputs[0].dtype))
                         continue
                     src = u.read(source)  # memory-mapped: file pages, not anonymous memory (an expert's rows: a copy)
                     read_bytes += u.source_bytes
                     if u.kind == "copy":
-                        shard.write(u.outputs[0].key, src.to(u.outputs[0].dtype))
+                        u.write(shard, u.outputs[0].key, src.to(u.outputs[0].dtype))
                         del src
                         continue
                     hp = u.outputs[1].dtype
@@ -370,12 +395,16 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
                     # FP8Linear.from_linear's own arithmetic (quantize_linear), streamed in row blocks
                     q = quantize_linear(w, sc.weight, None if p.weight_only else sc.input, fp8,
                                         rows=max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[1])), inc_codes=method.inc_codes)
-                    shard.write_blocks(f"{u.module}.weight", q.weight_blocks)
-                    shard.write(f"{u.module}.weight_scale", q.weight_scale)
+                    key = f"{u.module}.weight"
+                    if u.whole(key):
+                        shard.write_blocks(u.disk[key][0] if u.disk else key, q.weight_blocks)
+                    else:  # an expert's gate and up: one expert's FP8 weight, split in two
+                        u.write(shard, key, torch.cat(list(q.weight_blocks)))
+                    u.write(shard, f"{u.module}.weight_scale", q.weight_scale)
                     if q.input_scale is not None:
-                        shard.write(f"{u.module}.input_scale", q.input_scale)
+                        u.write(shard, f"{u.module}.input_scale", q.input_scale)
                     if u.bias_source is not None:
-                        shard.write(f"{u.module}.bias", source.get(u.bias_source.key).to(hp))
+                        u.write(shard, f"{u.module}.bias", source.get(u.bias_source.key).to(hp))
                         read_bytes += u.bias_source.nbytes
                     del w
             weight_map.update({t.key: name for t in outs})
@@ -392,8 +421,8 @@ def prepare(model_dir: Path, plan: dict, output: Path, *, dtype: str, weight_onl
             shard_size: int | None = None, extra_values: dict[str, torch.Tensor] | None = None) -> OffloadPlan:
     """The plan for `run.quantize` plus the resource checks, before any output is created."""
     p = plan_offload(model_dir, plan["quantize"], dtype=dtype, weight_only=weight_only, per_channel=per_channel,
-                     shard_size=shard_size, extra_values=extra_values, unfused=plan.get("unfused", []))
-    p.stats["ignore"] = list(plan["ignore"])
+                     shard_size=shard_size, extra_values=extra_values, unfused=plan.get("unfused", []),
+                     ignore=plan["ignore"])
     p.stats["kv_cache"] = bool(extra_values)
     check_resources(p, output)
     return p

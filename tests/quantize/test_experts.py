@@ -80,7 +80,8 @@ def _expert_linears(n_layers=2, n_experts=4):
 
 
 def test_every_expert_is_quantized_from_its_own_statistics(moe):
-    from hqtflow.formats.checkpoint import read_tensors
+    from hqtflow.formats.checkpoint import read_tensors, skeleton_of
+    from hqtflow.formats.hf_names import to_model_names
     from hqtflow.formats.measurement import load_measurement
     from hqtflow.scales import linear_scales, scale_method
 
@@ -89,8 +90,17 @@ def test_every_expert_is_quantized_from_its_own_statistics(moe):
     assert set(_expert_linears()) <= set(manifest["quantized"]), manifest["quantized"]
     assert not [k for k in manifest["skipped"] if "experts" in k], manifest["skipped"]
     assert f"{len(manifest['quantized'])} modules quantized" in said
-    tensors = read_tensors(d / "q")
-    assert not [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]  # no fused copy left
+    on_disk = read_tensors(d / "q")
+    assert not [k for k in on_disk if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]  # no fused copy left
+    # the original checkpoint's names: Mixtral's block_sparse_moe.experts.<e>.w1 (gate), w3 (up), w2 (down)
+    assert {k for k in on_disk if k.endswith(".weight")} == set(read_tensors(model_dir))
+    tensors = to_model_names(skeleton_of(d / "q"), on_disk)
+    for e in range(4):  # gate and up: two tensors with the same scales, concatenated they are the expert's gate_up
+        disk = f"model.layers.1.block_sparse_moe.experts.{e}"
+        assert torch.equal(on_disk[f"{disk}.w1.input_scale"], on_disk[f"{disk}.w3.input_scale"])
+        assert torch.equal(on_disk[f"{disk}.w1.weight_scale"], on_disk[f"{disk}.w3.weight_scale"])
+        assert torch.equal(tensors[f"model.layers.1.mlp.experts.{e}.gate_up_proj.weight"].view(torch.uint8),
+                           torch.cat([on_disk[f"{disk}.w1.weight"], on_disk[f"{disk}.w3.weight"]]).view(torch.uint8))
     meas = load_measurement(d / "m").ranks[0]
     bf16 = _eager(model_dir)
     method = scale_method("maxabs_arbitrary", "cpu")
@@ -166,7 +176,7 @@ def test_gptq_rounds_each_expert_with_its_own_hessian(moe):
     r = run_cli("quantize", model_dir, "-m", d / "m", "-o", d / "gptq", "--gptq")
     assert r.exit_code == 0, r.output
     a, b = read_tensors(d / "q"), read_tensors(d / "gptq")
-    name = "model.layers.0.mlp.experts.2.down_proj.weight"
+    name = "model.layers.0.block_sparse_moe.experts.2.w2.weight"
     assert a[name].shape == b[name].shape and not torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8))
 
 
@@ -200,7 +210,11 @@ def test_export_of_moe_experts(moe, tmp_path):
     assert r.exit_code != 0 and "MoE experts quantized one by one" in r.stderr and "Traceback" not in r.output, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "inc").exists()
     r = run_cli("export", d / "q", "--format", "fp8", "-o", tmp_path / "fp8")
-    assert r.exit_code == 0 and "transformers 5's module names" in r.stdout + r.stderr, r.output
+    assert r.exit_code == 0 and "MoE" not in r.stdout + r.stderr, r.output  # the original names: nothing to say
+    from hqtflow.formats.checkpoint import read_tensors
+
+    exported = read_tensors(tmp_path / "fp8")
+    assert exported["model.layers.0.block_sparse_moe.experts.3.w3.weight_scale"].shape == ()  # AutoFP8's scalars
     ids = torch.tensor([[5, 9, 13, 2, 77, 31]])
     with torch.no_grad():
         a = hqtflow.load(d / "q", backend="qdq", dtype="bf16")[0](ids).logits
@@ -289,3 +303,68 @@ def test_scales_only_and_a_container_blocklisted_by_name_keep_the_experts_fused(
     assert not isinstance(model.get_submodule("model.layers.1.mlp.experts"), Experts)
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[3, 1, 4, 1, 5]])).logits).all()
+
+
+def test_transformers_loads_the_moe_checkpoint(moe, tmp_path):
+    """transformers' compressed-tensors integration reads the MoE checkpoint (the original per-expert names, which its
+    conversion mapping merges into fused experts): its dequantized experts are hqtflow's, expert for expert, and so
+    are its logits with the eager expert loop."""
+    import importlib.util
+
+    import hqtflow
+    from conftest import need
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    need(importlib.util.find_spec("compressed_tensors") is not None, "compressed-tensors is not installed")
+    model_dir, d, _ = moe
+    r = run_cli("quantize", model_dir, "-m", d / "m", "-o", tmp_path / "wo", "--weight-only")
+    assert r.exit_code == 0, r.output
+    ours = hqtflow.load(tmp_path / "wo", backend="qdq", dtype="bf16")[0]
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "wo", quantization_config=CompressedTensorsConfig(dequantize=True),
+                                                  dtype=torch.bfloat16, experts_implementation="eager").eval()
+    for layer in range(2):
+        fused = theirs.model.layers[layer].mlp.experts
+        for e in range(4):
+            mine = ours.get_submodule(f"model.layers.{layer}.mlp.experts.{e}")
+            assert torch.equal(fused.gate_up_proj[e], mine.gate_up_proj.dequantized_weight())
+            assert torch.equal(fused.down_proj[e], mine.down_proj.dequantized_weight())
+    ids = torch.tensor([[5, 9, 13, 2, 77, 31, 8, 100, 4, 4]])
+    with torch.inference_mode():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, rtol=0, atol=0)
+
+
+def test_a_foreign_moe_checkpoint_with_gate_and_up_scaled_apart(moe, tmp_path):
+    """A checkpoint made elsewhere (llm-compressor's layout: per-expert w1/w3/w2, each with its own scales) loads:
+    gate and up with different weight scales become one per-channel scale, their input scales (one input) the
+    larger, as vLLM does."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from hqtflow.formats.checkpoint import load_checkpoint, read_tensors
+
+    _, d, _ = moe
+    out = tmp_path / "foreign"
+    shutil.copytree(d / "q", out)
+    (out / MANIFEST).unlink()
+    t = read_tensors(out)
+    e0 = "model.layers.0.block_sparse_moe.experts.0"
+    t[f"{e0}.w3.weight_scale"] = t[f"{e0}.w3.weight_scale"] * 2
+    t[f"{e0}.w1.input_scale"] = t[f"{e0}.w3.input_scale"] * 1.5
+    save_file({k: v.contiguous() for k, v in t.items()}, out / "model.safetensors")
+    model = load_checkpoint(out)
+    gu = model.get_submodule("model.layers.0.mlp.experts.0.gate_up_proj")
+    half = gu.out_features // 2
+    assert gu.per_channel and gu.weight_scale.shape == (2 * half, 1)
+    want = torch.cat([t[f"{e0}.w1.weight"].float() * t[f"{e0}.w1.weight_scale"].float(),
+                      t[f"{e0}.w3.weight"].float() * t[f"{e0}.w3.weight_scale"].float()])
+    assert torch.equal(gu.dequantized_weight().float(), want.to(gu.hp_dtype).float())
+    assert torch.equal(gu.input_scale, t[f"{e0}.w1.input_scale"].reshape(1))
+    other = model.get_submodule("model.layers.0.mlp.experts.1.gate_up_proj")
+    assert not other.per_channel  # equal scales stay one per tensor
+    del t[f"{e0}.w3.weight"]
+    save_file({k: v.contiguous() for k, v in t.items()}, out / "model.safetensors")
+    from hqtflow.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match="expert 0 of model.layers.0.mlp.experts has only 1 of the 2 `weight`"):
+        load_checkpoint(out)
