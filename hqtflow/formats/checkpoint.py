@@ -343,7 +343,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     config, hp = model.config, next(model.parameters()).dtype
     if tensors is None:
         tensors = read_tensors(path, device=device)
-    tensors = to_model_names(model, tensors, str(path))  # renamed or per-expert tensors as transformers names them
+    tensors = to_model_names(model, tensors, str(path), qc["block_size"])  # renamed or per-expert: as the model names them
     dropped = []
     for k in list(tensors):
         if k.endswith(DROPPED_SUFFIXES):

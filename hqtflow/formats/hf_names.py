@@ -100,10 +100,15 @@ class Mapping:
         return name if self.forward(name) == (key, None) else key
 
 
-def _merge(leaf: str, parts: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
+def _merge(leaf: str, parts: list[torch.Tensor], rows: list[int], block_rows: int | None, what: str) -> torch.Tensor:
     """One tensor of a merged projection from its parts' (gate, up) tensors of `leaf`."""
     if len(parts) == 1:
         return parts[0]
+    if block_rows and leaf.startswith("weight_scale"):  # block-wise: the parts' blocks must stack into whole blocks
+        if any(r % block_rows for r in rows):
+            raise ArtifactError(f"{what}: its gate and up have {rows} rows, not whole blocks of {block_rows}, so their "
+                                "block-wise scales cannot be joined.")
+        return torch.cat(parts)
     if leaf == "input_scale":
         return torch.stack([p.reshape(()) for p in parts]).max().reshape(parts[0].shape)
     if leaf.startswith("weight_scale"):
@@ -114,8 +119,10 @@ def _merge(leaf: str, parts: list[torch.Tensor], rows: list[int]) -> torch.Tenso
     return torch.cat(parts)  # weights; block-wise scales (whole blocks of rows each)
 
 
-def to_model_names(model, tensors: dict[str, torch.Tensor], where: str = "") -> dict[str, torch.Tensor]:
-    """`tensors` (a checkpoint's) under `model`'s names; per-expert tensors on disk become `<experts>.<e>.<proj>.*`."""
+def to_model_names(model, tensors: dict[str, torch.Tensor], where: str = "",
+                   block_size: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """`tensors` (a checkpoint's) under `model`'s names; per-expert tensors on disk become `<experts>.<e>.<proj>.*`.
+    `block_size`: the checkpoint's weight blocks (block-wise scales), None for per-tensor or per-channel ones."""
     m = Mapping.of(model)
     if m is None:
         return tensors
@@ -135,7 +142,8 @@ def to_model_names(model, tensors: dict[str, torch.Tensor], where: str = "") -> 
                                 f"{len(ts)} `{leaf}` tensors its {proj} is made of.")
         weights = parts.get((container, proj, e, "weight"))
         rows = [w.shape[0] if w is not None else 0 for w in weights] if weights else [0] * len(ts)
-        out[f"{container}.{e}.{proj}.{leaf}"] = _merge(leaf, ts, rows)
+        out[f"{container}.{e}.{proj}.{leaf}"] = _merge(leaf, ts, rows, block_size[0] if block_size else None,
+                                                        f"{where}: expert {e} of {container}")
     return out
 
 

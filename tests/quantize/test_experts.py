@@ -368,3 +368,59 @@ def test_a_foreign_moe_checkpoint_with_gate_and_up_scaled_apart(moe, tmp_path):
 
     with pytest.raises(ArtifactError, match="expert 0 of model.layers.0.mlp.experts has only 1 of the 2 `weight`"):
         load_checkpoint(out)
+
+
+def _blockwise_fp8(model_dir, out, block: int):
+    """`model_dir` (its original per-expert names) as a DeepSeek/Qwen-style FP8 checkpoint made elsewhere: AutoFP8's
+    `quant_method: fp8`, [block, block] weight blocks with `weight_scale_inv`, dynamic activations."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    t = load_file(out / "model.safetensors")
+    for k in [k for k in t if re.search(r"(self_attn\.[qkvo]_proj|experts\.\d+\.(gate|up|down)_proj)\.weight$", k)]:
+        w = t[k].float()
+        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        pad = torch.zeros(rows * block, cols * block)
+        pad[: w.shape[0], : w.shape[1]] = w
+        s = pad.reshape(rows, block, cols, block).abs().amax(dim=(1, 3)) / 448
+        full = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[: w.shape[0], : w.shape[1]]
+        t[k] = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        t[k.replace(".weight", ".weight_scale_inv")] = s
+    save_file(t, out / "model.safetensors")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block, block]}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return t
+
+
+def test_a_foreign_blockwise_moe_checkpoint(tiny_factory, tmp_path):
+    """Qwen3-MoE FP8 as Qwen and DeepSeek publish it (block-wise weights, `weight_scale_inv`, per-expert gate_proj/
+    up_proj/down_proj): each expert's gate and up join into one FP8 Linear whose dequantized weight is theirs, block
+    for block; blocks that would straddle gate and up are refused in one sentence."""
+    from hqtflow.errors import ArtifactError
+    from hqtflow.formats.checkpoint import load_checkpoint
+    from hqtflow.quantize.fp8_linear import FP8Linear
+
+    src = tiny_factory("qwen3_moe")  # moe_intermediate_size 48: 3 blocks of 16 rows each for gate and up
+    t = _blockwise_fp8(src, tmp_path / "fp8", 16)
+    model = load_checkpoint(tmp_path / "fp8")
+    gu = model.get_submodule("model.layers.1.mlp.experts.5.gate_up_proj")
+    assert isinstance(gu, FP8Linear) and gu.block_size == (16, 16) and gu.activation == "dynamic_group"
+    disk = "model.layers.1.mlp.experts.5"
+
+    def dq(name):
+        w, s = t[f"{name}.weight"].float(), t[f"{name}.weight_scale_inv"]
+        return w * s.repeat_interleave(16, 0).repeat_interleave(16, 1)[: w.shape[0], : w.shape[1]]
+
+    want = torch.cat([dq(f"{disk}.gate_proj"), dq(f"{disk}.up_proj")]).to(gu.hp_dtype)
+    assert torch.equal(gu.dequantized_weight(), want)
+    ref = _eager(src)
+    ids = torch.tensor([[5, 9, 13, 2, 77, 31, 8, 100]])
+    with torch.no_grad():
+        assert sqnr(ref(ids).logits, model(ids).logits) > 20
+    _blockwise_fp8(src, tmp_path / "fp8-32", 32)
+    with pytest.raises(ArtifactError, match=r"gate and up have \[48, 48\] rows, not whole blocks of 32"):
+        load_checkpoint(tmp_path / "fp8-32")
