@@ -43,6 +43,22 @@ def parallel_style(w: torch.Tensor) -> tuple[str, int]:
     return "replicated", 1
 
 
+def expert_style(mod: nn.Module, proj: str) -> tuple[str, int, list[int]]:
+    """How tensor parallelism split one expert's matrix of fused experts (transformers' plan: `packed_colwise` for
+    gate_up_proj, `rowwise` for down_proj): (column | row | replicated, packed parts, the whole matrix's shape), from
+    the 3-D weight's DTensor placement or, for a plain local shard, its shape against the module's own sizes."""
+    w = getattr(mod, proj)
+    local = list(_local(w).shape[1:])
+    inter, hidden = getattr(mod, "intermediate_dim", None), getattr(mod, "hidden_dim", None)
+    whole = ([2 * inter, hidden] if proj == "gate_up_proj" else [hidden, inter]) if inter and hidden else local
+    placements = getattr(w, "placements", None)
+    dim = next((p.dim % w.dim() for p in placements or () if getattr(p, "is_shard", lambda *a: False)()), None)
+    if dim is None and local != whole and len(whole) == 2:
+        dim = 1 if local[0] != whole[0] else 2
+    style = {1: "column", 2: "row"}.get(dim, "replicated")
+    return style, 2 if style == "column" and proj == "gate_up_proj" else 1, whole
+
+
 def is_fused_experts(mod: nn.Module) -> bool:
     gu, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
     return isinstance(gu, nn.Parameter) and isinstance(down, nn.Parameter) and gu.dim() == 3 and down.dim() == 3
@@ -181,7 +197,9 @@ class ObserverSession:
                     self.skipped[node_name] = "excluded by allowlist/blocklist"
                     continue
                 node = self._new_node(node_name, container, w, w.device)
-                node.info = {"style": parallel_style(mod.gate_up_proj)[0], "weight_shape": list(w.shape), "expert": e}
+                style, parts, whole = expert_style(mod, proj)
+                node.info = {"style": style, "packed_parts": parts, "weight_shape": list(w.shape),
+                             "global_weight_shape": whole, "expert": e}
                 pair[proj] = node
             experts.append(pair)
         if any(experts):

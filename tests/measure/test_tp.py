@@ -78,3 +78,29 @@ def test_user_torchrun_world_must_match(tiny_llama, wiki_text, tmp_path, monkeyp
     monkeypatch.setenv("RANK", "0")
     r = run_cli("measure", tiny_llama, "-o", tmp_path / "o", "--text", wiki_text, "--tp", "1")
     assert r.exit_code == 2 and "torchrun started 2 ranks but --tp is 1" in r.stderr
+
+
+def test_moe_experts_under_two_ranks_unify_to_one(tiny_factory, wiki_text, tmp_path):
+    """transformers shards fused experts too (gate_up `packed_colwise`, down `rowwise`): each expert node records how,
+    so per-channel statistics unified from two ranks have the 1-rank run's shapes and values (fp32: the same sums)."""
+    from conftest import ROOT
+    from hqtflow.formats.measurement import load_measurement
+
+    model = tiny_factory("mixtral", dtype="float32")
+    common = ["--text", wiki_text, "--limit", "4", "--max-length", "32", "--dtype", "fp32",
+              "-c", ROOT / "quantization_config" / "maxabs_per_channel_measure.json"]
+    assert run_cli("measure", model, "-o", tmp_path / "one", *common).exit_code == 0
+    r = run_cli("measure", model, "-o", tmp_path / "two", "--tp", "2", *common)
+    assert r.exit_code == 0, r.output
+    layers = read_manifest(tmp_path / "two", "hqtflow.measurement", 1).data["ranks"][1]["layers"]
+    gu, down = layers["model.layers.1.mlp.experts.2.gate_up_proj"], layers["model.layers.1.mlp.experts.2.down_proj"]
+    assert (gu["style"], gu["packed_parts"], gu["weight_shape"], gu["global_weight_shape"]) == ("column", 2, [96, 64], [192, 64])
+    assert (down["style"], down["weight_shape"], down["global_weight_shape"]) == ("row", [64, 48], [64, 96])
+    r = run_cli("unify", "-g", "01", "-m", tmp_path / "two", "-o", tmp_path / "merged")
+    assert r.exit_code == 0, r.output
+    a, b = load_measurement(tmp_path / "one").ranks[0].nodes, load_measurement(tmp_path / "merged").ranks[0].nodes
+    experts = [n for n in a if ".experts." in n]
+    assert len(experts) == 16 and set(a) == set(b)
+    for name in experts:
+        np.testing.assert_array_equal(np.asarray(a[name].params["weight"]), np.asarray(b[name].params["weight"]))
+        np.testing.assert_allclose(np.asarray(a[name].inputs[0]), np.asarray(b[name].inputs[0]), rtol=1e-5, err_msg=name)
