@@ -104,6 +104,9 @@ def _merge(leaf: str, parts: list[torch.Tensor], rows: list[int], block_rows: in
     """One tensor of a merged projection from its parts' (gate, up) tensors of `leaf`."""
     if len(parts) == 1:
         return parts[0]
+    if len({p.dtype for p in parts}) > 1 or len({tuple(p.shape[1:]) for p in parts}) > 1:
+        raise ArtifactError(f"{what}: the `{leaf}` tensors of its gate and up differ in dtype or shape "
+                            f"({', '.join(f'{p.dtype} {list(p.shape)}' for p in parts)}), so they cannot be joined.")
     if block_rows and leaf.startswith("weight_scale"):  # block-wise: the parts' blocks must stack into whole blocks
         if any(r % block_rows for r in rows):
             raise ArtifactError(f"{what}: its gate and up have {rows} rows, not whole blocks of {block_rows}, so their "

@@ -362,12 +362,18 @@ def test_a_foreign_moe_checkpoint_with_gate_and_up_scaled_apart(moe, tmp_path):
     assert torch.equal(gu.input_scale, t[f"{e0}.w1.input_scale"].reshape(1))
     other = model.get_submodule("model.layers.0.mlp.experts.1.gate_up_proj")
     assert not other.per_channel  # equal scales stay one per tensor
-    del t[f"{e0}.w3.weight"]
-    save_file({k: v.contiguous() for k, v in t.items()}, out / "model.safetensors")
     from hqtflow.errors import ArtifactError
 
-    with pytest.raises(ArtifactError, match="expert 0 of model.layers.0.mlp.experts has only 1 of the 2 `weight`"):
-        load_checkpoint(out)
+    for edit, message in ((lambda t: t.__setitem__(f"{e0}.w3.weight", t[f"{e0}.w3.weight"].bfloat16()), "differ in dtype"),
+                          (lambda t: t.__setitem__(f"{e0}.w3.weight", t[f"{e0}.w3.weight"][:, :5].contiguous()), "differ in dtype or shape"),
+                          (lambda t: t.pop(f"{e0}.w3.weight"), "expert 0 of model.layers.0.mlp.experts has only 1 of the 2 `weight`")):
+        bad = dict(t)
+        edit(bad)
+        save_file({k: v.contiguous() for k, v in bad.items()}, out / "model.safetensors")
+        with pytest.raises(ArtifactError, match=message):
+            load_checkpoint(out)
+        r = run_cli("generate", out, "-p", "a", "--max-new-tokens", "1")
+        assert r.exit_code != 0 and "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1, r.output
 
 
 def _blockwise_fp8(model_dir, out, block: int):
