@@ -135,6 +135,9 @@ def to_model_names(model, tensors: dict[str, torch.Tensor], where: str = "",
         expert = m.expert_of(key) if any(m.experts.values()) else None
         if expert is None:
             target, _ = m.forward(key)
+            if target in out:
+                raise ArtifactError(f"{where}: two tensors are the model's {target} (one of them {key}); the checkpoint "
+                                    "holds a weight twice under different names.")
             out[target] = t
             continue
         container, proj, e, i, n = expert
@@ -145,6 +148,9 @@ def to_model_names(model, tensors: dict[str, torch.Tensor], where: str = "",
                                 f"{len(ts)} `{leaf}` tensors its {proj} is made of.")
         weights = parts.get((container, proj, e, "weight"))
         rows = [w.shape[0] if w is not None else 0 for w in weights] if weights else [0] * len(ts)
+        if f"{container}.{e}.{proj}.{leaf}" in out:
+            raise ArtifactError(f"{where}: {container}.{e}.{proj}.{leaf} is in the checkpoint both whole and in parts; "
+                                "the checkpoint holds a weight twice under different names.")
         out[f"{container}.{e}.{proj}.{leaf}"] = _merge(leaf, ts, rows, block_size[0] if block_size else None,
                                                         f"{where}: expert {e} of {container}")
     return out

@@ -366,7 +366,11 @@ def test_a_foreign_moe_checkpoint_with_gate_and_up_scaled_apart(moe, tmp_path):
 
     for edit, message in ((lambda t: t.__setitem__(f"{e0}.w3.weight", t[f"{e0}.w3.weight"].bfloat16()), "differ in dtype"),
                           (lambda t: t.__setitem__(f"{e0}.w3.weight", t[f"{e0}.w3.weight"][:, :5].contiguous()), "differ in dtype or shape"),
-                          (lambda t: t.pop(f"{e0}.w3.weight"), "expert 0 of model.layers.0.mlp.experts has only 1 of the 2 `weight`")):
+                          (lambda t: t.pop(f"{e0}.w3.weight"), "expert 0 of model.layers.0.mlp.experts has only 1 of the 2 `weight`"),
+                          (lambda t: t.__setitem__("model.layers.0.mlp.experts.0.gate_up_proj.weight_scale",
+                                                   t[f"{e0}.w1.weight_scale"].clone()), "both whole and in parts"),
+                          (lambda t: t.__setitem__("model.layers.0.mlp.gate.weight", t["model.layers.0.block_sparse_moe.gate.weight"].clone()),
+                           "two tensors are the model's model.layers.0.mlp.gate.weight")):
         bad = dict(t)
         edit(bad)
         save_file({k: v.contiguous() for k, v in bad.items()}, out / "model.safetensors")
