@@ -49,7 +49,7 @@ from hqtflow.formats.artifact import MANIFEST, ArtifactKind, artifact_kind, read
 from hqtflow.formats.checkpoint import (HP_DTYPE_NAMES, KV_SUFFIXES, autofp8_tensors, check_scales, inc_tensors,
                                         load_checkpoint, read_tensors, requantize, write_safetensors)
 from hqtflow.formats.compressed_tensors import autofp8_quantization_config, inc_quantization_config
-from hqtflow.quantize.experts import per_expert_containers
+from hqtflow.formats.hf_names import per_expert_containers
 
 FORMATS = ("fp8", "compressed-tensors", "inc")
 LOADABLE_FORMATS = ("fp8", "compressed-tensors")  # what hqtflow.load runs ("inc" is Neural Compressor's)

@@ -331,9 +331,9 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     Unsupported schemes are refused by parse_quantization_config.
     """
     from hqtflow.formats.compressed_tensors import parse_quantization_config
-    from hqtflow.formats.hf_names import to_model_names
+    from hqtflow.formats.hf_names import per_expert_containers, to_model_names
     from hqtflow.models import load_config
-    from hqtflow.quantize.experts import per_expert_containers, unfuse_experts
+    from hqtflow.quantize.experts import unfuse_experts
     from hqtflow.quantize.fp8_linear import FP8Linear
 
     path = Path(path)

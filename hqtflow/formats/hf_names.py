@@ -32,6 +32,7 @@ class Mapping:
     converters: list
     experts: dict  # "gate_up_proj" | "down_proj" -> the converters that make one
     prefix: str | None
+    reverse: list  # the renamings undone, in reverse order (model name -> checkpoint name)
 
     @classmethod
     def of(cls, model, legacy: bool = True) -> Mapping | None:
@@ -53,7 +54,8 @@ class Mapping:
                 if (len(c.target_patterns) == 1 and c.target_patterns[0].endswith(f"experts.{p}")
                         and len(c.source_patterns) == n and ops == [(MergeModulelist, 0), (Concatenate, 1)][:n]):
                     experts[p].append(c)
-        return cls(renamings, converters, experts, getattr(model, "base_model_prefix", None))
+        return cls(renamings, converters, experts, getattr(model, "base_model_prefix", None),
+                   [r.reverse_transform() for r in renamings][::-1])
 
     def forward(self, key: str) -> tuple[str, str | None]:
         """What transformers loads `key` as: (model name, the converter source pattern it matched or None)."""
@@ -79,13 +81,12 @@ class Mapping:
         from transformers.core_model_loading import rename_source_key
 
         target = f"{container}.{proj}"
-        reverse = [r.reverse_transform() for r in self.renamings][::-1]
         for conv in self.experts.get(proj, []):
             tp = conv.target_patterns[0]
             at = target.rfind(tp)
             if at < 0 or at + len(tp) != len(target):
                 continue
-            names = [rename_source_key(target[:at] + sp.replace("*", str(expert)), reverse, [], self.prefix)[0]
+            names = [rename_source_key(target[:at] + sp.replace("*", str(expert)), self.reverse, [], self.prefix)[0]
                      for sp in conv.source_patterns]
             if all(self.expert_of(n) == (container, proj, expert, i, len(names)) for i, n in enumerate(names)):
                 return names
@@ -95,8 +96,7 @@ class Mapping:
         """The on-disk name of a tensor transformers only renames."""
         from transformers.core_model_loading import rename_source_key
 
-        reverse = [r.reverse_transform() for r in self.renamings][::-1]
-        name = rename_source_key(key, reverse, [], self.prefix)[0]
+        name = rename_source_key(key, self.reverse, [], self.prefix)[0]
         return name if self.forward(name) == (key, None) else key
 
 
@@ -154,6 +154,12 @@ def to_model_names(model, tensors: dict[str, torch.Tensor], where: str = "",
         out[f"{container}.{e}.{proj}.{leaf}"] = _merge(leaf, ts, rows, block_size[0] if block_size else None,
                                                         f"{where}: expert {e} of {container}")
     return out
+
+
+def per_expert_containers(keys) -> set[str]:
+    """The experts modules a checkpoint stores per expert under the model's names: `<experts>` of every
+    `<experts>.<e>.gate_up_proj.weight`."""
+    return {hit.group(1) for k in keys if (hit := _EXPERT_KEY.match(k)) and hit.group(3, 4) == ("gate_up_proj", "weight")}
 
 
 def disk_keys(model, keys, containers) -> dict[str, list[str]] | None:

@@ -117,14 +117,3 @@ def unfuse_experts(model: nn.Module, names: list[str] | None = None) -> list[str
         model.set_submodule(name, new)
         done.append(name)
     return done
-
-
-def per_expert_containers(keys) -> set[str]:
-    """The experts modules a checkpoint stores per expert: `<container>` of every `<container>.<e>.gate_up_proj.weight`."""
-    out = set()
-    for k in keys:
-        if k.endswith(".gate_up_proj.weight"):
-            container, _, index = k[: -len(".gate_up_proj.weight")].rpartition(".")
-            if index.isdecimal() and container:
-                out.add(container)
-    return out

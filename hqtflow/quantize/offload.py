@@ -30,7 +30,7 @@ import torch
 
 from hqtflow.errors import ModelError, ResourceError
 from hqtflow.formats.checkpoint import ST_DTYPES, SafetensorsWriter, TensorEntry, TensorFiles, TensorSpec, shard_names
-from hqtflow.formats.hf_names import disk_keys, disk_module_names, split, split_shape
+from hqtflow.formats.hf_names import Mapping, disk_keys, disk_module_names, split, split_shape
 
 DEFAULT_SHARD_SIZE = 512 * 2**20  # bytes of tensor data per output file
 QUANT_CHUNK_ELEMS = 1 << 20  # weights are cast to FP8 in row blocks of about this many elements
@@ -130,24 +130,21 @@ def read_sources(model_dir: Path) -> dict[str, TensorEntry]:
 
 
 def _source_names(skel, sources: dict[str, TensorEntry]) -> tuple[dict[str, TensorEntry], list[tuple]]:
-    """Each source tensor under the name transformers loads it as (the model's conversion mapping): ({model name:
-    tensor} for renamed ones, e.g. Mixtral's `block_sparse_moe.gate` is the model's `mlp.gate`; [(model name, source
-    pattern, converter, tensor)] for those merged into one parameter, e.g. its per-expert `w1`/`w3` into
-    `mlp.experts.gate_up_proj`)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    transforms = get_model_conversion_mapping(skel)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    """Each source tensor under the name transformers loads it as (`hqtflow.formats.hf_names.Mapping`): ({model name:
+    tensor} for renamed ones, e.g. Mixtral's `block_sparse_moe.gate` is the model's `mlp.gate`; [(experts module,
+    projection, expert, part, parts, tensor)] for an expert's matrices merged into one fused parameter, e.g. its
+    `w1`/`w3` into `mlp.experts.gate_up_proj`)."""
+    m = Mapping.of(skel)
     renamed, merged = {}, []
-    if not transforms:
+    if m is None:
         return renamed, merged
     for key, entry in sources.items():
-        target, pattern = rename_source_key(key, renamings, converters, getattr(skel, "base_model_prefix", None))
-        if pattern is not None:
-            merged.append((target, pattern, next(c for c in converters if pattern in c.source_patterns), entry))
-        elif target != key:
+        expert = m.expert_of(key)
+        if expert is not None:
+            merged.append((*expert, entry))
+            continue
+        target, _ = m.forward(key)
+        if target != key:
             renamed[target] = entry
     return renamed, merged
 
@@ -155,28 +152,18 @@ def _source_names(skel, sources: dict[str, TensorEntry]) -> tuple[dict[str, Tens
 def _expert_parts(skel, sources: dict[str, TensorEntry], merged: list[tuple], containers: list[str]) -> dict:
     """{(experts module, "gate_up_proj" | "down_proj"): {expert: [(source tensor, index)], ...}} for the fused experts
     `containers`: a fused 3-D tensor under the module's own name (index: the expert's row), or the checkpoint's
-    per-expert matrices that transformers merges into it (`merged` of `_source_names`: Mixtral's
-    `block_sparse_moe.experts.<e>.w1/w3/w2`, Qwen-MoE's `gate_proj/up_proj/down_proj`; index None)."""
-    import re
-
-    from transformers.core_model_loading import Concatenate, MergeModulelist
-
+    per-expert matrices that transformers merges into it (`merged` of `_source_names`; index None)."""
     out: dict[tuple[str, str], dict] = {}
-    wanted = {f"{c}.{p}": (c, p) for c in containers for p in ("gate_up_proj", "down_proj")}
-    shapes = {k: v.shape for k, v in skel.state_dict().items() if k in wanted}
-    for target, (c, p) in wanted.items():
-        if target in sources and list(sources[target].shape) == list(shapes[target]):
-            out[(c, p)] = {e: [(sources[target], e)] for e in range(shapes[target][0])}
-    for target, pattern, conv, entry in merged:
-        if target not in wanted or wanted[target] in out and target in sources:
+    wanted = {(c, p) for c in containers for p in ("gate_up_proj", "down_proj")}
+    shapes = {k: v.shape for k, v in skel.state_dict().items()}
+    for c, p in wanted:
+        key = f"{c}.{p}"
+        if key in sources and list(sources[key].shape) == list(shapes.get(key, [])):
+            out[(c, p)] = {e: [(sources[key], e)] for e in range(shapes[key][0])}
+    for container, proj, e, i, n, entry in merged:
+        if (container, proj) not in wanted or (container, proj) in out and f"{container}.{proj}" in sources:
             continue
-        ops = [(type(o), getattr(o, "dim", None)) for o in conv.operations]  # the merge of Mixtral-style experts only
-        index = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), entry.key)
-        if ops != [(MergeModulelist, 0), (Concatenate, 1)][: len(conv.source_patterns)] or index is None:
-            raise ModelError(f"--disk-offload cannot read the experts weight {entry.key} (its conversion to {target} "
-                             "is not a merge of per-expert matrices); drop --disk-offload.")
-        parts = out.setdefault(wanted[target], {}).setdefault(int(index.group(1)), [None] * len(conv.source_patterns))
-        parts[conv.source_patterns.index(pattern)] = (entry, None)
+        out.setdefault((container, proj), {}).setdefault(e, [None] * n)[i] = (entry, None)
     return out
 
 
