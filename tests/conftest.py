@@ -89,6 +89,13 @@ TINY = {
     "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=8,
                         layer_types=["sliding_attention", "full_attention"]),  # local and global layers
+    "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=0.05),  # capped scores
+    "gpt_oss": dict(hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], num_local_experts=4, num_experts_per_tok=2,
+                    rope_parameters=dict(rope_type="default", rope_theta=150000.0)),  # attention sinks, biased experts
 }
 
 

@@ -34,3 +34,32 @@ def test_fused_experts_kept_in_high_precision_are_listed(tiny_factory, wiki_text
     assert len(experts) == 2 and all("blocklist" in v for v in experts.values()), data["skipped"]
     assert not [n for n in data["quantized"] if "experts" in n]
     assert f"{len(data['skipped'])} kept in high precision" in r.stdout + r.stderr
+
+
+def test_gemma2_and_gpt_oss_end_to_end(tiny_factory, wiki_text, tmp_path):
+    """Gemma 2 (soft-capped attention scores) and gpt-oss (attention sinks; experts with biases, which hqtflow does
+    not quantize) go measure -> quantize -> generate, the engine's greedy text that of transformers' generate on the
+    same checkpoint. gpt-oss's experts are refused by name with the blocklist that keeps them in high precision, and
+    kept so with it (listed in the manifest)."""
+    for model_type in ("gemma2", "gpt_oss"):
+        model, out = tiny_factory(model_type), tmp_path / model_type
+        measure = ["measure", model, "-o", out / "m", "--text", wiki_text, "--limit", "2", "--max-length", "32"]
+        if model_type == "gpt_oss":
+            r = run_cli(*measure)
+            assert r.exit_code == 4 and '{"blocklist": {"types": ["GptOssExperts"]}}' in r.stderr, r.output
+            assert "Traceback" not in r.output and not (out / "m").exists()
+            cfg = tmp_path / "blocklist.json"
+            cfg.write_text(json.dumps({"mode": "MEASURE", "blocklist": {"types": ["GptOssExperts"]}}))
+            measure += ["-c", cfg]
+        r = run_cli(*measure)
+        assert r.exit_code == 0, r.output
+        r = run_cli("quantize", "-m", out / "m", "-o", out / "q")
+        assert r.exit_code == 0, r.output
+        data = json.loads((out / "q" / MANIFEST).read_text())["data"]
+        assert any("self_attn.q_proj" in n for n in data["quantized"])
+        if model_type == "gpt_oss":
+            assert [n for n in data["skipped"] if n.endswith("mlp.experts")] == ["model.layers.0.mlp.experts",
+                                                                                 "model.layers.1.mlp.experts"]
+        texts = [run_cli("generate", out / "q", "-p", "The tower is", "--max-new-tokens", "8", *engine)
+                 for engine in ((), ("--engine", "transformers"))]
+        assert all(t.exit_code == 0 for t in texts) and texts[0].stdout == texts[1].stdout, [t.output for t in texts]

@@ -131,9 +131,14 @@ class ObserverSession:
         self.tokens = 0
         for name, mod in model.named_modules():
             why = unsupported(mod)
+            if why and is_fused_experts(mod) and not config.selects(name, type(mod).__name__):
+                self.skipped[name] = "excluded by allowlist/blocklist"  # kept in high precision, never observed
+                continue
             if why:
+                hint = (f' Keep them in high precision with a QUANT_CONFIG (-c) blocklist: {{"blocklist": {{"types": '
+                        f'["{type(mod).__name__}"]}}}}.' if is_fused_experts(mod) else "")
                 raise ModelError(f"hqtflow cannot measure {type(model).__name__}: {why} ({name}). It measures and quantizes "
-                                 "nn.Linear layers and Mixtral-style fused experts.")
+                                 f"nn.Linear layers and Mixtral-style fused experts.{hint}")
             if isinstance(mod, nn.Linear):
                 self._attach_linear(name, mod)
             elif is_fused_experts(mod):

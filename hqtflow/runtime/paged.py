@@ -17,7 +17,10 @@ sequence: one call per layer, not ~15 tensor ops per sequence). Every sequence's
 alone: a batched matmul would pick its algorithm (and its rounding) by the batch size and pad contexts to the longest,
 so a token's logprob would depend on its neighbours (tests compare the logprobs alone and in a busy batch, bit for
 bit).
-Called without a step plan (a plain `model.generate` on the same model), it is transformers' SDPA attention.
+Gemma 2's soft-capped scores and gpt-oss's attention sinks, which SDPA does not compute, are computed as transformers'
+eager attention does, in float32 (a prefill chunk's [heads, n, context] scores held at once; the CPU op takes both).
+Called without a step plan (a plain `model.generate` on the same model), it is transformers' SDPA attention (the
+model's eager attention for soft-capping or sinks).
 
 Sliding-window layers (Mistral, Gemma 3's local layers, Phi-3, Qwen2 with `use_sliding_window`, ...) read the window
 transformers passes them (`sliding_window=`) and attend only the keys of the last `window` positions, as
@@ -39,6 +42,7 @@ import contextlib
 import contextvars
 import functools
 import itertools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -241,18 +245,24 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if plan is None:
         plan = _STEP.get()
     if plan is None:  # the model run outside the engine (transformers' generate on the same model)
+        if kwargs.get("softcap") or kwargs.get("s_aux") is not None:  # SDPA would leave them out: the model's eager
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     window = kwargs.get("sliding_window")  # a sliding-window layer's window, None for full attention
+    softcap, sinks = kwargs.get("softcap") or 0.0, kwargs.get("s_aux")  # Gemma 2's score soft-capping, gpt-oss's sinks
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+        raise ValueError(f"{type(module).__name__} has attention sinks but did not pass them (`s_aux`) to attention")
     if isinstance(plan, DecodeBatch):
-        return decode_batch_attention(module.layer_idx, plan, query, key, value, scaling, window), None
+        return decode_batch_attention(module.layer_idx, plan, query, key, value, scaling, window, softcap, sinks), None
     layer, pool = module.layer_idx, plan.pool
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
     pool.write(layer, plan.write, k_new[:plan.real], v_new[:plan.real])  # every real token's KV, one copy
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if plan.decode_only:  # no gather of the decoding rows, no zeroed output to scatter them into
-        return _decode_op(plan, layer, query[0].transpose(0, 1), scale, window)[None], None
+        return _decode_op(plan, layer, query[0].transpose(0, 1), scale, window, softcap, sinks)[None], None
     out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
     for s in plan.prefill:  # SDPA per sequence
         lo = first_key(s.past, window)  # the chunk's first query sees no key before lo; later ones see fewer
@@ -261,6 +271,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         else:  # the whole context is this step's tokens: the same values as reading them back (lo is 0)
             k, v = k_new[s.start:s.start + s.n], v_new[s.start:s.start + s.n]
         q = query[0, :, s.start:s.start + s.n]  # [heads, n, d]
+        if softcap or sinks is not None:  # what SDPA does not compute
+            out[s.start:s.start + s.n] = attend_chunk(q, k, v, scale, s.past, lo, window, softcap, sinks)
+            continue
         mask, causal = None, s.n > 1 and not s.past and not (window and s.n > window)
         if s.n > 1 and not causal:  # query i (position past + i) sees keys from lo, up to past + i, in its window
             keys = torch.arange(lo, s.past + s.n, device=q.device)[None]
@@ -270,21 +283,23 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                            is_causal=causal, scale=scaling, enable_gqa=q.shape[0] != k.shape[1])
         out[s.start:s.start + s.n] = o[0].transpose(0, 1)
     if plan.decode_op:  # every decoding sequence in one call of hqtflow's CPU op, each over its own context
-        out[plan.decode_rows] = _decode_op(plan, layer, query[0, :, plan.decode_rows].transpose(0, 1), scale, window)
+        out[plan.decode_rows] = _decode_op(plan, layer, query[0, :, plan.decode_rows].transpose(0, 1), scale, window,
+                                           softcap, sinks)
         return out[None], None
     for s in plan.decode:  # one query per sequence, over its own context (window) only
         k, v = pool.read(layer, s.read[first_key(s.past, window):], query.dtype)
-        out[s.start] = attend_one(query[0, :, s.start], k, v, scaling)
+        out[s.start] = attend_one(query[0, :, s.start], k, v, scaling, softcap, sinks)
     return out[None], None
 
 
-def _decode_op(plan: StepPlan, layer: int, q: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+def _decode_op(plan: StepPlan, layer: int, q: torch.Tensor, scale: float, window: int | None, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The step's decoding rows q [sequences, heads, d] through hqtflow's CPU op, each over its own context."""
     pool = plan.pool
     ks, vs = pool.scales[layer] if pool.scales is not None else (None, None)
     slots, offsets = plan.decode_contexts(window)
     return torch.ops.hqtflow.paged_decode_attention(q, pool.keys[layer], pool.values[layer], slots, offsets, ks, vs,
-                                                    scale)
+                                                    scale, softcap, sinks)
 
 
 @functools.cache
@@ -295,18 +310,56 @@ def cpu_ops() -> bool:
     return cpu_kernel.load()
 
 
-def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One decoding query q [heads, d] over its context k, v [length, kv_heads, d], grouped heads (query head h
-    uses KV head h // groups, as repeat_kv), float32 -> [heads, d]."""
+    uses KV head h // groups, as repeat_kv), float32 -> [heads, d]. `softcap`, `sinks`: see `softmax_capped`."""
     heads, d = q.shape
     kv_heads = k.shape[1]
     scale = scaling if scaling is not None else d ** -0.5
     qg = q.float().view(kv_heads, heads // kv_heads, d)
     scores = torch.matmul(qg, k.float().permute(1, 2, 0)) * scale  # [kv_heads, groups, length]
-    return torch.matmul(scores.softmax(-1), v.float().transpose(0, 1)).reshape(heads, d).to(q.dtype)
+    if softcap or sinks is not None:
+        probs = softmax_capped(scores, softcap, None if sinks is None else sinks.float().view(kv_heads, -1, 1))
+    else:
+        probs = scores.softmax(-1)
+    return torch.matmul(probs, v.float().transpose(0, 1)).reshape(heads, d).to(q.dtype)
 
 
-def decode_batch_attention(layer: int, plan: DecodeBatch, query, key, value, scaling, window: int | None = None) -> torch.Tensor:
+def softmax_capped(scores: torch.Tensor, softcap: float, sinks: torch.Tensor | None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over the last dim of float32 `scores` as transformers' eager attention takes it for Gemma 2 and gpt-oss:
+    soft-capped first (`softcap` > 0: softcap * tanh(score / softcap)), then `bias` (0 or -inf) added, and a sink logit
+    per query head (`sinks`, broadcast to scores[..., :1]) in the denominator, adding no value."""
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias
+    if sinks is None:
+        return scores.softmax(-1)
+    return torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], -1).softmax(-1)[..., :-1]
+
+
+def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, past: int, lo: int,
+                 window: int | None, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """A prefill chunk's queries q [heads, n, d] (positions past .. past + n - 1) over the keys and values k, v
+    [L, kv_heads, d] of positions lo .. past + n - 1, causal (and within `window`), with `softmax_capped`'s soft-capping
+    and sinks, float32 -> [n, heads, d] (for what SDPA does not compute; scores [heads, n, L] are held at once)."""
+    heads, n, d = q.shape
+    kv_heads = k.shape[1]
+    keys = torch.arange(lo, lo + k.shape[0], device=q.device)[None]
+    queries = torch.arange(past, past + n, device=q.device)[:, None]
+    seen = (keys <= queries) & (keys > queries - window) if window else keys <= queries
+    bias = torch.zeros(seen.shape, device=q.device).masked_fill(~seen, float("-inf"))  # [n, L]
+    qg = q.float().view(kv_heads, heads // kv_heads, n, d)
+    scores = torch.matmul(qg, k.float().permute(1, 2, 0)[:, None]) * scale  # [kv_heads, groups, n, L]
+    probs = softmax_capped(scores, softcap, None if sinks is None else sinks.float().view(kv_heads, -1, 1, 1), bias)
+    out = torch.matmul(probs, v.float().transpose(0, 1)[:, None])  # [kv_heads, groups, n, d]
+    return out.reshape(heads, n, d).transpose(0, 1).to(q.dtype)
+
+
+def decode_batch_attention(layer: int, plan: DecodeBatch, query, key, value, scaling, window: int | None = None,
+                           softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A `DecodeBatch` step: query [1, heads, B, d] -> [1, B, heads, d]. Each row's context is gathered in the
     model's dtype ([B, kv_heads, L, d], slots past the row's position masked, and in a sliding-window layer those
     before its window) and attended by SDPA, the query heads that share a KV head being that head's query rows;
@@ -323,6 +376,11 @@ def decode_batch_attention(layer: int, plan: DecodeBatch, query, key, value, sca
     if window:  # and before its window (tensor ops on the static buffers: a CUDA graph replays them)
         old = plan.read_positions[None] <= plan.position_ids[0][:, None] - window  # [B, L]
         bias = bias.masked_fill(old[:, None, None], float("-inf"))
+    if softcap or sinks is not None:  # what SDPA does not compute: float32 scores, as `attend_one`
+        scale = scaling if scaling is not None else d ** -0.5
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, kvh, g, L]
+        probs = softmax_capped(scores, softcap, None if sinks is None else sinks.float().view(1, kv_heads, -1, 1), bias)
+        return torch.matmul(probs, v.float()).to(q.dtype).reshape(b, heads, d)[None]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=scaling)  # [B, kvh, g, d]
     return out.reshape(b, heads, d)[None]
 
@@ -344,10 +402,6 @@ def install(model) -> None:
     kind = getattr(text, "model_type", None) or "model"
     other = set(getattr(text, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
     missing = [f"{t} layers" for t in sorted(other)]  # e.g. Llama 4's chunked, Qwen3-Next's linear attention
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        missing.append("attention logit soft-capping")
-    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
-        missing.append("attention sinks")
     if missing:
         raise ValueError(f"The serving engine's attention has no {' or '.join(missing)}, which this {kind} uses "
                          "(`hqtflow generate --engine transformers` runs it; `serve` cannot).")

@@ -35,15 +35,20 @@ def _case(dtype, fp8=None, per_head=False, lengths=(1, 5, 17, 64, 130), seed=0, 
     return pool, q, reads
 
 
-def _op(pool, q, reads, ops=None):
+def _op(pool, q, reads, ops=None, **extra):
     ops = ops or torch.ops.hqtflow
     ks, vs = pool.scales[0] if pool.scales is not None else (None, None)
     offsets = torch.tensor([0, *torch.tensor([len(r) for r in reads]).cumsum(0).tolist()])
-    return ops.paged_decode_attention(q, pool.keys[0], pool.values[0], torch.cat(reads), offsets, ks, vs, q.shape[-1] ** -0.5)
+    return ops.paged_decode_attention(q, pool.keys[0], pool.values[0], torch.cat(reads), offsets, ks, vs,
+                                      q.shape[-1] ** -0.5, **extra)
 
 
-def _reference(pool, q, reads):
-    return torch.stack([attend_one(q[b], *pool.read(0, r, q.dtype), None) for b, r in enumerate(reads)])
+def _reference(pool, q, reads, **extra):
+    return torch.stack([attend_one(q[b], *pool.read(0, r, q.dtype), None, **extra) for b, r in enumerate(reads)])
+
+
+SINKS = torch.tensor([-1.0, 0.5, 3.0, -20.0, 0.0, 8.0])  # one logit per query head: weak to dominant
+EXTRAS = {"softcap": dict(softcap=0.3), "sinks": dict(sinks=SINKS), "both": dict(softcap=0.3, sinks=SINKS)}
 
 
 CASES = [("fp32", torch.float32, None, False), ("bf16", torch.bfloat16, None, False),
@@ -146,6 +151,26 @@ def test_the_one_lane_build_gives_the_same_bits(cpu_kernel_loaded):
         assert torch.equal(_op(pool, q, reads), _op(pool, q, reads, cpu_kernel_loaded.ops("scalar")))
 
 
+@pytest.mark.parametrize("extra", EXTRAS, ids=list(EXTRAS))
+@pytest.mark.parametrize("name,dtype,fp8,per_head", CASES[:3], ids=[c[0] for c in CASES[:3]])
+def test_soft_capping_and_sinks(cpu_kernel_loaded, extra, name, dtype, fp8, per_head):
+    """Gemma 2's soft-capped scores and gpt-oss's sink logits: the function of `attend_one` (transformers' eager
+    arithmetic), which they change (a cap of 0.3 flattens the scores; a sink of 8 takes most of a head's weight), the
+    same bits alone and in a batch, and in the one-lane build."""
+    kw = EXTRAS[extra]
+    pool, q, reads = _case(dtype, fp8, per_head, q_scale=4.0)
+    got, ref = _op(pool, q, reads, **kw), _reference(pool, q, reads, **kw)
+    tol = dict(rtol=1e-5, atol=4e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)  # summation order
+    torch.testing.assert_close(got, ref, **tol)
+    assert (got.float() - _op(pool, q, reads).float()).abs().max() > 0.05  # they matter here
+    for b in range(len(reads)):
+        assert torch.equal(_op(pool, q[b:b + 1], reads[b:b + 1], **kw), got[b:b + 1])
+    from conftest import need
+
+    need(cpu_kernel_loaded.load("scalar"), f"the scalar build failed: {cpu_kernel_loaded.build_error('scalar')}")
+    assert torch.equal(_op(pool, q, reads, cpu_kernel_loaded.ops("scalar"), **kw), got)
+
+
 def test_refuses_inconsistent_inputs(cpu_kernel_loaded):
     pool, q, reads = _case(torch.float32, lengths=(4, 4))
     slots = torch.cat(reads)
@@ -158,3 +183,7 @@ def test_refuses_inconsistent_inputs(cpu_kernel_loaded):
         call(q, pool.keys[0], pool.values[0], slots, torch.tensor([0, 4, 8]), torch.tensor(1.0), torch.tensor(1.0), 0.1)
     with pytest.raises(RuntimeError, match="slot out of range"):
         call(q, pool.keys[0], pool.values[0], slots + 10_000, torch.tensor([0, 4, 8]), None, None, 0.1)
+    with pytest.raises(RuntimeError, match="sinks are one per query head"):
+        call(q, pool.keys[0], pool.values[0], slots, torch.tensor([0, 4, 8]), None, None, 0.1, 0.0, torch.zeros(2))
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        call(q, pool.keys[0], pool.values[0], slots, torch.tensor([0, 4, 8]), None, None, 0.1, -1.0)

@@ -116,24 +116,73 @@ def test_sliding_window_models_equal_a_full_recompute(tiny_factory, model_type, 
                 assert (unwindowed(seq, use_cache=False).logits[0, len(x) - 1:].log_softmax(-1) - ref).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
+def test_soft_capping_and_sinks_equal_eager_attention(tiny_factory, model_type):
+    """Gemma 2's soft-capped attention scores (a cap of 0.05 here) and gpt-oss's attention sinks (one logit per head,
+    drawn large here), which SDPA does not compute, in every path of the engine (whole prefill, chunked prefill,
+    decode through the CPU op, the fixed-shape step of CUDA graphs run eagerly), with sliding-window layers beside
+    full ones: tokens and logprobs equal transformers' eager full recompute, which differs without them."""
+    from hqtflow import models
+
+    path = tiny_factory(model_type)
+    model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
+    with torch.no_grad():
+        for layer in model.model.layers:  # scores of a few units (random weights give ~0.01: a cap or sink changes little)
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+            if model_type == "gpt_oss":
+                layer.self_attn.sinks.copy_(torch.randn(4, generator=torch.Generator().manual_seed(0)) * 3)
+    ref = models.load_model(path, "fp32")
+    ref.load_state_dict(model.state_dict())
+    ref.set_attn_implementation("eager")
+    prompts = [tok(" ".join(["The tower is tall and the river is wide."] * 3))["input_ids"], tok("A way")["input_ids"]]
+    n = 10
+    outs = {}
+    for name, kw in {"whole": {}, "chunked": dict(max_prefill_tokens=5),
+                     "graph step": dict(cuda_graphs=(1, 2), capture=False)}.items():
+        eng = Engine(model, tok, max_batch_total_tokens=256, **kw)
+        outs[name] = run_all(eng, [(x, SamplingParams(max_new_tokens=n, ignore_eos=True)) for x in prompts])
+    wants = []
+    with torch.inference_mode():
+        for i, x in enumerate(prompts):
+            tokens = [e.token.id for e in outs["whole"][i]]
+            seq = torch.tensor([x + tokens[:-1]])
+            want = ref(seq, use_cache=False).logits[0, len(x) - 1:].log_softmax(-1)
+            assert tokens == want.argmax(-1).tolist()
+            for name, out in outs.items():
+                assert [e.token.id for e in out[i]] == tokens, name
+                torch.testing.assert_close(torch.tensor([e.token.logprob for e in out[i]]),
+                                           want[torch.arange(n), tokens], rtol=1e-4, atol=1e-4)
+            wants.append(want)
+        for layer in ref.model.layers:  # without them, other numbers
+            if model_type == "gemma2":
+                layer.self_attn.attn_logit_softcapping = None
+            else:
+                layer.self_attn.sinks.fill_(-1e9)
+        x, tokens = prompts[0], [e.token.id for e in outs["whole"][0]]
+        seq = torch.tensor([x + tokens[:-1]])
+        logits = ref(seq, use_cache=False).logits[0, len(x) - 1:].log_softmax(-1)
+        assert (logits - wants[0]).abs().max() > 1e-2
+
+
 def test_engine_refuses_attention_it_does_not_compute(tiny_factory):
-    """Attention logit soft-capping (Gemma 2), attention sinks (gpt-oss) and layers of another attention type are
-    refused when the engine is made, naming them, not silently left out."""
+    """Layers of another attention type (Llama 4's chunked) are refused when the engine is made, naming them, and
+    attention sinks a module holds but does not pass to attention at the first step: not silently left out."""
     from hqtflow import models
 
     path = tiny_factory("mistral")
     model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
-    model.config.attn_logit_softcapping = 50.0
-    with pytest.raises(ValueError, match="soft-capping, which this mistral uses"):
-        Engine(model, tok)
-    model.config.attn_logit_softcapping = None
-    model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
-    with pytest.raises(ValueError, match="attention sinks"):
-        Engine(model, tok)
-    del model.model.layers[0].self_attn.sinks
     model.config.layer_types = ["chunked_attention", "full_attention"]  # Llama 4's: neither full nor sliding
     with pytest.raises(ValueError, match="no chunked_attention layers, which this mistral uses"):
         Engine(model, tok)
+    model.config.layer_types = None
+    model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
+    eng = Engine(model, tok).start()
+    try:
+        events = eng.generate(tok("A way")["input_ids"], SamplingParams(max_new_tokens=2))
+        assert "has attention sinks but did not pass them" in str(events[-1].error), events[-1]
+    finally:
+        eng.stop()
 
 
 def test_concurrent_requests_match_alone(lm, engine):

@@ -1,10 +1,12 @@
 // Decode attention over a paged KV cache on the CPU: one query token per sequence, each over its own context.
 //
 // paged_decode_attention(q [B, heads, d], keys/values [slots, kv_heads, d], slots [sum of lengths], offsets [B + 1],
-// k_scale?, v_scale?, scale) -> [B, heads, d] in q's dtype. Sequence b reads slots[offsets[b] .. offsets[b + 1]); query
-// head h uses KV head h / (heads / kv_heads) (grouped-query attention, as repeat_kv). Keys and values are bf16, fp16,
-// fp32, or FP8 (read as code * scale, the scale [] or one per KV head, rounded to q's dtype as the Python path reads
-// them).
+// k_scale?, v_scale?, scale, softcap = 0, sinks? [heads]) -> [B, heads, d] in q's dtype. Sequence b reads
+// slots[offsets[b] .. offsets[b + 1]); query head h uses KV head h / (heads / kv_heads) (grouped-query attention, as
+// repeat_kv). Keys and values are bf16, fp16, fp32, or FP8 (read as code * scale, the scale [] or one per KV head,
+// rounded to q's dtype as the Python path reads them). `softcap` > 0: each score (q . k * scale) becomes
+// softcap * tanh(score / softcap) (Gemma 2); `sinks`: one logit per query head that joins the softmax's denominator
+// and adds no value (gpt-oss); both as transformers' eager attention computes them.
 //
 // The work is split into tasks of (sequence, KV head, CHUNK context positions): a task reads each KV row once for all
 // the query heads that share it, and keeps, per head, its chunk's score maximum, exp-sum and exp-weighted values; a
@@ -18,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -204,7 +207,7 @@ std::vector<float> fp8_table(const float* scales, int64_t per_head, int64_t kvh,
 template <typename Q, typename KV>
 void chunks(const Q* qp, const Rows<KV>& keys, const Rows<KV>& values, const int64_t* slots, const int64_t* offsets,
             const std::vector<int64_t>& chunk_seq, const std::vector<int64_t>& first_chunk, int64_t heads, float scale,
-            float* part) {
+            float softcap, float* part) {
   const int64_t kvh = keys.kvh, d = keys.d, group = heads / kvh, n_chunks = static_cast<int64_t>(chunk_seq.size());
   at::parallel_for(0, n_chunks * kvh, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf(group * d), p(group * CHUNK), rows(CHUNK * d), zeros(d, 0.0f);
@@ -223,6 +226,8 @@ void chunks(const Q* qp, const Rows<KV>& keys, const Rows<KV>& values, const int
       for (int64_t h = 0; h < group; ++h) {
         float* ph = p.data() + h * CHUNK;
         float* out = part + (c * heads + g * group + h) * (d + 2);
+        if (softcap > 0.0f)
+          for (int64_t j = 0; j < m; ++j) ph[j] = std::tanh(ph[j] / softcap) * softcap;
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < m; ++j) top = std::max(top, ph[j]);
         int64_t j = 0;
@@ -255,15 +260,18 @@ void chunks(const Q* qp, const Rows<KV>& keys, const Rows<KV>& values, const int
   });
 }
 
-// Pass 2, one task per (sequence, head): merge its chunks in order, rescaled to the largest maximum.
+// Pass 2, one task per (sequence, head): merge its chunks in order, rescaled to the largest maximum (and the head's
+// sink logit, whose exp joins the sum last).
 template <typename Q>
-void merge(const float* part, const std::vector<int64_t>& first_chunk, int64_t B, int64_t heads, int64_t d, Q* op) {
+void merge(const float* part, const std::vector<int64_t>& first_chunk, int64_t B, int64_t heads, int64_t d,
+           const float* sinks, Q* op) {
   at::parallel_for(0, B * heads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(d), w;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / heads, h = t % heads, c0 = first_chunk[b], nc = first_chunk[b + 1] - c0;
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < nc; ++c) top = std::max(top, part[((c0 + c) * heads + h) * (d + 2)]);
+      if (sinks) top = std::max(top, sinks[h]);
       w.resize(nc);
       float sum = 0.0f;
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -273,6 +281,7 @@ void merge(const float* part, const std::vector<int64_t>& first_chunk, int64_t B
         sum += pc[1] * w[c];
         for (int64_t i = 0; i < d; ++i) acc[i] += w[c] * pc[2 + i];
       }
+      if (sinks) sum += exp1(sinks[h] - top);
       for (int64_t i = 0; i < d; ++i) op[t * d + i] = static_cast<Q>(acc[i] / sum);
     }
   });
@@ -280,7 +289,8 @@ void merge(const float* part, const std::vector<int64_t>& first_chunk, int64_t B
 
 template <typename Q, typename KV>
 void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* slots,
-            const int64_t* offsets, const float* ks, const float* vs, int64_t per_head, float scale, at::Tensor& out) {
+            const int64_t* offsets, const float* ks, const float* vs, int64_t per_head, float scale, float softcap,
+            const float* sinks, at::Tensor& out) {
   const int64_t B = q.size(0), heads = q.size(1), d = q.size(2), kvh = keys.size(1);
   std::vector<float> k_table, v_table, k_scales, v_scales;
   const bool lanes = std::is_same_v<KV, c10::Float8_e4m3fn> &&
@@ -303,19 +313,21 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
     chunk_seq.insert(chunk_seq.end(), n, b);
   }
   at::Tensor part = at::empty({first_chunk[B], heads, d + 2}, q.options().dtype(at::kFloat));
-  chunks<Q, KV>(q.data_ptr<Q>(), k_rows, v_rows, slots, offsets, chunk_seq, first_chunk, heads, scale, part.data_ptr<float>());
-  merge<Q>(part.data_ptr<float>(), first_chunk, B, heads, d, out.data_ptr<Q>());
+  chunks<Q, KV>(q.data_ptr<Q>(), k_rows, v_rows, slots, offsets, chunk_seq, first_chunk, heads, scale, softcap,
+                  part.data_ptr<float>());
+  merge<Q>(part.data_ptr<float>(), first_chunk, B, heads, d, sinks, out.data_ptr<Q>());
 }
 
 template <typename Q>
 void by_cache(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* slots,
-              const int64_t* offsets, const float* ks, const float* vs, int64_t per_head, float scale, at::Tensor& out) {
+              const int64_t* offsets, const float* ks, const float* vs, int64_t per_head, float scale, float softcap,
+              const float* sinks, at::Tensor& out) {
   switch (keys.scalar_type()) {
-    case at::kFloat: return attend<Q, float>(q, keys, values, slots, offsets, ks, vs, per_head, scale, out);
-    case at::kBFloat16: return attend<Q, c10::BFloat16>(q, keys, values, slots, offsets, ks, vs, per_head, scale, out);
-    case at::kHalf: return attend<Q, c10::Half>(q, keys, values, slots, offsets, ks, vs, per_head, scale, out);
-    case at::kFloat8_e4m3fn: return attend<Q, c10::Float8_e4m3fn>(q, keys, values, slots, offsets, ks, vs, per_head, scale, out);
-    case at::kFloat8_e5m2: return attend<Q, c10::Float8_e5m2>(q, keys, values, slots, offsets, ks, vs, per_head, scale, out);
+    case at::kFloat: return attend<Q, float>(q, keys, values, slots, offsets, ks, vs, per_head, scale, softcap, sinks, out);
+    case at::kBFloat16: return attend<Q, c10::BFloat16>(q, keys, values, slots, offsets, ks, vs, per_head, scale, softcap, sinks, out);
+    case at::kHalf: return attend<Q, c10::Half>(q, keys, values, slots, offsets, ks, vs, per_head, scale, softcap, sinks, out);
+    case at::kFloat8_e4m3fn: return attend<Q, c10::Float8_e4m3fn>(q, keys, values, slots, offsets, ks, vs, per_head, scale, softcap, sinks, out);
+    case at::kFloat8_e5m2: return attend<Q, c10::Float8_e5m2>(q, keys, values, slots, offsets, ks, vs, per_head, scale, softcap, sinks, out);
     default: TORCH_CHECK(false, "paged_decode_attention: KV cache dtype ", keys.scalar_type(), " is not supported");
   }
 }
@@ -323,7 +335,7 @@ void by_cache(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& val
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values,
                                   const at::Tensor& slots_in, const at::Tensor& offsets_in,
                                   const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
-                                  double scale) {
+                                  double scale, double softcap, const c10::optional<at::Tensor>& sinks_in) {
   TORCH_CHECK(q_in.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "paged_decode_attention: q [B, heads, d], keys/values [slots, kv_heads, d]");
   TORCH_CHECK(q_in.size(2) == keys.size(2) && q_in.size(1) % keys.size(1) == 0, "paged_decode_attention: head shapes do not match");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.scalar_type() == values.scalar_type(), "paged_decode_attention: keys and values must be contiguous, of one dtype");
@@ -347,12 +359,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& keys
   }
   const float* ks = k_scale.has_value() ? ksf.data_ptr<float>() : nullptr;
   const float* vs = k_scale.has_value() ? vsf.data_ptr<float>() : nullptr;
+  TORCH_CHECK(softcap >= 0.0, "paged_decode_attention: softcap must be >= 0 (0: none)");
+  at::Tensor sinks_f;
+  if (sinks_in.has_value()) {
+    sinks_f = sinks_in->to(at::kFloat).contiguous().reshape(-1);
+    TORCH_CHECK(sinks_f.numel() == q.size(1), "paged_decode_attention: sinks are one per query head");
+  }
+  const float* sinks = sinks_in.has_value() ? sinks_f.data_ptr<float>() : nullptr;
+  const float cap = static_cast<float>(softcap);
   at::Tensor out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
   switch (q.scalar_type()) {
-    case at::kFloat: by_cache<float>(q, keys, values, s, o, ks, vs, per_head, sc, out); break;
-    case at::kBFloat16: by_cache<c10::BFloat16>(q, keys, values, s, o, ks, vs, per_head, sc, out); break;
-    case at::kHalf: by_cache<c10::Half>(q, keys, values, s, o, ks, vs, per_head, sc, out); break;
+    case at::kFloat: by_cache<float>(q, keys, values, s, o, ks, vs, per_head, sc, cap, sinks, out); break;
+    case at::kBFloat16: by_cache<c10::BFloat16>(q, keys, values, s, o, ks, vs, per_head, sc, cap, sinks, out); break;
+    case at::kHalf: by_cache<c10::Half>(q, keys, values, s, o, ks, vs, per_head, sc, cap, sinks, out); break;
     default: TORCH_CHECK(false, "paged_decode_attention: query dtype ", q.scalar_type(), " is not supported");
   }
   return out;
@@ -362,7 +382,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& keys
 
 TORCH_LIBRARY_FRAGMENT(HQT_OPS_NS, m) {
   m.def("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor slots, Tensor offsets, Tensor? k_scale, "
-        "Tensor? v_scale, float scale) -> Tensor");
+        "Tensor? v_scale, float scale, float softcap=0., Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(HQT_OPS_NS, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
