@@ -7,9 +7,12 @@ its slots scattered over the pool as the engine leaves them. Speed relative to t
   dequantized to the query's) and masked, attended by SDPA (the engine's CUDA-graph step);
 - `op`: `torch.ops.hqtflow.paged_decode_attention` (runtime/csrc/), what the engine runs on a CPU.
 The rows cover SmolLM2-135M's heads (9 query, 3 KV, d 64) and an 8B Llama's (32, 8, d 128), with the KV cache in the
-model's dtype (fp32, bf16) or FP8 (`fp8`: E4M3 with a per-layer scale, fp32 queries). Timing is the median of `--iters` calls after warm-up.
+model's dtype (fp32, bf16) or FP8 (`fp8`: E4M3 with a per-layer scale, fp32 queries). `--softcap C` soft-caps the
+scores (Gemma 2: 50) and `--sinks` adds a sink logit per head (gpt-oss) in all three. Timing is the median of
+`--iters` calls after warm-up.
 
-    python bench/paged_attention.py [--batches 1,8,32] [--lengths 64,256,1024,4096] [--threads N] [--smoke]
+    python bench/paged_attention.py [--batches 1,8,32] [--lengths 64,256,1024,4096] [--threads N] [--softcap C]
+                                    [--sinks] [--smoke]
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def step(model: str, cache: str, batch: int, length: int, seed: int = 0):
     return pool, q, reads, tables
 
 
-def ways(pool: KVPool, q: torch.Tensor, reads: list[torch.Tensor], tables: list[list[int]]) -> dict:
+def ways(pool: KVPool, q: torch.Tensor, reads: list[torch.Tensor], tables: list[list[int]], softcap: float = 0.0,
+         sinks: torch.Tensor | None = None) -> dict:
     """name -> a call computing [B, heads, d] for this step."""
     batch, heads, d = q.shape
     ks, vs = pool.scales[0] if pool.scales is not None else (None, None)
@@ -62,10 +66,11 @@ def ways(pool: KVPool, q: torch.Tensor, reads: list[torch.Tensor], tables: list[
     k_new, v_new = pool.read(0, last, q.dtype)  # the step's own KV (rewritten in place: the same values)
     q4, k4, v4 = q.transpose(0, 1)[None], k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None]
     return {
-        "loop": lambda: torch.stack([attend_one(q[b], *pool.read(0, r, q.dtype), None) for b, r in enumerate(reads)]),
-        "padded": lambda: decode_batch_attention(0, plan, q4, k4, v4, None)[0],
+        "loop": lambda: torch.stack([attend_one(q[b], *pool.read(0, r, q.dtype), None, softcap, sinks)
+                                     for b, r in enumerate(reads)]),
+        "padded": lambda: decode_batch_attention(0, plan, q4, k4, v4, None, None, softcap, sinks)[0],
         "op": lambda: torch.ops.hqtflow.paged_decode_attention(q, pool.keys[0], pool.values[0], slots, offsets, ks, vs,
-                                                               d ** -0.5),
+                                                               d ** -0.5, softcap, sinks),
     }
 
 
@@ -88,6 +93,8 @@ def main() -> None:
     p.add_argument("--lengths", default="64,256,1024,4096")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--softcap", type=float, default=0.0, help="soft-cap the scores at this value (Gemma 2: 50)")
+    p.add_argument("--sinks", action="store_true", help="a sink logit per query head (gpt-oss)")
     p.add_argument("--smoke", action="store_true", help="one small row per cache: CI keeps the bench from rotting")
     a = p.parse_args()
     if a.smoke:
@@ -99,14 +106,15 @@ def main() -> None:
     if not cpu_ops():
         sys.exit("hqtflow's CPU ops could not be built here (no C++ compiler?): there is no op to measure.")
     print(f"CPU flags: {' '.join(cpu_flags()) or '(none found)'}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads; softcap {a.softcap or 'none'}, sinks {'yes' if a.sinks else 'no'}")
     print(f"{'model':9} {'cache':15} {'B':>3} {'L':>5} | {'loop':>7} {'padded':>7} {'op':>7} | "
           f"{'op / fastest baseline':>21} {'max |op, padded - loop|':>24}")
     for model in a.models.split(","):
         for cache in a.caches.split(","):
             for batch in map(int, a.batches.split(",")):
                 for length in map(int, a.lengths.split(",")):
-                    fns = ways(*step(model, cache, batch, length))
+                    sinks = torch.linspace(-2, 2, MODELS[model][0]) if a.sinks else None
+                    fns = ways(*step(model, cache, batch, length), a.softcap, sinks)
                     ref = fns["loop"]().float()
                     err = max((fns[n]().float() - ref).abs().max().item() for n in ("op", "padded"))
                     t = {name: timed(fn, a.iters) for name, fn in fns.items()}
