@@ -66,7 +66,7 @@ def resolve_model(ref: str | None) -> Path:
             raise ModelError(f"Model directory {p} has no config.json; it is not a Hugging Face model folder.")
         load_config(p)
         damaged = ArtifactError if (p / MANIFEST).is_file() else ModelError  # hqtflow's checkpoint, or a model
-        for f in sorted(p.glob("*.safetensors")):
+        for f in weight_files(p, damaged):
             check_safetensors(f, damaged)
         return p
     if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
@@ -161,18 +161,36 @@ def load_tokenizer(path: Path):
 
 @contextlib.contextmanager
 def quiet_load_report():
-    """Hold back transformers' LOAD REPORT warning (missing, unexpected, mismatched weights) for the call."""
+    """Hold back transformers' LOAD REPORT warning (missing, unexpected, mismatched weights) for the call; yields the
+    list the held-back reports are put in."""
     import logging
 
+    held: list[str] = []
+
     def no_report(record: logging.LogRecord) -> bool:
-        return "LOAD REPORT" not in str(record.msg)
+        if "LOAD REPORT" not in str(record.msg):
+            return True
+        held.append(record.getMessage())
+        return False
 
     log = logging.getLogger("transformers.modeling_utils")
     log.addFilter(no_report)
     try:
-        yield
+        yield held
     finally:
         log.removeFilter(no_report)
+
+
+def conversion_error(reports: list[str]) -> str | None:
+    """The first weight conversion error of transformers' held-back LOAD REPORT ("<what failed>, for <tensor>"), or
+    None. Its CONVERSION rows end with the exception's message and "Error: <op> on tensors destined for <tensor>."."""
+    import re
+
+    for report in reports:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", report)
+        for m in re.finditer(r"\n(\S[^\n]*)\nError: \w+ on tensors destined for (\S+)", text):
+            return f"{m.group(1).strip().rstrip('.')}, for {m.group(2).rstrip('.')}"
+    return None
 
 
 def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
@@ -189,7 +207,7 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
         except ImportError:  # older transformers
             kwargs["tp_plan"] = tp_plan
     try:
-        with quiet_load_report():  # its findings are refused below, in one sentence
+        with quiet_load_report() as reports:  # its findings are refused below, in one sentence
             model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
                                                                ignore_mismatched_sizes=True, **kwargs)
     except config_errors() as e:
@@ -198,6 +216,9 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
         raise ModelError(f"Cannot load the model in {path} (its .bin weights are not a plain PyTorch state dict; "
                          "hqtflow reads them weights-only and never unpickles other objects).") from None
     except (OSError, RuntimeError, SafetensorError, *BUILD_ERRORS) as e:  # unreadable files, weights not fitting
+        if (converting := conversion_error(reports)) is not None:  # the exception points at the report held back
+            raise ModelError(f"Cannot load the model in {path}: transformers cannot assemble its weights "
+                             f"({converting}).") from None
         raise ModelError(f"Cannot load the model in {path} ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
     for kind, meaning in (("missing_keys", "its weight files lack"), ("unexpected_keys", "its config.json has no place for"),
                           ("mismatched_keys", "config.json gives other shapes to")):
@@ -206,6 +227,12 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
             more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
             raise ModelError(f"Cannot load the model in {path}: {meaning} {len(keys)} weights "
                              f"({', '.join(keys[:3])}{more}); the weights and config.json do not belong together.")
+    from hqtflow.formats.hf_names import loaded_twice
+
+    files = weight_files(path)
+    if twice := loaded_twice(model, [k for f in files for k in safetensors_header(f)[1] if k != "__metadata__"]):
+        raise ModelError(f"{path} holds a weight twice, as {twice[0]} and {twice[1]}; the weights and config.json do "
+                         "not belong together.")
     model.eval()
     return model
 
@@ -237,6 +264,37 @@ def attention_modules(model) -> dict[int, str]:
     """{layer index: name} of the attention modules whose keys and values a KV cache holds (those with `k_proj`)."""
     return {m.layer_idx: n for n, m in model.named_modules() if isinstance(getattr(m, "layer_idx", None), int)
             and hasattr(m, "k_proj")}
+
+
+# ---- weight files -----------------------------------------------------------------------------
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def weight_files(path: Path, error: type[Exception] = ModelError) -> list[Path]:
+    """The safetensors files of a model folder, as transformers picks them: the shards its
+    model.safetensors.index.json maps weights to (each must be there), else model.safetensors, else (a folder of
+    other names) every *.safetensors. Another .safetensors file beside them is not part of the model."""
+    from hqtflow.formats.artifact import confined
+
+    path = Path(path)
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+            if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in names):
+                raise TypeError("weight_map is not an object of file names")
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise error(f"{index} is not a valid safetensors index ({type(e).__name__}: {e}).") from None
+        try:
+            files = [confined(path, n) for n in names]
+        except ArtifactError as e:
+            raise error(str(e)) from None
+        if missing := [f.name for f in files if not f.is_file()]:
+            raise error(f"{index} maps weights to {missing[0]}, which is not in {path}.")
+        return files
+    single = path / "model.safetensors"
+    return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
 
 
 # ---- fingerprint ------------------------------------------------------------------------------
@@ -284,7 +342,7 @@ def fingerprint(path: Path, *, sample_bytes: int = 4096, max_tensors: int = 256)
     cfg_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
     headers = hashlib.sha256()
     sample = hashlib.sha256()
-    files = sorted(path.glob("*.safetensors"))
+    files = weight_files(path)
     entries = []
     for f in files:
         start, header = safetensors_header(f)

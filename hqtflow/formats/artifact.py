@@ -413,6 +413,12 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
         raise ArtifactError(f"{mpath} is corrupt: {problem}.")
     for rel in files:
         confined(directory, rel)
+    if found_type in (ArtifactKind.CHECKPOINT, ArtifactKind.EXPORT):  # the weights read are the ones listed
+        from hqtflow.models import SAFETENSORS_INDEX, weight_files
+
+        for f in [*weight_files(directory, ArtifactError), directory / SAFETENSORS_INDEX]:
+            if f.is_file() and f.relative_to(directory).as_posix() not in files:
+                raise ArtifactError(f"{directory} was modified after it was written: {f.name} is not in its manifest.")
     if verify:
         for rel, digest in files.items():
             p = directory / rel

@@ -239,18 +239,21 @@ class TensorEntry:
 
 
 class TensorFiles:
-    """The tensors of a folder's `*.safetensors` files: `entries` from the headers (each file checked first, no tensor
-    read), `get(key)` one tensor, memory-mapped (its pages are file pages, reclaimable, not anonymous memory)."""
+    """The tensors of a folder's safetensors files (`hqtflow.models.weight_files`: those transformers loads):
+    `entries` from the headers (each file checked first, no tensor read), `get(key)` one tensor, memory-mapped (its
+    pages are file pages, reclaimable, not anonymous memory). `error`: the kind of a damaged file's refusal."""
 
-    def __init__(self, directory: Path, *, device: str = "cpu"):
-        from hqtflow.models import check_safetensors, safetensors_header
+    def __init__(self, directory: Path, *, device: str = "cpu", error: type[Exception] = ArtifactError):
+        from hqtflow.models import check_safetensors, safetensors_header, weight_files
 
         self.directory, self.device = Path(directory), device
-        self.files = sorted(self.directory.glob("*.safetensors"))
+        self.files = weight_files(self.directory, error)
         self.entries: dict[str, TensorEntry] = {}
         for f in self.files:
-            check_safetensors(f)
+            check_safetensors(f, error)
             for k, info in safetensors_header(f)[1].items():
+                if k in self.entries:
+                    raise error(f"{self.directory}: {k} is in both {self.entries[k].file.name} and {f.name}.")
                 if k != "__metadata__":
                     b, e = info["data_offsets"]
                     self.entries[k] = TensorEntry(f, k, info["dtype"], list(info["shape"]), e - b)
@@ -331,7 +334,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     Unsupported schemes are refused by parse_quantization_config.
     """
     from hqtflow.formats.compressed_tensors import parse_quantization_config
-    from hqtflow.formats.hf_names import per_expert_containers, to_model_names
+    from hqtflow.formats.hf_names import module_or_none, per_expert_containers, to_model_names
     from hqtflow.models import load_config
     from hqtflow.quantize.experts import unfuse_experts
     from hqtflow.quantize.fp8_linear import FP8Linear
@@ -392,6 +395,11 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
             new.dynamic_rule = Rule("PCS" if activation == "dynamic_token" else "PTS", rounding=r["rounding"],
                                     backoff=r["backoff"], dynamic="inc")
         model.set_submodule(name, new)
+    for k, t in tensors.items():  # FP8 bytes anywhere else would be used as numbers (a router, a norm)
+        if t.dtype in FP8_WEIGHT_DTYPES and not (k.endswith(".weight") and isinstance(
+                module_or_none(model, k[: -len(".weight")]), FP8Linear)):
+            raise ArtifactError(f"{path}: {k} is stored in {t.dtype} but is not the weight of a Linear layer with its "
+                                "weight_scale; hqtflow runs FP8 weights in Linear layers only.")
     for key, value in kv_scales.items():
         mod_name, _, leaf = key.rpartition(".")
         try:

@@ -122,6 +122,14 @@ def _merge(leaf: str, parts: list[torch.Tensor], rows: list[int], block_rows: in
     return torch.cat(parts)  # weights; block-wise scales (whole blocks of rows each)
 
 
+def module_or_none(model, name: str):
+    """model.get_submodule(name), None where there is none."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def to_model_names(model, tensors: dict[str, torch.Tensor], where: str = "",
                    block_size: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """`tensors` (a checkpoint's) under `model`'s names; per-expert tensors on disk become `<experts>.<e>.<proj>.*`.
@@ -148,12 +156,38 @@ def to_model_names(model, tensors: dict[str, torch.Tensor], where: str = "",
                                 f"{len(ts)} `{leaf}` tensors its {proj} is made of.")
         weights = parts.get((container, proj, e, "weight"))
         rows = [w.shape[0] if w is not None else 0 for w in weights] if weights else [0] * len(ts)
+        fused = getattr(module_or_none(model, container), proj, None)  # [experts, out, in]: each part out / n rows
+        if leaf == "weight" and fused is not None and fused.dim() == 3 and rows != [fused.shape[1] // len(ts)] * len(ts):
+            raise ArtifactError(f"{where}: expert {e} of {container} has {proj} parts of {rows} rows; the model's "
+                                f"config gives each {fused.shape[1] // len(ts)}.")
         if f"{container}.{e}.{proj}.{leaf}" in out:
             raise ArtifactError(f"{where}: {container}.{e}.{proj}.{leaf} is in the checkpoint both whole and in parts; "
                                 "the checkpoint holds a weight twice under different names.")
         out[f"{container}.{e}.{proj}.{leaf}"] = _merge(leaf, ts, rows, block_size[0] if block_size else None,
                                                         f"{where}: expert {e} of {container}")
     return out
+
+
+def loaded_twice(model, keys) -> tuple[str, str] | None:
+    """Two of a checkpoint's tensor names that transformers would load as one tensor of `model` (renamed and not, or
+    an expert's matrix both per expert and in the fused 3-D tensor), or None. transformers keeps one of them
+    silently."""
+    m = Mapping.of(model)
+    if m is None:
+        return None
+    whole: dict[str, str] = {}
+    parts: dict[tuple, str] = {}
+    for key in keys:
+        expert = m.expert_of(key) if any(m.experts.values()) else None
+        target = m.forward(key)[0] if expert is None else (*expert[:4], key.rpartition(".")[2])
+        seen = whole if expert is None else parts
+        if target in seen:
+            return seen[target], key
+        seen[target] = key
+    for (container, proj, *_), key in parts.items():
+        if f"{container}.{proj}" in whole:
+            return whole[f"{container}.{proj}"], key
+    return None
 
 
 def per_expert_containers(keys) -> set[str]:

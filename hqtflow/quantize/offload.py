@@ -22,6 +22,7 @@ checked; `free_memory_bytes` and `free_disk_bytes` are the probes (tests monkeyp
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ import torch
 
 from hqtflow.errors import ModelError, ResourceError
 from hqtflow.formats.checkpoint import ST_DTYPES, SafetensorsWriter, TensorEntry, TensorFiles, TensorSpec, shard_names
-from hqtflow.formats.hf_names import Mapping, disk_keys, disk_module_names, split, split_shape
+from hqtflow.formats.hf_names import Mapping, disk_keys, disk_module_names, loaded_twice, split, split_shape
 
 DEFAULT_SHARD_SIZE = 512 * 2**20  # bytes of tensor data per output file
 QUANT_CHUNK_ELEMS = 1 << 20  # weights are cast to FP8 in row blocks of about this many elements
@@ -123,7 +124,7 @@ class OffloadPlan:
 
 
 def read_sources(model_dir: Path) -> dict[str, TensorEntry]:
-    tf = TensorFiles(model_dir)
+    tf = TensorFiles(model_dir, error=ModelError)
     if not tf.files:
         raise ModelError(f"--disk-offload reads safetensors weights, and {model_dir} has no *.safetensors file.")
     return tf.entries
@@ -215,6 +216,9 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
         config.tie_word_embeddings = False  # as convert_model's untying does
     prefix = getattr(skel, "base_model_prefix", "") or ""
 
+    if twice := loaded_twice(skel, sources):
+        raise ModelError(f"{model_dir} holds a weight twice, as {twice[0]} and {twice[1]}; the weights and "
+                         "config.json do not belong together.")
     renamed, merged = _source_names(skel, sources)
 
     def find(key: str) -> TensorEntry | None:
@@ -254,11 +258,12 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
                 if e not in parts or None in parts[e]:
                     raise ModelError(f"--disk-offload cannot find the weights of expert {e} of {mod} in the "
                                      f"safetensors files of {model_dir}.")
-                rows = sum(p.shape[1] if i is not None else p.shape[0] for p, i in parts[e])
+                rows = [p.shape[1] if i is not None else p.shape[0] for p, i in parts[e]]
                 cols = {p.shape[-1] for p, _ in parts[e]}
-                if rows != out_f or cols != {in_f}:
-                    raise ModelError(f"{model_dir}: the weights of expert {e} of {mod} make a [{rows}, {sorted(cols)}] "
-                                     f"matrix, the model expects [{out_f}, {in_f}].")
+                if rows != [out_f // len(rows)] * len(rows) or cols != {in_f}:  # gate and up: half the rows each
+                    raise ModelError(f"{model_dir}: the weights of expert {e} of {mod} are {len(rows)} matrices of "
+                                     f"{rows} rows and {sorted(cols)} columns; the model expects "
+                                     f"{' and '.join([f'[{out_f // len(rows)}, {in_f}]'] * len(rows))}.")
             if mod not in unfused:  # kept fused (blocklisted): the 3-D tensor, gathered expert after expert
                 units.append(Unit("copy", [TensorSpec(key, v.dtype, list(v.shape))],
                                   parts=[part for e in range(v.shape[0]) for part in parts[e]]))
@@ -304,6 +309,13 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
             src = need(key, v.shape)
             units.append(Unit("copy", [TensorSpec(key, v.dtype, list(v.shape))], src))
             largest = max(largest, v.numel())
+    used = {e.key for u in units for e in [u.source, u.bias_source, *(pe for pe, _ in u.parts or ())] if e is not None}
+    used |= {emb_key} if untie else {f"{lm_name}.weight", f"{prefix}.{lm_name}.weight"} if tied else set()
+    ignored = [re.compile(p) for p in getattr(skel, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    if unknown := sorted(k for k in set(sources) - used if not any(p.search(k) for p in ignored)):
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise ModelError(f"Cannot load the model in {model_dir}: its config.json has no place for {len(unknown)} "
+                         f"weights ({', '.join(unknown[:3])}{more}); the weights and config.json do not belong together.")
     for key, v in (extra_values or {}).items():  # computed tensors the source lacks (KV-cache scales)
         units.append(Unit("value", [TensorSpec(key, v.dtype, list(v.shape))], value=v))
     keys = disk_keys(skel, [t.key for u in units for t in u.outputs], unfused) if unfused else None
@@ -358,7 +370,7 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
     t0 = time.perf_counter()
     weight_map: dict[str, str] = {}
     read_bytes = 0
-    with TensorFiles(p.model_dir) as source, torch.no_grad():
+    with TensorFiles(p.model_dir, error=ModelError) as source, torch.no_grad():
         for name, idx in zip(p.shard_names, p.shards):
             outs = [t for i in idx for t in p.units[i].specs]
             with SafetensorsWriter(out / name, outs) as shard:

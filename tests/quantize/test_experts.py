@@ -4,6 +4,7 @@ routed-token statistics, stored per expert in the checkpoint and run by the FP8 
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -434,3 +435,52 @@ def test_a_foreign_blockwise_moe_checkpoint(tiny_factory, tmp_path):
     _blockwise_fp8(src, tmp_path / "fp8-32", 32)
     with pytest.raises(ArtifactError, match=r"gate and up have \[48, 48\] rows, not whole blocks of 32"):
         load_checkpoint(tmp_path / "fp8-32")
+
+
+def test_a_damaged_moe_checkpoint_is_refused(moe, tmp_path):
+    """What once loaded from an edited MoE checkpoint: gate and up of an expert re-split at another row (the merged
+    shape right), a router stored in FP8 (it ran as FP8 bytes; export raised a KeyError), a weight file the manifest
+    does not list. A .safetensors file beside model.safetensors is not part of the checkpoint (transformers ignores
+    it; hqtflow once read it and its tensors replaced the hash-checked ones)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import hqtflow
+    from hqtflow.errors import ArtifactError
+    from hqtflow.formats.checkpoint import load_checkpoint
+
+    _, d, _ = moe
+    experts = "model.layers.0.block_sparse_moe.experts"
+    ck = tmp_path / "ck"
+    shutil.copytree(d / "q", ck)
+    original = load_file(ck / "model.safetensors")
+    save_file({f"{experts}.1.w1.weight": torch.zeros_like(original[f"{experts}.1.w1.weight"])}, ck / "zz-extra.safetensors")
+    model = hqtflow.load(ck, backend="qdq")[0]  # verified; the stray file not read
+    assert torch.equal(model.get_submodule("model.layers.0.mlp.experts.1.gate_up_proj").weight[:96].view(torch.uint8),
+                       original[f"{experts}.1.w1.weight"].view(torch.uint8))
+
+    def damaged(change) -> Path:
+        out = tmp_path / f"d{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(d / "q", out)
+        tensors = dict(original)
+        change(tensors)
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        return out
+
+    gate_up = torch.cat([original[f"{experts}.1.w1.weight"], original[f"{experts}.1.w3.weight"]])
+    resplit = damaged(lambda t: t.update({f"{experts}.1.w1.weight": gate_up[:80].clone(),
+                                          f"{experts}.1.w3.weight": gate_up[80:].clone()}))
+    with pytest.raises(ArtifactError, match=r"gate_up_proj parts of \[80, 112\] rows; the model's config gives each 96"):
+        load_checkpoint(resplit)
+    router = "model.layers.0.block_sparse_moe.gate.weight"
+    fp8_router = damaged(lambda t: t.update({router: t[router].to(torch.float8_e4m3fn)}))
+    with pytest.raises(ArtifactError, match="mlp.gate.weight is stored in torch.float8_e4m3fn but is not the weight of a Linear"):
+        load_checkpoint(fp8_router)
+    r = run_cli("export", fp8_router, "--format", "fp8", "-o", tmp_path / "ex")
+    assert r.exit_code == 3 and "Traceback" not in r.output, r.output
+    manifest = json.loads((ck / MANIFEST).read_text())
+    del manifest["files"]["model.safetensors"]
+    (ck / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="model.safetensors is not in its manifest"):
+        hqtflow.load(ck)

@@ -131,6 +131,69 @@ def test_offload_moe_experts_equal_in_memory(tiny_factory, wiki_text, tmp_path, 
     assert per_expert == ("-c" not in extra)
 
 
+EXPERTS = "model.layers.0.block_sparse_moe.experts"
+DAMAGES = {  # what is done to a tiny Mixtral's tensors (Mixtral's own names: w1 gate, w3 up, w2 down)
+    "gate and up split at another row": (lambda t: t.update({
+        f"{EXPERTS}.1.w1.weight": torch.cat([t[f"{EXPERTS}.1.w1.weight"], t[f"{EXPERTS}.1.w3.weight"]])[:80].clone(),
+        f"{EXPERTS}.1.w3.weight": torch.cat([t[f"{EXPERTS}.1.w1.weight"], t[f"{EXPERTS}.1.w3.weight"]])[80:].clone()}),
+        r"\[96, 64\] at entry 0 and \[80, 64\]|\[80, 112\] rows"),
+    "a weight under two names": (lambda t: t.update({"model.layers.0.mlp.gate.weight":
+                                                     t["model.layers.0.block_sparse_moe.gate.weight"] + 1}),
+                                 "holds a weight twice, as model.layers.0.block_sparse_moe.gate.weight and "
+                                 "model.layers.0.mlp.gate.weight"),
+    "a tensor the model has no place for": (lambda t: t.update({"model.foo.bar": torch.zeros(3)}),
+                                            r"no place for 1 weights \(model.foo.bar\)"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damaged_moe_sources_are_refused_by_both_paths(tiny_factory, tmp_path, damage):
+    """A source model whose tensors do not fit its config is refused in one sentence by the in-memory loader
+    (transformers' own conversion errors, held back in its load report, named) and by --disk-offload's planner alike:
+    both once took such a model (offload wrote gate and up re-split at the right row, dropped unknown tensors, and
+    the two paths kept different copies of a weight stored twice)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hqtflow import models
+    from hqtflow.errors import ModelError
+
+    change, message = DAMAGES[damage]
+    model = tmp_path / "m"
+    shutil.copytree(tiny_factory("mixtral"), model)
+    tensors = load_file(model / "model.safetensors")
+    change(tensors)
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=message):
+        models.load_model(model, "bf16")
+    with pytest.raises(ModelError, match=message):
+        offload.plan_offload(model, [], dtype="bf16", weight_only=False, per_channel=False)
+
+
+def test_weight_files_are_those_transformers_reads(tiny_factory, tmp_path):
+    """Another .safetensors file beside model.safetensors (or beside an index's shards) is not part of the model for
+    any reader (transformers ignores it; --disk-offload read it and its tensors won); an index naming a missing
+    shard is refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hqtflow import models
+    from hqtflow.errors import ModelError
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_factory("mixtral"), model)
+    key = f"{EXPERTS}.1.w1.weight"
+    save_file({key: torch.zeros_like(load_file(model / "model.safetensors")[key])}, model / "zz-old.safetensors")
+    assert models.weight_files(model) == [model / "model.safetensors"]
+    plan = offload.plan_offload(model, [], dtype="bf16", weight_only=False, per_channel=False)
+    assert {e.file.name for u in plan.units for e, _ in u.parts or ()} == {"model.safetensors"}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {key: "model-00002.safetensors"}}))
+    with pytest.raises(ModelError, match="maps weights to model-00002.safetensors, which is not in"):
+        offload.plan_offload(model, [], dtype="bf16", weight_only=False, per_channel=False)
+
+
 def test_offload_single_shard_default(measured, tmp_path):
     out = _quantize(measured, tmp_path / "off", "--disk-offload")
     assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
