@@ -447,7 +447,19 @@ class LinearScales:
 
 
 def linear_scales(method: ScaleMethod, input_maxabs, weight: torch.Tensor, *, target: str = "cpu",
-                  fp8: str = "E4M3", hp_dtype: str = "bf16") -> LinearScales:
+                  fp8: str = "E4M3", hp_dtype: str = "bf16", name: str = "a Linear") -> LinearScales:
+    """Refused (one sentence naming `name`): a weight holding NaN or infinity (a damaged model file: no scale fits
+    it), and an input scale no checkpoint reader would take (its statistics are corrupt)."""
+    from hqtflow.errors import ArtifactError, ModelError
+    from hqtflow.formats.scale_files import MAX_SCALE
+
+    if not bool(torch.isfinite(weight).all()):
+        bad = int((~torch.isfinite(weight)).sum())
+        raise ModelError(f"The weight of {name} holds {bad} NaN or infinite values; no FP8 scale fits it (is the "
+                         "model file damaged?).")
     kw = dict(target=target, fp8=fp8, hp_dtype=hp_dtype)
     s_in = None if method.dynamic else activation_scale(input_maxabs, method.activation, **kw)
+    if s_in is not None and not 0 < float(s_in) <= MAX_SCALE:  # NaN fails too
+        raise ArtifactError(f"The measured input maxabs of {name} gives the scale {float(s_in):.3g}, outside "
+                            f"(0, {MAX_SCALE:.3g}]; the statistics are corrupt.")
     return LinearScales(s_in, weight_scale(weight, method.weight, inc=method.inc_codes, **kw))

@@ -153,6 +153,13 @@ def set_weight(value):
     return fn
 
 
+def set_last_weight(value):
+    """The last element of a weight: past the bytes the model's fingerprint samples (its first 4 KB)."""
+    def fn(t):
+        t["model.layers.0.mlp.up_proj.weight"][-1, -1] = value
+    return fn
+
+
 def killed_quantize(c, name):
     """What a kill -9 during quantize leaves: weights and config, no tokenizer, no manifest."""
     d = c.copy("ck", name)
@@ -342,6 +349,14 @@ CASES = {
                                         '{"mode": "QUANTIZE", "scale_method": "maxabs_pow2", "scale_method": "unit_scale"}')),
                                         "gives key 'scale_method' twice"),
     "quantize/statistic overflows float32": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(1e39)))), "non-finite input"),
+    "quantize/statistic gives a scale no reader takes": (lambda c: quantize(c, rehash(stats(c.copy("m"), node(1e38)))),
+                                                         "the statistics are corrupt"),
+    "quantize/statistic of another layer's length": (lambda c: quantize(c, rehash(stats(c.copy("m"), lambda r: r["Nodes"][NODE].update(
+                                                         inputs=[[[1.0, 2.0, 3.0]]])))),
+                                                     "have 3 values, but the layer has 64 inputs"),
+    "quantize/model weight NaN past the fingerprint's bytes": (
+        lambda c: ["quantize", tensors(c.copy("model"), set_last_weight(float("nan"))), "-m", c.m, "-o", c.out],
+        "holds 1 NaN or infinite values"),
     "quantize/QUANT_CONFIG selects nothing": (lambda c: quantize(c, c.m, "-c", write(c.w / "c.json", json.dumps(
         {"mode": "QUANTIZE", "allowlist": {"types": [], "names": ["no_such_layer"]}}))), "quantizes no Linear layer"),
     "quantize/manifest model not an object": (lambda c: quantize(c, manifest(c.copy("m"), model="x")), "corrupt"),
@@ -755,7 +770,8 @@ MODEL_CASES = {"measure/nan weights", "measure/inf weights", "measure/truncated 
                "measure/garbage weights, header offsets overlap",
                "measure/config has a layer the weights lack", "measure/config has fewer layers than the weights",
                "measure/config's vocabulary disagrees with the weights", "measure/config's rope type unknown",
-               "measure/garbage pickle weights", "generate/garbage weights, foreign"}
+               "measure/garbage pickle weights", "generate/garbage weights, foreign",
+               "quantize/model weight NaN past the fingerprint's bytes"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))

@@ -101,7 +101,8 @@ def plan_job(s: QuantizeSettings) -> Job:
                                 f"run `hqtflow unify -g {''.join(map(str, range(meas.world_size)))} -m {meas.directory} -o DIR` first.")
         if cfg.fp8_config != "E4M3":
             raise ConfigError("compressed-tensors FP8 checkpoints are E4M3; fp8_config E5M2 is supported with --scales-only.")
-    plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0], unfuse=not s.scales_only)
+    plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0], unfuse=not s.scales_only,
+                        world_size=meas.world_size)
     if not plan["quantize"]:
         raise ConfigError("The config quantizes no Linear layer of this model (every one is excluded by its "
                           "allowlist/blocklist or has no statistics): check the config.")
@@ -302,12 +303,14 @@ def _in_memory_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
     return write
 
 
-def plan_modules(model, cfg: QuantConfig, meas: Measurement, *, unfuse: bool = True) -> dict:
+def plan_modules(model, cfg: QuantConfig, meas: Measurement, *, unfuse: bool = True, world_size: int = 1) -> dict:
     """Which Linear modules get quantized; the rest are kept in high precision with a reason. Fused MoE experts of
     Mixtral's layout are unfused first (`hqtflow.quantize.experts`): each expert's `gate_up_proj` and `down_proj` is
     then a Linear like any other; an expert no calibration token reached keeps high precision, listed.
     `unfused`: the experts modules the converted model must unfuse (`_convert` does). `unfuse` False (INC scale
-    files, which have no entry for them): fused experts are listed as kept."""
+    files, which have no entry for them): fused experts are listed as kept. `meas`: one rank's of `world_size` (a
+    row-parallel layer's per-channel statistics then cover its share of the inputs)."""
+    import numpy as np
     from torch import nn
 
     from hqtflow.measure.hooks import is_fused_experts
@@ -326,6 +329,7 @@ def plan_modules(model, cfg: QuantConfig, meas: Measurement, *, unfuse: bool = T
         else:
             experts.append(name)
     unfuse_experts(model, experts)
+    _check_expert_nodes(model, experts, meas)
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
             continue
@@ -341,12 +345,39 @@ def plan_modules(model, cfg: QuantConfig, meas: Measurement, *, unfuse: bool = T
             else:
                 missing.append(name)
         else:
+            values = int(np.size(meas.nodes[name].inputs[0]))
+            if values not in (1, mod.in_features, mod.in_features // world_size):
+                raise ArtifactError(f"The measurement's input statistics of {name} have {values} values, but the layer "
+                                    f"has {mod.in_features} inputs (per channel) or one tensor: the measurement was made "
+                                    "on another model or is damaged.")
             quantize.append(name)
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise ArtifactError(f"The measurement has no input statistics for {shown}; re-measure, blocklist them, "
                             "or set ignore_modules_wo_measures.")
     return {"quantize": quantize, "ignore": ignore, "skipped": skipped, "unfused": experts}
+
+
+def _check_expert_nodes(model, experts: list[str], meas: Measurement) -> None:
+    """A measurement's nodes of the unfused experts `experts` must fit them: no expert past the module's number, and
+    statistics for an expert's gate_up_proj exactly when its down_proj has some (the same tokens pass through
+    both; an expert no token reached has neither)."""
+    import re
+
+    for c in experts:
+        count = model.get_submodule(c).num_experts
+        pattern = re.compile(rf"^{re.escape(c)}\.(\d+)\.(gate_up_proj|down_proj)$")
+        seen: dict[int, set[str]] = {}
+        for node, stats in meas.nodes.items():
+            if (m := pattern.match(node)) and stats.inputs:
+                seen.setdefault(int(m.group(1)), set()).add(m.group(2))
+        if past := sorted(e for e in seen if e >= count):
+            raise ArtifactError(f"The measurement has statistics for expert {past[0]} of {c}, which has {count} experts: "
+                                "it was made on another model or is damaged.")
+        if (half := next((e for e, projs in sorted(seen.items()) if len(projs) == 1), None)) is not None:
+            has, lacks = sorted(seen[half])[0], ({"gate_up_proj", "down_proj"} - seen[half]).pop()
+            raise ArtifactError(f"The measurement has input statistics for {c}.{half}.{has} but none for {c}.{half}."
+                                f"{lacks}, which the same tokens pass through: it is damaged.")
 
 
 def summary(out: Path) -> str:

@@ -46,7 +46,7 @@ def write_scale_files(out: Path, final: Path, model, meas, cfg: QuantConfig, rul
                 continue
             w = _local_weight(mod.weight.detach(), layers.get(name), rank, meas.world_size)
             sc = linear_scales(rules(name, type(mod).__name__), node.inputs[0], w, target=target, fp8=cfg.fp8_config,
-                               hp_dtype=cfg.hp_dtype)
+                               hp_dtype=cfg.hp_dtype, name=name)
             nodes[name] = scale_entry(sc.input, sc.weight, sc.output, w.shape[1])
         local = rank if meas.world_size > 1 else None
         files += write_scale_file(out, scale_stem(dump, observer, rules.default.name, local, meas.world_size), nodes,

@@ -129,7 +129,8 @@ def convert_smoothquant(model: nn.Module, names: list[str], meas, method_name: s
             s_in = floored(posts[name].to(hp))
             s_w = floored(_weight_scale(lin.weight.detach(), method_name, F, fp8).to(hp))
         else:
-            sc = linear_scales(fallback, meas.nodes[name].inputs[0], lin.weight, target=target, fp8=fp8, hp_dtype=hp_dtype)
+            sc = linear_scales(fallback, meas.nodes[name].inputs[0], lin.weight, target=target, fp8=fp8, hp_dtype=hp_dtype,
+                               name=name)
             s_in, s_w = sc.input, sc.weight
         _set_module(model, name, FP8Linear.from_linear(lin, s_w, s_in, fp8, inc_codes=True))  # HQT's arithmetic
         used[name] = {"input": float(s_in), "weight": s_w.float().flatten().tolist(), "smoothed": name in posts}

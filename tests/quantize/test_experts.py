@@ -484,3 +484,33 @@ def test_a_damaged_moe_checkpoint_is_refused(moe, tmp_path):
     (ck / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="model.safetensors is not in its manifest"):
         hqtflow.load(ck)
+
+
+def test_expert_statistics_that_cannot_be_the_models_are_refused(moe, tmp_path):
+    """A measurement (hashes rewritten after the edit) with statistics for an expert the layer does not have, or for
+    an expert's gate_up_proj but not its down_proj (the same tokens pass through both): quantize refused, where it
+    once ignored the first and kept the down_proj in bf16 as if no token had reached it."""
+    import hashlib
+    import shutil
+
+    model_dir, d, _ = moe
+    stem, experts = "measure_hooks_maxabs", "model.layers.0.mlp.experts"
+
+    def edited(fn):
+        m = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(d / "m", m)
+        raw = json.loads((m / f"{stem}.json").read_text())
+        fn(raw["Nodes"])
+        (m / f"{stem}.json").write_text(json.dumps(raw))
+        manifest = json.loads((m / MANIFEST).read_text())
+        manifest["files"] = {k: hashlib.sha256((m / k).read_bytes()).hexdigest() for k in manifest["files"]}
+        (m / MANIFEST).write_text(json.dumps(manifest))
+        return m
+
+    extra = edited(lambda n: n.update({f"{experts}.7.{p}": n[f"{experts}.0.{p}"] for p in ("gate_up_proj", "down_proj")}))
+    half = edited(lambda n: n.pop(f"{experts}.2.down_proj"))
+    for meas, words in ((extra, f"statistics for expert 7 of {experts}, which has 4 experts"),
+                        (half, f"input statistics for {experts}.2.gate_up_proj but none for {experts}.2.down_proj")):
+        r = run_cli("quantize", model_dir, "-m", meas, "-o", tmp_path / "out")
+        assert r.exit_code == 3 and words in r.stderr and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "out").exists()
