@@ -442,6 +442,7 @@ def test_a_damaged_moe_checkpoint_is_refused(moe, tmp_path):
     shape right), a router stored in FP8 (it ran as FP8 bytes; export raised a KeyError), a weight file the manifest
     does not list. A .safetensors file beside model.safetensors is not part of the checkpoint (transformers ignores
     it; hqtflow once read it and its tensors replaced the hash-checked ones)."""
+    import hashlib
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -466,6 +467,9 @@ def test_a_damaged_moe_checkpoint_is_refused(moe, tmp_path):
         tensors = dict(original)
         change(tensors)
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        manifest = json.loads((out / MANIFEST).read_text())  # hashes rewritten: the deeper checks must catch it
+        manifest["files"]["model.safetensors"] = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+        (out / MANIFEST).write_text(json.dumps(manifest))
         return out
 
     gate_up = torch.cat([original[f"{experts}.1.w1.weight"], original[f"{experts}.1.w3.weight"]])
@@ -478,7 +482,11 @@ def test_a_damaged_moe_checkpoint_is_refused(moe, tmp_path):
     with pytest.raises(ArtifactError, match="mlp.gate.weight is stored in torch.float8_e4m3fn but is not the weight of a Linear"):
         load_checkpoint(fp8_router)
     r = run_cli("export", fp8_router, "--format", "fp8", "-o", tmp_path / "ex")
-    assert r.exit_code == 3 and "Traceback" not in r.output, r.output
+    assert r.exit_code == 3 and "is not the weight of a Linear" in r.stderr and "Traceback" not in r.output, r.output
+    e5m2 = damaged(lambda t: t.update({k: t[k].float().to(torch.float8_e5m2) for k in
+                                       (f"{experts}.1.w1.weight", f"{experts}.1.w3.weight")}))
+    r = run_cli("export", e5m2, "--format", "fp8", "-o", tmp_path / "ex")  # once copied through into an E4M3 layout
+    assert r.exit_code == 3 and "holds float8_e5m2 weights" in r.stderr, r.output
     manifest = json.loads((ck / MANIFEST).read_text())
     del manifest["files"]["model.safetensors"]
     (ck / MANIFEST).write_text(json.dumps(manifest))
