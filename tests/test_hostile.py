@@ -814,20 +814,22 @@ def test_stale_partials_of_dead_processes_are_removed(base, tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
     stale = tmp_path / f".u.partial-{dead.pid}-abc"
-    old = tmp_path / f".x.old-{dead.pid}-123"
+    old = tmp_path / f".x.old-{dead.pid}-123"  # replaced by the output `x` beside it
+    orphan = tmp_path / f".z.old-{dead.pid}-456"  # killed between the commit's renames: no `z`
     live = tmp_path / f".v.partial-{PID}-abc"
     # the user's own directories that only look like leftovers (no staging marker, no manifest) are never removed
     users = [tmp_path / ".photos.old-2023-summer", tmp_path / f".notes.partial-{dead.pid}-abc", tmp_path / f".y.old-{dead.pid}-9"]
-    for d in (stale, old, live, *users):
+    for d in (stale, old, orphan, live, tmp_path / "x", *users):
         d.mkdir()
         (d / "big.bin").write_bytes(b"0" * 1000)
     for d in (stale, live):
         (d / PARTIAL_MARKER).write_text("pid\n")
-    (old / MANIFEST).write_text("{}")
+    for d in (old, orphan, tmp_path / "x"):
+        (d / MANIFEST).write_text("{}")
     r = run_cli("unify", "-g", "01", "-m", base["i2"], "-o", tmp_path / "u")
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "u", *(d.name for d in users)])
-    assert all((d / "big.bin").read_bytes() == b"0" * 1000 for d in users)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "u", "x", "z", *(d.name for d in users)])
+    assert all((d / "big.bin").read_bytes() == b"0" * 1000 for d in (*users, tmp_path / "z"))  # the orphan put back
 
 
 def test_overwrite_replaces_only_hqtflow_outputs(base, tmp_path):

@@ -95,8 +95,8 @@ class StagingDir:
         self.any_dir = any_dir  # overwrite any directory (hqtflow's own cache), not only an hqtflow artifact
 
     def create(self) -> Path:
+        remove_stale_partials(self.out.parent)  # first: an output a killed commit moved aside is put back
         check_output_dir(self.out, self.overwrite, self.inputs, self.any_dir)
-        remove_stale_partials(self.out.parent)
         try:
             self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-{os.getpid()}-", dir=self.out.parent))
             os.chmod(self.path, 0o777 & ~_umask())  # mkdtemp makes 0700; the artifact gets normal permissions
@@ -166,7 +166,8 @@ def _pid_alive(pid: int) -> bool:
 
 def remove_stale_partials(parent: Path) -> list[Path]:
     """Remove the leftovers of dead hqtflow processes: staging dirs (named so, holding PARTIAL_MARKER) and replaced
-    outputs (named so, holding a manifest). A directory that only looks like one is the user's: it is kept."""
+    outputs (named so, holding a manifest); a replaced output whose replacement never arrived (killed between the
+    commit's two renames) is renamed back instead. A directory that only looks like one is the user's: it is kept."""
     removed = []
     try:
         entries = list(Path(parent).iterdir())
@@ -178,6 +179,10 @@ def remove_stale_partials(parent: Path) -> list[Path]:
             continue
         pid, own = int(m[2]), PARTIAL_MARKER if m[1] == "partial" else MANIFEST
         if pid != os.getpid() and not _pid_alive(pid) and (p / own).is_file():
+            original = p.with_name(p.name[1:p.name.rindex(f".{m[1]}-")])
+            if m[1] == "old" and not (original.exists() or original.is_symlink()):  # killed between commit's renames
+                os.rename(p, original)  # the replaced output is all there is: put it back
+                continue
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
