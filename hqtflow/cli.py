@@ -334,8 +334,8 @@ def generate(
                 events = eng.generate(ids["input_ids"][0].tolist(), SamplingParams(max_new_tokens=max_new_tokens))
             finally:
                 eng.stop()
-            if events[-1].error:
-                raise HqtflowError(f"Generation failed: {events[-1].error}.")
+            if events[-1].error:  # nothing the user gave: a bug (exit 1, as any unexpected error)
+                raise RuntimeError(f"Generation failed: {events[-1].error}.")
             new = [e.token.id for e in events]
         elif engine in ("transformers", "inc"):
             new = m.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)[0, ids["input_ids"].shape[1]:]

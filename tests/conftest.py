@@ -96,6 +96,14 @@ TINY = {
                     num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=8,
                     layer_types=["sliding_attention", "full_attention"], num_local_experts=4, num_experts_per_tok=2,
                     rope_parameters=dict(rope_type="default", rope_theta=150000.0)),  # attention sinks, biased experts
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, max_position_embeddings=256, moe_intermediate_size=48,
+                        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=16),  # MLA: keys 24 wide, values 16
+    "granitemoe": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=256, num_local_experts=4,
+                       num_experts_per_tok=2),  # experts stored fused on disk (input_linear, output_linear)
 }
 
 

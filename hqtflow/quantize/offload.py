@@ -150,19 +150,24 @@ def _source_names(skel, sources: dict[str, TensorEntry]) -> tuple[dict[str, Tens
     return renamed, merged
 
 
-def _expert_parts(skel, sources: dict[str, TensorEntry], merged: list[tuple], containers: list[str]) -> dict:
+def _expert_parts(skel, sources: dict[str, TensorEntry], renamed: dict[str, TensorEntry], merged: list[tuple],
+                  containers: list[str]) -> dict:
     """{(experts module, "gate_up_proj" | "down_proj"): {expert: [(source tensor, index)], ...}} for the fused experts
-    `containers`: a fused 3-D tensor under the module's own name (index: the expert's row), or the checkpoint's
-    per-expert matrices that transformers merges into it (`merged` of `_source_names`; index None)."""
+    `containers`: a fused 3-D tensor under the module's own name or one transformers renames to it (GraniteMoE's
+    `input_linear`; index: the expert's row), or the checkpoint's per-expert matrices that transformers merges into
+    it (`merged` of `_source_names`; index None)."""
     out: dict[tuple[str, str], dict] = {}
     wanted = {(c, p) for c in containers for p in ("gate_up_proj", "down_proj")}
     shapes = {k: v.shape for k, v in skel.state_dict().items()}
+    whole = set()
     for c, p in wanted:
         key = f"{c}.{p}"
-        if key in sources and list(sources[key].shape) == list(shapes.get(key, [])):
-            out[(c, p)] = {e: [(sources[key], e)] for e in range(shapes[key][0])}
+        src = sources.get(key) or renamed.get(key)
+        if src is not None and list(src.shape) == list(shapes.get(key, [])):
+            out[(c, p)] = {e: [(src, e)] for e in range(shapes[key][0])}
+            whole.add((c, p))
     for container, proj, e, i, n, entry in merged:
-        if (container, proj) not in wanted or (container, proj) in out and f"{container}.{proj}" in sources:
+        if (container, proj) not in wanted or (container, proj) in whole:
             continue
         out.setdefault((container, proj), {}).setdefault(e, [None] * n)[i] = (entry, None)
     return out
@@ -246,7 +251,7 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
     from hqtflow.measure.hooks import is_fused_experts
 
     fused = [n for n, m in skel.named_modules() if is_fused_experts(m)]
-    experts = _expert_parts(skel, sources, merged, fused) if fused else {}
+    experts = _expert_parts(skel, sources, renamed, merged, fused) if fused else {}
     units: list[Unit] = []
     largest = 0
     for key, v in skel.state_dict().items():

@@ -241,9 +241,23 @@ def _scale_files_writer(s: QuantizeSettings, job: Job):
     return write
 
 
-def _checkpoint_data(s: QuantizeSettings, job: Job, dynamic) -> dict:
+def _checkpoint_data(s: QuantizeSettings, job: Job, dynamic, written: Path) -> dict:
     return {"kv_cache": s.kv_cache, "mode": "weight-only" if s.weight_only else
-            ("w8a8-dynamic" if dynamic else "w8a8-static"), "settings": asdict(s)}
+            ("w8a8-dynamic" if dynamic else "w8a8-static"), "settings": asdict(s), "notes": _notes(written)}
+
+
+def _notes(checkpoint: Path) -> list[str]:
+    """What a user of the checkpoint outside hqtflow must know: MoE experts stored under hqtflow's own per-expert
+    names (a model whose checkpoint keeps its experts fused, GraniteMoE's `input_linear`, has no per-expert names)."""
+    from hqtflow.formats.hf_names import per_expert_containers
+    from hqtflow.models import safetensors_header, weight_files
+
+    own = per_expert_containers(k for f in weight_files(checkpoint) for k in safetensors_header(f)[1])
+    if not own:
+        return []
+    return [f"the MoE experts ({sorted(own)[0]}{' and others' if len(own) > 1 else ''}) are stored one by one under "
+            "hqtflow's own names, since the model's checkpoint has no per-expert names: hqtflow loads them, "
+            "transformers and vLLM do not (blocklist the experts' type to keep them fused, in high precision)"]
 
 
 def _dynamic_rule(s: QuantizeSettings, job: Job):
@@ -272,7 +286,7 @@ def _offload_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
         write_offloaded(plan, tmp, job.meas.ranks[0], method, target=job.target, fp8=cfg.fp8_config,
                         hp_dtype=cfg.hp_dtype, round_weight=weight_rounding(job))
         models.load_tokenizer(job.model_dir).save_pretrained(tmp)
-        return ArtifactKind.CHECKPOINT, {**_checkpoint_data(s, job, _dynamic_rule(s, job)), "disk_offload": True}
+        return ArtifactKind.CHECKPOINT, {**_checkpoint_data(s, job, _dynamic_rule(s, job), tmp), "disk_offload": True}
     return write
 
 
@@ -299,7 +313,7 @@ def _in_memory_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
         save_checkpoint(model, tmp, ignore=job.plan["ignore"], per_channel=per_channel,
                         static_input=not s.weight_only, kv_cache=bool(kv_stats), dynamic=dynamic)
         models.load_tokenizer(job.model_dir).save_pretrained(tmp)
-        return ArtifactKind.CHECKPOINT, _checkpoint_data(s, job, dynamic)
+        return ArtifactKind.CHECKPOINT, _checkpoint_data(s, job, dynamic, tmp)
     return write
 
 
@@ -384,5 +398,6 @@ def summary(out: Path) -> str:
     m = json.loads((Path(out) / MANIFEST).read_text())
     d = m["data"]
     what = "scale files" if m["_type"] == ArtifactKind.SCALES else "FP8 checkpoint"
+    notes = "".join(f"\nNote: {n}." for n in d.get("notes") or ())
     return (f"Wrote {out}: {what}, {d['scale_method']} for {d['target']}, {len(d['quantized'])} modules quantized, "
-            f"{len(d['skipped'])} kept in high precision.")
+            f"{len(d['skipped'])} kept in high precision.{notes}")

@@ -251,6 +251,17 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    pool = plan.pool
+    width, dk, dv = pool.keys[0].shape[-1], key.shape[-1], value.shape[-1]
+    if (dk, dv) != (width, width):  # MLA (DeepSeek): keys and values of two widths, in slots of the wider one
+        scaling = scaling if scaling is not None else dk ** -0.5
+        query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))  # zeros: the same dots
+        out, _ = _paged_attention(module, plan, query, key, value, scaling, **kwargs)
+        return out[..., :dv], None
+    return _paged_attention(module, plan, query, key, value, scaling, **kwargs)
+
+
+def _paged_attention(module, plan, query, key, value, scaling, **kwargs):
     window = kwargs.get("sliding_window")  # a sliding-window layer's window, None for full attention
     softcap, sinks = kwargs.get("softcap") or 0.0, kwargs.get("s_aux")  # Gemma 2's score soft-capping, gpt-oss's sinks
     if sinks is None and isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
@@ -410,12 +421,14 @@ def install(model) -> None:
 
 
 def geometry(model) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of the model's decoder."""
+    """(layers, kv_heads, head_dim) of the model's decoder; head_dim the wider of keys and values where they differ
+    (MLA: DeepSeek's `qk_head_dim` and `v_head_dim`; the narrower is stored zero-padded)."""
     text = model.config.get_text_config(decoder=True)
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return text.num_hidden_layers, kv, head_dim
+    widths = [getattr(text, k, None) for k in ("qk_head_dim", "v_head_dim")]
+    return text.num_hidden_layers, kv, max([head_dim] if None in widths else widths)
 
 
 def num_blocks(model, *, block_size: int, dtype: torch.dtype, fp8: bool, device, max_batch_total_tokens: int | None,

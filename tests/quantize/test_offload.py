@@ -194,6 +194,26 @@ def test_weight_files_are_those_transformers_reads(tiny_factory, tmp_path):
         offload.plan_offload(model, [], dtype="bf16", weight_only=False, per_channel=False)
 
 
+def test_moe_experts_fused_on_disk(tiny_factory, wiki_text, tmp_path):
+    """GraniteMoE keeps its experts as 3-D tensors on disk under other names (`input_linear`, renamed by transformers
+    to the experts' `gate_up_proj`): --disk-offload finds them (it once refused the model) and writes the in-memory
+    path's checkpoint, which stores the experts under hqtflow's own per-expert names (there are no others), and
+    says that transformers and vLLM cannot load them."""
+    model = tiny_factory("granitemoe")
+    meas = tmp_path / "meas"
+    r = run_cli("measure", model, "-o", meas, "--text", wiki_text, "--limit", "2", "--max-length", "32")
+    assert r.exit_code == 0, r.output
+    outs = []
+    for extra in ((), ("--disk-offload",)):
+        r = run_cli("quantize", "-m", meas, "-o", tmp_path / f"q{len(outs)}", *extra)
+        assert r.exit_code == 0 and "Note: the MoE experts (model.layers.0.block_sparse_moe.experts and others) are " \
+            "stored one by one under hqtflow's own names" in r.stdout, r.output
+        outs.append(tmp_path / f"q{len(outs)}")
+    _assert_same_checkpoint(*outs)
+    assert "model.layers.1.block_sparse_moe.experts.3.gate_up_proj.weight" in _tensors(outs[1])
+    assert read_manifest(outs[1], "hqtflow.checkpoint").data["notes"]
+
+
 def test_offload_single_shard_default(measured, tmp_path):
     out = _quantize(measured, tmp_path / "off", "--disk-offload")
     assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()

@@ -165,6 +165,32 @@ def test_soft_capping_and_sinks_equal_eager_attention(tiny_factory, model_type):
         assert (logits - wants[0]).abs().max() > 1e-2
 
 
+def test_mla_keys_and_values_of_two_widths(tiny_factory):
+    """DeepSeek's multi-head latent attention hands attention keys 24 wide and values 16 wide (the engine sized
+    its slots from config.head_dim, 8, and failed at the first step): slots of the wider, values zero-padded, in
+    every path of the engine; tokens and logprobs equal transformers' eager full recompute."""
+    from hqtflow import models
+
+    path = tiny_factory("deepseek_v3")
+    model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
+    ref = models.load_model(path, "fp32")
+    ref.set_attn_implementation("eager")
+    prompts = [tok(" ".join(["The tower is tall and the river is wide."] * 3))["input_ids"], tok("A way")["input_ids"]]
+    n = 8
+    for name, kw in {"whole": {}, "chunked": dict(max_prefill_tokens=5),
+                     "graph step": dict(cuda_graphs=(1, 2), capture=False)}.items():
+        eng = Engine(model, tok, max_batch_total_tokens=256, **kw)
+        assert eng.pool.keys[0].shape[-1] == 24, name
+        outs = run_all(eng, [(x, SamplingParams(max_new_tokens=n, ignore_eos=True)) for x in prompts])
+        with torch.inference_mode():
+            for x, out in zip(prompts, outs):
+                tokens = [e.token.id for e in out]
+                want = ref(torch.tensor([x + tokens[:-1]]), use_cache=False).logits[0, len(x) - 1:].log_softmax(-1)
+                assert tokens == want.argmax(-1).tolist(), name
+                torch.testing.assert_close(torch.tensor([e.token.logprob for e in out]), want[torch.arange(n), tokens],
+                                           rtol=1e-4, atol=1e-4)
+
+
 def test_engine_refuses_attention_it_does_not_compute(tiny_factory):
     """Layers of another attention type (Llama 4's chunked) are refused when the engine is made, naming them, and
     attention sinks a module holds but does not pass to attention at the first step: not silently left out."""
