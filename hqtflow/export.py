@@ -88,10 +88,10 @@ def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[
         raise ArtifactError(f"{path} has block-wise weights or dynamic activations; export reads hqtflow's own "
                             "checkpoints (per-tensor or per-channel weights, static or no activation quantization).")
     tensors = read_tensors(path)
-    check_scales(path, tensors)
-    load_checkpoint(path, tensors=dict(tensors))  # the checks `generate` makes: tensors that fit config.json
     if e5m2 := sorted(k for k, v in tensors.items() if v.dtype == torch.float8_e5m2):
         raise ArtifactError(f"{path} holds float8_e5m2 weights ({e5m2[0]}); the layouts export writes are E4M3.")
+    check_scales(path, tensors)
+    load_checkpoint(path, tensors=dict(tensors))  # the checks `generate` makes: tensors that fit config.json
     linears = sorted(k[: -len(".weight")] for k, v in tensors.items()
                      if k.endswith(".weight") and v.dtype == torch.float8_e4m3fn)
     if not linears:

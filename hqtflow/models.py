@@ -271,30 +271,26 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def weight_files(path: Path, error: type[Exception] = ModelError) -> list[Path]:
-    """The safetensors files of a model folder, as transformers picks them: the shards its
-    model.safetensors.index.json maps weights to (each must be there), else model.safetensors, else (a folder of
-    other names) every *.safetensors. Another .safetensors file beside them is not part of the model."""
-    from hqtflow.formats.artifact import confined
-
+    """The safetensors files of a model folder, as transformers picks them: model.safetensors, else the shards its
+    model.safetensors.index.json maps weights to (each must be there), else (a folder of other names) every
+    *.safetensors. Another .safetensors file beside them is not part of the model."""
     path = Path(path)
-    index = path / SAFETENSORS_INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-            if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in names):
-                raise TypeError("weight_map is not an object of file names")
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise error(f"{index} is not a valid safetensors index ({type(e).__name__}: {e}).") from None
-        try:
-            files = [confined(path, n) for n in names]
-        except ArtifactError as e:
-            raise error(str(e)) from None
-        if missing := [f.name for f in files if not f.is_file()]:
-            raise error(f"{index} maps weights to {missing[0]}, which is not in {path}.")
-        return files
-    single = path / "model.safetensors"
-    return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
+    single, index = path / "model.safetensors", path / SAFETENSORS_INDEX
+    if single.is_file() or not index.is_file():
+        return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise TypeError("weight_map is not an object of file names")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise error(f"{index} is not a valid safetensors index ({type(e).__name__}: {e}).") from None
+    names = sorted(set(weight_map.values()))
+    # names inside the folder (the hub cache's shards are symlinks into its blobs: not resolved)
+    if bad := next((n for n in names if not n or Path(n).is_absolute() or ".." in Path(n).parts), None):
+        raise error(f"{index} maps weights to {bad!r}, a file outside {path}; refusing to read it.")
+    if missing := [n for n in names if not (path / n).is_file()]:
+        raise error(f"{index} maps weights to {missing[0]}, which is not in {path}.")
+    return [path / n for n in names]
 
 
 # ---- fingerprint ------------------------------------------------------------------------------
@@ -342,7 +338,7 @@ def fingerprint(path: Path, *, sample_bytes: int = 4096, max_tensors: int = 256)
     cfg_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
     headers = hashlib.sha256()
     sample = hashlib.sha256()
-    files = weight_files(path)
+    files = sorted(path.glob("*.safetensors"))  # every one, as before weight_files: earlier artifacts' ids hold
     entries = []
     for f in files:
         start, header = safetensors_header(f)

@@ -825,7 +825,7 @@ def test_stale_partials_of_dead_processes_are_removed(base, tmp_path):
     for d in (stale, live):
         (d / PARTIAL_MARKER).write_text("pid\n")
     for d in (old, orphan, tmp_path / "x"):
-        (d / MANIFEST).write_text("{}")
+        (d / MANIFEST).write_text(json.dumps({"files": {"big.bin": "..."}}))
     r = run_cli("unify", "-g", "01", "-m", base["i2"], "-o", tmp_path / "u")
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "u", "x", "z", *(d.name for d in users)])

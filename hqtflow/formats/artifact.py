@@ -180,12 +180,26 @@ def remove_stale_partials(parent: Path) -> list[Path]:
         pid, own = int(m[2]), PARTIAL_MARKER if m[1] == "partial" else MANIFEST
         if pid != os.getpid() and not _pid_alive(pid) and (p / own).is_file():
             original = p.with_name(p.name[1:p.name.rindex(f".{m[1]}-")])
-            if m[1] == "old" and not (original.exists() or original.is_symlink()):  # killed between commit's renames
-                os.rename(p, original)  # the replaced output is all there is: put it back
-                continue
+            if m[1] == "old" and not (original.exists() or original.is_symlink()) and _whole(p):
+                try:  # killed between the commit's renames: the replaced output is all there is, put it back
+                    os.rename(p, original)
+                    continue
+                except OSError:  # another run got there first, or it cannot be moved: leave it be
+                    continue
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+def _whole(directory: Path) -> bool:
+    """Whether every file an artifact's manifest lists is there (a replaced output whose removal was cut short is
+    not: it is never put back)."""
+    try:
+        files = json.loads((directory / MANIFEST).read_text()).get("files")
+        return isinstance(files, dict) and bool(files) and all((directory / rel).is_file() for rel in files
+                                                               if isinstance(rel, str) and ".." not in Path(rel).parts)
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def is_partial(directory: Path) -> bool:

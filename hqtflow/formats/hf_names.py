@@ -179,7 +179,12 @@ def loaded_twice(model, keys) -> tuple[str, str] | None:
     parts: dict[tuple, str] = {}
     for key in keys:
         expert = m.expert_of(key) if any(m.experts.values()) else None
-        target = m.forward(key)[0] if expert is None else (*expert[:4], key.rpartition(".")[2])
+        if expert is None:
+            target, pattern = m.forward(key)
+            if pattern is not None:  # one of several tensors another converter joins into one: not a copy
+                continue
+        else:
+            target = (*expert[:4], key.rpartition(".")[2])
         seen = whole if expert is None else parts
         if target in seen:
             return seen[target], key

@@ -59,6 +59,10 @@ def _gb(n: int) -> str:
 
 
 # ---- the plan ------------------------------------------------------------------------------------
+# transformers drops these tensors of older checkpoints where the model has such a buffer (its own exception rules)
+IGNORED_ON_LOAD = {"rotary_emb.inv_freq": r"rotary_emb\.inv_freq", "position_ids": r"(^|\.)position_ids$"}
+
+
 @dataclass
 class Unit:
     """What one step writes: a quantized Linear (its 2-4 tensors) or one copied tensor."""
@@ -315,8 +319,11 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
             units.append(Unit("copy", [TensorSpec(key, v.dtype, list(v.shape))], src))
             largest = max(largest, v.numel())
     used = {e.key for u in units for e in [u.source, u.bias_source, *(pe for pe, _ in u.parts or ())] if e is not None}
-    used |= {emb_key} if untie else {f"{lm_name}.weight", f"{prefix}.{lm_name}.weight"} if tied else set()
+    if tied:  # a tied lm_head stored anyway is not loaded (nor quantized from: the embedding is)
+        used |= {emb_key, f"{lm_name}.weight", f"{prefix}.{lm_name}.weight"}
+    buffers = [b for b, _ in skel.named_buffers()]
     ignored = [re.compile(p) for p in getattr(skel, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    ignored += [re.compile(p) for leaf, p in IGNORED_ON_LOAD.items() if any(b.endswith(leaf) for b in buffers)]
     if unknown := sorted(k for k in set(sources) - used if not any(p.search(k) for p in ignored)):
         more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
         raise ModelError(f"Cannot load the model in {model_dir}: its config.json has no place for {len(unknown)} "

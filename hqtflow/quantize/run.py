@@ -354,16 +354,15 @@ def plan_modules(model, cfg: QuantConfig, meas: Measurement, *, unfuse: bool = T
         elif name not in meas.nodes or not meas.nodes[name].inputs:
             if expert or cfg.ignore_modules_wo_measures:
                 ignore.append(name)
-                skipped[name] = ("MoE expert without statistics (no calibration token was routed to it)" if expert
-                                 else "no statistics (ignore_modules_wo_measures)")
+                skipped[name] = _no_statistics(name, meas) if expert else "no statistics (ignore_modules_wo_measures)"
             else:
                 missing.append(name)
         else:
             values = int(np.size(meas.nodes[name].inputs[0]))
             if values not in (1, mod.in_features, mod.in_features // world_size):
                 raise ArtifactError(f"The measurement's input statistics of {name} have {values} values, but the layer "
-                                    f"has {mod.in_features} inputs (per channel) or one tensor: the measurement was made "
-                                    "on another model or is damaged.")
+                                    f"has {mod.in_features} inputs (per channel{', or a rank its share' * (world_size > 1)})"
+                                    " or one tensor: the measurement was made on another model or is damaged.")
             quantize.append(name)
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
@@ -373,25 +372,25 @@ def plan_modules(model, cfg: QuantConfig, meas: Measurement, *, unfuse: bool = T
 
 
 def _check_expert_nodes(model, experts: list[str], meas: Measurement) -> None:
-    """A measurement's nodes of the unfused experts `experts` must fit them: no expert past the module's number, and
-    statistics for an expert's gate_up_proj exactly when its down_proj has some (the same tokens pass through
-    both; an expert no token reached has neither)."""
+    """A measurement's nodes of the unfused experts `experts` must fit them: no expert past the module's number."""
     import re
 
     for c in experts:
         count = model.get_submodule(c).num_experts
         pattern = re.compile(rf"^{re.escape(c)}\.(\d+)\.(gate_up_proj|down_proj)$")
-        seen: dict[int, set[str]] = {}
-        for node, stats in meas.nodes.items():
-            if (m := pattern.match(node)) and stats.inputs:
-                seen.setdefault(int(m.group(1)), set()).add(m.group(2))
-        if past := sorted(e for e in seen if e >= count):
+        if past := sorted(int(m.group(1)) for node in meas.nodes if (m := pattern.match(node)) and int(m.group(1)) >= count):
             raise ArtifactError(f"The measurement has statistics for expert {past[0]} of {c}, which has {count} experts: "
                                 "it was made on another model or is damaged.")
-        if (half := next((e for e, projs in sorted(seen.items()) if len(projs) == 1), None)) is not None:
-            has, lacks = sorted(seen[half])[0], ({"gate_up_proj", "down_proj"} - seen[half]).pop()
-            raise ArtifactError(f"The measurement has input statistics for {c}.{half}.{has} but none for {c}.{half}."
-                                f"{lacks}, which the same tokens pass through: it is damaged.")
+
+
+def _no_statistics(name: str, meas: Measurement) -> str:
+    """Why an expert's projection has no statistics: no token reached the expert, or (its other projection has
+    some, and the same tokens pass through both) it was not measured."""
+    base, _, proj = name.rpartition(".")
+    other = f"{base}.{'down_proj' if proj == 'gate_up_proj' else 'gate_up_proj'}"
+    if other in meas.nodes and meas.nodes[other].inputs:
+        return f"MoE expert projection without statistics (not measured; its {other.rpartition('.')[2]} was)"
+    return "MoE expert without statistics (no calibration token was routed to it)"
 
 
 def summary(out: Path) -> str:

@@ -246,13 +246,20 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         plan = _STEP.get()
     if plan is None:  # the model run outside the engine (transformers' generate on the same model)
         if kwargs.get("softcap") or kwargs.get("s_aux") is not None:  # SDPA would leave them out: the model's eager
-            eager = sys.modules[type(module).__module__].eager_attention_forward
-            return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+            eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+            if eager is None:
+                raise ValueError(f"{type(module).__name__} soft-caps its scores or has sinks, and its module has no "
+                                 "eager attention to compute them outside the engine")
+            return eager(module, query, key, value, additive_mask(attention_mask, query, key), scaling=scaling,
+                         dropout=dropout, **kwargs)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     pool = plan.pool
     width, dk, dv = pool.keys[0].shape[-1], key.shape[-1], value.shape[-1]
+    if max(dk, dv) != width:
+        raise ValueError(f"{type(module).__name__} hands attention keys {dk} and values {dv} wide, but the KV cache's "
+                         f"slots are {width} wide (from the model's config)")
     if (dk, dv) != (width, width):  # MLA (DeepSeek): keys and values of two widths, in slots of the wider one
         scaling = scaling if scaling is not None else dk ** -0.5
         query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))  # zeros: the same dots
@@ -351,22 +358,40 @@ def softmax_capped(scores: torch.Tensor, softcap: float, sinks: torch.Tensor | N
     return torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], -1).softmax(-1)[..., :-1]
 
 
+CHUNK_QUERIES = 256  # query rows whose float32 scores `attend_chunk` holds at once
+
+
 def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, past: int, lo: int,
                  window: int | None, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
     """A prefill chunk's queries q [heads, n, d] (positions past .. past + n - 1) over the keys and values k, v
     [L, kv_heads, d] of positions lo .. past + n - 1, causal (and within `window`), with `softmax_capped`'s soft-capping
-    and sinks, float32 -> [n, heads, d] (for what SDPA does not compute; scores [heads, n, L] are held at once)."""
+    and sinks, float32 -> [n, heads, d] (for what SDPA does not compute), CHUNK_QUERIES query rows at a time."""
     heads, n, d = q.shape
     kv_heads = k.shape[1]
+    kf, vf = k.float().permute(1, 2, 0)[:, None], v.float().transpose(0, 1)[:, None]  # [kv_heads, 1, d, L], [.., L, d]
     keys = torch.arange(lo, lo + k.shape[0], device=q.device)[None]
-    queries = torch.arange(past, past + n, device=q.device)[:, None]
-    seen = (keys <= queries) & (keys > queries - window) if window else keys <= queries
-    bias = torch.zeros(seen.shape, device=q.device).masked_fill(~seen, float("-inf"))  # [n, L]
-    qg = q.float().view(kv_heads, heads // kv_heads, n, d)
-    scores = torch.matmul(qg, k.float().permute(1, 2, 0)[:, None]) * scale  # [kv_heads, groups, n, L]
-    probs = softmax_capped(scores, softcap, None if sinks is None else sinks.float().view(kv_heads, -1, 1, 1), bias)
-    out = torch.matmul(probs, v.float().transpose(0, 1)[:, None])  # [kv_heads, groups, n, d]
-    return out.reshape(heads, n, d).transpose(0, 1).to(q.dtype)
+    sink = None if sinks is None else sinks.float().view(kv_heads, -1, 1, 1)
+    out = q.new_empty(n, heads, v.shape[-1])
+    for r in range(0, n, CHUNK_QUERIES):
+        rows = min(CHUNK_QUERIES, n - r)
+        queries = torch.arange(past + r, past + r + rows, device=q.device)[:, None]
+        seen = (keys <= queries) & (keys > queries - window) if window else keys <= queries
+        bias = torch.zeros(seen.shape, device=q.device).masked_fill(~seen, float("-inf"))  # [rows, L]
+        qg = q[:, r:r + rows].float().reshape(kv_heads, heads // kv_heads, rows, d)
+        probs = softmax_capped(torch.matmul(qg, kf) * scale, softcap, sink, bias)  # [kv_heads, groups, rows, L]
+        out[r:r + rows] = torch.matmul(probs, vf).reshape(heads, rows, -1).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def additive_mask(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The mask the engine's attention interface hands a model (SDPA's: boolean, or None where causal alone will
+    do) as an eager attention adds it: 0 where a query sees a key, -inf elsewhere."""
+    if mask is None:
+        q, k = query.shape[-2], key.shape[-2]
+        mask = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)[None, None]
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
 
 
 def decode_batch_attention(layer: int, plan: DecodeBatch, query, key, value, scaling, window: int | None = None,
@@ -427,8 +452,8 @@ def geometry(model) -> tuple[int, int, int]:
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    widths = [getattr(text, k, None) for k in ("qk_head_dim", "v_head_dim")]
-    return text.num_hidden_layers, kv, max([head_dim] if None in widths else widths)
+    widths = [w for k in ("qk_head_dim", "v_head_dim") if isinstance(w := getattr(text, k, None), int)]
+    return text.num_hidden_layers, kv, max(widths) if len(widths) == 2 else max([head_dim, *widths])
 
 
 def num_blocks(model, *, block_size: int, dtype: torch.dtype, fp8: bool, device, max_batch_total_tokens: int | None,

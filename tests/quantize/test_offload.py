@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,8 +191,52 @@ def test_weight_files_are_those_transformers_reads(tiny_factory, tmp_path):
     plan = offload.plan_offload(model, [], dtype="bf16", weight_only=False, per_channel=False)
     assert {e.file.name for u in plan.units for e, _ in u.parts or ()} == {"model.safetensors"}
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {key: "model-00002.safetensors"}}))
+    assert models.weight_files(model) == [model / "model.safetensors"]  # transformers prefers it to an index
+    (model / "model.safetensors").rename(model / "model-00001.safetensors")
     with pytest.raises(ModelError, match="maps weights to model-00002.safetensors, which is not in"):
         offload.plan_offload(model, [], dtype="bf16", weight_only=False, per_channel=False)
+
+
+def test_hub_cache_shards_and_tensors_transformers_drops(tiny_factory, tmp_path):
+    """What transformers loads without a word must plan for --disk-offload and load in memory: a sharded model in
+    the hub cache's layout (each shard a symlink into ../../blobs), the rotary inv_freq buffers older checkpoints
+    store, a tied lm_head stored beside its embedding; and a model whose conversion mapping joins several tensors
+    into one (Nemotron-H's experts) is no weight stored twice."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hqtflow import models
+
+    src = tiny_factory("llama", tie_word_embeddings=True)
+    tensors = load_file(src / "model.safetensors")
+    tensors.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(2)},
+                   **{"lm_head.weight": tensors["model.embed_tokens.weight"].clone()})
+    snapshot, blobs = tmp_path / "hub" / "snapshots" / "abc", tmp_path / "hub" / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    keys = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2], "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    for name, part in shards.items():
+        save_file({k: tensors[k] for k in part}, blobs / f"blob-{name}", metadata={"format": "pt"})
+        os.symlink(Path("../../blobs") / f"blob-{name}", snapshot / name)
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        k: n for n, ks in shards.items() for k in ks}}))
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            os.symlink(f, snapshot / f.name)
+    assert models.resolve_model(str(snapshot)) == snapshot
+    models.load_model(snapshot, "bf16")
+    for names in ([], ["lm_head"]):
+        offload.plan_offload(snapshot, names, dtype="bf16", weight_only=False, per_channel=False)
+    cfg = AutoConfig.for_model("nemotron_h", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, hybrid_override_pattern="E*", num_hidden_layers=2,
+                               layers_block_type=["moe", "full_attention"], n_routed_experts=4, moe_intermediate_size=32,
+                               moe_shared_expert_intermediate_size=32, vocab_size=512, mamba_num_heads=4,
+                               mamba_head_dim=16, ssm_state_size=16, n_groups=1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "nemotron_h")
+    models.load_model(tmp_path / "nemotron_h", "bf16")  # its experts' up_proj were "a weight stored twice"
 
 
 def test_moe_experts_fused_on_disk(tiny_factory, wiki_text, tmp_path):

@@ -154,6 +154,8 @@ def test_soft_capping_and_sinks_equal_eager_attention(tiny_factory, model_type):
                 torch.testing.assert_close(torch.tensor([e.token.logprob for e in out[i]]),
                                            want[torch.arange(n), tokens], rtol=1e-4, atol=1e-4)
             wants.append(want)
+        seq = torch.tensor([prompts[0] + [e.token.id for e in outs["whole"][0]]])
+        torch.testing.assert_close(model(seq).logits, ref(seq).logits, rtol=1e-4, atol=1e-4)  # outside the engine too
         for layer in ref.model.layers:  # without them, other numbers
             if model_type == "gemma2":
                 layer.self_attn.attn_logit_softcapping = None

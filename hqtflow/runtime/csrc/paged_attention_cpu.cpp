@@ -6,7 +6,8 @@
 // repeat_kv). Keys and values are bf16, fp16, fp32, or FP8 (read as code * scale, the scale [] or one per KV head,
 // rounded to q's dtype as the Python path reads them). `softcap` > 0: each score (q . k * scale) becomes
 // softcap * tanh(score / softcap) (Gemma 2); `sinks`: one logit per query head that joins the softmax's denominator
-// and adds no value (gpt-oss); both as transformers' eager attention computes them.
+// and adds no value (gpt-oss); both as transformers' eager attention computes them (tanh is libm's `std::tanh`, not
+// torch's: within float32 rounding of the Python path, the same bits in every build of this file).
 //
 // The work is split into tasks of (sequence, KV head, CHUNK context positions): a task reads each KV row once for all
 // the query heads that share it, and keeps, per head, its chunk's score maximum, exp-sum and exp-weighted values; a
