@@ -81,47 +81,61 @@ def test_engine_on_a_model_whose_layers_drop_attention_kwargs(tiny_factory):
         assert [e.token.id for e in events] == ref[i]
 
 
-@pytest.mark.parametrize("model_type, full", [("mistral", dict(sliding_window=None)),
-                                               ("gemma3_text", dict(layer_types=["full_attention"] * 2))])
-def test_sliding_window_models_equal_a_full_recompute(tiny_factory, model_type, full):
-    """Sliding-window layers (window 8 here; Mistral: every layer, Gemma 3: a local and a global one) attend only
-    their window in every path of the engine: a whole prefill, chunked prefill (chunks of 5 with a past), decode
-    through the CPU op beside a sequence shorter than the window, and the fixed-shape decode step of CUDA graphs
-    (run eagerly). Tokens and logprobs equal transformers' full recompute with its sliding mask, which differs from
-    the same weights without the window."""
-    from hqtflow import models
+ENGINE_PATHS = {"whole": {}, "chunked": dict(max_prefill_tokens=5),  # chunks of 5 with a past
+                "graph step": dict(cuda_graphs=(1, 2), capture=False)}  # CUDA graphs' fixed-shape step, run eagerly
 
-    path = tiny_factory(model_type)
-    model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
+
+def _equals_recompute(model, tok, ref, n: int) -> list[torch.Tensor]:
+    """Two prompts (one longer than a window of 8, one shorter) greedily decoded together through every path of the
+    engine (ENGINE_PATHS): each path's tokens and logprobs equal `ref`'s full recompute of the sequence. Returns the
+    recompute's log-probabilities and the sequences, per prompt."""
     prompts = [tok(" ".join(["The tower is tall and the river is wide."] * 3))["input_ids"], tok("A way")["input_ids"]]
     assert len(prompts[0]) > 3 * 8 and len(prompts[1]) < 8
-    n = 12
-    outs = {}
-    for name, kw in {"whole": {}, "chunked": dict(max_prefill_tokens=5),
-                     "graph step": dict(cuda_graphs=(1, 2), capture=False)}.items():
-        eng = Engine(model, tok, max_batch_total_tokens=256, **kw)
-        outs[name] = run_all(eng, [(x, SamplingParams(max_new_tokens=n, ignore_eos=True)) for x in prompts])
-    unwindowed = models.load_model(tiny_factory(model_type, **full), "fp32")
+    outs = {name: run_all(Engine(model, tok, max_batch_total_tokens=256, **kw),
+                          [(x, SamplingParams(max_new_tokens=n, ignore_eos=True)) for x in prompts])
+            for name, kw in ENGINE_PATHS.items()}
+    wants = []
     with torch.inference_mode():
         for i, x in enumerate(prompts):
             tokens = [e.token.id for e in outs["whole"][i]]
             seq = torch.tensor([x + tokens[:-1]])
-            ref = model(seq, use_cache=False).logits[0, len(x) - 1:].log_softmax(-1)
-            assert tokens == ref.argmax(-1).tolist()
+            want = ref(seq, use_cache=False).logits[0, len(x) - 1:].log_softmax(-1)
+            assert tokens == want.argmax(-1).tolist()
             for name, out in outs.items():
                 assert [e.token.id for e in out[i]] == tokens, name
                 torch.testing.assert_close(torch.tensor([e.token.logprob for e in out[i]]),
-                                           ref[torch.arange(n), tokens], rtol=1e-4, atol=1e-4)
-            if i == 0:  # the window matters for this prompt
-                assert (unwindowed(seq, use_cache=False).logits[0, len(x) - 1:].log_softmax(-1) - ref).abs().max() > 1e-2
+                                           want[torch.arange(n), tokens], rtol=1e-4, atol=1e-4)
+            wants.append((want, seq, len(x)))
+    return wants
+
+
+def _log_probs(model, seq, prompt_length):
+    with torch.inference_mode():
+        return model(seq, use_cache=False).logits[0, prompt_length - 1:].log_softmax(-1)
+
+
+@pytest.mark.parametrize("model_type, full", [("mistral", dict(sliding_window=None)),
+                                               ("gemma3_text", dict(layer_types=["full_attention"] * 2))])
+def test_sliding_window_models_equal_a_full_recompute(tiny_factory, model_type, full):
+    """Sliding-window layers (window 8 here; Mistral: every layer, Gemma 3: a local and a global one) attend only
+    their window in every path of the engine: a whole prefill, chunked prefill, decode through the CPU op beside a
+    sequence shorter than the window, and the fixed-shape decode step of CUDA graphs. Tokens and logprobs equal
+    transformers' full recompute with its sliding mask, which differs from the same weights without the window."""
+    from hqtflow import models
+
+    path = tiny_factory(model_type)
+    model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
+    want, seq, length = _equals_recompute(model, tok, model, 12)[0]
+    unwindowed = models.load_model(tiny_factory(model_type, **full), "fp32")
+    assert (_log_probs(unwindowed, seq, length) - want).abs().max() > 1e-2  # the window matters for this prompt
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
 def test_soft_capping_and_sinks_equal_eager_attention(tiny_factory, model_type):
     """Gemma 2's soft-capped attention scores (a cap of 0.05 here) and gpt-oss's attention sinks (one logit per head,
-    drawn large here), which SDPA does not compute, in every path of the engine (whole prefill, chunked prefill,
-    decode through the CPU op, the fixed-shape step of CUDA graphs run eagerly), with sliding-window layers beside
-    full ones: tokens and logprobs equal transformers' eager full recompute, which differs without them."""
+    drawn large here), which SDPA does not compute, in every path of the engine, with sliding-window layers beside
+    full ones: tokens and logprobs equal transformers' eager full recompute, which differs without them; the model
+    run outside the engine (no step plan) equals eager too."""
     from hqtflow import models
 
     path = tiny_factory(model_type)
@@ -135,36 +149,15 @@ def test_soft_capping_and_sinks_equal_eager_attention(tiny_factory, model_type):
     ref = models.load_model(path, "fp32")
     ref.load_state_dict(model.state_dict())
     ref.set_attn_implementation("eager")
-    prompts = [tok(" ".join(["The tower is tall and the river is wide."] * 3))["input_ids"], tok("A way")["input_ids"]]
-    n = 10
-    outs = {}
-    for name, kw in {"whole": {}, "chunked": dict(max_prefill_tokens=5),
-                     "graph step": dict(cuda_graphs=(1, 2), capture=False)}.items():
-        eng = Engine(model, tok, max_batch_total_tokens=256, **kw)
-        outs[name] = run_all(eng, [(x, SamplingParams(max_new_tokens=n, ignore_eos=True)) for x in prompts])
-    wants = []
-    with torch.inference_mode():
-        for i, x in enumerate(prompts):
-            tokens = [e.token.id for e in outs["whole"][i]]
-            seq = torch.tensor([x + tokens[:-1]])
-            want = ref(seq, use_cache=False).logits[0, len(x) - 1:].log_softmax(-1)
-            assert tokens == want.argmax(-1).tolist()
-            for name, out in outs.items():
-                assert [e.token.id for e in out[i]] == tokens, name
-                torch.testing.assert_close(torch.tensor([e.token.logprob for e in out[i]]),
-                                           want[torch.arange(n), tokens], rtol=1e-4, atol=1e-4)
-            wants.append(want)
-        seq = torch.tensor([prompts[0] + [e.token.id for e in outs["whole"][0]]])
-        torch.testing.assert_close(model(seq).logits, ref(seq).logits, rtol=1e-4, atol=1e-4)  # outside the engine too
+    want, seq, length = _equals_recompute(model, tok, ref, 10)[0]
+    torch.testing.assert_close(_log_probs(model, seq, length), want, rtol=1e-4, atol=1e-4)  # outside the engine
+    with torch.no_grad():
         for layer in ref.model.layers:  # without them, other numbers
             if model_type == "gemma2":
                 layer.self_attn.attn_logit_softcapping = None
             else:
                 layer.self_attn.sinks.fill_(-1e9)
-        x, tokens = prompts[0], [e.token.id for e in outs["whole"][0]]
-        seq = torch.tensor([x + tokens[:-1]])
-        logits = ref(seq, use_cache=False).logits[0, len(x) - 1:].log_softmax(-1)
-        assert (logits - wants[0]).abs().max() > 1e-2
+    assert (_log_probs(ref, seq, length) - want).abs().max() > 1e-2
 
 
 def test_mla_keys_and_values_of_two_widths(tiny_factory):
@@ -177,20 +170,8 @@ def test_mla_keys_and_values_of_two_widths(tiny_factory):
     model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
     ref = models.load_model(path, "fp32")
     ref.set_attn_implementation("eager")
-    prompts = [tok(" ".join(["The tower is tall and the river is wide."] * 3))["input_ids"], tok("A way")["input_ids"]]
-    n = 8
-    for name, kw in {"whole": {}, "chunked": dict(max_prefill_tokens=5),
-                     "graph step": dict(cuda_graphs=(1, 2), capture=False)}.items():
-        eng = Engine(model, tok, max_batch_total_tokens=256, **kw)
-        assert eng.pool.keys[0].shape[-1] == 24, name
-        outs = run_all(eng, [(x, SamplingParams(max_new_tokens=n, ignore_eos=True)) for x in prompts])
-        with torch.inference_mode():
-            for x, out in zip(prompts, outs):
-                tokens = [e.token.id for e in out]
-                want = ref(torch.tensor([x + tokens[:-1]]), use_cache=False).logits[0, len(x) - 1:].log_softmax(-1)
-                assert tokens == want.argmax(-1).tolist(), name
-                torch.testing.assert_close(torch.tensor([e.token.logprob for e in out]), want[torch.arange(n), tokens],
-                                           rtol=1e-4, atol=1e-4)
+    assert Engine(model, tok, max_batch_total_tokens=256).pool.keys[0].shape[-1] == 24
+    _equals_recompute(model, tok, ref, 8)
 
 
 def test_engine_refuses_attention_it_does_not_compute(tiny_factory):
