@@ -6,8 +6,8 @@
 // repeat_kv). Keys and values are bf16, fp16, fp32, or FP8 (read as code * scale, the scale [] or one per KV head,
 // rounded to q's dtype as the Python path reads them). `softcap` > 0: each score (q . k * scale) becomes
 // softcap * tanh(score / softcap) (Gemma 2); `sinks`: one logit per query head that joins the softmax's denominator
-// and adds no value (gpt-oss); both as transformers' eager attention computes them (tanh is libm's `std::tanh`, not
-// torch's: within float32 rounding of the Python path, the same bits in every build of this file).
+// and adds no value (gpt-oss); both as transformers' eager attention computes them (tanh as a polynomial of float32
+// lane operations, `tanh8`: within a few float32 ulps of torch's, the same bits in every build of this file).
 //
 // The work is split into tasks of (sequence, KV head, CHUNK context positions): a task reads each KV row once for all
 // the query heads that share it, and keeps, per head, its chunk's score maximum, exp-sum and exp-weighted values; a
@@ -21,7 +21,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -77,6 +76,35 @@ inline f8 exp8(f8 x) {
 }
 
 inline float exp1(float x) { return exp8(splat(x))[0]; }
+
+// tanh(x) (Cephes' tanhf, ~2 ulp): x + x^3 P(x^2) for |x| < 0.625, else sign(x) (1 - 2 / (exp(2|x|) + 1)) from exp8 of
+// -2|x| (so 1 - 2 e / (1 + e), e <= 1); element-wise lane operations, so every build gives the same bits.
+inline f8 tanh8(f8 x) {
+  i8 xb, sign;
+  std::memcpy(&xb, &x, sizeof(x));
+  sign = xb & (int32_t)0x80000000;
+  i8 ab = xb & 0x7FFFFFFF;
+  f8 a;
+  std::memcpy(&a, &ab, sizeof(a));
+  const f8 s = x * x;
+  f8 p = splat(-5.70498872745e-3f);
+  p = p * s + splat(2.06390887954e-2f);
+  p = p * s + splat(-5.37397155531e-2f);
+  p = p * s + splat(1.33314422036e-1f);
+  p = p * s + splat(-3.33332819422e-1f);
+  const f8 small = p * s * x + x;
+  const f8 e = exp8(splat(-2.0f) * a);
+  const f8 t = splat(1.0f) - splat(2.0f) * e / (splat(1.0f) + e);
+  i8 tb, sb, out;
+  std::memcpy(&tb, &t, sizeof(t));
+  tb |= sign;
+  std::memcpy(&sb, &small, sizeof(small));
+  const i8 use_small = a < splat(0.625f);
+  out = (sb & use_small) | (tb & ~use_small);
+  f8 r;
+  std::memcpy(&r, &out, sizeof(r));
+  return r;
+}
 
 // Eight dot products q . k[r] over d: lane j of each sums elements j, j + 8, ... (a tail past the last full 8 adds
 // zeros), then the halving tree ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), done for the 8 rows at once.
@@ -227,8 +255,10 @@ void chunks(const Q* qp, const Rows<KV>& keys, const Rows<KV>& values, const int
       for (int64_t h = 0; h < group; ++h) {
         float* ph = p.data() + h * CHUNK;
         float* out = part + (c * heads + g * group + h) * (d + 2);
-        if (softcap > 0.0f)
-          for (int64_t j = 0; j < m; ++j) ph[j] = std::tanh(ph[j] / softcap) * softcap;
+        if (softcap > 0.0f) {  // padded to whole lanes: ph holds CHUNK (a multiple of 8) floats
+          for (int64_t j = 0; j < m; j += 8)
+            store8(ph + j, tanh8(load8(ph + j) / splat(softcap)) * splat(softcap));
+        }
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < m; ++j) top = std::max(top, ph[j]);
         int64_t j = 0;
