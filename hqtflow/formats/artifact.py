@@ -196,8 +196,9 @@ def _whole(directory: Path) -> bool:
     not: it is never put back)."""
     try:
         files = json.loads((directory / MANIFEST).read_text()).get("files")
-        return isinstance(files, dict) and bool(files) and all((directory / rel).is_file() for rel in files
-                                                               if isinstance(rel, str) and ".." not in Path(rel).parts)
+        return isinstance(files, dict) and bool(files) and all(
+            isinstance(rel, str) and rel and not Path(rel).is_absolute() and ".." not in Path(rel).parts
+            and (directory / rel).is_file() for rel in files)
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -142,7 +142,10 @@ def to_model_names(model, tensors: dict[str, torch.Tensor], where: str = "",
     for key, t in tensors.items():
         expert = m.expert_of(key) if any(m.experts.values()) else None
         if expert is None:
-            target, _ = m.forward(key)
+            target, pattern = m.forward(key)
+            if pattern is not None:  # transformers joins it with others (not an expert's gate and up): hqtflow does not
+                raise ArtifactError(f"{where}: {key} is one of the tensors transformers joins into {target} when it "
+                                    "loads this model; hqtflow reads checkpoints whose tensors are the model's own.")
             if target in out:
                 raise ArtifactError(f"{where}: two tensors are the model's {target} (one of them {key}); the checkpoint "
                                     "holds a weight twice under different names.")

@@ -132,7 +132,7 @@ def _register_fakes() -> None:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake("hqtflow::paged_decode_attention")
-    def _(q, keys, values, slots, offsets, k_scale, v_scale, scale):
+    def _(q, keys, values, slots, offsets, k_scale, v_scale, scale, softcap=0.0, sinks=None):
         return torch.empty_like(q)
 
     @torch.library.register_fake("hqtflow::bf16_linear")

@@ -169,6 +169,10 @@ def test_soft_capping_and_sinks(cpu_kernel_loaded, extra, name, dtype, fp8, per_
 
     need(cpu_kernel_loaded.load("scalar"), f"the scalar build failed: {cpu_kernel_loaded.build_error('scalar')}")
     assert torch.equal(_op(pool, q, reads, cpu_kernel_loaded.ops("scalar"), **kw), got)
+    if dtype == torch.float32:  # a NaN key makes its sequence NaN, as torch's softmax does (the first lane tanh made
+        pool.keys[0][reads[1][0]] = float("nan")  # it +-cap, real weight; the op gave NaN scores weight 0)
+        nan = _op(pool, q, reads, **kw).isnan()
+        assert torch.equal(nan, _reference(pool, q, reads, **kw).isnan()) and nan[1].all() and not nan[0].any()
 
 
 def test_refuses_inconsistent_inputs(cpu_kernel_loaded):

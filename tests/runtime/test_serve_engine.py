@@ -170,7 +170,7 @@ def test_mla_keys_and_values_of_two_widths(tiny_factory):
     model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
     ref = models.load_model(path, "fp32")
     ref.set_attn_implementation("eager")
-    assert Engine(model, tok, max_batch_total_tokens=256).pool.keys[0].shape[-1] == 24
+    assert all(Engine(model, tok, max_batch_total_tokens=256, **kw).pool.keys[0].shape[-1] == 24 for kw in ENGINE_PATHS.values())
     _equals_recompute(model, tok, ref, 8)
 
 

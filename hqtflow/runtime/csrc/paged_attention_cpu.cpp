@@ -99,8 +99,9 @@ inline f8 tanh8(f8 x) {
   std::memcpy(&tb, &t, sizeof(t));
   tb |= sign;
   std::memcpy(&sb, &small, sizeof(small));
-  const i8 use_small = a < splat(0.625f);
-  out = (sb & use_small) | (tb & ~use_small);
+  sb |= sign;  // -0 stays -0
+  const i8 use_large = a >= splat(0.625f);  // NaN takes the polynomial, which keeps it NaN (exp8 maps NaN to 0)
+  out = (tb & use_large) | (sb & ~use_large);
   f8 r;
   std::memcpy(&r, &out, sizeof(r));
   return r;
@@ -260,7 +261,12 @@ void chunks(const Q* qp, const Rows<KV>& keys, const Rows<KV>& values, const int
             store8(ph + j, tanh8(load8(ph + j) / splat(softcap)) * splat(softcap));
         }
         float top = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < m; ++j) top = std::max(top, ph[j]);
+        bool nan = false;  // a NaN score makes the sequence's output NaN, as torch's softmax does (merge reads it)
+        for (int64_t j = 0; j < m; ++j) {
+          top = std::max(top, ph[j]);
+          nan |= ph[j] != ph[j];
+        }
+        if (nan) top = std::numeric_limits<float>::quiet_NaN();
         int64_t j = 0;
         for (; j + 8 <= m; j += 8) store8(ph + j, exp8(load8(ph + j) - splat(top)));
         for (; j < m; ++j) ph[j] = exp1(ph[j] - top);
@@ -301,7 +307,16 @@ void merge(const float* part, const std::vector<int64_t>& first_chunk, int64_t B
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / heads, h = t % heads, c0 = first_chunk[b], nc = first_chunk[b + 1] - c0;
       float top = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < nc; ++c) top = std::max(top, part[((c0 + c) * heads + h) * (d + 2)]);
+      bool nan = false;
+      for (int64_t c = 0; c < nc; ++c) {
+        const float chunk_top = part[((c0 + c) * heads + h) * (d + 2)];
+        top = std::max(top, chunk_top);
+        nan |= chunk_top != chunk_top;
+      }
+      if (nan) {
+        for (int64_t i = 0; i < d; ++i) op[t * d + i] = static_cast<Q>(std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
       if (sinks) top = std::max(top, sinks[h]);
       w.resize(nc);
       float sum = 0.0f;
