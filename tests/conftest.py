@@ -104,6 +104,10 @@ TINY = {
     "granitemoe": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, max_position_embeddings=256, num_local_experts=4,
                        num_experts_per_tok=2),  # experts stored fused on disk (input_linear, output_linear)
+    "nemotron_h": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_hidden_layers=2, layers_block_type=["moe", "full_attention"], n_routed_experts=4,
+                       moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, mamba_num_heads=4,
+                       mamba_head_dim=16, ssm_state_size=16, n_groups=1),  # 3-D experts of another layout (no gate)
 }
 
 

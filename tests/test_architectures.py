@@ -63,3 +63,22 @@ def test_gemma2_and_gpt_oss_end_to_end(tiny_factory, wiki_text, tmp_path):
         texts = [run_cli("generate", out / "q", "-p", "The tower is", "--max-new-tokens", "8", *engine)
                  for engine in ((), ("--engine", "transformers"))]
         assert all(t.exit_code == 0 for t in texts) and texts[0].stdout == texts[1].stdout, [t.output for t in texts]
+
+
+def test_experts_of_another_layout_are_never_passed_over(tiny_factory, wiki_text, tmp_path):
+    """Nemotron-H's experts hold 3-D weights without a gate (up_proj, down_proj): measure passed them over without a
+    word (they are no Linear and not Mixtral's fused layout). Now refused with the blocklist that keeps them in high
+    precision; with it, quantize lists them as kept."""
+    model = tiny_factory("nemotron_h")
+    measure = ["measure", model, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2", "--max-length", "16"]
+    r = run_cli(*measure)
+    assert r.exit_code == 4 and "NemotronHExperts holds 3-D weights (up_proj, down_proj)" in r.stderr, r.output
+    assert '{"blocklist": {"types": ["NemotronHExperts"]}}' in r.stderr and not (tmp_path / "m").exists()
+    cfg = tmp_path / "blocklist.json"
+    cfg.write_text(json.dumps({"mode": "MEASURE", "blocklist": {"types": ["NemotronHExperts"]}}))
+    r = run_cli(*measure, "-c", cfg)
+    assert r.exit_code == 0, r.output
+    r = run_cli("quantize", "-m", tmp_path / "m", "-o", tmp_path / "q")
+    assert r.exit_code == 0, r.output
+    skipped = json.loads((tmp_path / "q" / MANIFEST).read_text())["data"]["skipped"]
+    assert "3-D weights" in skipped["model.layers.0.mixer.experts"], skipped

@@ -93,6 +93,9 @@ def unsupported(mod: nn.Module) -> str | None:
     if is_fused_experts(mod) and (not callable(getattr(mod, "act_fn", None)) or
                                   any(n.endswith("bias") for n, _ in mod.named_parameters(recurse=False))):
         return f"its fused experts ({kind}) are not of Mixtral's layout (gate_up_proj and down_proj without biases, act_fn)"
+    stacked = [n for n, p in mod.named_parameters(recurse=False) if p.dim() == 3]
+    if stacked and "Expert" in kind and not is_fused_experts(mod):  # Nemotron-H's, JetMoE's experts
+        return f"its {kind} holds 3-D weights ({', '.join(stacked)}) in no layout hqtflow measures"
     return None
 
 
@@ -131,12 +134,13 @@ class ObserverSession:
         self.tokens = 0
         for name, mod in model.named_modules():
             why = unsupported(mod)
-            if why and is_fused_experts(mod) and not config.selects(name, type(mod).__name__):
+            experts_like = is_fused_experts(mod) or "3-D weights" in (why or "")
+            if why and experts_like and not config.selects(name, type(mod).__name__):
                 self.skipped[name] = "excluded by allowlist/blocklist"  # kept in high precision, never observed
                 continue
             if why:
                 hint = (f' Keep them in high precision with a QUANT_CONFIG (-c) blocklist: {{"blocklist": {{"types": '
-                        f'["{type(mod).__name__}"]}}}}.' if is_fused_experts(mod) else "")
+                        f'["{type(mod).__name__}"]}}}}.' if experts_like else "")
                 raise ModelError(f"hqtflow cannot measure {type(model).__name__}: {why} ({name}). It measures and quantizes "
                                  f"nn.Linear layers and Mixtral-style fused experts.{hint}")
             if isinstance(mod, nn.Linear):
