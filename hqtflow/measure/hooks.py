@@ -93,10 +93,17 @@ def unsupported(mod: nn.Module) -> str | None:
     if is_fused_experts(mod) and (not callable(getattr(mod, "act_fn", None)) or
                                   any(n.endswith("bias") for n, _ in mod.named_parameters(recurse=False))):
         return f"its fused experts ({kind}) are not of Mixtral's layout (gate_up_proj and down_proj without biases, act_fn)"
-    stacked = [n for n, p in mod.named_parameters(recurse=False) if p.dim() == 3]
-    if stacked and "Expert" in kind and not is_fused_experts(mod):  # Nemotron-H's, JetMoE's experts
+    if stacked := other_experts(mod):
         return f"its {kind} holds 3-D weights ({', '.join(stacked)}) in no layout hqtflow measures"
     return None
+
+
+def other_experts(mod: nn.Module) -> list[str]:
+    """The 3-D weights of an experts module of a layout other than Mixtral's fused one (Nemotron-H's, JetMoE's),
+    which hqtflow neither measures nor quantizes; [] for any other module."""
+    if "Expert" not in type(mod).__name__ or is_fused_experts(mod):
+        return []
+    return [n for n, p in mod.named_parameters(recurse=False) if p.dim() == 3]
 
 
 @dataclass
@@ -134,7 +141,7 @@ class ObserverSession:
         self.tokens = 0
         for name, mod in model.named_modules():
             why = unsupported(mod)
-            experts_like = is_fused_experts(mod) or "3-D weights" in (why or "")
+            experts_like = is_fused_experts(mod) or bool(other_experts(mod))
             if why and experts_like and not config.selects(name, type(mod).__name__):
                 self.skipped[name] = "excluded by allowlist/blocklist"  # kept in high precision, never observed
                 continue

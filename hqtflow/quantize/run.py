@@ -327,14 +327,14 @@ def plan_modules(model, cfg: QuantConfig, meas: Measurement, *, unfuse: bool = T
     import numpy as np
     from torch import nn
 
-    from hqtflow.measure.hooks import is_fused_experts, unsupported
+    from hqtflow.measure.hooks import is_fused_experts, other_experts, unsupported
     from hqtflow.quantize.experts import unfuse_experts, why_not_unfused
 
     quantize, ignore, skipped, missing, experts = [], [], {}, [], []
     for name, mod in model.named_modules():
         if not is_fused_experts(mod):
-            if (why := unsupported(mod)) and "3-D weights" in why:  # experts of another layout (Nemotron-H's)
-                skipped[name] = f"{why.removeprefix('its ')}: kept in high precision"
+            if other_experts(mod):  # experts of another layout (Nemotron-H's)
+                skipped[name] = f"{unsupported(mod).removeprefix('its ')}: kept in high precision"
             continue
         if type(mod).__name__ in cfg.blocklist.types or cfg.blocklist.matches_name(name):
             skipped[name] = "excluded by blocklist"
