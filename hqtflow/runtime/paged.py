@@ -271,7 +271,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 def _paged_attention(module, plan, query, key, value, scaling, **kwargs):
     window = kwargs.get("sliding_window")  # a sliding-window layer's window, None for full attention
     softcap, sinks = kwargs.get("softcap") or 0.0, kwargs.get("s_aux")  # Gemma 2's score soft-capping, gpt-oss's sinks
-    if sinks is None and "sinks" in module._parameters:  # a dict lookup: no getattr miss each layer and step
+    if sinks is None and "sinks" in getattr(module, "_parameters", ()):  # no nn.Module getattr miss per layer and step
         raise ValueError(f"{type(module).__name__} has attention sinks but did not pass them (`s_aux`) to attention")
     if isinstance(plan, DecodeBatch):
         return decode_batch_attention(module.layer_idx, plan, query, key, value, scaling, window, softcap, sinks), None
