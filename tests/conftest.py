@@ -82,6 +82,9 @@ TINY = {
     "phi": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=256),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),  # transformers' Conv1D projections
+    "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     max_position_embeddings=256),  # fused query_key_value
+    "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
     "stablelm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=256),  # its decoder layers drop attention kwargs
     "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

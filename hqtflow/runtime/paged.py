@@ -260,6 +260,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if max(dk, dv) != width:
         raise ValueError(f"{type(module).__name__} hands attention keys {dk} and values {dv} wide, but the KV cache's "
                          f"slots are {width} wide (from the model's config)")
+    if key.shape[1] != pool.keys[0].shape[-2]:
+        raise ValueError(f"{type(module).__name__} hands attention {key.shape[1]} key/value heads, but the KV cache "
+                         f"holds {pool.keys[0].shape[-2]} (from the model's config)")
     if (dk, dv) != (width, width):  # MLA (DeepSeek): keys and values of two widths, in slots of the wider one
         scaling = scaling if scaling is not None else dk ** -0.5
         query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))  # zeros: the same dots
@@ -441,8 +444,13 @@ def install(model) -> None:
     if missing:
         raise ValueError(f"The serving engine's attention has no {' or '.join(missing)}, which this {kind} uses "
                          "(`hqtflow generate --engine transformers` runs it; `serve` cannot).")
-    if model.config._attn_implementation != NAME:
+    can_switch = getattr(model, "_can_set_attn_implementation", lambda: True)()
+    if model.config._attn_implementation != NAME and can_switch:
         model.set_attn_implementation(NAME)
+    if model.config._attn_implementation != NAME:  # transformers would only log that it cannot (Falcon, Bloom, MPT)
+        raise ValueError(f"This {kind}'s attention does not go through transformers' attention interface, so the "
+                         "serving engine cannot hold its KV cache (`hqtflow generate --engine transformers` runs it; "
+                         "`serve` cannot).")
 
 
 def geometry(model) -> tuple[int, int, int]:
@@ -450,7 +458,10 @@ def geometry(model) -> tuple[int, int, int]:
     (MLA: DeepSeek's `qk_head_dim` and `v_head_dim`; the narrower is stored zero-padded)."""
     text = model.config.get_text_config(decoder=True)
     heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
+    groups = next((m.num_key_value_groups for m in model.modules() if hasattr(m, "num_key_value_groups")), None)
+    # transformers groups query heads by the attention module's `num_key_value_groups`; a module without one has a
+    # key/value head per query head whatever the config says (GPT-NeoX ignores a stray `num_key_value_heads`)
+    kv = heads // groups if isinstance(groups, int) and groups > 0 else heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     widths = [w for k in ("qk_head_dim", "v_head_dim") if isinstance(w := getattr(text, k, None), int)]
     return text.num_hidden_layers, kv, max(widths) if len(widths) == 2 else max([head_dim, *widths])

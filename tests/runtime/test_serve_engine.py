@@ -194,6 +194,30 @@ def test_engine_refuses_attention_it_does_not_compute(tiny_factory):
         eng.stop()
 
 
+def test_key_value_heads_as_transformers_groups_them(tiny_factory):
+    """The KV cache holds the key/value heads transformers' attention hands it: GPT-NeoX ignores a stray
+    `num_key_value_heads` in its config (the engine sized its cache from it and failed at the first step); a
+    multi-query GPT-BigCode has one. Tokens and logprobs equal a full recompute in every path of the engine."""
+    from hqtflow import models
+
+    for model_type, kw, kv in [("gpt_neox", dict(num_key_value_heads=2), 4), ("gpt_bigcode", dict(multi_query=True), 1)]:
+        path = tiny_factory(model_type, **kw)
+        model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
+        assert Engine(model, tok, max_batch_total_tokens=256).pool.keys[0].shape[-2] == kv, model_type
+        _equals_recompute(model, tok, models.load_model(path, "fp32"), 6)
+
+
+def test_engine_refuses_a_model_whose_attention_it_cannot_replace(tiny_factory):
+    """Falcon's attention does not go through transformers' attention interface: transformers only logs that it
+    cannot switch it, and the engine ran the model without its KV cache (wrong tokens, no error). Refused."""
+    from hqtflow import models
+
+    path = tiny_factory("falcon")
+    model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
+    with pytest.raises(ValueError, match="does not go through transformers' attention interface"):
+        Engine(model, tok)
+
+
 def test_concurrent_requests_match_alone(lm, engine):
     _, tok = lm
     lengths = [10, 4, 16, 7]
