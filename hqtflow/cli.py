@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from hqtflow.errors import HqtflowError, ProvenanceWarning
+from hqtflow.errors import FallbackWarning, HqtflowError, ProvenanceWarning, ResourceError
 from hqtflow.measure.settings import MeasureSettings
 from hqtflow.quantize.settings import QuantizeSettings
 from hqtflow.runtime.settings import ServeSettings
@@ -29,13 +29,13 @@ app.add_typer(model_app, name="model")
 
 @contextmanager
 def _plain_warnings():
-    """hqtflow's own warnings (ProvenanceWarning) as one `Warning: ...` line on stderr; others as usual."""
+    """hqtflow's own warnings (ProvenanceWarning, FallbackWarning) as one `Warning: ...` line on stderr; others as usual."""
     with warnings.catch_warnings():
         warnings.simplefilter("always", ProvenanceWarning)
         original = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
-            if issubclass(category, ProvenanceWarning):
+            if issubclass(category, (ProvenanceWarning, FallbackWarning)):
                 typer.echo(f"Warning: {message}", err=True)
             else:
                 original(message, category, filename, lineno, file, line)
@@ -44,20 +44,74 @@ def _plain_warnings():
         yield
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (`kill`, systemd, Slurm, a closed terminal), raised where Ctrl-C's KeyboardInterrupt is: the
+    same cleanup runs (staging dirs removed, `measure --tp`'s ranks stopped)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _signals_as_interrupts():
+    import signal
+    import threading
+
+    def terminate(signum, frame):
+        raise Terminated(signum)
+
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:  # an ignored SIGHUP (nohup) stays ignored
+                saved[sig] = signal.signal(sig, terminate)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _written() -> str:
+    """What this command has committed so far, for a message about stopping it."""
+    from hqtflow.formats.artifact import COMMITTED
+
+    if not COMMITTED:
+        return "nothing was written"
+    return f"{', '.join(map(str, COMMITTED))} {'was' if len(COMMITTED) == 1 else 'were'} written, nothing else"
+
+
 def user_errors(fn):
-    """Print an HqtflowError as one sentence on stderr and exit with its kind's code (errors.py; no traceback)."""
+    """Print an HqtflowError as one sentence on stderr and exit with its kind's code (errors.py; no traceback);
+    SIGINT, SIGTERM and SIGHUP stop a command as Ctrl-C does (exit 128 + the signal), a full disk exits 6."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        import errno
+        import signal
+
+        from hqtflow.formats.artifact import COMMITTED
+
+        COMMITTED.clear()
         try:
-            with _plain_warnings():
+            with _plain_warnings(), _signals_as_interrupts():
                 return fn(*args, **kwargs)
         except HqtflowError as e:
             typer.echo("Error: " + " ".join(str(e).splitlines()), err=True)
             raise typer.Exit(e.exit_code) from None
-        except KeyboardInterrupt:
-            typer.echo("Interrupted; nothing was written.", err=True)
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as e:
+            signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+            if kwargs.get("resolved_settings") is None:  # a rank of `measure --tp`: its launcher says it, once
+                typer.echo(f"{'Terminated' if isinstance(e, Terminated) else 'Interrupted'}; {_written()}.", err=True)
+            raise typer.Exit(128 + signum) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            where = f" {e.filename}" if e.filename else ""
+            typer.echo(f"Error: cannot write{where} ({e.strerror}): free some disk space or write elsewhere; "
+                       f"{_written()}.", err=True)
+            raise typer.Exit(ResourceError.exit_code) from None
 
     return wrapper
 
@@ -511,8 +565,10 @@ def handoff(
     # each script gets its own folder of configs: two hand-offs never share (and overwrite) a QUANT_CONFIG copy
     directory = handoff_dir or (output.with_suffix("") if output is not None else Path("hqtflow-handoff"))
     h.check_outside_artifact(job, directory, output)
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
+    if output is not None:  # the script's folder can be made and written before anything is
+        from hqtflow.formats.artifact import check_output_dir
+
+        check_output_dir(output.parent / f".{output.name}.probe", True)
     plan = h.optimum_habana(job, directory) if to == "optimum-habana" else \
         h.tgi_gaudi(job, directory, image=image, port=port, volume=volume)
     h.write_handoff(plan, directory)

@@ -63,6 +63,10 @@ class ProvenanceWarning(UserWarning):
     """Something is read whose origin hqtflow cannot check (a foreign dump): the CLI prints it as one line."""
 
 
+class FallbackWarning(UserWarning):
+    """A faster path cannot run here and a slower one is used (the CPU FP8 kernel not built): one line on the CLI."""
+
+
 def not_a_file(path) -> str:
     """Why `path`, which is not a regular file, cannot be read as one: the end of a one-sentence error."""
     from pathlib import Path

@@ -404,9 +404,13 @@ def write_script(text: str, path: Path) -> None:
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o755 & ~_umask())
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.chmod(tmp, 0o755 & ~_umask())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ArtifactError(f"Cannot write the script {path} ({e.strerror}).") from None
 
 
 def _umask() -> int:

@@ -7,8 +7,10 @@ Offline copies of common tasks ship as `<task>_local` YAMLs that read `--data-di
 
 from __future__ import annotations
 
+import atexit
 import json
 import re
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +36,7 @@ def local_task_dir(data_dir: str | Path) -> Path:
     if not data_dir.is_dir():
         raise CalibrationError(f"Data directory {data_dir} {'is not a directory' if data_dir.exists() else 'does not exist'}.")
     out = Path(tempfile.mkdtemp(prefix="hqtflow-tasks-"))
+    atexit.register(shutil.rmtree, out, True)  # lm-eval reads it until the command ends
     for p in TASKS_DIR.glob("*.yaml"):
         (out / p.name).write_text(p.read_text().replace("{data_dir}", str(data_dir)))
     return out

@@ -103,3 +103,63 @@ def test_generate_on_device_cpu_is_the_default_here(tiny_llama):
     on_cpu = run_cli("generate", tiny_llama, "--max-new-tokens", "4", "--device", "cpu")
     assert default.exit_code == on_cpu.exit_code == 0, default.output + on_cpu.output
     assert default.output.splitlines()[-1] == on_cpu.output.splitlines()[-1]  # the text (not the progress bars)
+
+
+def _stage_then(tmp_path, error: BaseException):
+    """A command (wrapped as every CLI command is) that commits one artifact and then fails with `error`."""
+    import typer
+
+    from hqtflow.cli import user_errors
+    from hqtflow.formats.artifact import MANIFEST, staged_output
+
+    def command(resolved_settings=None):
+        with staged_output(tmp_path / "done") as d:
+            (d / MANIFEST).write_text("{}")
+        raise error
+
+    with pytest.raises(typer.Exit) as e:
+        user_errors(command)()
+    return e.value.exit_code
+
+
+def test_stopped_commands_say_what_they_wrote(tmp_path, capsys):
+    """Interrupted after an artifact was committed (`run` between stages, a Ctrl-C while `--overwrite` removes the
+    replaced output), the message names it instead of "nothing was written"; SIGTERM and SIGHUP stop a command as
+    Ctrl-C does (exit 128 + the signal); a full disk or a file-size limit is one sentence and exit 6."""
+    import errno
+    import signal
+
+    from hqtflow.cli import Terminated
+
+    assert _stage_then(tmp_path / "a", KeyboardInterrupt()) == 130
+    assert capsys.readouterr().err.strip() == f"Interrupted; {tmp_path / 'a' / 'done'} was written, nothing else."
+    assert _stage_then(tmp_path / "b", Terminated(signal.SIGTERM)) == 143
+    assert capsys.readouterr().err.startswith("Terminated; ")
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert _stage_then(tmp_path / "c", full) == errors.ResourceError.exit_code
+    assert capsys.readouterr().err.strip() == ("Error: cannot write (No space left on device): free some disk space "
+                                               f"or write elsewhere; {tmp_path / 'c' / 'done'} was written, nothing else.")
+    with pytest.raises(OSError):  # any other OSError is a bug: its traceback is kept
+        _stage_then(tmp_path / "d", OSError(errno.EIO, "I/O error"))
+
+
+def test_sigterm_stops_a_stage_and_removes_its_staging_dir(tiny_llama, wiki_text, tmp_path):
+    """`kill PID` (systemd, Slurm, docker stop) during `measure`: the staging dir is removed, exit 143, one line."""
+    import signal
+    import time
+
+    out = tmp_path / "m"
+    cmd = [sys.executable, "-m", "hqtflow", "measure", str(tiny_llama), "-o", str(out), "--text", str(wiki_text),
+           "--limit", "5000", "--max-length", "128", "--batch-size", "1"]
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    seen = ""
+    while "sample/s" not in seen:  # calibrating, the staging dir made
+        ch = p.stderr.read(1)
+        assert ch, seen
+        seen += ch
+    assert any(x.name.startswith(".m.partial-") for x in tmp_path.iterdir())
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143 and err.count("Terminated; nothing was written.") == 1, (seen + err)[-2000:]
+    time.sleep(0.5)
+    assert not list(tmp_path.iterdir()), sorted(x.name for x in tmp_path.iterdir())

@@ -862,9 +862,10 @@ def test_overwriting_a_symlinked_output_leaves_no_backup(base, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigint_to_the_tp_launcher_alone_stops_the_ranks(tiny_llama, wiki_text, tmp_path):
-    """`kill -INT` of `measure --tp 2` itself (not Ctrl-C's whole process group): exit 130 and no rank runs on to
-    write the output afterwards."""
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_tp_launcher_alone_stops_the_ranks(tiny_llama, wiki_text, tmp_path, sig):
+    """`kill -INT` or `kill` (SIGTERM: systemd, Slurm) of `measure --tp 2` itself (not Ctrl-C's whole process group):
+    exit 128 + the signal, said once (not by every rank), and no rank runs on to write the output afterwards."""
     import signal
     import subprocess
     import sys
@@ -883,10 +884,11 @@ def test_sigint_to_the_tp_launcher_alone_stops_the_ranks(tiny_llama, wiki_text, 
         ch = p.stderr.read(1)
         assert ch, seen
         seen += ch
-    p.send_signal(signal.SIGINT)
+    p.send_signal(getattr(signal, sig))
     _, err = p.communicate(timeout=120)
     time.sleep(5)  # an orphaned rank would have written its output by now
-    assert p.returncode == 130, (seen + err)[-3000:]
+    assert p.returncode == 128 + getattr(signal, sig), (seen + err)[-3000:]
+    assert (seen + err).count("nothing was written") == 1, (seen + err)[-3000:]
     assert not list(tmp_path.iterdir()), sorted(x.name for x in tmp_path.iterdir())
 
 

@@ -43,7 +43,22 @@ class ArtifactKind(StrEnum):
 
 MIN_VERSION = 1  # every schema starts at v1
 PARTIAL_MARKER = ".hqtflow-partial"  # in a staging dir until its commit: a directory holding it is never an input
-_LEFTOVER = re.compile(r"^\..+\.(partial|old)-(\d+)-")  # `.<name>.partial-<pid>-*` (staging), `.<name>.old-<pid>-*` (replaced)
+# `.<name>.partial-<pid>-h<host>-*` (staging), `.<name>.old-<pid>-h<host>-*` (replaced); names without the host tag
+# come from earlier versions
+_LEFTOVER = re.compile(r"^\..+\.(partial|old)-(\d+)-(?:h([0-9a-f]{8})-)?")
+COMMITTED: list[Path] = []  # the outputs this process has committed, in order (the CLI names them when interrupted)
+
+
+def _host_tag() -> str:
+    """This host and PID namespace, hashed: a leftover's pid is checked only where that pid means the same process
+    (another node or container sharing the folder sees other processes under the same numbers)."""
+    import socket
+
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return hashlib.sha256(f"{socket.gethostname()} {namespace}".encode()).hexdigest()[:8]
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -64,8 +79,12 @@ def tool_versions() -> dict[str, str]:
 def write_json_atomic(path: Path, obj: Any, *, default=None) -> None:
     """`obj` as indented JSON at `path`, written beside it and renamed: a reader never sees half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=default) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=default) + "\n")
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, an interrupt: no half-written file left beside it
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def check_report_path(path: Path, model: str | None, what: str) -> None:
@@ -98,7 +117,8 @@ class StagingDir:
         remove_stale_partials(self.out.parent)  # first: an output a killed commit moved aside is put back
         check_output_dir(self.out, self.overwrite, self.inputs, self.any_dir)
         try:
-            self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-{os.getpid()}-", dir=self.out.parent))
+            self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-{os.getpid()}-h{_host_tag()}-",
+                                              dir=self.out.parent))
             os.chmod(self.path, 0o777 & ~_umask())  # mkdtemp makes 0700; the artifact gets normal permissions
             (self.path / PARTIAL_MARKER).write_text(f"pid {os.getpid()}\n")
         except OSError as e:
@@ -118,20 +138,22 @@ class StagingDir:
                     raise ArtifactError(f"Output {self.out} appeared while this run was writing it; nothing was replaced.")
                 if not self.any_dir:
                     check_replaceable(self.out)
-                backup = self.out.with_name(f".{self.out.name}.old-{os.getpid()}-{int(time.time())}")
-                os.rename(self.out, backup)
+                moved = self.out.with_name(f".{self.out.name}.old-{os.getpid()}-h{_host_tag()}-{int(time.time())}")
+                os.rename(self.out, moved)
+                backup = moved  # only once it exists: a failed rename (another run moved `out`) has nothing to undo
             os.rename(self.path, self.out)
         except BaseException as e:
             self.abort()
-            if backup is not None and not self.out.exists():
+            if backup is not None and not (self.out.exists() or self.out.is_symlink()):
                 os.rename(backup, self.out)
             if isinstance(e, OSError):
-                raise ArtifactError(f"Cannot move the finished output into {self.out} ({e.strerror}); "
-                                    "nothing was replaced.") from None
+                raise ArtifactError(f"Cannot move the finished output into {self.out} ({e.strerror}; another run "
+                                    "may be writing it too); nothing was replaced.") from None
             raise
+        COMMITTED.append(self.out)  # interrupted from here on, the CLI says `out` was written
         if backup is not None and backup.is_symlink():  # `out` was a link: drop the link, never what it points to
             backup.unlink()
-        elif backup is not None:
+        elif backup is not None:  # cut short, the next run into this folder removes the rest
             shutil.rmtree(backup, ignore_errors=True)
         return self.out
 
@@ -178,6 +200,8 @@ def remove_stale_partials(parent: Path) -> list[Path]:
         if not m or not p.is_dir() or p.is_symlink():
             continue
         pid, own = int(m[2]), PARTIAL_MARKER if m[1] == "partial" else MANIFEST
+        if m[3] is not None and m[3] != _host_tag():  # another host's or container's: its pid says nothing here
+            continue
         if pid != os.getpid() and not _pid_alive(pid) and (p / own).is_file():
             original = p.with_name(p.name[1:p.name.rindex(f".{m[1]}-")])
             if m[1] == "old" and not (original.exists() or original.is_symlink()) and _whole(p):
@@ -356,7 +380,8 @@ def _raw_manifest(directory: Path, kind: str) -> tuple[Path, dict]:
     try:
         raw = json.loads(mpath.read_text())
         raw["_type"], raw["_version"]
-        json.dumps(raw, ensure_ascii=False).encode()  # no lone surrogate ("\ud800"): every string prints and saves
+        # no lone surrogate ("\ud800") but the escaped bytes of a path that is not UTF-8 (Python's surrogateescape)
+        json.dumps(raw, ensure_ascii=False).encode("utf-8", "surrogateescape")
     except (OSError, ValueError, RecursionError, KeyError, TypeError):
         raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).") from None
     return mpath, raw
@@ -438,12 +463,12 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
 
         for f in [*weight_files(directory, ArtifactError), directory / SAFETENSORS_INDEX]:
             if f.is_file() and f.relative_to(directory).as_posix() not in files:
-                raise ArtifactError(f"{directory} was modified after it was written: {f.name} is not in its manifest.")
+                raise ArtifactError(f"{directory} was modified after it was written: {f.name} is not in its manifest (or another run replaced it meanwhile).")
     if verify:
         for rel, digest in files.items():
             p = directory / rel
             if not p.is_file():
                 raise ArtifactError(f"{directory} is incomplete: {rel} is listed in its manifest but missing.")
             if sha256_file(p) != digest:
-                raise ArtifactError(f"{directory} was modified after it was written: {rel} does not match its manifest hash.")
+                raise ArtifactError(f"{directory} was modified after it was written: {rel} does not match its manifest hash (or another run replaced it meanwhile).")
     return Manifest(mpath, raw)

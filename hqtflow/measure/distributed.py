@@ -21,6 +21,7 @@ from typing import Any, Callable
 from hqtflow import environment
 from hqtflow.environment import in_torchrun  # noqa: F401 - re-exported (callers ask distributed)
 from hqtflow.errors import HqtflowError, ModelError
+from hqtflow.formats.artifact import remove_stale_partials
 
 
 def check_tp_split(config: dict, tp: int) -> None:
@@ -109,7 +110,7 @@ def launch(settings) -> Path:
         ]
         returncode = _run_ranks(cmd, out)
     if returncode != 0:
-        _remove_partials(out)
+        remove_stale_partials(out.parent)  # the ranks have exited: their staging dir is a dead process's
         raise HqtflowError(f"Measurement with --tp {settings.tp} failed (a rank exited with code {returncode}); see the rank output above.")
     return out
 
@@ -126,7 +127,7 @@ def _run_ranks(cmd: list[str], out: Path) -> int:
         p.kill()
         p.wait()
         _stop(ranks)
-        _remove_partials(out)
+        _remove_partials(out, ranks)
         raise
 
 
@@ -161,6 +162,8 @@ def _stop(pids: list[int], limit: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def _remove_partials(out: Path) -> None:
-    for leftover in out.parent.glob(f".{out.name}.partial-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+def _remove_partials(out: Path, ranks: list[int]) -> None:
+    """The staging dirs of these ranks (rank 0 makes one), never another run's."""
+    for pid in ranks:
+        for leftover in out.parent.glob(f".{out.name}.partial-{pid}-*"):
+            shutil.rmtree(leftover, ignore_errors=True)

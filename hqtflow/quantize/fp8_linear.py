@@ -292,7 +292,16 @@ def resolve_backend(backend: str, device: torch.device | str) -> Backend:
         if device.type == "cpu":
             from hqtflow.quantize import cpu_kernel
 
-            return Backend.CPU if cpu_kernel.available() else Backend.QDQ
+            if cpu_kernel.available():
+                return Backend.CPU
+            import warnings
+
+            from hqtflow.errors import FallbackWarning
+
+            warnings.warn(f"The CPU FP8 kernel could not be built here ({cpu_kernel.build_error()}); FP8 layers run "
+                          "on the slower QDQ reference (--backend qdq chooses it and silences this).", FallbackWarning,
+                          stacklevel=2)
+            return Backend.QDQ
         return Backend.QDQ
     if backend == "cpu":
         from hqtflow.quantize import cpu_kernel

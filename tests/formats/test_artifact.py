@@ -93,3 +93,71 @@ def test_output_that_is_the_working_directory_or_a_symlink_loop(tmp_path):
     (tmp_path / "loop").symlink_to("loop")
     with pytest.raises(ArtifactError, match="symlink loop"):
         check_output_dir(tmp_path / "loop" / "x", False)
+
+
+def test_leftovers_of_another_host_are_kept(tmp_path, monkeypatch):
+    """A staging dir or replaced output is removed as a dead process's only where its pid means this host's (and this
+    PID namespace's) process: another node or container writing into a shared folder keeps its work in progress."""
+    import os
+
+    from hqtflow.formats import artifact
+
+    dead = 2 ** 22 + 12345  # above any pid_max: no such process here
+    mine, theirs = artifact._host_tag(), "0" * 8 if artifact._host_tag() != "0" * 8 else "1" * 8
+    for name, tag in [("a", mine), ("b", theirs)]:
+        d = tmp_path / f".{name}.partial-{dead}-h{tag}-xyz"
+        d.mkdir()
+        (d / artifact.PARTIAL_MARKER).write_text("pid\n")
+    old = tmp_path / f".c.old-{dead}-1795974782"  # a name of earlier versions, no host tag: judged by pid as before
+    old.mkdir()
+    (old / MANIFEST).write_text("{}")
+    removed = artifact.remove_stale_partials(tmp_path)
+    assert sorted(p.name for p in removed) == sorted([f".a.partial-{dead}-h{mine}-xyz", old.name])
+    assert [p.name for p in tmp_path.iterdir()] == [f".b.partial-{dead}-h{theirs}-xyz"]
+    assert f"-{os.getpid()}-h{mine}-" in artifact.StagingDir(tmp_path / "x").create().name
+
+
+def test_overwrite_racing_another_writer(tmp_path, monkeypatch):
+    """Another `--overwrite` run moved the output away between this commit's check and its rename: one sentence,
+    not a FileNotFoundError from putting back a backup that was never made."""
+    import shutil
+
+    from hqtflow.formats import artifact
+
+    out = _make(tmp_path / "art")
+    stage = artifact.StagingDir(out, overwrite=True)
+    (stage.create() / MANIFEST).write_text("{}")
+    monkeypatch.setattr(artifact, "check_replaceable", lambda o: shutil.rmtree(o))  # the other run, at that moment
+    with pytest.raises(ArtifactError, match="Cannot move the finished output into .*another run may be writing it"):
+        stage.commit()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_json_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A failed write (a full disk) leaves neither the file nor its temp file."""
+    import errno
+    import os
+
+    from hqtflow.formats import artifact
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError):
+        artifact.write_json_atomic(tmp_path / "r.json", {"a": 1})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_manifest_recording_a_path_that_is_not_utf8(tmp_path):
+    """A path with bytes that are not UTF-8 (a Latin-1 folder name) is recorded as Python holds it and read back;
+    a manifest with any other lone surrogate is still refused as corrupt."""
+    import os
+
+    out = _make(tmp_path / "art")
+    name = os.fsdecode(b"lat\xe9")  # "lat\udce9"
+    _patch(out, model={"id": "m", "path": str(tmp_path / name)})
+    assert read_manifest(out, "hqtflow.test", 1).raw["model"]["path"].endswith(name)
+    _patch(out, model={"id": "m", "path": "\ud800"})
+    with pytest.raises(ArtifactError, match="corrupt"):
+        read_manifest(out, "hqtflow.test", 1)
