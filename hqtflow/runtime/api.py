@@ -160,10 +160,11 @@ class Ctx:
             for h in handles:
                 h.cancel()  # a no-op for finished sequences
 
-    async def collect(self, jobs, request=None) -> list[Sequence]:
-        """Every event of the jobs; with the HTTP `request`, a client that disconnects cancels them."""
+    async def collect(self, jobs, request=None, slot: Slot | None = None) -> list[Sequence]:
+        """Every event of the jobs; with the HTTP `request`, a client that disconnects cancels them. `slot`: the
+        place the route took (else one is taken here)."""
         out = [Sequence() for _ in jobs]
-        async for i, ev, handle in self.stream(jobs, request):
+        async for i, ev, handle in self.stream(jobs, request, slot):
             out[i].events.append(ev)
             out[i].handle = handle
         return out

@@ -87,6 +87,7 @@ class Request:
     generator: torch.Generator | None = None
     seed: int | None = None
     matcher: object | None = None  # xgrammar GrammarMatcher
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # params.logit_bias as (ids, values), made at its first step
     prompt: list | None = None
     t_submit: float = 0.0
     t_admit: float | None = None
@@ -488,9 +489,11 @@ class Engine:
         if (p.presence_penalty or p.frequency_penalty) and req.generated:
             counts = torch.bincount(torch.tensor(req.generated, device=x.device), minlength=x.numel())[: x.numel()].float()
             x -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
-        if p.logit_bias:
-            for tok, bias in p.logit_bias.items():
-                x[tok] += bias
+        if p.logit_bias:  # one indexed add (its ids are distinct): a bias on every token costs one op, not 49k
+            if req.bias is None or req.bias[0].device != x.device:
+                req.bias = (torch.tensor(list(p.logit_bias), device=x.device),
+                            torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=x.device))
+            x[req.bias[0]] += req.bias[1]
         if req.matcher is not None:
             from hqtflow.runtime.grammar import mask_logits
 
@@ -511,8 +514,9 @@ class Engine:
             if not special:
                 req.visible.append(tok)
             text = self._new_text(req, final=finish is not None)
-            req.text += text
-            cut = min((j for j in (req.text.find(s) for s in req.params.stop) if j >= 0), default=-1)
+            req.text += text  # a match not found before ends in the new text: search from where it could start
+            cut = min((j for s in req.params.stop if (j := req.text.find(s, max(0, len(req.text) - len(text) - len(s) + 1))) >= 0),
+                      default=-1)
             if cut >= 0:
                 finish, stop_at = "stop_sequence", cut
         req.finished = finish is not None

@@ -145,8 +145,19 @@ def message_calls(calls, i: int) -> list[dict]:
 
 
 def held_back(text: str, stops) -> int:
-    """Characters at the end of `text` that may be the start of a stop sequence (not streamed until they are not)."""
-    return max((n for stop in stops for n in range(min(len(stop), len(text)), 0, -1) if text.endswith(stop[:n])), default=0)
+    """Characters at the end of `text` that may be the start of a stop sequence (not streamed until they are not):
+    the longest end of `text` that begins a stop, found where the stop's first character occurs in its last
+    len(stop) characters (string methods, so a token costs at most a few stop lengths, not their squares)."""
+    held = 0
+    for stop in stops:
+        tail = text[-len(stop):] if len(stop) < len(text) else text
+        i = tail.find(stop[0])
+        while i >= 0 and len(tail) - i > held:
+            if stop.startswith(tail[i:]):
+                held = len(tail) - i
+                break
+            i = tail.find(stop[0], i + 1)
+    return held
 
 
 def openai_router(ctx: Ctx) -> APIRouter:
@@ -227,17 +238,22 @@ def openai_router(ctx: Ctx) -> APIRouter:
     @r.post("/v1/completions")
     async def completions(request: Request):
         req = parse(CompletionRequest, await read_body(request))
-        prompts = prompts_of(req)
-        k = req.logprobs
-        make = lambda n: params(req, n, req.max_tokens, top_n=k or 0, prompt_logprobs=k if req.echo and k is not None else None)  # noqa: E731
-        per = req.best_of or req.n
-        if len(prompts) * per > MAX_SEQUENCES:
-            raise invalid(f"`prompt` x `best_of` (or `n`) must be <= {MAX_SEQUENCES} sequences. Given: {len(prompts)} x {per}")
-        jobs = jobs_for(prompts, make, per, req.seed)
-        texts = [tok.decode(ids) if req.echo else "" for ids in prompts]
+        slot = ctx.admit()  # a 429 before any tokenizing (TGI's order); handed on, or given back on an error
+        try:
+            prompts = await run_in_threadpool(prompts_of, req)  # off the event loop: /health and streams go on
+            k = req.logprobs
+            make = lambda n: params(req, n, req.max_tokens, top_n=k or 0, prompt_logprobs=k if req.echo and k is not None else None)  # noqa: E731
+            per = req.best_of or req.n
+            if len(prompts) * per > MAX_SEQUENCES:
+                raise invalid(f"`prompt` x `best_of` (or `n`) must be <= {MAX_SEQUENCES} sequences. Given: {len(prompts)} x {per}")
+            jobs = jobs_for(prompts, make, per, req.seed)
+            texts = [tok.decode(ids) if req.echo else "" for ids in prompts]
+        except BaseException:
+            slot.release()
+            raise
         if req.stream:
-            return stream(jobs, prompts, req, chat=False, echo=texts if req.echo else None)
-        seqs = await ctx.collect(jobs, request)
+            return stream(jobs, prompts, req, chat=False, echo=texts if req.echo else None, slot=slot)
+        seqs = await ctx.collect(jobs, request, slot)
         choices = []
         for pi, ids in enumerate(prompts):
             group = seqs[pi * per:(pi + 1) * per]
@@ -297,14 +313,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
         call = tools.tool_call(tools.new_call_id(), reply.name, reply.text)
         return {"role": "assistant", "content": None, "tool_calls": [call]}, tools.finish_reason(reply, finish)
 
-    @r.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = parse(ChatRequest, await read_body(request))
-        plan = tools.plan(req.tools, req.tool_choice, req.tool_prompt)
-        if plan is not None and req.response_format is not None and req.response_format.type != "text":
-            raise invalid("`response_format` cannot be combined with `tools`: a tool call's grammar holds the reply")
-        if plan is not None and req.stop:  # a stop sequence would cut a call short of its grammar's end
-            raise invalid("`stop` cannot be combined with `tools`: a tool reply ends where its grammar ends it")
+    def chat_prompt(req: ChatRequest, plan: tools.ToolPlan | None) -> list[int]:
+        """The request's messages (and tools) through the chat template, tokenized."""
         try:
             template = tok.get_chat_template(tools=plan.offered if plan else None)  # (a model may have a tool_use one)
         except Exception:  # noqa: BLE001 - no template: apply_chat_template below says so
@@ -318,8 +328,26 @@ def openai_router(ctx: Ctx) -> APIRouter:
                                              tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - no or broken template
             raise invalid(f"`messages`: cannot apply the chat template: {e}") from None
-        ids = ctx.encode(prompt, "messages", add_special_tokens=False)
-        grammar = await run_in_threadpool(chat_grammar, req, plan)  # compiled off the event loop: other requests go on
+        return ctx.encode(prompt, "messages", add_special_tokens=False)
+
+    @r.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(ChatRequest, await read_body(request))
+        slot = ctx.admit()  # a 429 before templating, tokenizing or compiling (TGI's order); handed on, or given back
+        try:
+            return await chat_answer(req, request, slot)
+        except BaseException:
+            slot.release()
+            raise
+
+    async def chat_answer(req: ChatRequest, request: Request, slot):
+        plan = tools.plan(req.tools, req.tool_choice, req.tool_prompt)
+        if plan is not None and req.response_format is not None and req.response_format.type != "text":
+            raise invalid("`response_format` cannot be combined with `tools`: a tool call's grammar holds the reply")
+        if plan is not None and req.stop:  # a stop sequence would cut a call short of its grammar's end
+            raise invalid("`stop` cannot be combined with `tools`: a tool reply ends where its grammar ends it")
+        ids = await run_in_threadpool(chat_prompt, req, plan)  # off the event loop: /health and streams go on
+        grammar = await run_in_threadpool(chat_grammar, req, plan)
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         names = ("messages", "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
@@ -328,8 +356,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
         make = lambda n: params(req, n, max_new, top_n=top_n, grammar=grammar, default_max_new=100, names=names)  # noqa: E731
         jobs = jobs_for([ids], make, req.n, req.seed)
         if req.stream:
-            return stream(jobs, [ids], req, chat=True, plan=plan)
-        seqs = await ctx.collect(jobs, request)
+            return stream(jobs, [ids], req, chat=True, plan=plan, slot=slot)
+        seqs = await ctx.collect(jobs, request, slot)
         choices = []
         for j, q in enumerate(seqs):
             message, finish = chat_message(q, plan)
@@ -338,8 +366,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
         return {**head(True, False), "choices": choices, "usage": usage([ids], seqs)}
 
     # -- streaming (both) -----------------------------------------------------------------------------------
-    def stream(jobs, prompts, req, *, chat: bool, echo: list[str] | None = None, plan=None) -> StreamingResponse:
-        slot = ctx.admit()  # fail before the 200 of the stream
+    def stream(jobs, prompts, req, *, chat: bool, slot, echo: list[str] | None = None, plan=None) -> StreamingResponse:
+        """`slot`: the request's place, taken by the route (a 429 comes before the 200 of the stream)."""
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         h = {**head(chat, True), **({"usage": None} if include_usage else {})}  # as OpenAI: null until the last chunk
         per = len(jobs) // len(prompts)

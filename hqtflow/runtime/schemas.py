@@ -174,13 +174,18 @@ class Strict(BaseModel):
 Stop = Union[str, list[str], None]
 
 
+MAX_STOP_CHARS = 1000  # a stop sequence's length: matching it costs its length per token, on the shared event loop
+
+
 def stop_list(stop: Stop, limit: int) -> tuple[str, ...]:
-    """The request's stop sequences, at most `limit` (`--max-stop-sequences`), none empty."""
+    """The request's stop sequences, at most `limit` (`--max-stop-sequences`), none empty or over MAX_STOP_CHARS."""
     stop = [stop] if isinstance(stop, str) else stop or []
     if not all(stop):
         raise invalid("`stop` sequences cannot be empty")
     if len(stop) > limit:
         raise invalid(f"`stop` supports up to {limit} stop sequences (--max-stop-sequences). Given: {len(stop)}")
+    if (longest := max(map(len, stop), default=0)) > MAX_STOP_CHARS:
+        raise invalid(f"`stop` sequences must be at most {MAX_STOP_CHARS} characters. Given: {longest}")
     return tuple(stop)
 
 

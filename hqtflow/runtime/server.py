@@ -148,7 +148,7 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     state = {"in_flight": 0, "ready": not s.warmup}
     app = FastAPI(title="hqtflow serve", lifespan=lifespan(engine, tokenizer, s, state),
                   redirect_slashes=False)  # `/generate/` is a 404, not a redirect to a URL built from the Host header
-    app.state.engine, app.state.metrics, app.state.model_id = engine, metrics, s.model_id
+    app.state.engine, app.state.metrics, app.state.model_id, app.state.settings = engine, metrics, s.model_id, s
     add_error_handlers(app, metrics)
     app.middleware("http")(request_guard(s, metrics))
     ctx = Ctx(engine, tokenizer, s, metrics, state)
@@ -224,7 +224,8 @@ def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.
 def _run(app, sock) -> None:
     import uvicorn
 
-    config = uvicorn.Config(app, log_level="info")  # sets up uvicorn's loggers
+    # on SIGTERM or Ctrl-C, running requests finish for at most --shutdown-timeout seconds, then are cut
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=app.state.settings.shutdown_timeout)
     host, port = sock.getsockname()[:2]
     logging.getLogger("uvicorn.error").info("Serving %s on http://%s:%d", app.state.model_id,
                                             f"[{host}]" if ":" in host else host, port)

@@ -28,3 +28,4 @@ class ServeSettings:
     warmup: bool = False
     cuda_graphs: str = ""  # batch sizes of CUDA-graph decode steps, "1,2,4" (TGI's); "0": none; "": 1..32 on a GPU
     compile: bool = False  # those decode steps through torch.compile before capture (a CUDA GPU only)
+    shutdown_timeout: float = 20.0  # seconds running requests may take to finish after SIGTERM (then they are cut)

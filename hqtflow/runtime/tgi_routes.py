@@ -63,15 +63,22 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         return items[-truncate:]
 
     async def prepare(req: TgiRequest, stream: bool):
+        """The request's ids, parameters and engine parameters, and its place among the in-flight requests: taken
+        first (TGI's 429 before any tokenizing or compiling), handed to the caller, given back on an error."""
         p = req.parameters
         if stream and (p.best_of or 1) > 1:
             raise invalid("`best_of` != 1 is not supported when streaming tokens")
         if stream and p.decoder_input_details:
             raise invalid("`decoder_input_details` == true is not supported when streaming tokens")
-        ids = truncated(ctx.encode(req.inputs), p.truncate)
-        params = sampling(ctx, p, len(ids))  # the checks first, then the grammar, compiled off the event loop
-        params.grammar = await run_in_threadpool(tgi_grammar, ctx, p)
-        return ids, p, params
+        slot = ctx.admit()
+        try:  # tokenized and compiled off the event loop: other requests and /health go on meanwhile
+            ids = truncated(await run_in_threadpool(ctx.encode, req.inputs), p.truncate)
+            params = sampling(ctx, p, len(ids))  # the checks first, then the grammar
+            params.grammar = await run_in_threadpool(tgi_grammar, ctx, p)
+        except BaseException:
+            slot.release()
+            raise
+        return ids, p, params, slot
 
     def details(seq: Sequence, ids: list[int], p: TgiParameters) -> dict:
         prefill = []
@@ -84,8 +91,8 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         return out
 
     async def generate_json(req: TgiRequest, request: Request) -> dict:
-        ids, p, params = await prepare(req, stream=False)
-        seqs = await ctx.collect([(ids, params)] * (p.best_of or 1), request)
+        ids, p, params, slot = await prepare(req, stream=False)
+        seqs = await ctx.collect([(ids, params)] * (p.best_of or 1), request, slot=slot)
         best = max(seqs, key=lambda q: q.logprob)  # TGI: the sequence with the highest total logprob
         head = req.inputs if p.return_full_text else ""
         out = {"generated_text": head + best.last.generated_text}
@@ -97,8 +104,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         return out
 
     async def generate_stream_response(req: TgiRequest) -> StreamingResponse:
-        ids, p, params = await prepare(req, stream=True)
-        slot = ctx.admit()  # fail before the 200 of the stream
+        ids, p, params, slot = await prepare(req, stream=True)  # a 429 comes before the 200 of the stream
 
         async def events():
             try:
@@ -157,9 +163,14 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         req = parse(TokenizeRequest, await read_body(request))
         inputs, truncate = req.inputs, req.parameters.truncate if req.parameters else None
         stop_list(req.parameters.stop if req.parameters else None, s.max_stop_sequences)  # checked as for generation
-        ctx.encode(inputs)
-        enc = tok(inputs, return_offsets_mapping=True)
-        pieces = [{"id": i, "text": inputs[a:b], "start": a, "stop": b} for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
-        return truncated(pieces, truncate)  # as the generation routes: the last `truncate` tokens
+        if not inputs:
+            raise invalid("`inputs` cannot be empty")
+
+        def pieces() -> bytes:  # in a thread, as JSON at once: a megabyte of text is ~500k tokens
+            enc = tok(inputs, return_offsets_mapping=True)
+            out = [{"id": i, "text": inputs[a:b], "start": a, "stop": b} for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
+            return json.dumps(truncated(out, truncate)).encode()  # as the generation routes: the last `truncate` tokens
+
+        return Response(await run_in_threadpool(pieces), media_type="application/json")
 
     return r

@@ -167,6 +167,37 @@ def test_api_key_overload_and_disconnect(lm):
                 m['tgi_request_failure{err="overloaded"}']) == (2, 1, 1), m
 
 
+def test_overloaded_server_answers_429_before_tokenizing_or_compiling(lm, monkeypatch):
+    """The place among --max-concurrent-requests is taken first (TGI's order): with none free, a request with a
+    grammar (which may take seconds to compile) is a 429 at once, on every route, and nothing is compiled."""
+    from hqtflow.runtime import openai_routes, tgi_routes
+
+    compiled = []
+    for module in (openai_routes, tgi_routes):
+        monkeypatch.setattr(module, "compile_grammar", lambda *a, **k: compiled.append(a))
+    app = create_app(*lm, ServeSettings(max_concurrent_requests=1, max_total_tokens=256, max_input_tokens=32))
+    app.state.engine.on_step = lambda *_: time.sleep(0.05)  # the stream below still runs while the others are sent
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    busy = [("/generate", {"inputs": PROMPT, "parameters": {"grammar": {"type": "json", "value": schema}}}),
+            ("/generate_stream", {"inputs": PROMPT, "parameters": {"grammar": {"type": "regex", "value": "[ab]+"}}}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "response_format": {
+                "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}),
+            ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})]
+    with running(app) as base:
+        with httpx.stream("POST", f"{base}/generate_stream", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 200}}) as s:
+            lines = s.iter_lines()
+            assert next(lines).startswith("data:")
+            for route, body in busy:
+                r = httpx.post(f"{base}{route}", json=body)
+                assert r.status_code == 429, (route, r.text)
+        assert compiled == []
+        t0 = time.monotonic()  # the stream's client left: its place comes back at the engine's next step
+        while (r := httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})).status_code == 429:
+            assert time.monotonic() - t0 < 20, "a place was never given back"
+            time.sleep(0.1)
+        assert r.status_code == 200, r.text
+
+
 def metric_values(text: str) -> dict[str, float]:
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line and not line.startswith("#")}

@@ -74,6 +74,14 @@ def test_edge_values_are_named_422s(url):
     assert r.status_code == 422 and "200 `max_tokens`" in r.json()["error"]["message"], r.text  # both given: each must fit
     r = post(url, "/tokenize", {"inputs": "x", "parameters": {"stop": [""]}})
     assert r.status_code == 422 and "`stop` sequences cannot be empty" in r.json()["error"], r.text
+    r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 1, "stop": ["a", "b" * 1001]})
+    assert r.status_code == 422 and "at most 1000 characters. Given: 1001" in r.json()["error"]["message"], r.text
+    wide = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(600)}}  # ~6 s to compile
+    r = post(url, "/generate", {"inputs": "x", "parameters": {"max_new_tokens": 1, "grammar": {"type": "json", "value": wide}}})
+    assert r.status_code == 422 and "more than 512 subschemas" in r.json()["error"], r.text
+    r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "e", "schema": {"enum": list(range(1001))}}}})
+    assert r.status_code == 422 and "more than 1000 `enum` values" in r.json()["error"]["message"], r.text
     r = post(url, "/generate", {"inputs": "x", "parameters": {"max_new_tokens": 1.0, "seed": 7.0}})  # JSON Schema's integers
     assert r.status_code == 200, r.text
     r = post(url, "/generate", {"inputs": "x", "parameters": {"max_new_tokens": 1.5}})
@@ -177,3 +185,18 @@ def test_schemathesis_finds_the_server_as_published(url, tmp_path):
                         "false", "--no-color"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert re.search(r"(\d+) generated, \1 passed", r.stdout), r.stdout[-2000:]
+
+
+def test_stop_hold_back_is_the_longest_end_that_begins_a_stop():
+    """What a stream holds back (the end of the text that may begin a stop sequence) equals its definition, the
+    longest n with text.endswith(stop[:n]), on random texts and stops over a two-letter alphabet (overlaps)."""
+    import random
+
+    from hqtflow.runtime.openai_routes import held_back
+
+    rng = random.Random(0)
+    word = lambda lo, hi: "".join(rng.choice("ab") for _ in range(rng.randint(lo, hi)))  # noqa: E731
+    for _ in range(20000):
+        text, stops = word(0, 12), [word(1, 6) for _ in range(rng.randint(1, 3))]
+        want = max((n for s in stops for n in range(min(len(s), len(text)), 0, -1) if text.endswith(s[:n])), default=0)
+        assert held_back(text, stops) == want, (text, stops)

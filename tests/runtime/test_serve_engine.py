@@ -218,6 +218,18 @@ def test_engine_refuses_a_model_whose_attention_it_cannot_replace(tiny_factory):
         Engine(model, tok)
 
 
+def test_logit_bias_on_every_token(lm, engine):
+    """A bias on the whole vocabulary (one indexed add): -100 on every token but one, which greedy decoding then
+    always picks; the same request without the bias does not."""
+    _, tok = lm
+    keep = tok("river")["input_ids"][-1]
+    bias = {t: (0.0 if t == keep else -100.0) for t in range(len(tok))}
+    out = engine.generate(ids(tok, PROMPTS[0]), SamplingParams(max_new_tokens=6, logit_bias=bias, ignore_eos=True))
+    assert [e.token.id for e in out] == [keep] * 6
+    plain = engine.generate(ids(tok, PROMPTS[0]), SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert [e.token.id for e in plain] != [keep] * 6
+
+
 def test_concurrent_requests_match_alone(lm, engine):
     _, tok = lm
     lengths = [10, 4, 16, 7]
