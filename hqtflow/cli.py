@@ -668,9 +668,9 @@ def _serve_command(kind: str, doc: str):
             serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
                   backend=backend, dtype=dtype, inc_device=inc_device, config=str(config) if config else None,
                   scale_method=scale_method, device=device if inc_device is None else None)
-        except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the signal
+        except KeyboardInterrupt as e:  # uvicorn shut down cleanly, then re-raised the signal (SIGINT or SIGTERM)
             typer.echo("Server stopped.", err=True)
-            raise typer.Exit(130) from None
+            raise typer.Exit(128 + getattr(e, "signum", 2)) from None
 
 
 _serve_command("fp8", "Serve an FP8 checkpoint with continuous batching.")

@@ -181,6 +181,7 @@ class Engine:
         self.active: list[Request] = []  # running sequences in admission order, each holding its blocks
         self._cv = threading.Condition()
         self._stop = False
+        self._abort: str | None = None  # set by abort(): every request ends with it as its error
         self._thread: threading.Thread | None = None
 
     # -- public API (any thread) -------------------------------------------------------------------------
@@ -191,6 +192,13 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="hqtflow-engine", daemon=True)
         self._thread.start()
         return self
+
+    def abort(self, reason: str) -> None:
+        """End every running and waiting request with `reason` as its error (at the engine's next step): a server
+        shutting down ends its streams with an error event instead of cutting their connections."""
+        with self._cv:
+            self._abort = reason
+            self._cv.notify()
 
     def stop(self) -> None:
         with self._cv:
@@ -261,6 +269,9 @@ class Engine:
                     self._cv.wait()
                 if self._stop:
                     return
+                if self._abort is not None:
+                    self._end_all(self._abort)
+                    continue
                 self._admit()
             if self.active:
                 self._run_step()
@@ -427,6 +438,15 @@ class Engine:
             for j, c in enumerate(chosen):
                 out.append((c, list(zip(top.indices[j].tolist(), top.values[j].tolist())) if k else []))
         return out
+
+    def _end_all(self, reason: str) -> None:
+        """(Under the lock.) Every request ends with `reason` as its error; new ones too, from now on."""
+        for req in [*self.active, *self.pending]:
+            self.pool.free(req.blocks)
+            req.blocks, req.slot_table, req.finished = [], None, True
+            if not req.cancelled:
+                req.emit(Event(len(req.generated), None, error=reason))
+        self.active, self.pending = [], deque()
 
     def _drop_finished(self) -> None:
         keep = []

@@ -222,14 +222,28 @@ def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.
 
 
 def _run(app, sock) -> None:
+    import threading
+
     import uvicorn
 
-    # on SIGTERM or Ctrl-C, running requests finish for at most --shutdown-timeout seconds, then are cut
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=app.state.settings.shutdown_timeout)
+    timeout = app.state.settings.shutdown_timeout
+
+    class Server(uvicorn.Server):
+        """On SIGTERM or Ctrl-C, running requests have --shutdown-timeout seconds to finish; then what is left ends
+        with an error (a stream's last event says so) a second before uvicorn would cut the connections."""
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                timer = threading.Timer(max(0.0, timeout - 1.0), app.state.engine.abort, args=("the server is shutting down",))
+                timer.daemon = True  # an idle server exits at once, without waiting for it
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=timeout)
     host, port = sock.getsockname()[:2]
     logging.getLogger("uvicorn.error").info("Serving %s on http://%s:%d", app.state.model_id,
                                             f"[{host}]" if ":" in host else host, port)
-    uvicorn.Server(config).run(sockets=[sock])
+    Server(config).run(sockets=[sock])
 
 
 def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: str | None, backend: str,

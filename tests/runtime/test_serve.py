@@ -198,6 +198,47 @@ def test_overloaded_server_answers_429_before_tokenizing_or_compiling(lm, monkey
         assert r.status_code == 200, r.text
 
 
+@pytest.mark.slow
+def test_sigterm_ends_running_streams_within_the_shutdown_timeout(tiny_llama):
+    """`hqtflow serve --shutdown-timeout 3`, SIGTERM with a long stream running: the stream ends with an error event
+    saying the server is shutting down (not a cut connection, nor minutes more of tokens), and the process exits
+    143 (SIGTERM's) soon after."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "hqtflow", "serve", "bf16", str(tiny_llama), "--port", str(port),
+                          "--max-total-tokens", "4096", "--max-input-tokens", "32", "--shutdown-timeout", "3"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        base, t0 = f"http://127.0.0.1:{port}", time.monotonic()
+        while True:
+            assert p.poll() is None and time.monotonic() - t0 < 120, "the server did not start"
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 4000}}
+        with httpx.stream("POST", f"{base}/generate_stream", json=body, timeout=60) as s:
+            events = []
+            for line in s.iter_lines():
+                if line.startswith("data:"):
+                    events.append(json.loads(line[5:]))
+                    if len(events) == 5:
+                        p.send_signal(signal.SIGTERM)
+                        t_term = time.monotonic()
+        assert "shutting down" in events[-1].get("error", ""), events[-1]
+        assert time.monotonic() - t_term < 10
+        assert p.wait(timeout=30) == 128 + signal.SIGTERM, p.stderr.read()[-2000:]
+    finally:
+        p.kill()
+
+
 def metric_values(text: str) -> dict[str, float]:
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line and not line.startswith("#")}

@@ -230,6 +230,29 @@ def test_logit_bias_on_every_token(lm, engine):
     assert [e.token.id for e in plain] != [keep] * 6
 
 
+def test_abort_ends_running_waiting_and_later_requests(lm):
+    """`abort` (a server shutting down): running and waiting requests end with the reason as their error, their
+    blocks freed; a request submitted afterwards ends the same way at once."""
+    _, tok = lm
+    eng = Engine(*lm, max_batch_size=1)  # one runs, one waits
+    jobs = [(ids(tok, p), SamplingParams(max_new_tokens=500, ignore_eos=True)) for p in PROMPTS[:2]]
+    reqs = [eng.submit(x, p, lambda ev: None) for x, p in jobs]
+    eng.step()
+    assert eng.active == [reqs[0]] and list(eng.pending) == [reqs[1]]
+    events = [[] for _ in jobs]
+    for r, out in zip(reqs, events):
+        r.emit = out.append
+    eng.start()
+    try:
+        eng.abort("the server is shutting down")
+        later = eng.generate(ids(tok, PROMPTS[2]), SamplingParams(max_new_tokens=5))
+        assert later[-1].error == "the server is shutting down"
+        assert [out[-1].error for out in events] == ["the server is shutting down"] * 2
+        assert not eng.active and not eng.pending and eng.pool.num_free == eng.pool.num_blocks
+    finally:
+        eng.stop()
+
+
 def test_concurrent_requests_match_alone(lm, engine):
     _, tok = lm
     lengths = [10, 4, 16, 7]
