@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from hqtflow.errors import FallbackWarning, HqtflowError, ProvenanceWarning, ResourceError
+from hqtflow.errors import FallbackWarning, HqtflowError, LeftoverWarning, ProvenanceWarning, ResourceError
 from hqtflow.measure.settings import MeasureSettings
 from hqtflow.quantize.settings import QuantizeSettings
 from hqtflow.runtime.settings import ServeSettings
@@ -29,13 +29,13 @@ app.add_typer(model_app, name="model")
 
 @contextmanager
 def _plain_warnings():
-    """hqtflow's own warnings (ProvenanceWarning, FallbackWarning) as one `Warning: ...` line on stderr; others as usual."""
+    """hqtflow's own warnings (Provenance-, Fallback-, LeftoverWarning) as one `Warning: ...` line on stderr; others as usual."""
     with warnings.catch_warnings():
         warnings.simplefilter("always", ProvenanceWarning)
         original = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
-            if issubclass(category, (ProvenanceWarning, FallbackWarning)):
+            if issubclass(category, (ProvenanceWarning, FallbackWarning, LeftoverWarning)):
                 typer.echo(f"Warning: {message}", err=True)
             else:
                 original(message, category, filename, lineno, file, line)

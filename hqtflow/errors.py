@@ -67,6 +67,10 @@ class FallbackWarning(UserWarning):
     """A faster path cannot run here and a slower one is used (the CPU FP8 kernel not built): one line on the CLI."""
 
 
+class LeftoverWarning(UserWarning):
+    """An unfinished output of another host or container is kept beside a stage's output: one line on the CLI."""
+
+
 def not_a_file(path) -> str:
     """Why `path`, which is not a regular file, cannot be read as one: the end of a one-sentence error."""
     from pathlib import Path

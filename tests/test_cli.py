@@ -123,9 +123,9 @@ def _stage_then(tmp_path, error: BaseException):
 
 
 def test_stopped_commands_say_what_they_wrote(tmp_path, capsys):
-    """Interrupted after an artifact was committed (`run` between stages, a Ctrl-C while `--overwrite` removes the
-    replaced output), the message names it instead of "nothing was written"; SIGTERM and SIGHUP stop a command as
-    Ctrl-C does (exit 128 + the signal); a full disk or a file-size limit is one sentence and exit 6."""
+    """Interrupted after an artifact was committed (as `run` between stages), the message names it instead of
+    "nothing was written"; a SIGTERM stops a command as Ctrl-C does (exit 128 + the signal); a full disk is one
+    sentence and exit 6; any other OSError stays a bug's traceback."""
     import errno
     import signal
 

@@ -138,13 +138,17 @@ class StagingDir:
                     raise ArtifactError(f"Output {self.out} appeared while this run was writing it; nothing was replaced.")
                 if not self.any_dir:
                     check_replaceable(self.out)
-                moved = self.out.with_name(f".{self.out.name}.old-{os.getpid()}-h{_host_tag()}-{int(time.time())}")
-                os.rename(self.out, moved)
-                backup = moved  # only once it exists: a failed rename (another run moved `out`) has nothing to undo
+                backup = self.out.with_name(f".{self.out.name}.old-{os.getpid()}-h{_host_tag()}-{int(time.time())}")
+                os.rename(self.out, backup)
             os.rename(self.path, self.out)
         except BaseException as e:
+            if not self.path.exists() and self.out.exists():  # interrupted right after the rename: it is written
+                COMMITTED.append(self.out)
+                raise
             self.abort()
-            if backup is not None and not (self.out.exists() or self.out.is_symlink()):
+            # put back what was moved aside (a name of this process's only: when the rename failed because another run
+            # moved `out` first, there is nothing to put back)
+            if backup is not None and os.path.lexists(backup) and not os.path.lexists(self.out):
                 os.rename(backup, self.out)
             if isinstance(e, OSError):
                 raise ArtifactError(f"Cannot move the finished output into {self.out} ({e.strerror}; another run "
@@ -189,7 +193,8 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_partials(parent: Path) -> list[Path]:
     """Remove the leftovers of dead hqtflow processes: staging dirs (named so, holding PARTIAL_MARKER) and replaced
     outputs (named so, holding a manifest); a replaced output whose replacement never arrived (killed between the
-    commit's two renames) is renamed back instead. A directory that only looks like one is the user's: it is kept."""
+    commit's two renames) is renamed back instead. A directory that only looks like one is the user's: it is kept.
+    Leftovers of another host or PID namespace (a name's host tag) are judged apart (_foreign_leftover)."""
     removed = []
     try:
         entries = list(Path(parent).iterdir())
@@ -200,10 +205,11 @@ def remove_stale_partials(parent: Path) -> list[Path]:
         if not m or not p.is_dir() or p.is_symlink():
             continue
         pid, own = int(m[2]), PARTIAL_MARKER if m[1] == "partial" else MANIFEST
-        if m[3] is not None and m[3] != _host_tag():  # another host's or container's: its pid says nothing here
+        original = p.with_name(p.name[1:p.name.rindex(f".{m[1]}-")])
+        if m[3] is not None and m[3] != _host_tag():  # another host's or container's (or this one's before a restart)
+            _foreign_leftover(p, m[1], original)  # its pid says nothing here
             continue
         if pid != os.getpid() and not _pid_alive(pid) and (p / own).is_file():
-            original = p.with_name(p.name[1:p.name.rindex(f".{m[1]}-")])
             if m[1] == "old" and not (original.exists() or original.is_symlink()) and _whole(p):
                 try:  # killed between the commit's renames: the replaced output is all there is, put it back
                     os.rename(p, original)
@@ -213,6 +219,28 @@ def remove_stale_partials(parent: Path) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+def _foreign_leftover(p: Path, kind: str, original: Path) -> None:
+    """A leftover whose pid cannot be checked here: a staging dir is kept and named (it may be a live run's); a
+    replaced output is removed where its replacement arrived, or put back where none did after a minute (a commit's
+    two renames take milliseconds)."""
+    import warnings
+
+    from hqtflow.errors import LeftoverWarning
+
+    if kind == "partial":
+        warnings.warn(f"{p} is the unfinished output of an hqtflow run on another host or container (or of one before "
+                      "a restart); it is kept: remove it if no run is writing it.", LeftoverWarning, stacklevel=3)
+    elif not (p / MANIFEST).is_file():  # only looks like one: the user's
+        return
+    elif os.path.lexists(original):
+        shutil.rmtree(p, ignore_errors=True)
+    elif _whole(p) and time.time() - p.stat().st_mtime > 60:
+        try:
+            os.rename(p, original)
+        except OSError:  # another run got there first, or it cannot be moved: leave it be
+            pass
 
 
 def _whole(directory: Path) -> bool:

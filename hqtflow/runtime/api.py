@@ -83,10 +83,20 @@ class Mailbox:
             queue.put_nowait(item)
 
 
+def vocab_size(model, tokenizer) -> int:
+    """Token ids a request may name: the tokenizer's, the embedding's rows and the logits' width, whichever is least
+    (an id past the embedding or the logits is a device-side assert on CUDA, which breaks the whole server)."""
+    sizes = [len(tokenizer), model.get_input_embeddings().num_embeddings]
+    head = model.get_output_embeddings()
+    sizes.append(getattr(head, "out_features", None) or model.config.get_text_config(decoder=True).vocab_size)
+    return min(sizes)
+
+
 class Ctx:
     def __init__(self, engine: Engine, tokenizer, settings: ServeSettings, metrics, state: dict):
         self.engine, self.tok, self.s, self.metrics, self.state = engine, tokenizer, settings, metrics, state
         self.mailbox: Mailbox | None = None
+        self.vocab = vocab_size(engine.model, tokenizer)
 
     def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
         if self.mailbox is None or self.mailbox.loop is not loop:
@@ -101,8 +111,8 @@ class Ctx:
     def check_ids(self, ids: list[int], name: str = "prompt") -> list[int]:
         if not ids:
             raise invalid(f"`{name}` cannot be empty")
-        if not all(0 <= i < len(self.tok) for i in ids):
-            raise invalid(f"`{name}` token ids must be in [0, {len(self.tok)})")
+        if not all(0 <= i < self.vocab for i in ids):
+            raise invalid(f"`{name}` token ids must be in [0, {self.vocab})")
         return ids
 
     def max_new(self, n_input: int, max_new: int | None, default: int, names=("inputs", "max_new_tokens")) -> int:

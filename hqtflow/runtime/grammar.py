@@ -55,6 +55,7 @@ MAX_SCHEMA_DEPTH = 64
 # (a 1000-branch `anyOf` took 48 s), on the server's shared cores; enum values: OpenAI's limit for structured output
 MAX_SUBSCHEMAS = 512
 MAX_ENUM_VALUES = 1000
+TOOLS_SCALE = 4  # a request's tools together (each within the limits above): their one call schema, 4x the limits
 
 
 def depth(value) -> int:
@@ -94,18 +95,27 @@ def subschemas(schema):
         todo += [(f"{path}/{k}/{i}", v) for k in SUBSCHEMA_LISTS if isinstance(s.get(k), list) for i, v in enumerate(s[k])]
 
 
-def schema_problem(schema) -> str | None:
-    """Why the grammar would not hold output to a JSON schema (None: it would): the keywords above, `allOf` of more
-    than one schema, a reference outside the schema or that does not
-    resolve in it, `required` names that are not among the `properties`; or why it is too large to compile."""
+def size_problem(schema, scale: int = 1) -> str | None:
+    """Why a JSON schema is too large to compile on the server's shared cores (None: it is not): more than `scale`
+    x MAX_SUBSCHEMAS subschemas or MAX_ENUM_VALUES enum values."""
     count = enums = 0
-    for path, s in subschemas(schema):
+    for _, s in subschemas(schema):
         count += 1
         enums += len(s["enum"]) if isinstance(s.get("enum"), list) else 0
-        if count > MAX_SUBSCHEMAS:
-            return f"the JSON schema has more than {MAX_SUBSCHEMAS} subschemas (properties, items, `anyOf` branches ...)"
-        if enums > MAX_ENUM_VALUES:
-            return f"the JSON schema has more than {MAX_ENUM_VALUES} `enum` values"
+        if count > scale * MAX_SUBSCHEMAS:
+            return f"more than {scale * MAX_SUBSCHEMAS} subschemas (properties, items, `anyOf` branches ...)"
+        if enums > scale * MAX_ENUM_VALUES:
+            return f"more than {scale * MAX_ENUM_VALUES} `enum` values"
+    return None
+
+
+def schema_problem(schema, scale: int = 1) -> str | None:
+    """Why the grammar would not hold output to a JSON schema (None: it would): the keywords above, `allOf` of more
+    than one schema, a reference outside the schema or that does not
+    resolve in it, `required` names that are not among the `properties`; or why it is too large (size_problem)."""
+    if too_large := size_problem(schema, scale):
+        return f"the JSON schema has {too_large}"
+    for path, s in subschemas(schema):
         where = f"at {path}" if path else "at the root"
         if bad := next((k for k in UNENFORCED if k in s), None):
             return f"`{bad}` ({where}) is not enforced by the grammar"
@@ -136,9 +146,10 @@ def resolves(schema, ref: str) -> bool:
     return isinstance(node, (dict, bool))
 
 
-def compile_grammar(tokenizer, kind: str, value=None, any_whitespace: bool = True):
+def compile_grammar(tokenizer, kind: str, value=None, any_whitespace: bool = True, scale: int = 1):
     """kind: "json" (value: a JSON schema, dict or string), "regex" (value: a regex) or "json_object" (any JSON).
-    any_whitespace=False: JSON written on one line, with ", " and ": " between items."""
+    any_whitespace=False: JSON written on one line, with ", " and ": " between items. scale: the size limits'
+    multiple (TOOLS_SCALE for a request's tools together)."""
     if not available():
         raise GrammarError("constrained output needs xgrammar (`pip install xgrammar`)")
     if kind == "json":
@@ -149,7 +160,7 @@ def compile_grammar(tokenizer, kind: str, value=None, any_whitespace: bool = Tru
                 raise GrammarError("the json grammar's `value` is not valid JSON") from None
         if depth(value) > MAX_SCHEMA_DEPTH:  # compiling takes seconds from ~300 levels (a cheap way to burn CPU)
             raise GrammarError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-        if problem := schema_problem(value):
+        if problem := schema_problem(value, scale):
             raise GrammarError(problem)
         value = json.dumps(value)  # keys in the order given: the grammar writes properties in that order
     return _compile(tokenizer, kind, value, any_whitespace)

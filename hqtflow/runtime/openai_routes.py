@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from hqtflow.runtime import tools
 from hqtflow.runtime.api import Ctx, Sequence
 from hqtflow.runtime.engine import SamplingParams
-from hqtflow.runtime.grammar import GrammarError, compile_grammar
+from hqtflow.runtime.grammar import TOOLS_SCALE, GrammarError, compile_grammar
 from hqtflow.runtime.schemas import (ROLES, ApiError, ChatRequest, CompletionRequest, OpenAICommon, invalid, openai_error, parse,
                                      read_body, stop_list)
 
@@ -144,20 +144,38 @@ def message_calls(calls, i: int) -> list[dict]:
     return out
 
 
-def held_back(text: str, stops) -> int:
-    """Characters at the end of `text` that may be the start of a stop sequence (not streamed until they are not):
-    the longest end of `text` that begins a stop, found where the stop's first character occurs in its last
-    len(stop) characters (string methods, so a token costs at most a few stop lengths, not their squares)."""
-    held = 0
-    for stop in stops:
-        tail = text[-len(stop):] if len(stop) < len(text) else text
-        i = tail.find(stop[0])
-        while i >= 0 and len(tail) - i > held:
-            if stop.startswith(tail[i:]):
-                held = len(tail) - i
-                break
-            i = tail.find(stop[0], i + 1)
-    return held
+class HeldBack:
+    """How many characters at the end of a stream's text may be the start of a stop sequence (they are not streamed
+    until they are not): per stop, the longest end of the text that begins it, a Knuth-Morris-Pratt matcher's state
+    fed only each token's new text (amortized constant work per character, whatever the stops' lengths)."""
+
+    def __init__(self, stops):
+        self.stops = list(stops)
+        self.fallback = [_prefix_function(s) for s in self.stops]
+        self.state = [0] * len(self.stops)
+
+    def feed(self, text: str) -> int:
+        for k, (stop, fallback) in enumerate(zip(self.stops, self.fallback)):
+            q = self.state[k]
+            for ch in text:
+                if q == len(stop):  # a whole stop matched (the engine ends the stream there): go on as KMP does
+                    q = fallback[q - 1]
+                while q and stop[q] != ch:
+                    q = fallback[q - 1]
+                q += stop[q] == ch
+            self.state[k] = q
+        return max(self.state, default=0)
+
+
+def _prefix_function(s: str) -> list[int]:
+    """KMP: for each prefix of `s`, the length of its longest proper prefix that is also its suffix."""
+    out = [0] * len(s)
+    for i in range(1, len(s)):
+        q = out[i - 1]
+        while q and s[i] != s[q]:
+            q = out[q - 1]
+        out[i] = q + (s[i] == s[q])
+    return out
 
 
 def openai_router(ctx: Ctx) -> APIRouter:
@@ -167,8 +185,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
                default_max_new=16, names=("prompt", "max_tokens")) -> SamplingParams:
         temperature = 1.0 if data.temperature is None else data.temperature  # OpenAI's default; 0 means greedy
         bias = {int(k): v for k, v in (data.logit_bias or {}).items()}
-        if any(k >= len(tok) for k in bias):
-            raise invalid(f"`logit_bias` token ids must be < {len(tok)}")
+        if any(k >= ctx.vocab for k in bias):
+            raise invalid(f"`logit_bias` token ids must be < {ctx.vocab}")
         if max_new == 0:  # scoring the prompt only
             ctx.max_new(n_input, 1, 1, names)
         else:
@@ -278,7 +296,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
     def tools_grammar(plan: tools.ToolPlan):
         """The grammar of a call of one of the plan's tools, on one line; a schema that does not compile is named."""
         try:
-            return compile_grammar(tok, "json", plan.schema, any_whitespace=False)
+            return compile_grammar(tok, "json", plan.schema, any_whitespace=False, scale=TOOLS_SCALE)
         except GrammarError as e:
             for tool, i in zip(plan.offered, plan.given):
                 try:
@@ -389,6 +407,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
 
         async def chunks():
             sent, text, pending = [""] * len(jobs), [""] * len(jobs), [[] for _ in jobs]
+            holds = [HeldBack(params.stop) for _, params in jobs]
             echoed = [not echo] * len(jobs)
             seqs = [Sequence() for _ in jobs]
             try:
@@ -403,8 +422,9 @@ def openai_router(ctx: Ctx) -> APIRouter:
                     if ev.finish_reason:
                         visible = final_text(ev)
                     else:
-                        text[i] += "" if ev.token.special else ev.token.text
-                        visible = text[i][:len(text[i]) - held_back(text[i], jobs[i][1].stop)]
+                        new = "" if ev.token.special else ev.token.text
+                        text[i] += new
+                        visible = text[i][:len(text[i]) - holds[i].feed(new)]
                     finish = ev.finish_reason and FINISH[ev.finish_reason]
                     if calls is not None:  # a tool reply: its call's deltas, or its text's
                         for d in calls[i].deltas(visible, bool(finish)):

@@ -174,7 +174,7 @@ class Strict(BaseModel):
 Stop = Union[str, list[str], None]
 
 
-MAX_STOP_CHARS = 1000  # a stop sequence's length: matching it costs its length per token, on the shared event loop
+MAX_STOP_CHARS = 1000  # a stop sequence's length: the engine's search for it costs its length per token
 
 
 def stop_list(stop: Stop, limit: int) -> tuple[str, ...]:

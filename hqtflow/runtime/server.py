@@ -234,7 +234,8 @@ def _run(app, sock) -> None:
 
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit:
-                timer = threading.Timer(max(0.0, timeout - 1.0), app.state.engine.abort, args=("the server is shutting down",))
+                grace = max(0.0, timeout - min(1.0, timeout / 2))  # the rest: the streams' error events go out
+                timer = threading.Timer(grace, app.state.engine.abort, args=("the server is shutting down",))
                 timer.daemon = True  # an idle server exits at once, without waiting for it
                 timer.start()
             super().handle_exit(sig, frame)

@@ -13,8 +13,8 @@ import secrets
 import string
 from dataclasses import dataclass
 
-from hqtflow.runtime.grammar import (MAX_SCHEMA_DEPTH, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS, SUBSCHEMA_ONE, depth,
-                                     schema_problem)
+from hqtflow.runtime.grammar import (MAX_SCHEMA_DEPTH, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS, SUBSCHEMA_ONE, TOOLS_SCALE,
+                                     depth, schema_problem, size_problem)
 from hqtflow.runtime.schemas import invalid
 
 NO_TOOL = "no_tool"
@@ -73,6 +73,8 @@ def plan(tools: list | None, tool_choice, tool_prompt: str | None) -> ToolPlan |
     calls = [call_schema(t["function"], f"#/$defs/tool{i}") for i, t in enumerate(offered)]
     schema = {"$defs": {f"tool{i}": params for i, (_, params) in enumerate(calls)}}
     schema |= calls[0][0] if len(calls) == 1 else {"anyOf": [call for call, _ in calls]}
+    if too_large := size_problem(schema, TOOLS_SCALE):  # before anything is compiled
+        raise invalid(f"`tools`: together, the tools' schemas have {too_large}")
     return ToolPlan(offered, given, schema, DEFAULT_PROMPT if tool_prompt is None else tool_prompt)
 
 

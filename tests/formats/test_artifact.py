@@ -95,15 +95,24 @@ def test_output_that_is_the_working_directory_or_a_symlink_loop(tmp_path):
         check_output_dir(tmp_path / "loop" / "x", False)
 
 
-def test_leftovers_of_another_host_are_kept(tmp_path, monkeypatch):
-    """A staging dir or replaced output is removed as a dead process's only where its pid means this host's (and this
-    PID namespace's) process: another node or container writing into a shared folder keeps its work in progress."""
+def test_leftovers_of_another_host_are_kept(tmp_path):
+    """A staging dir or replaced output is judged by its pid only where that pid means this host's (and this PID
+    namespace's) process. Another node's or container's staging dir in a shared folder is kept and named (it may
+    be a live run's); its replaced output is removed where the replacement arrived, put back where none did."""
     import os
+    import time
 
+    from hqtflow.errors import LeftoverWarning
     from hqtflow.formats import artifact
 
     dead = 2 ** 22 + 12345  # above any pid_max: no such process here
-    mine, theirs = artifact._host_tag(), "0" * 8 if artifact._host_tag() != "0" * 8 else "1" * 8
+    mine = artifact._host_tag()
+    theirs = "0" * 8 if mine != "0" * 8 else "1" * 8
+    replaced = _make(tmp_path / "d")  # another host's commit: its replacement arrived, the replaced one is garbage
+    _make(tmp_path / "e")
+    for name in ("d", "e"):
+        os.rename(tmp_path / name, tmp_path / f".{name}.old-{dead}-h{theirs}-1795974782")
+    _make(replaced)  # "d" was replaced; "e" was not (killed between the renames), long ago
     for name, tag in [("a", mine), ("b", theirs)]:
         d = tmp_path / f".{name}.partial-{dead}-h{tag}-xyz"
         d.mkdir()
@@ -111,10 +120,15 @@ def test_leftovers_of_another_host_are_kept(tmp_path, monkeypatch):
     old = tmp_path / f".c.old-{dead}-1795974782"  # a name of earlier versions, no host tag: judged by pid as before
     old.mkdir()
     (old / MANIFEST).write_text("{}")
-    removed = artifact.remove_stale_partials(tmp_path)
+    hour_ago = time.time() - 3600
+    os.utime(tmp_path / f".e.old-{dead}-h{theirs}-1795974782", (hour_ago, hour_ago))
+    with pytest.warns(LeftoverWarning, match=f".b.partial-{dead}-h{theirs}-xyz is the unfinished output of an hqtflow run on another host"):
+        removed = artifact.remove_stale_partials(tmp_path)
     assert sorted(p.name for p in removed) == sorted([f".a.partial-{dead}-h{mine}-xyz", old.name])
-    assert [p.name for p in tmp_path.iterdir()] == [f".b.partial-{dead}-h{theirs}-xyz"]
-    assert f"-{os.getpid()}-h{mine}-" in artifact.StagingDir(tmp_path / "x").create().name
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".b.partial-{dead}-h{theirs}-xyz", "d", "e"]
+    read_manifest(tmp_path / "e", "hqtflow.test", 1)
+    with pytest.warns(LeftoverWarning):  # named again by the next stage into this folder
+        assert f"-{os.getpid()}-h{mine}-" in artifact.StagingDir(tmp_path / "x").create().name
 
 
 def test_overwrite_racing_another_writer(tmp_path, monkeypatch):

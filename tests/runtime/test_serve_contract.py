@@ -188,15 +188,39 @@ def test_schemathesis_finds_the_server_as_published(url, tmp_path):
 
 
 def test_stop_hold_back_is_the_longest_end_that_begins_a_stop():
-    """What a stream holds back (the end of the text that may begin a stop sequence) equals its definition, the
-    longest n with text.endswith(stop[:n]), on random texts and stops over a two-letter alphabet (overlaps)."""
+    """What a stream holds back (the end of the text that may begin a stop sequence), fed token by token, equals its
+    definition, the longest n with text.endswith(stop[:n]), at every token, on random texts, tokens and stops over a
+    two-letter alphabet (overlapping prefixes)."""
     import random
 
-    from hqtflow.runtime.openai_routes import held_back
+    from hqtflow.runtime.openai_routes import HeldBack
 
     rng = random.Random(0)
     word = lambda lo, hi: "".join(rng.choice("ab") for _ in range(rng.randint(lo, hi)))  # noqa: E731
-    for _ in range(20000):
-        text, stops = word(0, 12), [word(1, 6) for _ in range(rng.randint(1, 3))]
-        want = max((n for s in stops for n in range(min(len(s), len(text)), 0, -1) if text.endswith(s[:n])), default=0)
-        assert held_back(text, stops) == want, (text, stops)
+    for _ in range(5000):
+        stops, hold, text = [word(1, 6) for _ in range(rng.randint(1, 3))], None, ""
+        hold = HeldBack(stops)
+        for _ in range(rng.randint(1, 6)):
+            new = word(0, 3)
+            text += new
+            want = max((n for s in stops for n in range(min(len(s), len(text)), 0, -1) if text.endswith(s[:n])), default=0)
+            assert hold.feed(new) == want, (text, stops)
+
+
+def test_token_ids_past_the_model_are_named_422s(lm):
+    """A tokenizer with tokens the model has no rows for (added without resizing the embeddings): prompt token ids
+    and `logit_bias` keys are bounded by the least of the tokenizer, the embedding and the logits (past them, CUDA
+    asserts on the device and the whole server is broken), not by the tokenizer alone."""
+    import copy
+
+    model, tok = lm
+    tok = copy.deepcopy(tok)
+    rows = model.get_input_embeddings().num_embeddings
+    tok.add_tokens([f"<extra{i}>" for i in range(len(tok) + 3 - rows)])
+    assert len(tok) > rows
+    with running(create_app(model, tok, ServeSettings(max_input_tokens=32, max_total_tokens=64))) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": [1, rows], "max_tokens": 1})
+        assert r.status_code == 422 and f"must be in [0, {rows})" in r.json()["error"]["message"], r.text
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 1, "logit_bias": {str(rows): 1}})
+        assert r.status_code == 422 and f"must be < {rows}" in r.json()["error"]["message"], r.text
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": [1, rows - 1], "max_tokens": 1}).status_code == 200

@@ -337,3 +337,19 @@ def test_a_tool_use_template_gets_the_tools(lm):
     assert used == len(tok(rendered, add_special_tokens=False)["input_ids"])
     default = tok.apply_chat_template(MESSAGES, chat_template="default", tokenize=False, add_generation_prompt=True)
     assert plain["usage"]["prompt_tokens"] == len(tok(default, add_special_tokens=False)["input_ids"])
+
+
+def test_many_tools_within_the_size_limits():
+    """Each tool's `parameters` has the size limits of a schema; the tools together (one call schema, every tool
+    under `$defs`) have 4x those, checked before anything is compiled: 40 tools of 15 parameters (~700 subschemas
+    together) are an ordinary agent request; 128 tools of 30 parameters are refused, naming `tools`."""
+    def request(n_tools, n_params):
+        spec = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+            f"p{j}": {"type": "string"} for j in range(n_params)}}}} for i in range(n_tools)]
+        return parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": spec}).encode())
+
+    req = request(40, 15)
+    assert tools.plan(req.tools, req.tool_choice, req.tool_prompt) is not None
+    req = request(128, 30)
+    with pytest.raises(ApiError, match="`tools`: together, the tools' schemas have more than 2048 subschemas"):
+        tools.plan(req.tools, req.tool_choice, req.tool_prompt)
