@@ -400,16 +400,11 @@ def write_handoff(plan: Plan, handoff_dir: Path) -> None:
 
 
 def write_script(text: str, path: Path) -> None:
-    import os
+    from hqtflow.formats.artifact import write_text_atomic
 
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(text)
-        os.chmod(tmp, 0o755 & ~_umask())
-        os.replace(tmp, path)
+        write_text_atomic(path, text, 0o755 & ~_umask())
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise ArtifactError(f"Cannot write the script {path} ({e.strerror}).") from None
 
 

@@ -7,6 +7,7 @@ check every listed file's hash, so a partial, edited or foreign directory is ref
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -49,6 +50,7 @@ _LEFTOVER = re.compile(r"^\..+\.(partial|old)-(\d+)-(?:h([0-9a-f]{8})-)?")
 COMMITTED: list[Path] = []  # the outputs this process has committed, in order (the CLI names them when interrupted)
 
 
+@functools.cache
 def _host_tag() -> str:
     """This host and PID namespace, hashed: a leftover's pid is checked only where that pid means the same process
     (another node or container sharing the folder sees other processes under the same numbers)."""
@@ -76,15 +78,22 @@ def tool_versions() -> dict[str, str]:
     return {"hqtflow": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def write_json_atomic(path: Path, obj: Any, *, default=None) -> None:
-    """`obj` as indented JSON at `path`, written beside it and renamed: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
+def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    """`text` at `path` (with `mode`), written beside it and renamed: a reader never sees half a file."""
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
     try:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=default) + "\n")
+        tmp.write_text(text)
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:  # a full disk, an interrupt: no half-written file left beside it
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: Path, obj: Any, *, default=None) -> None:
+    """`obj` as indented JSON at `path`, atomically (write_text_atomic)."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=default) + "\n")
 
 
 def check_report_path(path: Path, model: str | None, what: str) -> None:

@@ -46,6 +46,15 @@ class Slot:
             self.held = False
             self.state["in_flight"] -= 1
 
+    def __enter__(self) -> "Slot":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        """`with ctx.admit() as slot:` gives the place back if the block fails (or its client leaves) before the
+        block hands it on to a stream, which releases it at its end."""
+        if kind is not None:
+            self.release()
+
     def tie_to(self, stream):
         """Free the place when `stream` (an async generator) is gone, even if it never ran (a client that left
         before the response started)."""

@@ -256,8 +256,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
     @r.post("/v1/completions")
     async def completions(request: Request):
         req = parse(CompletionRequest, await read_body(request))
-        slot = ctx.admit()  # a 429 before any tokenizing (TGI's order); handed on, or given back on an error
-        try:
+        with ctx.admit() as slot:  # a 429 before any tokenizing (TGI's order); handed on, or given back on an error
             prompts = await run_in_threadpool(prompts_of, req)  # off the event loop: /health and streams go on
             k = req.logprobs
             make = lambda n: params(req, n, req.max_tokens, top_n=k or 0, prompt_logprobs=k if req.echo and k is not None else None)  # noqa: E731
@@ -266,9 +265,6 @@ def openai_router(ctx: Ctx) -> APIRouter:
                 raise invalid(f"`prompt` x `best_of` (or `n`) must be <= {MAX_SEQUENCES} sequences. Given: {len(prompts)} x {per}")
             jobs = jobs_for(prompts, make, per, req.seed)
             texts = [tok.decode(ids) if req.echo else "" for ids in prompts]
-        except BaseException:
-            slot.release()
-            raise
         if req.stream:
             return stream(jobs, prompts, req, chat=False, echo=texts if req.echo else None, slot=slot)
         seqs = await ctx.collect(jobs, request, slot)
@@ -351,12 +347,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
     @r.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse(ChatRequest, await read_body(request))
-        slot = ctx.admit()  # a 429 before templating, tokenizing or compiling (TGI's order); handed on, or given back
-        try:
+        with ctx.admit() as slot:  # a 429 before templating, tokenizing or compiling (TGI's order); handed on
             return await chat_answer(req, request, slot)
-        except BaseException:
-            slot.release()
-            raise
 
     async def chat_answer(req: ChatRequest, request: Request, slot):
         plan = tools.plan(req.tools, req.tool_choice, req.tool_prompt)

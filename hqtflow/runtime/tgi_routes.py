@@ -70,14 +70,10 @@ def tgi_router(ctx: Ctx) -> APIRouter:
             raise invalid("`best_of` != 1 is not supported when streaming tokens")
         if stream and p.decoder_input_details:
             raise invalid("`decoder_input_details` == true is not supported when streaming tokens")
-        slot = ctx.admit()
-        try:  # tokenized and compiled off the event loop: other requests and /health go on meanwhile
+        with ctx.admit() as slot:  # tokenized and compiled off the event loop: other requests and /health go on
             ids = truncated(await run_in_threadpool(ctx.encode, req.inputs), p.truncate)
             params = sampling(ctx, p, len(ids))  # the checks first, then the grammar
             params.grammar = await run_in_threadpool(tgi_grammar, ctx, p)
-        except BaseException:
-            slot.release()
-            raise
         return ids, p, params, slot
 
     def details(seq: Sequence, ids: list[int], p: TgiParameters) -> dict:
