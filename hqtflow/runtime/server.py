@@ -222,6 +222,8 @@ def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.
 
 
 def _run(app, sock) -> None:
+    import contextlib
+    import signal
     import threading
 
     import uvicorn
@@ -229,10 +231,27 @@ def _run(app, sock) -> None:
     timeout = app.state.settings.shutdown_timeout
 
     class Server(uvicorn.Server):
-        """On SIGTERM or Ctrl-C, running requests have --shutdown-timeout seconds to finish; then what is left ends
-        with an error (a stream's last event says so) a second before uvicorn would cut the connections."""
+        """On SIGTERM, SIGHUP or Ctrl-C, running requests have --shutdown-timeout seconds to finish; then what is left
+        ends with an error (a stream's last event says so) a second before uvicorn would cut the connections."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's signals (SIGINT, SIGTERM), and SIGHUP (a closed terminal, a supervisor) unless it is ignored
+            (nohup); uvicorn raises a caught signal again once the server has stopped, to its own handler."""
+            main = threading.current_thread() is threading.main_thread()
+            self.hup = (signal.getsignal(signal.SIGHUP) or signal.SIG_DFL) if main else signal.SIG_IGN
+            if self.hup is not signal.SIG_IGN:
+                signal.signal(signal.SIGHUP, self.handle_exit)
+            try:
+                with super().capture_signals():
+                    yield
+            finally:
+                if self.hup is not signal.SIG_IGN:
+                    signal.signal(signal.SIGHUP, self.hup)
 
         def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGHUP:  # back to its handler before uvicorn raises it again (exit 129)
+                signal.signal(signal.SIGHUP, self.hup)
             if not self.should_exit:
                 grace = max(0.0, timeout - min(1.0, timeout / 2))  # the rest: the streams' error events go out
                 timer = threading.Timer(grace, app.state.engine.abort, args=("the server is shutting down",))

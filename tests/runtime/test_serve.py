@@ -199,10 +199,11 @@ def test_overloaded_server_answers_429_before_tokenizing_or_compiling(lm, monkey
 
 
 @pytest.mark.slow
-def test_sigterm_ends_running_streams_within_the_shutdown_timeout(tiny_llama):
-    """`hqtflow serve --shutdown-timeout 3`, SIGTERM with a long stream running: the stream ends with an error event
-    saying the server is shutting down (not a cut connection, nor minutes more of tokens), and the process exits
-    143 (SIGTERM's) soon after."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_signal_ends_running_streams_within_the_shutdown_timeout(tiny_llama, sig):
+    """`hqtflow serve --shutdown-timeout 3`, SIGTERM (or SIGHUP: a closed terminal) with a long stream running: the
+    stream ends with an error event saying the server is shutting down (not a cut connection, nor minutes more of
+    tokens), and the process exits 128 + the signal soon after."""
     import signal
     import socket
     import subprocess
@@ -230,11 +231,11 @@ def test_sigterm_ends_running_streams_within_the_shutdown_timeout(tiny_llama):
                 if line.startswith("data:"):
                     events.append(json.loads(line[5:]))
                     if len(events) == 5:
-                        p.send_signal(signal.SIGTERM)
+                        p.send_signal(getattr(signal, sig))
                         t_term = time.monotonic()
         assert "shutting down" in events[-1].get("error", ""), events[-1]
         assert time.monotonic() - t_term < 10
-        assert p.wait(timeout=30) == 128 + signal.SIGTERM, p.stderr.read()[-2000:]
+        assert p.wait(timeout=30) == 128 + getattr(signal, sig), p.stderr.read()[-2000:]
     finally:
         p.kill()
 
