@@ -403,14 +403,7 @@ def write_script(text: str, path: Path) -> None:
     from hqtflow.formats.artifact import write_text_atomic
 
     try:
-        write_text_atomic(path, text, 0o755 & ~_umask())
+        write_text_atomic(path, text, executable=True)
     except OSError as e:
         raise ArtifactError(f"Cannot write the script {path} ({e.strerror}).") from None
 
-
-def _umask() -> int:
-    import os
-
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -78,13 +78,14 @@ def tool_versions() -> dict[str, str]:
     return {"hqtflow": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
-    """`text` at `path` (with `mode`), written beside it and renamed: a reader never sees half a file."""
+def write_text_atomic(path: Path, text: str, *, executable: bool = False) -> None:
+    """`text` at `path` (executable: as a script, within the umask), written beside it and renamed: a reader never
+    sees half a file."""
     tmp = Path(path).with_name(f".{Path(path).name}.tmp")
     try:
         tmp.write_text(text)
-        if mode is not None:
-            os.chmod(tmp, mode)
+        if executable:
+            os.chmod(tmp, 0o777 & ~_umask())
         os.replace(tmp, path)
     except BaseException:  # a full disk, an interrupt: no half-written file left beside it
         tmp.unlink(missing_ok=True)
