@@ -641,6 +641,8 @@ def _serve_command(kind: str, doc: str):
         cuda_graphs: Annotated[str, typer.Option(help="Batch sizes whose decode steps run as CUDA graphs, comma-separated; 0: none (TGI's flag; env CUDA_GRAPHS; default on a GPU 1,2,4,8,16,32; a CUDA GPU only).")] = S.cuda_graphs,
         compile: Annotated[bool, typer.Option("--compile/--no-compile", help="Put the CUDA-graph decode steps through torch.compile before capturing them (a CUDA GPU only; minutes of compiling before /health is ready).")] = S.compile,
         shutdown_timeout: Annotated[float, typer.Option(help="Seconds running requests may take to finish after SIGTERM or Ctrl-C; then they are cut (within a container's stop grace period).", min=0)] = S.shutdown_timeout,
+        client_timeout: Annotated[float, typer.Option(help="Seconds a client may take to send its whole request, or leave an answer unread while the server waits to write (a stalled stream); then its connection is closed and its request cancelled. 0: no limit.", min=0)] = S.client_timeout,
+        cors_allow_origin: Annotated[Optional[list[str]], typer.Option(metavar="ORIGIN", help="An origin (https://host:port) whose web pages may call the API from a browser; repeat for more; * for any (TGI's flag).")] = None,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
         config: Annotated[Optional[Path], typer.Option("-c", "--config", help="With -m: the QUANTIZE QUANT_CONFIG (default: maxabs_arbitrary, lm_head in bf16).")] = None,
         scale_method: Annotated[Optional[str], typer.Option(help="With -m: override the config's scale_method.")] = None,
@@ -658,7 +660,7 @@ def _serve_command(kind: str, doc: str):
             kv_cache=kv_cache, max_concurrent_requests=max_concurrent_requests, max_stop_sequences=max_stop_sequences, api_key=api_key,
             batch_bucket_size=batch_bucket_size, prefill_batch_bucket_size=prefill_batch_bucket_size,
             pad_sequence_to_multiple_of=pad_sequence_to_multiple_of, warmup=warmup, cuda_graphs=cuda_graphs, compile=compile,
-            shutdown_timeout=shutdown_timeout))
+            shutdown_timeout=shutdown_timeout, client_timeout=client_timeout, cors_allow_origin=cors_allow_origin or []))
         from hqtflow.runtime.server import serve
 
         from hqtflow.choices import Engine as Kind, parse

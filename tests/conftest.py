@@ -233,7 +233,13 @@ def running(app):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    if hasattr(app.state, "settings"):  # hqtflow's app: as `hqtflow serve` runs it (its connections' timeouts)
+        from hqtflow.runtime.server import uvicorn_config
+
+        config = uvicorn_config(app, host="127.0.0.1", port=port, log_level="warning")
+    else:
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -297,12 +297,12 @@ class Engine:
 
     def _admit(self) -> None:
         """Waiting requests join (called under the lock): FIFO, while the batch has room and free blocks hold
-        the request's tokens (its prompt, plus what it generated before a preemption) and its next one."""
+        the request's tokens (its prompt, plus what it generated before a preemption) and its next one. Requests
+        whose clients left while waiting leave the queue (and tgi_queue_size) at once, wherever they stand in it."""
+        if any(r.cancelled for r in self.pending):
+            self.pending = deque(r for r in self.pending if not r.cancelled)
         while self.pending and (not self.max_batch_size or len(self.active) < self.max_batch_size):
             req = self.pending[0]
-            if req.cancelled:
-                self.pending.popleft()
-                continue
             need = self.pool.blocks_for(len(req.tokens) + 1)
             if need > self.pool.num_free:
                 break

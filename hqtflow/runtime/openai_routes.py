@@ -12,6 +12,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from hqtflow.runtime import tools
 from hqtflow.runtime.api import Ctx, Sequence
@@ -356,8 +357,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
             raise invalid("`response_format` cannot be combined with `tools`: a tool call's grammar holds the reply")
         if plan is not None and req.stop:  # a stop sequence would cut a call short of its grammar's end
             raise invalid("`stop` cannot be combined with `tools`: a tool reply ends where its grammar ends it")
-        ids = await run_in_threadpool(chat_prompt, req, plan)  # off the event loop: /health and streams go on
-        grammar = await run_in_threadpool(chat_grammar, req, plan)
+        # templated, tokenized and compiled off the event loop (/health and streams go on), in one hop
+        ids, grammar = await run_in_threadpool(lambda: (chat_prompt(req, plan), chat_grammar(req, plan)))
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         names = ("messages", "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
@@ -449,6 +450,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
 
     @r.get("/v1/models/{model:path}")
     async def get_model(model: str):
+        if not model:  # `/v1/models/`: no such route (as every path with a trailing slash)
+            raise HTTPException(404, "Not Found")
         if model != s.model_id:
             raise ApiError(404, f"The model '{model}' does not exist; this server serves '{s.model_id}'", "model_not_found")
         return model_card()

@@ -39,12 +39,17 @@ def openai_error(message: str, error_type: str, status: int) -> dict:
 async def read_body(request) -> bytes:
     """The request body, refused with 413 as soon as it passes MAX_BODY while it streams in (a chunked body has no
     content-length to check first)."""
+    from starlette.requests import ClientDisconnect
+
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise ApiError(413, f"Request body larger than {MAX_BODY} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise ApiError(413, f"Request body larger than {MAX_BODY} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone during its upload: a cancelled request, not a server error
+        raise ApiError(499, "Client closed the request", "cancelled") from None
     return b"".join(chunks)
 
 

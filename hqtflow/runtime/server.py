@@ -151,6 +151,11 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     app.state.engine, app.state.metrics, app.state.model_id, app.state.settings = engine, metrics, s.model_id, s
     add_error_handlers(app, metrics)
     app.middleware("http")(request_guard(s, metrics))
+    if s.cors_allow_origin:  # outermost: a browser's preflight is answered before the API key is asked for
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=s.cors_allow_origin, allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
     ctx = Ctx(engine, tokenizer, s, metrics, state)
     for router in (tgi_router(ctx), openai_router(ctx), metrics_router(metrics)):
         app.include_router(router)
@@ -259,11 +264,25 @@ def _run(app, sock) -> None:
                 timer.start()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=timeout)
+    from hqtflow.runtime.transport import raise_open_files_limit
+
+    raise_open_files_limit()
+    config = uvicorn_config(app, log_level="info")
     host, port = sock.getsockname()[:2]
     logging.getLogger("uvicorn.error").info("Serving %s on http://%s:%d", app.state.model_id,
                                             f"[{host}]" if ":" in host else host, port)
     Server(config).run(sockets=[sock])
+
+
+def uvicorn_config(app, **options):
+    """uvicorn's settings for an app of create_app: its --shutdown-timeout, and its --client-timeout on every
+    connection (runtime/transport.py)."""
+    import uvicorn
+
+    from hqtflow.runtime.transport import protocol
+
+    s = app.state.settings
+    return uvicorn.Config(app, timeout_graceful_shutdown=s.shutdown_timeout, http=protocol(s.client_timeout), **options)
 
 
 def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: str | None, backend: str,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -29,3 +29,5 @@ class ServeSettings:
     cuda_graphs: str = ""  # batch sizes of CUDA-graph decode steps, "1,2,4" (TGI's); "0": none; "": 1..32 on a GPU
     compile: bool = False  # those decode steps through torch.compile before capture (a CUDA GPU only)
     shutdown_timeout: float = 20.0  # seconds running requests may take to finish after SIGTERM (then they are cut)
+    client_timeout: float = 60.0  # seconds a client may take to send its request, or stall reading (0: no limit)
+    cors_allow_origin: list[str] = field(default_factory=list)  # origins a browser may call from (TGI's flag)

@@ -444,6 +444,8 @@ def test_error_json_and_content_type(url):
     assert ok.status_code == 200, ok.text
     slash = httpx.post(f"{url}/generate/", json={"inputs": PROMPT}, headers={"host": "evil.example"})
     assert slash.status_code == 404 and "location" not in slash.headers and set(slash.json()) == {"error", "error_type"}
+    models_slash = httpx.get(f"{url}/v1/models/")  # not a model named ''
+    assert models_slash.status_code == 404 and "does not exist" not in models_slash.text, models_slash.text
     assert httpx.put(f"{url}/generate", json={}).headers.get("allow") == "POST"  # a 405 says what is allowed
     assert httpx.head(f"{url}/health").status_code == 200
     pieces = httpx.post(f"{url}/tokenize", json={"inputs": PROMPT, "parameters": {"truncate": 1}}).json()

@@ -1,0 +1,74 @@
+"""The server's connections: clients that stall are let go (nginx's client_header/body and send timeouts, which
+uvicorn lacks), and the process may open as many sockets as its hard limit allows."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("uvicorn.error")
+
+
+def protocol(timeout: float):
+    """uvicorn's h11 protocol, with `timeout` seconds (0: none) for a client to send a whole request (from connecting,
+    or from its previous answer on a kept-alive connection) and to read again when the server cannot write to it.
+    A connection past either is aborted, which the app sees as the client leaving: a running request is cancelled and
+    its place freed, a body half-read is a cancelled request."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        request_timer = stall_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._await_request()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._await_request()
+
+        def connection_lost(self, exc) -> None:
+            for timer in (self.request_timer, self.stall_timer):
+                if timer is not None:
+                    timer.cancel()
+            super().connection_lost(exc)
+
+        def _await_request(self) -> None:
+            if timeout:
+                if self.request_timer is not None:
+                    self.request_timer.cancel()
+                self.request_timer = self.loop.call_later(timeout, self._request_late)
+
+        def _request_late(self) -> None:
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+                self._let_go("sent no whole request")
+
+        def pause_writing(self) -> None:  # the client reads nothing and the socket's buffer is full
+            super().pause_writing()
+            if timeout and self.stall_timer is None:
+                self.stall_timer = self.loop.call_later(timeout, self._let_go, "read nothing of its answer")
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self.stall_timer is not None:
+                self.stall_timer.cancel()
+                self.stall_timer = None
+
+        def _let_go(self, what: str) -> None:
+            client = "%s:%d" % self.client[:2] if self.client else "a client"
+            log.info("%s %s in %g s (--client-timeout): connection closed", client, what, timeout)
+            self.transport.abort()  # not close(): that would wait to flush what the client does not read
+
+    return Protocol
+
+
+def raise_open_files_limit() -> None:
+    """Lift the soft limit on open files to the hard one, as servers do (vLLM too): each connection is a socket."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # a hard limit the platform will not give (macOS's RLIM_INFINITY)
+            pass
