@@ -453,6 +453,43 @@ def _data_problem(data: dict) -> str | None:
     return None
 
 
+@functools.cache
+def known_values() -> dict[tuple[str, str], tuple[str, ...]]:
+    """The enumerated manifest fields stages act on, (section, field) -> the values this hqtflow writes; a value
+    outside them comes from a newer or another hqtflow, which stages would otherwise misread (section "config": the
+    QUANT_CONFIG, as `QuantConfig.from_dict` accepts it; `--engine inc` records a per-module method as "custom" and
+    its device, "hpu", as the target)."""
+    from hqtflow import config as c
+    from hqtflow.choices import KVCache
+
+    return {("data", "fp8"): c.FP8_FORMATS, ("data", "hp_dtype"): c.HP_DTYPES, ("data", "model_dtype"): c.HP_DTYPES,
+            ("data", "observer"): MEASURED_OBSERVERS, ("data", "scale_method"): (*c.SCALE_METHODS, "custom"),
+            ("data", "target"): (*(d.lower() for d in c.DEVICES_FOR_SCALES), "hpu"),
+            ("data", "weight_rounding"): WEIGHT_ROUNDINGS, ("data", "kv_cache"): tuple(KVCache),
+            ("data", "mode"): CHECKPOINT_MODES,
+            ("config", "fp8_config"): c.FP8_FORMATS, ("config", "hp_dtype"): c.HP_DTYPES,
+            ("config", "observer"): c.OBSERVERS, ("config", "scale_method"): c.SCALE_METHODS,
+            ("config", "device_for_scales"): c.DEVICES_FOR_SCALES}
+
+
+MEASURED_OBSERVERS = ("maxabs", "maxabs_per_channel")  # what `measure` records (its files are named after it)
+WEIGHT_ROUNDINGS = ("nearest", "gptq")  # a checkpoint's FP8 weights: rounded to nearest, or by GPTQ
+CHECKPOINT_MODES = ("w8a8-static", "w8a8-dynamic", "weight-only")
+
+
+def _unknown_value(directory: Path, raw: dict) -> str | None:
+    """The refusal of an enumerated field whose value this hqtflow does not know, or None (a per-module
+    `scale_method` object is checked where it is parsed)."""
+    for (section, key), known in known_values().items():
+        value = (raw.get(section) if isinstance(raw.get(section), dict) else {}).get(key)
+        if isinstance(value, str) and value not in known:
+            field = key if section == "data" else f"config.{key}"
+            kind = str(raw["_type"]).split(".")[-1]
+            return (f"{directory}, a {kind} artifact, records {field} {value!r}, which this hqtflow does not know (it knows "
+                    f"{', '.join(known)}): written by a newer or another hqtflow?")
+    return None
+
+
 def artifact_kind(directory: str | Path) -> str:
     """The `_type` an artifact's manifest declares, to pick its reader (`read_manifest` then checks everything)."""
     return str(_raw_manifest(Path(directory), "")[1]["_type"])
@@ -494,6 +531,8 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
         raise ArtifactError(f"{mpath} is corrupt (not a valid hqtflow manifest).")
     if (problem := _data_problem(raw.get("data") or {})) is not None:
         raise ArtifactError(f"{mpath} is corrupt: {problem}.")
+    if (unknown := _unknown_value(directory, raw)) is not None:
+        raise ArtifactError(unknown)
     for rel in files:
         confined(directory, rel)
     if found_type in (ArtifactKind.CHECKPOINT, ArtifactKind.EXPORT):  # the weights read are the ones listed
