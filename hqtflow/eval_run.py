@@ -62,6 +62,10 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
         lmeval.check_tasks(list(tasks), manager, data_dir)
     candidates = {}
     base_ref = baseline or (source_model(model) if use_source else None)
+    if base_ref and not baseline:  # the manifest's: checked before any model is loaded
+        from hqtflow import models
+
+        models.recorded_model(base_ref, model, f"`hqtflow eval {model} --baseline MODEL` (the bf16 model it was quantized from), or --no-baseline")
     if base_ref:
         candidates["bf16"] = base_ref
     results, paths = {}, {}

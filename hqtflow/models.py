@@ -90,6 +90,19 @@ def resolve_model(ref: str | None) -> Path:
         ) from None
 
 
+
+def recorded_model(ref: str, artifact: Path, how: str) -> Path:
+    """The model an artifact's manifest records (`data.model_path`), resolved; one not there (moved, or recorded
+    relative to where an older hqtflow ran) is refused naming the manifest and `how` to pass the model instead."""
+    try:
+        return resolve_model(ref)
+    except ModelError:
+        if Path(ref).expanduser().exists():  # there, but not a usable model: its own refusal
+            raise
+    where = "" if Path(ref).expanduser().is_absolute() else " (a relative path, as older hqtflow versions recorded it)"
+    raise ModelError(f"The model {ref} that {artifact}'s manifest records does not exist{where}; pass the model "
+                     f"explicitly: {how}.")
+
 def load_config(path: Path) -> dict:
     try:
         cfg = json.loads((Path(path) / "config.json").read_text())

@@ -620,6 +620,15 @@ CASES = {
     "run/recipe output with a lone surrogate": (lambda c: ["run", write(c.w / "r.yaml", f"model: {c.model}\ncalibration:\n  "
                                                                         f"text: {c.text}\noutput: \"out\\ud800dir\"\n")],
                                                 "must be valid text"),
+    # a model path recorded relative to where an older hqtflow ran: the refusal says so and how to pass the model
+    "quantize/measurement's recorded model path relative": (
+        lambda c: ["quantize", "-m", edit_data(c.copy("m"), model_path="../tiny"), "-o", c.out],
+        "/m's manifest records does not exist (a relative path, as older hqtflow versions recorded it); pass the model "
+        "explicitly: `hqtflow quantize MODEL -m"),
+    "eval/checkpoint's recorded model path relative": (
+        lambda c: ["eval", edit_data(c.copy("ck"), model_path="../tiny"), "--ppl-file", c.text],
+        "manifest records does not exist (a relative path, as older hqtflow versions recorded it); pass the model "
+        "explicitly: `hqtflow eval"),
     # an enumerated manifest field of a value this hqtflow does not know (a newer one's): every stage refuses it alike
     **{f"{stage}/{key} {field} {value!r}, value unknown": (
         lambda c, stage=stage, key=key, field=field, value=value: ARGV[stage](c, edit_field(c.copy(key), field, value)),
@@ -795,7 +804,8 @@ MODEL_CASES = {"measure/nan weights", "measure/inf weights", "measure/truncated 
                "measure/config has a layer the weights lack", "measure/config has fewer layers than the weights",
                "measure/config's vocabulary disagrees with the weights", "measure/config's rope type unknown",
                "measure/garbage pickle weights", "generate/garbage weights, foreign",
-               "quantize/model weight NaN past the fingerprint's bytes"}
+               "quantize/model weight NaN past the fingerprint's bytes", "quantize/measurement's recorded model path relative",
+               "eval/checkpoint's recorded model path relative"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))

@@ -85,10 +85,11 @@ def plan_job(s: QuantizeSettings) -> Job:
         raise ArtifactError(f"{meas.directory} has no Hessians; measure again with --hessians to use --gptq.")
     for st, r in zip(meas.stems, meas.ranks):
         require_dynamic_range(r, f"{meas.directory / st}.json")
-    model_ref = s.model or meas.manifest.data.get("model_path")
-    if model_ref is None:
+    recorded = meas.manifest.data.get("model_path")
+    if s.model is None and recorded is None:
         raise ArtifactError(f"{meas.directory} was imported without --model, so it names no model; pass the MODEL argument.")
-    model_dir = models.resolve_model(model_ref)
+    model_dir = models.resolve_model(s.model) if s.model is not None else models.recorded_model(
+        recorded, meas.directory, f"`hqtflow quantize MODEL -m {meas.directory} -o {s.output}`")
     fp = models.fingerprint(model_dir)
     if meas.manifest.model and meas.manifest.model.get("id") != fp["id"]:
         raise ArtifactError(
