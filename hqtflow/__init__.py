@@ -1,6 +1,6 @@
 """hqtflow: an FP8 quantization workflow for LLMs (measure -> quantize -> unify -> serve)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def load(path, **kwargs):

@@ -1,5 +1,6 @@
 """`hqtflow run RECIPE`: measure -> quantize -> eval, each stage skipped while its artifact is valid and was made
-from the same inputs (its manifest says so), and redone when an input changed."""
+from the same inputs by this hqtflow version (its manifest says so), and redone when an input or the version changed
+(the version changes whenever what a stage writes changes)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,26 @@ def _same_settings(recorded: dict, current: dict) -> bool:
     return strip({**added, **recorded}) == strip(current)
 
 
+def other_version(written) -> str | None:
+    """Why an output `written` by another hqtflow version (a manifest's tool.hqtflow, a report's hqtflow) is redone,
+    or None when this version wrote it: the version changes whenever what a stage writes changes."""
+    from hqtflow import __version__
+
+    if written == __version__:
+        return None
+    return f"written by hqtflow {written if isinstance(written, str) else '(version unknown)'}, this is {__version__}: redone"
+
+
+def _manifest_version(out: Path, kind: str) -> str | None:
+    """other_version of the artifact at `out`, None when there is none or it is this version's."""
+    from hqtflow.formats.artifact import read_manifest
+
+    try:
+        return other_version(read_manifest(Path(out), kind, verify=False).written_by)
+    except ArtifactError:
+        return None
+
+
 def measurement_is_current(s) -> bool:
     from hqtflow import models
     from hqtflow.formats.artifact import ArtifactKind, read_manifest, sha256_file
@@ -29,6 +50,8 @@ def measurement_is_current(s) -> bool:
     try:
         m = read_manifest(Path(s.output), ArtifactKind.MEASUREMENT)
     except ArtifactError:
+        return False
+    if other_version(m.written_by):
         return False
     model_dir = models.resolve_model(s.model)
     s = resolve_max_length(s, model_dir)  # the manifest records the max_length measured with, not None
@@ -54,7 +77,8 @@ def checkpoint_is_current(q) -> bool:
         meas = load_measurement(q.measurement)
     except ArtifactError:
         return False
-    return (_same_settings(m.data.get("settings", {}), asdict(q)) and m.data.get("source_digest") == meas.digest()
+    return (not other_version(m.written_by) and _same_settings(m.data.get("settings", {}), asdict(q))
+            and m.data.get("source_digest") == meas.digest()
             and m.raw.get("config") == quant_config(q).to_dict())
 
 
@@ -104,6 +128,7 @@ def read_own_report(report: Path) -> dict | None:
 
 
 def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo: Callable[[str], None] = print) -> Path:
+    from hqtflow import __version__
     from hqtflow.choices import KVCache
     from hqtflow.eval_run import run_eval
     from hqtflow.formats.artifact import ArtifactKind, read_manifest
@@ -128,12 +153,16 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     if not force and not kv_missing and measurement_is_current(ms):
         echo(f"measure: {ms.output} is up to date, skipped.")
     else:
+        if not force and (why := _manifest_version(Path(ms.output), ArtifactKind.MEASUREMENT)):
+            echo(f"measure: {ms.output} was {why}.")
         echo(f"measure: writing {ms.output}")
         measure(ms)
     qs = r.quantize.settings(ms.output, str(root / "fp8"), overwrite=True)
     if not force and checkpoint_is_current(qs):
         echo(f"quantize: {qs.output} is up to date, skipped.")
     else:
+        if not force and (why := _manifest_version(Path(qs.output), ArtifactKind.CHECKPOINT)):
+            echo(f"quantize: {qs.output} was {why}.")
         echo(f"quantize: writing {qs.output}")
         quantize(qs)
     ev = r.eval
@@ -145,7 +174,10 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     digest = read_manifest(Path(qs.output), ArtifactKind.CHECKPOINT).digest()
     old = read_own_report(report)
     if old is not None and not force:
-        if old.get("checkpoint_digest") == digest and old.get("eval") == ev_json:
+        why = other_version(old.get("hqtflow", "0.1.0"))  # (a report without it is 0.1.0's, which did not record it)
+        if why:
+            echo(f"eval: {report} was {why}.")
+        elif old.get("checkpoint_digest") == digest and old.get("eval") == ev_json:
             from hqtflow.evaluate import format_table
 
             echo(f"eval: {report} is up to date, skipped.")
@@ -156,7 +188,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     tmp.unlink(missing_ok=True)
     table = run_eval(qs.output, baseline=None, use_source=True, **asdict(ev), report=tmp)
     data = json.loads(tmp.read_text())
-    data.update({"checkpoint_digest": digest, "eval": ev_json})
+    data.update({"checkpoint_digest": digest, "eval": ev_json, "hqtflow": __version__})
     tmp.write_text(json.dumps(data, indent=2, default=str))
     tmp.replace(report)
     echo(table)

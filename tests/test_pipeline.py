@@ -7,6 +7,18 @@ from pathlib import Path
 import yaml
 
 from conftest import ROOT, run_cli
+from hqtflow import __version__
+from hqtflow.formats.artifact import MANIFEST, ArtifactKind, read_manifest
+
+
+def edit_json(path, fn):
+    raw = json.loads(path.read_text())
+    fn(raw)
+    path.write_text(json.dumps(raw))
+
+
+def edit_manifest(d, fn):
+    edit_json(d / MANIFEST, fn)
 
 
 def write_recipe(path, model, data_dir, limit):
@@ -32,6 +44,16 @@ def test_run_recipe_skips_current_stages(tiny_llama, data_dir, tmp_path):
     assert second.exit_code == 0, second.output
     assert second.stdout.count("up to date, skipped") == 3
     assert "wikitext2" in second.stdout and "Δ fp8" in second.stdout  # the table is printed again
+    # outputs of another hqtflow version (0.1.0 wrote no version into its report) are read, and redone by `run`
+    for d in ("measure", "fp8"):
+        edit_manifest(tmp_path / "run" / d, lambda m: m["tool"].update(hqtflow="0.1.0"))
+        assert run_cli("inspect", tmp_path / "run" / d).exit_code == 0
+    edit_json(tmp_path / "run" / "eval.json", lambda r: r.pop("hqtflow"))
+    old = run_cli("run", recipe)
+    assert old.exit_code == 0 and "up to date" not in old.stdout, old.output
+    for stage, out in (("measure", "measure"), ("quantize", "fp8"), ("eval", "eval.json")):
+        assert f"{stage}: {tmp_path / 'run' / out} was written by hqtflow 0.1.0, this is {__version__}: redone." in old.stdout
+    assert read_manifest(tmp_path / "run" / "fp8", ArtifactKind.CHECKPOINT).written_by == __version__
     write_recipe(recipe, tiny_llama, data_dir, 3)  # an input changed: every stage is redone
     third = run_cli("run", recipe)
     assert "measure: writing" in third.stdout and "quantize: writing" in third.stdout

@@ -396,6 +396,13 @@ class Manifest:
         return self.raw.get("data", {})
 
     @property
+    def written_by(self):
+        """The hqtflow version that wrote it (tool.hqtflow; None if not recorded). No reader refuses another version:
+        `hqtflow run` redoes its stages (pipeline.other_version)."""
+        tool = self.raw.get("tool")
+        return tool.get("hqtflow") if isinstance(tool, dict) else None
+
+    @property
     def files(self) -> dict[str, str]:
         return self.raw.get("files", {})
 
