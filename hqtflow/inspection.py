@@ -343,7 +343,10 @@ def _inspect_checkpoint(directory: Path, top: int) -> dict:
     from hqtflow.formats.artifact import read_manifest
     from hqtflow.scales import full_scale
 
+    from hqtflow.formats.checkpoint import quantization_scheme
+
     m = read_manifest(directory, CHECKPOINT)
+    quantization_scheme(directory)  # a scheme generate and export refuse is refused here too
     d = m.data
     F = full_scale(d.get("fp8", "E4M3"), "cpu")  # compressed-tensors checkpoints are float8_e4m3fn
     tensors = _checkpoint_tensors(directory)

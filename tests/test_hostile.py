@@ -629,6 +629,12 @@ CASES = {
         lambda c: ["eval", edit_data(c.copy("ck"), model_path="../tiny"), "--ppl-file", c.text],
         "manifest records does not exist (a relative path, as older hqtflow versions recorded it); pass the model "
         "explicitly: `hqtflow eval"),
+    # a quantization_config hqtflow cannot run: every reader of the checkpoint refuses it alike
+    **{f"{stage}/config.json weights {key} {value}, hashes rewritten": (
+        lambda c, stage=stage, key=key, value=value: ARGV[stage](c, rehash(edit_config(c.copy("ck"), lambda cfg: cfg[
+            "quantization_config"]["config_groups"]["group_0"]["weights"].update({key: value})))),
+        f"Unsupported weight scheme {'float4' if key == 'num_bits' else value}")
+       for stage in ("inspect", "generate", "export") for key, value in (("num_bits", 4), ("type", "mxfp8"))},
     # an enumerated manifest field of a value this hqtflow does not know (a newer one's): every stage refuses it alike
     **{f"{stage}/{key} {field} {value!r}, value unknown": (
         lambda c, stage=stage, key=key, field=field, value=value: ARGV[stage](c, edit_field(c.copy(key), field, value)),

@@ -319,6 +319,15 @@ def skeleton_of(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
         raise bad_config(path, e) from None
 
 
+def quantization_scheme(path: Path) -> dict:
+    """The FP8 scheme of the checkpoint at `path`: its config.json's `quantization_config`, parsed (one that hqtflow
+    cannot run is refused by parse_quantization_config); every reader of a checkpoint checks it here."""
+    from hqtflow.formats.compressed_tensors import parse_quantization_config
+    from hqtflow.models import load_config
+
+    return parse_quantization_config(load_config(path).get("quantization_config") or {})
+
+
 def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | None = None,
                     tensors: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """Build the model skeleton on the meta device, swap in FP8Linear where the checkpoint has FP8 weights, load.
@@ -331,17 +340,14 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     `quant_method: fp8` (scalar float32 scales, static or dynamic per-tensor activations, `weight_block_size`).
     KV-cache scales (`k_scale`/`v_scale`, or one `kv_scale` for both) become float32 buffers of their attention
     module (the static decoder's FP8 KV cache uses them); `output_scale` and all-zero zero points are dropped.
-    Unsupported schemes are refused by parse_quantization_config.
+    Unsupported schemes are refused by quantization_scheme.
     """
-    from hqtflow.formats.compressed_tensors import parse_quantization_config
     from hqtflow.formats.hf_names import module_or_none, per_expert_containers, to_model_names
-    from hqtflow.models import load_config
     from hqtflow.quantize.experts import unfuse_experts
     from hqtflow.quantize.fp8_linear import FP8Linear
 
     path = Path(path)
-    raw = load_config(path)
-    qc = parse_quantization_config(raw.get("quantization_config") or {})
+    qc = quantization_scheme(path)
     model = skeleton_of(path, dtype)
     config, hp = model.config, next(model.parameters()).dtype
     if tensors is None:
