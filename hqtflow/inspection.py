@@ -397,7 +397,11 @@ def _inspect_scales(directory: Path, top: int) -> dict:
     notes = []
     if ld["measured"] is None:
         notes.append("no measurement files in the artifact; saturation check against measured maxabs skipped")
-    model, note = _source_model(d, ld["manifest"].model, "bf16")
+    world = d.get("world_size") or 1
+    if world > 1:  # each rank's scales are of its own weight shard: no whole weight to compare with
+        model, note = None, f"weight error not computed: the scales of a {world}-rank artifact are per weight shard"
+    else:
+        model, note = _source_model(d, ld["manifest"].model, "bf16")
     notes.append(note)
     errors = {}
     if model is not None:
@@ -408,7 +412,7 @@ def _inspect_scales(directory: Path, top: int) -> dict:
         fp8 = d.get("fp8", "E4M3")
         for n, ws in ld["raw_weight_scales"].items():
             w = _source_weight(model, n)
-            if w is None or len(ws) != 1:  # sharded (multi-rank) weights: skip
+            if w is None:
                 continue
             s = ws[0]
             st = torch.tensor(s["0"], dtype=torch.float32).reshape(-1, 1) if isinstance(s, dict) else \
@@ -561,7 +565,7 @@ def render_text(rep: dict) -> str:
         we = rep["weight_error"]
         out += ["", "Weight quantization error (worst first):"]
         out += [table(we["layers"][: max(10, len(rg.get("top_input", [])))], ["name", "rel_rms", "sqnr_db"])] \
-            if we["available"] and we["layers"] else ["  (source model unavailable)"]
+            if we["available"] and we["layers"] else ["  (not computed: see the Note below)"]
     if "compare" in rep:
         c = rep["compare"]
         out += ["", f"Compared with {c['other']}: {c['common']} common nodes, {len(c['only_in_this'])} only here, "

@@ -121,7 +121,7 @@ def render_html(rep: dict) -> str:
         we = rep["weight_error"]
         parts += [f"<h2>Weight quantization error</h2><p>{e(RULES['weight_error'])}</p>",
                   _table(we["layers"], ["name", "rel_rms", "sqnr_db"], "weight-error") if we["available"]
-                  else '<p id="weight-error">Source model unavailable.</p>']
+                  else '<p id="weight-error">Not computed: see the notes.</p>']
     if "compare" in rep:
         c = rep["compare"]
         parts += [f"<h2>Comparison with <code>{e(c['other'])}</code></h2>",

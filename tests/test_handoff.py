@@ -332,3 +332,12 @@ def test_default_measure_names_run_lm_evals_output_and_fewer_cards_are_flagged(a
     assert "come from the recipe's 8-card run; on 2 card(s)" in (tmp_path / "run.sh").read_text()
     handoff(RECIPES / "llama2-70b-8x.yaml", "-m", arts["m8"], "--to", "optimum-habana", tmp=tmp_path)
     assert "card run" not in (tmp_path / "run.sh").read_text()
+
+
+def test_inspect_per_rank_scales(arts):
+    """Per-rank scales are of weight shards: no weight error, and no word of a source model it did not use."""
+    r = run_cli("inspect", arts["s2"])
+    assert r.exit_code == 0, r.output
+    assert "(not computed: see the Note below)" in r.stdout
+    assert "Note: weight error not computed: the scales of a 2-rank artifact are per weight shard" in r.stdout
+    assert "weight error against" not in r.stdout and "unavailable" not in r.stdout

@@ -85,7 +85,7 @@ def test_checkpoint_sources_gone(arts, tmp_path):
     rep = json.loads(js.read_text())
     assert not rep["scales"]["measured_maxabs_available"] and not rep["weight_error"]["available"]
     assert any("is gone" in n for n in rep["notes"]) and any("unavailable" in n for n in rep["notes"])
-    assert "skipped" in text and "source model unavailable" in text
+    assert "skipped" in text and "(not computed: see the Note below)" in text and "gone-model is unavailable" in text
     assert rep["summary"]["nodes_quantized"] == 14  # the weight checks still run
     assert all("w_zero_fraction" in r for r in rep["layers"])
 
