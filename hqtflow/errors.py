@@ -71,13 +71,27 @@ class LeftoverWarning(UserWarning):
     """An unfinished output of another host or container is kept beside a stage's output: one line on the CLI."""
 
 
+def does_not_exist(path) -> str:
+    """"does not exist", for a user-given path: a relative one names the directory it was looked for in (the current
+    one), since a command run from elsewhere than its author meant is the usual cause. The end of a one-sentence error."""
+    import os
+    from pathlib import Path
+
+    if Path(path).expanduser().is_absolute():
+        return "does not exist"
+    try:
+        return f"does not exist (looked for in {os.getcwd()})"
+    except OSError:  # the current directory was removed
+        return "does not exist (the current directory was removed)"
+
+
 def not_a_file(path) -> str:
     """Why `path`, which is not a regular file, cannot be read as one: the end of a one-sentence error."""
     from pathlib import Path
 
     p = Path(path)
     if not p.exists():
-        return "does not exist"
+        return does_not_exist(p)
     return "is a directory, not a file" if p.is_dir() else "is not a regular file (a device or a pipe)"
 
 

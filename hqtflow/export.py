@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from hqtflow.errors import ArtifactError, ConfigError
+from hqtflow.errors import ArtifactError, ConfigError, does_not_exist
 from hqtflow.formats.artifact import MANIFEST, ArtifactKind, artifact_kind, read_manifest, staged_output, write_manifest
 from hqtflow.formats.checkpoint import (HP_DTYPE_NAMES, KV_SUFFIXES, autofp8_tensors, check_scales, inc_tensors,
                                         load_checkpoint, read_tensors, requantize, write_safetensors)
@@ -107,7 +107,7 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r} is not supported; valid values are {', '.join(FORMATS)}.")
     if not checkpoint.is_dir():
-        raise ArtifactError(f"Checkpoint {checkpoint} does not exist.")
+        raise ArtifactError(f"Checkpoint {checkpoint} {does_not_exist(checkpoint)}.")
     if fmt == "fp8" and per_channel:
         raise ConfigError("--per-channel applies to --format compressed-tensors; the fp8 (AutoFP8) layout has one scale per tensor.")
     if fmt == "inc" and per_channel is not None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hqtflow.errors import ArtifactError, ConfigError
+from hqtflow.errors import ArtifactError, ConfigError, does_not_exist
 from hqtflow.formats.artifact import ArtifactKind
 
 TARGETS = ("optimum-habana", "tgi-gaudi")
@@ -128,7 +128,7 @@ def read_artifact(directory: str | Path) -> Artifact:
 
     directory = Path(directory)
     if not directory.is_dir():
-        raise ArtifactError(f"Artifact {directory} does not exist.")
+        raise ArtifactError(f"Artifact {directory} {does_not_exist(directory)}.")
     refuse_foreign_dump(directory)
     type_ = artifact_kind(directory)
     kind = {ArtifactKind.MEASUREMENT: "measurement", ArtifactKind.SCALES: "scales"}.get(type_)
@@ -261,7 +261,7 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
     if mode == "quantize" or source.suffix not in (".yaml", ".yml"):
         if art_dir is not None and not Path(art_dir).exists():
             hint = f" (run `hqtflow measure --recipe {source}` first, or hand off --mode measure)" if recipe == source else ""
-            raise ArtifactError(f"Artifact {art_dir} does not exist{hint}.")
+            raise ArtifactError(f"Artifact {art_dir} {does_not_exist(art_dir)}{hint}.")
         artifact = read_artifact(art_dir)
         if recipe is None and artifact.recipe and Path(artifact.recipe).is_file():
             recipe = artifact.recipe

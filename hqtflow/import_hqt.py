@@ -20,7 +20,7 @@ import re
 import shutil
 from pathlib import Path
 
-from hqtflow.errors import ArtifactError, ConfigError
+from hqtflow.errors import ArtifactError, ConfigError, does_not_exist
 from hqtflow.formats import measurement as mf
 from hqtflow.formats.artifact import MANIFEST, check_not_partial, check_output_dir, staged_output
 
@@ -36,7 +36,7 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
     if dtype not in HP_DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(HP_DTYPES)}, not {dtype!r}.")
     if not directory.is_dir():
-        raise ArtifactError(f"HQT measurement directory {directory} does not exist.")
+        raise ArtifactError(f"HQT measurement directory {directory} {does_not_exist(directory)}.")
     check_not_partial(directory)
     check_output_dir(output, overwrite, [directory])
     meas = mf.read_dump(directory, trust_pickle=trust_pickle, world_size=world_size)  # an .npz only with trust_pickle

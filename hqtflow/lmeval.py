@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hqtflow.errors import CalibrationError
+from hqtflow.errors import CalibrationError, does_not_exist
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 LOCAL_TASKS = tuple(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
@@ -32,9 +32,10 @@ Progress = Callable[[int, int], None]
 
 def local_task_dir(data_dir: str | Path) -> Path:
     """Write the bundled `<task>_local` YAMLs, pointed at `data_dir`, into a temp include path."""
-    data_dir = Path(data_dir).resolve()
-    if not data_dir.is_dir():
-        raise CalibrationError(f"Data directory {data_dir} {'is not a directory' if data_dir.exists() else 'does not exist'}.")
+    given = Path(data_dir)
+    if not given.is_dir():
+        raise CalibrationError(f"Data directory {given} {'is not a directory' if given.exists() else does_not_exist(given)}.")
+    data_dir = given.resolve()
     out = Path(tempfile.mkdtemp(prefix="hqtflow-tasks-"))
     atexit.register(shutil.rmtree, out, True)  # lm-eval reads it until the command ends
     for p in TASKS_DIR.glob("*.yaml"):
@@ -106,7 +107,7 @@ def task_manager(include_paths: list[str | Path], data_dir: str | Path | None, t
     paths = [Path(p) for p in include_paths]
     for p in paths:
         if not p.exists():
-            raise CalibrationError(f"lm-eval include path {p} does not exist.")
+            raise CalibrationError(f"lm-eval include path {p} {does_not_exist(p)}.")
     if data_dir is not None:
         paths.append(local_task_dir(data_dir))
     if paths and tasks:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hqtflow.errors import ArtifactError, ModelError
+from hqtflow.errors import ArtifactError, ModelError, does_not_exist
 
 DEFAULT_MODEL = "smollm2"
 # name -> (PyPI package, GGUF file inside it)
@@ -61,7 +61,7 @@ def resolve_model(ref: str | None) -> Path:
             kind = kind_named(p)
             if kind:  # one of hqtflow's other artifacts: say which, and what makes a model of it
                 source = p if kind == "measurement" else "MEASUREMENT"
-                raise ModelError(f"{p} is an hqtflow {kind} artifact, not a model folder; an FP8 checkpoint comes from "
+                raise ArtifactError(f"{p} is an hqtflow {kind} artifact, not a model folder; an FP8 checkpoint comes from "
                                  f"`hqtflow quantize -m {source} -o OUT`.")
             raise ModelError(f"Model directory {p} has no config.json; it is not a Hugging Face model folder.")
         load_config(p)
@@ -70,7 +70,7 @@ def resolve_model(ref: str | None) -> Path:
             check_safetensors(f, damaged)
         return p
     if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
-        raise ModelError(f"Model directory {ref} does not exist.")
+        raise ModelError(f"Model directory {ref} {does_not_exist(ref)}.")
     try:
         from huggingface_hub import snapshot_download
 

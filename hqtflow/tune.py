@@ -22,7 +22,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hqtflow.errors import ConfigError
+from hqtflow.errors import CalibrationError, ConfigError, not_a_file
 from hqtflow.formats.artifact import ArtifactKind
 
 
@@ -82,7 +82,7 @@ def tune(s: TuneSettings, progress=None) -> Path:
     out = Path(s.output)
     check_output_dir(out, s.overwrite, [s.measurement, s.config])
     if not Path(s.text).is_file():
-        raise ConfigError(f"--text {s.text} does not exist.")
+        raise CalibrationError(f"--text {s.text} {not_a_file(s.text)}.")
     qs = QuantizeSettings(measurement=s.measurement, output=str(out / "checkpoint"), model=s.model, config=s.config,
                           scale_method=s.scale_method, gptq=s.gptq)
     job = plan_job(qs)

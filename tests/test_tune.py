@@ -65,7 +65,7 @@ def test_tune_refusals(measured, wiki_text, tmp_path):
     r = run_cli("tune", "-m", measured, "-o", tmp_path / "x", "--text", wiki_text, "--target-kl", "-1")
     assert r.exit_code == 2 and "must be positive" in r.stderr
     r = run_cli("tune", "-m", measured, "-o", tmp_path / "x", "--text", tmp_path / "none.txt", "--target-kl", "0.1")
-    assert r.exit_code == 2 and "does not exist" in r.stderr
+    assert r.exit_code == 5 and "does not exist" in r.stderr  # calibration data
 
 
 def test_tune_gptq(tiny_llama, measured, wiki_text, tmp_path):
