@@ -60,6 +60,19 @@ def test_forward_and_decode_smoke(smollm2, wiki_text, tmp_path):
         assert "fastest high-precision" in r.stdout and "CPU flags" in r.stdout, r.stdout[-2000:]
 
 
+
+def test_kv_cache_ppl_smoke(tiny_llama, wiki_text, tmp_path):
+    """bench/kv_cache_ppl.py on a tiny FP8 checkpoint with KV scales: the bf16 cache's perplexity is eval's (no cache)."""
+    from conftest import run_cli
+
+    assert run_cli("measure", tiny_llama, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2").exit_code == 0
+    assert run_cli("quantize", "-m", tmp_path / "m", "-o", tmp_path / "fp8", "--kv-cache", "fp8").exit_code == 0
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "kv_cache_ppl.py"), str(tmp_path / "fp8"), "--ppl-file",
+                        str(wiki_text), "--windows", "1", "--backend", "qdq"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ppl = {ln[:14].strip(): ln.split("perplexity ")[1].split()[0] for ln in r.stdout.splitlines() if "perplexity " in ln}
+    assert set(ppl) == {"no cache", "bf16 KV cache", "FP8 KV cache"} and ppl["no cache"] == ppl["bf16 KV cache"], r.stdout
+
 def test_fp8_cuda_bench_runs_on_a_cpu(tmp_path):
     """bench/fp8_cuda.py (the GPU benchmark) with --device cpu on a tiny Llama: its decode and engine parts run
     end to end (no graphs there) and write every figure."""
