@@ -94,6 +94,7 @@ def test_recipe_is_complete(path):
     r = load_recipe(path)
     s = r.measure
     assert r.name == path.stem, "the recipe's name should match its file name"
+    assert raw.get("version") == 1, "every shipped recipe states its schema (`version: 1`), as docs/reference.md says"
     assert raw.get("model") and isinstance(raw["model"], str) and s.model == raw["model"]
     assert r.model_type in TINY, f"model_type must be one of {sorted(TINY)} so it can be dry-run"
     assert isinstance(raw.get("cards"), int) and raw["cards"] >= 1 and s.tp == raw["cards"]
