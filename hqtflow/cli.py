@@ -460,7 +460,7 @@ def eval_(
 def run(
     recipe: Annotated[Path, typer.Argument(help="YAML recipe.")],
     model: Annotated[Optional[str], typer.Option("--model", help="Override the recipe's model.")] = None,
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Override the recipe's measurement dir.")] = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="The measurement directory instead of the recipe's output; the FP8 checkpoint (fp8/) and eval.json go beside it, into its parent directory.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="Override the calibration limit.")] = None,
     force: Annotated[bool, typer.Option(help="Redo every stage even if its artifact is current.")] = False,
 ) -> None:
