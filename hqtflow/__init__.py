@@ -1,4 +1,5 @@
-"""hqtflow: an FP8 quantization workflow for LLMs (measure -> quantize -> unify -> serve)."""
+"""hqtflow: an FP8 quantization workflow for LLMs (measure -> quantize -> (unify: N cards -> M) -> generate / eval /
+serve / export / inspect)."""
 
 __version__ = "0.2.0"
 

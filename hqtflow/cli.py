@@ -18,7 +18,7 @@ from hqtflow.runtime.settings import ServeSettings
 
 app = typer.Typer(
     name="hqtflow",
-    help="FP8 quantization workflow for LLMs: measure -> quantize -> unify -> serve (HQT / Neural Compressor compatible).",
+    help="FP8 quantization workflow for LLMs (HQT / Neural Compressor compatible): measure -> quantize -> (unify: N cards -> M) -> generate / eval / serve / export / inspect.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,

@@ -62,6 +62,19 @@ def test_readme_commands_name_real_options():
     assert checked >= 20
 
 
+
+def test_readme_names_every_command_and_the_cli_pipeline():
+    """`hqtflow --help` lists no command the README leaves out, and its summary chains the stages as the README does."""
+    from typer.main import get_command
+
+    from hqtflow.cli import app
+
+    text = README.read_text()
+    for name in get_command(app).commands:
+        assert f"hqtflow {name}" in text, f"README does not name `hqtflow {name}`"
+    pipeline = " ".join(re.search(r"^```\n(measure .*?)\n```", text, re.M).group(1).split())
+    assert pipeline in " ".join(app.info.help.split()), (pipeline, app.info.help)
+
 def _shim(bin_dir: Path) -> None:
     bin_dir.mkdir()
     exe = bin_dir / "hqtflow"
