@@ -141,6 +141,8 @@ def test_a_missing_relative_path_names_the_directory_it_was_looked_for_in(setup,
     _one_sentence(run_cli("export", "nope", "--format", "fp8", "-o", "out"), 3, f"nope {where}")
     _one_sentence(run_cli("handoff", "nope", "--to", "tgi-gaudi"), 3, f"nope {where}")
     _one_sentence(run_cli("import-hqt", "nope", "-o", "out", "--model", model), 3, f"nope {where}")
+    _one_sentence(run_cli("inspect", "nope"), 3, f"nope {where}")  # formats/: artifact.py and measurement.py
+    _one_sentence(run_cli("quantize", "-m", "nope", "-o", "out"), 3, f"nope {where}")
     err = _one_sentence(run_cli("measure", work / "nope", "-o", "out", "--text", text), 4, "does not exist.")
     assert "looked for" not in err
     assert _files(work) == sorted(["a_file", "bad.json", "bad.jsonl", "empty.txt", "no_model", "wrong.json"])

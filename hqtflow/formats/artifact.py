@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hqtflow import __version__
-from hqtflow.errors import ArtifactError
+from hqtflow.errors import ArtifactError, does_not_exist
 
 MANIFEST = "hqtflow_manifest.json"
 
@@ -415,7 +415,7 @@ def _raw_manifest(directory: Path, kind: str) -> tuple[Path, dict]:
     """The manifest's JSON (`_type` and `_version` present), nothing verified; `kind` words the refusals."""
     what = f"{kind} " if kind else ""
     if not directory.is_dir():
-        raise ArtifactError(f"{(what or 'artifact ').capitalize()}directory {directory} does not exist.")
+        raise ArtifactError(f"{(what or 'artifact ').capitalize()}directory {directory} {does_not_exist(directory)}.")
     check_not_partial(directory)
     mpath = directory / MANIFEST
     if not mpath.is_file():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hqtflow.errors import ArtifactError
+from hqtflow.errors import ArtifactError, does_not_exist
 from hqtflow.formats.artifact import (MANIFEST, ArtifactKind, Manifest, check_not_partial, confined, read_manifest,
                                       sha256_file, whole, write_json_atomic, write_manifest)
 
@@ -193,7 +193,7 @@ def read_measurement(path: Path) -> Measurement:
     """Read a measurement `.json` (never the pickled `.npz`)."""
     path = Path(path)
     if not path.is_file():
-        raise ArtifactError(f"Measurement file {path} does not exist.")
+        raise ArtifactError(f"Measurement file {path} {does_not_exist(path)}.")
     try:
         raw = json.loads(path.read_text())
         nodes = raw["Nodes"]
@@ -395,7 +395,7 @@ def load_measurement(directory: str | Path) -> LoadedMeasurement:
     dump (no manifest) is refused with the `import-hqt` command that brings it in."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise ArtifactError(f"Measurement directory {directory} does not exist.")
+        raise ArtifactError(f"Measurement directory {directory} {does_not_exist(directory)}.")
     refuse_foreign_dump(directory)
     m = read_manifest(directory, ArtifactKind.MEASUREMENT)
     stems, world = manifest_ranks(m)
@@ -413,7 +413,7 @@ class DumpFiles:
 def scan_dump(directory: Path) -> DumpFiles:
     directory = Path(directory)
     if not directory.is_dir():
-        raise ArtifactError(f"HQT measurement directory {directory} does not exist.")
+        raise ArtifactError(f"HQT measurement directory {directory} {does_not_exist(directory)}.")
     check_not_partial(directory)
     groups: dict = {}
     scales = []
