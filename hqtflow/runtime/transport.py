@@ -18,6 +18,7 @@ def protocol(timeout: float):
 
     class Protocol(H11Protocol):
         request_timer = stall_timer = None
+        unsent = 0  # bytes waiting in the transport when the stall timer was armed
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -43,10 +44,10 @@ def protocol(timeout: float):
             if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
                 self._let_go("sent no whole request")
 
-        def pause_writing(self) -> None:  # the client reads nothing and the socket's buffer is full
+        def pause_writing(self) -> None:  # the socket's buffers are full: the client reads slower than we write
             super().pause_writing()
             if timeout and self.stall_timer is None:
-                self.stall_timer = self.loop.call_later(timeout, self._let_go, "read nothing of its answer")
+                self._watch_stall()
 
         def resume_writing(self) -> None:
             super().resume_writing()
@@ -54,12 +55,39 @@ def protocol(timeout: float):
                 self.stall_timer.cancel()
                 self.stall_timer = None
 
+        def _watch_stall(self) -> None:
+            self.unsent = unsent(self.transport)
+            self.stall_timer = self.loop.call_later(timeout, self._stalled)
+
+        def _stalled(self) -> None:
+            if unsent(self.transport) < self.unsent:  # it took some: a slow client, not a gone one
+                self._watch_stall()
+            else:
+                self._let_go("read nothing of its answer")
+
         def _let_go(self, what: str) -> None:
             client = "%s:%d" % self.client[:2] if self.client else "a client"
             log.info("%s %s in %g s (--client-timeout): connection closed", client, what, timeout)
             self.transport.abort()  # not close(): that would wait to flush what the client does not read
 
     return Protocol
+
+
+def unsent(transport) -> int:
+    """Bytes written for the client that it has not taken: the transport's buffer, plus (Linux) the socket's send
+    queue, which only shrinks as the client reads (the transport's buffer moves only once a third of a send buffer
+    of megabytes is free, so alone it cannot tell a slow reader from a gone one)."""
+    import struct
+
+    queued = transport.get_write_buffer_size()
+    try:
+        import fcntl
+        import termios
+
+        return queued + struct.unpack("i", fcntl.ioctl(transport.get_extra_info("socket").fileno(), termios.TIOCOUTQ,
+                                                       b"\0\0\0\0"))[0]
+    except (ImportError, OSError, AttributeError, ValueError):  # not a socket, or no TIOCOUTQ (not Linux)
+        return queued
 
 
 def raise_open_files_limit() -> None:
