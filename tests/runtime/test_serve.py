@@ -214,7 +214,8 @@ def test_a_signal_ends_running_streams_within_the_shutdown_timeout(tiny_llama, s
         port = sock.getsockname()[1]
     p = subprocess.Popen([sys.executable, "-m", "hqtflow", "serve", "bf16", str(tiny_llama), "--port", str(port),
                           "--max-total-tokens", "4096", "--max-input-tokens", "32", "--shutdown-timeout", "3"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # not nohup's SIG_IGN, if run so
     try:
         base, t0 = f"http://127.0.0.1:{port}", time.monotonic()
         while True:
