@@ -18,6 +18,7 @@ from hqtflow.errors import ConfigError, not_a_file, parse_problem
 
 MODES = ("MEASURE", "QUANTIZE", "LOAD", "NONE", "AUTO", "SHAPE")
 OBSERVERS = ("maxabs", "maxabs_per_channel", "shape", "save")
+MEASURE_OBSERVERS = ("maxabs", "maxabs_per_channel")  # those `hqtflow measure` runs (and records in its manifest)
 SCALE_METHODS = (
     "unit_scale",
     "hw_aligned_single_scale",

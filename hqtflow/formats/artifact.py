@@ -470,7 +470,7 @@ def known_values() -> dict[tuple[str, str], tuple[str, ...]]:
     from hqtflow.choices import KVCache
 
     return {("data", "fp8"): c.FP8_FORMATS, ("data", "hp_dtype"): c.HP_DTYPES, ("data", "model_dtype"): c.HP_DTYPES,
-            ("data", "observer"): MEASURED_OBSERVERS, ("data", "scale_method"): (*c.SCALE_METHODS, "custom"),
+            ("data", "observer"): c.MEASURE_OBSERVERS, ("data", "scale_method"): (*c.SCALE_METHODS, "custom"),
             ("data", "target"): (*(d.lower() for d in c.DEVICES_FOR_SCALES), "hpu"),
             ("data", "weight_rounding"): WEIGHT_ROUNDINGS, ("data", "kv_cache"): tuple(KVCache),
             ("data", "mode"): CHECKPOINT_MODES,
@@ -479,7 +479,6 @@ def known_values() -> dict[tuple[str, str], tuple[str, ...]]:
             ("config", "device_for_scales"): c.DEVICES_FOR_SCALES}
 
 
-MEASURED_OBSERVERS = ("maxabs", "maxabs_per_channel")  # what `measure` records (its files are named after it)
 WEIGHT_ROUNDINGS = ("nearest", "gptq")  # a checkpoint's FP8 weights: rounded to nearest, or by GPTQ
 CHECKPOINT_MODES = ("w8a8-static", "w8a8-dynamic", "weight-only")
 

@@ -11,7 +11,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from hqtflow.config import QuantConfig
+from hqtflow.config import MEASURE_OBSERVERS, QuantConfig
 from hqtflow.errors import CalibrationError, ConfigError
 from hqtflow.formats import measurement as mf
 from hqtflow.formats.artifact import MANIFEST, StagingDir, check_output_dir
@@ -27,8 +27,8 @@ def load_measure_config(path: str | None) -> QuantConfig:
             f"{src} has mode {cfg.mode}; `hqtflow measure` needs a MEASURE config such as "
             "quantization_config/maxabs_measure.json."
         )
-    if cfg.observer not in ("maxabs", "maxabs_per_channel"):
-        raise ConfigError(f"{src}: observer {cfg.observer!r} is not supported by hqtflow measure; use maxabs or maxabs_per_channel.")
+    if cfg.observer not in MEASURE_OBSERVERS:
+        raise ConfigError(f"{src}: observer {cfg.observer!r} is not supported by hqtflow measure; use {' or '.join(MEASURE_OBSERVERS)}.")
     return cfg
 
 
