@@ -280,9 +280,11 @@ class QuantConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> QuantConfig:
-        path = Path(path)
+        from hqtflow import bundled
+
+        path = bundled.resolve(path, bundled.CONFIGS, ".json")
         if not path.is_file():
-            raise ConfigError(f"QUANT_CONFIG file {path} {not_a_file(path)}.")
+            raise ConfigError(f"QUANT_CONFIG file {path} {not_a_file(path)}{bundled.hint(path, bundled.CONFIGS, '.json')}.")
         try:
             raw = json.loads(path.read_text(), object_pairs_hook=_no_repeated_keys)
         except (ValueError, RecursionError) as e:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hqtflow import bundled
 from hqtflow.errors import ArtifactError, ConfigError, does_not_exist
 from hqtflow.formats.artifact import ArtifactKind
 
@@ -35,7 +36,6 @@ MODES = ("measure", "quantize")
 TGI_IMAGE = "ghcr.io/huggingface/tgi-gaudi:2.0.1"
 SRC = "/usr/src"  # TGI-Gaudi's working directory: the seeds mount quantization_config and hqt_output under it
 GAUDI_TARGETS = ("gaudi2", "gaudi3")
-DEFAULT_MEASURE_CONFIG = Path(__file__).resolve().parents[1] / "quantization_config" / "maxabs_measure.json"
 DEFAULTS = {  # without a recipe's gaudi section: the seeds' common flags
     "measure": {"script": "run_lm_eval.py", "args": ["-o", "acc_measure.txt",  # run_lm_eval.py requires its output file
                                                      "--use_hpu_graphs", "--use_kv_cache", "--bf16", "--batch_size", "1"]},
@@ -243,7 +243,7 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
         raise ConfigError(f"Unknown --mode {mode!r}; valid values are {', '.join(MODES)}.")
     if world_size is not None and world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, not {world_size}.")
-    source = Path(source)
+    source = bundled.resolve(source, bundled.RECIPES, ".yaml")  # a bare name missing here: the bundled recipe
     if source.suffix in (".yaml", ".yml"):
         if recipe is not None:
             raise ConfigError("SOURCE is already a recipe; --recipe goes with an artifact SOURCE.")
@@ -272,7 +272,7 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
         if artifact is not None and artifact.kind != "measurement":
             raise ConfigError("--mode measure hands off a recipe (or a measurement's recipe), not scale files.")
         world = world_size or (r.measure.tp if r else None) or (artifact.world_size if artifact else 1)
-        cfg_path = Path(r.measure.config) if r and r.measure.config else DEFAULT_MEASURE_CONFIG
+        cfg_path = Path(r.measure.config) if r and r.measure.config else bundled.CONFIGS / "maxabs_measure.json"
         config = _load_json(cfg_path, "QUANT_CONFIG")
         name = cfg_path.name
     else:

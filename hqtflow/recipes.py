@@ -170,9 +170,11 @@ def load_recipe(path: str | Path) -> Recipe:
     """Read and check a recipe file (one sentence, a ConfigError, for what is wrong)."""
     import yaml
 
-    path = Path(path)
+    from hqtflow import bundled
+
+    path = bundled.resolve(path, bundled.RECIPES, ".yaml")
     if not path.is_file():
-        raise ConfigError(f"Recipe {path} {not_a_file(path)}.")
+        raise ConfigError(f"Recipe {path} {not_a_file(path)}{bundled.hint(path, bundled.RECIPES, '.yaml')}.")
     try:
         raw = yaml.load(path.read_text(), Loader=_unique_key_loader())
     except (yaml.YAMLError, RecursionError, ValueError) as e:  # ValueError: undecodable, or an int of 4301+ digits

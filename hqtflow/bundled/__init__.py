@@ -1,0 +1,30 @@
+"""The recipes and QUANT_CONFIGs that ship with hqtflow: the repository's `recipes/` and `quantization_config/` (links
+here in a checkout, copies in a wheel), so `--recipe smollm2` or `-c maxabs_quant` work from an installed package."""
+from __future__ import annotations
+
+from pathlib import Path
+
+RECIPES = Path(__file__).parent / "recipes"
+CONFIGS = Path(__file__).parent / "quantization_config"
+
+
+def names(folder: Path, suffix: str) -> list[str]:
+    """The bundled files of `folder`, by the name a user may give (without `suffix`)."""
+    return sorted(p.name.removesuffix(suffix) for p in folder.glob(f"*{suffix}"))
+
+
+def resolve(path: str | Path, folder: Path, suffix: str) -> Path:
+    """PATH as given when it exists or names a folder; else the bundled file of that bare name (with or without
+    `suffix`), when there is one; else PATH as given, for the caller's one-sentence refusal."""
+    p = Path(path)
+    if p.exists() or len(p.parts) != 1:
+        return p
+    bundled = folder / f"{p.name.removesuffix(suffix)}{suffix}"
+    return bundled if bundled.is_file() else p
+
+
+def hint(path: str | Path, folder: Path, suffix: str) -> str:
+    """The end of a 'does not exist' sentence for a bare name: the bundled names one may give instead."""
+    if len(Path(path).parts) != 1:
+        return ""
+    return f"; bundled: {', '.join(names(folder, suffix))}"
