@@ -154,8 +154,9 @@ class Ctx:
         handles, counts, left, t0 = [], [0] * len(jobs), len(jobs), time.perf_counter()
         watcher = asyncio.ensure_future(_disconnected(request, queue)) if request is not None else None
         try:
+            # once per request: its prompts, each once (the n sequences of a prompt share its list)
+            self.metrics.input_length.observe(sum(len(ids) for ids in {id(ids): ids for ids, _ in jobs}.values()))
             for i, (ids, params) in enumerate(jobs):
-                self.metrics.input_length.observe(len(ids))
                 handles.append(self.engine.submit(ids, params, lambda ev, i=i: mailbox.post(queue, (i, ev))))
             while left:
                 i, ev = await queue.get()

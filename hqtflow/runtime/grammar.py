@@ -35,14 +35,14 @@ def _compiler(tokenizer):
     return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_BYTES)
 
 
-def _compile(tokenizer, kind: str, value: str, any_whitespace: bool = True):
+def _compile(tokenizer, kind: str, value: str):
     """Compiled once per schema or regex while it stays in the compiler's cache (xgrammar's, bounded in bytes)."""
     c = _compiler(tokenizer)
     try:
-        if kind == "json_object":
-            return c.compile_builtin_json_grammar()
+        if kind == "json_object":  # OpenAI's JSON mode: an object, never an array or a bare value
+            kind, value = "json", '{"type": "object"}'
         if kind == "json":
-            return c.compile_json_schema(value, strict_mode=False, any_whitespace=any_whitespace)
+            return c.compile_json_schema(value, strict_mode=False, any_whitespace=False)
         if kind == "regex":
             return c.compile_regex(value)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError on a bad schema or regex
@@ -146,10 +146,11 @@ def resolves(schema, ref: str) -> bool:
     return isinstance(node, (dict, bool))
 
 
-def compile_grammar(tokenizer, kind: str, value=None, any_whitespace: bool = True, scale: int = 1):
-    """kind: "json" (value: a JSON schema, dict or string), "regex" (value: a regex) or "json_object" (any JSON).
-    any_whitespace=False: JSON written on one line, with ", " and ": " between items. scale: the size limits'
-    multiple (TOOLS_SCALE for a request's tools together)."""
+def compile_grammar(tokenizer, kind: str, value=None, scale: int = 1):
+    """kind: "json" (value: a JSON schema, dict or string), "regex" (value: a regex) or "json_object" (any JSON
+    object). JSON is written on one line, with ", " and ": " between items (as OpenAI's structured output): a grammar
+    that allows any whitespace lets a small model pad with newlines until `max_tokens` cuts the JSON short. scale: the
+    size limits' multiple (TOOLS_SCALE for a request's tools together)."""
     if not available():
         raise GrammarError("constrained output needs xgrammar (`pip install xgrammar`)")
     if kind == "json":
@@ -163,7 +164,7 @@ def compile_grammar(tokenizer, kind: str, value=None, any_whitespace: bool = Tru
         if problem := schema_problem(value, scale):
             raise GrammarError(problem)
         value = json.dumps(value)  # keys in the order given: the grammar writes properties in that order
-    return _compile(tokenizer, kind, value, any_whitespace)
+    return _compile(tokenizer, kind, value)
 
 
 def matcher(compiled):

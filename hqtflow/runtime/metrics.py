@@ -49,7 +49,7 @@ class Metrics:
         self.per_token = Histogram("tgi_request_mean_time_per_token_duration", "Mean seconds per generated token after the first",
                                    buckets=secs, registry=r)
         self.generated = Histogram("tgi_request_generated_tokens", "Generated tokens per request", buckets=toks, registry=r)
-        self.input_length = Histogram("tgi_request_input_length", "Input tokens per request", buckets=toks, registry=r)
+        self.input_length = Histogram("tgi_request_input_length", "Input tokens per request (its prompts, each once)", buckets=toks, registry=r)
         self.batch_duration = Histogram("tgi_batch_inference_duration", "Forward seconds", ["method"], buckets=secs, registry=r)
         self.batch_size = Histogram("tgi_batch_inference_size", "Batch size run (after bucketing)", ["method"], buckets=toks, registry=r)
         self.next_size = Histogram("tgi_batch_next_size", "Sequences joining the batch per prefill", buckets=toks, registry=r)

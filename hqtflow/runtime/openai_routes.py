@@ -34,6 +34,21 @@ def final_text(ev) -> str:
     return ev.generated_text if ev.stop_at is None else ev.generated_text[:ev.stop_at]
 
 
+def before_stop(tokens: list, stop_at: int | None) -> list:
+    """The tokens that start before the stop sequence that ended the text (`stop_at`: its offset in the text; None:
+    all): OpenAI leaves the stop sequence out of the text, and so out of the logprobs (a token that holds both text
+    and the stop's start is kept)."""
+    if stop_at is None:
+        return tokens
+    kept, at = [], 0
+    for t in tokens:
+        if at >= stop_at:
+            break
+        kept.append(t)
+        at += len(t.text)
+    return kept
+
+
 def token_bytes(tok, tid: int, text: str) -> bytes:
     """A token's own UTF-8 bytes (OpenAI's `bytes`): its text, or, for a token that holds part of a character (its
     text decodes to U+FFFD), the bytes behind its byte-level BPE symbols or its `<0xNN>` byte-fallback piece."""
@@ -277,7 +292,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
             for j, q in enumerate(group):
                 lp = None
                 if k is not None:
-                    lp = completion_logprobs(scored(ids, q.last.prompt if req.echo else None, q.tokens), 0)
+                    lp = completion_logprobs(scored(ids, q.last.prompt if req.echo else None,
+                                                    before_stop(q.tokens, q.last.stop_at)), 0)
                 choices.append({"index": pi * req.n + j, "text": texts[pi] + final_text(q.last), "logprobs": lp,
                                 "finish_reason": FINISH[q.last.finish_reason]})
         return {**head(False, False), "choices": choices, "usage": usage(prompts, seqs)}
@@ -293,11 +309,11 @@ def openai_router(ctx: Ctx) -> APIRouter:
     def tools_grammar(plan: tools.ToolPlan):
         """The grammar of a call of one of the plan's tools, on one line; a schema that does not compile is named."""
         try:
-            return compile_grammar(tok, "json", plan.schema, any_whitespace=False, scale=TOOLS_SCALE)
+            return compile_grammar(tok, "json", plan.schema, scale=TOOLS_SCALE)
         except GrammarError as e:
             for tool, i in zip(plan.offered, plan.given):
                 try:
-                    compile_grammar(tok, "json", tools.one_call_schema(tool), any_whitespace=False)
+                    compile_grammar(tok, "json", tools.one_call_schema(tool))
                 except GrammarError as alone:
                     raise invalid(f"`tools[{i}].function.parameters`: {alone}") from None
             raise invalid(f"`tools`: {e}") from None
@@ -372,8 +388,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
         choices = []
         for j, q in enumerate(seqs):
             message, finish = chat_message(q, plan)
-            choices.append({"index": j, "message": message, "logprobs": chat_logprobs(q.tokens) if req.logprobs else None,
-                            "finish_reason": finish})
+            lp = chat_logprobs(before_stop(q.tokens, q.last.stop_at)) if req.logprobs else None
+            choices.append({"index": j, "message": message, "logprobs": lp, "finish_reason": finish})
         return {**head(True, False), "choices": choices, "usage": usage([ids], seqs)}
 
     # -- streaming (both) -----------------------------------------------------------------------------------
@@ -399,7 +415,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
             return {"index": j, "text": text, "finish_reason": finish, "logprobs": lp}
 
         async def chunks():
-            sent, text, pending = [""] * len(jobs), [""] * len(jobs), [[] for _ in jobs]
+            sent, text, pending, seen = [""] * len(jobs), [""] * len(jobs), [[] for _ in jobs], [[] for _ in jobs]
             holds = [HeldBack(params.stop) for _, params in jobs]
             echoed = [not echo] * len(jobs)
             seqs = [Sequence() for _ in jobs]
@@ -411,6 +427,10 @@ def openai_router(ctx: Ctx) -> APIRouter:
                         yield chunk({**h, "choices": [choice(i, echo[i // per], None, [], prompt=ev.prompt)]})
                     if ev.token is not None and not (chat and ev.token.special):  # chat logprobs: content tokens
                         pending[i].append(ev.token)
+                        seen[i].append(ev.token)
+                    if ev.stop_at is not None:  # the stop sequence's tokens, held back with its text, are left out
+                        drop = len(seen[i]) - len(before_stop(seen[i], ev.stop_at))
+                        pending[i] = pending[i][:max(0, len(pending[i]) - drop)]
                     # stream the text that cannot be part of a stop sequence, so chunks concatenate to the final text
                     if ev.finish_reason:
                         visible = final_text(ev)

@@ -10,7 +10,7 @@ from hqtflow.runtime.schemas import MAX_BEST_OF, ChatRequest, CompletionRequest,
 
 TGI_ERROR = {"type": "object", "required": ["error", "error_type"],
              "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}}}
-OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+OPENAI_ERROR = {"type": "object", "required": ["error", "error_type"], "properties": {"error_type": {"type": "string"}, "error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
                    "code": {"type": ["string", "null"]}}}}}

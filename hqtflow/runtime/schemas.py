@@ -11,6 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, WithJsonSchema,
                       model_validator)
+from pydantic_core import PydanticCustomError
 
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 MAX_BEST_OF = 4
@@ -30,10 +31,12 @@ def invalid(message: str) -> ApiError:
 
 def openai_error(message: str, error_type: str, status: int) -> dict:
     """OpenAI's error body ({"error": {message, type, param, code}}; `param`: the first parameter the message
-    names), which the openai client turns into its exception's message, param and code."""
+    names), which the openai client turns into its exception's message, param and code; and TGI's `error_type`, as
+    TGI's own /v1 routes give, which text-generation's client maps to its ValidationError, OverloadedError, ..."""
     named = re.search(r"`([A-Za-z_][\w.\[\]]*)`", message) if status == 422 else None  # a failure's text names no parameter
     kind = "server_error" if status >= 500 else "authentication_error" if status == 401 else "invalid_request_error"
-    return {"error": {"message": message, "type": kind, "param": named.group(1) if named else None, "code": error_type}}
+    return {"error": {"message": message, "type": kind, "param": named.group(1) if named else None, "code": error_type},
+            "error_type": error_type}  # TGI's key beside OpenAI's object: TGI's clients raise their typed error
 
 
 async def read_body(request) -> bytes:
@@ -86,6 +89,8 @@ def _named(e: ValidationError, where: str = "") -> ApiError:
         return invalid(f"`{field}` is not a supported parameter")
     if err["type"] == "missing":
         return invalid(f"`{field}` is required")
+    if err["type"] == "refused":
+        return invalid(f"`{'.'.join(filter(None, (field, err['ctx']['name'])))}` is not supported: {err['ctx']['why']}")
     msg = err["msg"].removeprefix("Value error, ")
     return invalid(msg if msg.startswith("`") else f"`{field or 'body'}`: {msg}")
 
@@ -160,8 +165,8 @@ class Strict(BaseModel):
     @model_validator(mode="after")
     def _refused(self):
         for name, why in self.REFUSED.items():
-            if getattr(self, name) not in NOT_GIVEN:
-                raise ValueError(f"`{name}` is not supported: {why}")
+            if getattr(self, name) not in NOT_GIVEN:  # its own type, so the message names the field's whole path
+                raise PydanticCustomError("refused", "`{name}` is not supported: {why}", {"name": name, "why": why})
         return self
 
     @model_validator(mode="after")

@@ -136,6 +136,13 @@ def test_metrics(url):
     httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
     after = httpx.get(f"{url}/metrics").text
     assert float(next(l for l in after.splitlines() if l.startswith("tgi_request_count ")).split()[1]) == before + 1
+    # a request's input length is observed once, its prompt counted once, whatever its n
+    ids = httpx.post(f"{url}/tokenize", json={"inputs": PROMPT}).json()
+    httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "n": 3, "max_tokens": 2}).raise_for_status()
+    last = metric_values(httpx.get(f"{url}/metrics").text)
+    was = metric_values(after)
+    assert last["tgi_request_input_length_count"] - was["tgi_request_input_length_count"] == 1
+    assert last["tgi_request_input_length_sum"] - was["tgi_request_input_length_sum"] == len(ids)
 
 
 def test_api_key_overload_and_disconnect(lm):

@@ -560,6 +560,24 @@ def _metric(report, task, metric):
     return results["tasks"][task][metric]
 
 
+def test_json_grammars_write_one_line_and_json_mode_an_object(lm):
+    """JSON grammars allow no whitespace between tokens but OpenAI's ", " and ": " (a model free to pad with newlines
+    may pad until max_tokens cuts the JSON short), and OpenAI's JSON mode is an object, never an array or a value."""
+    from hqtflow.runtime.grammar import compile_grammar, matcher
+
+    def accepts(compiled, text):
+        m = matcher(compiled)
+        return m.accept_string(text) and m.accept_token(lm[1].eos_token_id)
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for kind, value in (("json", schema), ("json_object", None)):
+        g = compile_grammar(lm[1], kind, value)
+        assert accepts(g, '{"a": 1}')
+        assert not any(accepts(g, t) for t in ('{\n"a": 1}', '{"a" : 1}', '{ "a": 1}', '{"a": 1}\n'))
+    obj = compile_grammar(lm[1], "json_object")
+    assert accepts(obj, '{"b": [1, {"c": "x y\\n"}]}') and not any(accepts(obj, t) for t in ("[null]", "1", '"a"', "null"))
+
+
 @pytest.mark.slow
 def test_smollm2_json_schema_chat(smollm2):
     """The real SmolLM2 answers in the asked JSON schema (xgrammar masks the logits), via the openai client."""
@@ -574,5 +592,58 @@ def test_smollm2_json_schema_chat(smollm2):
         r = client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
             max_tokens=40, temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+        person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                  "required": ["name", "age"], "additionalProperties": False}
+        hi = [{"role": "user", "content": "Hi"}]  # greedy, it padded with newlines to max_tokens when it could
+        padded = client.chat.completions.create(model="smollm2", messages=hi, max_tokens=60, temperature=0, response_format={
+            "type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": person}}).choices[0]
+        mode = client.chat.completions.create(model="smollm2", messages=hi, max_tokens=60, temperature=0,
+                                              response_format={"type": "json_object"}).choices[0]
     answer = json.loads(r.choices[0].message.content)
     assert set(answer) == {"city", "country"} and r.choices[0].finish_reason == "stop", answer
+    assert padded.finish_reason == "stop" and set(json.loads(padded.message.content)) == {"name", "age"}, padded
+    assert mode.finish_reason == "stop" and isinstance(json.loads(mode.message.content), dict), mode
+
+
+def test_logprobs_end_where_a_stop_sequence_cuts_the_text(url):
+    """The stop sequence is left out of the text and so out of the logprobs (streamed or not, completions and chat):
+    the tokens listed are the greedy answer's up to the one where the stop sequence begins."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    ask = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 0}
+    full = client.completions.create(**ask).choices[0]
+    toks, text = full.logprobs.tokens, full.text
+    offsets = [sum(map(len, toks[:i])) for i in range(len(toks))]
+    assert "".join(toks) == text
+    k = next(i for i in range(1, len(toks)) if toks[i] and text.find(toks[i]) == offsets[i])  # its first occurrence
+    cut = client.completions.create(**ask, stop=[toks[k]]).choices[0]
+    assert (cut.text, cut.logprobs.tokens, cut.finish_reason) == (text[:offsets[k]], toks[:k], "stop")
+    streamed = [t for ch in client.completions.create(**ask, stop=[toks[k]], stream=True) for c in ch.choices
+                if c.logprobs for t in c.logprobs.tokens]
+    assert streamed == toks[:k]
+
+    chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 12, "temperature": 0, "logprobs": True}
+    answer = client.chat.completions.create(**chat).choices[0]
+    toks = [t.token for t in answer.logprobs.content]
+    offsets, text = [sum(map(len, toks[:i])) for i in range(len(toks))], answer.message.content
+    assert "".join(toks) == text
+    k = next(i for i in range(1, len(toks)) if toks[i] and text.find(toks[i]) == offsets[i])
+    cut = client.chat.completions.create(**chat, stop=[toks[k]]).choices[0]
+    assert (cut.message.content, [t.token for t in cut.logprobs.content]) == (text[:offsets[k]], toks[:k])
+    streamed = [t.token for ch in client.chat.completions.create(**chat, stop=[toks[k]], stream=True) for c in ch.choices
+                if c.logprobs for t in c.logprobs.content]
+    assert streamed == toks[:k]
+
+
+def test_tgi_clients_type_the_errors_of_the_v1_routes(url):
+    """/v1 errors carry TGI's `error_type` beside OpenAI's `error` object (as TGI's own /v1 routes answer), so
+    text-generation's client raises its typed error there too; a refused nested field is named by its whole path."""
+    tg = client_lib("text_generation")
+    with pytest.raises(tg.errors.ValidationError):
+        tg.Client(url, timeout=60).chat(messages=[{"role": "user", "content": "x" * 400}], max_tokens=90)
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "stream": True,
+                                                       "stream_options": {"continuous_usage_stats": True}})
+    assert r.status_code == 422 and r.json()["error_type"] == "validation", r.text
+    assert r.json()["error"]["param"] == "stream_options.continuous_usage_stats", r.text
+    r = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"adapter_id": "a"}})
+    assert r.status_code == 422 and "`parameters.adapter_id` is not supported" in r.json()["error"], r.text
