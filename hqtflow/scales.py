@@ -13,6 +13,8 @@ Every computed scale is at least the smallest normal number of its dtype (`floor
 2^-14 in fp16), never zero or denormal: an all-zero tensor gets that floor instead of a zero scale (its values
 quantize to 0 exactly with any positive scale). INC floors a per-channel scale at bf16's smallest normal too, so
 scales equal INC's down to that floor; E5M2's full scale (57344) makes scales below 2^-14 the common case there.
+`linear_scales` floors again in the dtype the scales are stored in (`stored`: an fp16 checkpoint's are fp16, where
+bf16's 2^-126 is 0) and refuses a scale that dtype cannot hold.
 Negative or non-finite statistics never get here: reading a measurement refuses them
 (`hqtflow.formats.measurement.check_statistics`).
 
@@ -443,15 +445,16 @@ class LinearScales:
 
     @property
     def output(self) -> torch.Tensor:
-        return self.input * self.weight
+        return floored(self.input * self.weight)
 
 
 def linear_scales(method: ScaleMethod, input_maxabs, weight: torch.Tensor, *, target: str = "cpu",
-                  fp8: str = "E4M3", hp_dtype: str = "bf16", name: str = "a Linear") -> LinearScales:
-    """Refused (one sentence naming `name`): a weight holding NaN or infinity (a damaged model file: no scale fits
-    it), and an input scale no checkpoint reader would take (its statistics are corrupt)."""
-    from hqtflow.errors import ArtifactError, ModelError
-    from hqtflow.formats.scale_files import MAX_SCALE
+                  fp8: str = "E4M3", hp_dtype: str = "bf16", name: str = "a Linear",
+                  store: torch.dtype | None = None) -> LinearScales:
+    """The scales of one Linear, computed in hp_dtype and returned in `store`, the dtype they are stored in (None:
+    the weight's, as a checkpoint stores them; INC scale files: hp_dtype), by `stored`. Refused (one sentence naming
+    `name`): a weight holding NaN or infinity (a damaged model file: no scale fits it)."""
+    from hqtflow.errors import ModelError
 
     if not bool(torch.isfinite(weight).all()):
         bad = int((~torch.isfinite(weight)).sum())
@@ -459,7 +462,28 @@ def linear_scales(method: ScaleMethod, input_maxabs, weight: torch.Tensor, *, ta
                          "model file damaged?).")
     kw = dict(target=target, fp8=fp8, hp_dtype=hp_dtype)
     s_in = None if method.dynamic else activation_scale(input_maxabs, method.activation, **kw)
-    if s_in is not None and not 0 < float(s_in) <= MAX_SCALE:  # NaN fails too
-        raise ArtifactError(f"The measured input maxabs of {name} gives the scale {float(s_in):.3g}, outside "
-                            f"(0, {MAX_SCALE:.3g}]; the statistics are corrupt.")
-    return LinearScales(s_in, weight_scale(weight, method.weight, inc=method.inc_codes, **kw))
+    return stored(LinearScales(s_in, weight_scale(weight, method.weight, inc=method.inc_codes, **kw)),
+                  store or weight.dtype, name)
+
+
+def stored(sc: LinearScales, dtype: torch.dtype, name: str = "a Linear") -> LinearScales:
+    """`sc` cast to `dtype`, where it is stored, each scale floored at dtype's smallest normal number there (a bf16
+    scale of 2^-126 is 0 in float16). Refused, in one sentence naming `name`: a scale (input, weight or output) over
+    dtype's largest value or over `MAX_SCALE`, what any reader takes; an input or output scale that large means
+    corrupt statistics, a weight scale a weight no FP8 scale of this dtype fits."""
+    from hqtflow.errors import ArtifactError, ModelError
+    from hqtflow.formats.scale_files import MAX_SCALE
+
+    top = min(MAX_SCALE, float(torch.finfo(dtype).max))
+    limit = f"{top:.3g}, " + (f"the largest {str(dtype).removeprefix('torch.')} value" if top < MAX_SCALE
+                              else "the most any reader takes")
+    out = None if sc.input is None else sc.input.double() * sc.weight.double()
+    for what, s in (("weight", sc.weight), ("input", sc.input), ("output", out)):
+        if s is not None and not bool((s.double() <= top).all()):  # NaN fails too
+            v = float(s.double().max())
+            if what == "weight":
+                raise ModelError(f"The weight of {name} gives the scale {v:.3g}, over {limit}; no FP8 scale of it can "
+                                 "be stored (is the model file damaged?).")
+            raise ArtifactError(f"The measured input maxabs of {name} gives the {what} scale {v:.3g}, over {limit}; "
+                                "the statistics are corrupt.")
+    return LinearScales(None if sc.input is None else floored(sc.input.to(dtype)), floored(sc.weight.to(dtype)))

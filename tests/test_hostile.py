@@ -323,6 +323,8 @@ CASES = {
     "quantize/kv nan": (lambda c: quantize(c, rehash(kv(c.copy("m"), float("nan"))), "--kv-cache", "fp8"), "not finite"),
     "quantize/kv overflows float32": (lambda c: quantize(c, rehash(kv(c.copy("m"), 1e39)), "--kv-cache", "fp8"),
                                       "not finite float32"),
+    "quantize/kv gives a scale no reader takes": (lambda c: quantize(c, rehash(kv(c.copy("m"), 1e38)), "--kv-cache", "fp8"),
+                                                  "a reader takes at most 5.93e+33"),
     "quantize/kv lacks a layer": (lambda c: quantize(c, rehash(kv_drop(c.copy("m"), "model.layers.1.self_attn")),
                                                      "--kv-cache", "fp8"), "lack 1 attention module"),
     "quantize/statistic a string": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node("3.4")))), "other than numbers"),

@@ -33,7 +33,7 @@ def scale_entry(input_scale, weight_scale, output_scale, in_features: int) -> di
     """One node's entry from its scales (tensors): per-tensor floats, or INC's per-channel `{"0": ..., "1": ...}`."""
     if weight_scale.numel() > 1:
         w = {"0": weight_scale.float().tolist(), "1": [1.0] * in_features}
-        out = (input_scale.float() * weight_scale.float()).tolist()
+        out = output_scale.float().tolist()
     else:
         w, out = float(weight_scale), float(output_scale)
     return {"inputs": [float(input_scale)], "outputs": [out], "params": {"weight": w}}

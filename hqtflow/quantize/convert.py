@@ -40,11 +40,13 @@ def convert_model(model: nn.Module, names: list[str], meas: Measurement, method:
 
 def kv_cache_scales(model: nn.Module, stats: dict, method: ScaleMethod, *, target: str, fp8: str,
                     hp_dtype: str) -> dict[str, torch.Tensor]:
-    """{"<attention>.k_scale": s, "<attention>.v_scale": s} (0-d float32) from measured KV maxabs, with the scale
-    method's activation rule (backoff, power-of-two or hardware rounding), and registered as buffers on `model`."""
+    """{"<attention>.k_scale": s, "<attention>.v_scale": s} (0-d float32, where they are stored, floored there) from
+    measured KV maxabs, with the scale method's activation rule (backoff, power-of-two or hardware rounding), and
+    registered as buffers on `model`; a scale over `MAX_SCALE` is refused."""
     from hqtflow.errors import ArtifactError
+    from hqtflow.formats.scale_files import MAX_SCALE
     from hqtflow.models import attention_modules
-    from hqtflow.scales import activation_scale
+    from hqtflow.scales import activation_scale, floored
 
     out = {}
     for name, kv in stats.items():
@@ -53,10 +55,10 @@ def kv_cache_scales(model: nn.Module, stats: dict, method: ScaleMethod, *, targe
         except AttributeError:
             raise ArtifactError(f"The KV-cache statistics name {name}, which this model does not have.") from None
         for x in "kv":
-            s = activation_scale(kv[x], method.activation, target=target, fp8=fp8, hp_dtype=hp_dtype).float().reshape(())
-            if not torch.isfinite(s) or s <= 0:
+            s = floored(activation_scale(kv[x], method.activation, target=target, fp8=fp8, hp_dtype=hp_dtype).float().reshape(()))
+            if not float(s) <= MAX_SCALE:  # inf and NaN fail too
                 raise ArtifactError(f"The KV-cache statistic {name}.{x} ({kv[x]}) gives no usable {hp_dtype} scale "
-                                    f"({float(s)}); the statistics are corrupt.")
+                                    f"({float(s):.3g}; a reader takes at most {MAX_SCALE:.3g}); the statistics are corrupt.")
             attn.register_buffer(f"{x}_scale", s.to(next(model.parameters()).device))
             out[f"{name}.{x}_scale"] = s
     missing = sorted(set(attention_modules(model).values()) - set(stats))

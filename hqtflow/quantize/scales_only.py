@@ -11,7 +11,7 @@ from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError
 from hqtflow.formats.measurement import copy_measurement_files
 from hqtflow.formats.scale_files import scale_entry, scale_stem, write_quant_config, write_scale_file
-from hqtflow.scales import ScaleRules, linear_scales
+from hqtflow.scales import HP_DTYPES, ScaleRules, linear_scales
 
 
 def _local_weight(w: torch.Tensor, info: dict | None, rank: int, world: int) -> torch.Tensor:
@@ -46,7 +46,7 @@ def write_scale_files(out: Path, final: Path, model, meas, cfg: QuantConfig, rul
                 continue
             w = _local_weight(mod.weight.detach(), layers.get(name), rank, meas.world_size)
             sc = linear_scales(rules(name, type(mod).__name__), node.inputs[0], w, target=target, fp8=cfg.fp8_config,
-                               hp_dtype=cfg.hp_dtype, name=name)
+                               hp_dtype=cfg.hp_dtype, name=name, store=HP_DTYPES[cfg.hp_dtype])  # as INC reads them
             nodes[name] = scale_entry(sc.input, sc.weight, sc.output, w.shape[1])
         local = rank if meas.world_size > 1 else None
         files += write_scale_file(out, scale_stem(dump, observer, rules.default.name, local, meas.world_size), nodes,

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from hqtflow.errors import ArtifactError, ConfigError
-from hqtflow.scales import (ACTIVATION_BACKOFF, HP_DTYPES, SMOOTHQUANT_METHODS, WEIGHT_BACKOFF, _best_per_channel,
-                            floored, full_scale, linear_scales, round_pow2, scale_method)
+from hqtflow.scales import (ACTIVATION_BACKOFF, HP_DTYPES, SMOOTHQUANT_METHODS, WEIGHT_BACKOFF, LinearScales,
+                            _best_per_channel, floored, full_scale, linear_scales, round_pow2, scale_method, stored)
 
 ALPHA = 0.5
 FALLBACK = "act_maxabs_pow2_weights_pcs_maxabs_pow2"
@@ -126,12 +126,13 @@ def convert_smoothquant(model: nn.Module, names: list[str], meas, method_name: s
     for name in names:  # after all folding (an up_proj is both a consumer and a source)
         lin = model.get_submodule(name)
         if name in posts:  # weight scales from the final (folded) weights
-            s_in = floored(posts[name].to(hp))
-            s_w = floored(_weight_scale(lin.weight.detach(), method_name, F, fp8).to(hp))
+            sc = stored(LinearScales(floored(posts[name].to(hp)),
+                                     floored(_weight_scale(lin.weight.detach(), method_name, F, fp8).to(hp))),
+                        lin.weight.dtype, name)
         else:
             sc = linear_scales(fallback, meas.nodes[name].inputs[0], lin.weight, target=target, fp8=fp8, hp_dtype=hp_dtype,
                                name=name)
-            s_in, s_w = sc.input, sc.weight
+        s_in, s_w = sc.input, sc.weight
         _set_module(model, name, FP8Linear.from_linear(lin, s_w, s_in, fp8, inc_codes=True))  # HQT's arithmetic
         used[name] = {"input": float(s_in), "weight": s_w.float().flatten().tolist(), "smoothed": name in posts}
     return used

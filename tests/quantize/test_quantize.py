@@ -239,3 +239,74 @@ def test_partial_and_bad_method(measured, tmp_path):
              "'scale_method' has value 'maxabs_fast'", tmp_path, code=2)
     refused_quantize(["-m", measured, "-o", tmp_path / "out", "--scales-for", "tpu"], "valid values are", tmp_path, code=2)
     refused_quantize(["-m", tmp_path / "nope", "-o", tmp_path / "out"], "does not exist", tmp_path, code=3)
+
+
+@pytest.fixture(scope="module")
+def fp16_zeros(tiny_factory, wiki_text, tmp_path_factory):
+    """The tiny Llama saved in fp16 with an all-zero Linear (layer 1's o_proj) and an all-zero row (layer 0's
+    q_proj, row 0), and its fp16 measurement: (model, measurement)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path_factory.mktemp("fp16")
+    model = d / "model"
+    shutil.copytree(tiny_factory("llama", dtype="float16"), model)
+    t = load_file(model / "model.safetensors")
+    t["model.layers.1.self_attn.o_proj.weight"].zero_()
+    t["model.layers.0.self_attn.q_proj.weight"][0] = 0
+    save_file(t, model / "model.safetensors", metadata={"format": "pt"})
+    r = run_cli("measure", model, "-o", d / "m", "--dtype", "fp16", "--text", wiki_text, "--limit", "2", "--max-length", "32")
+    assert r.exit_code == 0, r.output
+    return model, d / "m"
+
+
+def _with_input_statistic(measured, work, value):
+    """A copy of `measured` whose layer 0 q_proj input statistic is `value`, its manifest's hashes rewritten."""
+    import shutil
+
+    from hqtflow.formats.artifact import MANIFEST, sha256_file
+
+    d = work / f"m_{value}"
+    shutil.copytree(measured, d)
+    f = d / "measure_hooks_maxabs.json"
+    raw = json.loads(f.read_text())
+    raw["Nodes"]["model.layers.0.self_attn.q_proj"]["inputs"] = [[[value]]]
+    f.write_text(json.dumps(raw))
+    man = json.loads((d / MANIFEST).read_text())
+    man["files"] = {k: sha256_file(d / k) for k in man["files"]}
+    (d / MANIFEST).write_text(json.dumps(man))
+    return d
+
+
+@pytest.mark.parametrize("method", ["maxabs_pow2", "act_maxabs_pow2_weights_pcs_maxabs_pow2"])
+def test_fp16_zero_weights_and_statistics_get_fp16_floor(fp16_zeros, method, tmp_path):
+    """fp16 checkpoints store fp16 scales: a zero tensor, row or input statistic gets 2^-14 (bf16's 2^-126 would be
+    written as 0, which no reader loads), and the zero row's FP8 codes are 0, not -448."""
+    import hqtflow
+    from safetensors.torch import load_file
+
+    model, measured = fp16_zeros
+    out = quantize_cli(_with_input_statistic(measured, tmp_path, 0.0), tmp_path / "ck", "--scale-method", method)
+    t = load_file(out / "model.safetensors")
+    scales = {k: v for k, v in t.items() if k.endswith("_scale")}
+    assert all(v.dtype == torch.float16 and (v >= 2.0**-14).all() for v in scales.values()), scales
+    assert t["model.layers.0.self_attn.q_proj.input_scale"].item() == 2.0**-14
+    assert t["model.layers.1.self_attn.o_proj.weight_scale"].max().item() == 2.0**-14
+    assert (t["model.layers.0.self_attn.q_proj.weight"][0].float() == 0).all()
+    assert (t["model.layers.1.self_attn.o_proj.weight"].float() == 0).all()
+    fp8, _ = hqtflow.load(out)  # the loader refuses zero scales
+    assert fp8.model.layers[1].self_attn.o_proj.weight_scale.min().item() == 2.0**-14
+
+
+def test_fp16_scale_over_fp16_refused(fp16_zeros, tmp_path):
+    """An input statistic of 1e7 gives 2^17, which fp16 cannot hold: one sentence, exit 3, nothing written (the
+    checkpoint used to hold an inf input_scale)."""
+    model, measured = fp16_zeros
+    r = run_cli("quantize", model, "-m", _with_input_statistic(measured, tmp_path, 1e7), "-o", tmp_path / "out",
+                "--scale-method", "maxabs_pow2")
+    assert r.exit_code == 3 and "Traceback" not in r.output, r.output
+    assert r.stderr.strip().endswith("\nError: The measured input maxabs of model.layers.0.self_attn.q_proj gives the "
+                                     "input scale 1.31e+05, over 6.55e+04, the largest float16 value; the statistics "
+                                     "are corrupt."), r.stderr
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

@@ -143,6 +143,42 @@ def test_every_method_gives_positive_finite_scales(name, w):
     torch.testing.assert_close(sc.output, sc.input * sc.weight)
 
 
+@pytest.mark.parametrize("name", SCALE_METHODS)
+def test_scales_floored_in_the_dtype_they_are_stored_in(name):
+    """An fp16 model: a zero input statistic, an all-zero weight row or tensor get fp16's smallest normal (2^-14),
+    not bf16's 2^-126 (0 in fp16); INC scale files store hp_dtype (bf16) scales, floored at 2^-126."""
+    from hqtflow.scales import INC_DYNAMIC_METHODS
+
+    m = scale_method(name, dynamic=name in INC_DYNAMIC_METHODS)
+    w = (torch.randn(8, 32, generator=torch.Generator().manual_seed(1)) * 0.05).half()
+    w[0] = 0
+    for weight in (w, torch.zeros_like(w)):
+        sc = linear_scales(m, 0.0, weight)
+        for s in (sc.weight,) if m.dynamic else (sc.input, sc.weight, sc.output):
+            assert s.dtype == torch.float16 and (s >= 2.0**-14).all(), (name, s)
+    sc = linear_scales(m, 0.0, torch.zeros_like(w), store=torch.bfloat16)
+    assert sc.weight.dtype == torch.bfloat16 and (sc.weight >= 2.0**-126).all()
+    assert m.weight.value != "MAXABS" or sc.weight.float().min() < 2.0**-14
+
+
+def test_scale_over_the_stored_dtype_refused():
+    """A finite statistic whose scale fp16 cannot hold (1e7 / 112 -> 2^17 > 65504) is refused in one sentence, not
+    written as inf; bf16 holds it; over MAX_SCALE (what any reader takes) every dtype refuses."""
+    from hqtflow.errors import ArtifactError, ModelError
+
+    m, w = scale_method("maxabs_pow2"), torch.full((4, 8), 0.1)
+    with pytest.raises(ArtifactError, match=r"^The measured input maxabs of q gives the input scale 1.31e\+05, over "
+                                            r"6.55e\+04, the largest float16 value; the statistics are corrupt.$"):
+        linear_scales(m, 1e7, w.half(), name="q")
+    assert linear_scales(m, 1e7, w.bfloat16()).input.item() == 2.0**17
+    with pytest.raises(ArtifactError, match="over 5.93e\\+33, the most any reader takes; the statistics are corrupt"):
+        linear_scales(m, 1e38, w.bfloat16(), name="q")
+    with pytest.raises(ArtifactError, match="gives the output scale"):  # 2^9 * 2^7: each fits fp16, the product not
+        linear_scales(m, 5e4, torch.full((4, 8), 2e4).half(), name="q")
+    with pytest.raises(ModelError, match="The weight of q gives the scale inf, over 6.55e\\+04"):  # scale files, hp fp16
+        linear_scales(m, 1.0, torch.full((4, 8), 1e6), name="q", hp_dtype="fp16", store=torch.float16)
+
+
 def test_quantize_saturates_and_matches_torch_cast():
     x = torch.tensor([0.0, 1.0, -3.3, 447.0, 1000.0, -1e6, 0.0015])
     q = quantize(x, torch.tensor(1.0))
