@@ -350,7 +350,8 @@ CASES = {
     "quantize/QUANT_CONFIG key twice": (lambda c: quantize(c, c.m, "-c", write(c.w / "c.json",
                                         '{"mode": "QUANTIZE", "scale_method": "maxabs_pow2", "scale_method": "unit_scale"}')),
                                         "gives key 'scale_method' twice"),
-    "quantize/statistic overflows float32": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(1e39)))), "non-finite input"),
+    "quantize/statistic overflows float32": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(1e39)))),
+                                             f"module {NODE} holds the input statistic 1e+39, beyond float32's range"),
     "quantize/statistic gives a scale no reader takes": (lambda c: quantize(c, rehash(stats(c.copy("m"), node(1e38)))),
                                                          "the statistics are corrupt"),
     "quantize/statistic of another layer's length": (lambda c: quantize(c, rehash(stats(c.copy("m"), lambda r: r["Nodes"][NODE].update(

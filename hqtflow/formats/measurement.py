@@ -27,6 +27,8 @@ from hqtflow.errors import ArtifactError, does_not_exist
 from hqtflow.formats.artifact import (MANIFEST, ArtifactKind, Manifest, check_not_partial, confined, read_manifest,
                                       sha256_file, whole, write_json_atomic, write_manifest)
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 @dataclass
 class NodeStats:
@@ -53,13 +55,17 @@ class NodeStats:
         return d
 
     @classmethod
-    def from_json(cls, d: dict, *, where: str) -> NodeStats:
+    def from_json(cls, d: dict, *, where: str, name: str = "") -> NodeStats:
         try:
             return cls(
-                inputs=[_array(x) for x in d.get("inputs", [])],
-                outputs=[_array(x) for x in d.get("outputs", [])],
-                params={k: _array(v) for k, v in d.get("params", {}).items()},
+                inputs=[_array(x, "input") for x in d.get("inputs", [])],
+                outputs=[_array(x, "output") for x in d.get("outputs", [])],
+                params={k: _array(v, "weight") for k, v in d.get("params", {}).items()},
             )
+        except StatisticOverflow as e:
+            kind, value = e.args
+            raise ArtifactError(f"{where}: module {name} holds the {kind} statistic {value:.3g}, beyond float32's "
+                                f"range ({FLOAT32_MAX:.3g}) and so any model dtype's; re-measure it.") from None
         except (TypeError, ValueError, AttributeError) as e:
             raise ArtifactError(f"{where} has a malformed node ({e}).") from None
 
@@ -79,14 +85,22 @@ def check_statistics(meas: "Measurement", where: str) -> None:
                                         "which no maxabs can be; the file is corrupt.")
 
 
-def _array(x) -> np.ndarray:
+def _array(x, kind: str) -> np.ndarray:
     if np.asarray(x).dtype.kind not in "iuf":  # strings, booleans, ragged lists: numpy would turn "3.4" into 3.4
         raise ValueError("a statistic holds something other than numbers")
-    with np.errstate(over="ignore"):  # 1e39 becomes inf, which check_statistics refuses by name
-        a = np.asarray(x, dtype=np.float32)
-    if a.ndim != 2:
-        raise ValueError(f"expected a 2-D statistic, got shape {a.shape}")
+    wide = np.asarray(x, dtype=np.float64)
+    if wide.ndim != 2:
+        raise ValueError(f"expected a 2-D statistic, got shape {wide.shape}")
+    with np.errstate(over="ignore"):
+        a = wide.astype(np.float32)
+    big = np.isfinite(wide) & ~np.isfinite(a)
+    if big.any():  # finite in the file (1e39), inf in float32: not the "NaN or inf" check_statistics refuses
+        raise StatisticOverflow(kind, float(wide[big][0]))
     return a
+
+
+class StatisticOverflow(ValueError):
+    """A finite statistic beyond float32's range (the dtype statistics are kept in): `NodeStats.from_json` names it."""
 
 
 def rank_suffix(rank: int | None, world_size: int) -> str:
@@ -211,7 +225,7 @@ def read_measurement(path: Path) -> Measurement:
     if samples < 0:
         raise ArtifactError(f"{path} has NumSamples {samples}; a count of samples cannot be negative.")
     meas = Measurement(
-        nodes={k: NodeStats.from_json(v, where=str(path)) for k, v in nodes.items()},
+        nodes={k: NodeStats.from_json(v, where=str(path), name=k) for k, v in nodes.items()},
         local_rank=raw.get("LocalRank"),
         num_samples=samples,
         mode=mode,
@@ -233,7 +247,7 @@ def _read_npz(path: Path) -> Measurement:
         d = np.load(path, allow_pickle=True)["arr_0"].item()  # the user opted in with --trust-pickle
         as_lists = lambda v: {k: as_lists(x) for k, x in v.items()} if isinstance(v, dict) else (
             [as_lists(x) for x in v] if isinstance(v, (list, tuple)) else np.asarray(v).tolist())
-        nodes = {k: NodeStats.from_json(as_lists(n), where=str(path)) for k, n in d["Nodes"].items()}
+        nodes = {k: NodeStats.from_json(as_lists(n), where=str(path), name=k) for k, n in d["Nodes"].items()}
         meas = Measurement(nodes, d.get("LocalRank"), int(d.get("NumSamples", 0)), d.get("Mode", "DynamicRange"))
     except ArtifactError:
         raise
@@ -258,8 +272,6 @@ def write_kv_stats(directory: Path, layers: dict[str, dict[str, float]]) -> Path
                              "statistic": "maxabs of cached keys (after rotary) and values", "layers": layers})
     return path
 
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def read_kv_stats(directory: Path) -> dict[str, dict[str, float]] | None:
