@@ -396,13 +396,14 @@ def weight_scale(w: torch.Tensor, rule: Rule, *, target: str = "cpu", fp8: str =
 
 
 def _best_single(w: torch.Tensor, candidates, fp8: str, F: float) -> torch.Tensor:
-    """The candidate scale with the least ||W - dq(q(W))|| (ties: the later candidate, as INC)."""
+    """The candidate scale with the least ||W - dq(q(W))||, computed as INC's `mmse_scale` does: in w's dtype
+    (hp_dtype), so candidates within its resolution tie, and a tie goes to the later candidate."""
     best, best_err = None, float("inf")
     for s in candidates:
-        st = torch.tensor(s, dtype=w.dtype, device=w.device)
-        err = float(torch.linalg.vector_norm((w - dequantize(quantize(w, st, fp8, F), st, w.dtype)).float()))
+        y = (w / s).float().clamp(-F, F).to(FP8_DTYPES[fp8]).to(w.dtype) * s
+        err = float(torch.norm(w - y))  # a w.dtype value, as INC compares them
         if err <= best_err:
-            best, best_err = st, err
+            best, best_err = torch.tensor(s, dtype=w.dtype, device=w.device), err
     return best
 
 

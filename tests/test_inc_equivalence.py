@@ -380,3 +380,36 @@ def test_e5m2_scales_equal_inc(inc, tiny_llama, measured, stats, method, tmp_pat
         assert torch.equal(sc.input, theirs.inputs[0]) and torch.equal(sc.weight, inc_w), name
         below += int((sc.weight.float() < 2.0**-14).sum())
     assert below > 0
+
+
+# ---- (e) the opt-weight search -----------------------------------------------------------------
+@pytest.mark.parametrize("method", ["maxabs_pow2_opt_weight", "act_maxabs_pow2_weights_pcs_opt_pow2"])
+def test_opt_weight_scales_equal_inc_mmse(inc, tiny_llama, method, monkeypatch):
+    """INC's own mmse_scale / mmse_scale_multi (which convert() runs only on Gaudi) on every weight of the tiny Llama,
+    its HPU calls shimmed: the weight's `.to("hpu")` is the weight, HPU's saturating FP8 cast is the CPU cast after a
+    clamp. hqtflow's opt-weight scales equal INC's choice (its error computed in bf16, ties to the later candidate)."""
+    from neural_compressor.torch.algorithms.fp8_quant._core import fp_utils
+
+    from hqtflow.scales import weight_scale
+
+    class OnHpu(torch.Tensor):
+        def to(self, *args, **kwargs):
+            return self.as_subclass(torch.Tensor) if args[:1] == ("hpu",) else super().to(*args, **kwargs)
+
+    monkeypatch.setattr(fp_utils, "cast_to_fp8_fcn", lambda x, dtype, scale_inv=None: x.float().clamp(-448, 448).to(dtype))
+    monkeypatch.setattr(fp_utils, "cur_accelerator", type("Sync", (), {"synchronize": lambda self: None})())
+    rule = scale_method(method, "cpu").weight
+    pow2 = lambda s: torch.exp2(torch.ceil(torch.log2(s)))  # noqa: E731 - INC's POW2 rounding of the choice
+    model = load_bf16(tiny_llama)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    for name in names:
+        w = model.get_submodule(name).weight.detach()
+        ours = weight_scale(w, rule, target="cpu", hp_dtype="bf16")
+        if rule.granularity == "PCS":
+            ref = weight_scale(w, scale_method("act_maxabs_pow2_weights_pcs_maxabs_pow2").weight)
+            theirs = fp_utils.mmse_scale_multi(w.t().as_subclass(OnHpu), ref, list(rule.candidates),
+                                               torch.float8_e4m3fn, torch.bfloat16)
+        else:
+            theirs = fp_utils.mmse_scale(w.as_subclass(OnHpu), list(rule.candidates), torch.float8_e4m3fn, torch.bfloat16)
+        assert torch.equal(ours.float(), pow2(torch.as_tensor(theirs).float()).reshape(ours.shape)), name
+    assert len(names) == 14
