@@ -11,7 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from hqtflow.errors import FallbackWarning, HqtflowError, LeftoverWarning, ProvenanceWarning, ResourceError
+from hqtflow.errors import (AccuracyWarning, FallbackWarning, HqtflowError, LeftoverWarning, ProvenanceWarning,
+                            ResourceError)
 from hqtflow.measure.settings import MeasureSettings
 from hqtflow.quantize.settings import QuantizeSettings
 from hqtflow.runtime.settings import ServeSettings
@@ -29,13 +30,15 @@ app.add_typer(model_app, name="model")
 
 @contextmanager
 def _plain_warnings():
-    """hqtflow's own warnings (Provenance-, Fallback-, LeftoverWarning) as one `Warning: ...` line on stderr; others as usual."""
+    """hqtflow's own warnings (Provenance-, Fallback-, Leftover-, AccuracyWarning) as one `Warning: ...` line on stderr;
+    others as usual."""
     with warnings.catch_warnings():
         warnings.simplefilter("always", ProvenanceWarning)
+        warnings.simplefilter("always", AccuracyWarning)
         original = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
-            if issubclass(category, (ProvenanceWarning, FallbackWarning, LeftoverWarning)):
+            if issubclass(category, (ProvenanceWarning, FallbackWarning, LeftoverWarning, AccuracyWarning)):
                 typer.echo(f"Warning: {message}", err=True)
             else:
                 original(message, category, filename, lineno, file, line)

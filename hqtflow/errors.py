@@ -71,6 +71,10 @@ class LeftoverWarning(UserWarning):
     """An unfinished output of another host or container is kept beside a stage's output: one line on the CLI."""
 
 
+class AccuracyWarning(UserWarning):
+    """What was asked for runs, but its result is known to be unusable (a fixed scale far off the weights): one line on the CLI."""
+
+
 def does_not_exist(path) -> str:
     """"does not exist", for a user-given path: a relative one names the directory it was looked for in (the current
     one), since a command run from elsewhere than its author meant is the usual cause. The end of a one-sentence error."""

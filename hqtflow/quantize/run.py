@@ -114,7 +114,39 @@ def plan_job(s: QuantizeSettings) -> Job:
         if len(kinds) > 1:
             raise ConfigError("The per-layer scale methods mix static and dynamic activations (or different dynamic "
                               "rules); an FP8 checkpoint has one activation scheme (--scales-only writes mixed INC scales).")
+    _warn_fixed_scales(rules, plan["quantize"], meas.ranks[0], target, cfg.fp8_config)
     return Job(cfg, target, rules, meas, model_dir, fp, plan, dtype, hessians)
+
+
+def _warn_fixed_scales(rules, names: list[str], meas: Measurement, target: str, fp8: str) -> None:
+    """One AccuracyWarning when a method that ignores the statistics (unit_scale, hw_aligned_single_scale: fixed
+    scales) puts a layer's largest measured weight or input below FP8's smallest normal number on `target`: every
+    value of it then quantizes to a subnormal code (at most 3 bits) or zero, which ruins the model."""
+    import warnings
+
+    import torch
+
+    from hqtflow.errors import AccuracyWarning
+    from hqtflow.scales import FP8_DTYPES, activation_scale, weight_scale
+
+    fmt = torch.float8_e4m3fnuz if (target, fp8) == ("gaudi2", "E4M3") else FP8_DTYPES[fp8]
+    tiny, ruined, fixed = float(torch.finfo(fmt).tiny), [], set()
+    for name in names:
+        m = rules(name)
+        if m.weight.value != "FIXED_VALUE":
+            continue
+        fixed.add(m.name)
+        node = meas.nodes[name]
+        s_w = float(weight_scale(torch.zeros(1, 1), m.weight, target=target, fp8=fp8))
+        s_in = float(activation_scale(0.0, m.activation, target=target, fp8=fp8))
+        w_max = float(node.params["weight"].max()) if "weight" in node.params else float("inf")
+        if w_max / s_w < tiny or float(node.inputs[0].max()) / s_in < tiny:
+            ruined.append(f"{name} (scale {s_w:g})")
+    if ruined:
+        warnings.warn(f"{' and '.join(sorted(fixed))} ignores the statistics: its fixed scales put all weights or all "
+                      f"inputs of {len(ruined)} of {len(names)} quantized layers ({ruined[0]} the first) below FP8's "
+                      f"smallest normal number ({tiny:g}) on {target}, which ruins accuracy; a maxabs method suits "
+                      "this model.", AccuracyWarning, stacklevel=2)
 
 
 def weight_rounding(job: Job, *, show_progress: bool = True):

@@ -310,3 +310,19 @@ def test_fp16_scale_over_fp16_refused(fp16_zeros, tmp_path):
                                      "input scale 1.31e+05, over 6.55e+04, the largest float16 value; the statistics "
                                      "are corrupt."), r.stderr
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_fixed_scale_that_ruins_the_model_warns(measured, tmp_path):
+    """hw_aligned_single_scale (128 off Gaudi2) ignores the statistics: the tiny model's weights (|w| < 0.2) all
+    quantize below FP8's smallest normal number, so quantize writes the checkpoint with one warning line; unit_scale
+    (codes = weights) and the maxabs methods do not warn."""
+    r = run_cli("quantize", "-m", measured, "-o", tmp_path / "single", "--scale-method", "hw_aligned_single_scale")
+    assert r.exit_code == 0, r.output
+    warned = [line for line in r.stderr.splitlines() if line.startswith("Warning:")]
+    assert warned == ["Warning: hw_aligned_single_scale ignores the statistics: its fixed scales put all weights or all "
+                      "inputs of 14 of 14 quantized layers (model.layers.0.self_attn.q_proj (scale 128) the first) below "
+                      "FP8's smallest normal number (0.015625) on cpu, which ruins accuracy; a maxabs method suits this "
+                      "model."], r.stderr
+    for method in ("unit_scale", "maxabs_pow2"):
+        r = run_cli("quantize", "-m", measured, "-o", tmp_path / method, "--scale-method", method)
+        assert r.exit_code == 0 and "Warning:" not in r.stderr, r.output
