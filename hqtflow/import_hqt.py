@@ -12,6 +12,9 @@ no later stage ever opens a pickle. `--world-size` picks one measurement when th
 measurement are copied too (their `.npz` only with `--trust-pickle`) and listed in the manifest (`scale_files`), but
 not interpreted. The manifest says
 `"provenance_known": false`: hqtflow did not see the calibration, so model, data and dtype are the user's word.
+optimum-habana's Gaudi-only attention nodes (`measurement.GAUDI_ONLY_NODES`: matmul_qk, k_cache, ...) are no module of
+the Hugging Face model: `--model` accepts them inside one of its modules, and they are kept (INC on Gaudi reads
+them) with a note that hqtflow does not use them.
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
         model_dir = models.resolve_model(model)
         fp = models.fingerprint(model_dir)
         known = {n for n, _ in models.skeleton(model_dir).named_modules()}
-        unknown = [n for n in meas.ranks[0].nodes if n not in known and not re.search(r"\.\d+\.(gate_up_proj|down_proj)$", n)]
+        gaudi = {n for n in mf.gaudi_only(meas.ranks[0].nodes) if n.rpartition(".")[0] in known}  # in a module of ours
+        unknown = [n for n in meas.ranks[0].nodes if n not in known and n not in gaudi
+                   and not re.search(r"\.\d+\.(gate_up_proj|down_proj)$", n)]
         if unknown:
             raise ArtifactError(f"Node {unknown[0]} of the measurement is not a module of {model_dir}; was it measured on another model?")
 
@@ -94,6 +99,7 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
             "provenance_known": False,
             "forced": forced,  # what --force overrode (empty: the ranks agreed)
             "calibration": {"sources": [], "samples": meas.ranks[0].num_samples, "tokens": None},
+            "notes": mf.gaudi_only_note(meas.ranks[0].nodes),
         }
         if model_dir is not None:
             data["model_path"] = str(Path(model_dir).absolute())
@@ -108,4 +114,5 @@ def summary(out: Path) -> str:
     d = json.loads((Path(out) / MANIFEST).read_text())["data"]
     nodes = sum(r["nodes"] for r in d["ranks"])
     model = f", model {d['model_path']}" if d.get("model_path") else " (no model recorded: pass MODEL to quantize)"
-    return f"Wrote {out}: {nodes} nodes over {d['world_size']} rank(s) imported{model}."
+    notes = "".join(f"\nNote: {n}." for n in d.get("notes") or ())
+    return f"Wrote {out}: {nodes} nodes over {d['world_size']} rank(s) imported{model}.{notes}"

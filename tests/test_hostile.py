@@ -1004,6 +1004,27 @@ def test_import_hqt_writes_its_own_npz(base, tmp_path):
     assert (tmp_path / "t" / f"{STEM}_1_2.npz").read_bytes() == (d / f"{STEM}_1_2.npz").read_bytes()
 
 
+def test_import_hqt_keeps_gaudi_only_attention_nodes(base, tmp_path):
+    """optimum-habana's attention nodes (matmul_qk, k_cache, ...) are no module of the HF model: --model accepts them
+    inside one of its modules, the artifact keeps them, and import and quantize say in one note they are unused."""
+    d = tmp_path / "g"
+    shutil.copytree(base["f1"], d)
+    attn = "model.layers.0.self_attn"
+    stats(d, lambda r: r["Nodes"].update({f"{attn}.matmul_qk": {"inputs": [[[2.0]], [[3.0]]]},
+                                          f"{attn}.k_cache": {"inputs": [[[1.5]]]}}))
+    r = run_cli("import-hqt", d, "-o", tmp_path / "i", "--model", base["model"])
+    note = "Note: 2 Gaudi-only node(s) (matmul_qk, k_cache) are kept for INC on Gaudi but not used by hqtflow's runtime."
+    assert r.exit_code == 0 and note in r.stdout, r.output
+    assert f"{attn}.matmul_qk" in json.loads((tmp_path / "i" / f"{STEM}.json").read_text())["Nodes"]
+    r = run_cli("quantize", "-m", tmp_path / "i", "-o", tmp_path / "ck")
+    assert r.exit_code == 0 and note in r.stdout, r.output
+    for bad in (f"{attn}.bogus", "model.nowhere.matmul_qk"):  # neither a module nor a Gaudi node of one: refused
+        stats(d, lambda r: r["Nodes"].update({bad: {"inputs": [[[1.0]]]}}))
+        r = run_cli("import-hqt", d, "-o", tmp_path / "x", "--model", base["model"])
+        assert r.exit_code == 3 and "is not a module of" in r.stderr, r.output
+        stats(d, lambda r: r["Nodes"].pop(bad) and None)
+
+
 def test_force_says_what_it_overrides(base, tmp_path):
     d = tmp_path / "f2"
     shutil.copytree(base["f2"], d)

@@ -234,6 +234,26 @@ def read_measurement(path: Path) -> Measurement:
     return meas
 
 
+# The attention nodes HQT observes on Gaudi in optimum-habana's models (GaudiLlamaAttention & co.: its Matmul, KVCache
+# and ModuleFusedSDPA children) that no Hugging Face model has: kept in artifacts (INC on Gaudi reads them), unused here.
+GAUDI_ONLY_NODES = ("matmul_qk", "matmul_av", "k_cache", "v_cache", "fused_scaled_dot_product_attention",
+                    "fused_scaled_dot_product_attention_distributed")
+
+
+def gaudi_only(nodes) -> list[str]:
+    """The nodes among `nodes` named like optimum-habana's Gaudi-only attention nodes (GAUDI_ONLY_NODES)."""
+    return [n for n in nodes if n.rpartition(".")[2] in GAUDI_ONLY_NODES]
+
+
+def gaudi_only_note(nodes) -> list[str]:
+    """The note (none, or one) saying that the Gaudi-only nodes among `nodes` are kept but not used by hqtflow."""
+    found = gaudi_only(nodes)
+    if not found:
+        return []
+    kinds = ", ".join(k for k in GAUDI_ONLY_NODES if any(n.endswith(f".{k}") for n in found))
+    return [f"{len(found)} Gaudi-only node(s) ({kinds}) are kept for INC on Gaudi but not used by hqtflow's runtime"]
+
+
 def require_dynamic_range(meas: Measurement, where: str) -> None:
     """A measurement file has Mode 'DynamicRange' (a scale file, Mode 'Scale', is not one)."""
     if meas.mode != "DynamicRange":

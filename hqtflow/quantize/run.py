@@ -16,7 +16,8 @@ from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError, ConfigError
 from hqtflow.formats.artifact import MANIFEST, ArtifactKind, staged_output, write_manifest
 from hqtflow.quantize.settings import QuantizeSettings  # noqa: F401 - re-exported (it lived here)
-from hqtflow.formats.measurement import LoadedMeasurement, Measurement, load_measurement, require_dynamic_range
+from hqtflow.formats.measurement import (LoadedMeasurement, Measurement, gaudi_only_note, load_measurement,
+                                         require_dynamic_range)
 
 
 DEFAULT_CONFIG = {"mode": "QUANTIZE", "scale_method": "maxabs_arbitrary", "blocklist": {"names": ["lm_head"]}}
@@ -231,7 +232,9 @@ def quantize(s: QuantizeSettings) -> Path:
         writer = _in_memory_writer(s, job, kv_stats)
     with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[job.meas.directory, job.model_dir, s.config]) as tmp:
         kind, data = writer(tmp)
-        write_manifest(tmp, kind, model=job.fingerprint, config=job.cfg.to_dict(), data={**_provenance(job), **data})
+        data = {**_provenance(job), **data}
+        data["notes"] = [*data.get("notes", []), *gaudi_only_note(job.meas.ranks[0].nodes)]
+        write_manifest(tmp, kind, model=job.fingerprint, config=job.cfg.to_dict(), data=data)
     return Path(s.output)
 
 
