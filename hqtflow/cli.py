@@ -593,14 +593,29 @@ TGI_ENV = {"max_batch_size": "MAX_BATCH_SIZE", "max_batch_total_tokens": "MAX_BA
            "cuda_graphs": "CUDA_GRAPHS", "max_stop_sequences": "MAX_STOP_SEQUENCES"}
 
 
+# The least value of each numeric serve limit (TGI types them unsigned); 0 only where it means "no limit" or "none"
+SERVE_MINIMUMS = {"max_input_tokens": 1, "max_total_tokens": 2, "max_batch_size": 0, "max_batch_prefill_tokens": 1,
+                  "max_batch_total_tokens": 1, "max_concurrent_requests": 1, "max_stop_sequences": 0,
+                  "batch_bucket_size": 1, "prefill_batch_bucket_size": 1, "pad_sequence_to_multiple_of": 1}
+
+
 def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
     """ServeSettings from the serve options (whose defaults are ServeSettings'): an option not given takes its
-    TGI environment variable when it has one; the limits are checked against each other."""
+    TGI environment variable when it has one; each limit is range-checked (naming its flag or variable), then the
+    limits are checked against each other."""
     from hqtflow import environment
     from hqtflow.choices import KVCache, parse
 
     values = {name: value if _given(ctx, name) or name not in TGI_ENV else environment.tgi_knob(TGI_ENV[name], value)
               for name, value in options.items()}
+
+    def where(name: str) -> str:  # the flag or the environment variable a value came from
+        var = None if _given(ctx, name) or name not in TGI_ENV else environment.tgi_variable(TGI_ENV[name])
+        return var or f"--{name.replace('_', '-')}"
+
+    for name, least in SERVE_MINIMUMS.items():
+        if values[name] is not None and values[name] < least:
+            raise HqtflowError(f"{where(name)} must be at least {least}, not {values[name]}.")
     values["api_key"] = values["api_key"] or environment.api_key()
     values["kv_cache"] = parse(KVCache, values["kv_cache"], "--kv-cache").value
     from hqtflow.runtime.cuda_graphs import parse_batch_sizes
@@ -611,11 +626,11 @@ def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
         raise HqtflowError(f"--cuda-graphs (env CUDA_GRAPHS) takes batch sizes like 1,2,4,8 (0: none), not {values['cuda_graphs']!r}.") from None
     s = ServeSettings(**values)
     if s.max_input_tokens >= s.max_total_tokens:
-        raise HqtflowError(f"--max-input-tokens ({s.max_input_tokens}) must be less than --max-total-tokens ({s.max_total_tokens}).")
+        raise HqtflowError(f"{where('max_input_tokens')} ({s.max_input_tokens}) must be less than {where('max_total_tokens')} ({s.max_total_tokens}).")
     if s.max_batch_total_tokens is not None and s.max_batch_total_tokens < s.max_total_tokens:
-        raise HqtflowError(f"--max-batch-total-tokens ({s.max_batch_total_tokens}) must be at least --max-total-tokens ({s.max_total_tokens}).")
+        raise HqtflowError(f"{where('max_batch_total_tokens')} ({s.max_batch_total_tokens}) must be at least {where('max_total_tokens')} ({s.max_total_tokens}).")
     if s.max_batch_prefill_tokens < s.max_input_tokens:
-        raise HqtflowError(f"--max-batch-prefill-tokens ({s.max_batch_prefill_tokens}) must be at least --max-input-tokens ({s.max_input_tokens}).")
+        raise HqtflowError(f"{where('max_batch_prefill_tokens')} ({s.max_batch_prefill_tokens}) must be at least {where('max_input_tokens')} ({s.max_input_tokens}).")
     return s
 
 

@@ -29,16 +29,22 @@ def api_key() -> str | None:
     return os.environ.get("HQTFLOW_API_KEY") or None
 
 
+def tgi_variable(name: str) -> str | None:
+    """The environment variable that sets TGI knob `name`: `name` when it is set (not empty), else None."""
+    if name not in TGI_KNOBS:
+        raise KeyError(name)
+    return name if os.environ.get(name) else None
+
+
 def tgi_knob(name: str, default):
     """A TGI-on-Gaudi serving knob from the environment, typed like `default` (an int when `default` is None);
     `default` when unset; a value of the wrong type is refused in one sentence."""
     from hqtflow.errors import ConfigError
 
-    if name not in TGI_KNOBS:
-        raise KeyError(name)
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
+    var = tgi_variable(name)
+    if var is None:
         return default
+    raw, name = os.environ[var], var
     if isinstance(default, bool):
         return raw.lower() in ("1", "true", "yes")
     kind = int if default is None else type(default)

@@ -87,6 +87,20 @@ def test_serve_defaults_come_from_serve_settings(monkeypatch):
     assert seen["settings"] == ServeSettings(pad_sequence_to_multiple_of=8, max_batch_size=3)
 
 
+@pytest.mark.parametrize("var,value,words", [("MAX_BATCH_SIZE", "-1", "MAX_BATCH_SIZE must be at least 0, not -1."),
+                                              ("PAD_SEQUENCE_TO_MULTIPLE_OF", "0", "PAD_SEQUENCE_TO_MULTIPLE_OF must be at least 1"),
+                                              ("MAX_STOP_SEQUENCES", "-1", "MAX_STOP_SEQUENCES must be at least 0")])
+def test_serve_limits_from_the_environment_are_range_checked(monkeypatch, var, value, words):
+    """A TGI variable out of range is refused as its flag is, naming the variable, before any model is read."""
+    from hqtflow.runtime import server
+
+    monkeypatch.setattr(server, "serve", lambda *a, **kw: pytest.fail("served"))
+    monkeypatch.setenv(var, value)
+    r = run_cli("serve", "fp8", "some-model")
+    assert r.exit_code == 2 and r.stderr.startswith("Error: ") and words in r.stderr, r.output
+    assert "Traceback" not in r.output
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a CUDA GPU")
 @pytest.mark.parametrize("command", [["serve", "fp8", "{missing}", "--port", "1"], ["generate", "{missing}"],
                                      ["eval", "{missing}", "--ppl-file", "{missing}"], ["bench", "{missing}"]],

@@ -542,6 +542,12 @@ CASES = {
     "serve/--device hpu without --engine inc": (lambda c: serve(c.ck, "--device", "hpu"), "hpu: with --engine inc"),
     "serve/--device a typo": (lambda c: serve(c.ck, "--device", "gpu"), "valid values are auto, cpu, cuda"),
     "serve/--compile on a CPU": (lambda c: serve(c.ck, "--device", "cpu", "--compile"), "needs hqtflow's engine on a CUDA GPU"),
+    "serve/--max-batch-size -1": (lambda c: serve(c.ck, "--max-batch-size", "-1"), "--max-batch-size must be at least 0, not -1"),
+    "serve/--max-stop-sequences -1": (lambda c: serve(c.ck, "--max-stop-sequences", "-1"), "--max-stop-sequences must be at least 0"),
+    "serve/--max-input-tokens -5": (lambda c: serve(c.ck, "--max-input-tokens", "-5"), "--max-input-tokens must be at least 1"),
+    "serve/--max-concurrent-requests 0": (lambda c: serve(c.ck, "--max-concurrent-requests", "0"),
+                                          "--max-concurrent-requests must be at least 1, not 0"),
+    "serve/--batch-bucket-size 0": (lambda c: serve(c.ck, "--batch-bucket-size", "0"), "--batch-bucket-size must be at least 1"),
     # bench
     "bench/--json inside the checkpoint": (lambda c: [*bench(c.copy("ck")), "--json", c.w / "ck" / "b.json"], "lies inside"),
     "bench/--json under a file": (lambda c: [*bench(c.ck), "--json", write(c.w / "f", "x") / "b.json"],
