@@ -170,6 +170,23 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
+def _config(config: Optional[Path]) -> Optional[str]:
+    """-c as given, else the QUANT_CONFIG environment variable (a file, or a bundled name, as -c takes), else None."""
+    from hqtflow import bundled, environment
+    from hqtflow.errors import ConfigError, not_a_file
+
+    if config is not None:
+        return str(config)
+    env = environment.quant_config()
+    if env is None:
+        return None
+    path = bundled.resolve(env, bundled.CONFIGS, ".json")
+    if not path.is_file():
+        raise ConfigError(f"The environment variable QUANT_CONFIG={env} {not_a_file(path)}"
+                          f"{bundled.hint(path, bundled.CONFIGS, '.json')}; unset it or pass -c FILE.")
+    return str(path)
+
+
 def _csv(values: Optional[list[str]]) -> Optional[tuple[str, ...]]:
     if values is None:
         return None
@@ -211,7 +228,7 @@ def measure(
     model: Annotated[Optional[str], typer.Argument(help="HF model folder, hub id in the local cache, or 'smollm2' (default).")] = None,
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Artifact directory to write.")] = None,
     recipe: Annotated[Optional[Path], typer.Option("-r", "--recipe", help="YAML recipe; flags override its values.")] = None,
-    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="QUANT_CONFIG JSON (MEASURE mode). Default: maxabs, inputs and weights.")] = None,
+    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="QUANT_CONFIG JSON (MEASURE mode). Default: the recipe's, else env QUANT_CONFIG, else maxabs, inputs and weights.")] = None,
     tasks: Annotated[list[str], typer.Option("--tasks", "-t", help="lm-eval tasks, comma separated (e.g. piqa_local,lambada_openai_local).")] = MeasureSettings.tasks,
     include_path: Annotated[list[Path], typer.Option("--include-path", help="Directory of lm-eval task YAMLs.")] = MeasureSettings.include_path,
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Data for the bundled <task>_local tasks (e.g. ../shared/data).")] = MeasureSettings.data_dir,
@@ -241,6 +258,10 @@ def measure(
 
         settings = measure_settings(load_recipe(recipe) if recipe is not None else None, _measure_flags(ctx),
                                     overwrite=overwrite)
+        if settings.config is None and (env := _config(None)):  # neither -c nor the recipe's: QUANT_CONFIG
+            from dataclasses import replace
+
+            settings = replace(settings, config=env)
     inc_device = _inc_device(engine, device)
     if inc_device is not None:
         from hqtflow.engines import inc
@@ -258,7 +279,7 @@ def quantize(
     model: Annotated[Optional[str], typer.Argument(help="Model folder (default: the one the measurement recorded).")] = None,
     measurement: Annotated[Path, typer.Option("-m", "--measurement", help="Measurement artifact directory.")] = ...,
     output: Annotated[Path, typer.Option("-o", "--output", help="Artifact directory to write.")] = ...,
-    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="QUANT_CONFIG JSON (QUANTIZE mode). Default: maxabs_arbitrary, lm_head in bf16.")] = QuantizeSettings.config,
+    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="QUANT_CONFIG JSON (QUANTIZE mode). Default: env QUANT_CONFIG, else maxabs_arbitrary, lm_head in bf16.")] = QuantizeSettings.config,
     scale_method: Annotated[Optional[str], typer.Option(help="Override the config's scale_method (default maxabs_arbitrary): HQT's maxabs_pow2, maxabs_hw, unit_scale, act_maxabs_pow2_weights_pcs_opt_pow2, ... or per-token dynamic fp8_dynamic, fp8_dynamic_mse (docs/reference.md lists all).")] = QuantizeSettings.scale_method,
     scales_for: Annotated[Optional[str], typer.Option(help="Device the scales are for: gaudi2, gaudi3, cpu, cuda (default: cpu or cuda, where it runs).")] = QuantizeSettings.scales_for,
     scales_only: Annotated[bool, typer.Option(help="Write INC scale files per rank instead of a checkpoint.")] = QuantizeSettings.scales_only,
@@ -274,7 +295,7 @@ def quantize(
     from hqtflow.quantize.run import quantize as run_quantize, summary
 
     s = QuantizeSettings(measurement=str(measurement), output=str(output), model=model,
-                         config=str(config) if config else None, scale_method=scale_method, scales_for=scales_for,
+                         config=_config(config), scale_method=scale_method, scales_for=scales_for,
                          scales_only=scales_only, weight_only=weight_only, overwrite=overwrite,
                          disk_offload=disk_offload, kv_cache=kv_cache, gptq=gptq)
     inc_device = _inc_device(engine, device)
@@ -295,7 +316,7 @@ def tune(
     text: Annotated[Path, typer.Option(help="Calibration text file for the KL measurements.")] = ...,
     target_kl: Annotated[Optional[float], typer.Option(help="Largest mean KL vs bf16 allowed.")] = None,
     max_ppl_increase: Annotated[Optional[float], typer.Option(help="Largest relative perplexity increase vs bf16 (0.01 = +1%).")] = None,
-    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="QUANT_CONFIG to start from (QUANTIZE mode).")] = None,
+    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="QUANT_CONFIG to start from (QUANTIZE mode; default: env QUANT_CONFIG).")] = None,
     scale_method: Annotated[Optional[str], typer.Option(help="Override the config's scale_method.")] = None,
     tokens: Annotated[int, typer.Option(help="Tokens of --text to measure on.")] = 1024,
     window: Annotated[int, typer.Option(help="Tokens per evaluated sequence.")] = 256,
@@ -306,7 +327,7 @@ def tune(
     from hqtflow.tune import TuneSettings, summary, tune as run_tune
 
     s = TuneSettings(measurement=str(measurement), output=str(output), text=str(text), model=model,
-                     config=str(config) if config else None, scale_method=scale_method, target_kl=target_kl,
+                     config=_config(config), scale_method=scale_method, target_kl=target_kl,
                      max_ppl_increase=max_ppl_increase, tokens=tokens, window=window, gptq=gptq, overwrite=overwrite)
     typer.echo(summary(run_tune(s, progress=lambda m: typer.echo(m, err=True))))
 
@@ -341,7 +362,7 @@ def generate(
     kv_cache: Annotated[str, typer.Option(help="bf16, or fp8 (the checkpoint's k/v scales; static, compiled and serve engines).")] = "bf16",
     dtype: ComputeDtype = "auto",
     measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="--engine inc: the measurement MODEL is quantized from.")] = None,
-    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="--engine inc: QUANT_CONFIG (QUANTIZE).")] = None,
+    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="--engine inc: QUANT_CONFIG (QUANTIZE; default: env QUANT_CONFIG).")] = None,
     scale_method: Annotated[Optional[str], typer.Option(help="--engine inc: override the config's scale_method.")] = None,
     device: RunDevice = None,
 ) -> None:
@@ -361,6 +382,7 @@ def generate(
     if kv_cache == KVCache.FP8 and engine in ("transformers", "inc"):
         raise HqtflowError("--kv-cache fp8 runs in hqtflow's own engines: add --engine static (or compiled, or serve).")
     inc_device, run_device = _run_devices(engine == "inc", device)
+    config = _config(config) if inc_device is not None else config  # QUANT_CONFIG: where INC quantizes at load
     if inc_device is None and (measurement or config or scale_method):
         raise HqtflowError("-m/--measurement, -c/--config and --scale-method quantize at load with --engine inc; "
                            "for hqtflow's runtime, quantize first and generate from the checkpoint.")
@@ -590,7 +612,9 @@ app.add_typer(serve_app, name="serve")
 TGI_ENV = {"max_batch_size": "MAX_BATCH_SIZE", "max_batch_total_tokens": "MAX_BATCH_TOTAL_TOKENS",
            "batch_bucket_size": "BATCH_BUCKET_SIZE", "prefill_batch_bucket_size": "PREFILL_BATCH_BUCKET_SIZE",
            "pad_sequence_to_multiple_of": "PAD_SEQUENCE_TO_MULTIPLE_OF", "warmup": "WARMUP_ENABLED",
-           "cuda_graphs": "CUDA_GRAPHS", "max_stop_sequences": "MAX_STOP_SEQUENCES"}
+           "cuda_graphs": "CUDA_GRAPHS", "max_stop_sequences": "MAX_STOP_SEQUENCES", "max_input_tokens": "MAX_INPUT_TOKENS",
+           "max_total_tokens": "MAX_TOTAL_TOKENS", "max_batch_prefill_tokens": "MAX_BATCH_PREFILL_TOKENS",
+           "max_concurrent_requests": "MAX_CONCURRENT_REQUESTS"}
 
 
 # The least value of each numeric serve limit (TGI types them unsigned); 0 only where it means "no limit" or "none"
@@ -644,13 +668,13 @@ def _serve_command(kind: str, doc: str):
         model: Annotated[Optional[str], typer.Argument(help="FP8 checkpoint (fp8) or HF model folder / 'smollm2' (bf16).")] = None,
         host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Port.")] = 3000,
-        max_input_tokens: Annotated[int, typer.Option(help="Longest prompt accepted (422 above).")] = S.max_input_tokens,
-        max_total_tokens: Annotated[int, typer.Option(help="Prompt + max_new_tokens limit (422 above).")] = S.max_total_tokens,
+        max_input_tokens: Annotated[int, typer.Option(help="Longest prompt accepted (422 above) (env MAX_INPUT_TOKENS, or MAX_INPUT_LENGTH).")] = S.max_input_tokens,
+        max_total_tokens: Annotated[int, typer.Option(help="Prompt + max_new_tokens limit (422 above) (env MAX_TOTAL_TOKENS).")] = S.max_total_tokens,
         max_batch_size: Annotated[int, typer.Option(help="Requests running together at most; 0: as many as the KV cache holds (env MAX_BATCH_SIZE).")] = S.max_batch_size,
-        max_batch_prefill_tokens: Annotated[int, typer.Option(help="Prompt tokens prefilled in one step, in chunks mixed with decode steps (TGI's flag).")] = S.max_batch_prefill_tokens,
+        max_batch_prefill_tokens: Annotated[int, typer.Option(help="Prompt tokens prefilled in one step, in chunks mixed with decode steps (TGI's flag; env MAX_BATCH_PREFILL_TOKENS).")] = S.max_batch_prefill_tokens,
         max_batch_total_tokens: Annotated[Optional[int], typer.Option(help="KV tokens of the paged cache (TGI's flag; env MAX_BATCH_TOTAL_TOKENS; default: from free memory).")] = S.max_batch_total_tokens,
         kv_cache: Annotated[str, typer.Option(help="bf16 (the model's dtype), or fp8: the checkpoint's k_scale/v_scale (refused without them).")] = S.kv_cache,
-        max_concurrent_requests: Annotated[int, typer.Option(help="Requests in flight before 429.")] = S.max_concurrent_requests,
+        max_concurrent_requests: Annotated[int, typer.Option(help="Requests in flight before 429 (env MAX_CONCURRENT_REQUESTS).")] = S.max_concurrent_requests,
         max_stop_sequences: Annotated[int, typer.Option(help="Stop sequences a request may give (TGI's flag; env MAX_STOP_SEQUENCES). More than TGI's and OpenAI's 4: lm-eval sends a task's whole stop list plus EOS.")] = S.max_stop_sequences,
         api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` (env HQTFLOW_API_KEY).")] = S.api_key,
         batch_bucket_size: Annotated[int, typer.Option(help="Pad a decode step to a multiple of tokens (one per sequence) (env BATCH_BUCKET_SIZE).")] = S.batch_bucket_size,
@@ -663,7 +687,7 @@ def _serve_command(kind: str, doc: str):
         client_timeout: Annotated[float, typer.Option(help="Seconds a client may take to send its whole request, or leave an answer unread while the server waits to write (a stalled stream); then its connection is closed and its request cancelled. 0: no limit.", min=0)] = S.client_timeout,
         cors_allow_origin: Annotated[Optional[list[str]], typer.Option(metavar="ORIGIN", help="An origin (https://host:port) whose web pages may call the API from a browser; repeat for more; * for any (TGI's flag).")] = None,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
-        config: Annotated[Optional[Path], typer.Option("-c", "--config", help="With -m: the QUANTIZE QUANT_CONFIG (default: maxabs_arbitrary, lm_head in bf16).")] = None,
+        config: Annotated[Optional[Path], typer.Option("-c", "--config", help="With -m: the QUANTIZE QUANT_CONFIG (default: env QUANT_CONFIG, else maxabs_arbitrary, lm_head in bf16).")] = None,
         scale_method: Annotated[Optional[str], typer.Option(help="With -m: override the config's scale_method.")] = None,
         backend: Backend = "auto",
         dtype: ComputeDtype = "auto",
@@ -685,9 +709,10 @@ def _serve_command(kind: str, doc: str):
         from hqtflow.choices import Engine as Kind, parse
 
         inc_device = None if parse(Kind, engine, "--engine") == Kind.HQTFLOW else _inc_device(engine, device)
+        config = _config(config) if measurement else (str(config) if config else None)  # QUANT_CONFIG: with -m only
         try:
             serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
-                  backend=backend, dtype=dtype, inc_device=inc_device, config=str(config) if config else None,
+                  backend=backend, dtype=dtype, inc_device=inc_device, config=config,
                   scale_method=scale_method, device=device if inc_device is None else None)
         except KeyboardInterrupt as e:  # uvicorn shut down cleanly, then re-raised the signal (SIGINT or SIGTERM)
             typer.echo("Server stopped.", err=True)

@@ -1,7 +1,8 @@
 """Every environment variable hqtflow reads or sets, in one place (no heavy imports here).
 
-Read: HQTFLOW_CACHE, HQTFLOW_API_KEY, CXX (the CPU kernel's compiler), TGI-on-Gaudi's serving knobs (MAX_BATCH_SIZE, MAX_BATCH_TOTAL_TOKENS, BATCH_BUCKET_SIZE,
-PREFILL_BATCH_BUCKET_SIZE, PAD_SEQUENCE_TO_MULTIPLE_OF, WARMUP_ENABLED) and torchrun's RANK, WORLD_SIZE,
+Read: HQTFLOW_CACHE, HQTFLOW_API_KEY, CXX (the CPU kernel's compiler), QUANT_CONFIG (the default of `-c`, as
+optimum-habana and TGI-on-Gaudi read it), TGI's serving knobs (TGI_KNOBS; MAX_INPUT_LENGTH, MAX_INPUT_TOKENS' older
+name) and torchrun's RANK, WORLD_SIZE,
 LOCAL_RANK, TORCHELASTIC_RUN_ID. Set, for libraries that only read the environment: TQDM_DISABLE (ranks other than
 0), ONEDNN_PRIMITIVE_CACHE_CAPACITY (serve), TORCHINDUCTOR_CACHE_DIR (the compiled decoder), OMP_NUM_THREADS (the ranks `--tp` starts).
 """
@@ -12,7 +13,9 @@ import os
 from pathlib import Path
 
 TGI_KNOBS = ("MAX_BATCH_SIZE", "MAX_BATCH_TOTAL_TOKENS", "BATCH_BUCKET_SIZE", "PREFILL_BATCH_BUCKET_SIZE",
-             "PAD_SEQUENCE_TO_MULTIPLE_OF", "WARMUP_ENABLED", "CUDA_GRAPHS", "MAX_STOP_SEQUENCES")
+             "PAD_SEQUENCE_TO_MULTIPLE_OF", "WARMUP_ENABLED", "CUDA_GRAPHS", "MAX_STOP_SEQUENCES", "MAX_INPUT_TOKENS",
+             "MAX_TOTAL_TOKENS", "MAX_BATCH_PREFILL_TOKENS", "MAX_CONCURRENT_REQUESTS")
+TGI_OLDER_NAMES = {"MAX_INPUT_TOKENS": "MAX_INPUT_LENGTH"}  # read when the knob itself is not set
 
 
 def cache_dir() -> Path:
@@ -29,11 +32,22 @@ def api_key() -> str | None:
     return os.environ.get("HQTFLOW_API_KEY") or None
 
 
+def quant_config() -> str | None:
+    """QUANT_CONFIG: the QUANT_CONFIG file optimum-habana and TGI-on-Gaudi read, `-c`'s default here."""
+    return os.environ.get("QUANT_CONFIG") or None
+
+
 def tgi_variable(name: str) -> str | None:
-    """The environment variable that sets TGI knob `name`: `name` when it is set (not empty), else None."""
+    """The environment variable that sets TGI knob `name`: `name` when it is set (not empty), else its older name
+    (TGI_OLDER_NAMES) when that is set, else None; both set is refused, as TGI's launcher refuses it."""
+    from hqtflow.errors import ConfigError
+
     if name not in TGI_KNOBS:
         raise KeyError(name)
-    return name if os.environ.get(name) else None
+    old = TGI_OLDER_NAMES.get(name)
+    if os.environ.get(name) and old and os.environ.get(old):
+        raise ConfigError(f"The environment variables {name} and {old} (its older name) are both set; keep one.")
+    return next((v for v in (name, old) if v and os.environ.get(v)), None)
 
 
 def tgi_knob(name: str, default):

@@ -74,8 +74,9 @@ def test_serve_defaults_come_from_serve_settings(monkeypatch):
     from hqtflow.runtime import server
     from hqtflow.runtime.api import ServeSettings
 
-    for name in ("MAX_BATCH_SIZE", "BATCH_BUCKET_SIZE", "PREFILL_BATCH_BUCKET_SIZE", "PAD_SEQUENCE_TO_MULTIPLE_OF",
-                 "WARMUP_ENABLED", "HQTFLOW_API_KEY"):
+    from hqtflow.environment import TGI_KNOBS, TGI_OLDER_NAMES
+
+    for name in (*TGI_KNOBS, *TGI_OLDER_NAMES.values(), "HQTFLOW_API_KEY", "QUANT_CONFIG"):
         monkeypatch.delenv(name, raising=False)
     seen = {}
     monkeypatch.setattr(server, "serve", lambda model, settings, **kw: seen.update(settings=settings))
@@ -85,6 +86,54 @@ def test_serve_defaults_come_from_serve_settings(monkeypatch):
     monkeypatch.setenv("PAD_SEQUENCE_TO_MULTIPLE_OF", "8")
     assert run_cli("serve", "fp8", "some-model", "--max-batch-size", "3").exit_code == 0
     assert seen["settings"] == ServeSettings(pad_sequence_to_multiple_of=8, max_batch_size=3)
+
+
+def test_serve_reads_tgi_limits_from_the_environment(monkeypatch):
+    """MAX_TOTAL_TOKENS, MAX_INPUT_TOKENS (or its older name MAX_INPUT_LENGTH), MAX_BATCH_PREFILL_TOKENS and
+    MAX_CONCURRENT_REQUESTS are read like the other TGI knobs; a flag given wins."""
+    from hqtflow.runtime import server
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda model, settings, **kw: seen.update(settings=settings))
+    for name, value in {"MAX_TOTAL_TOKENS": "64", "MAX_INPUT_LENGTH": "32", "MAX_BATCH_PREFILL_TOKENS": "48",
+                        "MAX_CONCURRENT_REQUESTS": "3"}.items():
+        monkeypatch.setenv(name, value)
+    assert run_cli("serve", "fp8", "some-model", "--max-concurrent-requests", "5").exit_code == 0
+    s = seen["settings"]
+    assert (s.max_total_tokens, s.max_input_tokens, s.max_batch_prefill_tokens, s.max_concurrent_requests) == (64, 32, 48, 5)
+    monkeypatch.setenv("MAX_INPUT_TOKENS", "16")
+    r = run_cli("serve", "fp8", "some-model")
+    assert r.exit_code == 2 and "MAX_INPUT_TOKENS and MAX_INPUT_LENGTH (its older name) are both set" in r.stderr, r.output
+    monkeypatch.delenv("MAX_INPUT_LENGTH")
+    monkeypatch.setenv("MAX_TOTAL_TOKENS", "8")
+    r = run_cli("serve", "fp8", "some-model")
+    assert r.exit_code == 2 and "MAX_INPUT_TOKENS (16) must be less than MAX_TOTAL_TOKENS (8)" in r.stderr, r.output
+
+
+def test_quant_config_is_the_default_of_c(monkeypatch, tmp_path):
+    """QUANT_CONFIG (optimum-habana's and TGI-on-Gaudi's) is what -c is when not given; -c wins; one that names no
+    file is refused naming it."""
+    from hqtflow.quantize import run
+
+    seen = []
+    monkeypatch.setattr(run, "quantize", lambda s: seen.append(s.config) or tmp_path)
+    monkeypatch.setattr(run, "summary", lambda out: "done")
+    argv = ("quantize", "-m", tmp_path / "m", "-o", tmp_path / "q")
+    monkeypatch.setenv("QUANT_CONFIG", "pow2_quant")  # a bundled name, as -c takes it
+    assert run_cli(*argv).exit_code == 0 and seen[-1].endswith("quantization_config/pow2_quant.json")
+    assert run_cli(*argv, "-c", "maxabs_quant").exit_code == 0 and seen[-1] == "maxabs_quant"
+    monkeypatch.setenv("QUANT_CONFIG", str(tmp_path / "nowhere.json"))
+    r = run_cli(*argv)
+    assert r.exit_code == 2 and r.stderr.startswith(f"Error: The environment variable QUANT_CONFIG={tmp_path / 'nowhere.json'} does not exist"), r.output
+    monkeypatch.delenv("QUANT_CONFIG")
+    assert run_cli(*argv).exit_code == 0 and seen[-1] is None
+    from hqtflow.measure import run as measure_run
+
+    monkeypatch.setattr(measure_run, "measure", lambda s: seen.append(s.config) or tmp_path)
+    monkeypatch.setattr(measure_run, "measurement_summary", lambda out: "done")
+    monkeypatch.setenv("QUANT_CONFIG", "maxabs_measure_include_outputs")
+    r = run_cli("measure", "some-model", "-o", tmp_path / "m")
+    assert r.exit_code == 0 and seen[-1].endswith("maxabs_measure_include_outputs.json"), r.output
 
 
 @pytest.mark.parametrize("var,value,words", [("MAX_BATCH_SIZE", "-1", "MAX_BATCH_SIZE must be at least 0, not -1."),

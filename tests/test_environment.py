@@ -36,6 +36,16 @@ def test_tgi_knobs_are_typed_like_their_default(monkeypatch):
         environment.tgi_knob("MAX_BATCH_SIZE", 8)
 
 
+def test_tgi_knobs_read_their_older_name(monkeypatch):
+    monkeypatch.delenv("MAX_INPUT_TOKENS", raising=False)
+    monkeypatch.setenv("MAX_INPUT_LENGTH", "32")
+    assert environment.tgi_variable("MAX_INPUT_TOKENS") == "MAX_INPUT_LENGTH"
+    assert environment.tgi_knob("MAX_INPUT_TOKENS", 4095) == 32
+    monkeypatch.setenv("MAX_INPUT_TOKENS", "16")
+    with pytest.raises(ConfigError, match="MAX_INPUT_TOKENS and MAX_INPUT_LENGTH .its older name. are both set"):
+        environment.tgi_knob("MAX_INPUT_TOKENS", 4095)
+
+
 def test_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("HQTFLOW_CACHE", str(tmp_path))
     assert environment.cache_dir() == tmp_path
