@@ -303,6 +303,14 @@ class QuantConfig:
             return False
         return True
 
+    def check_rank_files(self, world: int, source: str) -> None:
+        """INC reads one unsuffixed file on every rank when `seperate_measure_files` is false; a `world`-rank artifact
+        has one file per rank, so the two cannot meet (with one rank the key changes nothing)."""
+        if world > 1 and not self.extra.get("seperate_measure_files", True):
+            raise ConfigError(f"{source}: seperate_measure_files false makes INC read one unsuffixed file on every rank, "
+                              f"but this {world}-rank run writes one file per rank: drop the key, or unify to one rank "
+                              "first (`hqtflow unify`).")
+
     @property
     def measures_inputs(self) -> bool:
         return self.measure_exclude not in ("INPUT", "ALL")

@@ -287,6 +287,10 @@ CASES = {
         "config.json gives other shapes to"),
     "measure/config's rope type unknown": (
         lambda c: measure(config(c.copy("model"), rope_scaling={"rope_type": "nope", "factor": 2.0}), c), "KeyError"),
+    "measure/seperate_measure_files false with --tp 2": (lambda c: measure(c.model, c, "--tp", "2", "-c", write(
+        c.w / "s.json", json.dumps({"mode": "MEASURE", "seperate_measure_files": False}))), "makes INC read one unsuffixed file"),
+    "quantize/--scales-only of 2 ranks, seperate_measure_files false": (lambda c: quantize(c, c.i2, "--scales-only", "-c", write(
+        c.w / "s.json", json.dumps({"mode": "QUANTIZE", "seperate_measure_files": False}))), "this 2-rank run writes one file per rank"),
     "quantize/negative statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(-4.0)))), "negative input statistic"),
     "quantize/nan statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(float("nan"))))), "non-finite input"),
     "quantize/inf weight statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(float("inf"), "params")))),

@@ -49,6 +49,7 @@ def preflight(s: MeasureSettings):
 
         manager = lmeval.task_manager(list(s.include_path), s.data_dir, list(s.tasks))
         lmeval.check_tasks(list(s.tasks), manager, s.data_dir)
+    cfg.check_rank_files(s.tp, s.config or "the default config")
     if s.tp > 1:
         from hqtflow.measure.distributed import check_tp_split
 

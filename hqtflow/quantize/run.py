@@ -97,7 +97,9 @@ def plan_job(s: QuantizeSettings) -> Job:
             f"Measurement {meas.directory} was made on a different model (fingerprint {meas.manifest.model.get('id')}, "
             f"{model_dir} is {fp['id']}); measure this model first."
         )
-    if not s.scales_only:
+    if s.scales_only:
+        cfg.check_rank_files(meas.world_size, s.config or "the default config")
+    else:
         if meas.world_size > 1:
             raise ArtifactError(f"{meas.directory} is a {meas.world_size}-rank measurement; a checkpoint needs one rank: "
                                 f"run `hqtflow unify -g {''.join(map(str, range(meas.world_size)))} -m {meas.directory} -o DIR` first.")
