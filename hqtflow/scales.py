@@ -454,7 +454,8 @@ def linear_scales(method: ScaleMethod, input_maxabs, weight: torch.Tensor, *, ta
                   store: torch.dtype | None = None) -> LinearScales:
     """The scales of one Linear, computed in hp_dtype and returned in `store`, the dtype they are stored in (None:
     the weight's, as a checkpoint stores them; INC scale files: hp_dtype), by `stored`. Refused (one sentence naming
-    `name`): a weight holding NaN or infinity (a damaged model file: no scale fits it)."""
+    `name`): a weight holding NaN or infinity (a damaged model file: no scale fits it). `input_maxabs` None:
+    no input scale (weight-only)."""
     from hqtflow.errors import ModelError
 
     if not bool(torch.isfinite(weight).all()):
@@ -462,7 +463,7 @@ def linear_scales(method: ScaleMethod, input_maxabs, weight: torch.Tensor, *, ta
         raise ModelError(f"The weight of {name} holds {bad} NaN or infinite values; no FP8 scale fits it (is the "
                          "model file damaged?).")
     kw = dict(target=target, fp8=fp8, hp_dtype=hp_dtype)
-    s_in = None if method.dynamic else activation_scale(input_maxabs, method.activation, **kw)
+    s_in = None if method.dynamic or input_maxabs is None else activation_scale(input_maxabs, method.activation, **kw)
     return stored(LinearScales(s_in, weight_scale(weight, method.weight, inc=method.inc_codes, **kw)),
                   store or weight.dtype, name)
 

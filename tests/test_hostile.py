@@ -987,6 +987,24 @@ def test_zero_statistics_get_the_floor(base, tmp_path):
     assert all(float(v.float().min()) >= torch.finfo(v.dtype).tiny for k, v in t.items() if k.endswith("_scale"))
 
 
+def test_weight_only_needs_no_input_statistics(base, tmp_path):
+    """A measurement without input statistics (measure_exclude INPUT) still has its weights' statistics:
+    --weight-only (in memory and --disk-offload) quantizes from it; static activations are refused."""
+    from safetensors.torch import load_file
+
+    m = tmp_path / "m"
+    shutil.copytree(base["m"], m)
+    stats(m, lambda raw: [n.update(inputs=[]) for n in raw["Nodes"].values()] and None)
+    rehash(m)
+    r = run_cli("quantize", base["model"], "-m", m, "-o", tmp_path / "w8a8")
+    assert r.exit_code == 3 and "has no input statistics" in r.stderr, r.output
+    for out, extra in (("wo", ()), ("wo_offload", ("--disk-offload",))):
+        r = run_cli("quantize", base["model"], "-m", m, "-o", tmp_path / out, "--weight-only", *extra)
+        assert r.exit_code == 0, r.output
+        t = load_file(tmp_path / out / "model.safetensors")
+        assert f"{NODE}.weight_scale" in t and not any(k.endswith("input_scale") for k in t)
+
+
 def test_foreign_measurement_enters_through_import_hqt(base, tmp_path):
     r = run_cli("quantize", base["model"], "-m", base["f1"], "-o", tmp_path / "ck")
     assert r.exit_code == 3 and f"`hqtflow import-hqt {base['f1']} -o OUT" in r.stderr, r.output

@@ -28,7 +28,7 @@ def convert_model(model: nn.Module, names: list[str], meas: Measurement, method:
     for name in names:
         lin = model.get_submodule(name)
         m = method(name, type(lin).__name__) if callable(method) else method
-        stats = None if m.dynamic else meas.nodes[name].inputs[0]
+        stats = None if m.dynamic or weight_only else meas.nodes[name].inputs[0]
         sc = linear_scales(m, stats, lin.weight, target=target, fp8=fp8, hp_dtype=hp_dtype, name=name)
         dynamic = None if weight_only or not m.dynamic else m.activation
         weight = round_weight(name, lin.weight, sc.weight) if round_weight else None

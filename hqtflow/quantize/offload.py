@@ -400,7 +400,8 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
                     hp = u.outputs[1].dtype
                     w = src.to(hp)
                     del src
-                    sc = linear_scales(method, meas.nodes[u.module].inputs[0], w, target=target, fp8=fp8, hp_dtype=hp_dtype,
+                    stats = None if p.weight_only else meas.nodes[u.module].inputs[0]
+                    sc = linear_scales(method, stats, w, target=target, fp8=fp8, hp_dtype=hp_dtype,
                                        name=u.module)
                     if round_weight is not None:
                         w = round_weight(u.module, w, sc.weight)

@@ -106,7 +106,7 @@ def plan_job(s: QuantizeSettings) -> Job:
         if cfg.fp8_config != "E4M3":
             raise ConfigError("compressed-tensors FP8 checkpoints are E4M3; fp8_config E5M2 is supported with --scales-only.")
     plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0], unfuse=not s.scales_only,
-                        world_size=meas.world_size)
+                        world_size=meas.world_size, weight_only=s.weight_only and not s.scales_only)
     if not plan["quantize"]:
         raise ConfigError("The config quantizes no Linear layer of this model (every one is excluded by its "
                           "allowlist/blocklist or has no statistics): check the config.")
@@ -143,7 +143,8 @@ def _warn_fixed_scales(rules, names: list[str], meas: Measurement, target: str, 
         s_w = float(weight_scale(torch.zeros(1, 1), m.weight, target=target, fp8=fp8))
         s_in = float(activation_scale(0.0, m.activation, target=target, fp8=fp8))
         w_max = float(node.params["weight"].max()) if "weight" in node.params else float("inf")
-        if w_max / s_w < tiny or float(node.inputs[0].max()) / s_in < tiny:
+        x_max = float(node.inputs[0].max()) if node.inputs else float("inf")  # weight-only: no input statistics
+        if w_max / s_w < tiny or x_max / s_in < tiny:
             ruined.append(f"{name} (scale {s_w:g})")
     if ruined:
         warnings.warn(f"{' and '.join(sorted(fixed))} ignores the statistics: its fixed scales put all weights or all "
@@ -355,13 +356,15 @@ def _in_memory_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
     return write
 
 
-def plan_modules(model, cfg: QuantConfig, meas: Measurement, *, unfuse: bool = True, world_size: int = 1) -> dict:
+def plan_modules(model, cfg: QuantConfig, meas: Measurement, *, unfuse: bool = True, world_size: int = 1,
+                 weight_only: bool = False) -> dict:
     """Which Linear modules get quantized; the rest are kept in high precision with a reason. Fused MoE experts of
     Mixtral's layout are unfused first (`hqtflow.quantize.experts`): each expert's `gate_up_proj` and `down_proj` is
     then a Linear like any other; an expert no calibration token reached keeps high precision, listed.
     `unfused`: the experts modules the converted model must unfuse (`_convert` does). `unfuse` False (INC scale
     files, which have no entry for them): fused experts are listed as kept. `meas`: one rank's of `world_size` (a
-    row-parallel layer's per-channel statistics then cover its share of the inputs)."""
+    row-parallel layer's per-channel statistics then cover its share of the inputs). `weight_only`: a measured node
+    needs no input statistics (its scale comes from the weight)."""
     import numpy as np
     from torch import nn
 
@@ -391,14 +394,14 @@ def plan_modules(model, cfg: QuantConfig, meas: Measurement, *, unfuse: bool = T
         if not cfg.selects(name, type(mod).__name__):
             ignore.append(name)
             skipped[name] = "excluded by allowlist/blocklist"
-        elif name not in meas.nodes or not meas.nodes[name].inputs:
+        elif name not in meas.nodes or not (meas.nodes[name].inputs or weight_only):
             if expert or cfg.ignore_modules_wo_measures:
                 ignore.append(name)
                 skipped[name] = _no_statistics(name, meas) if expert else "no statistics (ignore_modules_wo_measures)"
             else:
                 missing.append(name)
         else:
-            values = int(np.size(meas.nodes[name].inputs[0]))
+            values = int(np.size(meas.nodes[name].inputs[0])) if meas.nodes[name].inputs else 1
             if values not in (1, mod.in_features, mod.in_features // world_size):
                 raise ArtifactError(f"The measurement's input statistics of {name} have {values} values, but the layer "
                                     f"has {mod.in_features} inputs (per channel{', or a rank its share' * (world_size > 1)})"
@@ -407,7 +410,7 @@ def plan_modules(model, cfg: QuantConfig, meas: Measurement, *, unfuse: bool = T
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise ArtifactError(f"The measurement has no input statistics for {shown}; re-measure, blocklist them, "
-                            "or set ignore_modules_wo_measures.")
+                            "or set ignore_modules_wo_measures (--weight-only needs none).")
     return {"quantize": quantize, "ignore": ignore, "skipped": skipped, "unfused": experts}
 
 
