@@ -172,7 +172,9 @@ def test_a_missing_relative_path_names_the_directory_it_was_looked_for_in(setup,
     where = f"does not exist (looked for in {work})."
     _one_sentence(run_cli("measure", model, "-o", "out", "--text", "../data/wiki.txt"), 5, f"../data/wiki.txt {where[:-1]}")
     _one_sentence(run_cli("measure", "./nope", "-o", "out", "--text", text), 4, f"./nope {where}")
-    _one_sentence(run_cli("measure", model, "-o", "out", "--text", text, "-c", "nope.json"), 2, f"nope.json {where}")
+    # a bare name is also looked for among the bundled QUANT_CONFIGs, which the sentence then lists
+    _one_sentence(run_cli("measure", model, "-o", "out", "--text", text, "-c", "nope.json"), 2,
+                  f"nope.json {where[:-1]}; bundled: act_maxabs_pow2_weights_pcs_opt_pow2_quant, cpu_quant,")
     _one_sentence(run_cli("measure", model, "-o", "out", "--tasks", "piqa_local", "--data-dir", "data"), 5, f"data {where}")
     _one_sentence(run_cli("export", "nope", "--format", "fp8", "-o", "out"), 3, f"nope {where}")
     _one_sentence(run_cli("handoff", "nope", "--to", "tgi-gaudi"), 3, f"nope {where}")
