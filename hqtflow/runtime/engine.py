@@ -80,8 +80,9 @@ class Request:
     emit: Callable[[Event], None]
     generated: list[int] = field(default_factory=list)
     text: str = ""
-    visible: list[int] = field(default_factory=list)  # the generated tokens that are not special: those with text
+    visible: list[int] = field(default_factory=list)  # the tokens decoded: `lead`'s, then the generated ones with text
     window: tuple[int, int] = (0, 0)  # incremental detokenization: (prefix start, read end) in `visible`
+    lead: str = ""  # the text of the prompt token that opens `visible` (open_text), not part of the answer
     cancelled: bool = False
     finished: bool = False
     generator: torch.Generator | None = None
@@ -103,6 +104,14 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def open_text(self, decode: Callable[[list[int]], str]) -> None:
+        """Open the detokenization window at the prompt's last token, as TGI's prefix offset does: decoded after it,
+        the answer keeps the first space a SentencePiece decoder strips from the start of a text (Llama 2, Mistral:
+        " Paris", not "Paris"). Not when that token holds part of a character (or no text)."""
+        lead = decode(self.input_ids[-1:]) if self.input_ids else ""
+        if lead and "\ufffd" not in lead:
+            self.visible, self.window, self.lead = self.input_ids[-1:], (0, 1), lead
 
 
 @dataclass
@@ -139,8 +148,10 @@ class Engine:
         self.batch_bucket, self.pad_to_multiple = max(1, batch_bucket), max(1, pad_to_multiple)
         self.prefill_bucket, self.max_prefill_tokens = max(1, prefill_bucket), max(1, max_prefill_tokens)
         self.trim_interval, self._last_trim = trim_interval, time.monotonic()  # see runtime/memory.py
-        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
-        self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        # the end of a sequence: generation_config's EOS ids and the tokenizer's (a chat fine-tune's end-of-turn, as
+        # vLLM stops on both; a base model's generation_config often names only its own)
+        eos = model.generation_config.eos_token_id
+        self.eos = {i for i in [*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id] if i is not None}
         self.special = set(tokenizer.all_special_ids)
         self._decode = fast_decode(tokenizer)
         scales = None
@@ -219,6 +230,7 @@ class Engine:
 
     def submit(self, input_ids: list[int], params: SamplingParams, emit: Callable[[Event], None]) -> Request:
         req = Request(list(input_ids), params, emit, t_submit=time.monotonic())
+        req.open_text(self._decode)
         if params.grammar is not None:
             from hqtflow.runtime.grammar import matcher
 
@@ -556,7 +568,7 @@ class Engine:
         if after.endswith("\ufffd") and not final:  # half a character: wait for the rest
             return ""
         if "\ufffd" in before or "\ufffd" in after:
-            new = self._decode(req.visible)[len(req.text):]
+            new = self._decode(req.visible)[len(req.lead) + len(req.text):]
         elif len(after) > len(before):
             new = after[len(before):]
         else:

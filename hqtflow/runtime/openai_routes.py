@@ -8,6 +8,7 @@ import functools
 import json
 import time
 import uuid
+from typing import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -49,6 +50,21 @@ def before_stop(tokens: list, stop_at: int | None) -> list:
     return kept
 
 
+def token_texts(tok) -> Callable[[int], str]:
+    """A token's own text, as it reads inside a text: decoded after a plain letter, which is then cut off, so a
+    SentencePiece token keeps the space its decoder strips from the start of a text ("▁to" is " to", as in the
+    answer: a choice's tokens join to its text); a byte-level token's text is its decode alone either way."""
+    anchor = tok.encode("a", add_special_tokens=False)[-1:]
+    lead = tok.decode(anchor)
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def text(tid: int) -> str:
+        both = tok.decode(anchor + [tid])
+        return both[len(lead):] if anchor and both.startswith(lead) else tok.decode([tid])
+
+    return text
+
+
 def token_bytes(tok, tid: int, text: str) -> bytes:
     """A token's own UTF-8 bytes (OpenAI's `bytes`): its text, or, for a token that holds part of a character (its
     text decodes to U+FFFD), the bytes behind its byte-level BPE symbols or its `<0xNN>` byte-fallback piece."""
@@ -76,11 +92,12 @@ MESSAGE_REFUSED = {"name": "participant names are not passed to the chat templat
 MESSAGE_FIELDS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}  # beside role and content
 
 
-def chat_messages(messages: list[dict], renders_calls: bool) -> list[dict]:
-    """The messages for the chat template: roles checked, content as a string (OpenAI's text parts joined), an
-    assistant's tool calls and a tool result's call id passed on to a template that renders `tool_calls` (else the
-    calls are written into the content as the model writes them); any other message field is a 422 naming it
-    (given as null, it is not given)."""
+def chat_messages(messages: list[dict], renders_calls: bool, renders_developer: bool = True) -> list[dict]:
+    """The messages for the chat template: roles checked (OpenAI's `developer` given as `system` to a template that
+    does not name it, as llama.cpp does: templates drop or refuse a role they do not know), content as a string
+    (OpenAI's text parts joined), an assistant's tool calls and a tool result's call id passed on to a template that
+    renders `tool_calls` (else the calls are written into the content as the model writes them); any other message
+    field is a 422 naming it (given as null, it is not given)."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -96,6 +113,7 @@ def chat_messages(messages: list[dict], renders_calls: bool) -> list[dict]:
                 raise invalid(f"`messages[{i}].{key}` is not supported: {why}")
         content = message_text(m.get("content"), i, optional=role == "assistant")
         calls = message_calls(m.get("tool_calls"), i) if role == "assistant" else []
+        role = "system" if role == "developer" and not renders_developer else role
         if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
             raise invalid(f"`messages[{i}].tool_call_id` must be a string")
         if not renders_calls:
@@ -114,7 +132,7 @@ def message_text(content, i: int, optional: bool) -> str:
         return content
     if content is None and optional:
         return ""
-    if not isinstance(content, list):
+    if not isinstance(content, list) or not content:  # OpenAI's spec: at least one part
         raise invalid(f"`messages[{i}].content` must be a string or a list of text parts")
     parts = []
     for j, part in enumerate(content):
@@ -196,6 +214,7 @@ def _prefix_function(s: str) -> list[int]:
 
 def openai_router(ctx: Ctx) -> APIRouter:
     r, tok, s = APIRouter(), ctx.tok, ctx.s
+    token_text = token_texts(tok)
 
     def params(data: OpenAICommon, n_input: int, max_new: int | None, *, top_n=0, prompt_logprobs=None, grammar=None,
                default_max_new=16, names=("prompt", "max_tokens")) -> SamplingParams:
@@ -251,13 +270,13 @@ def openai_router(ctx: Ctx) -> APIRouter:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = offset0
         for i, (tid, lp, top) in enumerate(tokens):
-            text = tok.decode([tid])
+            text = token_text(tid)
             out["tokens"].append(text)
             out["token_logprobs"].append(lp)
             if lp is None:
                 out["top_logprobs"].append(None)
             else:
-                d = {tok.decode([t]): v for t, v in top}
+                d = {token_text(t): v for t, v in top}
                 d.setdefault(text, lp)  # the chosen token is always listed (as vLLM does)
                 out["top_logprobs"].append(d)
             out["text_offset"].append(offset)
@@ -301,7 +320,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
     # -- chat -----------------------------------------------------------------------------------------------
     def chat_logprobs(tokens) -> dict:
         def entry(tid, lp):
-            text = tok.decode([tid])
+            text = token_text(tid)
             return {"token": text, "logprob": lp, "bytes": list(token_bytes(tok, tid, text))}
         return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in (t.top or [])]}
                             for t in tokens if not t.special]}  # the content's tokens: not the end-of-turn token
@@ -351,7 +370,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
         except Exception:  # noqa: BLE001 - no template: apply_chat_template below says so
             template = None
         renders_tools = tools.renders(template, "tools")
-        messages = chat_messages(req.messages, tools.renders(template, "tool_calls"))
+        messages = chat_messages(req.messages, tools.renders(template, "tool_calls"), tools.renders(template, "developer"))
         if plan is not None:
             messages = tools.with_tools(messages, plan, renders_tools)
         try:

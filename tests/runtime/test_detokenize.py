@@ -35,10 +35,13 @@ def tokenizers(tokenizer_dir, data_dir):
     return {"byte-level": AutoTokenizer.from_pretrained(tokenizer_dir), "metaspace": _metaspace(lines)}
 
 
-def _stream(tok, ids):
-    """(pieces, final text) as the engine emits them for generated `ids`."""
+def _stream(tok, ids, prompt=None):
+    """(pieces, final text) as the engine emits them for generated `ids` (after `prompt`, as Engine.submit opens the
+    text at its last token; without one, the answer's text alone)."""
     eng = SimpleNamespace(tok=tok, _decode=fast_decode(tok))
-    req = Request([0], SamplingParams(), lambda ev: None)
+    req = Request(prompt or [0], SamplingParams(), lambda ev: None)
+    if prompt:
+        req.open_text(eng._decode)
     pieces = []
     for i, t in enumerate(ids):
         if t not in tok.all_special_ids:
@@ -102,3 +105,30 @@ def test_fast_decode_is_the_tokenizers_decode(tokenizers, kind):
         assert fast_decode(tok) == tok.decode
     finally:
         tok.clean_up_tokenization_spaces = saved
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_an_answer_keeps_its_first_space_after_the_prompt(tokenizers, kind):
+    """Decoded after the prompt's last token (TGI's prefix offset), an answer keeps the first space a SentencePiece
+    decoder strips from the start of a text, and its tokens' texts join to it, after a special token too; a prompt
+    ending inside a character leaves the answer's text as decoded alone."""
+    tok = tokenizers[kind]
+    answer = tok(" to Paris, naïve 🎉", add_special_tokens=False)["input_ids"]
+    for prompt in (tok("The capital is", add_special_tokens=False)["input_ids"], [tok.eos_token_id]):
+        pieces, text = _stream(tok, answer, prompt)
+        assert text == "".join(pieces) == " to Paris, naïve 🎉", (prompt, pieces)
+    half = [next(i for i in range(len(tok)) if "\ufffd" in tok.decode([i]))]  # a byte of a multi-byte character
+    assert _stream(tok, answer, half)[1] == tok.decode(answer)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_logprob_token_texts_join_to_the_answer(tokenizers, kind):
+    """The OpenAI routes' token texts (runtime/openai_routes.token_texts) keep a SentencePiece token's leading space,
+    so an answer's tokens join to its text; a byte-level token's is its decode alone."""
+    from hqtflow.runtime.openai_routes import token_texts
+
+    tok = tokenizers[kind]
+    text = token_texts(tok)
+    answer = tok(" to Paris, in France", add_special_tokens=False)["input_ids"]  # (a part of a character: U+FFFD)
+    assert "".join(map(text, answer)) == " to Paris, in France"
+    assert all(text(t) == tok.decode([t]) for t in answer) == (kind == "byte-level")

@@ -309,6 +309,7 @@ REFUSED = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "`messages[0].role`"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "`messages[0].content[0]`"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, "`messages[0].content`"),  # >= 1 part
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": -1}, "`max_tokens` must be >= 0. Given: -1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}]}, "`messages[0].content[0].cache_control`"),
@@ -647,3 +648,12 @@ def test_tgi_clients_type_the_errors_of_the_v1_routes(url):
     assert r.json()["error"]["param"] == "stream_options.continuous_usage_stats", r.text
     r = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"adapter_id": "a"}})
     assert r.status_code == 422 and "`parameters.adapter_id` is not supported" in r.json()["error"], r.text
+
+
+def test_developer_is_system_to_a_template_that_does_not_name_it(url):
+    """OpenAI's `developer` role reaches a template that knows only `system` (the tiny model's: SmolLM2's) as
+    `system`: the same prompt and answer, where such a template would drop it or refuse it."""
+    ask = {"max_tokens": 4, "temperature": 0}
+    as_system, as_developer = (httpx.post(f"{url}/v1/chat/completions", json={**ask, "messages": [
+        {"role": role, "content": "Answer in French."}, *MESSAGES]}).json() for role in ("system", "developer"))
+    assert as_developer["usage"] == as_system["usage"] and as_developer["choices"] == as_system["choices"]

@@ -218,6 +218,25 @@ def test_engine_refuses_a_model_whose_attention_it_cannot_replace(tiny_factory):
         Engine(model, tok)
 
 
+def test_the_tokenizers_eos_ends_a_sequence_beside_the_generation_configs(lm):
+    """A chat fine-tune's end-of-turn is often its tokenizer's eos_token while generation_config names the base
+    model's: either ends the sequence."""
+    model, tok = lm
+    other = next(t for t in range(len(tok)) if t not in tok.all_special_ids)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = other
+    try:
+        eng = Engine(model, tok, max_batch_total_tokens=256).start()
+        try:
+            for forced in (tok.eos_token_id, other):
+                out = eng.generate(ids(tok, PROMPTS[0]), SamplingParams(max_new_tokens=6, logit_bias={forced: 100.0}))
+                assert [e.token.id for e in out] == [forced] and out[-1].finish_reason == "eos_token"
+        finally:
+            eng.stop()
+    finally:
+        model.generation_config.eos_token_id = saved
+
+
 def test_logit_bias_on_every_token(lm, engine):
     """A bias on the whole vocabulary (one indexed add): -100 on every token but one, which greedy decoding then
     always picks; the same request without the bias does not."""
