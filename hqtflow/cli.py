@@ -483,17 +483,19 @@ def eval_(
 @app.command()
 @user_errors
 def run(
-    recipe: Annotated[Path, typer.Argument(help="YAML recipe.")],
+    recipe: Annotated[Path, typer.Argument(help="YAML recipe, or a bundled one's name (smollm2, llama3-8b, ...).")],
     model: Annotated[Optional[str], typer.Option("--model", help="Override the recipe's model.")] = None,
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="The measurement directory instead of the recipe's output; the FP8 checkpoint (fp8/) and eval.json go beside it, into its parent directory.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="Override the calibration limit.")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="The recipe's data (tasks' data, text and perplexity files, by name) from this directory: e.g. a bundled recipe's, from an installed package.")] = None,
     force: Annotated[bool, typer.Option(help="Redo every stage even if its artifact is current.")] = False,
 ) -> None:
-    """measure -> quantize -> eval of a recipe; a stage whose artifact is valid and current is skipped."""
+    """measure -> quantize -> eval of a recipe (a file, or a bundled one's name); a stage whose artifact is valid and
+    current is skipped."""
     from hqtflow.pipeline import run_recipe
 
     run_recipe(recipe, overrides={"model": model, "output": str(output) if output else None, "limit": limit},
-               force=force, echo=typer.echo)
+               force=force, echo=typer.echo, data_dir=data_dir)
 
 
 @app.command()

@@ -243,7 +243,9 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
         raise ConfigError(f"Unknown --mode {mode!r}; valid values are {', '.join(MODES)}.")
     if world_size is not None and world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, not {world_size}.")
-    source = bundled.resolve(source, bundled.RECIPES, ".yaml")  # a bare name missing here: the bundled recipe
+    source = Path(source)
+    if not source.exists():  # no artifact folder or recipe of that name here: a bare name's bundled recipe
+        source = bundled.resolve(source, bundled.RECIPES, ".yaml")
     if source.suffix in (".yaml", ".yml"):
         if recipe is not None:
             raise ConfigError("SOURCE is already a recipe; --recipe goes with an artifact SOURCE.")
@@ -260,7 +262,8 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
     artifact = None
     if mode == "quantize" or source.suffix not in (".yaml", ".yml"):
         if art_dir is not None and not Path(art_dir).exists():
-            hint = f" (run `hqtflow measure --recipe {source}` first, or hand off --mode measure)" if recipe == source else ""
+            hint = f" (run `hqtflow measure --recipe {source}` first, or hand off --mode measure)" if recipe == source \
+                else bundled.hint(art_dir, bundled.RECIPES, ".yaml").replace("; bundled:", "; bundled recipes:")
             raise ArtifactError(f"Artifact {art_dir} {does_not_exist(art_dir)}{hint}.")
         artifact = read_artifact(art_dir)
         if recipe is None and artifact.recipe and Path(artifact.recipe).is_file():

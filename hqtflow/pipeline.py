@@ -127,7 +127,8 @@ def read_own_report(report: Path) -> dict | None:
     return old
 
 
-def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo: Callable[[str], None] = print) -> Path:
+def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo: Callable[[str], None] = print,
+               data_dir: str | Path | None = None) -> Path:
     from hqtflow import __version__
     from hqtflow.choices import KVCache
     from hqtflow.eval_run import run_eval
@@ -135,9 +136,10 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     from hqtflow.formats.measurement import KV_FILE
     from hqtflow.measure.run import measure
     from hqtflow.quantize.run import quantize
-    from hqtflow.recipes import load_recipe, measure_settings
+    from hqtflow.recipes import load_recipe, measure_settings, with_data_dir
 
     r = load_recipe(recipe)
+    r = with_data_dir(r, data_dir) if data_dir is not None else r
     ms = measure_settings(r, overrides, overwrite=True)
     root = Path(ms.output).parent
     check_own_output(Path(ms.output), ArtifactKind.MEASUREMENT)

@@ -20,7 +20,7 @@ through `measure_settings`, the one merge of `measure --recipe` and `run`.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -42,7 +42,7 @@ class MeasureSection:
     """The recipe's measurement: MeasureSettings keyword arguments (defaults: MeasureSettings')."""
 
     model: str | None = _value("text")
-    config: str | None = _value("path")
+    config: str | None = _value("config")
     tasks: tuple[str, ...] = _value("names", ())
     include_path: tuple[str, ...] = _value("paths", ())
     data_dir: str | None = _value("path")
@@ -60,7 +60,7 @@ class MeasureSection:
 class QuantizeSection:
     """The recipe's quantization: QuantizeSettings' config (the QUANTIZE QUANT_CONFIG), kv_cache and gptq."""
 
-    config: str | None = _value("path")
+    config: str | None = _value("config")
     kv_cache: KVCache = _value("kv_cache", KVCache(QuantizeSettings.kv_cache))
     gptq: bool = _value("flag", QuantizeSettings.gptq)
 
@@ -219,6 +219,20 @@ def _check_version(path: Path, version: Any) -> None:
                           "(a newer hqtflow wrote it: upgrade to read it).")
 
 
+def with_data_dir(recipe: Recipe, data_dir: str | Path) -> Recipe:
+    """The recipe with its data in `data_dir`: the calibration's and eval's data_dir, and its text and ppl files
+    taken by name from there (`run --data-dir`: a bundled recipe's data is the checkout's, not the package's)."""
+    from hqtflow.errors import CalibrationError, does_not_exist
+
+    if not Path(data_dir).expanduser().is_dir():
+        why = "is not a directory" if Path(data_dir).expanduser().exists() else does_not_exist(data_dir)
+        raise CalibrationError(f"--data-dir {data_dir} {why}.")
+    d = Path(data_dir).expanduser().resolve()
+    m, e = recipe.measure, recipe.eval
+    return replace(recipe, measure=replace(m, data_dir=str(d), text=tuple(str(d / Path(t).name) for t in m.text)),
+                   eval=replace(e, data_dir=str(d), ppl_file=str(d / Path(e.ppl_file).name) if e.ppl_file else None))
+
+
 class _Reader:
     """Checks and converts one recipe's YAML values by kind; paths are resolved against the recipe's folder."""
 
@@ -259,6 +273,15 @@ class _Reader:
             self.fail(label, "a path", value)
         p = Path(value).expanduser()
         return str(p if p.is_absolute() else (self.base / p).resolve())
+
+    def config(self, label: str, value: Any) -> str:
+        """A QUANT_CONFIG: a path (from the recipe's folder), or, when no such file is there, a bundled one's bare name
+        (`maxabs_quant`), so a copied recipe needs no path into hqtflow's package."""
+        from hqtflow import bundled
+
+        p = Path(self.path(label, value))
+        named = bundled.CONFIGS / f"{Path(value).name.removesuffix('.json')}.json"
+        return str(named if not p.is_file() and len(Path(value).parts) == 1 and named.is_file() else p)
 
     def paths(self, label: str, value: Any) -> tuple[str, ...]:
         return tuple(self.path(label, v) for v in self._list(label, value))

@@ -14,10 +14,10 @@ def names(folder: Path, suffix: str) -> list[str]:
 
 
 def resolve(path: str | Path, folder: Path, suffix: str) -> Path:
-    """PATH as given when it exists or names a folder; else the bundled file of that bare name (with or without
-    `suffix`), when there is one; else PATH as given, for the caller's one-sentence refusal."""
+    """PATH as given when it is a file or names a folder (has a `/`); else the bundled file of that bare name (with or
+    without `suffix`), when there is one; else PATH as given, for the caller's one-sentence refusal."""
     p = Path(path)
-    if p.exists() or len(p.parts) != 1:
+    if p.is_file() or len(p.parts) != 1:
         return p
     bundled = folder / f"{p.name.removesuffix(suffix)}{suffix}"
     return bundled if bundled.is_file() else p

@@ -29,6 +29,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -97,6 +98,9 @@ def _build(variant: str, library: Path) -> None:
     if compiler is None:
         raise OSError(f"no C++ compiler {name!r} found")
     library.parent.mkdir(parents=True, exist_ok=True)
+    if sys.stderr.isatty():  # a minute or two of silence otherwise, the first time
+        print(f"Building the CPU FP8 kernel ({variant}) into {library.parent}, once per machine and torch version "
+              "(1-2 minutes)...", file=sys.stderr, flush=True)
     partial = library.with_name(f".{library.name}.{os.getpid()}.partial")
     done = subprocess.run(compile_command(compiler, variant, partial), cwd=library.parent, capture_output=True,
                           text=True, check=False)
