@@ -170,9 +170,12 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
-def _config(config: Optional[Path]) -> Optional[str]:
-    """-c as given, else the QUANT_CONFIG environment variable (a file, or a bundled name, as -c takes), else None."""
+def _config(config: Optional[Path], mode: str = "QUANTIZE") -> Optional[str]:
+    """-c as given, else the QUANT_CONFIG environment variable (a file, or a bundled name, as -c takes), else None.
+    HQT's users switch QUANT_CONFIG between a MEASURE and a QUANTIZE config: one of the other `mode` is refused
+    naming the variable."""
     from hqtflow import bundled, environment
+    from hqtflow.config import QuantConfig
     from hqtflow.errors import ConfigError, not_a_file
 
     if config is not None:
@@ -184,6 +187,10 @@ def _config(config: Optional[Path]) -> Optional[str]:
     if not path.is_file():
         raise ConfigError(f"The environment variable QUANT_CONFIG={env} {not_a_file(path)}"
                           f"{bundled.hint(path, bundled.CONFIGS, '.json')}; unset it or pass -c FILE.")
+    given = QuantConfig.from_file(path).mode
+    if given not in ("AUTO", mode, *(("LOAD",) if mode == "QUANTIZE" else ())):
+        raise ConfigError(f"The environment variable QUANT_CONFIG={env} is a {given} config and this command needs a "
+                          f"{mode} one: point it at one, unset it, or pass -c FILE.")
     return str(path)
 
 
@@ -258,7 +265,7 @@ def measure(
 
         settings = measure_settings(load_recipe(recipe) if recipe is not None else None, _measure_flags(ctx),
                                     overwrite=overwrite)
-        if settings.config is None and (env := _config(None)):  # neither -c nor the recipe's: QUANT_CONFIG
+        if settings.config is None and (env := _config(None, "MEASURE")):  # neither -c nor the recipe's: QUANT_CONFIG
             from dataclasses import replace
 
             settings = replace(settings, config=env)

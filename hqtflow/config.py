@@ -308,8 +308,8 @@ class QuantConfig:
         has one file per rank, so the two cannot meet (with one rank the key changes nothing)."""
         if world > 1 and not self.extra.get("seperate_measure_files", True):
             raise ConfigError(f"{source}: seperate_measure_files false makes INC read one unsuffixed file on every rank, "
-                              f"but this {world}-rank run writes one file per rank: drop the key, or unify to one rank "
-                              "first (`hqtflow unify`).")
+                              f"but this {world}-rank run writes one file per rank: drop the key (a measurement unified "
+                              "to one rank, `hqtflow unify`, may keep it).")
 
     @property
     def measures_inputs(self) -> bool:

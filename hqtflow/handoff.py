@@ -263,7 +263,7 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
     if mode == "quantize" or source.suffix not in (".yaml", ".yml"):
         if art_dir is not None and not Path(art_dir).exists():
             hint = f" (run `hqtflow measure --recipe {source}` first, or hand off --mode measure)" if recipe == source \
-                else bundled.hint(art_dir, bundled.RECIPES, ".yaml").replace("; bundled:", "; bundled recipes:")
+                else bundled.hint(art_dir, bundled.RECIPES, ".yaml", label="bundled recipes")
             raise ArtifactError(f"Artifact {art_dir} {does_not_exist(art_dir)}{hint}.")
         artifact = read_artifact(art_dir)
         if recipe is None and artifact.recipe and Path(artifact.recipe).is_file():

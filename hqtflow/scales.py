@@ -465,21 +465,22 @@ def linear_scales(method: ScaleMethod, input_maxabs, weight: torch.Tensor, *, ta
     kw = dict(target=target, fp8=fp8, hp_dtype=hp_dtype)
     s_in = None if method.dynamic or input_maxabs is None else activation_scale(input_maxabs, method.activation, **kw)
     return stored(LinearScales(s_in, weight_scale(weight, method.weight, inc=method.inc_codes, **kw)),
-                  store or weight.dtype, name)
+                  store or weight.dtype, name, output=store is not None)
 
 
-def stored(sc: LinearScales, dtype: torch.dtype, name: str = "a Linear") -> LinearScales:
+def stored(sc: LinearScales, dtype: torch.dtype, name: str = "a Linear", *, output: bool = False) -> LinearScales:
     """`sc` cast to `dtype`, where it is stored, each scale floored at dtype's smallest normal number there (a bf16
-    scale of 2^-126 is 0 in float16). Refused, in one sentence naming `name`: a scale (input, weight or output) over
-    dtype's largest value or over `MAX_SCALE`, what any reader takes; an input or output scale that large means
-    corrupt statistics, a weight scale a weight no FP8 scale of this dtype fits."""
+    scale of 2^-126 is 0 in float16). Refused, in one sentence naming `name`: a scale (input, weight, and with
+    `output` the output scale input x weight, which INC scale files store and checkpoints do not) over dtype's
+    largest value or over `MAX_SCALE`, what any reader takes; an input or output scale that large means corrupt
+    statistics, a weight scale a weight no FP8 scale of this dtype fits."""
     from hqtflow.errors import ArtifactError, ModelError
     from hqtflow.formats.scale_files import MAX_SCALE
 
     top = min(MAX_SCALE, float(torch.finfo(dtype).max))
     limit = f"{top:.3g}, " + (f"the largest {str(dtype).removeprefix('torch.')} value" if top < MAX_SCALE
                               else "the most any reader takes")
-    out = None if sc.input is None else sc.input.double() * sc.weight.double()
+    out = None if sc.input is None or not output else sc.input.double() * sc.weight.double()
     for what, s in (("weight", sc.weight), ("input", sc.input), ("output", out)):
         if s is not None and not bool((s.double() <= top).all()):  # NaN fails too
             v = float(s.double().max())

@@ -42,6 +42,18 @@ def client_lib(name: str):
         need(False, f"{name} is not installed ({e}); see the test extra in pyproject.toml")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_gaudi_or_tgi_environment():
+    """The tests run as in a clean shell: a Gaudi or TGI user's QUANT_CONFIG, MAX_INPUT_TOKENS, ... (which hqtflow
+    reads as defaults) or API key must not change what they check."""
+    from hqtflow.environment import TGI_KNOBS, TGI_OLDER_NAMES
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("QUANT_CONFIG", "HQTFLOW_API_KEY", *TGI_KNOBS, *TGI_OLDER_NAMES.values()):
+            mp.delenv(name, raising=False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     need((DATA_DIR / "wikitext2_valid.txt").is_file(), f"shared data not found at {DATA_DIR}")

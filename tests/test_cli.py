@@ -134,6 +134,14 @@ def test_quant_config_is_the_default_of_c(monkeypatch, tmp_path):
     monkeypatch.setenv("QUANT_CONFIG", "maxabs_measure_include_outputs")
     r = run_cli("measure", "some-model", "-o", tmp_path / "m")
     assert r.exit_code == 0 and seen[-1].endswith("maxabs_measure_include_outputs.json"), r.output
+    # left at the measure stage's config, QUANT_CONFIG is refused by quantize, naming it (and the other way round)
+    r = run_cli(*argv)
+    assert r.exit_code == 2 and r.stderr.strip() == ("Error: The environment variable QUANT_CONFIG=maxabs_measure_include_outputs "
+                                                     "is a MEASURE config and this command needs a QUANTIZE one: point it at one, "
+                                                     "unset it, or pass -c FILE."), r.output
+    monkeypatch.setenv("QUANT_CONFIG", "maxabs_quant")
+    r = run_cli("measure", "some-model", "-o", tmp_path / "m")
+    assert r.exit_code == 2 and "QUANT_CONFIG=maxabs_quant is a QUANTIZE config and this command needs a MEASURE one" in r.stderr
 
 
 @pytest.mark.parametrize("var,value,words", [("MAX_BATCH_SIZE", "-1", "MAX_BATCH_SIZE must be at least 0, not -1."),

@@ -23,8 +23,8 @@ def resolve(path: str | Path, folder: Path, suffix: str) -> Path:
     return bundled if bundled.is_file() else p
 
 
-def hint(path: str | Path, folder: Path, suffix: str) -> str:
+def hint(path: str | Path, folder: Path, suffix: str, label: str = "bundled") -> str:
     """The end of a 'does not exist' sentence for a bare name: the bundled names one may give instead."""
     if len(Path(path).parts) != 1:
         return ""
-    return f"; bundled: {', '.join(names(folder, suffix))}"
+    return f"; {label}: {', '.join(names(folder, suffix))}"

@@ -250,7 +250,7 @@ def gaudi_only_note(nodes) -> list[str]:
     found = gaudi_only(nodes)
     if not found:
         return []
-    kinds = ", ".join(k for k in GAUDI_ONLY_NODES if any(n.endswith(f".{k}") for n in found))
+    kinds = ", ".join(k for k in GAUDI_ONLY_NODES if any(n.rsplit(".", 1)[-1] == k for n in found))
     return [f"{len(found)} Gaudi-only node(s) ({kinds}) are kept for INC on Gaudi but not used by hqtflow's runtime"]
 
 

@@ -117,14 +117,16 @@ def plan_job(s: QuantizeSettings) -> Job:
         if len(kinds) > 1:
             raise ConfigError("The per-layer scale methods mix static and dynamic activations (or different dynamic "
                               "rules); an FP8 checkpoint has one activation scheme (--scales-only writes mixed INC scales).")
-    _warn_fixed_scales(rules, plan["quantize"], meas.ranks[0], target, cfg.fp8_config)
+    _warn_fixed_scales(rules, plan["quantize"], meas.ranks[0], target, cfg.fp8_config, weight_only=s.weight_only)
     return Job(cfg, target, rules, meas, model_dir, fp, plan, dtype, hessians)
 
 
-def _warn_fixed_scales(rules, names: list[str], meas: Measurement, target: str, fp8: str) -> None:
+def _warn_fixed_scales(rules, names: list[str], meas: Measurement, target: str, fp8: str, *,
+                       weight_only: bool = False) -> None:
     """One AccuracyWarning when a method that ignores the statistics (unit_scale, hw_aligned_single_scale: fixed
-    scales) puts a layer's largest measured weight or input below FP8's smallest normal number on `target`: every
-    value of it then quantizes to a subnormal code (at most 3 bits) or zero, which ruins the model."""
+    scales) puts a layer's largest measured weight or input (not with `weight_only`) below FP8's smallest normal
+    number on `target`: every value of it then quantizes to a subnormal code (at most 3 bits) or zero, which ruins
+    the model."""
     import warnings
 
     import torch
@@ -143,11 +145,14 @@ def _warn_fixed_scales(rules, names: list[str], meas: Measurement, target: str, 
         s_w = float(weight_scale(torch.zeros(1, 1), m.weight, target=target, fp8=fp8))
         s_in = float(activation_scale(0.0, m.activation, target=target, fp8=fp8))
         w_max = float(node.params["weight"].max()) if "weight" in node.params else float("inf")
-        x_max = float(node.inputs[0].max()) if node.inputs else float("inf")  # weight-only: no input statistics
-        if w_max / s_w < tiny or x_max / s_in < tiny:
-            ruined.append(f"{name} (scale {s_w:g})")
+        x_max = float(node.inputs[0].max()) if node.inputs and not weight_only else float("inf")
+        if w_max / s_w < tiny:
+            ruined.append(f"{name} (weight scale {s_w:g})")
+        elif x_max / s_in < tiny:
+            ruined.append(f"{name} (input scale {s_in:g})")
     if ruined:
-        warnings.warn(f"{' and '.join(sorted(fixed))} ignores the statistics: its fixed scales put all weights or all "
+        verb = "ignores" if len(fixed) == 1 else "ignore"
+        warnings.warn(f"{' and '.join(sorted(fixed))} {verb} the statistics: fixed scales put all weights or all "
                       f"inputs of {len(ruined)} of {len(names)} quantized layers ({ruined[0]} the first) below FP8's "
                       f"smallest normal number ({tiny:g}) on {target}, which ruins accuracy; a maxabs method suits "
                       "this model.", AccuracyWarning, stacklevel=2)

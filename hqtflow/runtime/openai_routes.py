@@ -435,6 +435,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
 
         async def chunks():
             sent, text, pending, seen = [""] * len(jobs), [""] * len(jobs), [[] for _ in jobs], [[] for _ in jobs]
+            at = [0] * len(jobs)  # where the first pending token's text starts
             holds = [HeldBack(params.stop) for _, params in jobs]
             echoed = [not echo] * len(jobs)
             seqs = [Sequence() for _ in jobs]
@@ -465,10 +466,14 @@ def openai_router(ctx: Ctx) -> APIRouter:
                         if finish:
                             finish = calls[i].finish_reason(finish)
                     else:
-                        delta, offset, sent[i] = visible[len(sent[i]):], len(sent[i]), visible
-                        if delta or (pending[i] and finish):
-                            yield chunk({**h, "choices": [choice(i, delta, None, pending[i], (len(echo[i // per]) if echo else 0) + offset)]})
-                            pending[i] = []
+                        delta, sent[i], start = visible[len(sent[i]):], visible, at[i]
+                        # the tokens whose text has begun to show (those of a held-back stop sequence wait); at the
+                        # end, every one left
+                        n = len(pending[i]) if finish else len(before_stop(pending[i], len(visible) - start))
+                        out, pending[i] = pending[i][:n], pending[i][n:]
+                        at[i] += sum(len(t.text) for t in out)
+                        if delta or out:
+                            yield chunk({**h, "choices": [choice(i, delta, None, out, (len(echo[i // per]) if echo else 0) + start)]})
                     if finish:
                         yield chunk({**h, "choices": [choice(i, "", finish, pending[i] if calls is not None else [])]})
                 if include_usage:

@@ -319,8 +319,8 @@ def test_fixed_scale_that_ruins_the_model_warns(measured, tmp_path):
     r = run_cli("quantize", "-m", measured, "-o", tmp_path / "single", "--scale-method", "hw_aligned_single_scale")
     assert r.exit_code == 0, r.output
     warned = [line for line in r.stderr.splitlines() if line.startswith("Warning:")]
-    assert warned == ["Warning: hw_aligned_single_scale ignores the statistics: its fixed scales put all weights or all "
-                      "inputs of 14 of 14 quantized layers (model.layers.0.self_attn.q_proj (scale 128) the first) below "
+    assert warned == ["Warning: hw_aligned_single_scale ignores the statistics: fixed scales put all weights or all "
+                      "inputs of 14 of 14 quantized layers (model.layers.0.self_attn.q_proj (weight scale 128) the first) below "
                       "FP8's smallest normal number (0.015625) on cpu, which ruins accuracy; a maxabs method suits this "
                       "model."], r.stderr
     for method in ("unit_scale", "maxabs_pow2"):

@@ -178,8 +178,10 @@ def test_scale_over_the_stored_dtype_refused():
     assert linear_scales(m, 1e7, w.bfloat16()).input.item() == 2.0**17
     with pytest.raises(ArtifactError, match="over 5.93e\\+33, the most any reader takes; the statistics are corrupt"):
         linear_scales(m, 1e38, w.bfloat16(), name="q")
-    with pytest.raises(ArtifactError, match="gives the output scale"):  # 2^9 * 2^7: each fits fp16, the product not
-        linear_scales(m, 5e4, torch.full((4, 8), 2e4).half(), name="q")
+    big = torch.full((4, 8), 2e4).half()  # 2^9 * 2^7: each scale fits fp16, their product (the output scale) not
+    assert linear_scales(m, 5e4, big, name="q").input.item() == 2.0**9  # a checkpoint stores no output scale
+    with pytest.raises(ArtifactError, match="gives the output scale"):  # INC scale files do
+        linear_scales(m, 5e4, big, name="q", store=torch.float16)
     with pytest.raises(ModelError, match="The weight of q gives the scale inf, over 6.55e\\+04"):  # scale files, hp fp16
         linear_scales(m, 1.0, torch.full((4, 8), 1e6), name="q", hp_dtype="fp16", store=torch.float16)
 

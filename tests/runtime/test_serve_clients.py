@@ -622,6 +622,16 @@ def test_logprobs_end_where_a_stop_sequence_cuts_the_text(url):
     streamed = [t for ch in client.completions.create(**ask, stop=[toks[k]], stream=True) for c in ch.choices
                 if c.logprobs for t in c.logprobs.tokens]
     assert streamed == toks[:k]
+    # a stream holds token k back (it may begin the first stop), then releases it as token k + 1 begins the second:
+    # token k + 1 is held back in turn, and left out with its stop sequence
+    k = next(i for i in range(1, len(toks) - 2) if toks[i] and toks[i + 1]
+             and text.find(toks[i + 1] + toks[i + 2]) == offsets[i + 1])
+    stops = [toks[k] + "\u2603\u2603", toks[k + 1] + toks[k + 2]]
+    cut = client.completions.create(**ask, stop=stops).choices[0]
+    assert (cut.text, cut.logprobs.tokens) == (text[:offsets[k + 1]], toks[:k + 1])
+    streamed = [(c.text, c.logprobs.tokens) for ch in client.completions.create(**ask, stop=stops, stream=True)
+                for c in ch.choices if c.logprobs]
+    assert "".join(t for t, _ in streamed) == cut.text and [t for _, ts in streamed for t in ts] == toks[:k + 1]
 
     chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 12, "temperature": 0, "logprobs": True}
     answer = client.chat.completions.create(**chat).choices[0]
