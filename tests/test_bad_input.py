@@ -177,7 +177,7 @@ def test_a_missing_relative_path_names_the_directory_it_was_looked_for_in(setup,
                   f"nope.json {where[:-1]}; bundled: act_maxabs_pow2_weights_pcs_opt_pow2_quant, cpu_quant,")
     _one_sentence(run_cli("measure", model, "-o", "out", "--tasks", "piqa_local", "--data-dir", "data"), 5, f"data {where}")
     _one_sentence(run_cli("export", "nope", "--format", "fp8", "-o", "out"), 3, f"nope {where}")
-    _one_sentence(run_cli("handoff", "nope", "--to", "tgi-gaudi"), 3, f"nope {where}")
+    _one_sentence(run_cli("handoff", "nope", "--to", "tgi-gaudi"), 3, f"nope {where[:-1]}; bundled recipes: falcon-180b-8x,")
     _one_sentence(run_cli("import-hqt", "nope", "-o", "out", "--model", model), 3, f"nope {where}")
     _one_sentence(run_cli("inspect", "nope"), 3, f"nope {where}")  # formats/: artifact.py and measurement.py
     _one_sentence(run_cli("quantize", "-m", "nope", "-o", "out"), 3, f"nope {where}")
