@@ -266,6 +266,16 @@ def openai_router(ctx: Ctx) -> APIRouter:
             return [ctx.encode(x, "prompt") for x in p]
         return [ctx.check_ids(x) for x in p]
 
+    def echoed_prompts(req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """What `echo` gives back: a text prompt as the client sent it (not its tokens decoded, which would add a
+        BOS such as `<s>` or drop a SentencePiece tokenizer's leading space), a token prompt decoded."""
+        p = req.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        return [tok.decode(ids) for ids in prompts]
+
     def completion_logprobs(tokens: list[tuple[int, float | None, list]], offset0: int) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = offset0
@@ -299,7 +309,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
             if len(prompts) * per > MAX_SEQUENCES:
                 raise invalid(f"`prompt` x `best_of` (or `n`) must be <= {MAX_SEQUENCES} sequences. Given: {len(prompts)} x {per}")
             jobs = jobs_for(prompts, make, per, req.seed)
-            texts = [tok.decode(ids) if req.echo else "" for ids in prompts]
+            texts = echoed_prompts(req, prompts) if req.echo else [""] * len(prompts)
         if req.stream:
             return stream(jobs, prompts, req, chat=False, echo=texts if req.echo else None, slot=slot)
         seqs = await ctx.collect(jobs, request, slot)

@@ -13,7 +13,7 @@ TEXTS = ["The café's crème brûlée costs 5 € — naïve “quotes”.", "�
          "  leading spaces,\ttabs and\nnew lines  ", "Zürich, Kraków, São Paulo; ½ ≤ ¾ ≥ π."]
 
 
-def _metaspace(lines):
+def _metaspace(lines, size=800):
     """A SentencePiece-style BPE (Metaspace: '▁' for spaces, stripped before the first word on decode)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -23,7 +23,7 @@ def _metaspace(lines):
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
     alphabet = [f"<0x{b:02X}>" for b in range(256)]
-    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=800, special_tokens=["<unk>", "</s>", *alphabet]))
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=size, special_tokens=["<unk>", "</s>", *alphabet]))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
 
 
@@ -132,3 +132,24 @@ def test_logprob_token_texts_join_to_the_answer(tokenizers, kind):
     answer = tok(" to Paris, in France", add_special_tokens=False)["input_ids"]  # (a part of a character: U+FFFD)
     assert "".join(map(text, answer)) == " to Paris, in France"
     assert all(text(t) == tok.decode([t]) for t in answer) == (kind == "byte-level")
+
+
+def test_echo_gives_a_text_prompt_back_as_sent(data_dir, lm):
+    """`echo` on /v1/completions returns a text prompt as the client sent it: decoding its tokens would add a
+    SentencePiece tokenizer's BOS (`<s>`) or drop its leading space; a token prompt is decoded."""
+    import httpx
+
+    from conftest import running
+    from hqtflow.runtime.server import ServeSettings, create_app
+
+    lines = (data_dir / "wikitext2_valid.txt").read_text().splitlines()[:500]
+    tok = _metaspace(lines, size=len(lm[1]))  # within the tiny model's vocabulary
+    app = create_app(lm[0], tok, ServeSettings(model_id="sp", max_input_tokens=48, max_total_tokens=96, max_batch_size=4))
+    prompt = " The capital is"
+    ids = tok(prompt)["input_ids"]
+    assert tok.decode(ids) != prompt
+    with running(app) as url:
+        for body, want in (({"prompt": prompt}, prompt), ({"prompt": [prompt, "Paris"]}, prompt), ({"prompt": ids}, tok.decode(ids))):
+            r = httpx.post(f"{url}/v1/completions", json={**body, "echo": True, "max_tokens": 0, "logprobs": 0}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
