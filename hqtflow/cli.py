@@ -623,13 +623,15 @@ TGI_ENV = {"max_batch_size": "MAX_BATCH_SIZE", "max_batch_total_tokens": "MAX_BA
            "pad_sequence_to_multiple_of": "PAD_SEQUENCE_TO_MULTIPLE_OF", "warmup": "WARMUP_ENABLED",
            "cuda_graphs": "CUDA_GRAPHS", "max_stop_sequences": "MAX_STOP_SEQUENCES", "max_input_tokens": "MAX_INPUT_TOKENS",
            "max_total_tokens": "MAX_TOTAL_TOKENS", "max_batch_prefill_tokens": "MAX_BATCH_PREFILL_TOKENS",
-           "max_concurrent_requests": "MAX_CONCURRENT_REQUESTS"}
+           "max_concurrent_requests": "MAX_CONCURRENT_REQUESTS", "max_best_of": "MAX_BEST_OF",
+           "max_top_n_tokens": "MAX_TOP_N_TOKENS"}
 
 
 # The least value of each numeric serve limit (TGI types them unsigned); 0 only where it means "no limit" or "none"
 SERVE_MINIMUMS = {"max_input_tokens": 1, "max_total_tokens": 2, "max_batch_size": 0, "max_batch_prefill_tokens": 1,
                   "max_batch_total_tokens": 1, "max_concurrent_requests": 1, "max_stop_sequences": 0,
-                  "batch_bucket_size": 1, "prefill_batch_bucket_size": 1, "pad_sequence_to_multiple_of": 1}
+                  "batch_bucket_size": 1, "prefill_batch_bucket_size": 1, "pad_sequence_to_multiple_of": 1,
+                  "max_best_of": 1, "max_top_n_tokens": 0}
 
 
 def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
@@ -649,6 +651,11 @@ def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
     for name, least in SERVE_MINIMUMS.items():
         if values[name] is not None and values[name] < least:
             raise HqtflowError(f"{where(name)} must be at least {least}, not {values[name]}.")
+    from hqtflow.runtime.schemas import MAX_BEST_OF, MAX_TOP_N_TOKENS
+
+    for name, most in {"max_best_of": MAX_BEST_OF, "max_top_n_tokens": MAX_TOP_N_TOKENS}.items():
+        if values[name] > most:
+            raise HqtflowError(f"{where(name)} can be at most {most} here, not {values[name]}.")
     values["api_key"] = values["api_key"] or environment.api_key()
     values["kv_cache"] = parse(KVCache, values["kv_cache"], "--kv-cache").value
     from hqtflow.runtime.cuda_graphs import parse_batch_sizes
@@ -674,9 +681,9 @@ def _serve_command(kind: str, doc: str):
     @user_errors
     def command(
         ctx: typer.Context,
-        model: Annotated[Optional[str], typer.Argument(help="FP8 checkpoint (fp8) or HF model folder / 'smollm2' (bf16).")] = None,
+        model: Annotated[Optional[str], typer.Argument(envvar="MODEL_ID", show_envvar=False, help="FP8 checkpoint (fp8) or HF model folder / 'smollm2' (bf16) (env MODEL_ID, as TGI's launcher).")] = None,
         host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
-        port: Annotated[int, typer.Option(help="Port.")] = 3000,
+        port: Annotated[int, typer.Option(envvar="PORT", show_envvar=False, help="Port (env PORT).")] = 3000,
         max_input_tokens: Annotated[int, typer.Option(help="Longest prompt accepted (422 above) (env MAX_INPUT_TOKENS, or MAX_INPUT_LENGTH).")] = S.max_input_tokens,
         max_total_tokens: Annotated[int, typer.Option(help="Prompt + max_new_tokens limit (422 above) (env MAX_TOTAL_TOKENS).")] = S.max_total_tokens,
         max_batch_size: Annotated[int, typer.Option(help="Requests running together at most; 0: as many as the KV cache holds (env MAX_BATCH_SIZE).")] = S.max_batch_size,
@@ -685,6 +692,8 @@ def _serve_command(kind: str, doc: str):
         kv_cache: Annotated[str, typer.Option(help="bf16 (the model's dtype), or fp8: the checkpoint's k_scale/v_scale (refused without them).")] = S.kv_cache,
         max_concurrent_requests: Annotated[int, typer.Option(help="Requests in flight before 429 (env MAX_CONCURRENT_REQUESTS).")] = S.max_concurrent_requests,
         max_stop_sequences: Annotated[int, typer.Option(help="Stop sequences a request may give (TGI's flag; env MAX_STOP_SEQUENCES). More than TGI's and OpenAI's 4: lm-eval sends a task's whole stop list plus EOS.")] = S.max_stop_sequences,
+        max_best_of: Annotated[int, typer.Option(help="Sequences one request may run: TGI's best_of, OpenAI's n and best_of (TGI's flag; env MAX_BEST_OF; at most 4).")] = S.max_best_of,
+        max_top_n_tokens: Annotated[int, typer.Option(help="TGI's top_n_tokens at most (TGI's flag; env MAX_TOP_N_TOKENS; at most 5).")] = S.max_top_n_tokens,
         api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` (env HQTFLOW_API_KEY).")] = S.api_key,
         batch_bucket_size: Annotated[int, typer.Option(help="Pad a decode step to a multiple of tokens (one per sequence) (env BATCH_BUCKET_SIZE).")] = S.batch_bucket_size,
         prefill_batch_bucket_size: Annotated[int, typer.Option(help="A step with prefill is padded to a multiple of this x PAD_SEQUENCE_TO_MULTIPLE_OF tokens (env PREFILL_BATCH_BUCKET_SIZE).")] = S.prefill_batch_bucket_size,
@@ -710,9 +719,13 @@ def _serve_command(kind: str, doc: str):
             max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens, max_batch_size=max_batch_size,
             max_batch_prefill_tokens=max_batch_prefill_tokens, max_batch_total_tokens=max_batch_total_tokens,
             kv_cache=kv_cache, max_concurrent_requests=max_concurrent_requests, max_stop_sequences=max_stop_sequences, api_key=api_key,
+            max_best_of=max_best_of, max_top_n_tokens=max_top_n_tokens,
             batch_bucket_size=batch_bucket_size, prefill_batch_bucket_size=prefill_batch_bucket_size,
             pad_sequence_to_multiple_of=pad_sequence_to_multiple_of, warmup=warmup, cuda_graphs=cuda_graphs, compile=compile,
             shutdown_timeout=shutdown_timeout, client_timeout=client_timeout, cors_allow_origin=cors_allow_origin or []))
+        if unread := environment.tgi_not_read():
+            typer.echo(f"Note: {', '.join(unread)}: TGI's launcher reads {'these' if len(unread) > 1 else 'this'}, hqtflow serve does not "
+                       "(it serves the model as it is: an FP8 checkpoint, or one quantized at start with -m).", err=True)
         from hqtflow.runtime.server import serve
 
         from hqtflow.choices import Engine as Kind, parse

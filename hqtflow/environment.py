@@ -2,7 +2,7 @@
 
 Read: HQTFLOW_CACHE, HQTFLOW_API_KEY, CXX (the CPU kernel's compiler), QUANT_CONFIG (the default of `-c`, as
 optimum-habana and TGI-on-Gaudi read it), TGI's serving knobs (TGI_KNOBS; MAX_INPUT_LENGTH, MAX_INPUT_TOKENS' older
-name) and torchrun's RANK, WORLD_SIZE,
+name; MODEL_ID and PORT, the defaults of serve's model and --port; TGI_NOT_READ, only to name them) and torchrun's RANK, WORLD_SIZE,
 LOCAL_RANK, TORCHELASTIC_RUN_ID. Set, for libraries that only read the environment: TQDM_DISABLE (ranks other than
 0), ONEDNN_PRIMITIVE_CACHE_CAPACITY (serve), TORCHINDUCTOR_CACHE_DIR (the compiled decoder), OMP_NUM_THREADS (the ranks `--tp` starts).
 """
@@ -14,8 +14,13 @@ from pathlib import Path
 
 TGI_KNOBS = ("MAX_BATCH_SIZE", "MAX_BATCH_TOTAL_TOKENS", "BATCH_BUCKET_SIZE", "PREFILL_BATCH_BUCKET_SIZE",
              "PAD_SEQUENCE_TO_MULTIPLE_OF", "WARMUP_ENABLED", "CUDA_GRAPHS", "MAX_STOP_SEQUENCES", "MAX_INPUT_TOKENS",
-             "MAX_TOTAL_TOKENS", "MAX_BATCH_PREFILL_TOKENS", "MAX_CONCURRENT_REQUESTS")
+             "MAX_TOTAL_TOKENS", "MAX_BATCH_PREFILL_TOKENS", "MAX_CONCURRENT_REQUESTS", "MAX_BEST_OF", "MAX_TOP_N_TOKENS")
 TGI_OLDER_NAMES = {"MAX_INPUT_TOKENS": "MAX_INPUT_LENGTH"}  # read when the knob itself is not set
+# TGI launcher variables with no counterpart here: `serve` names the ones set rather than ignore them silently
+# (MODEL_ID and PORT are read: the model argument's and --port's defaults)
+TGI_NOT_READ = ("QUANTIZE", "NUM_SHARD", "SHARDED", "SPECULATE", "DTYPE", "KV_CACHE_DTYPE", "REVISION", "ROPE_SCALING",
+                "ROPE_FACTOR", "TRUST_REMOTE_CODE", "MAX_WAITING_TOKENS", "WAITING_SERVED_RATIO", "MAX_CLIENT_BATCH_SIZE",
+                "LORA_ADAPTERS", "DISABLE_GRAMMAR_SUPPORT", "WATERMARK_GAMMA", "WATERMARK_DELTA")
 
 
 def cache_dir() -> Path:
@@ -66,6 +71,11 @@ def tgi_knob(name: str, default):
         return kind(raw)
     except ValueError:
         raise ConfigError(f"The environment variable {name}={raw!r} is not a valid {kind.__name__}.") from None
+
+
+def tgi_not_read() -> list[str]:
+    """The TGI launcher variables set here that hqtflow serve has no counterpart for, as NAME=value."""
+    return [f"{name}={os.environ[name]}" for name in TGI_NOT_READ if os.environ.get(name)]
 
 
 def use_inductor_cache() -> None:

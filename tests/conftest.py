@@ -46,10 +46,10 @@ def client_lib(name: str):
 def _no_gaudi_or_tgi_environment():
     """The tests run as in a clean shell: a Gaudi or TGI user's QUANT_CONFIG, MAX_INPUT_TOKENS, ... (which hqtflow
     reads as defaults) or API key must not change what they check."""
-    from hqtflow.environment import TGI_KNOBS, TGI_OLDER_NAMES
+    from hqtflow.environment import TGI_KNOBS, TGI_NOT_READ, TGI_OLDER_NAMES
 
     with pytest.MonkeyPatch.context() as mp:
-        for name in ("QUANT_CONFIG", "HQTFLOW_API_KEY", *TGI_KNOBS, *TGI_OLDER_NAMES.values()):
+        for name in ("QUANT_CONFIG", "HQTFLOW_API_KEY", "MODEL_ID", "PORT", *TGI_KNOBS, *TGI_OLDER_NAMES.values(), *TGI_NOT_READ):
             mp.delenv(name, raising=False)
         yield
 

@@ -234,3 +234,27 @@ def test_sigterm_stops_a_stage_and_removes_its_staging_dir(tiny_llama, wiki_text
     assert p.returncode == 143 and err.count("Terminated; nothing was written.") == 1, (seen + err)[-2000:]
     time.sleep(0.5)
     assert not list(tmp_path.iterdir()), sorted(x.name for x in tmp_path.iterdir())
+
+
+def test_serve_reads_or_names_every_tgi_launcher_variable(monkeypatch):
+    """MAX_BEST_OF and MAX_TOP_N_TOKENS are read like the other knobs (within what the server takes), MODEL_ID and
+    PORT are the model's and --port's defaults, and a TGI variable with no counterpart (QUANTIZE, ...) is named in a
+    note, not silently ignored."""
+    from hqtflow.runtime import server
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda model, settings, **kw: seen.update(model=model, settings=settings, **kw))
+    for name, value in {"MAX_BEST_OF": "1", "MAX_TOP_N_TOKENS": "2", "MODEL_ID": "from-env", "PORT": "8123",
+                        "QUANTIZE": "gptq", "NUM_SHARD": "2"}.items():
+        monkeypatch.setenv(name, value)
+    r = run_cli("serve", "fp8")
+    assert r.exit_code == 0, r.output
+    assert (seen["model"], seen["port"], seen["settings"].max_best_of, seen["settings"].max_top_n_tokens) == ("from-env", 8123, 1, 2)
+    assert "QUANTIZE=gptq, NUM_SHARD=2: TGI's launcher reads these, hqtflow serve does not" in r.stderr, r.output
+    assert run_cli("serve", "fp8", "given", "--port", "9000", "--max-best-of", "3").exit_code == 0
+    assert (seen["model"], seen["port"], seen["settings"].max_best_of) == ("given", 9000, 3)
+    monkeypatch.setenv("MAX_BEST_OF", "8")
+    r = run_cli("serve", "fp8")
+    assert r.exit_code == 2 and "MAX_BEST_OF can be at most 4 here, not 8." in r.stderr, r.output
+    r = run_cli("serve", "fp8", "--max-best-of", "2", "--max-top-n-tokens", "-1")
+    assert r.exit_code == 2 and "--max-top-n-tokens must be at least 0, not -1." in r.stderr, r.output

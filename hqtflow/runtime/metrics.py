@@ -83,7 +83,7 @@ class Metrics:
 def metrics_router(metrics: Metrics) -> APIRouter:
     r = APIRouter()
 
-    @r.get("/metrics")
+    @r.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: as TGI (axum answers it for every GET)
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

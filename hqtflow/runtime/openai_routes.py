@@ -232,15 +232,18 @@ def openai_router(ctx: Ctx) -> APIRouter:
                               stop=stop_list(data.stop, s.max_stop_sequences), seed=data.seed, top_n=top_n, prompt_logprobs=prompt_logprobs,
                               grammar=grammar)
 
-    def jobs_for(prompts, make, count: int, seed):
-        """count sequences per prompt; with a seed, sequence j of a prompt samples with seed + j (modulo 2**64, the
-        seed range, so every accepted seed works)."""
+    def jobs_for(req, prompts, make, count: int):
+        """count sequences per prompt (`n` and `best_of` at most this server's --max-best-of); with a seed, sequence
+        j of a prompt samples with seed + j (modulo 2**64, the seed range, so every accepted seed works)."""
+        for name in ("n", "best_of"):
+            if (given := getattr(req, name, None) or 1) > ctx.s.max_best_of:
+                raise invalid(f"`{name}` must be >= 1 and <= {ctx.s.max_best_of}. Given: {given}")
         out = []
         for ids in prompts:
             for j in range(count):
                 p = make(len(ids))
-                if seed is not None:
-                    p.seed = (seed + j) % 2**64
+                if req.seed is not None:
+                    p.seed = (req.seed + j) % 2**64
                 out.append((ids, p))
         return out
 
@@ -308,7 +311,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
             per = req.best_of or req.n
             if len(prompts) * per > MAX_SEQUENCES:
                 raise invalid(f"`prompt` x `best_of` (or `n`) must be <= {MAX_SEQUENCES} sequences. Given: {len(prompts)} x {per}")
-            jobs = jobs_for(prompts, make, per, req.seed)
+            jobs = jobs_for(req, prompts, make, per)
             texts = echoed_prompts(req, prompts) if req.echo else [""] * len(prompts)
         if req.stream:
             return stream(jobs, prompts, req, chat=False, echo=texts if req.echo else None, slot=slot)
@@ -410,7 +413,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
         if req.max_completion_tokens is not None and req.max_tokens is not None:  # both given: each must fit
             ctx.max_new(len(ids), req.max_tokens, 100, names=("messages", "max_tokens"))
         make = lambda n: params(req, n, max_new, top_n=top_n, grammar=grammar, default_max_new=100, names=names)  # noqa: E731
-        jobs = jobs_for([ids], make, req.n, req.seed)
+        jobs = jobs_for(req, [ids], make, req.n)
         if req.stream:
             return stream(jobs, [ids], req, chat=True, plan=plan, slot=slot)
         seqs = await ctx.collect(jobs, request, slot)
@@ -498,11 +501,11 @@ def openai_router(ctx: Ctx) -> APIRouter:
     def model_card() -> dict:
         return {"id": s.model_id, "object": "model", "created": 0, "owned_by": "hqtflow"}
 
-    @r.get("/v1/models")
+    @r.api_route("/v1/models", methods=["GET", "HEAD"])  # HEAD: as every GET route (TGI's axum does)
     async def list_models():
         return {"object": "list", "data": [model_card()]}
 
-    @r.get("/v1/models/{model:path}")
+    @r.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
     async def get_model(model: str):
         if not model:  # `/v1/models/`: no such route (as every path with a trailing slash)
             raise HTTPException(404, "Not Found")

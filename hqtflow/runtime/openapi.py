@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 
-from hqtflow.runtime.schemas import MAX_BEST_OF, ChatRequest, CompletionRequest, TgiRequest, TokenizeRequest
+from hqtflow.runtime.schemas import MAX_BEST_OF, MAX_TOP_N_TOKENS, ChatRequest, CompletionRequest, TgiRequest, TokenizeRequest
 
 TGI_ERROR = {"type": "object", "required": ["error", "error_type"],
              "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}}}
@@ -91,7 +91,7 @@ BODY_ERRORS = {413: "body over 1 MiB", 415: "not a UTF-8 JSON body", 422: "a par
 
 
 def publish(spec: dict, *, vocab: int, max_input_tokens: int, max_total_tokens: int, max_stop_sequences: int,
-            api_key: bool) -> dict:
+            max_best_of: int = MAX_BEST_OF, max_top_n_tokens: int = MAX_TOP_N_TOKENS, api_key: bool) -> dict:
     """FastAPI's spec of the app (`get_openapi`) completed in place: bodies, streams, errors, this server's limits
     (token ids, stop sequences, lengths: a prompt's length in tokens is checked too, which no schema can say)."""
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
@@ -115,6 +115,9 @@ def publish(spec: dict, *, vocab: int, max_input_tokens: int, max_total_tokens: 
                                       {"type": "array", "minItems": 1, "items": ids}]}
     for props in (completion, chat):
         props["stop"] = {"anyOf": [text, stops, {"type": "null"}]}
+    for field, most in ((params["best_of"], max_best_of), (params["top_n_tokens"], max_top_n_tokens),
+                        (completion["best_of"], max_best_of), (completion["n"], max_best_of), (chat["n"], max_best_of)):
+        (field if "maximum" in field else field["anyOf"][0])["maximum"] = most  # this server's --max-best-of, ...
     for budget in (completion["max_tokens"], chat["max_tokens"], chat["max_completion_tokens"]):
         budget["maximum"] = max_total_tokens - 1
     for budget in (params["max_new_tokens"], completion["max_tokens"], chat["max_tokens"], chat["max_completion_tokens"]):
@@ -141,14 +144,15 @@ def publish(spec: dict, *, vocab: int, max_input_tokens: int, max_total_tokens: 
         paths_body["$ref"] = "#/components/schemas/TgiGenerateRequest"
 
     paths = spec["paths"]
-    for method in ("get", "head"):
-        paths["/health"][method].update(operationId=f"health_{method}", responses={
-            "200": {"description": "ready (no body)"}, "503": error("/health", "warming up")})
+    paths["/health"]["get"]["responses"] = {"200": {"description": "ready (no body)"}, "503": error("/health", "warming up")}
     paths["/metrics"]["get"]["responses"] = {"200": {"description": "Prometheus metrics (TGI's names)",
                                                      "content": {"text/plain": {"schema": {"type": "string"}}}}}
     paths["/v1/models/{model}"]["get"]["responses"] = {
         "200": {"description": "the served model", "content": {"application/json": {"schema": OBJECT}}},
         "404": error("/v1/", "no such model")}
+    for item in paths.values():  # every GET route answers HEAD too (as TGI's): the same answer, without its body
+        if "head" in item:
+            item["head"] = {**item["get"], "operationId": item["get"]["operationId"] + "_head"}
     for path, item in paths.items():
         for op in item.values():
             if api_key and path not in ("/health", "/metrics"):

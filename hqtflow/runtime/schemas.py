@@ -6,6 +6,7 @@ refused with a 422 that names it. Unknown fields are a 422 naming them too (extr
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, ClassVar, Literal, Union
 
@@ -61,9 +62,29 @@ def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
     if len(raw) > MAX_BODY:
         raise ApiError(413, f"Request body larger than {MAX_BODY} bytes")
     try:
-        return model.model_validate_json(raw)
+        body = model.model_validate_json(raw)
     except ValidationError as e:
         raise _named(e) from None
+    if twice := duplicate_key(raw):  # the parser keeps the last; TGI's (serde) refuses, and a client meant one of them
+        raise invalid(f"duplicate field `{twice}`")
+    return body
+
+
+def duplicate_key(raw: bytes) -> str | None:
+    """The first key given twice in one object of a (valid) JSON body, else None."""
+    seen: list[str] = []
+
+    def pairs(items):
+        keys = [k for k, _ in items]
+        if len(set(keys)) < len(keys) and not seen:
+            seen.append(next(k for i, k in enumerate(keys) if k in keys[:i]))
+        return None  # the objects themselves are not kept
+
+    try:
+        json.loads(raw, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):  # (what pydantic's parser took, Python's takes too: not expected)
+        return None
+    return seen[0] if seen else None
 
 
 def parse_part(model: type[BaseModel], value: dict, where: str) -> BaseModel:
@@ -106,7 +127,15 @@ def _integral(v):
 
 
 Int = Annotated[int, BeforeValidator(_integral)]  # an integer field: strict (no "2", no true), but 2.0 is 2
-Seed = Annotated[int, BeforeValidator(_integral), Field(ge=0, lt=2**64),  # a u64, as TGI's
+def _u64(v):
+    """A seed: a u64, as TGI's (checked here: pydantic words a bound this large as a float, 18446744073709552000)."""
+    v = _integral(v)
+    if isinstance(v, int) and not isinstance(v, bool) and not 0 <= v < 2**64:
+        raise ValueError(f"Input should be >= 0 and <= {2**64 - 1} (a u64)")
+    return v
+
+
+Seed = Annotated[int, BeforeValidator(_u64),  # a u64, as TGI's
                  WithJsonSchema({"type": "integer", "minimum": 0, "maximum": 2**64 - 1})]
 
 

@@ -167,11 +167,12 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
             from hqtflow import __version__
             from hqtflow.runtime.openapi import publish
 
-            with warnings.catch_warnings():  # GET and HEAD /health share a route: publish() names them apart
+            with warnings.catch_warnings():  # GET and HEAD share each GET route: publish() names them apart
                 warnings.filterwarnings("ignore", "Duplicate Operation ID")
                 spec = get_openapi(title=app.title, version=__version__, routes=app.routes)
             app.openapi_schema = publish(spec, vocab=len(tokenizer), max_input_tokens=s.max_input_tokens,
                                          max_total_tokens=s.max_total_tokens, max_stop_sequences=s.max_stop_sequences,
+                                         max_best_of=s.max_best_of, max_top_n_tokens=s.max_top_n_tokens,
                                          api_key=bool(s.api_key))
         return app.openapi_schema
 

@@ -20,6 +20,8 @@ class ServeSettings:
     # stop sequences a request may give (TGI's flag; TGI and OpenAI allow 4): more, because lm-eval's
     # local-completions sends a task's whole `until` list plus the EOS token (humaneval: 6)
     max_stop_sequences: int = 16
+    max_best_of: int = 4  # sequences one request may run: TGI's best_of, OpenAI's n and best_of (TGI's flag)
+    max_top_n_tokens: int = 5  # TGI's top_n_tokens at most (TGI's flag and default)
     api_key: str | None = None
     batch_bucket_size: int = 1
     prefill_batch_bucket_size: int = 1

@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from hqtflow.runtime.api import Ctx, Sequence
 from hqtflow.runtime.engine import SamplingParams
 from hqtflow.runtime.grammar import GrammarError, compile_grammar
-from hqtflow.runtime.schemas import (MAX_BEST_OF, MAX_TOP_N_TOKENS, ApiError, JsonSchema, TgiParameters, TgiRequest,
+from hqtflow.runtime.schemas import (ApiError, JsonSchema, TgiParameters, TgiRequest,
                                      TokenizeRequest, invalid, parse, parse_part, read_body, stop_list)
 
 
@@ -66,6 +66,10 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         """The request's ids, parameters and engine parameters, and its place among the in-flight requests: taken
         first (TGI's 429 before any tokenizing or compiling), handed to the caller, given back on an error."""
         p = req.parameters
+        if (p.best_of or 1) > s.max_best_of:  # this server's --max-best-of (the schema's bound is the most it takes)
+            raise invalid(f"`best_of` must be > 0 and <= {s.max_best_of}. Given: {p.best_of}")
+        if (p.top_n_tokens or 0) > s.max_top_n_tokens:
+            raise invalid(f"`top_n_tokens` must be >= 0 and <= {s.max_top_n_tokens}. Given: {p.top_n_tokens}")
         if stream and (p.best_of or 1) > 1:
             raise invalid("`best_of` != 1 is not supported when streaming tokens")
         if stream and p.decoder_input_details:
@@ -145,14 +149,14 @@ def tgi_router(ctx: Ctx) -> APIRouter:
             return JSONResponse({"error": "warming up", "error_type": "unhealthy"}, 503)
         return Response(status_code=200)
 
-    @r.get("/info")
+    @r.api_route("/info", methods=["GET", "HEAD"])
     async def info():
         from hqtflow import __version__
 
         return {"model_id": s.model_id, "model_sha": None, "model_dtype": s.dtype, "model_device_type": ctx.engine.device.type,
-                "max_concurrent_requests": s.max_concurrent_requests, "max_best_of": MAX_BEST_OF, "max_stop_sequences": s.max_stop_sequences,
+                "max_concurrent_requests": s.max_concurrent_requests, "max_best_of": s.max_best_of, "max_stop_sequences": s.max_stop_sequences,
                 "max_input_tokens": s.max_input_tokens, "max_total_tokens": s.max_total_tokens, "validation_workers": 1,
-                "max_client_batch_size": 1, "max_top_n_tokens": MAX_TOP_N_TOKENS, "router": "hqtflow", "version": __version__}
+                "max_client_batch_size": 1, "max_top_n_tokens": s.max_top_n_tokens, "router": "hqtflow", "version": __version__}
 
     @r.post("/tokenize")
     async def tokenize(request: Request):

@@ -224,3 +224,40 @@ def test_token_ids_past_the_model_are_named_422s(lm):
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 1, "logit_bias": {str(rows): 1}})
         assert r.status_code == 422 and f"must be < {rows}" in r.json()["error"]["message"], r.text
         assert httpx.post(f"{base}/v1/completions", json={"prompt": [1, rows - 1], "max_tokens": 1}).status_code == 200
+
+
+def test_max_best_of_and_max_top_n_tokens_bound_each_route(lm):
+    """--max-best-of bounds TGI's best_of and OpenAI's n and best_of, --max-top-n-tokens TGI's top_n_tokens: a
+    request over them is a 422 naming the field (TGI's wording), /info and /openapi.json say this server's values."""
+    s = ServeSettings(model_id="tiny", max_input_tokens=48, max_total_tokens=96, max_best_of=1, max_top_n_tokens=2)
+    with running(create_app(*lm, s)) as base:
+        for path, body, field in (
+                ("/generate", {"inputs": "a", "parameters": {"best_of": 2, "do_sample": True}}, "best_of"),
+                ("/generate", {"inputs": "a", "parameters": {"top_n_tokens": 3}}, "top_n_tokens"),
+                ("/v1/completions", {"prompt": "a", "n": 2, "max_tokens": 1}, "n"),
+                ("/v1/completions", {"prompt": "a", "best_of": 2, "max_tokens": 1}, "best_of"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 2, "max_tokens": 1}, "n")):
+            r = post(base, path, body)
+            assert r.status_code == 422 and f"`{field}` must be" in r.text, (path, body, r.text)
+        assert post(base, "/generate", {"inputs": "a", "parameters": {"top_n_tokens": 2, "max_new_tokens": 1}}).status_code == 200
+        info = httpx.get(f"{base}/info").json()
+        assert (info["max_best_of"], info["max_top_n_tokens"]) == (1, 2)
+        schemas = httpx.get(f"{base}/openapi.json").json()["components"]["schemas"]
+        assert json.dumps(schemas["TgiParameters"]["properties"]["top_n_tokens"]).count('"maximum": 2') == 1
+        assert json.dumps(schemas["ChatRequest"]["properties"]["n"]).count('"maximum": 1') == 1
+
+
+def test_duplicate_fields_head_requests_and_the_seed_bound(url):
+    """A field given twice is a 422 naming it (TGI's serde refuses; the parser would keep the last silently); every
+    GET route answers HEAD (TGI's axum does: uptime probes send it) without a body; the seed's bound is u64's, exact."""
+    for path, raw, field in (("/generate", '{"inputs":"a","parameters":{"max_new_tokens":2},"parameters":{"max_new_tokens":3}}', "parameters"),
+                             ("/v1/completions", '{"prompt":"a","max_tokens":1,"n":1,"max_tokens":2}', "max_tokens"),
+                             ("/generate", '{"inputs":"a","parameters":{"max_new_tokens":1,"stop":["x"],"max_new_tokens":2}}', "max_new_tokens")):
+        r = httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 422 and f"duplicate field `{field}`" in r.text, (path, r.text)
+    for path in ("/health", "/info", "/metrics", "/v1/models", "/v1/models/tiny"):
+        got, head = httpx.get(f"{url}{path}"), httpx.head(f"{url}{path}")
+        assert head.status_code == got.status_code == 200 and head.content == b"", path
+        assert head.headers.get("content-type") == got.headers.get("content-type"), path
+    r = post(url, "/generate", {"inputs": "a", "parameters": {"seed": 2**64, "do_sample": True}})
+    assert r.status_code == 422 and "Input should be >= 0 and <= 18446744073709551615 (a u64)" in r.text, r.text
