@@ -5,7 +5,7 @@ __version__ = "0.2.0"
 
 
 def load(path, **kwargs):
-    """Load an hqtflow FP8 checkpoint -> (model, tokenizer). See hqtflow.api.load."""
+    """Load an FP8 checkpoint (hqtflow's, verified, or another tool's) -> (model, tokenizer). See hqtflow.api.load."""
     from hqtflow.api import load as _load
 
     return _load(path, **kwargs)

@@ -1,5 +1,5 @@
-"""The Python API: `hqtflow.load(path)` returns a ready-to-run FP8 model and its tokenizer; `load_any` is the
-commands' loader (FP8 checkpoints of any origin and plain models)."""
+"""The Python API: `hqtflow.load(path)` returns a ready-to-run FP8 model (hqtflow's checkpoint, verified, or another
+tool's) and its tokenizer; `load_any` is the commands' loader (FP8 checkpoints and plain models)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,38 @@ from pathlib import Path
 
 
 def load(path: str | Path, *, device: str = "cpu", verify: bool = True, backend: str = "auto", dtype: str = "auto"):
-    """Load an hqtflow FP8 checkpoint, or its `export --format fp8|compressed-tensors` (schema and file hashes
-    checked) -> (model, tokenizer).
+    """Load an FP8 checkpoint -> (model, tokenizer): hqtflow's own or its `export --format fp8|compressed-tensors`
+    (schema and file hashes checked), or another tool's compressed-tensors or AutoFP8 `fp8` checkpoint.
 
     `backend`: the FP8 matmul ("auto": the CPU kernel on CPU, `_scaled_mm` on FP8 GPUs; "qdq" is the reference).
     `dtype`: the high-precision compute dtype, bf16/fp16/fp32 ("auto": the fastest here, see hqtflow.hardware)."""
     from hqtflow import models
-    from hqtflow.hardware import resolve_dtype
+    from hqtflow.errors import ArtifactError
+    from hqtflow.formats.artifact import MANIFEST
     from hqtflow.formats.checkpoint import load_checkpoint
+    from hqtflow.hardware import resolve_dtype
     from hqtflow.quantize.fp8_linear import set_backend
+
+    dtype = resolve_dtype(dtype, device)
     path = Path(path)
-    _check_manifest(path, verify)
-    model = load_checkpoint(path, device=device, dtype=models.torch_dtype(resolve_dtype(dtype, device)))
+    if (path / MANIFEST).is_file() or not path.is_dir():  # hqtflow's: verified; read_manifest words a missing path
+        _check_manifest(path, verify)
+    elif not _is_fp8(models.resolve_model(str(path))):
+        raise ArtifactError(f"{path} is not an FP8 checkpoint: it has no {MANIFEST} and its config.json no FP8 "
+                            "quantization_config (compressed-tensors or fp8).")
+    model = load_checkpoint(path, device=device, dtype=models.torch_dtype(dtype))
     set_backend(model, backend)
     return model, models.load_tokenizer(path)
+
+
+def _is_fp8(path: Path) -> bool:
+    """Whether the model folder `path` holds an FP8 checkpoint (hqtflow's, or another tool's compressed-tensors or
+    AutoFP8 `fp8`); a quantization_config that is not an object counts, for load_checkpoint to refuse it."""
+    from hqtflow import models
+    from hqtflow.formats.artifact import MANIFEST
+
+    qc = models.load_config(path).get("quantization_config") or {}
+    return (path / MANIFEST).exists() or not isinstance(qc, dict) or qc.get("quant_method") in ("compressed-tensors", "fp8")
 
 
 def _check_manifest(path: Path, verify: bool) -> None:
@@ -46,27 +64,14 @@ def _check_manifest(path: Path, verify: bool) -> None:
 
 
 def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto", device: str = "cpu"):
-    """The one loader of generate, eval, serve and bench -> (model, tokenizer, kind): an hqtflow checkpoint or export
-    (through `load`), a foreign FP8 checkpoint (its FP8 layers on `backend`), or a plain HF model (kind: its dtype),
-    on `device`. `dtype`: the high-precision compute dtype ("auto": the fastest on `device`)."""
+    """The one loader of generate, eval, serve and bench -> (model, tokenizer, kind): an FP8 checkpoint of any origin
+    (through `load`, kind "fp8") or a plain HF model (kind: its dtype), on `device`. `dtype`: the high-precision
+    compute dtype ("auto": the fastest on `device`)."""
     from hqtflow import models
-    from hqtflow.formats.artifact import MANIFEST
     from hqtflow.hardware import resolve_dtype
 
     dtype = resolve_dtype(dtype, device)
     path = models.resolve_model(ref)
-    qc = models.load_config(path).get("quantization_config") or {}
-    has_manifest = (path / MANIFEST).exists()  # an hqtflow checkpoint or export: hqtflow.load checks it
-    # a quantization_config that is not an object: load_checkpoint refuses it
-    if has_manifest or not isinstance(qc, dict) or qc.get("quant_method") in ("compressed-tensors", "fp8"):
-        from hqtflow.formats.checkpoint import load_checkpoint
-        from hqtflow.quantize.fp8_linear import set_backend
-
-        if has_manifest:
-            model, tok = load(path, backend=backend, dtype=dtype, device=device)
-        else:
-            model = load_checkpoint(path, dtype=models.torch_dtype(dtype), device=device)
-            tok = models.load_tokenizer(path)
-            set_backend(model, backend)
-        return model, tok, "fp8"
+    if _is_fp8(path):
+        return (*load(path, backend=backend, dtype=dtype, device=device), "fp8")
     return models.load_model(path, dtype).to(device), models.load_tokenizer(path), dtype

@@ -105,6 +105,35 @@ def test_weight_only_and_per_channel(measured, tmp_path):
     assert q.input_scale is None and q.weight_scale.shape == (64, 1)
 
 
+def test_load_takes_another_tools_checkpoint_and_still_verifies_its_own(measured, tiny_llama, tmp_path):
+    """hqtflow.load loads an FP8 checkpoint without hqtflow's manifest (as generate does); one with the manifest is
+    verified: tampered or unfinished, it is refused."""
+    import shutil
+
+    import hqtflow
+    from hqtflow.errors import ArtifactError
+    from hqtflow.formats.artifact import MANIFEST, PARTIAL_MARKER
+
+    out = quantize_cli(measured, tmp_path / "fp8")
+    foreign = tmp_path / "foreign"
+    shutil.copytree(out, foreign)
+    (foreign / MANIFEST).unlink()
+    (theirs, tok), ours = hqtflow.load(foreign), hqtflow.load(out)[0]
+    ids = torch.tensor([tok.encode("The tower is 324 metres tall.")])
+    with torch.inference_mode():
+        assert torch.equal(theirs(ids).logits, ours(ids).logits)
+    with pytest.raises(ArtifactError, match="is not an FP8 checkpoint"):
+        hqtflow.load(tiny_llama)
+    tampered = tmp_path / "tampered"
+    shutil.copytree(out, tampered)
+    (tampered / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ArtifactError, match="tokenizer_config.json"):
+        hqtflow.load(tampered)
+    (foreign / PARTIAL_MARKER).write_text("pid 1\n")
+    with pytest.raises(ArtifactError, match="unfinished output"):
+        hqtflow.load(foreign)
+
+
 def test_compressed_tensors_loads_it(measured, tmp_path):
     """transformers' compressed-tensors integration reads the checkpoint: same greedy text as hqtflow's runtime."""
     require_compressed_tensors()
