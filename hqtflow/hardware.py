@@ -32,26 +32,35 @@ DTYPES = ("auto", "bf16", "fp16", "fp32")
 RUN_DEVICES = ("auto", "cpu", "cuda")
 
 
-def run_device(device: str | None) -> str:
+def run_device(device: str | None, name: str = "--device") -> str:
     """Where hqtflow's own runtime runs: "auto" (or None) -> "cuda" when PyTorch sees a CUDA GPU, else "cpu"; "cuda"
-    without one is refused in one sentence."""
+    without one is refused in one sentence. `name` words the setting in errors: the flag, or "device=" in Python."""
     import torch
 
     from hqtflow.errors import ConfigError
 
     if device not in (None, *RUN_DEVICES):
-        raise ConfigError(f"Unknown --device {device!r}; valid values are {', '.join(RUN_DEVICES)} (hpu: with --engine inc).")
+        hint = " (hpu: with --engine inc)" if name == "--device" else ""
+        raise ConfigError(f"Unknown {_said(name, device, quote=True)}; valid values are {', '.join(RUN_DEVICES)}{hint}.")
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device cuda: PyTorch {torch.__version__} sees no CUDA GPU here; use --device cpu.")
+        raise ConfigError(f"{_said(name, 'cuda')}: PyTorch {torch.__version__} sees no CUDA GPU here; "
+                          f"use {_said(name, 'cpu')}.")
     return device
 
 
-def resolve_dtype(dtype: str | None, device: str = "cpu") -> str:
-    """"auto" (or None) -> fastest_dtype(device); bf16, fp16 and fp32 are returned as they are."""
+def _said(name: str, value: str, quote: bool = False) -> str:
+    """A setting as the user wrote it: `--device cuda` (`quote`: `--device 'gpu'`), or `device='cuda'` in Python."""
+    if name.endswith("="):
+        return f"{name}{value!r}"
+    return f"{name} {value!r}" if quote else f"{name} {value}"
+
+
+def resolve_dtype(dtype: str | None, device: str = "cpu", name: str = "--dtype") -> str:
+    """"auto" (or None) -> fastest_dtype(device); bf16, fp16 and fp32 are returned as they are. `name`: as run_device's."""
     if dtype not in (None, *DTYPES):
         from hqtflow.errors import ConfigError
 
-        raise ConfigError(f"Unknown --dtype {dtype!r}; valid values are {', '.join(DTYPES)}.")
+        raise ConfigError(f"Unknown {_said(name, dtype, quote=True)}; valid values are {', '.join(DTYPES)}.")
     return fastest_dtype(device) if dtype in (None, "auto") else dtype

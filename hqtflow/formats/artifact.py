@@ -415,7 +415,8 @@ def _raw_manifest(directory: Path, kind: str) -> tuple[Path, dict]:
     """The manifest's JSON (`_type` and `_version` present), nothing verified; `kind` words the refusals."""
     what = f"{kind} " if kind else ""
     if not directory.is_dir():
-        raise ArtifactError(f"{(what or 'artifact ').capitalize()}directory {directory} {does_not_exist(directory)}.")
+        why = "is a file, not a directory" if directory.is_file() else does_not_exist(directory)
+        raise ArtifactError(f"{(what or 'artifact ').capitalize()}directory {directory} {why}.")
     check_not_partial(directory)
     mpath = directory / MANIFEST
     if not mpath.is_file():

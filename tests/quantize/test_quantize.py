@@ -134,6 +134,24 @@ def test_load_takes_another_tools_checkpoint_and_still_verifies_its_own(measured
         hqtflow.load(foreign)
 
 
+def test_load_refuses_a_device_it_cannot_use_and_a_file(measured, tmp_path, monkeypatch):
+    """device and dtype are checked as the CLI checks --device and --dtype, in Python's words; a file is not a
+    checkpoint directory."""
+    import hqtflow
+    from hqtflow.errors import ArtifactError, ConfigError
+
+    out = quantize_cli(measured, tmp_path / "fp8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"device='cuda': PyTorch .* sees no CUDA GPU here; use device='cpu'\."):
+        hqtflow.load(out, device="cuda")
+    with pytest.raises(ConfigError, match=r"Unknown device='gpu'; valid values are auto, cpu, cuda\.$"):
+        hqtflow.load(out, device="gpu")
+    with pytest.raises(ConfigError, match=r"Unknown dtype='float8'"):
+        hqtflow.load(out, dtype="float8")
+    with pytest.raises(ArtifactError, match=r"config.json is a file, not a directory\."):
+        hqtflow.load(out / "config.json")
+
+
 def test_compressed_tensors_loads_it(measured, tmp_path):
     """transformers' compressed-tensors integration reads the checkpoint: same greedy text as hqtflow's runtime."""
     require_compressed_tensors()
