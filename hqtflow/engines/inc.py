@@ -165,13 +165,14 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
         @torch.inference_mode()
         def forward(ids, mask):
             with bf16_matmuls_via_fp32():  # as hqtflow's engine computes (the same statistics)
-                return observed(ids, mask)
+                out = observed(ids, mask)
+            counts["samples"] += ids.shape[0]
+            counts["tokens"] += int(mask.sum())
+            progress.update(ids.shape[0], int(mask.sum()))  # after the batch ran: the bar's tok/s is its real rate
+            return out
 
         def observed(ids, mask):
             """INC's observers see every position: padded rows run alone, unpadded, so padding is never observed."""
-            counts["samples"] += ids.shape[0]
-            counts["tokens"] += int(mask.sum())
-            progress.update(ids.shape[0], int(mask.sum()))
             if bool(mask.all()):
                 out = model(input_ids=ids.to(dev)).logits
                 _step(device)

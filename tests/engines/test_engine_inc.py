@@ -82,6 +82,19 @@ def test_inc_measurement_artifact(pair):
     assert not any(p.name.startswith(".") for p in theirs.parent.iterdir())  # no partial directory left
 
 
+def test_progress_counts_a_batch_after_it_ran(inc, tiny_llama, wiki_text, tmp_path, monkeypatch):
+    """The bar's tok/s is tokens done over time taken: a batch is counted after its forward (it was counted before,
+    so the first update showed its tokens over almost no time: a six-figure rate)."""
+    from hqtflow.engines import inc as engine
+    from hqtflow.progress import Progress
+
+    forwards, seen = [], []
+    monkeypatch.setattr(engine, "_step", lambda device: forwards.append(device))
+    monkeypatch.setattr(Progress, "update", lambda self, samples, tokens: seen.append(len(forwards)))
+    engine.measure(_settings(tiny_llama, tmp_path / "i", wiki_text), "cpu", show_progress=False)
+    assert seen and all(n > i for i, n in enumerate(seen))  # batch i counted after its forward(s)
+
+
 def test_padded_batches_are_not_observed(inc, tiny_llama, tmp_path):
     """Records of different lengths make right-padded batches: INC runs those rows unpadded, so its statistics
     still match hqtflow's, which masks padding (equal here; within a bf16 rounding wherever GEMMs round by M)."""
