@@ -480,8 +480,13 @@ def _compare(a: dict, b: dict, top: int) -> dict:
                 changes.append({"name": n, "stat": k, "this": va, "other": vb, "ratio": r, "log2_ratio": float("inf")})
         rows.append(row)
     changes.sort(key=lambda c: -abs(c["log2_ratio"]))
+    ranges = {}  # stat -> [smallest, largest] finite ratio over the common nodes
+    for c in changes:
+        if math.isfinite(c["log2_ratio"]):
+            lo, hi = ranges.get(c["stat"], (c["ratio"], c["ratio"]))
+            ranges[c["stat"]] = [min(lo, c["ratio"]), max(hi, c["ratio"])]
     return {"common": len(rows), "only_in_this": sorted(set(sa) - set(sb)), "only_in_other": sorted(set(sb) - set(sa)),
-            "largest_changes": changes[:top], "nodes": rows}
+            "ratio_ranges": dict(sorted(ranges.items())), "largest_changes": changes[:top], "nodes": rows}
 
 
 # ---- entry point ---------------------------------------------------------------------------------
@@ -571,6 +576,9 @@ def render_text(rep: dict) -> str:
         out += ["", f"Compared with {c['other']}: {c['common']} common nodes, {len(c['only_in_this'])} only here, "
                     f"{len(c['only_in_other'])} only there."]
         out += [f"  only here: {n}" for n in c["only_in_this"]] + [f"  only there: {n}" for n in c["only_in_other"]]
+        if c["ratio_ranges"]:
+            out.append("Ratios (other / this): " + ", ".join(
+                f"{k} equal" if lo == hi == 1 else f"{k} {lo:.3f}-{hi:.3f}" for k, (lo, hi) in c["ratio_ranges"].items()))
         if c["largest_changes"]:
             out += ["Largest changes (other / this):", table(c["largest_changes"], ["name", "stat", "this", "other", "ratio"])]
     for n in rep.get("notes", []):

@@ -115,6 +115,10 @@ def test_compare(arts, tmp_path):
         assert node["weight"]["ratio"] == 1.0
     logs = [abs(x["log2_ratio"]) for x in c["largest_changes"]]
     assert logs == sorted(logs, reverse=True) and logs[0] > 0
+    # the text says what only --json showed: every weight equal, and the range of each other statistic's ratios
+    lo, hi = c["ratio_ranges"]["input"]
+    assert c["ratio_ranges"]["weight"] == [1.0, 1.0] and 1.0 <= lo <= hi
+    assert f"Ratios (other / this): input {lo:.3f}-{hi:.3f}, " in text and ", weight equal" in text
     # nodes only in one: drop a node from a copy's statistics (re-hash via a fresh manifest is not needed: edit the
     # copy's rank layers and JSON, then update the file hash in its manifest)
     from hqtflow.formats.artifact import sha256_file
