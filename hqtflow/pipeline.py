@@ -186,6 +186,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
             names = list(old["results"])
             echo(format_table(old["comparison"], names, old["baseline"]))
             return root
+    echo(f"eval: writing {report}")
     tmp = root / ".eval.json.partial"
     tmp.unlink(missing_ok=True)
     table = run_eval(qs.output, baseline=None, use_source=True, **asdict(ev), report=tmp)

@@ -7,28 +7,42 @@ import time
 
 class Progress:
     """One bar at a time: `start` a bar (closing the previous one), `update` it, `add_total` when more work is
-    announced (lm-eval hands requests over in batches of unknown count), `close` it. Disabled: every call is a no-op."""
+    announced (lm-eval hands requests over in batches of unknown count), `close` it. A bar of unknown total shows from
+    its first `add_total` or `update` (not as an empty bar above lm-eval's own lines). Disabled: every call is a no-op."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.bar = None
+        self.pending = None  # (desc, total, unit) of a started bar not shown yet
         self.tokens = 0
         self.t0 = time.perf_counter()
 
     def start(self, desc: str, total: int | None, unit: str = "sample") -> None:
         self.close()
         if self.enabled:
-            from tqdm.auto import tqdm
+            self.pending = (desc, total, unit)
+            self.tokens, self.t0 = 0, time.perf_counter()  # the rate counts from here, shown or not
+            if total:
+                self._show()
 
-            self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True)
-            self.tokens, self.t0 = 0, time.perf_counter()
+    def _show(self) -> None:
+        from tqdm.auto import tqdm
+
+        desc, total, unit = self.pending
+        self.bar, self.pending = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True), None
 
     def add_total(self, n: int) -> None:
-        if self.bar is not None:
+        if self.pending:  # shown with its first total
+            desc, total, unit = self.pending
+            self.pending = (desc, (total or 0) + n, unit)
+            self._show()
+        elif self.bar is not None:
             self.bar.total = (self.bar.total or 0) + n
             self.bar.refresh()
 
     def update(self, samples: int, tokens: int) -> None:
+        if self.pending:
+            self._show()
         if self.bar is not None:
             self.tokens += tokens
             self.bar.update(samples)
@@ -36,6 +50,7 @@ class Progress:
             self.bar.set_postfix(tokens=self.tokens, tok_s=f"{rate:.0f}", refresh=False)
 
     def close(self) -> None:
+        self.pending = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None

@@ -38,6 +38,7 @@ def test_run_recipe_skips_current_stages(tiny_llama, data_dir, tmp_path):
     first = run_cli("run", recipe)
     assert first.exit_code == 0, first.output
     assert "measure: writing" in first.stdout and "quantize: writing" in first.stdout
+    assert f"eval: writing {tmp_path / 'run' / 'eval.json'}" in first.stdout
     report = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert set(report["results"]) == {"bf16", "fp8"} and report["comparison"][0]["task"] == "wikitext2_test"  # the --ppl-file's name
     second = run_cli("run", recipe)
@@ -80,6 +81,7 @@ def test_generate_and_eval(tiny_llama, wiki_text, data_dir, tmp_path):
     for bar in ("bf16: lm-eval piqa_local", "fp8: lm-eval piqa_local", "fp8: perplexity"):  # progress on stderr
         assert bar in e.stderr, e.stderr
     assert re.search(r"fp8: perplexity: 100%\|\S*\| 1/1 ", e.stderr) and re.search(r"fp8: lm-eval.* 8/8 ", e.stderr)
+    assert "0request" not in e.stderr  # no empty bar before lm-eval hands its requests over
     data = json.loads(rep.read_text())
     assert data["models"]["bf16"] == str(tiny_llama) and data["results"]["fp8"]["tasks"]["piqa_local"]["sample_len"] == 4
     recorded = [*data["models"].values(), data["settings"]["data_dir"], data["settings"]["ppl_file"]]
