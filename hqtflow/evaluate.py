@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from hqtflow.api import load_any  # noqa: F401 - the loader lives in hqtflow.api; re-exported for old callers
 from hqtflow.errors import CalibrationError, not_a_file
@@ -70,6 +71,22 @@ def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: i
     return {"perplexity": math.exp(nll / count), "windows": n, "window": window, "tokens": count}
 
 
+def scoring_forward(model, tokenizer):
+    """lm-eval's forward(ids, mask) -> logits over `model`, with one padding column more: the mask is then never all
+    ones, which transformers would drop for the causal attention kernel (whose bf16 sums differ from the masked
+    kernel's), so every row of every batch takes the masked kernel: a document's score does not depend on the
+    documents batched with it, and is the server's (whose prefill steps are padded too)."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    @torch.inference_mode()
+    def forward(ids, mask):
+        ids, mask = F.pad(ids, (0, 1), value=pad), F.pad(mask, (0, 1), value=0)
+        return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, :-1]
+
+    return forward
+
+
 def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = "", show_progress: bool = True) -> dict:
     """{"tasks": {task: {metric: v}}, "wikitext": {...}} for one model; progress bars (named `label`) over
     lm-eval's requests and the perplexity windows."""
@@ -82,9 +99,7 @@ def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = ""
     if s.tasks:
         device = next(model.parameters()).device
 
-        @torch.inference_mode()
-        def forward(ids, mask):
-            return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        forward = scoring_forward(model, tokenizer)
 
         @torch.inference_mode()
         def generate(ids, max_new):

@@ -155,6 +155,10 @@ def build_lm(forward: Forward, tokenizer, *, batch_size: int, max_length: int, g
         def eot_token_id(self) -> int:
             return tokenizer.eos_token_id
 
+        @property
+        def prefix_token_id(self) -> int:  # a rolling window's first token: BOS where there is one, as lm-eval's models
+            return tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+
         def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
             return tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
 

@@ -48,3 +48,23 @@ def test_every_layout_round_trips(smol_fp8, inc, tmp_path):
         else:
             back = load_checkpoint(out)
         assert [greedy(back, tok, p) for p in PROMPTS] == expected, fmt
+
+
+def test_in_process_scores_do_not_depend_on_the_batch(smol_fp8):
+    """`hqtflow eval`'s scoring forward gives a document the same log-likelihood alone (a mask of all ones, which
+    transformers would drop for the causal attention kernel, whose bf16 sums differ) and batched beside longer and
+    shorter documents; on the real model the two kernels differ by a bf16 step that FP8 inputs amplify (a piqa
+    document: -65.06 vs -67.89 before)."""
+    from hqtflow import lmeval
+    from hqtflow.api import load_any
+    from hqtflow.evaluate import scoring_forward
+
+    model, tok, _ = load_any(str(smol_fp8), "bf16")
+    lm = lmeval.build_lm(scoring_forward(model, tok), tok, batch_size=8, max_length=512)
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    doc = ((None, None), enc("Question: dresser\nAnswer:"), enc(" finish, woodgrain with  bobby pin"))
+    longer = ((None, None), enc("Question: How do I keep a wooden dresser from sticking in humid weather?\nAnswer:"), enc(" wax"))
+    shorter = ((None, None), enc("Hi"), enc(" there"))
+    alone = lm._loglikelihood_tokens([doc])[0]
+    assert lm._loglikelihood_tokens([longer, doc, shorter])[1] == alone
+    assert lm._loglikelihood_tokens([doc, doc])[1] == alone
