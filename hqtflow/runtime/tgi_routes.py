@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -90,10 +91,14 @@ def tgi_router(ctx: Ctx) -> APIRouter:
             out["top_tokens"] = [top_json(t) for t in seq.tokens]
         return out
 
-    async def generate_json(req: TgiRequest, request: Request) -> dict:
+    async def generate_json(req: TgiRequest, request: Request, headers: dict | None = None) -> dict:
+        """TGI's answer; `headers` gets TGI's timing headers (x-total-time, x-queue-time, ...)."""
+        start = time.monotonic()
         ids, p, params, slot = await prepare(req, stream=False)
         seqs = await ctx.collect([(ids, params)] * (p.best_of or 1), request, slot=slot)
         best = max(seqs, key=lambda q: q.logprob)  # TGI: the sequence with the highest total logprob
+        if headers is not None:
+            headers.update(timing_headers(start, best, req.inputs, len(ids)))
         head = req.inputs if p.return_full_text else ""
         out = {"generated_text": head + best.last.generated_text}
         if p.details:  # as TGI: the other sequences are in details.best_of_sequences, when details are asked for
@@ -102,6 +107,19 @@ def tgi_router(ctx: Ctx) -> APIRouter:
                 out["details"]["best_of_sequences"] = [{"generated_text": head + q.last.generated_text, **details(q, ids, p)}
                                                        for q in seqs if q is not best]
         return out
+
+    def timing_headers(start: float, seq: Sequence, inputs: str, n_input: int) -> dict[str, str]:
+        """TGI's headers of a /generate answer: its times in ms (x-compute-time in s), from the request's arrival,
+        its submission to the engine (validation done), its admission to the batch (queue done), and now."""
+        h, now = seq.handle, time.monotonic()
+        admitted = h.t_admit or h.t_submit
+        n = max(len(seq.tokens), 1)
+        ms = lambda seconds: str(int(max(seconds, 0.0) * 1000))  # noqa: E731
+        return {"x-compute-type": ctx.engine.device.type, "x-compute-time": f"{now - start:.6f}",
+                "x-compute-characters": str(len(inputs)), "x-total-time": ms(now - start),
+                "x-validation-time": ms(h.t_submit - start), "x-queue-time": ms(admitted - h.t_submit),
+                "x-inference-time": ms(now - admitted), "x-time-per-token": ms((now - admitted) / n),
+                "x-prompt-tokens": str(n_input), "x-generated-tokens": str(len(seq.tokens))}
 
     async def generate_stream_response(req: TgiRequest) -> StreamingResponse:
         ids, p, params, slot = await prepare(req, stream=True)  # a 429 comes before the 200 of the stream
@@ -128,7 +146,9 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         req = parse(TgiRequest, await read_body(request))
         if req.stream:
             return await generate_stream_response(req)
-        return [await generate_json(req, request)]
+        headers: dict = {}
+        out = await generate_json(req, request, headers)
+        return JSONResponse([out], headers=headers)
 
     def no_stream_field(req: TgiRequest, route: str) -> TgiRequest:
         if "stream" in req.model_fields_set:  # only POST / switches on it; here it would be ignored
@@ -137,7 +157,9 @@ def tgi_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/generate")
     async def generate(request: Request):
-        return await generate_json(no_stream_field(parse(TgiRequest, await read_body(request)), "/generate"), request)
+        headers: dict = {}
+        out = await generate_json(no_stream_field(parse(TgiRequest, await read_body(request)), "/generate"), request, headers)
+        return JSONResponse(out, headers=headers)
 
     @r.post("/generate_stream")
     async def generate_stream(request: Request):

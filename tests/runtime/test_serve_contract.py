@@ -261,3 +261,19 @@ def test_duplicate_fields_head_requests_and_the_seed_bound(url):
         assert head.headers.get("content-type") == got.headers.get("content-type"), path
     r = post(url, "/generate", {"inputs": "a", "parameters": {"seed": 2**64, "do_sample": True}})
     assert r.status_code == 422 and "Input should be >= 0 and <= 18446744073709551615 (a u64)" in r.text, r.text
+
+
+def test_generate_sends_tgis_timing_headers(url):
+    """/generate and POST / answer with TGI's headers: times in ms (x-compute-time in s), prompt and generated
+    token counts as the details count them (clients and load tests read them)."""
+    for path in ("/generate", "/"):
+        r = post(url, path, {"inputs": "The river", "parameters": {"max_new_tokens": 3, "details": True}})
+        assert r.status_code == 200, r.text
+        body = r.json()[0] if path == "/" else r.json()
+        h = r.headers
+        assert int(h["x-generated-tokens"]) == body["details"]["generated_tokens"]
+        assert int(h["x-prompt-tokens"]) == len(httpx.post(f"{url}/tokenize", json={"inputs": "The river"}).json())
+        parts = [int(h[f"x-{k}-time"]) for k in ("validation", "queue", "inference")]
+        assert min(parts) >= 0 and sum(parts) <= int(h["x-total-time"]) + 2 and float(h["x-compute-time"]) >= 0
+        assert int(h["x-time-per-token"]) <= int(h["x-inference-time"]) and h["x-compute-type"] == "cpu"
+        assert int(h["x-compute-characters"]) == len("The river")
