@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import TypeVar
 
-from hqtflow.errors import ConfigError
+from hqtflow.errors import ConfigError, brief
 
 E = TypeVar("E", bound=StrEnum)
 
@@ -20,11 +20,13 @@ class KVCache(StrEnum):
 def parse(enum: type[E], value: str, what: str, error: type[ConfigError] = ConfigError) -> E:
     """`value` as a member of `enum`, or an `error` naming `what`, the value and the valid values."""
     try:
+        if not isinstance(value, str):  # Enum's own error would print the whole value
+            raise ValueError
         return enum(value)
     except ValueError:
         *rest, last = [m.value for m in enum]
         valid = f"{', '.join(rest)} or {last}" if rest else last
-        raise error(f"{what} must be {valid}, not {value!r}.") from None
+        raise error(f"{what} must be {valid}, not {brief(value)}.") from None
 
 
 class Backend(StrEnum):

@@ -99,6 +99,17 @@ def not_a_file(path) -> str:
     return "is a directory, not a file" if p.is_dir() else "is not a regular file (a device or a pipe)"
 
 
+def brief(value) -> str:
+    """A short repr of a user-given value for a message: cut, and never walking a whole structure (a YAML
+    "billion laughs" of shared aliases would otherwise take forever to print)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxset, r.maxdict = 2, 4, 4, 4, 4
+    r.maxstring, r.maxother, r.maxlong = 80, 80, 40
+    return r.repr(value)
+
+
 def parse_problem(e: Exception) -> str:
     """The first line of a JSON or YAML reader's error, for a message (Python's integer-size limit in words, not the
     interpreter setting it suggests)."""

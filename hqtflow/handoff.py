@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hqtflow import bundled
-from hqtflow.errors import ArtifactError, ConfigError, does_not_exist
+from hqtflow.errors import ArtifactError, ConfigError, brief, does_not_exist
 from hqtflow.formats.artifact import ArtifactKind
 
 TARGETS = ("optimum-habana", "tgi-gaudi")
@@ -195,11 +195,12 @@ def _gaudi_section(recipe_path: str | None, gaudi: Any) -> dict:
             env = e.get("env") or {}
             if not isinstance(args, list) or not all(isinstance(a, (str, int, float)) for a in args):
                 raise ConfigError(f"{where}.{key}.args must be a string or a list of words.")
-            if not isinstance(env, dict) or not all(isinstance(k, str) and k.isidentifier() for k in env):
+            if not isinstance(env, dict) or not all(isinstance(k, str) and k.isidentifier()
+                                                    and isinstance(v, (str, int, float)) for k, v in env.items()):
                 raise ConfigError(f"{where}.{key}.env must map variable names to values.")
             cards = e.get("cards")
             if cards is not None and (not isinstance(cards, int) or isinstance(cards, bool) or cards < 1):
-                raise ConfigError(f"{where}.{key}.cards must be a positive integer, not {cards!r}.")
+                raise ConfigError(f"{where}.{key}.cards must be a positive integer, not {brief(cards)}.")
             if key != "tgi" and not isinstance(e.get("script"), str):
                 raise ConfigError(f"{where}.{key} needs a `script` (run_generation.py or run_lm_eval.py).")
             checked.append({"script": e.get("script"), "args": [str(a) for a in args],

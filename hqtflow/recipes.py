@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hqtflow.choices import KVCache, parse
-from hqtflow.errors import ConfigError, not_a_file, parse_problem
+from hqtflow.errors import ConfigError, brief, not_a_file, parse_problem
 from hqtflow.measure.settings import MeasureSettings
 from hqtflow.quantize.settings import QuantizeSettings
 
@@ -213,7 +213,7 @@ def _refuse_unknown(where: str, mapping: dict, valid: set[str]) -> None:
 
 def _check_version(path: Path, version: Any) -> None:
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise ConfigError(f"Recipe {path}: 'version' must be a positive integer, not {version!r}.")
+        raise ConfigError(f"Recipe {path}: 'version' must be a positive integer, not {brief(version)}.")
     if version > RECIPE_VERSION:
         raise ConfigError(f"Recipe {path} has version {version}; this hqtflow reads recipe version {RECIPE_VERSION} "
                           "(a newer hqtflow wrote it: upgrade to read it).")
@@ -250,7 +250,7 @@ class _Reader:
         return getattr(self, kind)(label, value)
 
     def fail(self, label: str, what: str, value: Any):
-        raise ConfigError(f"Recipe {self.file}: '{label}' must be {what}, not {value!r}.")
+        raise ConfigError(f"Recipe {self.file}: '{label}' must be {what}, not {brief(value)}.")
 
     def text(self, label: str, value: Any) -> str:
         if not isinstance(value, str):

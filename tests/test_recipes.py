@@ -358,3 +358,35 @@ def test_recipe_values_refused(tmp_path, text, msg):
     bad.write_text("model: smollm2\n" + text + "\n")
     with pytest.raises(ConfigError, match=re.escape(msg)):
         load_recipe(bad)
+
+
+def _laughs(levels: int) -> str:
+    """A YAML "billion laughs": `*a{levels}` names 9**(levels + 1) shared leaves."""
+    lines = ["x: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"x{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    return "gaudi:\n" + "".join(f"  {line}\n" for line in lines)
+
+
+@pytest.mark.parametrize("key", ["batch_size", "cards", "config", "dtype", "kv_cache", "model", "notes",
+                                 "calibration.tasks", "calibration.text", "version"])
+def test_alias_bomb_value_refused_in_a_short_sentence(tmp_path, key):
+    from hqtflow.errors import ConfigError
+    from hqtflow.recipes import load_recipe
+
+    section, _, name = key.rpartition(".")
+    value = f"{{{name}: *a6}}" if section else "*a6"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(_laughs(6) + f"{section or name}: {value}\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(bad)
+    assert key.split(".")[-1] in str(e.value) and len(str(e.value)) < 500, str(e.value)[:500]
+
+
+def test_alias_bomb_in_gaudi_env_refused(tmp_path):
+    from hqtflow.errors import ConfigError
+    from hqtflow.handoff import _gaudi_section
+
+    import yaml as _yaml
+    bomb = _yaml.safe_load(_laughs(6))["gaudi"]["x6"]
+    with pytest.raises(ConfigError, match="env must map variable names to values"):
+        _gaudi_section("r.yaml", {"measure": {"script": "run_lm_eval.py", "env": {"X": bomb}}})
