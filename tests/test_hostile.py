@@ -456,6 +456,14 @@ CASES = {
     "export/weight of the wrong shape, hashes rewritten": (
         lambda c: export(c, rehash(tensors(c.copy("ck"), lambda t: t.update({f"{NODE}.weight": t[f"{NODE}.weight"][:32].contiguous()})))),
         "does not match its config.json"),
+    "export/vocab_size 1e12, hashes rewritten": (  # refused before anything of that size is allocated
+        lambda c: export(c, rehash(config(c.copy("ck"), vocab_size=10**12))), "more values than all its weights together"),
+    "export/num_hidden_layers 1e9, hashes rewritten": (  # refused before a billion layers are built
+        lambda c: export(c, rehash(config(c.copy("ck"), num_hidden_layers=10**9))), "num_hidden_layers is 1000000000"),
+    "export/num_hidden_layers -1, hashes rewritten": (
+        lambda c: export(c, rehash(config(c.copy("ck"), num_hidden_layers=-1))), "does not match its config.json"),
+    "export/model_type of another model, hashes rewritten": (
+        lambda c: export(c, rehash(config(c.copy("ck"), model_type="bert"))), "belongs to no layer of the model"),
     # inspect
     "inspect/manifest nested too deep": (lambda c: ["inspect", (write(c.copy("m") / MANIFEST, DEEP), c.w / "m")[1]], "corrupt"),
     "inspect/manifest model not an object": (lambda c: ["inspect", manifest(c.copy("m"), model=[1])], "corrupt"),

@@ -310,13 +310,51 @@ def skeleton_of(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
 
     raw = load_config(path)
     raw.pop("quantization_config", None)
+    entries = TensorFiles(path).entries  # the headers only: config.json's sizes are checked against them first
+    _check_layer_count(path, raw.get("num_hidden_layers"), entries)
     try:
         config = AutoConfig.for_model(**raw)
         hp = dtype or (config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.bfloat16)
+        if entries:
+            _check_sizes(path, AutoModelForCausalLM, config, sum(_numel(e.shape) for e in entries.values()))
         with init_empty_weights(include_buffers=False):  # parameters on meta; computed buffers (rotary) real
             return AutoModelForCausalLM.from_config(config, dtype=hp)
     except (*config_errors(), *BUILD_ERRORS) as e:
         raise bad_config(path, e) from None
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_layer_count(path: Path, layers, entries: dict) -> None:
+    """Refuse a config.json naming more layers than the weights hold (or none), before a model of that many is built.
+    A weight's layer is the first number in its name (model.layers.3.mlp...)."""
+    import re
+
+    if not entries or not isinstance(layers, int) or isinstance(layers, bool):
+        return
+    found = 1 + max((int(m.group(1)) for k in entries if (m := re.search(r"\.(\d+)\.", k))), default=-1)
+    if layers < 1 or layers > found:
+        raise ArtifactError(f"Checkpoint {path} does not match its config.json: num_hidden_layers is {layers}, "
+                            f"but its weights hold {found} layer(s).")
+
+
+def _check_sizes(path: Path, auto, config, total: int) -> None:
+    """Build the model on the meta device (nothing allocated) and refuse a parameter larger than all the checkpoint's
+    weights together (a config.json size, vocab_size say, that its weights cannot match)."""
+    try:
+        with torch.device("meta"):
+            model = auto.from_config(config)
+    except (NotImplementedError, RuntimeError):  # an architecture that cannot be built on meta: the load checks shapes
+        return
+    for name, p in model.named_parameters():
+        if p.numel() > total:
+            raise ArtifactError(f"Checkpoint {path} does not match its config.json: {name} would have shape "
+                                f"{list(p.shape)}, more values than all its weights together.")
 
 
 def quantization_scheme(path: Path) -> dict:
@@ -402,8 +440,11 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
                                     backoff=r["backoff"], dynamic="inc")
         model.set_submodule(name, new)
     for k, t in tensors.items():  # FP8 bytes anywhere else would be used as numbers (a router, a norm)
-        if t.dtype in FP8_WEIGHT_DTYPES and not (k.endswith(".weight") and isinstance(
-                module_or_none(model, k[: -len(".weight")]), FP8Linear)):
+        owner = module_or_none(model, k.rpartition(".")[0])
+        if t.dtype in FP8_WEIGHT_DTYPES and owner is None:
+            raise ArtifactError(f"Checkpoint {path} does not match its config.json: {k} belongs to no layer of the "
+                                f"model it describes ({type(model).__name__}).")
+        if t.dtype in FP8_WEIGHT_DTYPES and not (k.endswith(".weight") and isinstance(owner, FP8Linear)):
             raise ArtifactError(f"{path}: {k} is stored in {t.dtype} but is not the weight of a Linear layer with its "
                                 "weight_scale; hqtflow runs FP8 weights in Linear layers only.")
     for key, value in kv_scales.items():
