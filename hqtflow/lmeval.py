@@ -133,6 +133,19 @@ def check_tasks(tasks: list[str], manager, data_dir: str | Path | None) -> None:
     for t in tasks:
         if t in LOCAL_TASKS and data_dir is not None:
             check_local_data(t, data_dir)
+        for f in _data_files(manager, t):  # before the model loads (run_tasks still catches what this misses)
+            if Path(f).is_absolute() and not any(c in f for c in "*?[") and not Path(f).is_file():
+                raise CalibrationError(f"The data file {f} of lm-eval task {t} does not exist.")
+
+
+def _data_files(manager, task: str) -> list[str]:
+    """The `dataset_kwargs.data_files` a task's YAML names (none where lm-eval's index does not tell)."""
+    cfg = getattr((getattr(manager, "task_index", None) or {}).get(task), "cfg", None)
+    files = ((cfg or {}).get("dataset_kwargs") or {}).get("data_files") if isinstance(cfg, dict) else None
+    if isinstance(files, dict):
+        files = list(files.values())
+    files = files if isinstance(files, list) else [files]
+    return [f for v in files for f in (v if isinstance(v, list) else [v]) if isinstance(f, str) and "://" not in f]
 
 
 def build_lm(forward: Forward, tokenizer, *, batch_size: int, max_length: int, generate=None, progress=None,
@@ -257,15 +270,28 @@ def _git_hash_quietly():
         return None
 
 
+def _task_naming(file: str, tasks: list[str], manager) -> str:
+    """The task whose YAML names `file` (all of `tasks` where lm-eval's index cannot tell)."""
+    index = getattr(manager, "task_index", None) or {}
+    named = [t for t in tasks if file in str(getattr(index.get(t), "cfg", ""))]
+    return ", ".join(named or tasks)
+
+
 def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> dict:
     """Run lm-eval tasks through `lm`; return {task: {metric: value}}."""
     import lm_eval.evaluator as evaluator
 
-    with _patched(evaluator, "get_git_commit_hash", _git_hash_quietly):
-        res = evaluator.simple_evaluate(
-            model=lm, tasks=tasks, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False,
-            verbosity="ERROR",
-        )
+    try:
+        with _patched(evaluator, "get_git_commit_hash", _git_hash_quietly):
+            res = evaluator.simple_evaluate(
+                model=lm, tasks=tasks, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False,
+                verbosity="ERROR",
+            )
+    except FileNotFoundError as e:  # a task YAML's data_files (datasets: "Unable to find '...'")
+        found = re.search(r"'([^']+)'", str(e))
+        missing = e.filename or (found.group(1) if found else str(e))
+        raise CalibrationError(f"The data file {missing} of lm-eval task {_task_naming(missing, tasks, manager)} "
+                               "does not exist.") from None
     return {
         task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "alias"}
         for task, metrics in (res or {}).get("results", {}).items()

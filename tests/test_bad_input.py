@@ -22,6 +22,10 @@ def setup(tmp_path, tiny_llama, wiki_text):
     (work / "no_model").mkdir()
     (work / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
     (work / "a_file").write_text("x")
+    (work / "tasks").mkdir()
+    (work / "tasks" / "bad.yaml").write_text(
+        "task: bad_task\ndataset_path: json\ndataset_kwargs:\n  data_files: /nonexistent.jsonl\n"
+        "output_type: loglikelihood\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n")
     return work, tiny_llama, wiki_text
 
 
@@ -41,6 +45,8 @@ CASES = {
     "no calibration": (lambda w, m, t: [m], "No calibration data"),
     "unknown task": (lambda w, m, t: [m, "--tasks", "no_such_task_xyz"], "Unknown lm-eval task 'no_such_task_xyz'"),
     "local task without data": (lambda w, m, t: [m, "--tasks", "piqa_local"], "pass --data-dir"),
+    "task data file missing": (lambda w, m, t: [m, "--tasks", "bad_task", "--include-path", w / "tasks", "--limit", "1"],
+                               "The data file /nonexistent.jsonl of lm-eval task bad_task does not exist"),
     "limit 0": (lambda w, m, t: [m, "--text", t, "--limit", "0"], "--limit must be at least 1, not 0"),
     "batch size 0": (lambda w, m, t: [m, "--text", t, "--batch-size", "0"], "--batch-size must be at least 1"),
     "bad dtype": (lambda w, m, t: [m, "--text", t, "--dtype", "int4"], "--dtype must be one of"),
@@ -52,7 +58,8 @@ CASES = {
 # the exit code of each case's kind (hqtflow/errors.py): 4 model, 5 calibration data; the rest are usage/config (2)
 CODES = {"missing model dir": 4, "not a model dir": 4, "offline hub id": 4, "tp does not divide": 4,
          "empty calibration file": 5, "missing calibration file": 5, "jsonl without field": 5, "no calibration": 5,
-         "unknown task": 5, "local task without data": 5}
+         "unknown task": 5, "local task without data": 5,
+         "task data file missing": 5}
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -193,3 +200,13 @@ def test_an_artifact_given_as_a_model_is_an_artifact_error(setup, tmp_path):
     assert run_cli("measure", model, "-o", meas, "--text", text, "--limit", "2").exit_code == 0
     for args in (["generate", meas, "-p", "Paris is"], ["serve", "fp8", meas, "--port", "1"]):
         _one_sentence(run_cli(*args), 3, f"{meas} is an hqtflow measurement artifact, not a model folder")
+
+
+def test_a_task_data_file_missing_at_run_time_is_a_data_error(setup):
+    """A relative data_files (not checked before the model loads) is still one sentence from lm-eval's run."""
+    work, model, _ = setup
+    (work / "tasks" / "bad.yaml").write_text((work / "tasks" / "bad.yaml").read_text().replace("/nonexistent", "nope"))
+    r = run_cli("measure", model, "--tasks", "bad_task", "--include-path", work / "tasks", "--limit", "1", "-o", work / "out")
+    assert r.exit_code == 5 and "Traceback" not in r.output, r.output
+    last = r.stderr.strip().splitlines()[-1]
+    assert "nope.jsonl of lm-eval task bad_task does not exist." in last and last.count("Error: ") == 1, r.stderr
