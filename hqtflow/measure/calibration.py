@@ -52,11 +52,27 @@ def read_texts(path: Path, text_field: str) -> list[str]:
     return texts
 
 
+def first_tokens(text: str, tokenizer, needed: int | None) -> list[int]:
+    """The first `needed` tokens of `text` (all where None or fewer), as the whole text's tokenization gives them,
+    tokenizing not much more of it than that takes: a prefix's tokens agree with the whole text's except near the
+    cut, so prefixes of doubling length are tokenized until two of them agree past `needed` tokens."""
+    size, previous = max(8 * (needed or 0), 4096), None
+    while needed is not None and size < len(text):
+        ids = tokenizer.encode(text[:size], add_special_tokens=False)
+        if previous is not None:
+            agree = next((i for i, (a, b) in enumerate(zip(previous, ids)) if a != b), min(len(previous), len(ids)))
+            if agree > needed:
+                return ids[:needed]
+        previous, size = ids, size * 2
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def token_chunks(texts: list[str], tokenizer, max_length: int, limit: int | None) -> list[list[int]]:
     """Tokenize each text and cut it into windows of at most `max_length` tokens; keep the first `limit`."""
     chunks: list[list[int]] = []
     for text in texts:
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        needed = None if limit is None else (limit - len(chunks)) * max_length
+        ids = first_tokens(text, tokenizer, needed)
         for start in range(0, len(ids), max_length):
             chunk = ids[start:start + max_length]
             if chunk:

@@ -231,3 +231,24 @@ def test_resolve_max_length(config, given, expected, tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert resolve_max_length(MeasureSettings(output="o", max_length=given), tmp_path).max_length == expected
+
+
+def test_token_chunks_tokenize_only_what_the_limit_needs(tiny_llama, wiki_text, tmp_path):
+    """The chunks are those of the whole text tokenized at once, but a long text is not tokenized past the limit's
+    need (a one-line file of many MB with --limit 1 took minutes and gigabytes)."""
+    from hqtflow.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_llama)
+    texts = read_texts(wiki_text, "text")
+    whole = tok.encode(texts[0], add_special_tokens=False)
+    for max_length, limit in ((16, 1), (64, 6), (100, 37), (64, None)):
+        n = len(whole) if limit is None else limit * max_length
+        expected = [whole[i:i + max_length] for i in range(0, min(n, len(whole)), max_length)]
+        assert token_chunks(texts, tok, max_length, limit) == expected, (max_length, limit)
+
+    seen = []
+    encode = tok.encode
+    tok.encode = lambda text, **kw: seen.append(len(text)) or encode(text, **kw)
+    big = "word " * 600_000  # 3 MB on one line
+    assert token_chunks([big], tok, 16, 1) == [encode(big[:1000], add_special_tokens=False)[:16]]
+    assert max(seen) < 100_000, seen
