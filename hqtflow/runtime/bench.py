@@ -8,7 +8,7 @@ engine's `on_step` hook, which times the model forward of each step.
 
 Per batch size, like text-generation-benchmark: prefill latency and throughput (batch * prompt_length / latency),
 decode per-token latency, decode total latency and decode throughput (batch * steps / total latency), as
-avg / p50 / p90 / p99. Samples: one prefill and one decode run per timed run; every decode step is a per-token
+avg / min / max / p50 / p90 / p99. Samples: one prefill and one decode run per timed run; every decode step is a per-token
 latency sample. The models' runs alternate (bf16, fp8, bf16, fp8 ...) so load from elsewhere hits both alike.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from hqtflow.errors import HqtflowError, ModelError
 
-STATS = ("avg", "p50", "p90", "p99")
+STATS = ("avg", "min", "max", "p50", "p90", "p99")  # text-generation-benchmark's: average, lowest, highest, ...
 METRICS = (  # key, label, unit, lower is better
     ("prefill_latency", "Prefill latency", "ms", True),
     ("prefill_throughput", "Prefill throughput", "tok/s", False),

@@ -38,7 +38,7 @@ def test_bench_fp8_vs_source(tiny_fp8, tmp_path):
     batches = [row[1] for row in rows[1:] if row[1]]
     assert batches == ["1", "3"] * 5
     stats = [row[2] for row in rows[1:]]
-    assert stats == ["avg", "p50", "p90", "p99"] * 10
+    assert stats == ["avg", "min", "max", "p50", "p90", "p99"] * 10
     assert all(row[3].endswith(("ms", "tok/s")) and row[5].endswith("x") for row in rows[1:])
     data = json.loads(report.read_text())
     assert set(data["results"]) == {"1", "3"} and set(data["results"]["3"]) == {base, "fp8"}
