@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from hqtflow.api import load_any  # noqa: F401 - the loader lives in hqtflow.api; re-exported for old callers
 from hqtflow.errors import CalibrationError, not_a_file
@@ -71,20 +71,49 @@ def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: i
     return {"perplexity": math.exp(nll / count), "windows": n, "window": window, "tokens": count}
 
 
-def scoring_forward(model, tokenizer):
-    """lm-eval's forward(ids, mask) -> logits over `model`, with one padding column more: the mask is then never all
-    ones, which transformers would drop for the causal attention kernel (whose bf16 sums differ from the masked
-    kernel's), so every row of every batch takes the masked kernel: a document's score does not depend on the
-    documents batched with it, and is the server's (whose prefill steps are padded too)."""
-    device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+@contextmanager
+def serving_engine(model, tokenizer, *, batch_size: int, max_length: int):
+    """lm-eval's scoring and greedy generation through the serving engine, so a document's log-likelihood and text
+    are what `hqtflow serve` gives it: each sequence's attention is its own (a padded batch's is not: the kernels'
+    sums depend on the padded width, by a bf16 step that FP8 inputs amplify up to a nat on a document). -> (score,
+    generate) for lmeval.build_lm; the model's attention is given back after."""
+    from hqtflow.runtime.engine import Engine, SamplingParams
+    from hqtflow.runtime.settings import ServeSettings
 
-    @torch.inference_mode()
-    def forward(ids, mask):
-        ids, mask = F.pad(ids, (0, 1), value=pad), F.pad(mask, (0, 1), value=0)
-        return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, :-1]
+    serve, before = ServeSettings(), model.config._attn_implementation
+    engine = Engine(model, tokenizer, pad_to_multiple=serve.pad_sequence_to_multiple_of,
+                    max_prefill_tokens=serve.max_batch_prefill_tokens,
+                    max_batch_total_tokens=max(batch_size, 1) * (max_length + 2 * serve.pad_sequence_to_multiple_of))
 
-    return forward
+    def run(jobs: list[tuple[list[int], SamplingParams]]) -> list:
+        last: dict[int, object] = {}
+        for i, (ids, params) in enumerate(jobs):
+            engine.submit(ids, params, lambda ev, i=i: last.__setitem__(i, ev) if ev.finish_reason or ev.error else None)
+        while engine.step():
+            pass
+        for i in range(len(jobs)):
+            ev = last.get(i)
+            if ev is None or ev.error:
+                raise CalibrationError(f"The serving engine could not run an lm-eval request: {ev.error if ev else 'it never ran'}.")
+        return [last[i] for i in range(len(jobs))]
+
+    def score(items: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+        """(tokens, n): the log-likelihood of the last n tokens given the ones before, and whether each is greedy."""
+        out = []
+        for (ids, n), ev in zip(items, run([(ids, SamplingParams(max_new_tokens=0, prompt_logprobs=1)) for ids, n in items])):
+            scored = ev.prompt[len(ids) - n:]
+            out.append((sum(lp for lp, _ in scored), all(top[0][0] == t for (_, top), t in zip(scored, ids[len(ids) - n:]))))
+        return out
+
+    def generate(ids: list[int], max_new: int, until: list[str]) -> str:
+        [ev] = run([(ids, SamplingParams(max_new_tokens=max_new, stop=tuple(until)))])
+        return ev.generated_text
+
+    try:
+        yield score, generate
+    finally:
+        engine.stop()
+        model.set_attn_implementation(before)
 
 
 def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = "", show_progress: bool = True) -> dict:
@@ -97,19 +126,12 @@ def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = ""
     progress = Progress(show_progress)
     prefix = f"{label}: " if label else ""
     if s.tasks:
-        device = next(model.parameters()).device
-
-        forward = scoring_forward(model, tokenizer)
-
-        @torch.inference_mode()
-        def generate(ids, max_new):
-            o = model.generate(ids.to(device), max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-            return tokenizer.decode(o[0, ids.shape[1]:], skip_special_tokens=True)
-
         progress.start(f"{prefix}lm-eval {','.join(s.tasks)}", 0, unit="request")
-        lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=s.max_length, generate=generate,
-                             progress=progress.update, announce=progress.add_total)
-        out["tasks"] = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
+        with serving_engine(model, tokenizer, batch_size=s.batch_size, max_length=s.max_length) as (score, generate):
+            lm = lmeval.build_lm(None, tokenizer, batch_size=s.batch_size, max_length=s.max_length, score=score,
+                                 generate=lambda ids, max_new: generate(ids[0].tolist(), max_new, []),
+                                 progress=progress.update, announce=progress.add_total)
+            out["tasks"] = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
     if s.ppl_file:
         out["wikitext"] = {**perplexity(model, tokenizer, read_ppl_text(s.ppl_file), window=s.ppl_window,
                                         max_windows=s.ppl_windows, progress=progress, label=f"{prefix}perplexity"),

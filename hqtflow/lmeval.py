@@ -148,9 +148,10 @@ def _data_files(manager, task: str) -> list[str]:
     return [f for v in files for f in (v if isinstance(v, list) else [v]) if isinstance(f, str) and "://" not in f]
 
 
-def build_lm(forward: Forward, tokenizer, *, batch_size: int, max_length: int, generate=None, progress=None,
-             announce=None):
-    """An `lm_eval.api.model.TemplateLM` over `forward` (class built lazily: lm-eval imports slowly).
+def build_lm(forward: Forward | None, tokenizer, *, batch_size: int, max_length: int, generate=None, progress=None,
+             announce=None, score=None):
+    """An `lm_eval.api.model.TemplateLM` over `forward` (class built lazily: lm-eval imports slowly), or over
+    `score([(tokens, n)]) -> [(log-likelihood of the last n tokens, greedy)]` when given (the serving engine's).
 
     `progress(samples, tokens)` after each forward or generation; `announce(n)` when lm-eval hands over n more
     requests (for a progress bar's total)."""
@@ -192,6 +193,12 @@ def build_lm(forward: Forward, tokenizer, *, batch_size: int, max_length: int, g
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
             for start in range(0, len(items), self.batch_size):
                 chunk = items[start:start + self.batch_size]
+                if score is not None:
+                    for (i, inp, cont), result in zip(chunk, score([(inp + cont[-1:], len(cont)) for _, inp, cont in chunk])):
+                        results[i] = result
+                    if progress:
+                        progress(len(chunk), sum(len(inp) for _, inp, _ in chunk))
+                    continue
                 width = len(chunk[0][1])
                 ids = torch.full((len(chunk), width), pad, dtype=torch.long)
                 mask = torch.zeros((len(chunk), width), dtype=torch.long)

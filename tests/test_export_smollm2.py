@@ -51,20 +51,29 @@ def test_every_layout_round_trips(smol_fp8, inc, tmp_path):
 
 
 def test_in_process_scores_do_not_depend_on_the_batch(smol_fp8):
-    """`hqtflow eval`'s scoring forward gives a document the same log-likelihood alone (a mask of all ones, which
-    transformers would drop for the causal attention kernel, whose bf16 sums differ) and batched beside longer and
-    shorter documents; on the real model the two kernels differ by a bf16 step that FP8 inputs amplify (a piqa
-    document: -65.06 vs -67.89 before)."""
+    """`hqtflow eval` scores through the serving engine: a document gets the same log-likelihood alone and batched
+    beside longer and shorter ones (a padded batch's attention sums depend on its width, by a bf16 step that FP8
+    inputs amplify: a piqa document scored -65.06 alone and -67.89 padded), and the one the server gives it."""
+    import httpx
+
+    from conftest import running
     from hqtflow import lmeval
     from hqtflow.api import load_any
-    from hqtflow.evaluate import scoring_forward
+    from hqtflow.evaluate import serving_engine
+    from hqtflow.runtime.server import ServeSettings, create_app
 
     model, tok, _ = load_any(str(smol_fp8), "bf16")
-    lm = lmeval.build_lm(scoring_forward(model, tok), tok, batch_size=8, max_length=512)
     enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     doc = ((None, None), enc("Question: dresser\nAnswer:"), enc(" finish, woodgrain with  bobby pin"))
-    longer = ((None, None), enc("Question: How do I keep a wooden dresser from sticking in humid weather?\nAnswer:"), enc(" wax"))
+    longer = ((None, None), enc("Question: How do I keep a wooden dresser from sticking in humid weather? " * 12 + "\nAnswer:"), enc(" wax"))
     shorter = ((None, None), enc("Hi"), enc(" there"))
-    alone = lm._loglikelihood_tokens([doc])[0]
-    assert lm._loglikelihood_tokens([longer, doc, shorter])[1] == alone
-    assert lm._loglikelihood_tokens([doc, doc])[1] == alone
+    with serving_engine(model, tok, batch_size=8, max_length=512) as (score, _):
+        lm = lmeval.build_lm(None, tok, batch_size=8, max_length=512, score=score)
+        alone = lm._loglikelihood_tokens([doc])[0]
+        assert lm._loglikelihood_tokens([longer, doc, shorter])[1] == alone
+        assert lm._loglikelihood_tokens([doc, doc])[1] == alone
+    with running(create_app(model, tok, ServeSettings(model_id="fp8"))) as base:
+        ids = doc[1] + doc[2]
+        lp = httpx.post(f"{base}/v1/completions", json={"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0},
+                        timeout=120).json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert sum(lp[len(doc[1]):]) == pytest.approx(alone[0], abs=1e-6)
