@@ -380,6 +380,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     module (the static decoder's FP8 KV cache uses them); `output_scale` and all-zero zero points are dropped.
     Unsupported schemes are refused by quantization_scheme.
     """
+    from hqtflow.formats.compressed_tensors import ignored_fp8_layer
     from hqtflow.formats.hf_names import module_or_none, per_expert_containers, to_model_names
     from hqtflow.quantize.experts import unfuse_experts
     from hqtflow.quantize.fp8_linear import FP8Linear
@@ -390,6 +391,11 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     config, hp = model.config, next(model.parameters()).dtype
     if tensors is None:
         tensors = read_tensors(path, device=device)
+    fp8 = [k[: -len(".weight")] for k, v in tensors.items() if k.endswith(".weight") and v.dtype in FP8_WEIGHT_DTYPES]
+    if (name := ignored_fp8_layer(qc, fp8)) is not None:
+        key = "ignore" if qc["method"] == "compressed-tensors" else "ignored_layers"
+        raise ArtifactError(f"{path}: config.json's quantization_config.{key} names {name}, whose weight is FP8 "
+                            "(other loaders would then run it unquantized); the config contradicts the weights.")
     tensors = to_model_names(model, tensors, str(path), qc["block_size"])  # renamed or per-expert: as the model names them
     dropped = []
     for k in list(tensors):

@@ -9,6 +9,8 @@ W ~ weight * weight_scale), and, for static activations, `input_scale` [1]. conf
 
 from __future__ import annotations
 
+import re
+
 from hqtflow.errors import ArtifactError
 
 
@@ -62,6 +64,9 @@ def parse_quantization_config(qc: dict) -> dict:
     ignore = qc.get("ignore") or []
     if not (isinstance(ignore, list) and all(isinstance(x, str) for x in ignore)):
         raise ArtifactError(f"config.json's quantization_config.ignore must be a list of module names, not {ignore!r:.80}.")
+    if qc.get("quant_method") == "compressed-tensors":
+        for entry in ignore:
+            _pattern(entry, "ignore")
     try:
         return _parse(qc)
     except (AttributeError, TypeError, ValueError):  # a field of the wrong JSON type where an object or number belongs
@@ -79,9 +84,13 @@ def _parse(qc: dict) -> dict:
     if len(groups) != 1:
         raise ArtifactError(f"compressed-tensors checkpoints with {len(groups)} config groups are not supported (one group).")
     g = groups[0]
-    fmt = g.get("format") or qc.get("format")
-    if fmt not in (None, "float-quantized", "naive-quantized"):
-        raise ArtifactError(f"Unsupported compressed-tensors format {fmt!r}; hqtflow reads float-quantized FP8 (unsupported: {UNSUPPORTED}).")
+    for fmt in (g.get("format"), qc.get("format")):
+        if fmt not in (None, "float-quantized", "naive-quantized"):
+            raise ArtifactError(f"Unsupported compressed-tensors format {fmt!r}; hqtflow reads float-quantized FP8 (unsupported: {UNSUPPORTED}).")
+    targets = g.get("targets")
+    if not (isinstance(targets, list) and targets and all(t == "Linear" or _pattern(t, "targets") for t in targets)):
+        raise ArtifactError(f"Unsupported compressed-tensors targets {targets!r:.80}; hqtflow quantizes Linear layers "
+                            "(targets: \"Linear\" or \"re:\" module-name patterns).")
     w, a = g.get("weights") or {}, g.get("input_activations")
     if w.get("type") != "float" or w.get("num_bits") != 8:
         raise ArtifactError(f"Unsupported weight scheme {w.get('type')}{w.get('num_bits')}; hqtflow reads FP8 (float, 8 bits).")
@@ -122,7 +131,41 @@ def _parse(qc: dict) -> dict:
     return {"per_channel": strategy == "channel", "static_input": activation == "static",
             "ignore": list(qc.get("ignore") or []), "strategy": strategy, "block_size": block,
             "activation": activation, "group_size": group_size, "method": "compressed-tensors",
-            "kv_cache": bool(qc.get("kv_cache_scheme")), "inc_rule": _inc_rule(qc.get(INC_DYNAMIC_KEY), activation)}
+            "kv_cache": _kv_cache(qc.get("kv_cache_scheme")), "inc_rule": _inc_rule(qc.get(INC_DYNAMIC_KEY), activation)}
+
+
+def _pattern(entry, key: str) -> bool:
+    """True for a valid "re:" module-name pattern, False for a plain name; an invalid regex is refused."""
+    if not (isinstance(entry, str) and entry.startswith("re:")):
+        return False
+    try:
+        re.compile(entry[3:])
+    except re.error as e:
+        raise ArtifactError(f"config.json's quantization_config.{key} entry {entry!r:.80} is not a valid regex ({e}).") from None
+    return True
+
+
+def _kv_cache(scheme) -> bool:
+    """True for static per-tensor FP8 KV-cache scales (the only KV-cache scheme hqtflow runs), False for none."""
+    if scheme is None:
+        return False
+    if not (isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8
+            and not scheme.get("dynamic") and scheme.get("symmetric") is not False
+            and scheme.get("strategy") in (None, "tensor")):
+        raise ArtifactError(f"Unsupported quantization_config.kv_cache_scheme {scheme!r:.120}; hqtflow reads static "
+                            "per-tensor FP8 KV-cache scales (type float, num_bits 8, strategy tensor).")
+    return True
+
+
+def ignored_fp8_layer(qc: dict, layers: list[str]) -> str | None:
+    """The first FP8-quantized layer that the config's ignore list names (as compressed-tensors matches: an exact
+    name, a "re:" pattern matched from the start, or the class name Linear), or None."""
+    ct = qc["method"] == "compressed-tensors"
+    for name in layers:
+        for entry in qc["ignore"]:
+            if entry == name or ct and (entry == "Linear" or entry.startswith("re:") and re.match(entry[3:], name)):
+                return name
+    return None
 
 
 def _inc_rule(raw, activation: str | None) -> dict | None:

@@ -89,6 +89,9 @@ def ct_config(weights, activations):
             "ignore": ["lm_head"], "kv_cache_scheme": None}
 
 
+TENSOR_WO = ct_config({**FP8, "strategy": "tensor", "dynamic": False}, None)
+
+
 def ours_logits(path, base):
     model = load_checkpoint(path)
     with torch.inference_mode():
@@ -191,6 +194,14 @@ def test_autofp8_block_scale_inv(base, tmp_path):
     (ct_config({**FP8, "strategy": "group", "group_size": 32, "dynamic": False}, None), "Unsupported weight strategy 'group'"),
     ({"quant_method": "gptq"}, "Unsupported quantization method 'gptq'"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [32, 32]}, "static activations are not supported"),
+    ({**TENSOR_WO, "kv_cache_scheme": {"num_bits": 4, "type": "int", "strategy": "head"}}, "kv_cache_scheme"),
+    ({**TENSOR_WO, "kv_cache_scheme": "fp8"}, "kv_cache_scheme"),
+    ({**TENSOR_WO, "format": "int-quantized"}, "format 'int-quantized'"),
+    ({**TENSOR_WO, "config_groups": {"group_0": {**TENSOR_WO["config_groups"]["group_0"], "targets": ["Conv2d"]}}},
+     "targets"),
+    ({**TENSOR_WO, "ignore": ["re:(["]}, r"ignore entry 're:\(\[' is not a valid regex"),
+    ({**TENSOR_WO, "ignore": ["re:.*"]}, "ignore names model.*contradicts the weights"),
+    ({"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.up_proj"]}, "ignored_layers names model.layers.0.mlp.up_proj"),
 ])
 def test_unsupported_named(qcfg, message, base, tmp_path):
     from hqtflow.errors import ArtifactError
