@@ -391,6 +391,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
                                              tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - no or broken template
             raise invalid(f"`messages`: cannot apply the chat template: {e}") from None
+        if not prompt:  # the messages were checked non-empty: the template dropped them
+            raise invalid("`messages`: the chat template rendered no text from these messages")
         return ctx.encode(prompt, "messages", add_special_tokens=False)
 
     @r.post("/v1/chat/completions")

@@ -226,6 +226,22 @@ def test_token_ids_past_the_model_are_named_422s(lm):
         assert httpx.post(f"{base}/v1/completions", json={"prompt": [1, rows - 1], "max_tokens": 1}).status_code == 200
 
 
+def test_a_chat_template_that_renders_nothing_is_named(lm):
+    """A chat template that renders no text (empty, or dropping every message) is a 422 that says so, not
+    "`messages` cannot be empty" about messages that were not empty; streamed too."""
+    import copy
+
+    model, tok = lm
+    body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1}
+    for template in ("", "{% for m in messages %}{% endfor %}"):
+        t = copy.deepcopy(tok)
+        t.chat_template = template
+        with running(create_app(model, t, ServeSettings(max_input_tokens=32, max_total_tokens=64))) as base:
+            for stream in (False, True):
+                r = post(base, "/v1/chat/completions", {**body, "stream": stream})
+                assert r.status_code == 422 and "chat template rendered no text" in r.json()["error"]["message"], r.text
+
+
 def test_max_best_of_and_max_top_n_tokens_bound_each_route(lm):
     """--max-best-of bounds TGI's best_of and OpenAI's n and best_of, --max-top-n-tokens TGI's top_n_tokens: a
     request over them is a 422 naming the field (TGI's wording), /info and /openapi.json say this server's values."""
