@@ -147,13 +147,24 @@ class _DuplicateKey(Exception):
 
 
 def _unique_key_loader():
-    """yaml's SafeLoader, except that a mapping giving a key twice is refused (plain YAML keeps the last one)."""
+    """yaml's SafeLoader, except that a mapping giving a key twice is refused (plain YAML keeps the last one).
+    Merge keys (`<<: *defaults`) are SafeLoader's: a key given beside them overrides the merged one."""
     import yaml
 
     class Loader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
+            self.refuse_duplicates(node, deep)
+            return super().construct_mapping(node, deep=deep)
+
+        def refuse_duplicates(self, node, deep):
             seen = set()
-            for key_node, _ in node.value:
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # each merged mapping is checked on its own
+                    merged = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                    for m in merged:
+                        if isinstance(m, yaml.MappingNode):
+                            self.refuse_duplicates(m, deep)
+                    continue
                 key = self.construct_object(key_node, deep=deep)
                 try:
                     if key in seen:
@@ -161,7 +172,6 @@ def _unique_key_loader():
                     seen.add(key)
                 except TypeError:  # an unhashable key: SafeLoader's own error below names it
                     pass
-            return super().construct_mapping(node, deep=deep)
 
     return Loader
 

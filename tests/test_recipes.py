@@ -360,6 +360,23 @@ def test_recipe_values_refused(tmp_path, text, msg):
         load_recipe(bad)
 
 
+def test_merge_keys_are_read_and_duplicates_still_refused(tmp_path):
+    """YAML merge keys (`<<:`) work as in yaml.safe_load (a key beside them overrides the merged one); a key given
+    twice is still refused, in a mapping and in a merged one."""
+    from hqtflow.errors import ConfigError
+    from hqtflow.recipes import load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text("model: smollm2\ncalibration:\n  <<: {limit: 4, text_field: body}\n  limit: 8\n")
+    assert (load_recipe(path).measure.limit, load_recipe(path).measure.text_field) == (8, "body")
+    path.write_text("model: smollm2\ncalibration:\n  <<: [{limit: 4}, {text_field: body}]\n")
+    assert (load_recipe(path).measure.limit, load_recipe(path).measure.text_field) == (4, "body")
+    for text in ("calibration:\n  <<: {limit: 4}\n  limit: 8\n  limit: 9\n", "calibration:\n  <<: {limit: 4, limit: 5}\n"):
+        path.write_text("model: smollm2\n" + text)
+        with pytest.raises(ConfigError, match="gives the key 'limit' twice"):
+            load_recipe(path)
+
+
 def _laughs(levels: int) -> str:
     """A YAML "billion laughs": `*a{levels}` names 9**(levels + 1) shared leaves."""
     lines = ["x: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
