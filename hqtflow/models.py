@@ -113,6 +113,20 @@ def load_config(path: Path) -> dict:
     return cfg
 
 
+def check_generation_config(path: Path) -> None:
+    """Refuse a generation_config.json that is not a JSON object, as a broken config.json is refused (transformers
+    would drop it without a word, and with it the model's EOS ids and sampling defaults)."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise ModelError(f"Cannot read {file} ({type(e).__name__}).") from None
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{file} is not a JSON object; it is not a generation config.")
+
+
 # config.json keys naming a model's context (positions it was trained on), in the order they are looked for
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx", "max_seq_len")
 
@@ -211,6 +225,7 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
+    check_generation_config(path)
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
     if tp_plan:
         try:

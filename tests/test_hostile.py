@@ -252,6 +252,8 @@ CASES = {
                                               measure(c.w / "model", c))[1], "Cannot read"),
     "measure/config.json a list": (lambda c: ((c.copy("model") / "config.json").write_text("[]"),
                                               measure(c.w / "model", c))[1], "not a JSON object"),
+    "measure/generation_config.json not JSON": (lambda c: measure(bad_generation_config(c.copy("model")), c),
+                                                "generation_config.json (JSONDecodeError)"),
     "measure/config field of the wrong type": (lambda c: measure(config(c.copy("model"), num_hidden_layers="two"), c),
                                                "config.json is not a valid model config"),
     "measure/binary text": (lambda c: ((c.w / "b.txt").write_bytes(b"\xff\xfe\x00\x81"),
@@ -505,6 +507,8 @@ CASES = {
                                                      "quantization_config is not an object"),
     "generate/config field of the wrong type, hashes rewritten": (
         lambda c: gen(rehash(config(c.copy("ck"), num_hidden_layers="two"))), "config.json is not a valid model config"),
+    "generate/generation_config.json not JSON, hashes rewritten": (
+        lambda c: gen(rehash(bad_generation_config(c.copy("ck")))), "generation_config.json (JSONDecodeError)"),
     "generate/empty prompt": (lambda c: [*gen(c.ck), "-p", ""], "The prompt is empty"),
     "generate/--device hpu without --engine inc": (lambda c: [*gen(c.ck), "--device", "hpu"], "hpu: with --engine inc"),
     "generate/--chat without a chat template": (lambda c: [*gen(c.ck), "--chat"], "has no chat template"),
@@ -758,6 +762,11 @@ def binary_config(d):
     return d
 
 
+def bad_generation_config(d):
+    (d / "generation_config.json").write_text("{bad json")
+    return d
+
+
 def garbage_weights(d):
     (d / "model.safetensors").write_bytes(b"\xff" * 100)
     return d
@@ -830,6 +839,7 @@ MODEL_CASES = {"measure/nan weights", "measure/inf weights", "measure/truncated 
                "measure/garbage weights, header offsets overlap",
                "measure/config has a layer the weights lack", "measure/config has fewer layers than the weights",
                "measure/config's vocabulary disagrees with the weights", "measure/config's rope type unknown",
+               "measure/generation_config.json not JSON", "generate/generation_config.json not JSON, hashes rewritten",
                "measure/garbage pickle weights", "generate/garbage weights, foreign",
                "quantize/model weight NaN past the fingerprint's bytes", "quantize/measurement's recorded model path relative",
                "eval/checkpoint's recorded model path relative"}

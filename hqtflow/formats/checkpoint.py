@@ -361,9 +361,11 @@ def quantization_scheme(path: Path) -> dict:
     """The FP8 scheme of the checkpoint at `path`: its config.json's `quantization_config`, parsed (one that hqtflow
     cannot run is refused by parse_quantization_config); every reader of a checkpoint checks it here."""
     from hqtflow.formats.compressed_tensors import parse_quantization_config
-    from hqtflow.models import load_config
+    from hqtflow.models import check_generation_config, load_config
 
-    return parse_quantization_config(load_config(path).get("quantization_config") or {})
+    qc = parse_quantization_config(load_config(path).get("quantization_config") or {})
+    check_generation_config(path)
+    return qc
 
 
 def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | None = None,

@@ -192,10 +192,13 @@ def _skeleton(model_dir: Path, dtype: torch.dtype):
 def _generation_config(model_dir: Path, skel):
     from transformers import GenerationConfig
 
+    from hqtflow.models import check_generation_config
+
+    check_generation_config(model_dir)
     if (Path(model_dir) / "generation_config.json").is_file():
         try:
             return GenerationConfig.from_pretrained(model_dir)
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # a valid JSON object transformers cannot use: the model config's defaults
             pass
     return getattr(skel, "generation_config", None)
 
