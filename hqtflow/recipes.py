@@ -142,6 +142,25 @@ def _encodable(path: str) -> bool:
     return True
 
 
+def _nul_at(raw: dict) -> str | None:
+    """The label of the first key or string value in `raw` holding a NUL ("gaudi.measure[0].args"), or None.
+    Iterative, each list or mapping visited once (YAML aliases share them)."""
+    stack, seen = [(raw, "")], set()
+    while stack:
+        value, where = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            label = f"{where}[{k}]" if isinstance(value, list) else f"{where}.{k}" if where else str(k)
+            if "\0" in label or isinstance(v, str) and "\0" in v:
+                return label.replace("\0", "\\0")
+            if isinstance(v, (dict, list)):
+                stack.append((v, label))
+    return None
+
+
 class _DuplicateKey(Exception):
     pass
 
@@ -193,6 +212,8 @@ def load_recipe(path: str | Path) -> Recipe:
         raise ConfigError(f"Recipe {path} gives {e}; keep one.") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"Recipe {path} must be a YAML mapping.")
+    if (label := _nul_at(raw)) is not None:
+        raise ConfigError(f"Recipe {path}: '{label}' holds a NUL character, which no path, name or argument can hold.")
     _refuse_unknown(f"Recipe {path} has", raw, TOP_KEYS)
     _check_version(path, raw.get("version", RECIPE_VERSION))
     read = _Reader(path)

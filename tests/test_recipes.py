@@ -9,6 +9,7 @@ text files) comes from the recipe itself, and the artifact is checked against it
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -349,8 +350,6 @@ def test_recipe_sections_are_the_stage_settings():
     ("gptq: yes please", "'gptq' must be true or false, not 'yes please'"),
 ])
 def test_recipe_values_refused(tmp_path, text, msg):
-    import re
-
     from hqtflow.errors import ConfigError
     from hqtflow.recipes import load_recipe
 
@@ -375,6 +374,21 @@ def test_merge_keys_are_read_and_duplicates_still_refused(tmp_path):
         path.write_text("model: smollm2\n" + text)
         with pytest.raises(ConfigError, match="gives the key 'limit' twice"):
             load_recipe(path)
+
+
+@pytest.mark.parametrize("text,label", [('model: "a\\0b"', "model"), ('calibration: {tasks: [piqa, "p\\0"]}', "calibration.tasks[1]"),
+                                        ('gaudi: {measure: {script: s, env: {"A": "x\\0"}}}', "gaudi.measure.env.A"),
+                                        ('notes: {"n\\0": 1}', "notes.n\\0")])
+def test_a_nul_anywhere_is_refused(tmp_path, text, label):
+    """A NUL in any recipe string (or key) is refused, naming where: no path or argument can hold one, and
+    `handoff` would otherwise print commands with it silently dropped."""
+    from hqtflow.errors import ConfigError
+    from hqtflow.recipes import load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=re.escape(f"'{label}' holds a NUL character")):
+        load_recipe(path)
 
 
 def _laughs(levels: int) -> str:
