@@ -34,6 +34,10 @@ class ArtifactError(HqtflowError):
     exit_code = 3
 
 
+class NewerArtifactError(ArtifactError):
+    """An artifact of a newer schema than this hqtflow reads."""
+
+
 class InspectError(ArtifactError):
     """The artifact(s) given to `hqtflow inspect` cannot be inspected as asked."""
 

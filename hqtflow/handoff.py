@@ -299,7 +299,19 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
         model = from_recipe if recipe == source else (artifact.model if artifact else None) or from_recipe
     if not model:
         raise ConfigError("No model: the artifact records none; pass --model.")
-    return Job(mode, world, str(model), gaudi, config, name, artifact, r.measure.tp if r else None)
+    return Job(mode, world, _check_model(str(model)), gaudi, config, name, artifact, r.measure.tp if r else None)
+
+
+def _check_model(model: str) -> str:
+    """A model folder here or a hub id; a path that is not here is refused (an older hqtflow recorded the model
+    relative to where it ran: `../tiny` would name another folder on the Gaudi host, not a hub id)."""
+    p = Path(model).expanduser()
+    if not p.exists() and (model.startswith((".", "~", "/")) or ".." in p.parts):
+        from hqtflow.errors import ModelError
+
+        raise ModelError(f"The model {model} is a path that does not exist here (an older hqtflow recorded it relative "
+                         "to where it ran); pass --model with its path or hub id.")
+    return model
 
 
 def _model_arg(model: str) -> str:

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from hqtflow.errors import ArtifactError
+from hqtflow.errors import ArtifactError, NewerArtifactError
 
 
 # settings added after artifacts were written: one recorded without them was made with this default
@@ -40,6 +40,46 @@ def _manifest_version(out: Path, kind: str) -> str | None:
         return other_version(read_manifest(Path(out), kind, verify=False).written_by)
     except ArtifactError:
         return None
+
+
+def _newer(written) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    from hqtflow import __version__
+
+    try:
+        return isinstance(written, str) and Version(written) > Version(__version__)
+    except InvalidVersion:
+        return False
+
+
+def check_not_newer(out: Path, kind: str | None = None, report: dict | None = None) -> None:
+    """`run` never replaces what a newer hqtflow wrote (an artifact of a newer schema or version, or such a report):
+    redoing it would lose a colleague's newer output."""
+    from hqtflow import __version__
+    from hqtflow.formats.artifact import MANIFEST, read_manifest
+
+    written = report.get("hqtflow") if report is not None else None
+    if kind is not None and (out / MANIFEST).is_file():
+        try:
+            written = read_manifest(out, kind, verify=False).written_by
+        except NewerArtifactError as e:
+            raise ArtifactError(f"{e} `hqtflow run` does not replace it: move it away or choose another output "
+                                "(nothing was written).") from None
+        except ArtifactError:
+            return
+    if _newer(written):
+        raise ArtifactError(f"{out} was written by hqtflow {written}, newer than this {__version__}: `hqtflow run` does "
+                            "not replace it; upgrade hqtflow, or move it away (nothing was written).")
+
+
+def current(check: Callable[[], bool]) -> bool:
+    """check(), where an artifact whose manifest records its inputs in a shape this hqtflow does not write (damaged,
+    or another version's) is not current: it is redone, not a traceback."""
+    try:
+        return check()
+    except (TypeError, KeyError, AttributeError, ValueError):
+        return False
 
 
 def measurement_is_current(s) -> bool:
@@ -99,7 +139,8 @@ def check_own_output(out: Path, kind: str) -> None:
 
 def check_not_anothers(checkpoint: Path, measurement: Path) -> None:
     """`run` writes `fp8/` and `eval.json` beside the recipe's measurement: a checkpoint there quantized from another
-    measurement that still exists is another recipe's (sharing the parent directory), never replaced."""
+    measurement that still exists is another recipe's (sharing the parent directory), never replaced (but with
+    --force: a copied project's checkpoint records the original's measurement)."""
     from hqtflow.formats.artifact import MANIFEST, ArtifactKind, read_manifest
 
     if not (checkpoint / MANIFEST).is_file():
@@ -110,7 +151,8 @@ def check_not_anothers(checkpoint: Path, measurement: Path) -> None:
         return  # a damaged checkpoint is redone
     if isinstance(source, str) and Path(source).is_dir() and Path(source).resolve() != measurement.resolve():
         raise ArtifactError(f"{checkpoint} was quantized from {source}, another recipe's measurement, not from "
-                            f"{measurement}: give each recipe an output directory of its own (nothing was written).")
+                            f"{measurement}: give each recipe an output directory of its own, or --force to redo it "
+                            "from this one's (nothing was written).")
 
 
 def read_own_report(report: Path) -> dict | None:
@@ -144,15 +186,18 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     root = Path(ms.output).parent
     check_own_output(Path(ms.output), ArtifactKind.MEASUREMENT)
     check_own_output(root / "fp8", ArtifactKind.CHECKPOINT)
-    check_not_anothers(root / "fp8", Path(ms.output))
+    check_not_newer(Path(ms.output), ArtifactKind.MEASUREMENT)
+    check_not_newer(root / "fp8", ArtifactKind.CHECKPOINT)
+    if not force:
+        check_not_anothers(root / "fp8", Path(ms.output))
     if r.eval.ppl_file:  # the eval's inputs are checked before the stages before it run
         from hqtflow.evaluate import read_ppl_text
 
         read_ppl_text(r.eval.ppl_file, "The recipe's eval.ppl_file")
-    if not r.eval.empty:
-        read_own_report(root / "eval.json")
+    if not r.eval.empty and (old := read_own_report(root / "eval.json")) is not None:
+        check_not_newer(root / "eval.json", report=old)
     kv_missing = r.quantize.kv_cache == KVCache.FP8 and not (Path(ms.output) / KV_FILE).exists()
-    if not force and not kv_missing and measurement_is_current(ms):
+    if not force and not kv_missing and current(lambda: measurement_is_current(ms)):
         echo(f"measure: {ms.output} is up to date, skipped.")
     else:
         if not force and (why := _manifest_version(Path(ms.output), ArtifactKind.MEASUREMENT)):
@@ -160,7 +205,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
         echo(f"measure: writing {ms.output}")
         measure(ms)
     qs = r.quantize.settings(ms.output, str(root / "fp8"), overwrite=True)
-    if not force and checkpoint_is_current(qs):
+    if not force and current(lambda: checkpoint_is_current(qs)):
         echo(f"quantize: {qs.output} is up to date, skipped.")
     else:
         if not force and (why := _manifest_version(Path(qs.output), ArtifactKind.CHECKPOINT)):
@@ -182,10 +227,14 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
         elif old.get("checkpoint_digest") == digest and old.get("eval") == ev_json:
             from hqtflow.evaluate import format_table
 
-            echo(f"eval: {report} is up to date, skipped.")
-            names = list(old["results"])
-            echo(format_table(old["comparison"], names, old["baseline"]))
-            return root
+            try:
+                table = format_table(old["comparison"], list(old["results"]), old["baseline"])
+            except (TypeError, KeyError, AttributeError, ValueError):  # not in the shape this hqtflow writes: redone
+                table = None
+            if table is not None:
+                echo(f"eval: {report} is up to date, skipped.")
+                echo(table)
+                return root
     echo(f"eval: writing {report}")
     tmp = root / ".eval.json.partial"
     tmp.unlink(missing_ok=True)

@@ -321,6 +321,11 @@ def test_refusals(arts, tmp_path):
     bad.write_text("model: x\ngaudi:\n  measure: {args: --bf16}\n")
     refused([bad, "--to", "optimum-habana", "--mode", "measure"], "needs a `script`")
     assert not (Path.cwd() / "hqtflow-handoff").exists()  # a refusal writes nothing
+    # a model path not here (an older hqtflow recorded `../tiny` relative to where it ran) is no hub id to pass on
+    r = run_cli("handoff", arts["m2to1"], "--to", "tgi-gaudi", "--model", "../no-such-tiny", "--dir", tmp_path / "h")
+    assert r.exit_code == 4 and "is a path that does not exist here" in r.stderr, r.output
+    hub = run_cli("handoff", arts["m2to1"], "--to", "tgi-gaudi", "--model", "org/model", "--dir", tmp_path / "h")
+    assert hub.exit_code == 0 and "--model-id org/model" in hub.stdout, hub.output
 
 
 def test_default_measure_names_run_lm_evals_output_and_fewer_cards_are_flagged(arts, tmp_path):

@@ -67,6 +67,38 @@ def test_run_recipe_skips_current_stages(tiny_llama, data_dir, tmp_path):
     assert not (tmp_path / "run" / "measure2").exists()
 
 
+def test_run_never_replaces_newer_outputs_nor_trips_on_odd_ones(tiny_llama, data_dir, tmp_path):
+    """What a newer hqtflow wrote (schema or version) is refused, not redone over; a manifest or report whose
+    records are of another shape is redone, not a traceback; a copied project runs with --force."""
+    import shutil
+
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, data_dir, 2)
+    assert run_cli("run", recipe).exit_code == 0
+    run = tmp_path / "run"
+    saved = {d: (run / d / MANIFEST).read_text() for d in ("measure", "fp8")}
+    for d, edit in (("measure", lambda m: m.update(_version=2)), ("fp8", lambda m: m["tool"].update(hqtflow="99.0"))):
+        edit_manifest(run / d, edit)
+        r = run_cli("run", recipe)
+        assert r.exit_code == 3 and "does not replace it" in r.stderr and "Traceback" not in r.output, r.output
+        assert "writing" not in r.stdout
+        (run / d / MANIFEST).write_text(saved[d])
+    edit_json(run / "eval.json", lambda r: r.update(hqtflow="99.0"))
+    r = run_cli("run", recipe)
+    assert r.exit_code == 3 and "newer than this" in r.stderr, r.output
+    edit_json(run / "eval.json", lambda r: r.update(hqtflow=__version__, comparison="?"))
+    edit_manifest(run / "measure", lambda m: m["data"].update(settings=[]))
+    r = run_cli("run", recipe)
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    assert "measure: writing" in r.stdout and "eval: writing" in r.stdout
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copytree(run, copy / "run")
+    moved = write_recipe(copy / "tiny.yaml", tiny_llama, data_dir, 2)
+    assert run_cli("run", moved).exit_code == 3  # its fp8 records the original's measurement
+    forced = run_cli("run", moved, "--force")
+    assert forced.exit_code == 0 and "quantize: writing" in forced.stdout, forced.output
+
+
 def test_generate_and_eval(tiny_llama, wiki_text, data_dir, tmp_path):
     meas, ck = tmp_path / "m", tmp_path / "fp8"
     assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2").exit_code == 0

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hqtflow import __version__
-from hqtflow.errors import ArtifactError, does_not_exist
+from hqtflow.errors import ArtifactError, NewerArtifactError, does_not_exist
 
 MANIFEST = "hqtflow_manifest.json"
 
@@ -525,7 +525,7 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
     if found_type != type_:
         raise ArtifactError(f"{directory} holds a {found_type!r} artifact, not the {str(type_)!r} this step needs.")
     if type(found_version) is int and found_version > max_version:
-        raise ArtifactError(
+        raise NewerArtifactError(
             f"{directory} was written with {type_} schema v{found_version} by a newer hqtflow "
             f"(this one reads up to v{max_version}); upgrade hqtflow."
         )
