@@ -48,7 +48,7 @@ def _check_manifest(path: Path, verify: bool) -> None:
     import json
 
     from hqtflow.errors import ArtifactError
-    from hqtflow.export import LOADABLE_FORMATS
+    from hqtflow.export import FORMATS, LOADABLE_FORMATS
     from hqtflow.formats.artifact import MANIFEST, ArtifactKind, read_manifest
 
     try:
@@ -60,6 +60,9 @@ def _check_manifest(path: Path, verify: bool) -> None:
         return
     m = read_manifest(path, ArtifactKind.EXPORT, verify=verify)
     fmt = m.data.get("format")
+    if fmt not in FORMATS:
+        raise ArtifactError(f"{path}'s manifest gives the export format {fmt!r}, which this hqtflow does not know "
+                            f"({', '.join(FORMATS)}); written by a newer or another hqtflow?")
     if fmt not in LOADABLE_FORMATS:
         raise ArtifactError(f"{path} is an `export --format {fmt}` artifact, which runs in Neural Compressor; "
                             f"hqtflow loads {' and '.join(LOADABLE_FORMATS)} exports and its own checkpoints.")

@@ -277,6 +277,10 @@ def test_export_inc_loads_in_inc(inc, checkpoint, tmp_path):
     assert patched == set(read_manifest(out, "hqtflow.export", 1).data["quantized"])
     r = run_cli("generate", out, "-p", "x")  # INC's layout runs in INC, not in hqtflow's runtime
     assert r.exit_code == 3 and "runs in Neural Compressor" in r.stderr, r.output
+    manifest = out / "hqtflow_manifest.json"  # a format this hqtflow does not know is named, not taken for INC's
+    manifest.write_text(manifest.read_text().replace('"format": "inc"', '"format": "mxfp4"'))
+    r = run_cli("generate", out, "-p", "x")
+    assert r.exit_code == 3 and "the export format 'mxfp4', which this hqtflow does not know" in r.stderr, r.output
     assert type(theirs.lm_head) is torch.nn.Linear
     ids = torch.tensor([tok.encode("The tower is 324 metres tall")])
     with torch.inference_mode():
