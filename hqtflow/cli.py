@@ -723,7 +723,10 @@ def _serve_command(kind: str, doc: str):
             batch_bucket_size=batch_bucket_size, prefill_batch_bucket_size=prefill_batch_bucket_size,
             pad_sequence_to_multiple_of=pad_sequence_to_multiple_of, warmup=warmup, cuda_graphs=cuda_graphs, compile=compile,
             shutdown_timeout=shutdown_timeout, client_timeout=client_timeout, cors_allow_origin=cors_allow_origin or []))
-        if unread := environment.tgi_not_read():
+        unread = environment.tgi_not_read()
+        if measurement is None and config is None and environment.quant_config():  # TGI-Gaudi quantizes at start with it
+            unread.append(f"QUANT_CONFIG={environment.quant_config()} (read with -m only)")
+        if unread:
             typer.echo(f"Note: {', '.join(unread)}: TGI's launcher reads {'these' if len(unread) > 1 else 'this'}, hqtflow serve does not "
                        "(it serves the model as it is: an FP8 checkpoint, or one quantized at start with -m).", err=True)
         from hqtflow.runtime.server import serve

@@ -251,6 +251,9 @@ def test_serve_reads_or_names_every_tgi_launcher_variable(monkeypatch):
     assert r.exit_code == 0, r.output
     assert (seen["model"], seen["port"], seen["settings"].max_best_of, seen["settings"].max_top_n_tokens) == ("from-env", 8123, 1, 2)
     assert "QUANTIZE=gptq, NUM_SHARD=2: TGI's launcher reads these, hqtflow serve does not" in r.stderr, r.output
+    monkeypatch.setenv("QUANT_CONFIG", "maxabs_quant")  # TGI-Gaudi quantizes at start with it; here only with -m
+    assert "QUANT_CONFIG=maxabs_quant (read with -m only)" in run_cli("serve", "fp8").stderr
+    monkeypatch.delenv("QUANT_CONFIG")
     assert run_cli("serve", "fp8", "given", "--port", "9000", "--max-best-of", "3").exit_code == 0
     assert (seen["model"], seen["port"], seen["settings"].max_best_of) == ("given", 9000, 3)
     monkeypatch.setenv("MAX_BEST_OF", "8")
