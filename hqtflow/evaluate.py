@@ -71,48 +71,85 @@ def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: i
     return {"perplexity": math.exp(nll / count), "windows": n, "window": window, "tokens": count}
 
 
+def padded_forward(model, tokenizer):
+    """lm-eval's forward(ids, mask) -> logits in padded batches, for a model the serving engine cannot run: one
+    padding column more, so every row takes the masked attention kernel (transformers drops an all-ones mask for the
+    causal one, whose bf16 sums differ); a document's score can still move with its batch's width by bf16 rounding."""
+    import torch.nn.functional as F
+
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    @torch.inference_mode()
+    def forward(ids, mask):
+        ids, mask = F.pad(ids, (0, 1), value=pad), F.pad(mask, (0, 1), value=0)
+        return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, :-1]
+
+    @torch.inference_mode()
+    def generate(ids, max_new, until=()):
+        o = model.generate(ids.to(device), max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        return tokenizer.decode(o[0, ids.shape[1]:], skip_special_tokens=True)
+
+    return forward, generate
+
+
 @contextmanager
 def serving_engine(model, tokenizer, *, batch_size: int, max_length: int):
     """lm-eval's scoring and greedy generation through the serving engine, so a document's log-likelihood and text
     are what `hqtflow serve` gives it: each sequence's attention is its own (a padded batch's is not: the kernels'
-    sums depend on the padded width, by a bf16 step that FP8 inputs amplify up to a nat on a document). -> (score,
-    generate) for lmeval.build_lm; the model's attention is given back after."""
+    sums depend on the padded width, by a bf16 step that FP8 inputs amplify up to a nat on a document). Yields
+    (score, generate) for lmeval.build_lm, or None for a model the engine cannot run; the model's attention and the
+    engine's KV memory are given back after."""
+    from hqtflow.errors import ResourceError
     from hqtflow.runtime.engine import Engine, SamplingParams
     from hqtflow.runtime.settings import ServeSettings
 
     serve, before = ServeSettings(), model.config._attn_implementation
-    engine = Engine(model, tokenizer, pad_to_multiple=serve.pad_sequence_to_multiple_of,
-                    max_prefill_tokens=serve.max_batch_prefill_tokens,
-                    max_batch_total_tokens=max(batch_size, 1) * (max_length + 2 * serve.pad_sequence_to_multiple_of))
-
-    def run(jobs: list[tuple[list[int], SamplingParams]]) -> list:
-        last: dict[int, object] = {}
-        for i, (ids, params) in enumerate(jobs):
-            engine.submit(ids, params, lambda ev, i=i: last.__setitem__(i, ev) if ev.finish_reason or ev.error else None)
-        while engine.step():
-            pass
-        for i in range(len(jobs)):
-            ev = last.get(i)
-            if ev is None or ev.error:
-                raise CalibrationError(f"The serving engine could not run an lm-eval request: {ev.error if ev else 'it never ran'}.")
-        return [last[i] for i in range(len(jobs))]
-
-    def score(items: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
-        """(tokens, n): the log-likelihood of the last n tokens given the ones before, and whether each is greedy."""
-        out = []
-        for (ids, n), ev in zip(items, run([(ids, SamplingParams(max_new_tokens=0, prompt_logprobs=1)) for ids, n in items])):
-            scored = ev.prompt[len(ids) - n:]
-            out.append((sum(lp for lp, _ in scored), all(top[0][0] == t for (_, top), t in zip(scored, ids[len(ids) - n:]))))
-        return out
-
-    def generate(ids: list[int], max_new: int, until: list[str]) -> str:
-        [ev] = run([(ids, SamplingParams(max_new_tokens=max_new, stop=tuple(until)))])
-        return ev.generated_text
-
+    engine = None
     try:
+        try:
+            engine = Engine(model, tokenizer, pad_to_multiple=serve.pad_sequence_to_multiple_of, cuda_graphs=(),
+                            max_prefill_tokens=serve.max_batch_prefill_tokens,
+                            max_batch_total_tokens=max(batch_size, 1) * (max_length + 2 * serve.pad_sequence_to_multiple_of))
+        except ValueError:  # an attention the engine has no kernel for (Bloom, Falcon, Llama 4's chunked layers, ...)
+            yield None
+            return
+
+        def run(jobs: list[tuple[list[int], SamplingParams]]) -> list:
+            last: dict[int, object] = {}
+            for i, (ids, params) in enumerate(jobs):
+                engine.submit(ids, params, lambda ev, i=i: last.__setitem__(i, ev) if ev.finish_reason or ev.error else None)
+            while engine.step():
+                pass
+            for i, (ids, params) in enumerate(jobs):
+                ev = last.get(i)
+                if ev is None:
+                    raise ResourceError(f"An lm-eval request of {len(ids)} + {params.max_new_tokens} tokens does not fit "
+                                        f"the {engine.capacity_tokens} KV tokens eval sized for --batch-size x --max-length; "
+                                        "raise --max-length.")
+                if ev.error:
+                    raise ResourceError(f"The serving engine failed on an lm-eval request: {ev.error}.")
+            return [last[i] for i in range(len(jobs))]
+
+        def score(items: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+            """(tokens, n): the log-likelihood of the last n tokens given the ones before, and whether each is greedy."""
+            out = []
+            for (ids, n), ev in zip(items, run([(ids, SamplingParams(max_new_tokens=0, prompt_logprobs=1)) for ids, n in items])):
+                scored = ev.prompt[len(ids) - n:]
+                out.append((sum(lp for lp, _ in scored), all(top[0][0] == t for (_, top), t in zip(scored, ids[len(ids) - n:]))))
+            return out
+
+        def generate(ids: torch.Tensor, max_new: int, until=()) -> str:
+            [ev] = run([(ids[0].tolist(), SamplingParams(max_new_tokens=max_new, stop=tuple(until)))])
+            return ev.generated_text
+
         yield score, generate
     finally:
-        engine.stop()
+        if engine is not None:
+            engine.stop()
+            engine.pool = engine.graphs = None  # the KV blocks, not held through the perplexity pass
+            if engine.device.type == "cuda":
+                torch.cuda.empty_cache()
         model.set_attn_implementation(before)
 
 
@@ -127,11 +164,12 @@ def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = ""
     prefix = f"{label}: " if label else ""
     if s.tasks:
         progress.start(f"{prefix}lm-eval {','.join(s.tasks)}", 0, unit="request")
-        with serving_engine(model, tokenizer, batch_size=s.batch_size, max_length=s.max_length) as (score, generate):
-            lm = lmeval.build_lm(None, tokenizer, batch_size=s.batch_size, max_length=s.max_length, score=score,
-                                 generate=lambda ids, max_new: generate(ids[0].tolist(), max_new, []),
-                                 progress=progress.update, announce=progress.add_total)
+        with serving_engine(model, tokenizer, batch_size=s.batch_size, max_length=s.max_length) as engine:
+            forward, generate = padded_forward(model, tokenizer) if engine is None else (None, engine[1])
+            lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=s.max_length, generate=generate,
+                                 score=engine and engine[0], progress=progress.update, announce=progress.add_total)
             out["tasks"] = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
+            del lm, generate  # (they hold the engine)
     if s.ppl_file:
         out["wikitext"] = {**perplexity(model, tokenizer, read_ppl_text(s.ppl_file), window=s.ppl_window,
                                         max_windows=s.ppl_windows, progress=progress, label=f"{prefix}perplexity"),

@@ -297,9 +297,10 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
     if model is None:  # a recipe SOURCE names the model; an artifact, the folder it was made from
         from_recipe = r.measure.model if r else None
         model = from_recipe if recipe == source else (artifact.model if artifact else None) or from_recipe
+        model = _check_model(str(model)) if model else model  # (a --model given may be a path on the Gaudi host)
     if not model:
         raise ConfigError("No model: the artifact records none; pass --model.")
-    return Job(mode, world, _check_model(str(model)), gaudi, config, name, artifact, r.measure.tp if r else None)
+    return Job(mode, world, str(model), gaudi, config, name, artifact, r.measure.tp if r else None)
 
 
 def _check_model(model: str) -> str:
@@ -309,8 +310,8 @@ def _check_model(model: str) -> str:
     if not p.exists() and (model.startswith((".", "~", "/")) or ".." in p.parts):
         from hqtflow.errors import ModelError
 
-        raise ModelError(f"The model {model} is a path that does not exist here (an older hqtflow recorded it relative "
-                         "to where it ran); pass --model with its path or hub id.")
+        raise ModelError(f"The model {model} recorded in the artifact or recipe is a path that does not exist here (an "
+                         "older hqtflow recorded it relative to where it ran); pass --model with its path or hub id.")
     return model
 
 

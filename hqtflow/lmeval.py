@@ -244,8 +244,8 @@ def build_lm(forward: Forward | None, tokenizer, *, batch_size: int, max_length:
                 until = gen_kwargs.get("until") or [tokenizer.decode([self.eot_token_id])]
                 until = [until] if isinstance(until, str) else list(until)
                 max_new = int(gen_kwargs.get("max_gen_toks", 256))
-                ids = self.tok_encode(context)[-(self.max_length - max_new):]
-                text = generate(torch.tensor([ids]), max_new)
+                ids = self.tok_encode(context)[-max(1, self.max_length - max_new):]
+                text = generate(torch.tensor([ids]), max_new, until)  # (a generator may stop at them early)
                 for stop in until:
                     text = text.split(stop)[0]
                 out.append(text)
@@ -294,7 +294,9 @@ def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> dict:
                 model=lm, tasks=tasks, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False,
                 verbosity="ERROR",
             )
-    except FileNotFoundError as e:  # a task YAML's data_files (datasets: "Unable to find '...'")
+    except FileNotFoundError as e:  # a task YAML's data_files (datasets: "Unable to find '...'"); nothing else
+        if "Unable to find" not in str(e):
+            raise
         found = re.search(r"'([^']+)'", str(e))
         missing = e.filename or (found.group(1) if found else str(e))
         raise CalibrationError(f"The data file {missing} of lm-eval task {_task_naming(missing, tasks, manager)} "

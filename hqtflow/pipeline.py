@@ -137,10 +137,10 @@ def check_own_output(out: Path, kind: str) -> None:
                             "only its own outputs: move it away or choose another output (nothing was written).")
 
 
-def check_not_anothers(checkpoint: Path, measurement: Path) -> None:
+def check_not_anothers(checkpoint: Path, measurement: Path, force: bool = False) -> None:
     """`run` writes `fp8/` and `eval.json` beside the recipe's measurement: a checkpoint there quantized from another
-    measurement that still exists is another recipe's (sharing the parent directory), never replaced (but with
-    --force: a copied project's checkpoint records the original's measurement)."""
+    measurement that still exists is another recipe's (sharing the parent directory), never replaced; with `force`,
+    one quantized from a measurement outside that directory is replaced (a copied project records the original's)."""
     from hqtflow.formats.artifact import MANIFEST, ArtifactKind, read_manifest
 
     if not (checkpoint / MANIFEST).is_file():
@@ -150,9 +150,11 @@ def check_not_anothers(checkpoint: Path, measurement: Path) -> None:
     except ArtifactError:
         return  # a damaged checkpoint is redone
     if isinstance(source, str) and Path(source).is_dir() and Path(source).resolve() != measurement.resolve():
+        if force and not Path(source).resolve().is_relative_to(checkpoint.parent.resolve()):
+            return
         raise ArtifactError(f"{checkpoint} was quantized from {source}, another recipe's measurement, not from "
-                            f"{measurement}: give each recipe an output directory of its own, or --force to redo it "
-                            "from this one's (nothing was written).")
+                            f"{measurement}: give each recipe an output directory of its own (or, for a copied "
+                            "project, --force redoes it from this one's; nothing was written).")
 
 
 def read_own_report(report: Path) -> dict | None:
@@ -188,8 +190,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     check_own_output(root / "fp8", ArtifactKind.CHECKPOINT)
     check_not_newer(Path(ms.output), ArtifactKind.MEASUREMENT)
     check_not_newer(root / "fp8", ArtifactKind.CHECKPOINT)
-    if not force:
-        check_not_anothers(root / "fp8", Path(ms.output))
+    check_not_anothers(root / "fp8", Path(ms.output), force)
     if r.eval.ppl_file:  # the eval's inputs are checked before the stages before it run
         from hqtflow.evaluate import read_ppl_text
 

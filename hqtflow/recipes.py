@@ -171,11 +171,18 @@ def _unique_key_loader():
     import yaml
 
     class Loader(yaml.SafeLoader):
+        checked: set[int]  # mappings checked before SafeLoader flattened their merges into them (in place)
+
         def construct_mapping(self, node, deep=False):
             self.refuse_duplicates(node, deep)
             return super().construct_mapping(node, deep=deep)
 
         def refuse_duplicates(self, node, deep):
+            if not hasattr(self, "checked"):
+                self.checked = set()
+            if id(node) in self.checked:  # (a merged-in key and its override would now both be listed)
+                return
+            self.checked.add(id(node))
             seen = set()
             for key_node, value_node in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":  # each merged mapping is checked on its own

@@ -321,11 +321,20 @@ def test_refusals(arts, tmp_path):
     bad.write_text("model: x\ngaudi:\n  measure: {args: --bf16}\n")
     refused([bad, "--to", "optimum-habana", "--mode", "measure"], "needs a `script`")
     assert not (Path.cwd() / "hqtflow-handoff").exists()  # a refusal writes nothing
-    # a model path not here (an older hqtflow recorded `../tiny` relative to where it ran) is no hub id to pass on
-    r = run_cli("handoff", arts["m2to1"], "--to", "tgi-gaudi", "--model", "../no-such-tiny", "--dir", tmp_path / "h")
+    # a recorded model path not here (an older hqtflow recorded `../tiny` relative to where it ran) is no hub id to
+    # pass on; a --model given is passed as it is (a path on the Gaudi host, or a hub id)
+    import json
+
+    old = tmp_path / "old"
+    shutil.copytree(arts["m2to1"], old)
+    manifest = json.loads((old / "hqtflow_manifest.json").read_text())
+    manifest["data"]["model_path"] = "../no-such-tiny"
+    (old / "hqtflow_manifest.json").write_text(json.dumps(manifest))
+    r = run_cli("handoff", old, "--to", "tgi-gaudi", "--dir", tmp_path / "h")
     assert r.exit_code == 4 and "is a path that does not exist here" in r.stderr, r.output
-    hub = run_cli("handoff", arts["m2to1"], "--to", "tgi-gaudi", "--model", "org/model", "--dir", tmp_path / "h")
-    assert hub.exit_code == 0 and "--model-id org/model" in hub.stdout, hub.output
+    for given in ("org/model", "/data/llama-70b"):
+        ok = run_cli("handoff", old, "--to", "tgi-gaudi", "--model", given, "--dir", tmp_path / "h")
+        assert ok.exit_code == 0 and f"--model-id {given}" in ok.stdout, ok.output
 
 
 def test_default_measure_names_run_lm_evals_output_and_fewer_cards_are_flagged(arts, tmp_path):

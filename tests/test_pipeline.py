@@ -64,6 +64,8 @@ def test_run_recipe_skips_current_stages(tiny_llama, data_dir, tmp_path):
     other.write_text(other.read_text().replace(str(tmp_path / "run" / "measure"), str(tmp_path / "run" / "measure2")))
     clash = run_cli("run", other)
     assert clash.exit_code == 3 and "another recipe's measurement" in clash.output, clash.output
+    clash = run_cli("run", other, "--force")  # --force does not clobber a sibling recipe's outputs either
+    assert clash.exit_code == 3 and "another recipe's measurement" in clash.output, clash.output
     assert not (tmp_path / "run" / "measure2").exists()
 
 

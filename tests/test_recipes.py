@@ -370,6 +370,10 @@ def test_merge_keys_are_read_and_duplicates_still_refused(tmp_path):
     assert (load_recipe(path).measure.limit, load_recipe(path).measure.text_field) == (8, "body")
     path.write_text("model: smollm2\ncalibration:\n  <<: [{limit: 4}, {text_field: body}]\n")
     assert (load_recipe(path).measure.limit, load_recipe(path).measure.text_field) == (4, "body")
+    # chained: a mapping that merged and overrode a key (flattened in place once read) merged again elsewhere
+    path.write_text('model: smollm2\ngaudi:\n  measure: {script: s, env: &e {<<: {A: "1"}, A: "2"}}\n'
+                    '  quantize: {script: s, env: {<<: *e, B: "3"}}\n')
+    assert load_recipe(path).gaudi["quantize"]["env"] == yaml.safe_load(path.read_text())["gaudi"]["quantize"]["env"]
     for text in ("calibration:\n  <<: {limit: 4}\n  limit: 8\n  limit: 9\n", "calibration:\n  <<: {limit: 4, limit: 5}\n"):
         path.write_text("model: smollm2\n" + text)
         with pytest.raises(ConfigError, match="gives the key 'limit' twice"):

@@ -192,7 +192,7 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
             return out
 
         @torch.inference_mode()
-        def generate(ids, max_new):  # observed, but not counted as samples (as hqtflow's engine does)
+        def generate(ids, max_new, until=()):  # observed, but not counted as samples (as hqtflow's engine does)
             out = model.generate(ids.to(dev), max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
             _step(device)
             return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

@@ -74,6 +74,16 @@ def parse_quantization_config(qc: dict) -> dict:
                             "list or number where another belongs).") from None
 
 
+def _target(t) -> bool:
+    """A target hqtflow can honour: the Linear class, a module name (`model.layers.0.mlp.down_proj`, `lm_head`) or a
+    `re:` pattern; not another layer class (`Conv2d`, `Embedding`: a capitalized name without dots)."""
+    if not isinstance(t, str) or not t:
+        return False
+    if t.startswith("re:"):
+        return bool(_pattern(t, "targets"))
+    return t == "Linear" or not (t[0].isupper() and "." not in t)
+
+
 def _parse(qc: dict) -> dict:
     method = qc.get("quant_method")
     if method == "fp8":
@@ -88,9 +98,9 @@ def _parse(qc: dict) -> dict:
         if fmt not in (None, "float-quantized", "naive-quantized"):
             raise ArtifactError(f"Unsupported compressed-tensors format {fmt!r}; hqtflow reads float-quantized FP8 (unsupported: {UNSUPPORTED}).")
     targets = g.get("targets")
-    if not (isinstance(targets, list) and targets and all(t == "Linear" or _pattern(t, "targets") for t in targets)):
+    if not (isinstance(targets, list) and targets and all(_target(t) for t in targets)):
         raise ArtifactError(f"Unsupported compressed-tensors targets {targets!r:.80}; hqtflow quantizes Linear layers "
-                            "(targets: \"Linear\" or \"re:\" module-name patterns).")
+                            "(targets: \"Linear\", module names, or \"re:\" module-name patterns).")
     w, a = g.get("weights") or {}, g.get("input_activations")
     if w.get("type") != "float" or w.get("num_bits") != 8:
         raise ArtifactError(f"Unsupported weight scheme {w.get('type')}{w.get('num_bits')}; hqtflow reads FP8 (float, 8 bits).")

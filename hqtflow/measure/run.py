@@ -138,7 +138,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
             return logits
 
         @torch.inference_mode()
-        def generate(ids, max_new):
+        def generate(ids, max_new, until=()):
             with session.batch(None), recording(None):
                 extra = {"past_key_values": kv.cache()} if kv else {}
                 out = model.generate(ids.to(device), max_new_tokens=max_new, do_sample=False,

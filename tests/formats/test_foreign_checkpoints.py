@@ -232,3 +232,13 @@ def test_foreign_checkpoint_serves(base, tmp_path):
     with running(app) as url:
         r = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 6}}, timeout=60)
     assert r.status_code == 200 and r.json()["generated_text"] == expected
+
+
+def test_targets_by_module_name_or_pattern_load(base, tmp_path):
+    """compressed-tensors `targets` may name modules or give `re:` patterns, as llm-compressor writes them; they are
+    read (the weights say which layers are FP8), while another layer class (`Conv2d`) is refused above."""
+    group = TENSOR_WO["config_groups"]["group_0"]
+    for targets in (["model.layers.0.mlp.down_proj", "lm_head"], ["re:.*mlp.*", "re:.*self_attn.*", "Linear"]):
+        path = build(base, tmp_path / "_".join(t.replace(":", "").replace("*", "") for t in targets)[:40],
+                     {**TENSOR_WO, "config_groups": {"group_0": {**group, "targets": targets}}})
+        load_checkpoint(path)
