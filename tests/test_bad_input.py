@@ -190,7 +190,8 @@ def test_a_missing_relative_path_names_the_directory_it_was_looked_for_in(setup,
     _one_sentence(run_cli("quantize", "-m", "nope", "-o", "out"), 3, f"nope {where}")
     err = _one_sentence(run_cli("measure", work / "nope", "-o", "out", "--text", text), 4, "does not exist.")
     assert "looked for" not in err
-    assert _files(work) == sorted(["a_file", "bad.json", "bad.jsonl", "empty.txt", "no_model", "wrong.json"])
+    assert _files(work) == sorted(["a_file", "bad.json", "bad.jsonl", "empty.txt", "no_model", "tasks", "tasks/bad.yaml",
+                                   "wrong.json"])  # (nothing written)
 
 
 def test_an_artifact_given_as_a_model_is_an_artifact_error(setup, tmp_path):
