@@ -623,7 +623,7 @@ CASES = {
     "inspect/per-channel weight scale of the wrong length": (lambda c: ["inspect", rehash(tensors(c.copy("ck"), set_tensor(
         f"{NODE}.weight_scale", torch.ones(128, 1))))], "inspect reads per-tensor and per-channel scales"),
     "run/recipe output with a NUL byte": (lambda c: ["run", write(c.w / "r.yaml", f"model: {c.model}\ncalibration:\n  text: "
-                                                                  f"{c.text}\noutput: \"out\\0dir\"\n")], "not a usable path"),
+                                                                  f"{c.text}\noutput: \"out\\0dir\"\n")], "'output' holds a NUL character"),
     # from fuzzing the scale-file readers (stop 49): scales as strings, out of range, wrong-typed manifest fields
     "inspect/per-channel weight scale of strings, hashes rewritten": (lambda c: ["inspect", rehash(scale_node(
         c.copy("s"), {"0": ["0.1"] * 64, "1": [1.0] * 64}, "weight"))], "not a number or a list of numbers"),
