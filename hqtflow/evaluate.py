@@ -134,7 +134,8 @@ def serving_engine(model, tokenizer, *, batch_size: int, max_length: int):
         def score(items: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
             """(tokens, n): the log-likelihood of the last n tokens given the ones before, and whether each is greedy."""
             out = []
-            for (ids, n), ev in zip(items, run([(ids, SamplingParams(max_new_tokens=0, prompt_logprobs=1)) for ids, n in items])):
+            jobs = [(ids, SamplingParams(max_new_tokens=0, prompt_logprobs=1, prompt_logprobs_from=len(ids) - n)) for ids, n in items]
+            for (ids, n), ev in zip(items, run(jobs)):
                 scored = ev.prompt[len(ids) - n:]
                 out.append((sum(lp for lp, _ in scored), all(top[0][0] == t for (_, top), t in zip(scored, ids[len(ids) - n:]))))
             return out

@@ -48,6 +48,7 @@ class SamplingParams:
     watermark: bool = False  # TGI's Kirchenbauer et al. watermark (gamma 0.5, delta 2.0)
     top_n: int = 0  # top-n logprobs of each generated token
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and the top k
+    prompt_logprobs_from: int = 1  # the first prompt token scored; those before get (None, []) (scoring a continuation)
     grammar: object | None = None  # an xgrammar CompiledGrammar (see runtime/grammar.py)
     ignore_eos: bool = False  # keep generating after EOS (benchmarks: every request runs max_new_tokens)
 
@@ -381,7 +382,7 @@ class Engine:
         for req, n, first, scored in rows:
             req.computed += n
             if req.params.prompt_logprobs is not None and req.prompt is None:
-                req.prompt = [(None, [])]  # the first prompt token has no logprob (all a one-token prompt has)
+                req.prompt = [(None, [])] * _unscored(req)  # the first prompt token has no logprob (all a one-token prompt has)
             if scored:
                 req.prompt += self._prompt_logprobs(req, logits[first:first + len(scored)], scored)
             if req.computed < len(req.tokens):
@@ -414,7 +415,7 @@ class Engine:
             seqs.append(Seq(start, n, past, table[past:past + n], table[:past + n]))
             scored = []
             if req.params.prompt_logprobs is not None:  # logits at prompt position i score prompt token i + 1
-                done = len(req.prompt) if req.prompt else 1  # prompt tokens scored (the first needs none)
+                done = len(req.prompt) if req.prompt else _unscored(req)  # prompt tokens scored (the first needs none)
                 scored = [i for i in range(past, past + n) if done - 1 <= i < len(req.input_ids) - 1]
             first = len(keep)
             keep += [start + i - past for i in scored]
@@ -575,6 +576,12 @@ class Engine:
             return ""
         req.window = (read, len(req.visible))
         return new
+
+
+def _unscored(req: Request) -> int:
+    """Prompt tokens not scored: the first (nothing comes before it) and any before `prompt_logprobs_from` (their
+    logits are never computed: the lm_head runs only on the rows scored)."""
+    return min(max(1, req.params.prompt_logprobs_from), len(req.input_ids))
 
 
 def fast_decode(tokenizer) -> Callable[[list[int]], str]:
