@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from hqtflow.environment import TGI_ENV
 from hqtflow.errors import (AccuracyWarning, FallbackWarning, HqtflowError, LeftoverWarning, ProvenanceWarning,
                             ResourceError)
 from hqtflow.measure.settings import MeasureSettings
@@ -615,16 +616,6 @@ def handoff(
 
 serve_app = typer.Typer(help="Serve a model over HTTP: TGI routes (/generate, /generate_stream, /metrics ...) and OpenAI /v1.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
-
-
-# TGI-on-Gaudi's environment variables for the serve options they share (read when the option is not given)
-TGI_ENV = {"max_batch_size": "MAX_BATCH_SIZE", "max_batch_total_tokens": "MAX_BATCH_TOTAL_TOKENS",
-           "batch_bucket_size": "BATCH_BUCKET_SIZE", "prefill_batch_bucket_size": "PREFILL_BATCH_BUCKET_SIZE",
-           "pad_sequence_to_multiple_of": "PAD_SEQUENCE_TO_MULTIPLE_OF", "warmup": "WARMUP_ENABLED",
-           "cuda_graphs": "CUDA_GRAPHS", "max_stop_sequences": "MAX_STOP_SEQUENCES", "max_input_tokens": "MAX_INPUT_TOKENS",
-           "max_total_tokens": "MAX_TOTAL_TOKENS", "max_batch_prefill_tokens": "MAX_BATCH_PREFILL_TOKENS",
-           "max_concurrent_requests": "MAX_CONCURRENT_REQUESTS", "max_best_of": "MAX_BEST_OF",
-           "max_top_n_tokens": "MAX_TOP_N_TOKENS"}
 
 
 # The least value of each numeric serve limit (TGI types them unsigned); 0 only where it means "no limit" or "none"

@@ -12,9 +12,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-TGI_KNOBS = ("MAX_BATCH_SIZE", "MAX_BATCH_TOTAL_TOKENS", "BATCH_BUCKET_SIZE", "PREFILL_BATCH_BUCKET_SIZE",
-             "PAD_SEQUENCE_TO_MULTIPLE_OF", "WARMUP_ENABLED", "CUDA_GRAPHS", "MAX_STOP_SEQUENCES", "MAX_INPUT_TOKENS",
-             "MAX_TOTAL_TOKENS", "MAX_BATCH_PREFILL_TOKENS", "MAX_CONCURRENT_REQUESTS", "MAX_BEST_OF", "MAX_TOP_N_TOKENS")
+# TGI's serving knobs: serve's option -> its environment variable (read when the option is not given)
+TGI_ENV = {"max_batch_size": "MAX_BATCH_SIZE", "max_batch_total_tokens": "MAX_BATCH_TOTAL_TOKENS",
+           "batch_bucket_size": "BATCH_BUCKET_SIZE", "prefill_batch_bucket_size": "PREFILL_BATCH_BUCKET_SIZE",
+           "pad_sequence_to_multiple_of": "PAD_SEQUENCE_TO_MULTIPLE_OF", "warmup": "WARMUP_ENABLED",
+           "cuda_graphs": "CUDA_GRAPHS", "max_stop_sequences": "MAX_STOP_SEQUENCES", "max_input_tokens": "MAX_INPUT_TOKENS",
+           "max_total_tokens": "MAX_TOTAL_TOKENS", "max_batch_prefill_tokens": "MAX_BATCH_PREFILL_TOKENS",
+           "max_concurrent_requests": "MAX_CONCURRENT_REQUESTS", "max_best_of": "MAX_BEST_OF",
+           "max_top_n_tokens": "MAX_TOP_N_TOKENS"}
+TGI_KNOBS = tuple(TGI_ENV.values())
 TGI_OLDER_NAMES = {"MAX_INPUT_TOKENS": "MAX_INPUT_LENGTH"}  # read when the knob itself is not set
 # TGI launcher variables with no counterpart here: `serve` names the ones set rather than ignore them silently
 # (MODEL_ID and PORT are read: the model argument's and --port's defaults)
