@@ -428,6 +428,7 @@ def generate(
         elif engine in ("transformers", "inc"):
             new = m.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)[0, ids["input_ids"].shape[1]:]
         else:
+            from hqtflow.runtime.engine import eos_ids
             from hqtflow.runtime.static_decode import StaticDecoder
 
             n = ids["input_ids"].shape[1]
@@ -435,7 +436,9 @@ def generate(
                 dec = StaticDecoder(m, max_length=n + max_new_tokens, compile=engine == "compiled", kv_cache=kv_cache)
             except ValueError as e:
                 raise HqtflowError(str(e)) from None
-            new = dec.generate(ids["input_ids"], max_new_tokens, eos_token_id=tok.eos_token_id).tokens[0]
+            eos = eos_ids(m, tok)
+            new = dec.generate(ids["input_ids"], max_new_tokens, eos_token_id=eos).tokens[0].tolist()
+            new = new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]  # up to its EOS, as the engine
     typer.echo(tok.decode(new, skip_special_tokens=True))
 
 

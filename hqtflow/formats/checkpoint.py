@@ -23,7 +23,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from hqtflow.errors import ArtifactError
+from hqtflow import errors
+from hqtflow.errors import ArtifactError, ModelError
 from hqtflow.formats.scale_files import MAX_SCALE  # larger: scale x FP8 value overflows float32
 from hqtflow.scales import FP8_DTYPES, HP_DTYPES, ScaleMethod
 
@@ -318,9 +319,32 @@ def skeleton_of(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
         if entries:
             _check_sizes(path, AutoModelForCausalLM, config, sum(_numel(e.shape) for e in entries.values()))
         with init_empty_weights(include_buffers=False):  # parameters on meta; computed buffers (rotary) real
-            return AutoModelForCausalLM.from_config(config, dtype=hp)
+            model = AutoModelForCausalLM.from_config(config, dtype=hp)
     except (*config_errors(), *BUILD_ERRORS) as e:
         raise bad_config(path, e) from None
+    model.generation_config = generation_config_of(path, model.generation_config)
+    return model
+
+
+def generation_config_of(path: Path, default):
+    """The checkpoint's generation_config.json (its EOS ids, as from_pretrained reads them), else `default` (the one
+    config.json implies)."""
+    from transformers import GenerationConfig
+
+    from hqtflow.models import check_generation_config
+
+    check_generation_config(path)
+    if not (Path(path) / "generation_config.json").is_file():
+        return default
+    file = Path(path) / "generation_config.json"
+    try:
+        gc = GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelError(f"Cannot read {file} ({type(e).__name__}: {str(e)[:200]}).") from None
+    eos = gc.eos_token_id
+    if eos is not None and not all(type(i) is int and i >= 0 for i in (eos if isinstance(eos, list) else [eos])):
+        raise ModelError(f"{file}: eos_token_id must be a token id or a list of them, not {errors.brief(eos)}.")
+    return gc
 
 
 def _numel(shape: Iterable[int]) -> int:

@@ -122,6 +122,13 @@ class Stats:
     max_running: int = 0
 
 
+def eos_ids(model, tokenizer) -> set[int]:
+    """The ids that end a sequence: generation_config's EOS ids and the tokenizer's (a chat fine-tune's end-of-turn,
+    as vLLM stops on both; a base model's generation_config often names only its own)."""
+    eos = model.generation_config.eos_token_id
+    return {i for i in [*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id] if i is not None}
+
+
 class Engine:
     """Continuous batching over a paged KV cache; one flattened forward per step (decode tokens + prefill chunks)."""
 
@@ -149,10 +156,7 @@ class Engine:
         self.batch_bucket, self.pad_to_multiple = max(1, batch_bucket), max(1, pad_to_multiple)
         self.prefill_bucket, self.max_prefill_tokens = max(1, prefill_bucket), max(1, max_prefill_tokens)
         self.trim_interval, self._last_trim = trim_interval, time.monotonic()  # see runtime/memory.py
-        # the end of a sequence: generation_config's EOS ids and the tokenizer's (a chat fine-tune's end-of-turn, as
-        # vLLM stops on both; a base model's generation_config often names only its own)
-        eos = model.generation_config.eos_token_id
-        self.eos = {i for i in [*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id] if i is not None}
+        self.eos = eos_ids(model, tokenizer)
         self.special = set(tokenizer.all_special_ids)
         self._decode = fast_decode(tokenizer)
         scales = None

@@ -27,6 +27,7 @@ Prompts in a batch have the same length (no padding); this engine is for latency
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -140,9 +141,10 @@ class StaticDecoder:
         return out.clone()
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: int | None = None) -> DecodeResult:
-        """Greedy: `max_new_tokens` tokens for each row of `input_ids` [batch, prompt]; with `eos_token_id`, stops
-        once every row has produced it (later tokens of a finished row are the EOS id)."""
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
+                 eos_token_id: int | Iterable[int] | None = None) -> DecodeResult:
+        """Greedy: `max_new_tokens` tokens for each row of `input_ids` [batch, prompt]; with `eos_token_id` (one id or
+        several), stops once every row has produced one (later tokens of a finished row repeat the EOS it gave)."""
         b, n = input_ids.shape
         if n + max_new_tokens > self.max_length:
             raise ValueError(f"prompt ({n}) + new tokens ({max_new_tokens}) exceed the cache ({self.max_length})")
@@ -155,7 +157,10 @@ class StaticDecoder:
         out = [tok]
         prefill = time.perf_counter() - t
         steps = []
-        done = tok[:, 0] == eos_token_id if eos_token_id is not None else None
+        eos = None if eos_token_id is None else torch.tensor(
+            [eos_token_id] if isinstance(eos_token_id, int) else sorted(eos_token_id), device=self.device)
+        done = torch.isin(tok[:, 0], eos) if eos is not None else None
+        last = tok.clone()
         for i in range(max_new_tokens - 1):
             if done is not None and bool(done.all()):
                 break
@@ -168,7 +173,8 @@ class StaticDecoder:
                 torch.cuda.synchronize()  # the step's time, not its launch's
             steps.append(time.perf_counter() - t)
             if done is not None:
-                tok[done] = eos_token_id
-                done |= tok[:, 0] == eos_token_id
+                tok[done] = last[done]
+                done |= torch.isin(tok[:, 0], eos)
+                last = tok.clone()
             out.append(tok)
         return DecodeResult(torch.cat(out, dim=1), prefill, steps)

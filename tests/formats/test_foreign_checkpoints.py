@@ -242,3 +242,23 @@ def test_targets_by_module_name_or_pattern_load(base, tmp_path):
         path = build(base, tmp_path / "_".join(t.replace(":", "").replace("*", "") for t in targets)[:40],
                      {**TENSOR_WO, "config_groups": {"group_0": {**group, "targets": targets}}})
         load_checkpoint(path)
+
+
+def test_generation_config_eos_ids_are_read(base, tmp_path):
+    """A checkpoint's generation_config.json names the EOS ids (Llama 3 Instruct lists three, its config.json may name
+    one): they are the loaded model's, so the engine stops on each; a malformed list is refused, not ignored."""
+    from hqtflow.errors import ModelError
+    from hqtflow.runtime.engine import Engine
+
+    path = build(base, tmp_path / "ct", TENSOR_WO)
+    gc = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").is_file() else {}
+    (path / "generation_config.json").write_text(json.dumps({**gc, "eos_token_id": [2, 7, 11]}))
+    model = load_checkpoint(path)
+    assert model.generation_config.eos_token_id == [2, 7, 11]
+    from transformers import AutoTokenizer
+
+    eng = Engine(model, AutoTokenizer.from_pretrained(path), max_batch_total_tokens=128)
+    assert {7, 11} <= eng.eos
+    (path / "generation_config.json").write_text(json.dumps({**gc, "eos_token_id": ["</s>"]}))
+    with pytest.raises(ModelError, match="eos_token_id must be a token id or a list of them"):
+        load_checkpoint(path)

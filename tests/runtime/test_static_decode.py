@@ -51,6 +51,11 @@ def test_eos_stops_every_row(tiny_llama):
         assert res.tokens.shape[1] <= 20
     else:
         assert res.tokens.shape[1] == 20
+    ends = {int(full[0, 3]), int(full[1, 2])}  # several EOS ids (generation_config's list): each row stops at its own
+    rows = StaticDecoder(model, max_length=40).generate(ids, 20, eos_token_id=ends).tokens.tolist()
+    for row, first in zip(rows, (3, 2)):
+        stop = next(i for i, t in enumerate(row) if t in ends)
+        assert stop <= first and set(row[stop:]) == {row[stop]}
 
 
 @pytest.mark.slow
