@@ -217,7 +217,10 @@ def _parse_autofp8(qc: dict) -> dict:
         activation, group_size = "dynamic_group", block[1]
     else:
         activation, group_size = ("static" if scheme == "static" else "dynamic_tensor"), None
-    ignore = list(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
+    key = "ignored_layers" if qc.get("ignored_layers") else "modules_to_not_convert"
+    ignore = qc.get(key) or []
+    if not (isinstance(ignore, list) and all(isinstance(x, str) for x in ignore)):
+        raise ArtifactError(f"config.json's quantization_config.{key} must be a list of module names, not {ignore!r:.80}.")
     return {"per_channel": False, "static_input": activation == "static", "ignore": ignore,
             "strategy": "block" if block else "tensor", "block_size": block, "activation": activation,
             "group_size": group_size, "method": "fp8", "kv_cache": qc.get("kv_cache_scheme") is not None}

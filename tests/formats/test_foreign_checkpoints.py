@@ -202,6 +202,8 @@ def test_autofp8_block_scale_inv(base, tmp_path):
     ({**TENSOR_WO, "ignore": ["re:(["]}, r"ignore entry 're:\(\[' is not a valid regex"),
     ({**TENSOR_WO, "ignore": ["re:.*"]}, "ignore names model.*contradicts the weights"),
     ({"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.up_proj"]}, "ignored_layers names model.layers.0.mlp.up_proj"),
+    ({"quant_method": "fp8", "ignored_layers": "lm_head"}, "ignored_layers must be a list of module names, not 'lm_head'"),
+    ({"quant_method": "fp8", "modules_to_not_convert": [1]}, r"modules_to_not_convert must be a list of module names, not \[1\]"),
 ])
 def test_unsupported_named(qcfg, message, base, tmp_path):
     from hqtflow.errors import ArtifactError
