@@ -7,7 +7,8 @@ chunks are the same whatever else runs) for sequences still reading their prompt
 prompt tokens per step; several waiting requests can join in one step. Attention runs per sequence on its own
 blocks, so a request's output does not depend on its neighbours. Waiting requests are admitted (FIFO) while free
 blocks hold their prompt; when a decoding sequence needs a block and none is free, the most recently admitted
-sequence is preempted (its blocks freed, its prompt + generated tokens recomputed when it is admitted again).
+sequence is preempted (its blocks freed; when it is admitted again, its prompt is recomputed in the same chunks and
+what it had generated one token a step, as each was computed first, so its output does not depend on the preemption).
 Cancelled and finished requests leave at the next step. Each generated token is reported to the request's `emit`
 callback (called on the engine thread). `step()` runs one step from the caller's thread when the engine thread is
 not started (benchmarks).
@@ -362,7 +363,10 @@ class Engine:
         for req in self.active:
             if _decoding(req):
                 continue
-            n = min(len(req.tokens) - req.computed, chunk - req.computed % chunk)  # chunks end at multiples of `chunk`: the same under any load
+            if req.computed < len(req.input_ids):  # chunks end at multiples of `chunk`: the same under any load
+                n = min(len(req.input_ids) - req.computed, chunk - req.computed % chunk)
+            else:  # what it generated before a preemption: a token a step, as it was computed first (decode attention)
+                n = 1
             if n > budget:
                 break
             budget -= n
