@@ -284,8 +284,15 @@ def _task_naming(file: str, tasks: list[str], manager) -> str:
     return ", ".join(named or tasks)
 
 
+def metric_key(key: str) -> str:
+    """lm-eval's result key `metric,filter` as hqtflow records it: the metric alone under lm-eval's default filter
+    `none`, else the whole key (`exact_match,strict-match`), so each of a task's filters keeps its own value."""
+    metric, _, filter_name = key.partition(",")
+    return metric if filter_name in ("", "none") else key
+
+
 def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> dict:
-    """Run lm-eval tasks through `lm`; return {task: {metric: value}}."""
+    """Run lm-eval tasks through `lm`; return {task: {metric_key: value}}."""
     import lm_eval.evaluator as evaluator
 
     try:
@@ -302,6 +309,6 @@ def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> dict:
         raise CalibrationError(f"The data file {missing} of lm-eval task {_task_naming(missing, tasks, manager)} "
                                "does not exist.") from None
     return {
-        task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "alias"}
+        task: {metric_key(k): v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "alias"}
         for task, metrics in (res or {}).get("results", {}).items()
     }

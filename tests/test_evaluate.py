@@ -39,3 +39,61 @@ def test_a_model_the_engine_cannot_run_is_scored_in_padded_batches(setup, monkey
     monkeypatch.setattr(paged, "install", lambda m: (_ for _ in ()).throw(ValueError("no kernel for this attention")))
     padded = evaluate(model, tok, s, manager, show_progress=False)["tasks"]
     assert padded["piqa_local"]["acc"] == engine["piqa_local"]["acc"]  # (fp32: the two paths agree)
+
+
+DOCS = ["The tower is tall", "The river runs west", "A small town grew up"]
+GEN_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
+doc_to_target: "{{{{text.split(' ')[-1]}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 4
+filter_list:
+  - name: first-word
+    filter:
+      - function: regex
+        regex_pattern: "(\\\\w+)"
+      - function: take_first
+  - name: last-word
+    filter:
+      - function: regex
+        group_select: -1
+        regex_pattern: "(\\\\w+)"
+      - function: take_first
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def user_tasks(folder, **yamls) -> str:
+    """Task YAMLs {name: text with {name} and {data}} in `folder`, over a 3-document JSON lines file; returns it."""
+    import json
+
+    folder.mkdir(exist_ok=True)
+    data = folder / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS))
+    for name, text in yamls.items():
+        (folder / f"{name}.yaml").write_text(text.format(name=name, data=data))
+    return str(folder)
+
+
+def test_each_filter_keeps_its_value(setup, tmp_path):
+    """A task with two filter_list entries (as lm-eval's gsm8k: strict-match, flexible-extract) reports one value
+    per filter; lm-eval's default filter `none` is left out of the key."""
+    from hqtflow import lmeval
+    from hqtflow.evaluate import EvalSettings, evaluate
+
+    model, tok, _, _ = setup
+    folder = user_tasks(tmp_path / "tasks", two_filters=GEN_TASK)
+    s = EvalSettings(tasks=("two_filters", "piqa_local"), include_path=(folder,), data_dir=setup[2].data_dir, limit=2)
+    out = evaluate(model, tok, s, lmeval.task_manager([folder], s.data_dir, list(s.tasks)), show_progress=False)["tasks"]
+    assert {"exact_match,first-word", "exact_match,last-word"} <= set(out["two_filters"]), out
+    assert "exact_match" not in out["two_filters"] and "acc" in out["piqa_local"]
