@@ -169,7 +169,7 @@ def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = ""
             forward, generate = padded_forward(model, tokenizer) if engine is None else (None, engine[1])
             lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=s.max_length, generate=generate,
                                  score=engine and engine[0], progress=progress.update, announce=progress.add_total)
-            out["tasks"] = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
+            out["tasks"], out["higher_is_better"] = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
             del lm, generate  # (they hold the engine)
     if s.ppl_file:
         out["wikitext"] = {**perplexity(model, tokenizer, read_ppl_text(s.ppl_file), window=s.ppl_window,
@@ -179,30 +179,36 @@ def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = ""
     return out
 
 
-MAIN_METRICS = ("acc", "acc_norm", "perplexity")
-
-
 def comparison_rows(results: dict[str, dict], baseline: str) -> list[dict]:
-    """One row per (task, metric): each model's value and its delta to the baseline."""
+    """One row per (task, metric) lm-eval reports (standard errors left out): each model's value, its delta to the
+    baseline, and the metric's direction (`higher_is_better`, as lm-eval's task says; a lower-is-better metric such
+    as a perplexity also gets its delta in percent)."""
+    from hqtflow.lmeval import is_metric
+
     rows = []
     base = results[baseline]
     for task, metrics in base.get("tasks", {}).items():
-        for metric in MAIN_METRICS:
-            if metric in metrics:
-                rows.append(_row(task, metric, results, baseline, lambda r: r.get("tasks", {}).get(task, {}).get(metric)))
+        better = base.get("higher_is_better", {}).get(task, {})
+        for metric in filter(is_metric, metrics):
+            rows.append(_row(task, metric, better.get(metric), results, baseline,
+                             lambda r: r.get("tasks", {}).get(task, {}).get(metric)))
     if "wikitext" in base:
         text = Path(base["wikitext"].get("file") or "wikitext2").stem  # the --ppl-file's name: whatever text it is
-        rows.append(_row(text, "perplexity", results, baseline, lambda r: r.get("wikitext", {}).get("perplexity")))
+        rows.append(_row(text, "perplexity", False, results, baseline, lambda r: r.get("wikitext", {}).get("perplexity")))
     return rows
 
 
-def _row(task, metric, results, baseline, get) -> dict:
+def _row(task, metric, higher_is_better, results, baseline, get) -> dict:
     b = get(results[baseline])
-    row = {"task": task, "metric": metric, "values": {k: get(v) for k, v in results.items()}}
+    row = {"task": task, "metric": metric, "higher_is_better": higher_is_better,
+           "values": {k: get(v) for k, v in results.items()}}
     row["delta"] = {k: (None if v is None or b is None else v - b) for k, v in row["values"].items() if k != baseline}
-    if metric == "perplexity" and b:
+    if higher_is_better is False and b:
         row["delta_pct"] = {k: (None if v is None else 100 * (v - b) / b) for k, v in row["values"].items() if k != baseline}
     return row
+
+
+ARROWS = {True: " ↑", False: " ↓"}  # lm-eval's marks: higher is better, lower is better
 
 
 def format_table(rows: list[dict], names: list[str], baseline: str) -> str:
@@ -217,7 +223,7 @@ def format_table(rows: list[dict], names: list[str], baseline: str) -> str:
             d = r["delta"].get(n)
             pct = r.get("delta_pct", {}).get(n)
             deltas.append("-" if d is None else (f"{d:+.3f} ({pct:+.2f}%)" if pct is not None else f"{d:+.4f}"))
-        lines.append([r["task"], r["metric"], *vals, *deltas])
+        lines.append([r["task"], r["metric"] + ARROWS.get(r.get("higher_is_better"), ""), *vals, *deltas])
     widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in lines)
 

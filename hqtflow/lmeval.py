@@ -291,8 +291,15 @@ def metric_key(key: str) -> str:
     return metric if filter_name in ("", "none") else key
 
 
-def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> dict:
-    """Run lm-eval tasks through `lm`; return {task: {metric_key: value}}."""
+def is_metric(key: str) -> bool:
+    """Whether a recorded result key is one of a task's metrics (not a standard error, nor lm-eval's sample count)."""
+    name = key.split(",")[0]
+    return not name.endswith("_stderr") and name not in ("sample_len", "sample_count")
+
+
+def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> tuple[dict, dict]:
+    """Run lm-eval tasks through `lm`; return ({task: {metric_key: value}}, {task: {metric_key: higher_is_better}}),
+    the second as lm-eval's task configs say (None where they do not)."""
     import lm_eval.evaluator as evaluator
 
     try:
@@ -308,7 +315,10 @@ def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> dict:
         missing = e.filename or (found.group(1) if found else str(e))
         raise CalibrationError(f"The data file {missing} of lm-eval task {_task_naming(missing, tasks, manager)} "
                                "does not exist.") from None
-    return {
+    results = {
         task: {metric_key(k): v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "alias"}
         for task, metrics in (res or {}).get("results", {}).items()
     }
+    better = (res or {}).get("higher_is_better", {})
+    return results, {task: {k: better.get(task, {}).get(k.split(",")[0]) for k in metrics if is_metric(k)}
+                     for task, metrics in results.items()}

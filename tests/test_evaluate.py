@@ -85,15 +85,56 @@ def user_tasks(folder, **yamls) -> str:
     return str(folder)
 
 
-def test_each_filter_keeps_its_value(setup, tmp_path):
-    """A task with two filter_list entries (as lm-eval's gsm8k: strict-match, flexible-extract) reports one value
-    per filter; lm-eval's default filter `none` is left out of the key."""
+ROLLING_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+"""
+
+
+@pytest.fixture(scope="module")
+def user_results(setup, tmp_path_factory):
+    """The tiny model's results on a generate-until task of two filters, a rolling log-likelihood task and piqa."""
     from hqtflow import lmeval
     from hqtflow.evaluate import EvalSettings, evaluate
 
     model, tok, _, _ = setup
-    folder = user_tasks(tmp_path / "tasks", two_filters=GEN_TASK)
-    s = EvalSettings(tasks=("two_filters", "piqa_local"), include_path=(folder,), data_dir=setup[2].data_dir, limit=2)
-    out = evaluate(model, tok, s, lmeval.task_manager([folder], s.data_dir, list(s.tasks)), show_progress=False)["tasks"]
+    folder = user_tasks(tmp_path_factory.mktemp("user") / "tasks", two_filters=GEN_TASK, rolling=ROLLING_TASK)
+    s = EvalSettings(tasks=("two_filters", "rolling", "piqa_local"), include_path=(folder,), data_dir=setup[2].data_dir,
+                     limit=2)
+    return evaluate(model, tok, s, lmeval.task_manager([folder], s.data_dir, list(s.tasks)), show_progress=False)
+
+
+def test_each_filter_keeps_its_value(user_results):
+    """A task with two filter_list entries (as lm-eval's gsm8k: strict-match, flexible-extract) reports one value
+    per filter; lm-eval's default filter `none` is left out of the key."""
+    out = user_results["tasks"]
     assert {"exact_match,first-word", "exact_match,last-word"} <= set(out["two_filters"]), out
     assert "exact_match" not in out["two_filters"] and "acc" in out["piqa_local"]
+
+
+def test_the_comparison_shows_every_metric_with_its_direction(user_results):
+    """Every metric lm-eval reports gets a row (exact match, rolling perplexities, not only acc/acc_norm/perplexity),
+    standard errors and the sample count none; lower-is-better metrics are marked so and get their delta in percent."""
+    from hqtflow.evaluate import comparison_rows, format_table
+
+    fp8 = {**user_results, "tasks": {t: {k: v * 1.5 for k, v in m.items()} for t, m in user_results["tasks"].items()}}
+    rows = comparison_rows({"bf16": user_results, "fp8": fp8}, "bf16")
+    got = {(r["task"], r["metric"]): r for r in rows}
+    assert set(got) == {("two_filters", "exact_match,first-word"), ("two_filters", "exact_match,last-word"),
+                        ("rolling", "word_perplexity"), ("rolling", "byte_perplexity"), ("rolling", "bits_per_byte"),
+                        ("piqa_local", "acc"), ("piqa_local", "acc_norm")}, set(got)
+    ppl = got["rolling", "word_perplexity"]
+    assert ppl["higher_is_better"] is False and ppl["delta_pct"]["fp8"] == pytest.approx(50)
+    assert got["piqa_local", "acc"]["higher_is_better"] is True and "delta_pct" not in got["piqa_local", "acc"]
+    table = format_table(rows, ["bf16", "fp8"], "bf16")
+    assert "word_perplexity ↓" in table and "exact_match,last-word ↑" in table and "(+50.00%)" in table, table

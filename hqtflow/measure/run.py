@@ -222,7 +222,7 @@ def run_sources(s: MeasureSettings, texts, manager, tokenizer, forward, generate
 
         progress.start("lm-eval " + ",".join(s.tasks), None)
         lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=s.max_length, generate=generate)
-        task_results = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
+        task_results, _ = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
         sources.append({"kind": "lm-eval", "tasks": list(s.tasks), "limit": s.limit,
                         "include_path": list(s.include_path), "data_dir": s.data_dir, "results": task_results})
     progress.close()
