@@ -87,8 +87,9 @@ def padded_forward(model, tokenizer):
 
     @torch.inference_mode()
     def generate(ids, max_new, until=()):
-        o = model.generate(ids.to(device), max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        return tokenizer.decode(o[0, ids.shape[1]:], skip_special_tokens=True)
+        from hqtflow.lmeval import greedy_generate
+
+        return greedy_generate(model, tokenizer, ids.to(device), max_new, until)[0]
 
     return forward, generate
 

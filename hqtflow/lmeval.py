@@ -256,6 +256,13 @@ def build_lm(forward: Forward | None, tokenizer, *, batch_size: int, max_length:
     return HqtflowLM()
 
 
+def greedy_generate(model, tokenizer, ids: torch.Tensor, max_new: int, until=(), **kwargs) -> tuple[str, int]:
+    """Greedy text after `ids` [1, S] (on the model's device), and how many tokens went through the model for it:
+    the prompt and every generated token but the last (which no forward took in)."""
+    out = model.generate(ids, max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id, **kwargs)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), out.shape[1] - 1
+
+
 @contextmanager
 def _patched(obj, name: str, value):
     old = getattr(obj, name)

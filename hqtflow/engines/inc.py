@@ -130,7 +130,7 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
     """`hqtflow measure --engine inc`: calibrate through INC's observers, write an hqtflow measurement artifact."""
     import torch
 
-    from hqtflow import models
+    from hqtflow import lmeval, models
     from hqtflow.bf16_matmul import bf16_matmuls_via_fp32
     from hqtflow.formats import measurement as mf
     from hqtflow.formats.artifact import StagingDir
@@ -192,10 +192,13 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
             return out
 
         @torch.inference_mode()
-        def generate(ids, max_new, until=()):  # observed, but not counted as samples (as hqtflow's engine does)
-            out = model.generate(ids.to(dev), max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        def generate(ids, max_new, until=()):  # counted as hqtflow's engine counts it: prompt + tokens fed back
+            text, tokens = lmeval.greedy_generate(model, tokenizer, ids.to(dev), max_new, until)
             _step(device)
-            return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            counts["samples"] += 1
+            counts["tokens"] += tokens
+            progress.update(1, tokens)
+            return text
 
         t0 = time.perf_counter()
         sources = run_sources(s, texts, manager, tokenizer, forward, generate, progress)

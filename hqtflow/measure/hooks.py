@@ -247,8 +247,7 @@ class ObserverSession:
         if attention_mask is not None:
             mask = attention_mask.bool()
             n = int(mask.sum())
-            self.samples += mask.shape[0]
-            self.tokens += n
+            self.count(mask.shape[0], n)
             self._mask = None if n == mask.numel() else mask
             if self._mask is not None:
                 lengths = mask.sum(dim=1)
@@ -258,6 +257,12 @@ class ObserverSession:
             yield
         finally:
             self._mask = self._lengths = None
+
+    def count(self, samples: int, tokens: int) -> None:
+        """Count sequences and the tokens of theirs that went through the model (`batch` does so from its mask; a
+        generation, observed with no mask, says what it ran)."""
+        self.samples += samples
+        self.tokens += tokens
 
     def stats(self) -> dict[str, NodeStats]:
         """Statistics of every node that saw data (INC drops unused nodes the same way)."""

@@ -105,7 +105,7 @@ def measure(s: MeasureSettings, *, show_progress: bool = True) -> Path:
 def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: int, world: int, show_progress: bool) -> Path:
     import torch
 
-    from hqtflow import models
+    from hqtflow import lmeval, models
     from hqtflow.bf16_matmul import bf16_matmuls_via_fp32
     from hqtflow.measure import distributed
     from hqtflow.measure.hessians import HessianRecorder
@@ -141,9 +141,10 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         def generate(ids, max_new, until=()):
             with session.batch(None), recording(None):
                 extra = {"past_key_values": kv.cache()} if kv else {}
-                out = model.generate(ids.to(device), max_new_tokens=max_new, do_sample=False,
-                                     pad_token_id=tokenizer.pad_token_id, **extra)
-            return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                text, tokens = lmeval.greedy_generate(model, tokenizer, ids.to(device), max_new, until, **extra)
+            session.count(1, tokens)  # the prompt and the generated tokens fed back: all observed
+            progress.update(1, tokens)
+            return text
 
         t0 = time.perf_counter()
         sources = run_sources(s, texts, manager, tokenizer, forward, generate, progress)

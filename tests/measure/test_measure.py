@@ -252,3 +252,51 @@ def test_token_chunks_tokenize_only_what_the_limit_needs(tiny_llama, wiki_text, 
     big = "word " * 600_000  # 3 MB on one line
     assert token_chunks([big], tok, 16, 1) == [encode(big[:1000], add_special_tokens=False)[:16]]
     assert max(seen) < 100_000, seen
+
+
+GEN_TASK = """task: gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{text}}}}"
+doc_to_target: " tall"
+generation_kwargs:
+  until: {until}
+  max_gen_toks: 6
+metric_list:
+  - metric: exact_match
+"""
+PROMPT = "The tower is"
+
+
+def gen_task(folder, until) -> str:
+    """A generate-until task over one document (PROMPT) stopping at `until`, in `folder`; returns the folder."""
+    folder.mkdir()
+    (folder / "doc.jsonl").write_text(json.dumps({"text": PROMPT}) + "\n")
+    (folder / "gen.yaml").write_text(GEN_TASK.format(data=folder / "doc.jsonl", until=json.dumps(until)))
+    return folder
+
+
+def greedy_tokens(model_dir) -> tuple[int, list[int]]:
+    """PROMPT's token count and the tiny model's greedy continuation of it (6 tokens, or up to EOS), by transformers."""
+    from hqtflow import models
+
+    model, tok = models.load_model(model_dir, "fp32"), models.load_tokenizer(model_dir)
+    ids = torch.tensor([tok.encode(PROMPT, add_special_tokens=False)])
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    return ids.shape[1], out[0, ids.shape[1]:].tolist()
+
+
+def test_a_generate_until_task_calibrates_and_counts_what_ran(tiny_llama, tmp_path):
+    """Generation is observed and counted: the document is a sample, and its tokens are the prompt's and each
+    generated token fed back (all but the last); a task that only generates calibrates."""
+    prompt, generated = greedy_tokens(tiny_llama)
+    folder = gen_task(tmp_path / "tasks", ["never said"])
+    out = measure(tiny_llama, tmp_path / "m", "--tasks", "gen", "--include-path", folder, "--limit", "1", "--dtype", "fp32")
+    data = read_manifest(out, "hqtflow.measurement", 1).data
+    assert data["calibration"]["samples"] == 1 and data["calibration"]["tokens"] == prompt + len(generated) - 1
+    assert json.loads((out / "measure_hooks_maxabs.json").read_text())["NumSamples"] == 1
+    assert set(data["calibration"]["sources"][0]["results"]["gen"]) == {"exact_match", "sample_len"}
