@@ -257,8 +257,13 @@ def build_lm(forward: Forward | None, tokenizer, *, batch_size: int, max_length:
 
 
 def greedy_generate(model, tokenizer, ids: torch.Tensor, max_new: int, until=(), **kwargs) -> tuple[str, int]:
-    """Greedy text after `ids` [1, S] (on the model's device), and how many tokens went through the model for it:
-    the prompt and every generated token but the last (which no forward took in)."""
+    """Greedy text after `ids` [1, S] (on the model's device), ending at EOS or at the token that completes one of
+    the `until` strings (transformers' stop_strings, as lm-eval's hf model stops: no token past it is generated, nor
+    observed); and how many tokens went through the model for it: the prompt and every generated token but the last
+    (which no forward took in)."""
+    stops = [u for u in until if u]
+    if stops:
+        kwargs.update(stop_strings=stops, tokenizer=tokenizer)
     out = model.generate(ids, max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id, **kwargs)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), out.shape[1] - 1
 

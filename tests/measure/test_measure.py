@@ -300,3 +300,16 @@ def test_a_generate_until_task_calibrates_and_counts_what_ran(tiny_llama, tmp_pa
     assert data["calibration"]["samples"] == 1 and data["calibration"]["tokens"] == prompt + len(generated) - 1
     assert json.loads((out / "measure_hooks_maxabs.json").read_text())["NumSamples"] == 1
     assert set(data["calibration"]["sources"][0]["results"]["gen"]) == {"exact_match", "sample_len"}
+
+
+def test_generation_stops_at_the_tasks_until(tiny_llama, tmp_path):
+    """measure's generation ends at the token completing one of the task's `until` strings, as lm-eval's hf model
+    does: no token after it runs through the model (nor is observed)."""
+    from hqtflow import models
+
+    prompt, generated = greedy_tokens(tiny_llama)
+    stop = models.load_tokenizer(tiny_llama).decode(generated[:1])
+    assert len(generated) > 1 and stop.strip(), generated  # (the first generated token ends the generation)
+    folder = gen_task(tmp_path / "tasks", ["never said", stop])
+    out = measure(tiny_llama, tmp_path / "m", "--tasks", "gen", "--include-path", folder, "--limit", "1", "--dtype", "fp32")
+    assert read_manifest(out, "hqtflow.measurement", 1).data["calibration"]["tokens"] == prompt  # the prompt alone
