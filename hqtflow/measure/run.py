@@ -140,7 +140,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         @torch.inference_mode()
         def generate(ids, max_new, until=()):
             with session.batch(None), recording(None):
-                extra = {"past_key_values": kv.cache()} if kv else {}
+                extra = {cache_name: kv.cache()} if kv else {}  # (generate takes it under the forward's name)
                 text, tokens = lmeval.greedy_generate(model, tokenizer, ids.to(device), max_new, until, **extra)
             session.count(1, tokens)  # the prompt and the generated tokens fed back: all observed
             progress.update(1, tokens)
