@@ -38,6 +38,7 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     from hqtflow.api import load_any
     from hqtflow.bf16_matmul import bf16_matmuls_via_fp32
     from hqtflow.evaluate import EvalSettings, comparison_rows, evaluate, format_table
+    from hqtflow.measure.settings import is_task_file
 
     if not tasks and not ppl_file:
         raise HqtflowError("Nothing to evaluate: give --tasks and/or --ppl-file.")
@@ -53,7 +54,8 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
 
         check_report_path(report, model, "evaluated")
     absolute = lambda p: None if p is None else str(Path(p).resolve())  # the report records every path absolute
-    settings = EvalSettings(tasks=tasks, include_path=tuple(absolute(p) for p in include_path),
+    settings = EvalSettings(tasks=tuple(absolute(t) if is_task_file(t) else t for t in tasks),
+                            include_path=tuple(absolute(p) for p in include_path),
                             data_dir=absolute(data_dir), limit=limit, batch_size=batch_size,
                             ppl_file=absolute(ppl_file), ppl_windows=ppl_windows)
     manager = None

@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hqtflow.errors import CalibrationError, does_not_exist
+from hqtflow.errors import CalibrationError, does_not_exist, not_a_file
+from hqtflow.measure.settings import is_task_file
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 LOCAL_TASKS = tuple(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
@@ -97,7 +98,8 @@ def check_local_data(task: str, data_dir: str | Path) -> None:
 
 
 def task_manager(include_paths: list[str | Path], data_dir: str | Path | None, tasks: list[str] = ()):
-    """An lm-eval TaskManager that also knows the user's include paths and the local tasks.
+    """An lm-eval TaskManager that also knows the user's include paths, the folders of task YAMLs given by path, and
+    the local tasks.
 
     lm-eval's ~14k built-in task YAMLs take seconds to index: when every requested task is found in the
     include paths and local tasks alone, the built-ins are left out.
@@ -108,16 +110,37 @@ def task_manager(include_paths: list[str | Path], data_dir: str | Path | None, t
     for p in paths:
         if not p.exists():
             raise CalibrationError(f"lm-eval include path {p} {does_not_exist(p)}.")
+    for f in map(Path, filter(is_task_file, tasks)):
+        if not f.is_file():
+            raise CalibrationError(f"lm-eval task file {f} {not_a_file(f)}.")
+        if f.parent.resolve() not in [p.resolve() for p in paths]:  # (a folder indexed twice warns of every task)
+            paths.append(f.parent)  # its folder is an include path: its `include:`s and the YAMLs beside it are read
     if data_dir is not None:
         paths.append(local_task_dir(data_dir))
     if paths and tasks:
         small = TaskManager(include_path=[str(p) for p in paths], include_defaults=False)
-        if set(tasks) <= set(small.all_tasks):
+        if all(is_task_file(t) or t in small.all_tasks for t in tasks):
             return small
     return TaskManager(include_path=[str(p) for p in paths] or None)
 
 
+def task_names(tasks: list[str], manager) -> list[str]:
+    """lm-eval's names of `tasks`: a task YAML given by path is named by the task (or group) it defines."""
+    def name(task: str) -> str:
+        if not is_task_file(task):
+            return task
+        path = Path(task).resolve()
+        found = [n for n, e in manager.task_index.items() if e.yaml_path and Path(e.yaml_path).resolve() == path]
+        if not found:
+            raise CalibrationError(f"lm-eval task file {task} defines no task lm-eval indexes (a task YAML names it "
+                                   "with `task:`, a group YAML with `group:`, each name once in its folder).")
+        return found[0]
+
+    return [name(t) for t in tasks]
+
+
 def check_tasks(tasks: list[str], manager, data_dir: str | Path | None) -> None:
+    tasks = task_names(tasks, manager)
     known = set(manager.all_tasks)
     for t in tasks:
         if t in known:
@@ -128,7 +151,7 @@ def check_tasks(tasks: list[str], manager, data_dir: str | Path | None) -> None:
         elif f"{t}_local" in LOCAL_TASKS:
             hint = f" (no hub access here? use the offline copy '{t}_local' with --data-dir)"
         else:
-            hint = " (define it in a task YAML and pass --include-path DIR)"
+            hint = " (define it in a task YAML and pass --include-path DIR, or give the YAML's path)"
         raise CalibrationError(f"Unknown lm-eval task {t!r}{hint}.")
     for t in tasks:
         if t in LOCAL_TASKS and data_dir is not None:
@@ -314,6 +337,7 @@ def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> tuple[dict
     the second as lm-eval's task configs say (None where they do not)."""
     import lm_eval.evaluator as evaluator
 
+    tasks = task_names(tasks, manager)
     try:
         with _patched(evaluator, "get_git_commit_hash", _git_hash_quietly):
             res = evaluator.simple_evaluate(

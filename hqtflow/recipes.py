@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from hqtflow.choices import KVCache, parse
 from hqtflow.errors import ConfigError, brief, not_a_file, parse_problem
-from hqtflow.measure.settings import MeasureSettings
+from hqtflow.measure.settings import MeasureSettings, is_task_file
 from hqtflow.quantize.settings import QuantizeSettings
 
 RECIPE_VERSION = 1
@@ -328,7 +328,7 @@ class _Reader:
         items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else self._list(label, value)
         if not all(isinstance(v, str) for v in items):
             self.fail(label, "a list of names", value)
-        return tuple(items)
+        return tuple(self.path(label, v) if is_task_file(v) else v for v in items)  # a task YAML's path: a path
 
     def _list(self, label: str, value: Any) -> list:
         if isinstance(value, str):

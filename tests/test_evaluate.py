@@ -138,3 +138,18 @@ def test_the_comparison_shows_every_metric_with_its_direction(user_results):
     assert got["piqa_local", "acc"]["higher_is_better"] is True and "delta_pct" not in got["piqa_local", "acc"]
     table = format_table(rows, ["bf16", "fp8"], "bf16")
     assert "word_perplexity ↓" in table and "exact_match,last-word ↑" in table and "(+50.00%)" in table, table
+
+
+def test_a_task_yamls_path_names_the_task(setup, tmp_path):
+    """A task YAML given by path (lm-eval's `--tasks DIR/task.yaml`): its folder is an include path, and the results
+    are the task's, under the name the file gives it."""
+    from hqtflow import lmeval
+    from hqtflow.evaluate import EvalSettings, evaluate
+
+    model, tok, _, _ = setup
+    path = str(tmp_path / "tasks" / "rolling.yaml")
+    user_tasks(tmp_path / "tasks", rolling=ROLLING_TASK.replace("task: {name}", "task: my_rolling"))
+    manager = lmeval.task_manager([], None, [path])
+    lmeval.check_tasks([path], manager, None)
+    out = evaluate(model, tok, EvalSettings(tasks=(path,), limit=1), manager, show_progress=False)
+    assert list(out["tasks"]) == ["my_rolling"] and "word_perplexity" in out["tasks"]["my_rolling"]

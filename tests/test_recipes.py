@@ -278,6 +278,18 @@ def test_gptq_key(tmp_path):
     assert not load_recipe(ROOT / "recipes" / "smollm2.yaml").quantize.settings("m", "q").gptq
 
 
+def test_a_task_yamls_path_is_read_from_the_recipes_folder(tmp_path):
+    """A task given by its YAML's path is an input path like the others: relative to the recipe's folder."""
+    from hqtflow.recipes import load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text("model: smollm2\noutput: out/m\ncalibration: {tasks: [piqa_local, tasks/mine.yaml]}\n"
+                    "eval: {tasks: tasks/mine.yaml}\n")
+    r = load_recipe(path)
+    assert r.measure.tasks == ("piqa_local", str(tmp_path / "tasks" / "mine.yaml"))
+    assert r.eval.tasks == (str(tmp_path / "tasks" / "mine.yaml"),)
+
+
 def test_one_recipe_flag_merge(tmp_path):
     """`measure --recipe` and `run` share recipes.merge_flags: flags given override, flags not given (None) keep the
     recipe's value, and a run without any output directory is refused."""

@@ -15,7 +15,7 @@ from hqtflow.config import MEASURE_OBSERVERS, QuantConfig
 from hqtflow.errors import CalibrationError, ConfigError
 from hqtflow.formats import measurement as mf
 from hqtflow.formats.artifact import MANIFEST, StagingDir, check_output_dir
-from hqtflow.measure.settings import DEFAULT_MAX_LENGTH, MeasureSettings
+from hqtflow.measure.settings import DEFAULT_MAX_LENGTH, MeasureSettings, is_task_file
 from hqtflow.progress import Progress
 
 
@@ -79,7 +79,7 @@ def resolve_max_length(s: MeasureSettings, model_dir: Path) -> MeasureSettings:
 
 def inputs(s: MeasureSettings, model_dir: Path) -> list:
     """What a measurement reads: its output may be none of these, nor contain or lie inside one."""
-    return [model_dir, s.config, *s.text, *s.include_path, s.data_dir]
+    return [model_dir, s.config, *s.text, *s.include_path, *filter(is_task_file, s.tasks), s.data_dir]
 
 
 def _read(path: str, text_field: str) -> list[str]:

@@ -313,3 +313,15 @@ def test_generation_stops_at_the_tasks_until(tiny_llama, tmp_path):
     folder = gen_task(tmp_path / "tasks", ["never said", stop])
     out = measure(tiny_llama, tmp_path / "m", "--tasks", "gen", "--include-path", folder, "--limit", "1", "--dtype", "fp32")
     assert read_manifest(out, "hqtflow.measurement", 1).data["calibration"]["tokens"] == prompt  # the prompt alone
+
+
+def test_a_task_yamls_path_names_the_task(tiny_llama, tmp_path):
+    """`--tasks DIR/task.yaml` (as lm-eval takes it): the folder is an include path, the task named by the file;
+    a path that is no file, or a YAML defining no task, is refused naming the file."""
+    folder = gen_task(tmp_path / "tasks", ["\n"])
+    out = measure(tiny_llama, tmp_path / "m", "--tasks", folder / "gen.yaml", "--limit", "1")
+    assert set(read_manifest(out, "hqtflow.measurement", 1).data["calibration"]["sources"][0]["results"]) == {"gen"}
+    (folder / "notes.yaml").write_text("description: no task here\n")
+    for path, why in ((folder / "nope.yaml", "does not exist"), (folder / "notes.yaml", "defines no task")):
+        r = run_cli("measure", tiny_llama, "-o", tmp_path / "n", "--tasks", path, "--limit", "1")
+        assert r.exit_code == 5 and f"lm-eval task file {path} {why}" in r.stderr, r.output
