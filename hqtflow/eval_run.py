@@ -28,6 +28,21 @@ def _where(model: str | None) -> str:
     return str(models.resolve_model(model).resolve())
 
 
+def input_files(tasks, include_path, data_dir, ppl_file, manager=None) -> dict[str, str | None]:
+    """What an eval reads ({absolute path: sha256}): its tasks' files (lmeval.task_files) and the --ppl-file; `run`
+    redoes the eval when one changed."""
+    from hqtflow import lmeval
+    from hqtflow.formats.artifact import sha256_file
+
+    files = {}
+    if tasks:
+        manager = manager or lmeval.task_manager(list(include_path), data_dir, list(tasks))
+        files = lmeval.task_files(list(tasks), include_path, manager)
+    if ppl_file:
+        files[str(Path(ppl_file).resolve())] = sha256_file(Path(ppl_file))
+    return files
+
+
 def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks: tuple[str, ...],
              include_path: tuple[str, ...], data_dir: str | None, limit: int | None, batch_size: int,
              ppl_file: str | None, ppl_windows: int | None, report: Path | None, backend: str = "auto",
@@ -62,6 +77,7 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     if tasks:
         manager = lmeval.task_manager(list(include_path), data_dir, list(tasks))
         lmeval.check_tasks(list(tasks), manager, data_dir)
+    files = input_files(tasks, include_path, data_dir, ppl_file, manager)
     candidates = {}
     base_ref = baseline or (source_model(model) if use_source else None)
     if base_ref and not baseline:  # the manifest's: checked before any model is loaded
@@ -87,6 +103,6 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     if report is not None:
         from hqtflow.formats.artifact import write_json_atomic
 
-        write_json_atomic(report, {"models": paths, "baseline": base, "settings": settings.__dict__,
+        write_json_atomic(report, {"models": paths, "baseline": base, "settings": settings.__dict__, "files": files,
                                    "results": results, "comparison": rows}, default=str)
     return format_table(rows, names, base)

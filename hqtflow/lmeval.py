@@ -106,15 +106,13 @@ def task_manager(include_paths: list[str | Path], data_dir: str | Path | None, t
     """
     from lm_eval.tasks import TaskManager
 
-    paths = [Path(p) for p in include_paths]
-    for p in paths:
+    for p in map(Path, include_paths):
         if not p.exists():
             raise CalibrationError(f"lm-eval include path {p} {does_not_exist(p)}.")
     for f in map(Path, filter(is_task_file, tasks)):
         if not f.is_file():
             raise CalibrationError(f"lm-eval task file {f} {not_a_file(f)}.")
-        if f.parent.resolve() not in [p.resolve() for p in paths]:  # (a folder indexed twice warns of every task)
-            paths.append(f.parent)  # its folder is an include path: its `include:`s and the YAMLs beside it are read
+    paths = _include_paths(include_paths, tasks)
     if data_dir is not None:
         paths.append(local_task_dir(data_dir))
     if paths and tasks:
@@ -122,6 +120,51 @@ def task_manager(include_paths: list[str | Path], data_dir: str | Path | None, t
         if all(is_task_file(t) or t in small.all_tasks for t in tasks):
             return small
     return TaskManager(include_path=[str(p) for p in paths] or None)
+
+
+def _include_paths(include_paths, tasks) -> list[Path]:
+    """The user's include paths and the folder of each task YAML given by path (its `include:`s and the YAMLs beside
+    it are read as lm-eval reads an include path's), each once (a folder indexed twice warns of every task)."""
+    paths: list[Path] = []
+    for p in [*map(Path, include_paths), *(Path(t).parent for t in tasks if is_task_file(t))]:
+        if p.resolve() not in [q.resolve() for q in paths]:
+            paths.append(p)
+    return paths
+
+
+def task_files(tasks: list[str], include_paths, manager) -> dict[str, str | None]:
+    """What lm-eval reads for `tasks` ({absolute path: sha256}, None where the file is not there), for `run` to redo a
+    stage when one changed: every task YAML and Python module (`!function`) in the include paths (task YAMLs given
+    by path: their folders), the bundled `<task>_local` YAMLs used, and the `dataset_kwargs.data_files` of every task
+    run (a group's or tag's members too; a bundled task's data file in --data-dir)."""
+    import glob
+
+    from hqtflow.formats.artifact import sha256_file
+
+    index = manager.task_index
+    files = [f for root in _include_paths(include_paths, tasks)
+             for f in ([root] if root.is_file() else sorted([*root.rglob("*.yaml"), *root.rglob("*.py")]))]
+    for task in dict.fromkeys(t for name in task_names(tasks, manager) for t in _members(name, index)):
+        if task in LOCAL_TASKS:
+            files.append(TASKS_DIR / f"{task}.yaml")
+        for f in _data_files(manager, task):
+            files += map(Path, sorted(glob.glob(f)) or [f])
+    return {str(f.resolve()): sha256_file(f) if f.is_file() else None
+            for f in files if "__pycache__" not in f.parts}
+
+
+def _members(name: str, index, seen: frozenset = frozenset()) -> list[str]:
+    """The tasks lm-eval runs for `name`: a group's or tag's members (through nested groups), else the task itself."""
+    entry = index.get(name)
+    kind = getattr(getattr(entry, "kind", None), "name", None)
+    if kind == "GROUP":
+        items = (entry.cfg or {}).get("task") or []
+        names = [i.get("task") if isinstance(i, dict) else i for i in (items if isinstance(items, list) else [items])]
+    elif kind == "TAG":
+        names = sorted(entry.tags)
+    else:
+        return [name]
+    return [t for n in names if isinstance(n, str) and n not in seen for t in _members(n, index, seen | {name})]
 
 
 def task_names(tasks: list[str], manager) -> list[str]:

@@ -83,7 +83,7 @@ def current(check: Callable[[], bool]) -> bool:
 
 
 def measurement_is_current(s) -> bool:
-    from hqtflow import models
+    from hqtflow import lmeval, models
     from hqtflow.formats.artifact import ArtifactKind, read_manifest, sha256_file
     from hqtflow.measure.run import load_measure_config, resolve_max_length
 
@@ -103,6 +103,9 @@ def measurement_is_current(s) -> bool:
         return False
     for src in m.data["calibration"]["sources"]:
         if src["kind"] == "text" and (not Path(src["path"]).is_file() or sha256_file(Path(src["path"])) != src["sha256"]):
+            return False
+        if src["kind"] == "lm-eval" and src["files"] != lmeval.task_files(  # (none recorded, by an older hqtflow: redone)
+                list(s.tasks), s.include_path, lmeval.task_manager(list(s.include_path), s.data_dir, list(s.tasks))):
             return False
     return True
 
@@ -175,7 +178,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
                data_dir: str | Path | None = None) -> Path:
     from hqtflow import __version__
     from hqtflow.choices import KVCache
-    from hqtflow.eval_run import run_eval
+    from hqtflow.eval_run import input_files, run_eval
     from hqtflow.formats.artifact import ArtifactKind, read_manifest
     from hqtflow.formats.measurement import KV_FILE
     from hqtflow.measure.run import measure
@@ -225,7 +228,8 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
         why = other_version(old.get("hqtflow", "0.1.0"))  # (a report without it is 0.1.0's, which did not record it)
         if why:
             echo(f"eval: {report} was {why}.")
-        elif old.get("checkpoint_digest") == digest and old.get("eval") == ev_json:
+        elif (old.get("checkpoint_digest") == digest and old.get("eval") == ev_json
+              and old.get("files") == input_files(ev.tasks, ev.include_path, ev.data_dir, ev.ppl_file)):
             from hqtflow.evaluate import format_table
 
             try:

@@ -101,6 +101,59 @@ def test_run_never_replaces_newer_outputs_nor_trips_on_odd_ones(tiny_llama, data
     assert forced.exit_code == 0 and "quantize: writing" in forced.stdout, forced.output
 
 
+TASK = """task: tiny_task
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{prefix}{{{{text.split(' ')[:-1]|join(' ')}}}}"
+doc_to_target: "{{{{' ' + text.split(' ')[-1]}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def test_run_redoes_the_stages_whose_task_files_changed(tiny_llama, data_dir, tmp_path):
+    """A user task's YAML or data file that changed redoes measure and eval (quantize follows the measurement's
+    statistics): their manifest and report record the hashes of the files lm-eval reads; a manifest or report without
+    them (an older hqtflow's) is redone. So is the eval when its ppl_file changed."""
+    tasks, recipe, ppl = tmp_path / "tasks", tmp_path / "tiny.yaml", tmp_path / "ppl.txt"
+    wiki = (data_dir / "wikitext2_test.txt").read_text()
+    ppl.write_text(wiki[:4000])
+    tasks.mkdir()
+    data, yaml_file = tasks / "docs.jsonl", tasks / "tiny_task.yaml"
+    docs = lambda *texts: data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    docs("The tower is tall", "The river runs west")
+    yaml_file.write_text(TASK.format(data=data, prefix=""))
+    recipe.write_text(yaml.safe_dump({
+        "name": "tiny", "model": str(tiny_llama), "dtype": "bf16", "batch_size": 2, "max_length": 64,
+        "config": str(ROOT / "quantization_config/maxabs_measure.json"), "output": str(tmp_path / "run" / "measure"),
+        "quant_config": str(ROOT / "quantization_config/cpu_quant.json"),
+        "calibration": {"tasks": ["tiny_task"], "include_path": "tasks", "limit": 2},
+        "eval": {"tasks": ["tiny_task"], "include_path": "tasks", "limit": 2, "ppl_file": "ppl.txt", "ppl_windows": 1},
+    }))
+
+    def run(*redone):
+        r = run_cli("run", recipe)
+        assert r.exit_code == 0, r.output
+        assert [s for s in ("measure", "eval") if f"{s}: writing" in r.stdout] == list(redone), r.stdout
+
+    run("measure", "eval")
+    run()
+    docs("A small town grew up", "The river runs west")  # the data changed
+    run("measure", "eval")
+    yaml_file.write_text(TASK.format(data=data, prefix="Text: "))  # the task changed
+    run("measure", "eval")
+    run()
+    ppl.write_text(wiki[4000:8000])  # the eval's text changed
+    run("eval")
+    edit_manifest(tmp_path / "run" / "measure", lambda m: m["data"]["calibration"]["sources"][0].pop("files"))
+    edit_json(tmp_path / "run" / "eval.json", lambda r: r.pop("files"))
+    run("measure", "eval")
+
+
 def test_generate_and_eval(tiny_llama, wiki_text, data_dir, tmp_path):
     meas, ck = tmp_path / "m", tmp_path / "fp8"
     assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2").exit_code == 0

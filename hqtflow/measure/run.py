@@ -222,10 +222,12 @@ def run_sources(s: MeasureSettings, texts, manager, tokenizer, forward, generate
         from hqtflow import lmeval
 
         progress.start("lm-eval " + ",".join(s.tasks), None)
+        files = lmeval.task_files(list(s.tasks), s.include_path, manager)  # (as read: before the tasks run)
         lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=s.max_length, generate=generate)
         task_results, _ = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
         sources.append({"kind": "lm-eval", "tasks": list(s.tasks), "limit": s.limit,
-                        "include_path": list(s.include_path), "data_dir": s.data_dir, "results": task_results})
+                        "include_path": list(s.include_path), "data_dir": s.data_dir, "files": files,
+                        "results": task_results})
     progress.close()
     return sources
 
