@@ -30,6 +30,8 @@ import torch
 from hqtflow.runtime.memory import trim
 from hqtflow.runtime.threads import release_openmp_pool
 
+STOPPED = "the engine has stopped"  # the error of a request stop() leaves unfinished
+
 
 @dataclass
 class SamplingParams:
@@ -218,6 +220,8 @@ class Engine:
             self._cv.notify()
 
     def stop(self) -> None:
+        """Stop the engine thread: requests still running or waiting, and any submitted later, end with an error
+        (so a blocking generate() returns)."""
         with self._cv:
             self._stop = True
             self._cv.notify()
@@ -245,8 +249,12 @@ class Engine:
             req.seed = params.seed if params.seed is not None else random.randrange(2**63)
             req.generator = torch.Generator(device=self.device).manual_seed(req.seed)
         with self._cv:
-            self.pending.append(req)
-            self._cv.notify()
+            if self._stop:  # nothing would ever run it
+                req.finished = True
+                req.emit(Event(0, None, error=STOPPED))
+            else:
+                self.pending.append(req)
+                self._cv.notify()
         return req
 
     def generate(self, input_ids: list[int], params: SamplingParams) -> list[Event]:
@@ -286,6 +294,7 @@ class Engine:
                 while not self._stop and not self.pending and not self.active:
                     self._cv.wait()
                 if self._stop:
+                    self._end_all(STOPPED)
                     return
                 if self._abort is not None:
                     self._end_all(self._abort)

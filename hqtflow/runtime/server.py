@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from hqtflow.runtime.api import Ctx, ServeSettings
-from hqtflow.runtime.engine import Engine, SamplingParams
+from hqtflow.runtime.engine import STOPPED, Engine, SamplingParams
 from hqtflow.runtime.metrics import Metrics, metrics_router
 from hqtflow.runtime.openai_routes import openai_router
 from hqtflow.runtime.schemas import MAX_BODY, ApiError, openai_error  # noqa: F401 - re-exported
@@ -106,11 +106,13 @@ def request_guard(s: ServeSettings, metrics: Metrics):
 
 
 def warm_up(engine: Engine, tokenizer, s: ServeSettings, state: dict) -> None:
-    """Run each bucketed prefill length once (and one decode at the smallest batch bucket), then report healthy."""
+    """Run each bucketed prefill length once (and one decode at the smallest batch bucket), then report healthy;
+    stop if the engine stops first (the server is shutting down: the process must not wait on this thread)."""
     step = max(1, s.pad_sequence_to_multiple_of)
     filler = next(i for i in range(len(tokenizer)) if i not in engine.eos and i not in engine.special)
     for n in range(step, s.max_input_tokens + 1, step) if step > 1 else [1]:
-        engine.generate([filler] * n, SamplingParams(max_new_tokens=2))
+        if engine.generate([filler] * n, SamplingParams(max_new_tokens=2))[-1].error == STOPPED:
+            return
     state["ready"] = True
 
 

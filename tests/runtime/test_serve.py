@@ -250,6 +250,41 @@ def test_a_signal_ends_running_streams_within_the_shutdown_timeout(tiny_llama, s
         p.kill()
 
 
+@pytest.mark.slow
+def test_a_signal_during_warmup_ends_the_process(tiny_llama):
+    """WARMUP_ENABLED=true, SIGTERM while /health is still 503: the warm-up stops and the process exits 128 + the
+    signal at once (it used to close its port and then wait forever on the warm-up thread)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "hqtflow", "serve", "bf16", str(tiny_llama), "--port", str(port),
+                          "--max-total-tokens", "4096", "--max-input-tokens", "4000",
+                          "--pad-sequence-to-multiple-of", "2"],  # 2000 prefill lengths: minutes of warm-up
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "WARMUP_ENABLED": "true"})
+    try:
+        base, t0 = f"http://127.0.0.1:{port}", time.monotonic()
+        while True:
+            assert p.poll() is None and time.monotonic() - t0 < 120, "the server did not start"
+            try:
+                status = httpx.get(f"{base}/health").status_code
+                break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        assert status == 503
+        time.sleep(1)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 128 + signal.SIGTERM, p.stderr.read()[-2000:]
+    finally:
+        p.kill()
+
+
 def metric_values(text: str) -> dict[str, float]:
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line and not line.startswith("#")}
