@@ -26,9 +26,13 @@ class Divergence:
         return {"mean_kl": self.mean_kl, "top1": self.top1, "tokens": self.tokens, "nll": self.nll}
 
 
-def token_windows(tokenizer, path: str | Path, n_tokens: int, window: int = 512) -> list[torch.Tensor]:
-    """The first `n_tokens` tokens of the text file, as [1, window] id tensors (no special tokens)."""
-    ids = tokenizer(Path(path).read_text(), add_special_tokens=False)["input_ids"][:n_tokens]
+def token_windows(tokenizer, path: str | Path, n_tokens: int, window: int = 512,
+                  what: str = "Text file") -> list[torch.Tensor]:
+    """The first `n_tokens` tokens of the text file, as [1, window] id tensors (no special tokens); a file that is
+    not UTF-8 text, or is empty, is refused as eval's --ppl-file is (`what` names it)."""
+    from hqtflow.evaluate import read_ppl_text
+
+    ids = tokenizer(read_ppl_text(path, what), add_special_tokens=False)["input_ids"][:n_tokens]
     return [torch.tensor([ids[i:i + window]]) for i in range(0, len(ids) - window + 1, window)]
 
 

@@ -22,7 +22,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hqtflow.errors import CalibrationError, ConfigError, not_a_file
+from hqtflow.errors import CalibrationError, ConfigError
 from hqtflow.formats.artifact import ArtifactKind
 
 
@@ -49,8 +49,10 @@ class TuneSettings:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {v}.")
-        if self.window < 2 or self.tokens < self.window:
-            raise ConfigError(f"--tokens ({self.tokens}) must be at least one window (--window {self.window}, >= 2).")
+        if self.window < 2:
+            raise ConfigError(f"--window must be >= 2, not {self.window}.")
+        if self.tokens < self.window:
+            raise ConfigError(f"--tokens ({self.tokens}) must be at least one window (--window {self.window}).")
 
 
 def _ppl(nll: float) -> float:
@@ -81,20 +83,18 @@ def tune(s: TuneSettings, progress=None) -> Path:
 
     out = Path(s.output)
     check_output_dir(out, s.overwrite, [s.measurement, s.config])
-    if not Path(s.text).is_file():
-        raise CalibrationError(f"--text {s.text} {not_a_file(s.text)}.")
     qs = QuantizeSettings(measurement=s.measurement, output=str(out / "checkpoint"), model=s.model, config=s.config,
                           scale_method=s.scale_method, gptq=s.gptq)
     job = plan_job(qs)
     cfg = quant_config(qs)
     say = progress or (lambda msg: None)
     compute = fastest_dtype() if job.dtype == "bf16" else job.dtype
+    tok = models.load_tokenizer(job.model_dir)
+    windows = token_windows(tok, s.text, s.tokens, s.window, "--text")  # refused before the model is loaded
+    if not windows:
+        raise CalibrationError(f"--text {s.text} has fewer than {s.window} tokens (one --window).")
     model = models.load_model(job.model_dir, compute)
     unfuse_experts(model, job.plan["unfused"])
-    tok = models.load_tokenizer(job.model_dir)
-    windows = token_windows(tok, s.text, s.tokens, s.window)
-    if not windows:
-        raise ConfigError(f"{s.text} has fewer than {s.window} tokens.")
     ref = log_probs(model, windows)
     base_nll = _reference_nll(ref, windows)
     names = list(job.plan["quantize"])

@@ -66,6 +66,17 @@ def test_tune_refusals(measured, wiki_text, tmp_path):
     assert r.exit_code == 2 and "must be positive" in r.stderr
     r = run_cli("tune", "-m", measured, "-o", tmp_path / "x", "--text", tmp_path / "none.txt", "--target-kl", "0.1")
     assert r.exit_code == 5 and "does not exist" in r.stderr  # calibration data
+    (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 8)
+    (tmp_path / "short.txt").write_text("hello world short")
+    (tmp_path / "empty.txt").write_text("")
+    for name, message in (("bin.txt", "is not UTF-8 text"), ("short.txt", "has fewer than 48 tokens"),
+                          ("empty.txt", "is empty")):  # unusable data, as measure and eval refuse theirs
+        r = run_cli("tune", "-m", measured, "-o", tmp_path / "x", "--text", tmp_path / name, "--target-kl", "0.1",
+                    "--tokens", "96", "--window", "48")
+        assert r.exit_code == 5 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+    r = run_cli("tune", "-m", measured, "-o", tmp_path / "x", "--text", wiki_text, "--target-kl", "0.1", "--window", "0")
+    assert r.exit_code == 2 and "--window must be >= 2, not 0" in r.stderr
+    assert not (tmp_path / "x").exists()
 
 
 def test_tune_gptq(tiny_llama, measured, wiki_text, tmp_path):
