@@ -21,6 +21,8 @@ TGI_ENV = {"max_batch_size": "MAX_BATCH_SIZE", "max_batch_total_tokens": "MAX_BA
            "max_concurrent_requests": "MAX_CONCURRENT_REQUESTS", "max_best_of": "MAX_BEST_OF",
            "max_top_n_tokens": "MAX_TOP_N_TOKENS"}
 TGI_KNOBS = tuple(TGI_ENV.values())
+BOOL_WORDS = {**dict.fromkeys(("1", "true", "t", "yes", "y", "on"), True),
+              **dict.fromkeys(("0", "false", "f", "no", "n", "off"), False)}  # a boolean knob's values
 TGI_OLDER_NAMES = {"MAX_INPUT_TOKENS": "MAX_INPUT_LENGTH"}  # read when the knob itself is not set
 # TGI launcher variables with no counterpart here: `serve` names the ones set rather than ignore them silently
 # (MODEL_ID and PORT are read: the model argument's and --port's defaults)
@@ -70,8 +72,10 @@ def tgi_knob(name: str, default):
     if var is None:
         return default
     raw, name = os.environ[var], var
-    if isinstance(default, bool):
-        return raw.lower() in ("1", "true", "yes")
+    if isinstance(default, bool):  # a boolean word, as typer reads the flags' values
+        if raw.strip().lower() not in BOOL_WORDS:
+            raise ConfigError(f"The environment variable {name}={raw!r} is not a boolean (true or false).")
+        return BOOL_WORDS[raw.strip().lower()]
     kind = int if default is None else type(default)
     try:
         return kind(raw)

@@ -34,6 +34,12 @@ def test_tgi_knobs_are_typed_like_their_default(monkeypatch):
     monkeypatch.setenv("MAX_BATCH_SIZE", "eight")
     with pytest.raises(ConfigError, match="MAX_BATCH_SIZE='eight' is not a valid int"):
         environment.tgi_knob("MAX_BATCH_SIZE", 8)
+    for raw, value in (("TRUE", True), ("on", True), ("0", False), ("false", False), ("No", False)):
+        monkeypatch.setenv("WARMUP_ENABLED", raw)
+        assert environment.tgi_knob("WARMUP_ENABLED", True) is value
+    monkeypatch.setenv("WARMUP_ENABLED", "maybe")  # not read as false
+    with pytest.raises(ConfigError, match="WARMUP_ENABLED='maybe' is not a boolean"):
+        environment.tgi_knob("WARMUP_ENABLED", False)
 
 
 def test_tgi_knobs_read_their_older_name(monkeypatch):
