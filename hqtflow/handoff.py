@@ -348,6 +348,9 @@ def optimum_habana(job: Job, handoff_dir: Path) -> Plan:
 def tgi_gaudi(job: Job, handoff_dir: Path, *, image: str = TGI_IMAGE, port: int = 8080, volume: Path | None = None) -> Plan:
     """TGI-Gaudi's `docker run` with QUANT_CONFIG: the measurement (or scale files) mounted at /usr/src/hqt_output and a
     copy of the config, pointing there, mounted at /usr/src/quantization_config; a local model at /data/model."""
+    from hqtflow.runtime.transport import check_port
+
+    check_port(port)
     if job.mode != "quantize":
         raise ConfigError("TGI-Gaudi only serves a measured model (QUANTIZE); measure with --to optimum-habana.")
     handoff_dir = Path(handoff_dir).resolve()

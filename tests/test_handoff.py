@@ -301,6 +301,10 @@ def test_refusals(arts, tmp_path):
     refused([arts["m2"], "--to", "gaudi-cloud"], "Unknown --to 'gaudi-cloud'")
     refused([arts["m2"], "--to", "tgi-gaudi", "-o", tmp_path], "not a directory")
     refused([arts["m2"], "--to", "tgi-gaudi", "--mode", "measure"], "TGI-Gaudi only serves")
+    for port in ("0", "99999"):  # as serve's --port
+        refused([arts["m2"], "--to", "tgi-gaudi", "--port", port, "--dir", tmp_path / "ports"],
+                f"--port must be between 1 and 65535, not {port}")
+    assert not (tmp_path / "ports").exists()
     refused([arts["m2"], "--to", "optimum-habana", "--world-size", "1"], "unify it first")
     refused([arts["m2"], "--to", "optimum-habana", "--mode", "bake"], "Unknown --mode")
     refused([RECIPES / "llama2-70b-8x.yaml", "--to", "optimum-habana"], "run `hqtflow measure --recipe")

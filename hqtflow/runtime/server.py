@@ -187,9 +187,9 @@ def listen_socket(host: str, port: int):
     import socket
 
     from hqtflow.errors import HqtflowError, ResourceError
+    from hqtflow.runtime.transport import check_port
 
-    if not 1 <= port <= 65535:
-        raise HqtflowError(f"--port must be between 1 and 65535, not {port}.")
+    check_port(port)
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (OSError, UnicodeError) as e:

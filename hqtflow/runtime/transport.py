@@ -8,6 +8,14 @@ import logging
 log = logging.getLogger("uvicorn.error")
 
 
+def check_port(port: int) -> None:
+    """A --port is a TCP port, 1 to 65535 (serve's to listen on, handoff's for TGI-Gaudi's `docker run -p`)."""
+    from hqtflow.errors import HqtflowError
+
+    if not 1 <= port <= 65535:
+        raise HqtflowError(f"--port must be between 1 and 65535, not {port}.")
+
+
 def protocol(timeout: float):
     """uvicorn's h11 protocol, with `timeout` seconds (0: none) for a client to send a whole request (from connecting,
     or from its previous answer on a kept-alive connection) and to read again when the server cannot write to it.
