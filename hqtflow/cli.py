@@ -769,7 +769,7 @@ def bench(
     settings = BenchSettings(batch_sizes=parse_batch_sizes(batch_sizes), prompt_length=prompt_length,
                              decode_length=decode_length, runs=runs, warmup=warmup, seed=seed)
     typer.echo(run_bench(model, baseline=baseline, settings=settings, json_path=json_out, backend=backend, dtype=dtype,
-                         device=run_device(device), echo=lambda m: typer.echo(m, err=True)))
+                         device=run_device(device, engine_inc=False), echo=lambda m: typer.echo(m, err=True)))
 
 
 if __name__ == "__main__":

@@ -32,15 +32,16 @@ DTYPES = ("auto", "bf16", "fp16", "fp32")
 RUN_DEVICES = ("auto", "cpu", "cuda")
 
 
-def run_device(device: str | None, name: str = "--device") -> str:
+def run_device(device: str | None, name: str = "--device", engine_inc: bool = True) -> str:
     """Where hqtflow's own runtime runs: "auto" (or None) -> "cuda" when PyTorch sees a CUDA GPU, else "cpu"; "cuda"
-    without one is refused in one sentence. `name` words the setting in errors: the flag, or "device=" in Python."""
+    without one is refused in one sentence. `name` words the setting in errors: the flag, or "device=" in Python;
+    `engine_inc`: the command has --engine inc (an unknown --device's error says hpu goes with it)."""
     import torch
 
     from hqtflow.errors import ConfigError
 
     if device not in (None, *RUN_DEVICES):
-        hint = " (hpu: with --engine inc)" if name == "--device" else ""
+        hint = " (hpu: with --engine inc)" if name == "--device" and engine_inc else ""
         raise ConfigError(f"Unknown {_said(name, device, quote=True)}; valid values are {', '.join(RUN_DEVICES)}{hint}.")
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -569,6 +569,8 @@ CASES = {
     "bench/--json under a file": (lambda c: [*bench(c.ck), "--json", write(c.w / "f", "x") / "b.json"],
                                   "Cannot create the parent directory"),
     "bench/--device hpu": (lambda c: [*bench(c.ck), "--device", "hpu"], "on Gaudi (hpu) use serve, generate or eval"),
+    "bench/--device a typo": (lambda c: [*bench(c.ck), "--device", "tpu"],  # no hint of --engine, which bench lacks
+                              "Unknown --device 'tpu'; valid values are auto, cpu, cuda."),
     # handoff
     "handoff/--dir a file": (lambda c: ["handoff", c.m, "--to", "tgi-gaudi", "--dir", write(c.w / "f", "x")],
                              "Cannot write the hand-off directory"),
