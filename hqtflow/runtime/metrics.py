@@ -7,7 +7,8 @@ import time
 
 from fastapi import APIRouter
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
 
 from hqtflow.runtime.engine import Engine
 
@@ -40,6 +41,7 @@ class Metrics:
     """TGI's metric names."""
 
     def __init__(self, engine: Engine):
+        disable_created_metrics()  # no `*_created` series, which TGI does not serve (prometheus_client's switch)
         r = self.registry = CollectorRegistry()
         self.counters = Counters()
         secs = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60)

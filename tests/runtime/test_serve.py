@@ -132,6 +132,7 @@ def test_metrics(url):
                  "tgi_batch_current_size", 'tgi_batch_inference_duration_count{method="prefill"}',
                  'tgi_batch_inference_duration_count{method="decode"}'):
         assert name in text, name
+    assert "_created" not in text  # TGI serves no creation-time series (prometheus_client's default adds them)
     before = float(next(l for l in text.splitlines() if l.startswith("tgi_request_count ")).split()[1])
     httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
     after = httpx.get(f"{url}/metrics").text
