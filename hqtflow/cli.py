@@ -288,7 +288,7 @@ def quantize(
     measurement: Annotated[Path, typer.Option("-m", "--measurement", help="Measurement artifact directory.")] = ...,
     output: Annotated[Path, typer.Option("-o", "--output", help="Artifact directory to write.")] = ...,
     config: Annotated[Optional[Path], typer.Option("-c", "--config", help="QUANT_CONFIG JSON (QUANTIZE mode). Default: env QUANT_CONFIG, else maxabs_arbitrary, lm_head in bf16.")] = QuantizeSettings.config,
-    scale_method: Annotated[Optional[str], typer.Option(help="Override the config's scale_method (default maxabs_arbitrary): HQT's maxabs_pow2, maxabs_hw, unit_scale, act_maxabs_pow2_weights_pcs_opt_pow2, ... or per-token dynamic fp8_dynamic, fp8_dynamic_mse (docs/reference.md lists all).")] = QuantizeSettings.scale_method,
+    scale_method: Annotated[Optional[str], typer.Option(help="Override the config's scale_method (without -c or QUANT_CONFIG: maxabs_arbitrary; a config that names none: INC's default, maxabs_hw): HQT's maxabs_pow2, maxabs_hw, unit_scale, act_maxabs_pow2_weights_pcs_opt_pow2, ... or per-token dynamic fp8_dynamic, fp8_dynamic_mse (docs/reference.md lists all).")] = QuantizeSettings.scale_method,
     scales_for: Annotated[Optional[str], typer.Option(help="Device the scales are for: gaudi2, gaudi3, cpu, cuda (default: cpu or cuda, where it runs).")] = QuantizeSettings.scales_for,
     scales_only: Annotated[bool, typer.Option(help="Write INC scale files per rank instead of a checkpoint.")] = QuantizeSettings.scales_only,
     weight_only: Annotated[bool, typer.Option(help="FP8 weights, high-precision activations.")] = QuantizeSettings.weight_only,
