@@ -58,6 +58,8 @@ class Metrics:
         self.shapes = Gauge("hqtflow_batch_shape_runs", "Forward passes per input shape run", ["method", "batch", "seq"], registry=r)
         Gauge("tgi_queue_size", "Requests waiting", registry=r).set_function(lambda: len(engine.pending))
         Gauge("tgi_batch_current_size", "Requests in the running batch", registry=r).set_function(lambda: len(engine.active))
+        Gauge("hqtflow_preemptions", "Sequences preempted since start (KV blocks ran out; recomputed when readmitted)",
+              registry=r).set_function(lambda: engine.stats.preemptions)
         Gauge("tgi_batch_current_max_tokens", "KV tokens held by the running batch (its blocks)", registry=r).set_function(
             lambda: engine.kv_tokens)
 

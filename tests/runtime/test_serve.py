@@ -130,7 +130,7 @@ def test_metrics(url):
     for name in ("tgi_request_count", "tgi_request_success", "tgi_request_failure", "tgi_request_duration_bucket",
                  "tgi_request_generated_tokens_sum", "tgi_request_input_length_count", "tgi_queue_size",
                  "tgi_batch_current_size", 'tgi_batch_inference_duration_count{method="prefill"}',
-                 'tgi_batch_inference_duration_count{method="decode"}'):
+                 'tgi_batch_inference_duration_count{method="decode"}', "hqtflow_preemptions 0.0"):
         assert name in text, name
     assert "_created" not in text  # TGI serves no creation-time series (prometheus_client's default adds them)
     before = float(next(l for l in text.splitlines() if l.startswith("tgi_request_count ")).split()[1])
