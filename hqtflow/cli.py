@@ -630,17 +630,20 @@ SERVE_MINIMUMS = {"max_input_tokens": 1, "max_total_tokens": 2, "max_batch_size"
 
 def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
     """ServeSettings from the serve options (whose defaults are ServeSettings'): an option not given takes its
-    TGI environment variable when it has one; each limit is range-checked (naming its flag or variable), then the
-    limits are checked against each other."""
+    TGI environment variable when it has one (recorded in `sources`, so refusals name it); each limit is
+    range-checked, then the limits given are checked against each other (runtime/limits.py; the rest once the
+    model's context is known)."""
     from hqtflow import environment
     from hqtflow.choices import KVCache, parse
+    from hqtflow.runtime import limits
 
-    values = {name: value if _given(ctx, name) or name not in TGI_ENV else environment.tgi_knob(TGI_ENV[name], value)
+    sources = {}
+    for name in options:
+        if name in TGI_ENV and not _given(ctx, name) and (var := environment.tgi_variable(TGI_ENV[name])):
+            sources[name] = var
+    values = {name: environment.tgi_knob(TGI_ENV[name], value) if name in sources else value
               for name, value in options.items()}
-
-    def where(name: str) -> str:  # the flag or the environment variable a value came from
-        var = None if _given(ctx, name) or name not in TGI_ENV else environment.tgi_variable(TGI_ENV[name])
-        return var or f"--{name.replace('_', '-')}"
+    where = ServeSettings(sources=sources).named
 
     for name, least in SERVE_MINIMUMS.items():
         if values[name] is not None and values[name] < least:
@@ -658,13 +661,8 @@ def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
         parse_batch_sizes(values["cuda_graphs"])
     except ValueError:
         raise HqtflowError(f"--cuda-graphs (env CUDA_GRAPHS) takes batch sizes like 1,2,4,8 (0: none), not {values['cuda_graphs']!r}.") from None
-    s = ServeSettings(**values)
-    if s.max_input_tokens >= s.max_total_tokens:
-        raise HqtflowError(f"{where('max_input_tokens')} ({s.max_input_tokens}) must be less than {where('max_total_tokens')} ({s.max_total_tokens}).")
-    if s.max_batch_total_tokens is not None and s.max_batch_total_tokens < s.max_total_tokens:
-        raise HqtflowError(f"{where('max_batch_total_tokens')} ({s.max_batch_total_tokens}) must be at least {where('max_total_tokens')} ({s.max_total_tokens}).")
-    if s.max_batch_prefill_tokens < s.max_input_tokens:
-        raise HqtflowError(f"{where('max_batch_prefill_tokens')} ({s.max_batch_prefill_tokens}) must be at least {where('max_input_tokens')} ({s.max_input_tokens}).")
+    s = ServeSettings(**values, sources=sources)
+    limits.check(s)
     return s
 
 
@@ -678,10 +676,10 @@ def _serve_command(kind: str, doc: str):
         model: Annotated[Optional[str], typer.Argument(envvar="MODEL_ID", show_envvar=False, help="FP8 checkpoint (fp8) or HF model folder / 'smollm2' (bf16) (env MODEL_ID, as TGI's launcher).")] = None,
         host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
         port: Annotated[int, typer.Option(envvar="PORT", show_envvar=False, help="Port (env PORT).")] = 3000,
-        max_input_tokens: Annotated[int, typer.Option(help="Longest prompt accepted (422 above) (env MAX_INPUT_TOKENS, or MAX_INPUT_LENGTH).")] = S.max_input_tokens,
-        max_total_tokens: Annotated[int, typer.Option(help="Prompt + max_new_tokens limit (422 above) (env MAX_TOTAL_TOKENS).")] = S.max_total_tokens,
+        max_input_tokens: Annotated[Optional[int], typer.Option(help="Longest prompt accepted (422 above); default --max-total-tokens - 1 (env MAX_INPUT_TOKENS, or MAX_INPUT_LENGTH).")] = S.max_input_tokens,
+        max_total_tokens: Annotated[Optional[int], typer.Option(help="Prompt + max_new_tokens limit (422 above); default the model's context (config.json) up to 4096, as TGI; beyond the context refused (env MAX_TOTAL_TOKENS).")] = S.max_total_tokens,
         max_batch_size: Annotated[int, typer.Option(help="Requests running together at most; 0: as many as the KV cache holds (env MAX_BATCH_SIZE).")] = S.max_batch_size,
-        max_batch_prefill_tokens: Annotated[int, typer.Option(help="Prompt tokens prefilled in one step, in chunks mixed with decode steps (TGI's flag; env MAX_BATCH_PREFILL_TOKENS).")] = S.max_batch_prefill_tokens,
+        max_batch_prefill_tokens: Annotated[Optional[int], typer.Option(help="Prompt tokens prefilled in one step, in chunks mixed with decode steps; default --max-input-tokens + 50 (TGI's), at most --max-batch-total-tokens (TGI's flag; env MAX_BATCH_PREFILL_TOKENS).")] = S.max_batch_prefill_tokens,
         max_batch_total_tokens: Annotated[Optional[int], typer.Option(help="KV tokens of the paged cache (TGI's flag; env MAX_BATCH_TOTAL_TOKENS; default: from free memory).")] = S.max_batch_total_tokens,
         kv_cache: Annotated[str, typer.Option(help="bf16 (the model's dtype), or fp8: the checkpoint's k_scale/v_scale (refused without them).")] = S.kv_cache,
         max_concurrent_requests: Annotated[int, typer.Option(help="Requests in flight before 429 (env MAX_CONCURRENT_REQUESTS).")] = S.max_concurrent_requests,

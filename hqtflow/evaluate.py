@@ -103,9 +103,12 @@ def serving_engine(model, tokenizer, *, batch_size: int, max_length: int):
     engine's KV memory are given back after."""
     from hqtflow.errors import ResourceError
     from hqtflow.runtime.engine import Engine, SamplingParams
+    from hqtflow.models import context_length
+    from hqtflow.runtime import limits
     from hqtflow.runtime.settings import ServeSettings
 
-    serve, before = ServeSettings(), model.config._attn_implementation
+    # the server's defaults for this model (its prefill chunk: the same chunks, so the same scores)
+    serve, before = limits.fit(ServeSettings(), context_length(model.config.to_dict())), model.config._attn_implementation
     engine = None
     try:
         try:

@@ -150,14 +150,31 @@ def tiny_llama(tmp_path_factory, tokenizer_dir) -> Path:
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 
 
+def _served(path: Path):
+    from hqtflow import models
+
+    tok = models.load_tokenizer(path)
+    tok.chat_template = CHAT_TEMPLATE
+    return models.load_model(path, "fp32"), tok
+
+
 @pytest.fixture(scope="module")
 def lm(tiny_llama):
     """The tiny Llama in fp32 with a chat template: (model, tokenizer), for the server tests."""
-    from hqtflow import models
+    return _served(tiny_llama)
 
-    tok = models.load_tokenizer(tiny_llama)
-    tok.chat_template = CHAT_TEMPLATE
-    return models.load_model(tiny_llama, "fp32"), tok
+
+@pytest.fixture(scope="session")
+def tiny_llama_long(tiny_factory) -> Path:
+    """The tiny Llama's weights with a 4096-token context (tiny_llama's is 256): for servers whose limits pass 256,
+    which `serve` refuses beyond a model's context."""
+    return tiny_factory("llama", max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def lm_long(tiny_llama_long):
+    """`lm` with tiny_llama_long's 4096-token context."""
+    return _served(tiny_llama_long)
 
 
 @pytest.fixture(scope="session")
@@ -235,6 +252,16 @@ def run_cli(*args: str):
     from hqtflow.cli import app
 
     return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def busy_port():
+    """A loopback port something listens on: `serve` refuses it (exit 6) once every earlier check has passed."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    yield s.getsockname()[1]
+    s.close()
 
 
 @contextmanager

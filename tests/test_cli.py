@@ -1,6 +1,5 @@
 """The CLI answers at once (heavy libraries are imported lazily) and maps each kind of user error to its exit code."""
 
-import socket
 import subprocess
 import sys
 
@@ -39,15 +38,6 @@ def test_error_kinds_have_distinct_exit_codes():
     kinds = [errors.ConfigError, errors.ArtifactError, errors.ModelError, errors.CalibrationError, errors.ResourceError]
     assert [k.exit_code for k in kinds] == [2, 3, 4, 5, 6] == list(errors.EXIT_CODES.values())
     assert errors.BackendError.exit_code == 2 and errors.InspectError.exit_code == 3
-
-
-@pytest.fixture
-def busy_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen()
-    yield s.getsockname()[1]
-    s.close()
 
 
 def test_each_kind_exits_with_its_code(tmp_path, tiny_llama, busy_port):

@@ -139,7 +139,10 @@ def lifespan(engine: Engine, tokenizer, s: ServeSettings, state: dict):
 def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     from hqtflow.runtime.cuda_graphs import parse_batch_sizes
 
-    s = settings
+    from hqtflow.models import context_length
+    from hqtflow.runtime import limits
+
+    s = limits.fit(settings, context_length(model.config.to_dict()))  # the limits the model can hold (TGI's defaults)
     engine = Engine(model, tokenizer, max_batch_size=s.max_batch_size, batch_bucket=s.batch_bucket_size,
                     pad_to_multiple=s.pad_sequence_to_multiple_of, prefill_bucket=s.prefill_batch_bucket_size,
                     max_prefill_tokens=s.max_batch_prefill_tokens, max_batch_total_tokens=s.max_batch_total_tokens,
@@ -221,6 +224,11 @@ def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.
     if settings.compile and (device != "cuda" or no_graphs):
         raise HqtflowError("--compile compiles the CUDA-graph decode steps: it needs hqtflow's engine on a CUDA GPU "
                            "(--device cuda) with --cuda-graphs other than 0.")
+    from hqtflow import models
+    from hqtflow.runtime import limits
+
+    # its limits from its config.json (a limit beyond its context refused before anything is loaded)
+    settings = limits.fit(settings, models.context_length(models.load_config(models.resolve_model(model_ref))))
     sock = listen_socket(host, port)
     try:
         _serve(sock, model_ref, settings, kind=kind, measurement=measurement, backend=backend, dtype=dtype,

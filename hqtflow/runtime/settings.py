@@ -11,8 +11,10 @@ class ServeSettings:
 
     model_id: str = "model"
     dtype: str = "bf16"
-    max_input_tokens: int = 4095
-    max_total_tokens: int = 4096
+    # None: TGI's launcher defaults, from the model's context (runtime/limits.py): total min(context, 4096), input
+    # total - 1, prefill input + 50
+    max_input_tokens: int | None = None
+    max_total_tokens: int | None = None
     max_batch_size: int = 0  # 0: as many running sequences as the KV blocks hold
     max_batch_total_tokens: int | None = None  # KV tokens of the paged cache (None: from free memory)
     kv_cache: str = "bf16"  # or "fp8": the checkpoint's k_scale/v_scale
@@ -25,7 +27,7 @@ class ServeSettings:
     api_key: str | None = None
     batch_bucket_size: int = 1
     prefill_batch_bucket_size: int = 1
-    max_batch_prefill_tokens: int = 4096
+    max_batch_prefill_tokens: int | None = None
     pad_sequence_to_multiple_of: int = 16
     warmup: bool = False
     cuda_graphs: str = ""  # batch sizes of CUDA-graph decode steps, "1,2,4" (TGI's); "0": none; "": 1..32 on a GPU
@@ -33,3 +35,14 @@ class ServeSettings:
     shutdown_timeout: float = 20.0  # seconds running requests may take to finish after SIGTERM (then they are cut)
     client_timeout: float = 60.0  # seconds a client may take to send its request, or stall reading (0: no limit)
     cors_allow_origin: list[str] = field(default_factory=list)  # origins a browser may call from (TGI's flag)
+    # where a value came from when not its flag (an environment variable: {"max_total_tokens": "MAX_TOTAL_TOKENS"}),
+    # so that a refusal names what the user set
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def named(self, name: str) -> str:
+        """The flag or environment variable that set option `name` (its flag when not given)."""
+        return self.sources.get(name) or f"--{name.replace('_', '-')}"
+
+    def given(self, name: str) -> str:
+        """Option `name` as the user set it: `--max-total-tokens 8192` or `MAX_TOTAL_TOKENS=8192`."""
+        return f"{self.sources[name]}={getattr(self, name)}" if name in self.sources else f"{self.named(name)} {getattr(self, name)}"

@@ -208,7 +208,7 @@ def test_overloaded_server_answers_429_before_tokenizing_or_compiling(lm, monkey
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
-def test_a_signal_ends_running_streams_within_the_shutdown_timeout(tiny_llama, sig):
+def test_a_signal_ends_running_streams_within_the_shutdown_timeout(tiny_llama_long, sig):
     """`hqtflow serve --shutdown-timeout 3`, SIGTERM (or SIGHUP: a closed terminal) with a long stream running: the
     stream ends with an error event saying the server is shutting down (not a cut connection, nor minutes more of
     tokens), and the process exits 128 + the signal soon after."""
@@ -220,7 +220,7 @@ def test_a_signal_ends_running_streams_within_the_shutdown_timeout(tiny_llama, s
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    p = subprocess.Popen([sys.executable, "-m", "hqtflow", "serve", "bf16", str(tiny_llama), "--port", str(port),
+    p = subprocess.Popen([sys.executable, "-m", "hqtflow", "serve", "bf16", str(tiny_llama_long), "--port", str(port),
                           "--max-total-tokens", "4096", "--max-input-tokens", "32", "--shutdown-timeout", "3"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # not nohup's SIG_IGN, if run so

@@ -458,7 +458,7 @@ def test_error_json_and_content_type(url):
 
 
 @pytest.mark.slow
-def test_lm_eval_local_completions_matches_in_process(tiny_llama, wiki_text, data_dir, tmp_path):
+def test_lm_eval_local_completions_matches_in_process(tiny_llama_long, wiki_text, data_dir, tmp_path):
     """lm-eval's local-completions against the server gives the in-process `hqtflow eval` metrics (FP8 checkpoint)."""
     from conftest import run_cli
     from lm_eval.evaluator import simple_evaluate
@@ -468,7 +468,7 @@ def test_lm_eval_local_completions_matches_in_process(tiny_llama, wiki_text, dat
     from hqtflow.evaluate import load_any
 
     meas, ck, tasks = tmp_path / "m", tmp_path / "fp8", tmp_path / "tasks"
-    assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2").exit_code == 0
+    assert run_cli("measure", tiny_llama_long, "-o", meas, "--text", wiki_text, "--limit", "2").exit_code == 0
     assert run_cli("quantize", "-m", meas, "-o", ck).exit_code == 0
     tasks.mkdir()
     (tasks / "lambada_gen.yaml").write_text(GEN_TASK.format(data=data_dir / "lambada_openai.jsonl"))
@@ -499,14 +499,14 @@ def test_lm_eval_local_completions_matches_in_process(tiny_llama, wiki_text, dat
 
 
 @pytest.mark.slow
-def test_lm_eval_local_chat_completions_generates_as_the_engine(lm, data_dir, tmp_path):
+def test_lm_eval_local_chat_completions_generates_as_the_engine(lm_long, data_dir, tmp_path):
     """lm-eval's local-chat-completions (a generate_until task, the chat template applied by the server, the task's
     stop list sent as `stop`): every response is the serving engine's greedy text for that templated context."""
     from lm_eval.evaluator import simple_evaluate
 
     from hqtflow import lmeval
 
-    model, tok = lm
+    model, tok = lm_long  # lambada's contexts pass the 256-token context of `lm`
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "lambada_gen.yaml").write_text(GEN_TASK.format(data=data_dir / "lambada_openai.jsonl"))

@@ -26,6 +26,12 @@ ARGS = {"get_weather": {"city", "unit"}, "get_time": {"zone"}}
 
 
 @pytest.fixture(scope="module")
+def lm(lm_long):
+    """Prompts with tools pass the tiny Llama's 256-token context: its weights with a longer one."""
+    return lm_long
+
+
+@pytest.fixture(scope="module")
 def url(lm):
     app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=1000, max_total_tokens=1100, max_batch_size=8))
     with running(app) as base:

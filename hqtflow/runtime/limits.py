@@ -1,0 +1,54 @@
+"""The token limits of a server, as TGI's launcher sets and checks them: the defaults come from the model's context
+(config.json, hqtflow.models.context_length), a given limit is checked against it and the limits against each other.
+
+`check` runs on the limits given (the CLI, before anything is read); `fit` fills the defaults from the context and
+runs every check (before the model is loaded, from its config.json, and again on the model loaded)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hqtflow.errors import ConfigError
+from hqtflow.runtime.settings import ServeSettings
+
+DEFAULT_MAX_TOTAL = 4096  # TGI's max_total_tokens when the model's context is longer, or not known
+PREFILL_EDGE = 50  # TGI's default max_batch_prefill_tokens: max_input_tokens + this
+
+
+def check(s: ServeSettings) -> None:
+    """The rules between the limits that are set (None: not yet), each refusal naming the flags or variables."""
+    def given(*names):
+        return all(getattr(s, n) is not None for n in names)
+
+    inp, total, prefill, kv = s.max_input_tokens, s.max_total_tokens, s.max_batch_prefill_tokens, s.max_batch_total_tokens
+    if given("max_input_tokens", "max_total_tokens") and inp >= total:
+        raise ConfigError(f"{s.named('max_input_tokens')} ({inp}) must be less than {s.named('max_total_tokens')} ({total}).")
+    if given("max_batch_total_tokens", "max_total_tokens") and kv < total:
+        raise ConfigError(f"{s.named('max_batch_total_tokens')} ({kv}) must be at least {s.named('max_total_tokens')} ({total}).")
+    if given("max_batch_prefill_tokens", "max_input_tokens") and prefill < inp:
+        raise ConfigError(f"{s.named('max_batch_prefill_tokens')} ({prefill}) must be at least {s.named('max_input_tokens')} ({inp}).")
+    if given("max_batch_prefill_tokens", "max_batch_total_tokens") and prefill > kv:
+        raise ConfigError(f"`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. Given: {prefill} and {kv} "
+                          f"({s.named('max_batch_prefill_tokens')}, {s.named('max_batch_total_tokens')}).")
+
+
+def fit(s: ServeSettings, context: tuple[int, str] | None) -> ServeSettings:
+    """`s` with TGI's defaults for the limits not given: max_total_tokens the model's context up to 4096 (4096 when
+    `context`, (tokens, the config.json key that says so), is None), max_input_tokens max_total_tokens - 1,
+    max_batch_prefill_tokens max_input_tokens + 50 (at most max_batch_total_tokens). A max_total_tokens beyond the
+    context is refused (positions the model does not have: an index error or untrained positions), as vLLM refuses a
+    max_model_len beyond the model's."""
+    total = s.max_total_tokens
+    if total is not None and context is not None and total > context[0]:
+        n, key = context
+        raise ConfigError(f"{s.given('max_total_tokens')} is beyond the model's context of {n} tokens ({key} in "
+                          f"its config.json); give at most {n}, or leave it out to use {min(n, DEFAULT_MAX_TOTAL)}.")
+    if total is None:
+        total = min(context[0], DEFAULT_MAX_TOTAL) if context else DEFAULT_MAX_TOTAL
+    inp = s.max_input_tokens if s.max_input_tokens is not None else total - 1
+    prefill = s.max_batch_prefill_tokens
+    if prefill is None:
+        prefill = min(inp + PREFILL_EDGE, s.max_batch_total_tokens or inp + PREFILL_EDGE)
+    fitted = replace(s, max_total_tokens=total, max_input_tokens=inp, max_batch_prefill_tokens=prefill)
+    check(fitted)
+    return fitted

@@ -1,0 +1,73 @@
+"""`hqtflow serve`'s limits as TGI's launcher sets them (runtime/limits.py): defaults from the model's context, a
+limit beyond it refused, the limits checked against each other; at start, in one sentence naming the flag or variable."""
+
+import httpx
+import pytest
+
+from conftest import run_cli, running
+from hqtflow.errors import ConfigError
+from hqtflow.runtime import limits
+from hqtflow.runtime.server import ServeSettings, create_app
+
+CONTEXT = "max_position_embeddings"
+
+
+def sizes(s: ServeSettings) -> tuple:
+    return s.max_total_tokens, s.max_input_tokens, s.max_batch_prefill_tokens
+
+
+def test_defaults_come_from_the_models_context_as_tgis():
+    """max_total_tokens: the context up to 4096 (4096 when the config names none); max_input_tokens: max_total_tokens
+    - 1; max_batch_prefill_tokens: max_input_tokens + 50, within max_batch_total_tokens when that is given."""
+    assert sizes(limits.fit(ServeSettings(), (64, CONTEXT))) == (64, 63, 113)
+    assert sizes(limits.fit(ServeSettings(), (8192, CONTEXT))) == (4096, 4095, 4145)
+    assert sizes(limits.fit(ServeSettings(), None)) == (4096, 4095, 4145)
+    assert sizes(limits.fit(ServeSettings(max_total_tokens=100), (256, CONTEXT))) == (100, 99, 149)
+    long = ServeSettings(max_input_tokens=8191, max_total_tokens=8192)  # the whole context of an 8192-token model
+    assert sizes(limits.fit(long, (8192, CONTEXT))) == (8192, 8191, 8241)
+    assert limits.fit(ServeSettings(max_batch_total_tokens=4096), None).max_batch_prefill_tokens == 4096
+    fitted = limits.fit(ServeSettings(max_total_tokens=64), (64, CONTEXT))
+    assert limits.fit(fitted, (64, CONTEXT)) == fitted  # create_app fits what serve() fitted: nothing changes
+
+
+def test_a_limit_beyond_the_context_or_the_kv_budget_is_refused():
+    with pytest.raises(ConfigError) as e:
+        limits.fit(ServeSettings(max_total_tokens=100), (64, CONTEXT))
+    assert str(e.value) == ("--max-total-tokens 100 is beyond the model's context of 64 tokens (max_position_embeddings "
+                            "in its config.json); give at most 64, or leave it out to use 64.")
+    from_env = ServeSettings(max_total_tokens=100, sources={"max_total_tokens": "MAX_TOTAL_TOKENS"})
+    with pytest.raises(ConfigError, match=r"^MAX_TOTAL_TOKENS=100 is beyond the model's context of 64 tokens"):
+        limits.fit(from_env, (64, CONTEXT))
+    with pytest.raises(ConfigError) as e:
+        limits.fit(ServeSettings(max_batch_prefill_tokens=8192, max_batch_total_tokens=4096), None)
+    assert str(e.value).startswith("`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. Given: 8192 and 4096")
+
+
+def test_serve_refuses_at_start_what_the_model_cannot_hold(tiny_llama, tiny_factory, busy_port):
+    """Through the CLI, before the port is taken (a busy port is exit 6 once every limit has passed)."""
+    r = run_cli("serve", "bf16", tiny_llama, "--max-total-tokens", "300", "--port", busy_port)
+    assert r.exit_code == 2 and r.stderr.strip() == (
+        "Error: --max-total-tokens 300 is beyond the model's context of 256 tokens (max_position_embeddings in its "
+        "config.json); give at most 256, or leave it out to use 256."), r.output
+    r = run_cli("serve", "bf16", tiny_llama, "--max-batch-prefill-tokens", "8192", "--max-batch-total-tokens", "4096",
+                "--max-total-tokens", "256", "--port", busy_port)
+    assert r.exit_code == 2 and "`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. Given: 8192 and 4096" \
+        in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+    long = tiny_factory("llama", max_position_embeddings=8192)  # the prefill default follows --max-input-tokens
+    r = run_cli("serve", "bf16", long, "--max-input-tokens", "8191", "--max-total-tokens", "8192", "--port", busy_port)
+    assert r.exit_code == 6 and "Cannot listen" in r.stderr, r.output
+
+
+def test_a_request_past_a_learned_position_table_is_a_422(tiny_factory):
+    """GPT-2's positions are a learned table of n_positions rows: by default the server's limits are its context,
+    so a request past it is refused by name, never run (it was an IndexError: a 424)."""
+    from hqtflow import models
+
+    path = tiny_factory("gpt2", n_positions=64)
+    with running(create_app(models.load_model(path, "fp32"), models.load_tokenizer(path), ServeSettings())) as base:
+        info = httpx.get(f"{base}/info").json()
+        assert (info["max_total_tokens"], info["max_input_tokens"]) == (64, 63)
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": [5] * 60, "max_tokens": 10}, timeout=60)
+        assert r.status_code == 422 and "`prompt` tokens + `max_tokens` must be <= 64" in r.text, r.text
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": [5] * 60, "max_tokens": 4, "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
