@@ -149,8 +149,15 @@ class KVPool:
         store = FP8_DTYPES[fp8] if scales is not None else dtype
         shape = (num_blocks * block_size, kv_heads, head_dim)
         # empty, not zeros: a slot is read only after it is written, and untouched pages cost no resident memory
-        self.keys = [torch.empty(shape, dtype=store, device=device) for _ in range(layers)]
-        self.values = [torch.empty(shape, dtype=store, device=device) for _ in range(layers)]
+        try:
+            self.keys = [torch.empty(shape, dtype=store, device=device) for _ in range(layers)]
+            self.values = [torch.empty(shape, dtype=store, device=device) for _ in range(layers)]
+        except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's "can't allocate memory"
+            from hqtflow.errors import ResourceError
+
+            size = 2 * layers * shape[0] * kv_heads * head_dim * store.itemsize
+            raise ResourceError(f"Cannot allocate a KV cache of {num_blocks * block_size} tokens ({gib(size)}) on "
+                                f"{torch.device(device).type}: {str(e).splitlines()[0][:200]}") from None
         self.scales = None if scales is None else [(_per_head(k, kv_heads, device), _per_head(v, kv_heads, device)) for k, v in scales]
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
 
@@ -467,17 +474,32 @@ def geometry(model) -> tuple[int, int, int]:
     return text.num_hidden_layers, kv, max(widths) if len(widths) == 2 else max([head_dim, *widths])
 
 
+def free_memory(device) -> tuple[int, str]:
+    """Bytes a KV cache may take on `device` now, and what they are: a CUDA GPU's free memory, else the available RAM."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], "free on the GPU"
+    import psutil
+
+    return psutil.virtual_memory().available, "of available RAM"
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
 def num_blocks(model, *, block_size: int, dtype: torch.dtype, fp8: bool, device, max_batch_total_tokens: int | None,
                memory_fraction: float = 0.5) -> int:
-    """Blocks for `max_batch_total_tokens` KV tokens (TGI's knob), or for `memory_fraction` of the free memory."""
+    """Blocks for `max_batch_total_tokens` KV tokens (TGI's knob), or for `memory_fraction` of the free memory; KV
+    tokens that need more than the free memory are refused (ResourceError) before anything is allocated."""
+    from hqtflow.errors import ResourceError
+
     layers, kv, head_dim = geometry(model)
     per_token = KVPool.bytes_per_token(layers, kv, head_dim, dtype, fp8)
+    free, what = free_memory(device)
     if max_batch_total_tokens is None:
-        if torch.device(device).type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            import psutil
-
-            free = psutil.virtual_memory().available
         max_batch_total_tokens = int(free * memory_fraction) // per_token
-    return max(1, -(-max_batch_total_tokens // block_size))
+    blocks = max(1, -(-max_batch_total_tokens // block_size))
+    if (need := blocks * block_size * per_token) > free:
+        raise ResourceError(f"A KV cache of {max_batch_total_tokens} tokens needs {gib(need)} ({per_token} bytes a token), "
+                            f"more than the {gib(free)} {what}.")
+    return blocks

@@ -142,12 +142,21 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     from hqtflow.models import context_length
     from hqtflow.runtime import limits
 
+    from hqtflow.errors import ResourceError
+
     s = limits.fit(settings, context_length(model.config.to_dict()))  # the limits the model can hold (TGI's defaults)
-    engine = Engine(model, tokenizer, max_batch_size=s.max_batch_size, batch_bucket=s.batch_bucket_size,
-                    pad_to_multiple=s.pad_sequence_to_multiple_of, prefill_bucket=s.prefill_batch_bucket_size,
-                    max_prefill_tokens=s.max_batch_prefill_tokens, max_batch_total_tokens=s.max_batch_total_tokens,
-                    kv_cache=s.kv_cache, cuda_graphs=parse_batch_sizes(s.cuda_graphs) if s.cuda_graphs else None,
-                    compile=s.compile)
+    try:
+        engine = Engine(model, tokenizer, max_batch_size=s.max_batch_size, batch_bucket=s.batch_bucket_size,
+                        pad_to_multiple=s.pad_sequence_to_multiple_of, prefill_bucket=s.prefill_batch_bucket_size,
+                        max_prefill_tokens=s.max_batch_prefill_tokens, max_batch_total_tokens=s.max_batch_total_tokens,
+                        kv_cache=s.kv_cache, cuda_graphs=parse_batch_sizes(s.cuda_graphs) if s.cuda_graphs else None,
+                        compile=s.compile)
+    except ResourceError as e:  # the KV cache asked for does not fit: name what asked for it
+        if s.max_batch_total_tokens is None:
+            raise
+        why = str(e)
+        raise ResourceError(f"{s.given('max_batch_total_tokens')}: {why[0].lower()}{why[1:].rstrip('.')}; give fewer "
+                            "tokens, or leave it out to size the cache from the free memory.") from None
     metrics = Metrics(engine)
     engine.on_step = metrics.on_step
     state = {"in_flight": 0, "ready": not s.warmup}

@@ -71,3 +71,34 @@ def test_a_request_past_a_learned_position_table_is_a_422(tiny_factory):
         assert r.status_code == 422 and "`prompt` tokens + `max_tokens` must be <= 64" in r.text, r.text
         r = httpx.post(f"{base}/v1/completions", json={"prompt": [5] * 60, "max_tokens": 4, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
+def test_a_kv_cache_larger_than_the_memory_is_refused_before_allocating(tiny_llama):
+    """--max-batch-total-tokens beyond the available RAM (free GPU memory on CUDA): one sentence naming the flag, the
+    bytes it needs and those there are, exit 6 (it was a 60-line traceback from the allocator)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = run_cli("serve", "bf16", tiny_llama, "--max-batch-total-tokens", "1000000000000", "--port", port)
+    assert r.exit_code == 6 and "Traceback" not in r.output, r.output
+    error = r.stderr.strip().splitlines()[-1]  # (after the weights' loading bar)
+    assert error.startswith("Error: --max-batch-total-tokens 1000000000000: a KV cache of 1000000000000 tokens needs ") \
+        and "GiB of available RAM" in error, r.stderr
+
+
+def test_a_kv_cache_the_allocator_refuses_is_one_sentence(monkeypatch):
+    import torch
+
+    from hqtflow.errors import ResourceError
+    from hqtflow.runtime import paged
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory\nmore lines")
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    with pytest.raises(ResourceError) as e:
+        paged.KVPool(layers=2, kv_heads=2, head_dim=16, num_blocks=4, block_size=16, dtype=torch.bfloat16, device="cpu")
+    assert str(e.value) == ("Cannot allocate a KV cache of 64 tokens (0.0 GiB) on cpu: [enforce fail at alloc_cpu.cpp:127] "
+                            "DefaultCPUAllocator: can't allocate memory")
