@@ -23,7 +23,6 @@ from hqtflow.runtime.schemas import (ROLES, ApiError, ChatRequest, CompletionReq
                                      read_body, stop_list)
 
 FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
-MAX_SEQUENCES = 64  # sequences one completions request may start (batched prompts x n)
 
 
 def chunk(data) -> str:
@@ -239,6 +238,18 @@ def openai_router(ctx: Ctx) -> APIRouter:
                 raise invalid(f"`{name}` must be >= 1 and <= {ctx.s.max_best_of}. Given: {given}")
         return req
 
+    def within_max_client_batch_size(req: CompletionRequest) -> CompletionRequest:
+        """A batch of prompts of at most --max-client-batch-size (TGI's words), and as many sequences (prompts x
+        best_of, or n): checked before any tokenizing."""
+        p, most = req.prompt, s.max_client_batch_size
+        count = len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1
+        if count > most:
+            raise ApiError(422, f"Number of prompts exceeds the maximum allowed batch size of {most}")
+        if count * (per := req.best_of or req.n) > most:
+            raise invalid(f"`prompt` x `best_of` (or `n`) must be <= {most} sequences (--max-client-batch-size). "
+                          f"Given: {count} x {per}")
+        return req
+
     def jobs_for(req, prompts, make, count: int):
         """count sequences per prompt; with a seed, sequence j of a prompt samples with seed + j (modulo 2**64, the
         seed range, so every accepted seed works)."""
@@ -307,14 +318,12 @@ def openai_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/v1/completions")
     async def completions(request: Request):
-        req = within_max_best_of(parse(CompletionRequest, await read_body(request)))
+        req = within_max_client_batch_size(within_max_best_of(parse(CompletionRequest, await read_body(request))))
         with ctx.admit() as slot:  # a 429 before any tokenizing (TGI's order); handed on, or given back on an error
             prompts = await run_in_threadpool(prompts_of, req)  # off the event loop: /health and streams go on
             k = req.logprobs
             make = lambda n: params(req, n, req.max_tokens, top_n=k or 0, prompt_logprobs=k if req.echo and k is not None else None)  # noqa: E731
             per = req.best_of or req.n
-            if len(prompts) * per > MAX_SEQUENCES:
-                raise invalid(f"`prompt` x `best_of` (or `n`) must be <= {MAX_SEQUENCES} sequences. Given: {len(prompts)} x {per}")
             jobs = jobs_for(req, prompts, make, per)
             texts = echoed_prompts(req, prompts) if req.echo else [""] * len(prompts)
         if req.stream:

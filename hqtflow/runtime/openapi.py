@@ -91,7 +91,8 @@ BODY_ERRORS = {413: "body over 1 MiB", 415: "not a UTF-8 JSON body", 422: "a par
 
 
 def publish(spec: dict, *, vocab: int, max_input_tokens: int, max_total_tokens: int, max_stop_sequences: int,
-            max_best_of: int = MAX_BEST_OF, max_top_n_tokens: int = MAX_TOP_N_TOKENS, api_key: bool) -> dict:
+            max_best_of: int = MAX_BEST_OF, max_top_n_tokens: int = MAX_TOP_N_TOKENS, max_client_batch_size: int = 64,
+            api_key: bool) -> dict:
     """FastAPI's spec of the app (`get_openapi`) completed in place: bodies, streams, errors, this server's limits
     (token ids, stop sequences, lengths: a prompt's length in tokens is checked too, which no schema can say)."""
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
@@ -111,8 +112,8 @@ def publish(spec: dict, *, vocab: int, max_input_tokens: int, max_total_tokens: 
     for name in ("TgiRequest", "TokenizeRequest"):
         schemas[name]["properties"]["inputs"].update(minLength=1)
     completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatRequest"]["properties"]
-    completion["prompt"] = {"anyOf": [text, {"type": "array", "minItems": 1, "items": text}, ids,
-                                      {"type": "array", "minItems": 1, "items": ids}]}
+    batch = {"type": "array", "minItems": 1, "maxItems": max_client_batch_size}  # --max-client-batch-size prompts
+    completion["prompt"] = {"anyOf": [text, {**batch, "items": text}, ids, {**batch, "items": ids}]}
     for props in (completion, chat):
         props["stop"] = {"anyOf": [text, stops, {"type": "null"}]}
     for field, most in ((params["best_of"], max_best_of), (params["top_n_tokens"], max_top_n_tokens),

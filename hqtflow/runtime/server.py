@@ -187,6 +187,7 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
             app.openapi_schema = publish(spec, vocab=len(tokenizer), max_input_tokens=s.max_input_tokens,
                                          max_total_tokens=s.max_total_tokens, max_stop_sequences=s.max_stop_sequences,
                                          max_best_of=s.max_best_of, max_top_n_tokens=s.max_top_n_tokens,
+                                         max_client_batch_size=s.max_client_batch_size,
                                          api_key=bool(s.api_key))
         return app.openapi_schema
 

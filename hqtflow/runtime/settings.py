@@ -24,6 +24,9 @@ class ServeSettings:
     max_stop_sequences: int = 16
     max_best_of: int = 4  # sequences one request may run: TGI's best_of, OpenAI's n and best_of (TGI's flag)
     max_top_n_tokens: int = 5  # TGI's top_n_tokens at most (TGI's flag and default)
+    # prompts one /v1/completions request may batch, and sequences (prompts x n or best_of) (TGI's flag; TGI's default
+    # is 4: 64 lets lm-eval's local-completions send its batches)
+    max_client_batch_size: int = 64
     api_key: str | None = None
     batch_bucket_size: int = 1
     prefill_batch_bucket_size: int = 1

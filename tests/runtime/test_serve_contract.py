@@ -15,7 +15,9 @@ BODY_ROUTES = ("/", "/generate", "/generate_stream", "/tokenize", "/v1/completio
 
 @pytest.fixture(scope="module")
 def url(lm):
-    app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=48, max_total_tokens=96, max_batch_size=8))
+    # TGI's --max-client-batch-size: schemathesis sends a batch of the most prompts published (64 by default: 10 min)
+    app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=48, max_total_tokens=96, max_batch_size=8,
+                                        max_client_batch_size=4))
     with running(app) as base:
         yield base
 
@@ -261,6 +263,26 @@ def test_max_best_of_and_max_top_n_tokens_bound_each_route(lm):
         schemas = httpx.get(f"{base}/openapi.json").json()["components"]["schemas"]
         assert json.dumps(schemas["TgiParameters"]["properties"]["top_n_tokens"]).count('"maximum": 2') == 1
         assert json.dumps(schemas["ChatRequest"]["properties"]["n"]).count('"maximum": 1') == 1
+
+
+def test_max_client_batch_size_bounds_a_completions_batch(lm, url):
+    """--max-client-batch-size (TGI's) bounds the prompts of a /v1/completions request, in TGI's words, and its
+    sequences (prompts x n); /info and /openapi.json say it. Its default, 64, lets lm-eval send its batches."""
+    assert ServeSettings().max_client_batch_size == 64 and httpx.get(f"{url}/info").json()["max_client_batch_size"] == 4
+    s = ServeSettings(model_id="tiny", max_input_tokens=48, max_total_tokens=96, max_client_batch_size=3)
+    with running(create_app(*lm, s)) as base:
+        for prompt in (["a"] * 4, [[5]] * 4):
+            r = post(base, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 422, r.text
+            assert r.json()["error"]["message"] == "Number of prompts exceeds the maximum allowed batch size of 3"
+        for prompt, choices in ((["a"] * 3, 3), ([5] * 10, 1)):  # three prompts; one prompt of ten token ids
+            r = post(base, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 200 and len(r.json()["choices"]) == choices, r.text
+        r = post(base, "/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 1, "temperature": 1})
+        assert r.status_code == 422 and "must be <= 3 sequences (--max-client-batch-size). Given: 2 x 2" in r.text, r.text
+        assert httpx.get(f"{base}/info").json()["max_client_batch_size"] == 3
+        prompt = httpx.get(f"{base}/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+        assert [branch.get("maxItems") for branch in prompt["anyOf"]] == [None, 3, None, 3]
 
 
 def test_duplicate_fields_head_requests_and_the_seed_bound(url):
