@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hqtflow.runtime.engine import Engine, Event, Request, SamplingParams
-from hqtflow.runtime.schemas import ApiError, invalid
+from hqtflow.runtime.schemas import ApiError, invalid, server_bounds
 from hqtflow.runtime.settings import ServeSettings
 
 
@@ -106,6 +106,7 @@ class Ctx:
         self.engine, self.tok, self.s, self.metrics, self.state = engine, tokenizer, settings, metrics, state
         self.mailbox: Mailbox | None = None
         self.vocab = vocab_size(engine.model, tokenizer)
+        self.bounds = server_bounds(settings.max_best_of, settings.max_top_n_tokens)  # for schemas.parse
 
     def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
         if self.mailbox is None or self.mailbox.loop is not loop:

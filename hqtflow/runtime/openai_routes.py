@@ -231,13 +231,6 @@ def openai_router(ctx: Ctx) -> APIRouter:
                               stop=stop_list(data.stop, s.max_stop_sequences), seed=data.seed, top_n=top_n, prompt_logprobs=prompt_logprobs,
                               grammar=grammar)
 
-    def within_max_best_of(req):
-        """`n` and `best_of` at most this server's --max-best-of (checked before any templating or tokenizing)."""
-        for name in ("n", "best_of"):
-            if (given := getattr(req, name, None) or 1) > ctx.s.max_best_of:
-                raise invalid(f"`{name}` must be >= 1 and <= {ctx.s.max_best_of}. Given: {given}")
-        return req
-
     def within_max_client_batch_size(req: CompletionRequest) -> CompletionRequest:
         """A batch of prompts of at most --max-client-batch-size (TGI's words), and as many sequences (prompts x
         best_of, or n): checked before any tokenizing."""
@@ -318,7 +311,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/v1/completions")
     async def completions(request: Request):
-        req = within_max_client_batch_size(within_max_best_of(parse(CompletionRequest, await read_body(request))))
+        req = within_max_client_batch_size(parse(CompletionRequest, await read_body(request), ctx.bounds))
         with ctx.admit() as slot:  # a 429 before any tokenizing (TGI's order); handed on, or given back on an error
             prompts = await run_in_threadpool(prompts_of, req)  # off the event loop: /health and streams go on
             k = req.logprobs
@@ -410,7 +403,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = within_max_best_of(parse(ChatRequest, await read_body(request)))
+        req = parse(ChatRequest, await read_body(request), ctx.bounds)
         with ctx.admit() as slot:  # a 429 before templating, tokenizing or compiling (TGI's order); handed on
             return await chat_answer(req, request, slot)
 

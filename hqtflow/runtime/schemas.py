@@ -10,8 +10,8 @@ import json
 import re
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, WithJsonSchema,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo,
+                      WithJsonSchema, model_validator)
 from pydantic_core import PydanticCustomError
 
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
@@ -57,12 +57,19 @@ async def read_body(request) -> bytes:
     return b"".join(chunks)
 
 
-def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
-    """Validate a JSON body; the first problem becomes TGI's 422 naming the field."""
+def server_bounds(max_best_of: int, max_top_n_tokens: int) -> dict:
+    """A server's own bounds on the fields its flags limit (--max-best-of, --max-top-n-tokens), for `parse`: they
+    replace the fields' widest ones (MAX_BEST_OF, MAX_TOP_N_TOKENS), so a refusal quotes the limit in force."""
+    return {"best_of": {"maximum": max_best_of}, "n": {"maximum": max_best_of}, "top_n_tokens": {"maximum": max_top_n_tokens}}
+
+
+def parse(model: type[BaseModel], raw: bytes, bounds: dict | None = None) -> BaseModel:
+    """Validate a JSON body, with the server's `bounds` (server_bounds) on the fields it limits; the first problem
+    becomes TGI's 422 naming the field."""
     if len(raw) > MAX_BODY:
         raise ApiError(413, f"Request body larger than {MAX_BODY} bytes")
     try:
-        body = model.model_validate_json(raw)
+        body = model.model_validate_json(raw, context={"bounds": bounds or {}})
     except ValidationError as e:
         raise _named(e) from None
     if twice := duplicate_key(raw):  # the parser keeps the last; TGI's (serde) refuses, and a client meant one of them
@@ -199,15 +206,22 @@ class Strict(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _ranges(self):
-        """Every `bounded` field within its published range."""
+    def _ranges(self, info: ValidationInfo):
+        """Every `bounded` field within its published range (the server's own bounds, given to `parse`, first)."""
         for name, field in type(self).model_fields.items():
             bounds = {k: v for k, v in (field.json_schema_extra or {}).items() if k in RANGE} \
                 if isinstance(field.json_schema_extra, dict) else {}
+            if bounds:
+                bounds.update(server_limits(info).get(name, {}))
             value = getattr(self, name)
             if bounds and value is not None and (problem := out_of_range(name, value, bounds)):
                 raise ValueError(problem)
         return self
+
+
+def server_limits(info: ValidationInfo) -> dict:
+    """The server's bounds `parse` gives the validators ({} when there are none)."""
+    return (info.context or {}).get("bounds") or {}
 
 
 Stop = Union[str, list[str], None]
@@ -238,7 +252,7 @@ class Grammar(Strict):
 
 class TgiParameters(Strict):
     adapter_id: str | None = None
-    best_of: Int | None = bounded(minimum=1, maximum=MAX_BEST_OF)
+    best_of: Int | None = bounded(exclusiveMinimum=0, maximum=MAX_BEST_OF)  # TGI's words: "> 0 and <= N"
     decoder_input_details: bool = False
     details: bool = False
     do_sample: bool = False
@@ -337,9 +351,10 @@ class CompletionRequest(OpenAICommon):
     REFUSED: ClassVar[dict[str, str]] = {"suffix": "no fill-in-the-middle model is served"}
 
     @model_validator(mode="after")
-    def _completion(self):
+    def _completion(self, info: ValidationInfo):
         if self.best_of is not None and self.best_of < self.n:
-            raise ValueError(f"`best_of` must be >= `n` and <= {MAX_BEST_OF}. Given: {self.best_of}")
+            most = server_limits(info).get("best_of", {}).get("maximum", MAX_BEST_OF)
+            raise ValueError(f"`best_of` must be >= `n` and <= {most}. Given: {self.best_of}")
         if self.stream and (self.best_of or self.n) > self.n:
             raise ValueError("`best_of` > `n` is not supported when streaming")
         return self

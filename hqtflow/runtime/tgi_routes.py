@@ -66,11 +66,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
     async def prepare(req: TgiRequest, stream: bool):
         """The request's ids, parameters and engine parameters, and its place among the in-flight requests: taken
         first (TGI's 429 before any tokenizing or compiling), handed to the caller, given back on an error."""
-        p = req.parameters
-        if (p.best_of or 1) > s.max_best_of:  # this server's --max-best-of (the schema's bound is the most it takes)
-            raise invalid(f"`best_of` must be > 0 and <= {s.max_best_of}. Given: {p.best_of}")
-        if (p.top_n_tokens or 0) > s.max_top_n_tokens:
-            raise invalid(f"`top_n_tokens` must be >= 0 and <= {s.max_top_n_tokens}. Given: {p.top_n_tokens}")
+        p = req.parameters  # (best_of and top_n_tokens within this server's limits: checked by parse)
         if stream and (p.best_of or 1) > 1:
             raise invalid("`best_of` != 1 is not supported when streaming tokens")
         if stream and p.decoder_input_details:
@@ -143,7 +139,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
     @r.post("/")
     async def compat(request: Request):
         """TGI's route for its clients: {"inputs", "parameters", "stream"}; a list of one result, or SSE."""
-        req = parse(TgiRequest, await read_body(request))
+        req = parse(TgiRequest, await read_body(request), ctx.bounds)
         if req.stream:
             return await generate_stream_response(req)
         headers: dict = {}
@@ -158,12 +154,12 @@ def tgi_router(ctx: Ctx) -> APIRouter:
     @r.post("/generate")
     async def generate(request: Request):
         headers: dict = {}
-        out = await generate_json(no_stream_field(parse(TgiRequest, await read_body(request)), "/generate"), request, headers)
+        out = await generate_json(no_stream_field(parse(TgiRequest, await read_body(request), ctx.bounds), "/generate"), request, headers)
         return JSONResponse(out, headers=headers)
 
     @r.post("/generate_stream")
     async def generate_stream(request: Request):
-        return await generate_stream_response(no_stream_field(parse(TgiRequest, await read_body(request)), "/generate_stream"))
+        return await generate_stream_response(no_stream_field(parse(TgiRequest, await read_body(request), ctx.bounds), "/generate_stream"))
 
     @r.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' health checks
     async def health():
@@ -182,7 +178,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/tokenize")
     async def tokenize(request: Request):
-        req = parse(TokenizeRequest, await read_body(request))
+        req = parse(TokenizeRequest, await read_body(request), ctx.bounds)
         inputs, truncate = req.inputs, req.parameters.truncate if req.parameters else None
         stop_list(req.parameters.stop if req.parameters else None, s.max_stop_sequences)  # checked as for generation
         if not inputs:

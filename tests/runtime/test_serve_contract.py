@@ -265,6 +265,27 @@ def test_max_best_of_and_max_top_n_tokens_bound_each_route(lm):
         assert json.dumps(schemas["ChatRequest"]["properties"]["n"]).count('"maximum": 1') == 1
 
 
+def test_a_refusal_quotes_the_limit_in_force(lm):
+    """best_of, n and top_n_tokens out of range, past the schema's widest bound or below the least, are refused
+    quoting this server's --max-best-of / --max-top-n-tokens (TGI's words), not the schema's 4 and 5."""
+    s = ServeSettings(model_id="tiny", max_input_tokens=48, max_total_tokens=96, max_best_of=2, max_top_n_tokens=2)
+    chat = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1}
+    with running(create_app(*lm, s)) as base:
+        for path, body, message in (
+                ("/generate", {"inputs": "a", "parameters": {"best_of": 9, "do_sample": True}}, "`best_of` must be > 0 and <= 2. Given: 9"),
+                ("/generate", {"inputs": "a", "parameters": {"best_of": 0}}, "`best_of` must be > 0 and <= 2. Given: 0"),
+                ("/", {"inputs": "a", "parameters": {"top_n_tokens": 9}}, "`top_n_tokens` must be >= 0 and <= 2. Given: 9"),
+                ("/tokenize", {"inputs": "a", "parameters": {"top_n_tokens": -1}}, "`top_n_tokens` must be >= 0 and <= 2. Given: -1"),
+                ("/v1/completions", {"prompt": "a", "n": 9}, "`n` must be >= 1 and <= 2. Given: 9"),
+                ("/v1/completions", {"prompt": "a", "best_of": 0}, "`best_of` must be >= 1 and <= 2. Given: 0"),
+                ("/v1/completions", {"prompt": "a", "n": 2, "best_of": 1}, "`best_of` must be >= `n` and <= 2. Given: 1"),
+                ("/v1/chat/completions", {**chat, "n": 0}, "`n` must be >= 1 and <= 2. Given: 0")):
+            r = post(base, path, body)
+            error = r.json()["error"]
+            assert r.status_code == 422 and (error if isinstance(error, str) else error["message"]) \
+                == f"Input validation error: {message}", (path, body, r.text)
+
+
 def test_max_client_batch_size_bounds_a_completions_batch(lm, url):
     """--max-client-batch-size (TGI's) bounds the prompts of a /v1/completions request, in TGI's words, and its
     sequences (prompts x n); /info and /openapi.json say it. Its default, 64, lets lm-eval send its batches."""
