@@ -641,6 +641,11 @@ def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
     for name in options:
         if name in TGI_ENV and not _given(ctx, name) and (var := environment.tgi_variable(TGI_ENV[name])):
             sources[name] = var
+        elif name in TGI_ENV and _given(ctx, name) and (old := environment.tgi_older_variable(TGI_ENV[name])):
+            raise HqtflowError(f"--{name.replace('_', '-')} and the environment variable {old} (the older name of "
+                               f"{TGI_ENV[name]}) are both set; keep one.")
+    if ctx.get_parameter_source("port").name == "ENVIRONMENT":
+        sources["port"] = "PORT"
     values = {name: environment.tgi_knob(TGI_ENV[name], value) if name in sources else value
               for name, value in options.items()}
     where = ServeSettings(sources=sources).named
@@ -653,6 +658,8 @@ def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
     for name, most in {"max_best_of": MAX_BEST_OF, "max_top_n_tokens": MAX_TOP_N_TOKENS}.items():
         if values[name] > most:
             raise HqtflowError(f"{where(name)} can be at most {most} here, not {values[name]}.")
+    if values["api_key"] is not None and not values["api_key"].strip():  # an empty key would turn the check off
+        raise HqtflowError("--api-key is empty: give a key, or leave the flag out to serve without one.")
     values["api_key"] = values["api_key"] or environment.api_key()
     values["kv_cache"] = parse(KVCache, values["kv_cache"], "--kv-cache").value
     from hqtflow.runtime.cuda_graphs import parse_batch_sizes
@@ -660,7 +667,7 @@ def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
     try:
         parse_batch_sizes(values["cuda_graphs"])
     except ValueError:
-        raise HqtflowError(f"--cuda-graphs (env CUDA_GRAPHS) takes batch sizes like 1,2,4,8 (0: none), not {values['cuda_graphs']!r}.") from None
+        raise HqtflowError(f"{where('cuda_graphs')} takes batch sizes like 1,2,4,8 (0: none), not {values['cuda_graphs']!r}.") from None
     s = ServeSettings(**values, sources=sources)
     limits.check(s)
     return s

@@ -62,6 +62,13 @@ def tgi_variable(name: str) -> str | None:
     return next((v for v in (name, old) if v and os.environ.get(v)), None)
 
 
+def tgi_older_variable(name: str) -> str | None:
+    """The older name of TGI knob `name` when that environment variable is set (TGI's launcher refuses it beside
+    the knob's flag too), else None."""
+    old = TGI_OLDER_NAMES.get(name)
+    return old if old and os.environ.get(old) else None
+
+
 def tgi_knob(name: str, default):
     """A TGI-on-Gaudi serving knob from the environment, typed like `default` (an int when `default` is None);
     `default` when unset; a value of the wrong type is refused in one sentence."""

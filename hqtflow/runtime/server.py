@@ -195,14 +195,15 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     return app
 
 
-def listen_socket(host: str, port: int):
-    """Bind host:port before anything is loaded, so a bad or busy address is one sentence, not a late uvicorn error."""
+def listen_socket(host: str, port: int, port_name: str = "--port"):
+    """Bind host:port before anything is loaded, so a bad or busy address is one sentence, not a late uvicorn error
+    (`port_name`: what set the port, the flag or PORT)."""
     import socket
 
     from hqtflow.errors import HqtflowError, ResourceError
     from hqtflow.runtime.transport import check_port
 
-    check_port(port)
+    check_port(port, port_name)
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (OSError, UnicodeError) as e:
@@ -230,16 +231,21 @@ def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.
     from hqtflow.runtime.cuda_graphs import parse_batch_sizes
 
     device = run_device(device) if inc_device is None else None  # refused before the port is taken
-    no_graphs = bool(settings.cuda_graphs) and not parse_batch_sizes(settings.cuda_graphs)
+    graphs = parse_batch_sizes(settings.cuda_graphs)
+    no_graphs = bool(settings.cuda_graphs) and not graphs
     if settings.compile and (device != "cuda" or no_graphs):
         raise HqtflowError("--compile compiles the CUDA-graph decode steps: it needs hqtflow's engine on a CUDA GPU "
-                           "(--device cuda) with --cuda-graphs other than 0.")
+                           f"(--device cuda) with {settings.named('cuda_graphs')} other than 0.")
+    if graphs and device != "cuda":
+        none = settings.given("cuda_graphs").replace(settings.cuda_graphs, "0")
+        raise HqtflowError(f"CUDA graphs ({settings.given('cuda_graphs')}) need a CUDA GPU; this model runs on "
+                           f"{device or inc_device} (give {none}).")
     from hqtflow import models
     from hqtflow.runtime import limits
 
     # its limits from its config.json (a limit beyond its context refused before anything is loaded)
     settings = limits.fit(settings, models.context_length(models.load_config(models.resolve_model(model_ref))))
-    sock = listen_socket(host, port)
+    sock = listen_socket(host, port, settings.named("port"))
     try:
         _serve(sock, model_ref, settings, kind=kind, measurement=measurement, backend=backend, dtype=dtype,
                inc_device=inc_device, config=config, scale_method=scale_method, device=device or "cpu")

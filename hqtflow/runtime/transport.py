@@ -8,12 +8,13 @@ import logging
 log = logging.getLogger("uvicorn.error")
 
 
-def check_port(port: int) -> None:
-    """A --port is a TCP port, 1 to 65535 (serve's to listen on, handoff's for TGI-Gaudi's `docker run -p`)."""
+def check_port(port: int, name: str = "--port") -> None:
+    """A --port is a TCP port, 1 to 65535 (serve's to listen on, handoff's for TGI-Gaudi's `docker run -p`); `name`:
+    what set it (the flag, or PORT)."""
     from hqtflow.errors import HqtflowError
 
     if not 1 <= port <= 65535:
-        raise HqtflowError(f"--port must be between 1 and 65535, not {port}.")
+        raise HqtflowError(f"{name} must be between 1 and 65535, not {port}.")
 
 
 def protocol(timeout: float):

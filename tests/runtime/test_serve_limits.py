@@ -102,3 +102,26 @@ def test_a_kv_cache_the_allocator_refuses_is_one_sentence(monkeypatch):
         paged.KVPool(layers=2, kv_heads=2, head_dim=16, num_blocks=4, block_size=16, dtype=torch.bfloat16, device="cpu")
     assert str(e.value) == ("Cannot allocate a KV cache of 64 tokens (0.0 GiB) on cpu: [enforce fail at alloc_cpu.cpp:127] "
                             "DefaultCPUAllocator: can't allocate memory")
+
+
+def test_start_refusals_name_what_the_user_set(tiny_llama, busy_port, monkeypatch):
+    """TGI's launcher refuses MAX_INPUT_LENGTH beside --max-input-tokens, as beside MAX_INPUT_TOKENS; an empty
+    --api-key would turn the key check off; a value from an environment variable is named by it."""
+    def refused(*args) -> str:
+        r = run_cli("serve", "bf16", tiny_llama, *args)
+        assert r.exit_code == 2, r.output
+        return r.stderr.strip().splitlines()[-1]
+
+    monkeypatch.setenv("MAX_INPUT_LENGTH", "32")
+    assert refused("--max-input-tokens", "16", "--port", busy_port) == ("Error: --max-input-tokens and the environment "
+                                                                       "variable MAX_INPUT_LENGTH (the older name of MAX_INPUT_TOKENS) are both set; keep one.")
+    monkeypatch.delenv("MAX_INPUT_LENGTH")
+    assert refused("--api-key", "", "--port", busy_port) == ("Error: --api-key is empty: give a key, or leave the flag "
+                                                            "out to serve without one.")
+    monkeypatch.setenv("PORT", "0")
+    assert refused() == "Error: PORT must be between 1 and 65535, not 0."
+    monkeypatch.setenv("CUDA_GRAPHS", "1,x")
+    assert refused("--port", busy_port) == "Error: CUDA_GRAPHS takes batch sizes like 1,2,4,8 (0: none), not '1,x'."
+    monkeypatch.setenv("CUDA_GRAPHS", "1,2")
+    assert refused("--port", busy_port, "--device", "cpu") == (
+        "Error: CUDA graphs (CUDA_GRAPHS=1,2) need a CUDA GPU; this model runs on cpu (give CUDA_GRAPHS=0).")
