@@ -32,11 +32,15 @@ def invalid(message: str) -> ApiError:
 
 def openai_error(message: str, error_type: str, status: int) -> dict:
     """OpenAI's error body ({"error": {message, type, param, code}}; `param`: the first parameter the message
-    names), which the openai client turns into its exception's message, param and code; and TGI's `error_type`, as
-    TGI's own /v1 routes give, which text-generation's client maps to its ValidationError, OverloadedError, ..."""
+    names), which the openai client turns into its exception's message, param and code (a 429 as OpenAI's rate
+    limit: type "requests", code "rate_limit_exceeded"; a failed generation, 424, a server error); and TGI's
+    `error_type`, as TGI's own /v1 routes give, which text-generation's client maps to its ValidationError,
+    OverloadedError, ..."""
     named = re.search(r"`([A-Za-z_][\w.\[\]]*)`", message) if status == 422 else None  # a failure's text names no parameter
-    kind = "server_error" if status >= 500 else "authentication_error" if status == 401 else "invalid_request_error"
-    return {"error": {"message": message, "type": kind, "param": named.group(1) if named else None, "code": error_type},
+    kind = "server_error" if status >= 500 or status == 424 else \
+        {401: "authentication_error", 429: "requests"}.get(status, "invalid_request_error")
+    code = "rate_limit_exceeded" if status == 429 else error_type
+    return {"error": {"message": message, "type": kind, "param": named.group(1) if named else None, "code": code},
             "error_type": error_type}  # TGI's key beside OpenAI's object: TGI's clients raise their typed error
 
 
@@ -236,7 +240,7 @@ def stop_list(stop: Stop, limit: int) -> tuple[str, ...]:
     if not all(stop):
         raise invalid("`stop` sequences cannot be empty")
     if len(stop) > limit:
-        raise invalid(f"`stop` supports up to {limit} stop sequences (--max-stop-sequences). Given: {len(stop)}")
+        raise invalid(f"`stop` supports up to {limit} stop sequences. Given: {len(stop)}")
     if (longest := max(map(len, stop), default=0)) > MAX_STOP_CHARS:
         raise invalid(f"`stop` sequences must be at most {MAX_STOP_CHARS} characters. Given: {longest}")
     return tuple(stop)

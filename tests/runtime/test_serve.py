@@ -198,6 +198,9 @@ def test_overloaded_server_answers_429_before_tokenizing_or_compiling(lm, monkey
             for route, body in busy:
                 r = httpx.post(f"{base}{route}", json=body)
                 assert r.status_code == 429, (route, r.text)
+                if route.startswith("/v1/"):  # OpenAI's rate-limit error, and TGI's error_type beside it
+                    assert r.json() == {"error": {"message": "Model is overloaded", "type": "requests", "param": None,
+                                                  "code": "rate_limit_exceeded"}, "error_type": "overloaded"}, r.text
         assert compiled == []
         t0 = time.monotonic()  # the stream's client left: its place comes back at the engine's next step
         while (r := httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})).status_code == 429:

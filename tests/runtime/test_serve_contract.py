@@ -265,6 +265,16 @@ def test_max_best_of_and_max_top_n_tokens_bound_each_route(lm):
         assert json.dumps(schemas["ChatRequest"]["properties"]["n"]).count('"maximum": 1') == 1
 
 
+def test_error_words_and_types_as_tgi_and_openai_give_them(url):
+    """The stop-sequence limit in TGI's exact words; on /v1, a failed generation (424) is OpenAI's `server_error`."""
+    from hqtflow.runtime.schemas import openai_error
+
+    r = post(url, "/generate", {"inputs": "a", "parameters": {"stop": ["x"] * 17}})
+    assert r.status_code == 422 and r.json()["error"] == "Input validation error: `stop` supports up to 16 stop sequences. Given: 17"
+    assert openai_error("it broke", "generation", 424) == {
+        "error": {"message": "it broke", "type": "server_error", "param": None, "code": "generation"}, "error_type": "generation"}
+
+
 def test_a_refusal_quotes_the_limit_in_force(lm):
     """best_of, n and top_n_tokens out of range, past the schema's widest bound or below the least, are refused
     quoting this server's --max-best-of / --max-top-n-tokens (TGI's words), not the schema's 4 and 5."""
