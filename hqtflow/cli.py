@@ -625,7 +625,8 @@ app.add_typer(serve_app, name="serve")
 SERVE_MINIMUMS = {"max_input_tokens": 1, "max_total_tokens": 2, "max_batch_size": 0, "max_batch_prefill_tokens": 1,
                   "max_batch_total_tokens": 1, "max_concurrent_requests": 1, "max_stop_sequences": 0,
                   "batch_bucket_size": 1, "prefill_batch_bucket_size": 1, "pad_sequence_to_multiple_of": 1,
-                  "max_best_of": 1, "max_top_n_tokens": 0, "max_client_batch_size": 1}
+                  "max_best_of": 1, "max_top_n_tokens": 0, "max_client_batch_size": 1,
+                  "payload_limit": 1}
 
 
 def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
@@ -694,6 +695,7 @@ def _serve_command(kind: str, doc: str):
         max_best_of: Annotated[int, typer.Option(help="Sequences one request may run: TGI's best_of, OpenAI's n and best_of (TGI's flag; env MAX_BEST_OF; at most 4).")] = S.max_best_of,
         max_top_n_tokens: Annotated[int, typer.Option(help="TGI's top_n_tokens at most (TGI's flag; env MAX_TOP_N_TOKENS; at most 5).")] = S.max_top_n_tokens,
         max_client_batch_size: Annotated[int, typer.Option(help="Prompts one /v1/completions request may batch, and its sequences (prompts x n or best_of) (TGI's flag, whose default is 4; env MAX_CLIENT_BATCH_SIZE).")] = S.max_client_batch_size,
+        payload_limit: Annotated[int, typer.Option(help="A request body's bytes at most; a 413 above (TGI's flag and default; env PAYLOAD_LIMIT).")] = S.payload_limit,
         api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` (env HQTFLOW_API_KEY).")] = S.api_key,
         batch_bucket_size: Annotated[int, typer.Option(help="Pad a decode step to a multiple of tokens (one per sequence) (env BATCH_BUCKET_SIZE).")] = S.batch_bucket_size,
         prefill_batch_bucket_size: Annotated[int, typer.Option(help="A step with prefill is padded to a multiple of this x PAD_SEQUENCE_TO_MULTIPLE_OF tokens (env PREFILL_BATCH_BUCKET_SIZE).")] = S.prefill_batch_bucket_size,
@@ -720,6 +722,7 @@ def _serve_command(kind: str, doc: str):
             max_batch_prefill_tokens=max_batch_prefill_tokens, max_batch_total_tokens=max_batch_total_tokens,
             kv_cache=kv_cache, max_concurrent_requests=max_concurrent_requests, max_stop_sequences=max_stop_sequences, api_key=api_key,
             max_best_of=max_best_of, max_top_n_tokens=max_top_n_tokens, max_client_batch_size=max_client_batch_size,
+            payload_limit=payload_limit,
             batch_bucket_size=batch_bucket_size, prefill_batch_bucket_size=prefill_batch_bucket_size,
             pad_sequence_to_multiple_of=pad_sequence_to_multiple_of, warmup=warmup, cuda_graphs=cuda_graphs, compile=compile,
             shutdown_timeout=shutdown_timeout, client_timeout=client_timeout, cors_allow_origin=cors_allow_origin or []))

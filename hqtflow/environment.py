@@ -19,7 +19,8 @@ TGI_ENV = {"max_batch_size": "MAX_BATCH_SIZE", "max_batch_total_tokens": "MAX_BA
            "cuda_graphs": "CUDA_GRAPHS", "max_stop_sequences": "MAX_STOP_SEQUENCES", "max_input_tokens": "MAX_INPUT_TOKENS",
            "max_total_tokens": "MAX_TOTAL_TOKENS", "max_batch_prefill_tokens": "MAX_BATCH_PREFILL_TOKENS",
            "max_concurrent_requests": "MAX_CONCURRENT_REQUESTS", "max_best_of": "MAX_BEST_OF",
-           "max_top_n_tokens": "MAX_TOP_N_TOKENS", "max_client_batch_size": "MAX_CLIENT_BATCH_SIZE"}
+           "max_top_n_tokens": "MAX_TOP_N_TOKENS", "max_client_batch_size": "MAX_CLIENT_BATCH_SIZE",
+           "payload_limit": "PAYLOAD_LIMIT"}
 TGI_KNOBS = tuple(TGI_ENV.values())
 BOOL_WORDS = {**dict.fromkeys(("1", "true", "t", "yes", "y", "on"), True),
               **dict.fromkeys(("0", "false", "f", "no", "n", "off"), False)}  # a boolean knob's values
@@ -27,7 +28,8 @@ TGI_OLDER_NAMES = {"MAX_INPUT_TOKENS": "MAX_INPUT_LENGTH"}  # read when the knob
 # TGI launcher variables with no counterpart here: `serve` names the ones set rather than ignore them silently
 # (MODEL_ID and PORT are read: the model argument's and --port's defaults)
 TGI_NOT_READ = ("QUANTIZE", "NUM_SHARD", "SHARDED", "SPECULATE", "DTYPE", "KV_CACHE_DTYPE", "REVISION", "ROPE_SCALING",
-                "ROPE_FACTOR", "TRUST_REMOTE_CODE", "MAX_WAITING_TOKENS", "WAITING_SERVED_RATIO", "LORA_ADAPTERS", "DISABLE_GRAMMAR_SUPPORT", "WATERMARK_GAMMA", "WATERMARK_DELTA")
+                "ROPE_FACTOR", "TRUST_REMOTE_CODE", "MAX_WAITING_TOKENS", "WAITING_SERVED_RATIO", "LORA_ADAPTERS",
+                "DISABLE_GRAMMAR_SUPPORT", "WATERMARK_GAMMA", "WATERMARK_DELTA", "CUDA_MEMORY_FRACTION", "VALIDATION_WORKERS")
 
 
 def cache_dir() -> Path:

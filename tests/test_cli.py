@@ -86,13 +86,17 @@ def test_serve_reads_tgi_limits_from_the_environment(monkeypatch):
     seen = {}
     monkeypatch.setattr(server, "serve", lambda model, settings, **kw: seen.update(settings=settings))
     for name, value in {"MAX_TOTAL_TOKENS": "64", "MAX_INPUT_LENGTH": "32", "MAX_BATCH_PREFILL_TOKENS": "48",
-                        "MAX_CONCURRENT_REQUESTS": "3", "MAX_CLIENT_BATCH_SIZE": "8"}.items():
+                        "MAX_CONCURRENT_REQUESTS": "3", "MAX_CLIENT_BATCH_SIZE": "8", "PAYLOAD_LIMIT": "4096"}.items():
         monkeypatch.setenv(name, value)
     r = run_cli("serve", "fp8", "some-model", "--max-concurrent-requests", "5")
     assert r.exit_code == 0 and "Note:" not in r.stderr, r.output  # MAX_CLIENT_BATCH_SIZE is read: not in the note
     s = seen["settings"]
     assert (s.max_total_tokens, s.max_input_tokens, s.max_batch_prefill_tokens, s.max_concurrent_requests) == (64, 32, 48, 5)
-    assert s.max_client_batch_size == 8
+    assert (s.max_client_batch_size, s.payload_limit) == (8, 4096)
+    monkeypatch.setenv("VALIDATION_WORKERS", "2")  # TGI's, with no counterpart here: named, not silently ignored
+    monkeypatch.setenv("CUDA_MEMORY_FRACTION", "0.9")
+    r = run_cli("serve", "fp8", "some-model", "--max-concurrent-requests", "5")
+    assert r.exit_code == 0 and "Note: CUDA_MEMORY_FRACTION=0.9, VALIDATION_WORKERS=2: TGI's launcher reads these" in r.stderr, r.output
     monkeypatch.setenv("MAX_INPUT_TOKENS", "16")
     r = run_cli("serve", "fp8", "some-model")
     assert r.exit_code == 2 and "MAX_INPUT_TOKENS and MAX_INPUT_LENGTH (its older name) are both set" in r.stderr, r.output

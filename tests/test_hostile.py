@@ -1093,17 +1093,17 @@ def test_chunked_body_limit_holds_while_streaming(tiny_llama):
     """A chunked body (no content-length) gets its 413 once it passes the limit, not after the client finished."""
     from conftest import running
     from hqtflow import models
-    from hqtflow.runtime.server import MAX_BODY, ServeSettings, create_app
+    from hqtflow.runtime.server import ServeSettings, create_app
 
-    app = create_app(models.load_model(tiny_llama, "fp32"), models.load_tokenizer(tiny_llama),
-                     ServeSettings(max_input_tokens=32, max_total_tokens=64))
+    settings = ServeSettings(max_input_tokens=32, max_total_tokens=64)
+    app = create_app(models.load_model(tiny_llama, "fp32"), models.load_tokenizer(tiny_llama), settings)
     with running(app) as url:
         host, port = url.rsplit("/", 1)[1].split(":")
         with socket.create_connection((host, int(port)), timeout=20) as s:
             s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Transfer-Encoding: chunked\r\n\r\n")
             chunk = b"x" * (64 << 10)
-            for _ in range((MAX_BODY * 3 // 2) // len(chunk)):  # 1.5x the limit, and the body never ends
+            for _ in range((settings.payload_limit * 3 // 2) // len(chunk)):  # 1.5x the limit, and the body never ends
                 s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             assert s.recv(64).startswith(b"HTTP/1.1 413")
 

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hqtflow.runtime.engine import Engine, Event, Request, SamplingParams
-from hqtflow.runtime.schemas import ApiError, invalid, server_bounds
+from hqtflow.runtime.schemas import ApiError, invalid, parse, read_body, server_bounds
 from hqtflow.runtime.settings import ServeSettings
 
 
@@ -112,6 +112,10 @@ class Ctx:
         if self.mailbox is None or self.mailbox.loop is not loop:
             self.mailbox = Mailbox(loop)
         return self.mailbox
+
+    async def read(self, model, request):
+        """The request's body, read up to --payload-limit bytes, as `model`, within this server's bounds."""
+        return parse(model, await read_body(request, self.s.payload_limit), self.bounds)
 
     def encode(self, text: str, name: str = "inputs", add_special_tokens: bool = True) -> list[int]:
         if not text:

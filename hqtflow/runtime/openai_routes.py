@@ -19,8 +19,8 @@ from hqtflow.runtime import tools
 from hqtflow.runtime.api import Ctx, Sequence
 from hqtflow.runtime.engine import SamplingParams
 from hqtflow.runtime.grammar import TOOLS_SCALE, GrammarError, compile_grammar
-from hqtflow.runtime.schemas import (ROLES, ApiError, ChatRequest, CompletionRequest, OpenAICommon, invalid, openai_error, parse,
-                                     read_body, stop_list)
+from hqtflow.runtime.schemas import (ROLES, ApiError, ChatRequest, CompletionRequest, OpenAICommon, invalid, openai_error,
+                                     stop_list)
 
 FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
@@ -311,7 +311,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/v1/completions")
     async def completions(request: Request):
-        req = within_max_client_batch_size(parse(CompletionRequest, await read_body(request), ctx.bounds))
+        req = within_max_client_batch_size(await ctx.read(CompletionRequest, request))
         with ctx.admit() as slot:  # a 429 before any tokenizing (TGI's order); handed on, or given back on an error
             prompts = await run_in_threadpool(prompts_of, req)  # off the event loop: /health and streams go on
             k = req.logprobs
@@ -403,7 +403,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatRequest, await read_body(request), ctx.bounds)
+        req = await ctx.read(ChatRequest, request)
         with ctx.admit() as slot:  # a 429 before templating, tokenizing or compiling (TGI's order); handed on
             return await chat_answer(req, request, slot)
 

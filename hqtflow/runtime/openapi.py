@@ -86,13 +86,13 @@ BODY_ROUTES = {
     "/v1/chat/completions": (ChatRequest, {"application/json": {"schema": COMPLETION}, **SSE},
                              "a chat completion; with `stream`, its chunks"),
 }
-BODY_ERRORS = {413: "body over 1 MiB", 415: "not a UTF-8 JSON body", 422: "a parameter is invalid or not supported (named)",
+BODY_ERRORS = {413: "a body over --payload-limit bytes", 415: "not a UTF-8 JSON body", 422: "a parameter is invalid or not supported (named)",
                424: "generation failed", 429: "the server is at --max-concurrent-requests"}
 
 
 def publish(spec: dict, *, vocab: int, max_input_tokens: int, max_total_tokens: int, max_stop_sequences: int,
             max_best_of: int = MAX_BEST_OF, max_top_n_tokens: int = MAX_TOP_N_TOKENS, max_client_batch_size: int = 64,
-            api_key: bool) -> dict:
+            payload_limit: int = 2_000_000, api_key: bool) -> dict:
     """FastAPI's spec of the app (`get_openapi`) completed in place: bodies, streams, errors, this server's limits
     (token ids, stop sequences, lengths: a prompt's length in tokens is checked too, which no schema can say)."""
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
@@ -103,7 +103,8 @@ def publish(spec: dict, *, vocab: int, max_input_tokens: int, max_total_tokens: 
         spec["paths"][path]["post"].update(
             requestBody={"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
             responses={"200": {"description": what, "content": content},
-                       **{str(code): error(path, why) for code, why in BODY_ERRORS.items()}})
+                       **{str(code): error(path, why) for code, why in {
+                           **BODY_ERRORS, 413: f"a body over {payload_limit} bytes (--payload-limit)"}.items()}})
     text = {"type": "string", "minLength": 1}
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}}
     stops = {"type": "array", "maxItems": max_stop_sequences, "items": text}

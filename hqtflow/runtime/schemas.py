@@ -16,7 +16,6 @@ from pydantic_core import PydanticCustomError
 
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 MAX_BEST_OF = 4
-MAX_BODY = 1 << 20
 MAX_TOOLS = 128  # OpenAI's limit on a request's tools
 
 
@@ -44,17 +43,21 @@ def openai_error(message: str, error_type: str, status: int) -> dict:
             "error_type": error_type}  # TGI's key beside OpenAI's object: TGI's clients raise their typed error
 
 
-async def read_body(request) -> bytes:
-    """The request body, refused with 413 as soon as it passes MAX_BODY while it streams in (a chunked body has no
-    content-length to check first)."""
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"Request body larger than {limit} bytes (--payload-limit)")
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes `limit` bytes (--payload-limit) while it streams in
+    (a chunked body has no content-length to check first)."""
     from starlette.requests import ClientDisconnect
 
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
-            if size > MAX_BODY:
-                raise ApiError(413, f"Request body larger than {MAX_BODY} bytes")
+            if size > limit:
+                raise too_large(limit)
             chunks.append(chunk)
     except ClientDisconnect:  # gone during its upload: a cancelled request, not a server error
         raise ApiError(499, "Client closed the request", "cancelled") from None
@@ -70,8 +73,6 @@ def server_bounds(max_best_of: int, max_top_n_tokens: int) -> dict:
 def parse(model: type[BaseModel], raw: bytes, bounds: dict | None = None) -> BaseModel:
     """Validate a JSON body, with the server's `bounds` (server_bounds) on the fields it limits; the first problem
     becomes TGI's 422 naming the field."""
-    if len(raw) > MAX_BODY:
-        raise ApiError(413, f"Request body larger than {MAX_BODY} bytes")
     try:
         body = model.model_validate_json(raw, context={"bounds": bounds or {}})
     except ValidationError as e:

@@ -24,7 +24,7 @@ from hqtflow.runtime.api import Ctx, ServeSettings
 from hqtflow.runtime.engine import STOPPED, Engine, SamplingParams
 from hqtflow.runtime.metrics import Metrics, metrics_router
 from hqtflow.runtime.openai_routes import openai_router
-from hqtflow.runtime.schemas import MAX_BODY, ApiError, openai_error  # noqa: F401 - re-exported
+from hqtflow.runtime.schemas import ApiError, openai_error, too_large
 from hqtflow.runtime.tgi_routes import tgi_router
 
 
@@ -85,8 +85,8 @@ def request_guard(s: ServeSettings, metrics: Metrics):
 
         if s.api_key and req.url.path not in ("/health", "/metrics") and req.headers.get("authorization") != f"Bearer {s.api_key}":
             return refuse(401, "Invalid or missing API key", "authentication")
-        if int(req.headers.get("content-length") or 0) > MAX_BODY:
-            return refuse(413, f"Request body larger than {MAX_BODY} bytes", "validation")
+        if int(req.headers.get("content-length") or 0) > s.payload_limit:
+            return refuse(413, too_large(s.payload_limit).message, "validation")
         if req.method != "POST" or req.url.path not in BODY_ROUTES:  # other methods and paths: routing's 404 / 405
             return await call_next(req)
         if req.query_params:  # TGI and OpenAI take every parameter in the body: one in the URL would be ignored
@@ -187,7 +187,7 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
             app.openapi_schema = publish(spec, vocab=len(tokenizer), max_input_tokens=s.max_input_tokens,
                                          max_total_tokens=s.max_total_tokens, max_stop_sequences=s.max_stop_sequences,
                                          max_best_of=s.max_best_of, max_top_n_tokens=s.max_top_n_tokens,
-                                         max_client_batch_size=s.max_client_batch_size,
+                                         max_client_batch_size=s.max_client_batch_size, payload_limit=s.payload_limit,
                                          api_key=bool(s.api_key))
         return app.openapi_schema
 

@@ -27,6 +27,7 @@ class ServeSettings:
     # prompts one /v1/completions request may batch, and sequences (prompts x n or best_of) (TGI's flag; TGI's default
     # is 4: 64 lets lm-eval's local-completions send its batches)
     max_client_batch_size: int = 64
+    payload_limit: int = 2_000_000  # a request body's bytes at most (TGI's flag and default; a 413 above)
     api_key: str | None = None
     batch_bucket_size: int = 1
     prefill_batch_bucket_size: int = 1

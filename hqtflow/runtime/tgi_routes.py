@@ -14,7 +14,7 @@ from hqtflow.runtime.api import Ctx, Sequence
 from hqtflow.runtime.engine import SamplingParams
 from hqtflow.runtime.grammar import GrammarError, compile_grammar
 from hqtflow.runtime.schemas import (ApiError, JsonSchema, TgiParameters, TgiRequest,
-                                     TokenizeRequest, invalid, parse, parse_part, read_body, stop_list)
+                                     TokenizeRequest, invalid, parse_part, stop_list)
 
 
 def sse(data) -> str:
@@ -139,7 +139,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
     @r.post("/")
     async def compat(request: Request):
         """TGI's route for its clients: {"inputs", "parameters", "stream"}; a list of one result, or SSE."""
-        req = parse(TgiRequest, await read_body(request), ctx.bounds)
+        req = await ctx.read(TgiRequest, request)
         if req.stream:
             return await generate_stream_response(req)
         headers: dict = {}
@@ -154,12 +154,12 @@ def tgi_router(ctx: Ctx) -> APIRouter:
     @r.post("/generate")
     async def generate(request: Request):
         headers: dict = {}
-        out = await generate_json(no_stream_field(parse(TgiRequest, await read_body(request), ctx.bounds), "/generate"), request, headers)
+        out = await generate_json(no_stream_field(await ctx.read(TgiRequest, request), "/generate"), request, headers)
         return JSONResponse(out, headers=headers)
 
     @r.post("/generate_stream")
     async def generate_stream(request: Request):
-        return await generate_stream_response(no_stream_field(parse(TgiRequest, await read_body(request), ctx.bounds), "/generate_stream"))
+        return await generate_stream_response(no_stream_field(await ctx.read(TgiRequest, request), "/generate_stream"))
 
     @r.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' health checks
     async def health():
@@ -178,7 +178,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/tokenize")
     async def tokenize(request: Request):
-        req = parse(TokenizeRequest, await read_body(request), ctx.bounds)
+        req = await ctx.read(TokenizeRequest, request)
         inputs, truncate = req.inputs, req.parameters.truncate if req.parameters else None
         stop_list(req.parameters.stop if req.parameters else None, s.max_stop_sequences)  # checked as for generation
         if not inputs:

@@ -275,6 +275,24 @@ def test_error_words_and_types_as_tgi_and_openai_give_them(url):
         "error": {"message": "it broke", "type": "server_error", "param": None, "code": "generation"}, "error_type": "generation"}
 
 
+def test_payload_limit_bounds_a_body_as_tgis(lm, url):
+    """--payload-limit (TGI's; default 2000000 bytes, TGI's, where 1 MiB was fixed) bounds a body: a 413 above it,
+    with or without a content-length; /openapi.json says it."""
+    big = {"inputs": "a", "parameters": {"max_new_tokens": 1}, "padding": "x" * 1_500_000}
+    r = post(url, "/generate", big)  # read and parsed: the unknown field is named
+    assert r.status_code == 422 and "`padding` is not a supported parameter" in r.text, r.text[:200]
+    s = ServeSettings(model_id="tiny", max_input_tokens=48, max_total_tokens=96, payload_limit=1000)
+    with running(create_app(*lm, s)) as base:
+        body = json.dumps({"inputs": "a" * 1000}).encode()
+        for headers in ({}, {"transfer-encoding": "chunked"}):
+            content = body if not headers else iter([body[:500], body[500:]])
+            r = httpx.post(f"{base}/tokenize", content=content, headers={"content-type": "application/json", **headers})
+            assert r.status_code == 413 and r.json()["error"] == "Request body larger than 1000 bytes (--payload-limit)", r.text
+        assert post(base, "/tokenize", {"inputs": "a" * 900}).status_code == 200
+        spec = httpx.get(f"{base}/openapi.json").json()
+        assert spec["paths"]["/generate"]["post"]["responses"]["413"]["description"] == "a body over 1000 bytes (--payload-limit)"
+
+
 def test_a_refusal_quotes_the_limit_in_force(lm):
     """best_of, n and top_n_tokens out of range, past the schema's widest bound or below the least, are refused
     quoting this server's --max-best-of / --max-top-n-tokens (TGI's words), not the schema's 4 and 5."""
