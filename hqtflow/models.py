@@ -135,7 +135,8 @@ def context_length(cfg: dict) -> tuple[int, str] | None:
     """The model's context in tokens and what in config.json says so (None: the config does not say).
 
     The first of CONTEXT_KEYS at the top level, else in `text_config` (multimodal wrappers). A linear or dynamic
-    RoPE scaling stretches it by its factor; other scalings (yarn, llama3, longrope) already count in it."""
+    RoPE scaling stretches it by its factor, YaRN its original_max_position_embeddings (as vLLM reads it: Qwen2.5's
+    recipe adds YaRN beside an unchanged max_position_embeddings); other scalings (llama3, longrope) count in it."""
     for where, section in (("", cfg), ("text_config.", cfg.get("text_config"))):
         if not isinstance(section, dict):
             continue
@@ -148,6 +149,10 @@ def context_length(cfg: dict) -> tuple[int, str] | None:
                 if (kind in ("linear", "dynamic") and isinstance(factor, (int, float)) and not isinstance(factor, bool)
                         and factor > 1 and "original_max_position_embeddings" not in rope):
                     return int(value * factor), f"{where}{key} {value} x {kind} RoPE factor {factor}"
+                original = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
+                if (kind == "yarn" and isinstance(factor, (int, float)) and not isinstance(factor, bool)
+                        and isinstance(original, int) and not isinstance(original, bool) and original * factor > value):
+                    return int(original * factor), f"{where}rope_scaling's original_max_position_embeddings {original} x YaRN factor {factor}"
                 return value, f"{where}{key}"
     return None
 

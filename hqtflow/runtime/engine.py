@@ -225,6 +225,8 @@ class Engine:
         with self._cv:
             self._stop = True
             self._cv.notify()
+            if self._thread is None:  # stepped from the caller's thread (bench): no loop is left to end them
+                self._end_all(STOPPED)
         if self._thread:
             self._thread.join(timeout=30)
 

@@ -17,10 +17,12 @@ class Counters:
     """TGI's counters, exposed as TGI does: `# TYPE name counter` and the sample under the same name (no _total,
     which prometheus_client's Counter would add)."""
 
-    def __init__(self):
+    def __init__(self, read: dict | None = None):
+        """`read`: counters kept elsewhere, {name: (help, function giving the count)}."""
         self.values: dict[tuple[str, tuple], float] = {}
         self.help = {"tgi_request_count": "Generation requests received (validation failures included)",
                      "tgi_request_success": "Requests that succeeded", "tgi_request_failure": "Requests that failed"}
+        self.read = read or {}
 
     def inc(self, name: str, **labels) -> None:
         key = (name, tuple(sorted(labels.items())))
@@ -34,6 +36,8 @@ class Counters:
             for lab, v in rows:
                 tags = "{" + ",".join(f'{k}="{x}"' for k, x in lab) + "}" if lab else ""
                 out.append(f"{name}{tags} {v}")
+        for name, (doc, count) in self.read.items():
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} counter", f"{name} {float(count())}"]
         return "\n".join(out) + "\n"
 
 
@@ -43,7 +47,8 @@ class Metrics:
     def __init__(self, engine: Engine):
         disable_created_metrics()  # no `*_created` series, which TGI does not serve (prometheus_client's switch)
         r = self.registry = CollectorRegistry()
-        self.counters = Counters()
+        self.counters = Counters({"hqtflow_preemptions": (
+            "Sequences preempted since start (KV blocks ran out; recomputed when readmitted)", lambda: engine.stats.preemptions)})
         secs = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60)
         toks = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
         self.duration = Histogram("tgi_request_duration", "End-to-end request seconds", buckets=secs, registry=r)
@@ -58,8 +63,6 @@ class Metrics:
         self.shapes = Gauge("hqtflow_batch_shape_runs", "Forward passes per input shape run", ["method", "batch", "seq"], registry=r)
         Gauge("tgi_queue_size", "Requests waiting", registry=r).set_function(lambda: len(engine.pending))
         Gauge("tgi_batch_current_size", "Requests in the running batch", registry=r).set_function(lambda: len(engine.active))
-        Gauge("hqtflow_preemptions", "Sequences preempted since start (KV blocks ran out; recomputed when readmitted)",
-              registry=r).set_function(lambda: engine.stats.preemptions)
         Gauge("tgi_batch_current_max_tokens", "KV tokens held by the running batch (its blocks)", registry=r).set_function(
             lambda: engine.kv_tokens)
 

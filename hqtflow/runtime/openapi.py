@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 
-from hqtflow.runtime.schemas import MAX_BEST_OF, MAX_TOP_N_TOKENS, ChatRequest, CompletionRequest, TgiRequest, TokenizeRequest
+from hqtflow.runtime.schemas import MAX_BEST_OF, ChatRequest, CompletionRequest, TgiRequest, TokenizeRequest
 
 TGI_ERROR = {"type": "object", "required": ["error", "error_type"],
              "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}}}
@@ -91,8 +91,7 @@ BODY_ERRORS = {413: "a body over --payload-limit bytes", 415: "not a UTF-8 JSON 
 
 
 def publish(spec: dict, *, vocab: int, max_input_tokens: int, max_total_tokens: int, max_stop_sequences: int,
-            max_best_of: int = MAX_BEST_OF, max_top_n_tokens: int = MAX_TOP_N_TOKENS, max_client_batch_size: int = 64,
-            payload_limit: int = 2_000_000, api_key: bool) -> dict:
+            max_best_of: int, max_top_n_tokens: int, max_client_batch_size: int, payload_limit: int, api_key: bool) -> dict:
     """FastAPI's spec of the app (`get_openapi`) completed in place: bodies, streams, errors, this server's limits
     (token ids, stop sequences, lengths: a prompt's length in tokens is checked too, which no schema can say)."""
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})

@@ -107,11 +107,15 @@ def request_guard(s: ServeSettings, metrics: Metrics):
 
 def warm_up(engine: Engine, tokenizer, s: ServeSettings, state: dict) -> None:
     """Run each bucketed prefill length once (and one decode at the smallest batch bucket), then report healthy;
-    stop if the engine stops first (the server is shutting down: the process must not wait on this thread)."""
+    stop at the first run that fails (the engine stopped because the server is shutting down, which must not wait on
+    this thread; or a shape that cannot run, logged): /health then never reports ready."""
     step = max(1, s.pad_sequence_to_multiple_of)
     filler = next(i for i in range(len(tokenizer)) if i not in engine.eos and i not in engine.special)
     for n in range(step, s.max_input_tokens + 1, step) if step > 1 else [1]:
-        if engine.generate([filler] * n, SamplingParams(max_new_tokens=2))[-1].error == STOPPED:
+        error = engine.generate([filler] * n, SamplingParams(max_new_tokens=2))[-1].error
+        if error:
+            if error != STOPPED:
+                logging.getLogger("uvicorn.error").error("Warm-up failed at a prompt of %d tokens: %s", n, error)
             return
     state["ready"] = True
 
@@ -214,7 +218,7 @@ def listen_socket(host: str, port: int, port_name: str = "--port"):
         sock.bind(addr)
     except OSError as e:
         sock.close()
-        raise ResourceError(f"Cannot listen on {host}:{port} ({e.strerror}); pick another --host or --port.") from None
+        raise ResourceError(f"Cannot listen on {host}:{port} ({e.strerror}); pick another --host or {port_name}.") from None
     return sock
 
 

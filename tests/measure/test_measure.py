@@ -224,6 +224,8 @@ def test_max_length_longer_than_the_context_is_refused(recipe, tiny_llama, wiki_
     ({}, 4096, 4096),
     ({"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 2.0}}, 8192, 8192),
     ({"max_position_embeddings": 4096}, 4096, 4096),
+    ({"max_position_embeddings": 4096, "rope_scaling": {"type": "yarn", "factor": 4.0,  # Qwen2.5's long-context recipe
+                                                        "original_max_position_embeddings": 4096}}, 16384, 16384),
 ])
 def test_resolve_max_length(config, given, expected, tmp_path):
     from hqtflow.measure.run import resolve_max_length
@@ -325,3 +327,16 @@ def test_a_task_yamls_path_names_the_task(tiny_llama, tmp_path):
     for path, why in ((folder / "nope.yaml", "does not exist"), (folder / "notes.yaml", "defines no task")):
         r = run_cli("measure", tiny_llama, "-o", tmp_path / "n", "--tasks", path, "--limit", "1")
         assert r.exit_code == 5 and f"lm-eval task file {path} {why}" in r.stderr, r.output
+
+
+def test_context_length_of_rope_scalings():
+    """YaRN stretches original_max_position_embeddings (Qwen2.5 adds it beside an unchanged max_position_embeddings;
+    DeepSeek-V3's already counts it), as vLLM derives a model's length; llama3 scaling already counts in it."""
+    from hqtflow.models import context_length
+
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert context_length({"max_position_embeddings": 32768, "rope_scaling": yarn})[0] == 131072
+    deepseek = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096}
+    assert context_length({"max_position_embeddings": 163840, "rope_scaling": deepseek}) == (163840, "max_position_embeddings")
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    assert context_length({"max_position_embeddings": 131072, "rope_scaling": llama3})[0] == 131072

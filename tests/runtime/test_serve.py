@@ -255,7 +255,7 @@ def test_a_signal_ends_running_streams_within_the_shutdown_timeout(tiny_llama_lo
 
 
 @pytest.mark.slow
-def test_a_signal_during_warmup_ends_the_process(tiny_llama):
+def test_a_signal_during_warmup_ends_the_process(tiny_llama_long):
     """WARMUP_ENABLED=true, SIGTERM while /health is still 503: the warm-up stops and the process exits 128 + the
     signal at once (it used to close its port and then wait forever on the warm-up thread)."""
     import os
@@ -267,7 +267,7 @@ def test_a_signal_during_warmup_ends_the_process(tiny_llama):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    p = subprocess.Popen([sys.executable, "-m", "hqtflow", "serve", "bf16", str(tiny_llama), "--port", str(port),
+    p = subprocess.Popen([sys.executable, "-m", "hqtflow", "serve", "bf16", str(tiny_llama_long), "--port", str(port),
                           "--max-total-tokens", "4096", "--max-input-tokens", "4000",
                           "--pad-sequence-to-multiple-of", "2"],  # 2000 prefill lengths: minutes of warm-up
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -81,7 +81,7 @@ def test_a_kv_cache_larger_than_the_memory_is_refused_before_allocating(tiny_lla
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    r = run_cli("serve", "bf16", tiny_llama, "--max-batch-total-tokens", "1000000000000", "--port", port)
+    r = run_cli("serve", "bf16", tiny_llama, "--max-batch-total-tokens", "1000000000000", "--port", port, "--device", "cpu")
     assert r.exit_code == 6 and "Traceback" not in r.output, r.output
     error = r.stderr.strip().splitlines()[-1]  # (after the weights' loading bar)
     assert error.startswith("Error: --max-batch-total-tokens 1000000000000: a KV cache of 1000000000000 tokens needs ") \
