@@ -621,14 +621,6 @@ serve_app = typer.Typer(help="Serve a model over HTTP: TGI routes (/generate, /g
 app.add_typer(serve_app, name="serve")
 
 
-# The least value of each numeric serve limit (TGI types them unsigned); 0 only where it means "no limit" or "none"
-SERVE_MINIMUMS = {"max_input_tokens": 1, "max_total_tokens": 2, "max_batch_size": 0, "max_batch_prefill_tokens": 1,
-                  "max_batch_total_tokens": 1, "max_concurrent_requests": 1, "max_stop_sequences": 0,
-                  "batch_bucket_size": 1, "prefill_batch_bucket_size": 1, "pad_sequence_to_multiple_of": 1,
-                  "max_best_of": 1, "max_top_n_tokens": 0, "max_client_batch_size": 1,
-                  "payload_limit": 1}
-
-
 def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
     """ServeSettings from the serve options (whose defaults are ServeSettings'): an option not given takes its
     TGI environment variable when it has one (recorded in `sources`, so refusals name it); each limit is
@@ -640,25 +632,14 @@ def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
 
     sources = {}
     for name in options:
-        if name in TGI_ENV and not _given(ctx, name) and (var := environment.tgi_variable(TGI_ENV[name])):
+        flag = f"--{name.replace('_', '-')}" if _given(ctx, name) else None
+        if name in TGI_ENV and (var := environment.tgi_variable(TGI_ENV[name], flag)):
             sources[name] = var
-        elif name in TGI_ENV and _given(ctx, name) and (old := environment.tgi_older_variable(TGI_ENV[name])):
-            raise HqtflowError(f"--{name.replace('_', '-')} and the environment variable {old} (the older name of "
-                               f"{TGI_ENV[name]}) are both set; keep one.")
     if ctx.get_parameter_source("port").name == "ENVIRONMENT":
         sources["port"] = "PORT"
     values = {name: environment.tgi_knob(TGI_ENV[name], value) if name in sources else value
               for name, value in options.items()}
     where = ServeSettings(sources=sources).named
-
-    for name, least in SERVE_MINIMUMS.items():
-        if values[name] is not None and values[name] < least:
-            raise HqtflowError(f"{where(name)} must be at least {least}, not {values[name]}.")
-    from hqtflow.runtime.schemas import MAX_BEST_OF, MAX_TOP_N_TOKENS
-
-    for name, most in {"max_best_of": MAX_BEST_OF, "max_top_n_tokens": MAX_TOP_N_TOKENS}.items():
-        if values[name] > most:
-            raise HqtflowError(f"{where(name)} can be at most {most} here, not {values[name]}.")
     if values["api_key"] is not None and not values["api_key"].strip():  # an empty key would turn the check off
         raise HqtflowError("--api-key is empty: give a key, or leave the flag out to serve without one.")
     values["api_key"] = values["api_key"] or environment.api_key()
@@ -670,7 +651,7 @@ def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
     except ValueError:
         raise HqtflowError(f"{where('cuda_graphs')} takes batch sizes like 1,2,4,8 (0: none), not {values['cuda_graphs']!r}.") from None
     s = ServeSettings(**values, sources=sources)
-    limits.check(s)
+    limits.check(s)  # each limit's range, then the limits given against each other
     return s
 
 

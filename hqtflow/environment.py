@@ -51,24 +51,20 @@ def quant_config() -> str | None:
     return os.environ.get("QUANT_CONFIG") or None
 
 
-def tgi_variable(name: str) -> str | None:
+def tgi_variable(name: str, flag: str | None = None) -> str | None:
     """The environment variable that sets TGI knob `name`: `name` when it is set (not empty), else its older name
-    (TGI_OLDER_NAMES) when that is set, else None; both set is refused, as TGI's launcher refuses it."""
+    (TGI_OLDER_NAMES) when that is set, else None; both set is refused, as TGI's launcher refuses it. `flag`: the
+    knob's flag, given (it wins, so None), which TGI's launcher refuses beside the older name too."""
     from hqtflow.errors import ConfigError
 
     if name not in TGI_KNOBS:
         raise KeyError(name)
     old = TGI_OLDER_NAMES.get(name)
-    if os.environ.get(name) and old and os.environ.get(old):
+    if old and os.environ.get(old) and flag:
+        raise ConfigError(f"{flag} and the environment variable {old} (the older name of {name}) are both set; keep one.")
+    if old and os.environ.get(old) and os.environ.get(name):
         raise ConfigError(f"The environment variables {name} and {old} (its older name) are both set; keep one.")
-    return next((v for v in (name, old) if v and os.environ.get(v)), None)
-
-
-def tgi_older_variable(name: str) -> str | None:
-    """The older name of TGI knob `name` when that environment variable is set (TGI's launcher refuses it beside
-    the knob's flag too), else None."""
-    old = TGI_OLDER_NAMES.get(name)
-    return old if old and os.environ.get(old) else None
+    return None if flag else next((v for v in (name, old) if v and os.environ.get(v)), None)
 
 
 def tgi_knob(name: str, default):

@@ -13,10 +13,25 @@ from hqtflow.runtime.settings import ServeSettings
 
 DEFAULT_MAX_TOTAL = 4096  # TGI's max_total_tokens when the model's context is longer, or not known
 PREFILL_EDGE = 50  # TGI's default max_batch_prefill_tokens: max_input_tokens + this
+# The least value of each numeric limit (TGI types them unsigned); 0 only where it means "no limit" or "none"
+MINIMUMS = {"max_input_tokens": 1, "max_total_tokens": 2, "max_batch_size": 0, "max_batch_prefill_tokens": 1,
+            "max_batch_total_tokens": 1, "max_concurrent_requests": 1, "max_stop_sequences": 0, "batch_bucket_size": 1,
+            "prefill_batch_bucket_size": 1, "pad_sequence_to_multiple_of": 1, "max_best_of": 1, "max_top_n_tokens": 0,
+            "max_client_batch_size": 1, "payload_limit": 1}
 
 
 def check(s: ServeSettings) -> None:
-    """The rules between the limits that are set (None: not yet), each refusal naming the flags or variables."""
+    """Each limit's range, then the rules between the limits that are set (None: not yet), each refusal naming the
+    flags or variables."""
+    from hqtflow.runtime.schemas import MAX_BEST_OF, MAX_TOP_N_TOKENS
+
+    for name, least in MINIMUMS.items():
+        if getattr(s, name) is not None and getattr(s, name) < least:
+            raise ConfigError(f"{s.named(name)} must be at least {least}, not {getattr(s, name)}.")
+    for name, most in {"max_best_of": MAX_BEST_OF, "max_top_n_tokens": MAX_TOP_N_TOKENS}.items():
+        if getattr(s, name) > most:
+            raise ConfigError(f"{s.named(name)} can be at most {most} here, not {getattr(s, name)}.")
+
     def given(*names):
         return all(getattr(s, n) is not None for n in names)
 
