@@ -53,7 +53,7 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     from hqtflow.api import load_any
     from hqtflow.bf16_matmul import bf16_matmuls_via_fp32
     from hqtflow.evaluate import EvalSettings, comparison_rows, evaluate, format_table
-    from hqtflow.measure.settings import is_task_file
+    from hqtflow.task_yaml import is_task_file
 
     if not tasks and not ppl_file:
         raise HqtflowError("Nothing to evaluate: give --tasks and/or --ppl-file.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hqtflow.errors import CalibrationError, does_not_exist, not_a_file
-from hqtflow.measure.settings import is_task_file
+from hqtflow.task_yaml import is_task_file, load_task_yaml, task_yaml_files
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 LOCAL_TASKS = tuple(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
@@ -98,11 +99,11 @@ def check_local_data(task: str, data_dir: str | Path) -> None:
 
 
 def task_manager(include_paths: list[str | Path], data_dir: str | Path | None, tasks: list[str] = ()):
-    """An lm-eval TaskManager that also knows the user's include paths, the folders of task YAMLs given by path, and
-    the local tasks.
+    """An lm-eval TaskManager that also knows the user's include paths and the local tasks (a task YAML given by path is
+    read by itself, as lm-eval's CLI reads it: its folder is no include path).
 
-    lm-eval's ~14k built-in task YAMLs take seconds to index: when every requested task is found in the
-    include paths and local tasks alone, the built-ins are left out.
+    lm-eval's ~14k built-in task YAMLs take seconds to index: when every task named (a group YAML's members too) is
+    found in the include paths and local tasks alone, the built-ins are left out.
     """
     from lm_eval.tasks import TaskManager
 
@@ -112,79 +113,117 @@ def task_manager(include_paths: list[str | Path], data_dir: str | Path | None, t
     for f in map(Path, filter(is_task_file, tasks)):
         if not f.is_file():
             raise CalibrationError(f"lm-eval task file {f} {not_a_file(f)}.")
-    paths = _include_paths(include_paths, tasks)
-    if data_dir is not None:
-        paths.append(local_task_dir(data_dir))
-    if paths and tasks:
-        small = TaskManager(include_path=[str(p) for p in paths], include_defaults=False)
-        if all(is_task_file(t) or t in small.all_tasks for t in tasks):
-            return small
-    return TaskManager(include_path=[str(p) for p in paths] or None)
-
-
-def _include_paths(include_paths, tasks) -> list[Path]:
-    """The user's include paths and the folder of each task YAML given by path (its `include:`s and the YAMLs beside
-    it are read as lm-eval reads an include path's), each once (a folder indexed twice warns of every task)."""
-    paths: list[Path] = []
-    for p in [*map(Path, include_paths), *(Path(t).parent for t in tasks if is_task_file(t))]:
+    paths = []
+    for p in map(Path, include_paths):  # each once (a folder indexed twice warns of every task)
         if p.resolve() not in [q.resolve() for q in paths]:
             paths.append(p)
-    return paths
+    if data_dir is not None:
+        paths.append(local_task_dir(data_dir))
+    configs = _task_configs(tasks)
+    named = [n for t in tasks for n in ([t] if t not in configs else _group_members(configs[t]))]
+    if tasks:
+        small = TaskManager(include_path=[str(p) for p in paths] or None, include_defaults=False)
+        if all(t in small.all_tasks for t in named):
+            small.hqtflow_configs = configs
+            return small
+    manager = TaskManager(include_path=[str(p) for p in paths] or None)
+    manager.hqtflow_configs = configs
+    return manager
+
+
+def _task_configs(tasks) -> dict[str, dict]:
+    """{path: config (its `include:`s merged, its `!function`s left as paths)} of each task YAML given by path."""
+    configs = {}
+    for t in filter(is_task_file, tasks):
+        try:
+            cfg = load_task_yaml(t, resolve_functions=False)
+        except Exception as e:  # noqa: BLE001 (yaml's, an include's OSError, lm-eval's ValueError)
+            raise CalibrationError(f"lm-eval task file {t} cannot be read: {str(e)[:300]}") from None
+        if not isinstance(cfg.get("task") or cfg.get("group"), str):
+            raise CalibrationError(f"lm-eval task file {t} defines no task (a task YAML names it with `task:`, a "
+                                   "group YAML with `group:`).")
+        configs[t] = cfg
+    return configs
+
+
+def _group_members(cfg: dict) -> list[str]:
+    """The tasks a group YAML's `task:` list names (none for a task YAML, or a member defined inline)."""
+    if "group" not in cfg:
+        return []
+    items = cfg.get("task") or []
+    return [i for i in (items if isinstance(items, list) else [items]) if isinstance(i, str)]
+
+
+def _configs(manager) -> dict[str, dict]:
+    return getattr(manager, "hqtflow_configs", None) or {}
+
+
+def _walk_tasks(root: Path) -> list[Path]:
+    """The task YAMLs and modules under an include path, as lm-eval indexes it, less hidden folders and virtualenvs'
+    (a `.venv`, a `site-packages`: lm-eval's own ~14k YAMLs would be hashed for every stage)."""
+    found = []
+    for top, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("site-packages", "__pycache__")
+                         and not (Path(top) / d / "pyvenv.cfg").is_file())
+        found += [Path(top) / n for n in names if n.endswith((".yaml", ".yml", ".py"))]
+    return sorted(found)
 
 
 def task_files(tasks: list[str], include_paths, manager) -> dict[str, str | None]:
     """What lm-eval reads for `tasks` ({absolute path: sha256}, None where the file is not there), for `run` to redo a
-    stage when one changed: every task YAML and Python module (`!function`) in the include paths (task YAMLs given
-    by path: their folders), the bundled `<task>_local` YAMLs used, and the `dataset_kwargs.data_files` of every task
-    run (a group's or tag's members too; a bundled task's data file in --data-dir)."""
+    stage when one changed: every task YAML and Python module (`!function`) in the include paths (hidden and virtualenv
+    folders left out), each task YAML given by path with its `include:` chain and `!function` modules (not its
+    folder), the bundled `<task>_local` YAMLs used, and the `dataset_kwargs.data_files` of every task run (a group's or
+    tag's members too; a bundled task's data file in --data-dir)."""
     import glob
 
     from hqtflow.formats.artifact import sha256_file
 
     index = manager.task_index
-    files = [f for root in _include_paths(include_paths, tasks)
-             for f in ([root] if root.is_file() else sorted([*root.rglob("*.yaml"), *root.rglob("*.py")]))]
-    for task in dict.fromkeys(t for name in task_names(tasks, manager) for t in _members(name, index)):
+    files = [f for root in map(Path, include_paths) for f in ([root] if root.is_file() else _walk_tasks(root))]
+    files += [f for t in tasks if is_task_file(t) for f in task_yaml_files(t)]
+    for task in dict.fromkeys(t for name in task_names(tasks, manager) for t in _members(name, index, manager)):
         if task in LOCAL_TASKS:
             files.append(TASKS_DIR / f"{task}.yaml")
         for f in _data_files(manager, task):
             files += map(Path, sorted(glob.glob(f)) or [f])
     return {str(f.resolve()): sha256_file(f) if f.is_file() else None
-            for f in files if "__pycache__" not in f.parts}
+            for f in dict.fromkeys(files) if "__pycache__" not in f.parts}
 
 
-def _members(name: str, index, seen: frozenset = frozenset()) -> list[str]:
+def _members(name: str, index, manager=None, seen: frozenset = frozenset()) -> list[str]:
     """The tasks lm-eval runs for `name`: a group's or tag's members (through nested groups), else the task itself."""
+    given = _given_config(manager, name)
     entry = index.get(name)
-    kind = getattr(getattr(entry, "kind", None), "name", None)
+    kind = "GROUP" if given is not None and "group" in given else \
+        None if given is not None else getattr(getattr(entry, "kind", None), "name", None)
     if kind == "GROUP":
-        items = (entry.cfg or {}).get("task") or []
+        items = (given if given is not None else entry.cfg or {}).get("task") or []
         names = [i.get("task") if isinstance(i, dict) else i for i in (items if isinstance(items, list) else [items])]
     elif kind == "TAG":
         names = sorted(entry.tags)
     else:
         return [name]
-    return [t for n in names if isinstance(n, str) and n not in seen for t in _members(n, index, seen | {name})]
+    return [t for n in names if isinstance(n, str) and n not in seen
+            for t in _members(n, index, manager, seen | {name})]
+
+
+def _given_config(manager, name: str) -> dict | None:
+    """The config of the task YAML given by path that defines `name` (None: none does)."""
+    return next((c for c in _configs(manager).values() if (c.get("group") or c.get("task")) == name), None)
 
 
 def task_names(tasks: list[str], manager) -> list[str]:
     """lm-eval's names of `tasks`: a task YAML given by path is named by the task (or group) it defines."""
-    def name(task: str) -> str:
-        if not is_task_file(task):
-            return task
-        path = Path(task).resolve()
-        found = [n for n, e in manager.task_index.items() if e.yaml_path and Path(e.yaml_path).resolve() == path]
-        if not found:
-            raise CalibrationError(f"lm-eval task file {task} defines no task lm-eval indexes (a task YAML names it "
-                                   "with `task:`, a group YAML with `group:`, each name once in its folder).")
-        return found[0]
-
-    return [name(t) for t in tasks]
+    configs = _configs(manager)
+    configs = {**_task_configs([t for t in tasks if t not in configs]), **configs}
+    return [(configs[t].get("group") or configs[t]["task"]) if t in configs else t for t in tasks]
 
 
 def check_tasks(tasks: list[str], manager, data_dir: str | Path | None) -> None:
+    given = {task_names([t], manager)[0] for t in tasks if is_task_file(t)}
     tasks = task_names(tasks, manager)
-    known = set(manager.all_tasks)
+    known = set(manager.all_tasks) | given
     for t in tasks:
         if t in known:
             continue
@@ -206,7 +245,9 @@ def check_tasks(tasks: list[str], manager, data_dir: str | Path | None) -> None:
 
 def _data_files(manager, task: str) -> list[str]:
     """The `dataset_kwargs.data_files` a task's YAML names (none where lm-eval's index does not tell)."""
-    cfg = getattr((getattr(manager, "task_index", None) or {}).get(task), "cfg", None)
+    cfg = _given_config(manager, task)
+    if cfg is None:
+        cfg = getattr((getattr(manager, "task_index", None) or {}).get(task), "cfg", None)
     files = ((cfg or {}).get("dataset_kwargs") or {}).get("data_files") if isinstance(cfg, dict) else None
     if isinstance(files, dict):
         files = list(files.values())
@@ -380,11 +421,13 @@ def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> tuple[dict
     the second as lm-eval's task configs say (None where they do not)."""
     import lm_eval.evaluator as evaluator
 
+    # a task YAML given by path: its config, as lm-eval's CLI passes it (`!function`s imported)
+    specs = [load_task_yaml(t) if is_task_file(t) else t for t in tasks]
     tasks = task_names(tasks, manager)
     try:
         with _patched(evaluator, "get_git_commit_hash", _git_hash_quietly):
             res = evaluator.simple_evaluate(
-                model=lm, tasks=tasks, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False,
+                model=lm, tasks=specs, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False,
                 verbosity="ERROR",
             )
     except FileNotFoundError as e:  # a task YAML's data_files (datasets: "Unable to find '...'"); nothing else

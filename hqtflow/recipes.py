@@ -26,8 +26,9 @@ from typing import Any, Mapping
 
 from hqtflow.choices import KVCache, parse
 from hqtflow.errors import ConfigError, brief, not_a_file, parse_problem
-from hqtflow.measure.settings import MeasureSettings, is_task_file
+from hqtflow.measure.settings import MeasureSettings
 from hqtflow.quantize.settings import QuantizeSettings
+from hqtflow.task_yaml import is_task_file
 
 RECIPE_VERSION = 1
 

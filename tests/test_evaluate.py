@@ -141,8 +141,8 @@ def test_the_comparison_shows_every_metric_with_its_direction(user_results):
 
 
 def test_a_task_yamls_path_names_the_task(setup, tmp_path):
-    """A task YAML given by path (lm-eval's `--tasks DIR/task.yaml`): its folder is an include path, and the results
-    are the task's, under the name the file gives it."""
+    """A task YAML given by path (lm-eval's `--tasks DIR/task.yaml`): read by itself, as lm-eval's CLI reads it, and the
+    results are the task's, under the name the file gives it."""
     from hqtflow import lmeval
     from hqtflow.evaluate import EvalSettings, evaluate
 
@@ -153,3 +153,37 @@ def test_a_task_yamls_path_names_the_task(setup, tmp_path):
     lmeval.check_tasks([path], manager, None)
     out = evaluate(model, tok, EvalSettings(tasks=(path,), limit=1), manager, show_progress=False)
     assert list(out["tasks"]) == ["my_rolling"] and "word_perplexity" in out["tasks"]["my_rolling"]
+
+
+def test_a_task_yaml_by_path_reads_its_include_and_function_not_its_folder(setup, tmp_path):
+    """A task YAML given by path with an `include:` (relative to it) and a `!function` module beside it runs; neither
+    lm-eval nor the record of task files reads the folder around it (a sub-folder of other tasks, a virtualenv's):
+    the files are the YAML, its include, the module and the data."""
+    from hqtflow import lmeval
+    from hqtflow.eval_run import input_files
+    from hqtflow.evaluate import EvalSettings, evaluate
+
+    model, tok, _, _ = setup
+    folder = tmp_path / "project"
+    folder.mkdir()
+    user_tasks(folder / "base", base=ROLLING_TASK.replace("task: {name}\n", ""))
+    (folder / "fn.yml").write_text("include: base/base.yaml\ntask: my_fn\nprocess_docs: !function utils.shout\n")
+    (folder / "utils.py").write_text("def shout(docs):\n    open(__file__ + '.ran', 'w').close()\n"
+                                   "    return docs.map(lambda d: {'text': d['text'].upper()})\n")
+    for junk in (folder / "other", folder / ".venv" / "lib" / "site-packages" / "lm_eval"):
+        junk.mkdir(parents=True)
+        (junk / "broken.yaml").write_text("task: [not, a, name\n")  # (lm-eval would refuse to index it)
+        (junk / "mod.py").write_text("raise SystemExit('read')\n")
+    path = str(folder / "fn.yml")
+    manager = lmeval.task_manager([], None, [path])
+    lmeval.check_tasks([path], manager, None)
+    assert "my_fn" not in manager.all_tasks  # (the folder is no include path)
+    files = input_files((path,), (), None, None, manager)
+    assert sorted(files) == sorted(str(f) for f in (folder / "fn.yml", folder / "base" / "base.yaml",
+                                                    folder / "utils.py", folder / "base" / "docs.jsonl"))
+    out = evaluate(model, tok, EvalSettings(tasks=(path,), limit=1), manager, show_progress=False)
+    assert list(out["tasks"]) == ["my_fn"] and "word_perplexity" in out["tasks"]["my_fn"]
+    assert (folder / "utils.py.ran").exists()  # (the function ran)
+    # an include path still walks its folder, less the virtualenv: the sub-folder's files are recorded
+    walked = lmeval.task_files([path], [str(folder)], manager)
+    assert str(folder / "other" / "broken.yaml") in walked and not any(".venv" in f for f in walked)

@@ -15,8 +15,9 @@ from hqtflow.config import MEASURE_OBSERVERS, QuantConfig
 from hqtflow.errors import CalibrationError, ConfigError
 from hqtflow.formats import measurement as mf
 from hqtflow.formats.artifact import MANIFEST, StagingDir, check_output_dir
-from hqtflow.measure.settings import DEFAULT_MAX_LENGTH, MeasureSettings, is_task_file
+from hqtflow.measure.settings import DEFAULT_MAX_LENGTH, MeasureSettings
 from hqtflow.progress import Progress
+from hqtflow.task_yaml import is_task_file
 
 
 def load_measure_config(path: str | None) -> QuantConfig:

@@ -9,11 +9,6 @@ from hqtflow.errors import CalibrationError, ConfigError
 DEFAULT_MAX_LENGTH = 512  # tokens per calibration sequence when none is given (or the model's context, if shorter)
 
 
-def is_task_file(task: str) -> bool:
-    """Whether a --tasks entry is a task YAML's path (lm-eval's `--tasks DIR/task.yaml`) rather than a task name."""
-    return task.endswith(".yaml")
-
-
 @dataclass(frozen=True)
 class MeasureSettings:
     """Everything one measurement run needs; recipes and CLI flags both resolve to this."""

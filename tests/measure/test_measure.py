@@ -318,7 +318,7 @@ def test_generation_stops_at_the_tasks_until(tiny_llama, tmp_path):
 
 
 def test_a_task_yamls_path_names_the_task(tiny_llama, tmp_path):
-    """`--tasks DIR/task.yaml` (as lm-eval takes it): the folder is an include path, the task named by the file;
+    """`--tasks DIR/task.yaml` (as lm-eval's CLI takes it): the file read by itself, the task named by it;
     a path that is no file, or a YAML defining no task, is refused naming the file."""
     folder = gen_task(tmp_path / "tasks", ["\n"])
     out = measure(tiny_llama, tmp_path / "m", "--tasks", folder / "gen.yaml", "--limit", "1")
