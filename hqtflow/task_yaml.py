@@ -18,8 +18,12 @@ def load_task_yaml(path: str | Path, *, resolve_functions: bool = True) -> dict:
     """The task (or group) config of the YAML at `path` as lm-eval's CLI passes it to `simple_evaluate`: its `include:`
     chain merged and its `!function`s imported (lm-eval's `load_yaml`; with `resolve_functions=False`, left as the
     paths they name)."""
-    from lm_eval.tasks._yaml_loader import load_yaml
+    try:
+        from lm_eval.tasks._yaml_loader import load_yaml
+    except ImportError:  # lm-eval before its task-loader rewrite: the same reader, in lm_eval.utils
+        from lm_eval.utils import load_yaml_config
 
+        return load_yaml_config(yaml_path=str(path), mode="full" if resolve_functions else "simple")
     return load_yaml(path, resolve_func=resolve_functions)
 
 
