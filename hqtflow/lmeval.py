@@ -437,6 +437,14 @@ def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> tuple[dict
         missing = e.filename or (found.group(1) if found else str(e))
         raise CalibrationError(f"The data file {missing} of lm-eval task {_task_naming(missing, tasks, manager)} "
                                "does not exist.") from None
+    except Exception as e:  # datasets could not read a task's data file (empty, truncated, not its format)
+        from datasets.exceptions import DatasetGenerationError
+
+        if not isinstance(e, (DatasetGenerationError, StopIteration)):
+            raise
+        cause = e.__cause__ or e
+        raise CalibrationError(f"The data of lm-eval task {', '.join(tasks)} cannot be read: a data file is empty, cut "
+                               f"short or not in its format ({type(cause).__name__}: {str(cause)[:160]}).") from None
     results = {
         task: {metric_key(k): v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "alias"}
         for task, metrics in (res or {}).get("results", {}).items()

@@ -340,3 +340,25 @@ def test_context_length_of_rope_scalings():
     assert context_length({"max_position_embeddings": 163840, "rope_scaling": deepseek}) == (163840, "max_position_embeddings")
     llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
     assert context_length({"max_position_embeddings": 131072, "rope_scaling": llama3})[0] == 131072
+
+
+@pytest.mark.parametrize("data", [b"", b'{"text": "The tower is tall"}\n{"text": "The riv', bytes(range(256))])
+def test_a_user_tasks_unreadable_data_is_one_sentence(data, tiny_llama, tmp_path):
+    """A task's data file that is empty, cut short or not JSON: exit 5 naming the task, nothing written (datasets
+    raised DatasetGenerationError or StopIteration through lm-eval)."""
+    (tmp_path / "d.jsonl").write_bytes(data)
+    (tmp_path / "t.yaml").write_text(f"""task: tl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {tmp_path / 'd.jsonl'}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{text}}}}"
+doc_to_target: " tall"
+metric_list:
+  - metric: perplexity
+""")
+    r = run_cli("measure", tiny_llama, "-o", tmp_path / "m", "--tasks", tmp_path / "t.yaml", "--limit", "2")
+    assert r.exit_code == 5 and "The data of lm-eval task tl cannot be read" in r.stderr, r.output
+    assert not (tmp_path / "m").exists() and r.stderr.strip().splitlines()[-1].startswith("Error: The data of lm-eval task tl")
