@@ -2,7 +2,9 @@
 (config.json, hqtflow.models.context_length), a given limit is checked against it and the limits against each other.
 
 `check` runs on the limits given (the CLI, before anything is read); `fit` fills the defaults from the context and
-runs every check (before the model is loaded, from its config.json, and again on the model loaded)."""
+runs every check (before the model is loaded, from its config.json, and again on the model loaded). Unlike TGI 2's
+launcher, a max_batch_prefill_tokens below max_input_tokens is accepted: the engine prefills a longer prompt in chunks
+over several steps, beside the decoding sequences (chunked prefill)."""
 
 from __future__ import annotations
 
@@ -40,8 +42,6 @@ def check(s: ServeSettings) -> None:
         raise ConfigError(f"{s.named('max_input_tokens')} ({inp}) must be less than {s.named('max_total_tokens')} ({total}).")
     if given("max_batch_total_tokens", "max_total_tokens") and kv < total:
         raise ConfigError(f"{s.named('max_batch_total_tokens')} ({kv}) must be at least {s.named('max_total_tokens')} ({total}).")
-    if given("max_batch_prefill_tokens", "max_input_tokens") and prefill < inp:
-        raise ConfigError(f"{s.named('max_batch_prefill_tokens')} ({prefill}) must be at least {s.named('max_input_tokens')} ({inp}).")
     if given("max_batch_prefill_tokens", "max_batch_total_tokens") and prefill > kv:
         raise ConfigError(f"`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. Given: {prefill} and {kv} "
                           f"({s.named('max_batch_prefill_tokens')}, {s.named('max_batch_total_tokens')}).")

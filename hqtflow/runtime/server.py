@@ -106,7 +106,8 @@ def request_guard(s: ServeSettings, metrics: Metrics):
 
 
 def warm_up(engine: Engine, tokenizer, s: ServeSettings, state: dict) -> None:
-    """Run each bucketed prefill length once (and one decode at the smallest batch bucket), then report healthy;
+    """Run each bucketed prefill length once (and one decode at the smallest batch bucket; a prompt longer than
+    --max-batch-prefill-tokens runs in chunks, so chunks with a past run too), then report healthy;
     stop at the first run that fails (the engine stopped because the server is shutting down, which must not wait on
     this thread; or a shape that cannot run, logged): /health then never reports ready."""
     step = max(1, s.pad_sequence_to_multiple_of)

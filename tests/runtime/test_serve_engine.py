@@ -527,6 +527,54 @@ def test_chunked_prefill_runs_beside_decoding_streams(lm16):
     assert [[e.token.id for e in o] for o in both] == [[e.token.id for e in r] for r in (ref[0], ref[2])]
 
 
+def test_a_long_prompt_in_chunks_equals_it_whole_and_running_streams_decode_between_chunks(lm):
+    """A prefill budget below the prompt's length: the long prompt is prefilled over several steps, each of which
+    also gives the running stream a token (the step plan, not timing); its tokens, logprobs and prompt logprobs equal
+    those of the prompt prefilled whole."""
+    model, tok = lm
+    long_prompt = ids(tok, " ".join(PROMPTS * 3))
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, prompt_logprobs=2, top_n=2)
+    whole = run_all(Engine(model, tok, max_prefill_tokens=4096), [(long_prompt, params)])[0]
+    eng = Engine(model, tok, max_prefill_tokens=16)
+    plans = []
+    schedule = eng._schedule
+    eng._schedule = lambda: plans.append(plan := schedule()) or plan
+    stream, chunked = [], []
+    running = eng.submit(ids(tok, PROMPTS[0]), SamplingParams(max_new_tokens=40, ignore_eos=True), stream.append)
+    eng.step()
+    long = eng.submit(long_prompt, params, chunked.append)
+    while eng.step():
+        pass
+    prefill_steps = [dict((r, n) for r, n in p) for p in plans[1:] if any(r is long and n > 1 for r, n in p)]
+    assert len(prefill_steps) == -(-len(long_prompt) // 16) >= 3
+    assert all(p[long] <= 16 and p[running] == 1 for p in prefill_steps)  # a token for the stream in every chunk's step
+    assert [(e.token.id, e.token.text) for e in chunked] == [(e.token.id, e.token.text) for e in whole]
+    torch.testing.assert_close(torch.tensor([e.token.logprob for e in chunked]), torch.tensor([e.token.logprob for e in whole]),
+                               rtol=1e-4, atol=1e-4)
+    assert [[t for t, _ in e.token.top] for e in chunked] == [[t for t, _ in e.token.top] for e in whole]
+    got, want = chunked[-1].prompt, whole[-1].prompt
+    assert len(got) == len(want) == len(long_prompt) and got[0] == want[0] == (None, [])
+    torch.testing.assert_close(torch.tensor([lp for lp, _ in got[1:]]), torch.tensor([lp for lp, _ in want[1:]]),
+                               rtol=1e-4, atol=1e-4)
+    assert [[t for t, _ in top] for _, top in got] == [[t for t, _ in top] for _, top in want]
+    # a pool too small for both: the stream's next block preempts the long prompt between its chunks; recomputed
+    # from its first chunk, it gives the same answer (its prompt logprobs scored once)
+    stream_prompt = ids(tok, PROMPTS[3])
+    stream_prompt = stream_prompt + stream_prompt[:15 - len(stream_prompt) % 16]  # it needs a block two steps on
+    blocks = sum(-(-(len(x) + 1) // 16) for x in (stream_prompt, long_prompt))  # what both need when admitted
+    eng = Engine(model, tok, max_prefill_tokens=16, max_batch_total_tokens=16 * blocks)
+    partial = []
+    preempt = eng._preempt
+    eng._preempt = lambda req: (partial.append(0 < req.computed < len(req.input_ids)), preempt(req))
+    eng.submit(stream_prompt, SamplingParams(max_new_tokens=40, ignore_eos=True), stream.append)
+    eng.step()
+    long = eng.submit(long_prompt, params, chunked.clear() or chunked.append)
+    while eng.step():
+        pass
+    assert long.preempted and partial[0], partial
+    assert [e.token.id for e in chunked] == [e.token.id for e in whole] and len(chunked[-1].prompt) == len(long_prompt)
+
+
 def test_seeded_request_alone_equals_inside_a_busy_batch(lm16):
     """Sampling with a seed: the same request gives the same tokens alone and among 7 other requests (greedy and
     sampled, different lengths, joining at different steps)."""

@@ -30,6 +30,20 @@ def test_defaults_come_from_the_models_context_as_tgis():
     assert limits.fit(fitted, (64, CONTEXT)) == fitted  # create_app fits what serve() fitted: nothing changes
 
 
+def test_a_prefill_budget_below_the_input_limit_chunks_long_prompts(tiny_llama):
+    """--max-batch-prefill-tokens below --max-input-tokens is accepted (TGI 2's launcher refuses it, which left
+    chunked prefill with nothing to chunk): the engine gets it as its chunk and step budget."""
+    from hqtflow import models
+
+    assert sizes(limits.fit(ServeSettings(max_batch_prefill_tokens=16), (64, CONTEXT))) == (64, 63, 16)
+    r = run_cli("serve", "bf16", tiny_llama, "--max-batch-prefill-tokens", "16", "--max-input-tokens", "100",
+                "--port", "0")
+    assert r.exit_code == 2 and r.stderr.strip() == "Error: --port must be between 1 and 65535, not 0.", r.output
+    app = create_app(models.load_model(tiny_llama, "fp32"), models.load_tokenizer(tiny_llama),
+                     ServeSettings(max_batch_prefill_tokens=16, max_total_tokens=64))
+    assert app.state.engine.max_prefill_tokens == 16 and app.state.settings.max_input_tokens == 63
+
+
 def test_a_limit_beyond_the_context_or_the_kv_budget_is_refused():
     with pytest.raises(ConfigError) as e:
         limits.fit(ServeSettings(max_total_tokens=100), (64, CONTEXT))
