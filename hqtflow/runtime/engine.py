@@ -95,7 +95,8 @@ class Request:
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # params.logit_bias as (ids, values), made at its first step
     prompt: list | None = None
     t_submit: float = 0.0
-    t_admit: float | None = None
+    t_waiting: float | None = None  # when its current wait in the queue began (None while it runs)
+    waited: float = 0.0  # seconds of its finished waits in the queue: the first, and each after a preemption
     t_first: float | None = None
     blocks: list[int] = field(default_factory=list)  # block table in the engine's KVPool
     slot_table: torch.Tensor | None = None  # every slot of `blocks` in position order (Engine._slots)
@@ -108,6 +109,11 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def queue_time(self, now: float) -> float:
+        """Seconds it waited in the queue up to `now`: every wait, the first and each after a preemption (TGI's
+        x-queue-time and tgi_request_queue_duration; the rest since submission is inference time)."""
+        return self.waited + (now - self.t_waiting if self.t_waiting is not None else 0.0)
 
     def open_text(self, decode: Callable[[list[int]], str]) -> None:
         """Open the detokenization window at the prompt's last token, as TGI's prefix offset does: decoded after it,
@@ -241,7 +247,8 @@ class Engine:
         return sum(len(r.blocks) for r in self.active) * self.pool.block_size
 
     def submit(self, input_ids: list[int], params: SamplingParams, emit: Callable[[Event], None]) -> Request:
-        req = Request(list(input_ids), params, emit, t_submit=time.monotonic())
+        now = time.monotonic()
+        req = Request(list(input_ids), params, emit, t_submit=now, t_waiting=now)
         req.open_text(self._decode)
         if params.grammar is not None:
             from hqtflow.runtime.grammar import matcher
@@ -337,7 +344,7 @@ class Engine:
                 break
             self.pending.popleft()
             req.blocks, req.computed, req.slot_table = self.pool.allocate(need), 0, None
-            req.t_admit = req.t_admit or time.monotonic()
+            req.waited, req.t_waiting = req.queue_time(time.monotonic()), None
             self.active.append(req)
         self.stats.max_running = max(self.stats.max_running, len(self.active))
 
@@ -346,6 +353,7 @@ class Engine:
         self.pool.free(req.blocks)
         req.blocks, req.computed, req.slot_table = [], 0, None
         req.preempted += 1
+        req.t_waiting = time.monotonic()
         self.stats.preemptions += 1
         self.active.remove(req)
         with self._cv:

@@ -52,7 +52,7 @@ class Metrics:
         secs = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60)
         toks = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
         self.duration = Histogram("tgi_request_duration", "End-to-end request seconds", buckets=secs, registry=r)
-        self.queue = Histogram("tgi_request_queue_duration", "Seconds a sequence waited before its prefill", buckets=secs, registry=r)
+        self.queue = Histogram("tgi_request_queue_duration", "Seconds a sequence waited in the queue (before its prefill and after each preemption)", buckets=secs, registry=r)
         self.per_token = Histogram("tgi_request_mean_time_per_token_duration", "Mean seconds per generated token after the first",
                                    buckets=secs, registry=r)
         self.generated = Histogram("tgi_request_generated_tokens", "Generated tokens per request", buckets=toks, registry=r)
@@ -77,11 +77,11 @@ class Metrics:
         self.counters.inc("tgi_request_success")
         self.duration.observe(seconds)
         self.generated.observe(sum(counts))
+        now = time.monotonic()
         for h, n in zip(handles, counts):
-            if h.t_admit is not None:
-                self.queue.observe(h.t_admit - h.t_submit)
+            self.queue.observe(h.queue_time(now))
             if h.t_first is not None and n > 1:
-                self.per_token.observe((time.monotonic() - h.t_first) / (n - 1))
+                self.per_token.observe((now - h.t_first) / (n - 1))
 
     def render(self) -> bytes:
         return self.counters.render().encode() + generate_latest(self.registry)

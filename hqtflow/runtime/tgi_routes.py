@@ -106,15 +106,17 @@ def tgi_router(ctx: Ctx) -> APIRouter:
 
     def timing_headers(start: float, seq: Sequence, inputs: str, n_input: int) -> dict[str, str]:
         """TGI's headers of a /generate answer: its times in ms (x-compute-time in s), from the request's arrival,
-        its submission to the engine (validation done), its admission to the batch (queue done), and now."""
+        its submission to the engine (validation done), and now; queue time is every wait in the queue (after a
+        preemption too), inference time the rest."""
         h, now = seq.handle, time.monotonic()
-        admitted = h.t_admit or h.t_submit
+        queued = h.queue_time(now)
+        inference = now - h.t_submit - queued
         n = max(len(seq.tokens), 1)
         ms = lambda seconds: str(int(max(seconds, 0.0) * 1000))  # noqa: E731
         return {"x-compute-type": ctx.engine.device.type, "x-compute-time": f"{now - start:.6f}",
                 "x-compute-characters": str(len(inputs)), "x-total-time": ms(now - start),
-                "x-validation-time": ms(h.t_submit - start), "x-queue-time": ms(admitted - h.t_submit),
-                "x-inference-time": ms(now - admitted), "x-time-per-token": ms((now - admitted) / n),
+                "x-validation-time": ms(h.t_submit - start), "x-queue-time": ms(queued),
+                "x-inference-time": ms(inference), "x-time-per-token": ms(inference / n),
                 "x-prompt-tokens": str(n_input), "x-generated-tokens": str(len(seq.tokens))}
 
     async def generate_stream_response(req: TgiRequest) -> StreamingResponse:

@@ -468,6 +468,32 @@ def test_paged_cache_admits_by_free_blocks_and_preempts(lm16):
     assert ev[-1].error and "does not fit in the KV cache" in ev[-1].error
 
 
+def test_queue_time_counts_every_wait_after_a_preemption_too(lm16, monkeypatch):
+    """A request's queue time (x-queue-time, tgi_request_queue_duration) is all the time it waited in the queue: the
+    first wait and each one after a preemption (only the first counted, so a preempted request's waits showed as
+    inference time). A clock that ticks a second per step: each second a request spent waiting counts once."""
+    import types
+
+    from hqtflow.runtime import engine as engine_module
+
+    clock = [0.0]
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0], perf_counter=time.perf_counter))
+    model, tok = lm16
+    eng = Engine(model, tok, max_batch_total_tokens=64, block_size=16)
+    reqs = [eng.submit(ids(tok, p), SamplingParams(max_new_tokens=20, ignore_eos=True), lambda ev: None) for p in PROMPTS]
+    waits, first_waits = [0] * len(reqs), [None] * len(reqs)
+    while eng.step():
+        for i, req in enumerate(reqs):
+            if req in eng.pending:
+                waits[i] += 1
+            elif first_waits[i] is None:
+                first_waits[i] = waits[i]
+        clock[0] += 1.0
+    assert all(r.finished for r in reqs) and any(r.preempted for r in reqs)
+    assert [r.queue_time(clock[0]) for r in reqs] == waits
+    assert any(r.preempted and w > f for r, w, f in zip(reqs, waits, first_waits))  # waits after a preemption count
+
+
 def test_identical_requests_are_distinct_under_preemption(lm16):
     """Requests equal field by field (same prompt, same params object, same callback) are still distinct requests:
     preemption takes the newest one, and every one of them gets its whole answer."""
