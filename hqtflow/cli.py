@@ -724,8 +724,10 @@ def _serve_command(kind: str, doc: str):
                   backend=backend, dtype=dtype, inc_device=inc_device, config=config,
                   scale_method=scale_method, device=device if inc_device is None else None)
         except KeyboardInterrupt as e:  # uvicorn shut down cleanly, then re-raised the signal (SIGINT or SIGTERM)
+            from hqtflow.runtime.server import exit_now
+
             typer.echo("Server stopped.", err=True)
-            raise typer.Exit(128 + getattr(e, "signum", 2)) from None
+            exit_now(128 + getattr(e, "signum", 2))
 
 
 _serve_command("fp8", "Serve an FP8 checkpoint with continuous batching.")

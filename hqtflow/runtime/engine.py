@@ -225,16 +225,16 @@ class Engine:
             self._abort = reason
             self._cv.notify()
 
-    def stop(self) -> None:
-        """Stop the engine thread: requests still running or waiting, and any submitted later, end with an error
-        (so a blocking generate() returns)."""
+    def stop(self, wait: float = 30.0) -> None:
+        """Stop the engine thread, waiting at most `wait` seconds for its step to end: requests still running or
+        waiting, and any submitted later, end with an error (so a blocking generate() returns)."""
         with self._cv:
             self._stop = True
             self._cv.notify()
             if self._thread is None:  # stepped from the caller's thread (bench): no loop is left to end them
                 self._end_all(STOPPED)
         if self._thread:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=wait)
 
     @property
     def capacity_tokens(self) -> int:

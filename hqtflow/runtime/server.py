@@ -122,7 +122,8 @@ def warm_up(engine: Engine, tokenizer, s: ServeSettings, state: dict) -> None:
 
 
 def lifespan(engine: Engine, tokenizer, s: ServeSettings, state: dict):
-    """The engine thread runs while the app does; with warmup, the shapes are run in the background at start."""
+    """The engine thread runs while the app does; with warmup, the shapes are run in the background at start. At
+    the end, the engine's step is waited for until the shutdown deadline a signal set (`app.state.deadline`)."""
 
     @asynccontextmanager
     async def run(_app):
@@ -136,7 +137,8 @@ def lifespan(engine: Engine, tokenizer, s: ServeSettings, state: dict):
         if s.warmup:
             asyncio.get_running_loop().run_in_executor(None, warm_up, engine, tokenizer, s, state)
         yield
-        engine.stop()
+        deadline = getattr(_app.state, "deadline", None)
+        engine.stop(wait=30.0 if deadline is None else max(0.0, deadline - time.monotonic()))
 
     return run
 
@@ -289,6 +291,7 @@ def _run(app, sock) -> None:
 
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit:
+                app.state.deadline = time.monotonic() + timeout
                 grace = max(0.0, timeout - min(1.0, timeout / 2))  # the rest: the streams' error events go out
                 timer = threading.Timer(grace, app.state.engine.abort, args=("the server is shutting down",))
                 timer.daemon = True  # an idle server exits at once, without waiting for it
@@ -303,6 +306,21 @@ def _run(app, sock) -> None:
     logging.getLogger("uvicorn.error").info("Serving %s on http://%s:%d", app.state.model_id,
                                             f"[{host}]" if ":" in host else host, port)
     Server(config).run(sockets=[sock])
+
+
+def exit_now(code: int) -> None:
+    """End the process with `code` once the server has stopped, without the interpreter's teardown: freeing every
+    object of torch, transformers and the model takes 1-3 s of CPU, which ran past --shutdown-timeout. The atexit
+    handlers run and the logs and stdio are flushed first; the kernel frees the rest (a step the engine thread may
+    still be running ends with the process)."""
+    import atexit
+    import os
+    import sys
+
+    atexit._run_exitfuncs()  # what sys.exit would run (logging's flush, weakref finalizers' temporary files)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def uvicorn_config(app, **options):

@@ -214,7 +214,7 @@ def test_overloaded_server_answers_429_before_tokenizing_or_compiling(lm, monkey
 def test_a_signal_ends_running_streams_within_the_shutdown_timeout(tiny_llama_long, sig):
     """`hqtflow serve --shutdown-timeout 3`, SIGTERM (or SIGHUP: a closed terminal) with a long stream running: the
     stream ends with an error event saying the server is shutting down (not a cut connection, nor minutes more of
-    tokens), and the process exits 128 + the signal soon after."""
+    tokens), and the process exits 128 + the signal by the timeout (the interpreter's teardown took 1-3 s more)."""
     import signal
     import socket
     import subprocess
@@ -250,6 +250,7 @@ def test_a_signal_ends_running_streams_within_the_shutdown_timeout(tiny_llama_lo
         assert "shutting down" in events[-1].get("error", ""), events[-1]
         assert time.monotonic() - t_term < 10
         assert p.wait(timeout=30) == 128 + getattr(signal, sig), p.stderr.read()[-2000:]
+        assert time.monotonic() - t_term < 3 + 1.0  # the timeout, and a margin for a loaded machine
     finally:
         p.kill()
 
