@@ -1,11 +1,13 @@
 """What the machine computes fastest: its CPU's vector flags, and the high-precision dtype the runtime uses when the
 user has not chosen one ("auto"): bf16 on GPUs and on CPUs with native bf16 dot products (AVX512-BF16, AMX-BF16),
-fp32 on other CPUs, where bf16 matmuls are emulated and run several times slower than fp32."""
+fp32 on other CPUs, where bf16 matmuls are emulated and run several times slower than fp32. Also what it has free:
+`available_memory_bytes` (RAM, within the process's cgroup limit) and `free_disk_bytes`."""
 
 from __future__ import annotations
 
 import functools
 import platform
+import shutil
 from pathlib import Path
 
 BF16_NATIVE_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -65,3 +67,69 @@ def resolve_dtype(dtype: str | None, device: str = "cpu", name: str = "--dtype")
 
         raise ConfigError(f"Unknown {_said(name, dtype, quote=True)}; valid values are {', '.join(DTYPES)}.")
     return fastest_dtype(device) if dtype in (None, "auto") else dtype
+
+
+# ---- free resources (monkeypatched by tests) -------------------------------------------------------------
+def available_memory_bytes() -> int | None:
+    """The memory this process may still take: /proc/meminfo's MemAvailable, or less where a cgroup memory limit
+    (v2 memory.max, v1 memory.limit_in_bytes, of the process's group or an ancestor) leaves less; None where
+    neither is known."""
+    known = [n for n in (_meminfo_available(), _cgroup_headroom()) if n is not None]
+    return min(known) if known else None
+
+
+def free_disk_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+# (mount, limit file, usage file, reclaimable page cache counter in memory.stat) of cgroup v2 and v1
+CGROUP_MEMORY = ((Path("/sys/fs/cgroup"), "memory.max", "memory.current", "inactive_file"),
+                 (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+
+
+def _cgroup_headroom(proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """limit - (usage - inactive page cache) of the tightest memory cgroup above this process, None without a limit.
+    The usage counts page cache; its inactive part is reclaimed before the limit is hit (the working set kubelet
+    uses)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    best = None
+    for mount, limit_file, usage_file, cache_key in CGROUP_MEMORY:
+        v2 = limit_file == "memory.max"
+        rel = next((l.split(":", 2)[2] for l in lines if l.count(":") >= 2 and
+                    (l.split(":", 2)[:2] == ["0", ""] if v2 else "memory" in l.split(":", 2)[1].split(","))), None)
+        if rel is None:
+            continue
+        group = mount / rel.lstrip("/")
+        for d in [group, *group.parents]:  # the group and its ancestors: the tightest limit applies
+            if not d.is_relative_to(mount):
+                break
+            room = _group_headroom(d, limit_file, usage_file, cache_key)
+            if room is not None:
+                best = room if best is None else min(best, room)
+    return best
+
+
+def _group_headroom(d: Path, limit_file: str, usage_file: str, cache_key: str) -> int | None:
+    try:
+        limit = (d / limit_file).read_text().strip()
+        if limit == "max" or int(limit) >= 2**60:  # no limit (v1 writes it as a page-rounded 2^63 - 1)
+            return None
+        usage = int((d / usage_file).read_text())
+        stat = dict(l.split() for l in (d / "memory.stat").read_text().splitlines() if len(l.split()) == 2)
+    except (OSError, ValueError):
+        return None
+    return max(0, int(limit) - usage + int(stat.get(cache_key, 0)))

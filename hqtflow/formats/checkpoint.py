@@ -5,7 +5,8 @@ Its tensors are compressed-tensors FP8 (what config.json's `quantization_config`
   `TensorSpec` (largest items first, so every tensor is aligned), then each tensor is written to its offset, in any
   order and in row blocks, so memory does not grow with the file (`--disk-offload` streams its shards through it);
   `write_safetensors` writes tensors held in memory. `save_checkpoint` writes a converted model; shards are named by
-  `shard_names` and listed by `write_index`.
+  `shard_names` and listed by `write_index`. `check_free_disk`: both writers' refusal, before any tensor is written,
+  of a disk with less free space than the checkpoint takes (`checkpoint_bytes`, exact but for the small files).
 - Other runtimes' layouts (`hqtflow export`): `autofp8_tensors` (AutoFP8 / vLLM `fp8`), `inc_tensors` (Neural
   Compressor's huggingface QDQ layout), `requantize` between per-tensor and per-channel weight scales; `load_checkpoint`
   reads the `fp8` layout back.
@@ -48,11 +49,15 @@ class TensorSpec:
     shape: list[int]
 
     @property
-    def nbytes(self) -> int:
+    def numel(self) -> int:
         n = 1
         for d in self.shape:
             n *= d
-        return n * self.dtype.itemsize
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
 
 def _layout(specs: list[TensorSpec]) -> tuple[bytes, dict[str, int]]:
@@ -128,12 +133,54 @@ def write_config(out: Path, config, quantization_config: dict, generation_config
         generation_config.save_pretrained(out)
 
 
+def safetensors_bytes(specs: list[TensorSpec]) -> int:
+    """The size of the safetensors file `SafetensorsWriter` writes for `specs`: its header and the tensors' bytes."""
+    return len(_layout(specs)[0]) + sum(t.nbytes for t in specs)
+
+
+# the model folder's files a checkpoint carries over (written anew by transformers, about as large as there)
+CARRIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                 "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt")
+# the index, manifest and config.json's quantization_config hqtflow adds (a 70B model's index: ~100 KB) and the
+# file system's rounding of the ~20 files to its blocks
+SMALL_FILES_BYTES = 2**20
+
+
+def checkpoint_bytes(files: list[list[TensorSpec]], model_dir: Path) -> tuple[int, str]:
+    """The disk space a checkpoint of safetensors `files` (each file's tensors) made from `model_dir` takes, and what
+    it is made of: the safetensors files exactly, the carried files as large as in `model_dir`, SMALL_FILES_BYTES."""
+    tensors = sum(safetensors_bytes(f) for f in files)
+    carried = sum(f.stat().st_size for f in (Path(model_dir) / n for n in CARRIED_FILES) if f.is_file())
+    how = (f"{_mb(tensors)} of safetensors files, {_mb(carried)} of tokenizer and config files and "
+           f"{_mb(SMALL_FILES_BYTES)} for the index and manifest")
+    return tensors + carried + SMALL_FILES_BYTES, how
+
+
+def check_free_disk(out: Path, files: list[list[TensorSpec]], model_dir: Path) -> None:
+    """Refuse (ResourceError, one sentence) when the file system of `out` (a folder to be written, or being written)
+    has less free space than the checkpoint takes (`checkpoint_bytes`)."""
+    from hqtflow import hardware
+
+    need, how = checkpoint_bytes(files, model_dir)
+    parent = Path(out).resolve().parent
+    free = hardware.free_disk_bytes(parent)
+    if free < need:
+        raise errors.ResourceError(f"Not enough free disk space in {parent} for the FP8 checkpoint: {_mb(need)} is "
+                                   f"needed ({how}) and {_mb(free)} is free.")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
 def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_channel: bool, static_input: bool,
-                    kv_cache: bool = False, dynamic: ScaleMethod | None = None) -> None:
+                    kv_cache: bool = False, dynamic: ScaleMethod | None = None, carried_from: Path | None = None) -> None:
     """compressed-tensors FP8 safetensors + config.json with its quantization_config.
 
     `dynamic`: the dynamic method the FP8Linears run (`dynamic: true`, strategy token or tensor; an INC method's
-    rule is recorded under INC_DYNAMIC_KEY)."""
+    rule is recorded under INC_DYNAMIC_KEY). `carried_from`: the model folder whose tokenizer the caller writes next;
+    the free disk is checked for the whole checkpoint before any tensor is written (`check_free_disk`)."""
     from hqtflow.formats.compressed_tensors import quantization_config
     from hqtflow.formats.hf_names import disk_module_names, to_disk_names
     from hqtflow.quantize.experts import Experts
@@ -153,6 +200,8 @@ def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_chann
     if experts:  # MoE experts one Linear pair each: under the checkpoint's own names (gate and up apart)
         state = to_disk_names(model, state, experts)
         ignore = disk_module_names(model, ignore, experts)
+    if carried_from is not None:
+        check_free_disk(out, [[TensorSpec(k, t.dtype, list(t.shape)) for k, t in state.items()]], carried_from)
     write_safetensors(out / "model.safetensors", state)
     kind = rule = None
     if dynamic is not None:

@@ -13,45 +13,36 @@ Output: `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards of at 
 data each (a single tensor larger than that gets a shard of its own) plus `model.safetensors.index.json`. The
 default shard size is DEFAULT_SHARD_SIZE (512 MiB). Each shard is a `SafetensorsWriter`: its header is computed up
 front (every output shape and dtype is known from the plan), so tensors are written to their offsets one at a time
-and memory does not grow with the shard size. Peak anonymous memory is about one weight in bf16 (for its maxabs)
-plus a chunk of QUANT_CHUNK_ELEMS elements in float32, on top of the torch/transformers import baseline.
+and memory does not grow with the shard size. The source
+tensors are memory-mapped, so a step holds in anonymous memory only its temporaries (`step_memory`): for the default
+maxabs methods on a bf16 model 5 bytes per element of the weight being quantized (the finiteness check), on top of
+the torch/transformers import baseline.
 
-Before anything is written, free memory (/proc/meminfo MemAvailable) and free disk (of the output's parent) are
-checked; `free_memory_bytes` and `free_disk_bytes` are the probes (tests monkeypatch them).
+Before anything is written, free memory (`hqtflow.hardware.available_memory_bytes`: MemAvailable, within the cgroup
+limit) is checked against the largest step plus MEMORY_MARGIN, and free disk (of the output's parent) against the
+checkpoint's size (`hqtflow.formats.checkpoint.check_free_disk`, which the in-memory path uses too).
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from hqtflow import hardware
 from hqtflow.errors import ModelError, ResourceError
-from hqtflow.formats.checkpoint import ST_DTYPES, SafetensorsWriter, TensorEntry, TensorFiles, TensorSpec, shard_names
+from hqtflow.formats.checkpoint import (ST_DTYPES, SafetensorsWriter, TensorEntry, TensorFiles, TensorSpec,
+                                        check_free_disk, shard_names)
 from hqtflow.formats.hf_names import Mapping, disk_keys, disk_module_names, loaded_twice, split, split_shape
 
 DEFAULT_SHARD_SIZE = 512 * 2**20  # bytes of tensor data per output file
 QUANT_CHUNK_ELEMS = 1 << 20  # weights are cast to FP8 in row blocks of about this many elements
-MEMORY_MARGIN = 256 * 2**20  # working memory besides the largest tensor (interpreter, headers, the plan)
-
-# ---- resource probes (monkeypatched by tests) ----------------------------------------------------
-def free_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo, in bytes; None where there is no /proc."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def free_disk_bytes(path: Path) -> int:
-    return shutil.disk_usage(path).free
+# what grows after the check besides the largest step: the tokenizer, write buffers, allocator slack (measured:
+# 34 MiB on a 0.85 GB Llama)
+MEMORY_MARGIN = 64 * 2**20
+BLOCK_BYTES = 9  # per element of a row block cast to FP8: float32 x, float32 x / s, the codes
 
 
 def _gb(n: int) -> str:
@@ -111,6 +102,20 @@ class Unit:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.outputs)
 
+    @property
+    def weight(self) -> TensorSpec:
+        """What the unit reads, in the model dtype: the weight to quantize or the tensor to copy."""
+        if self.kind != "quant":
+            return self.outputs[0]
+        return TensorSpec(self.outputs[0].key, self.outputs[1].dtype, self.outputs[0].shape)
+
+    @property
+    def copies_source(self) -> bool:
+        """Whether the source becomes anonymous memory: cast to another dtype, or an expert gathered from parts
+        (else it stays memory-mapped, file pages, and is written from there)."""
+        sources = [self.source] if self.parts is None else [e for e, _ in self.parts]
+        return len(sources) > 1 or any(e.dtype != ST_DTYPES[self.weight.dtype] for e in sources)
+
 
 @dataclass
 class OffloadPlan:
@@ -121,7 +126,6 @@ class OffloadPlan:
     shards: list[list[int]]  # unit indices per output file
     shard_names: list[str]
     total_bytes: int
-    largest_source_elems: int
     weight_only: bool
     per_channel: bool
     stats: dict = field(default_factory=dict)
@@ -260,7 +264,6 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
     fused = [n for n, m in skel.named_modules() if is_fused_experts(m)]
     experts = _expert_parts(skel, sources, renamed, merged, fused) if fused else {}
     units: list[Unit] = []
-    largest = 0
     for key, v in skel.state_dict().items():
         mod, _, leaf = key.rpartition(".")
         if mod in fused and leaf in ("gate_up_proj", "down_proj") and (mod in unfused or find(key) is None):
@@ -279,7 +282,6 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
             if mod not in unfused:  # kept fused (blocklisted): the 3-D tensor, gathered expert after expert
                 units.append(Unit("copy", [TensorSpec(key, v.dtype, list(v.shape))],
                                   parts=[part for e in range(v.shape[0]) for part in parts[e]]))
-                largest = max(largest, v.numel())
                 continue
             for e in range(v.shape[0]):
                 name, (out_f, in_f) = f"{mod}.{e}.{leaf}", v.shape[1:]
@@ -291,7 +293,6 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
                     units.append(Unit("quant", outs, module=name, parts=parts[e]))
                 else:
                     units.append(Unit("copy", [TensorSpec(f"{name}.weight", v.dtype, [out_f, in_f])], parts=parts[e]))
-                largest = max(largest, out_f * in_f)
             continue
         if mod in quant:
             if leaf != "weight":
@@ -310,7 +311,6 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
                 bias_src = need(f"{mod}.bias", lin.bias.shape)
                 outs.append(TensorSpec(f"{mod}.bias", hp, [out_f]))
             units.append(Unit("quant", outs, src, bias_src, mod))
-            largest = max(largest, out_f * in_f)
         elif tied and not untie and key == f"{lm_name}.weight":
             continue  # tied to the embedding: not stored, as save_checkpoint does
         else:
@@ -320,7 +320,6 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
                 continue
             src = need(key, v.shape)
             units.append(Unit("copy", [TensorSpec(key, v.dtype, list(v.shape))], src))
-            largest = max(largest, v.numel())
     used = {e.key for u in units for e in [u.source, u.bias_source, *(pe for pe, _ in u.parts or ())] if e is not None}
     if tied:  # a tied lm_head stored anyway is not loaded (nor quantized from: the embedding is)
         used |= {emb_key, f"{lm_name}.weight", f"{prefix}.{lm_name}.weight"}
@@ -351,22 +350,48 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
         shards[-1].append(i)
         size += u.nbytes
     return OffloadPlan(model_dir, config, _generation_config(model_dir, skel), units, shards, shard_names(len(shards)),
-                       sum(u.nbytes for u in units), largest, weight_only, per_channel, {"ignore": list(ignore)})
+                       sum(u.nbytes for u in units), weight_only, per_channel, {"ignore": list(ignore)})
 
 
-def check_resources(p: OffloadPlan, output: Path) -> None:
-    """Refuse, in one sentence, when free memory or free disk is not enough for the plan."""
-    need_mem = 3 * 4 * p.largest_source_elems + MEMORY_MARGIN  # the largest tensor in fp32, three times
-    avail = free_memory_bytes()
-    if avail is not None and avail < need_mem:
-        raise ResourceError(f"Not enough free memory for --disk-offload: about {_gb(need_mem)} is needed "
-                           f"(3x the largest tensor in float32 plus a margin) and {_gb(avail)} is available.")
-    parent = Path(output).resolve().parent
-    need_disk = p.total_bytes + 64 * 2**20  # FP8 weights, copied tensors, headers, tokenizer and config
-    free = free_disk_bytes(parent)
-    if free < need_disk:
-        raise ResourceError(f"Not enough free disk space in {parent} for the FP8 checkpoint: about {_gb(need_disk)} "
-                           f"is needed and {_gb(free)} is free.")
+def step_memory(u: Unit, *, hp_dtype: torch.dtype, opt_weight: bool = False, gptq: bool = False) -> tuple[int, str]:
+    """The anonymous memory `write_offloaded` holds at once writing unit `u`, and the formula. With n the weight's
+    elements and b its dtype's bytes: the source as a copy when `u.copies_source` (n * b), else nothing (mapped);
+    for a quantized weight then the largest of what follows one after another, in bytes per element: the
+    finiteness check of `linear_scales` (w == w, |w|, |w| != inf, their and: 3 + b), a maxabs scale (w cast to
+    hp_dtype when it is another, and |w|: h or 2h), an OPT weight scale's candidate round trips (`opt_weight`: four
+    float32 temporaries and two in w's dtype, 16 + 2b; measured 17.7 on a bf16 Llama), GPTQ's weight in float32 transposed, permuted and rounded plus its result (`gptq`:
+    12 + b, and six float32 [in, in] matrices: the Hessian's copies and factors); plus a row block of
+    QUANT_CHUNK_ELEMS cast to FP8 (BLOCK_BYTES each)."""
+    n, b = u.weight.numel, u.weight.dtype.itemsize
+    held = n * b if u.copies_source else 0
+    if u.kind != "quant":
+        return held, f"{u.weight.key}: {n / 1e6:.1f}M elements x {b if held else 0} bytes"
+    h = hp_dtype.itemsize
+    maxabs = 2 * h if hp_dtype != u.weight.dtype else h
+    per = max(3 + b, maxabs, 16 + 2 * b if opt_weight else 0, 12 + b if gptq else 0) + (b if held else 0)
+    square = 6 * 4 * u.weight.shape[1] ** 2 if gptq else 0
+    how = f"{u.module}: {n / 1e6:.1f}M elements x {per} bytes" + (" plus its Hessian's factors" if gptq else "")
+    return n * per + square + BLOCK_BYTES * QUANT_CHUNK_ELEMS, how
+
+
+def memory_needed(p: OffloadPlan, *, hp_dtype: torch.dtype, opt_weight: bool = False,
+                  gptq: bool = False) -> tuple[int, str]:
+    """The memory `write_offloaded` needs on top of what the process holds now: its largest step (`step_memory`)
+    plus MEMORY_MARGIN; and the formula, in words."""
+    step, how = max((step_memory(u, hp_dtype=hp_dtype, opt_weight=opt_weight, gptq=gptq)
+                     for u in p.units if u.kind != "value"), default=(0, "no tensor"), key=lambda s: s[0])
+    return step + MEMORY_MARGIN, f"the largest step, {how}, plus {MEMORY_MARGIN >> 20} MiB"
+
+
+def check_resources(p: OffloadPlan, output: Path, *, hp_dtype: torch.dtype = torch.bfloat16, opt_weight: bool = False,
+                    gptq: bool = False) -> None:
+    """Refuse, in one sentence, when free memory (`memory_needed`) or free disk (`check_free_disk`) is not enough."""
+    need, how = memory_needed(p, hp_dtype=hp_dtype, opt_weight=opt_weight, gptq=gptq)
+    avail = hardware.available_memory_bytes()
+    if avail is not None and avail < need:
+        raise ResourceError(f"Not enough free memory for --disk-offload: about {_gb(need)} is needed ({how}) and "
+                            f"{_gb(avail)} is available (MemAvailable, within the cgroup's memory limit).")
+    check_free_disk(output, [[t for i in idx for t in p.units[i].specs] for idx in p.shards], p.model_dir)
 
 
 # ---- writing -------------------------------------------------------------------------------------
@@ -434,15 +459,16 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
 
 
 def prepare(model_dir: Path, plan: dict, output: Path, *, dtype: str, weight_only: bool, per_channel: bool,
-            shard_size: int | None = None, extra_values: dict[str, torch.Tensor] | None = None) -> OffloadPlan:
-    """The plan for `run.quantize` plus the resource checks, before any output is created."""
+            shard_size: int | None = None, extra_values: dict[str, torch.Tensor] | None = None,
+            hp_dtype: torch.dtype = torch.bfloat16, opt_weight: bool = False, gptq: bool = False) -> OffloadPlan:
+    """The plan for `run.quantize` plus the resource checks (`check_resources`), before any output is created."""
     p = plan_offload(model_dir, plan["quantize"], dtype=dtype, weight_only=weight_only, per_channel=per_channel,
                      shard_size=shard_size, extra_values=extra_values, unfused=plan.get("unfused", []),
                      ignore=plan["ignore"])
     p.stats["kv_cache"] = bool(extra_values)
-    check_resources(p, output)
+    check_resources(p, output, hp_dtype=hp_dtype, opt_weight=opt_weight, gptq=gptq)
     return p
 
 
-__all__ = ["DEFAULT_SHARD_SIZE", "check_resources", "free_disk_bytes", "free_memory_bytes",
-           "plan_offload", "prepare", "write_offloaded"]
+__all__ = ["DEFAULT_SHARD_SIZE", "check_resources", "memory_needed", "plan_offload", "prepare", "step_memory",
+           "write_offloaded"]

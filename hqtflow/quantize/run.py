@@ -315,6 +315,7 @@ def _offload_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
     """A checkpoint streamed from the model's files one tensor at a time (`--disk-offload`)."""
     from hqtflow import models
     from hqtflow.quantize.offload import prepare, write_offloaded
+    from hqtflow.scales import HP_DTYPES
 
     cfg, method = job.cfg, job.method.default
     kv_values = None
@@ -324,7 +325,8 @@ def _offload_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
         kv_values = kv_cache_scales(models.skeleton(job.model_dir), kv_stats, method, target=job.target,
                                     fp8=cfg.fp8_config, hp_dtype=cfg.hp_dtype)
     plan = prepare(job.model_dir, job.plan, Path(s.output), dtype=job.dtype, weight_only=s.weight_only,
-                   per_channel=method.weight.granularity == "PCS", extra_values=kv_values)
+                   per_channel=method.weight.granularity == "PCS", extra_values=kv_values,
+                   hp_dtype=HP_DTYPES[cfg.hp_dtype], opt_weight=method.weight.value == "OPT", gptq=job.hessians is not None)
 
     def write(tmp: Path):
         write_offloaded(plan, tmp, job.meas.ranks[0], method, target=job.target, fp8=cfg.fp8_config,
@@ -355,7 +357,8 @@ def _in_memory_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
                 kv_cache_scales(model, kv_stats, job.method.default, target=job.target, fp8=cfg.fp8_config,
                                 hp_dtype=cfg.hp_dtype)
         save_checkpoint(model, tmp, ignore=job.plan["ignore"], per_channel=per_channel,
-                        static_input=not s.weight_only, kv_cache=bool(kv_stats), dynamic=dynamic)
+                        static_input=not s.weight_only, kv_cache=bool(kv_stats), dynamic=dynamic,
+                        carried_from=job.model_dir)
         models.load_tokenizer(job.model_dir).save_pretrained(tmp)
         return ArtifactKind.CHECKPOINT, _checkpoint_data(s, job, dynamic, tmp)
     return write

@@ -284,15 +284,60 @@ def test_offload_tied_embeddings(tiny_factory, wiki_text, tmp_path, monkeypatch,
 
 
 def test_offload_refuses_low_memory(measured, tmp_path, monkeypatch):
-    monkeypatch.setattr(offload, "free_memory_bytes", lambda: 10 * 2**20)
+    from hqtflow import hardware
+
+    monkeypatch.setattr(hardware, "available_memory_bytes", lambda: 10 * 2**20)
     refused_quantize(["-m", measured, "-o", tmp_path / "out", "--disk-offload"], "Not enough free memory for --disk-offload", tmp_path, code=6)
 
 
-def test_offload_refuses_low_disk(measured, tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra", [("--disk-offload",), ()])
+def test_refuses_low_disk(measured, tmp_path, monkeypatch, extra):
+    from hqtflow import hardware
+
     seen = []
-    monkeypatch.setattr(offload, "free_disk_bytes", lambda p: seen.append(p) or 1000)
-    refused_quantize(["-m", measured, "-o", tmp_path / "out", "--disk-offload"], "Not enough free disk space", tmp_path, code=6)
-    assert seen == [tmp_path.resolve()]
+    monkeypatch.setattr(hardware, "free_disk_bytes", lambda p: seen.append(p) or 1000)
+    r = run_cli("quantize", "-m", measured, "-o", tmp_path / "out", *extra)
+    assert r.exit_code == 6 and f"Error: Not enough free disk space in {tmp_path.resolve()}" in r.stderr, r.stderr
+    assert seen == [tmp_path.resolve()] and list(tmp_path.iterdir()) == []  # the in-memory path's stage is gone
+
+
+@pytest.mark.parametrize("extra", [("--disk-offload",), ()])
+def test_free_disk_needed_is_the_checkpoint_size(measured, tmp_path, monkeypatch, extra):
+    """Both paths ask for the checkpoint's size: its safetensors files exactly, the tokenizer and config files as
+    large as the model's, and SMALL_FILES_BYTES for the index and manifest (a 64 MiB margin refused small disks)."""
+    from hqtflow import hardware
+    from hqtflow.formats import checkpoint
+
+    ref = _quantize(measured, tmp_path / "ref", *extra)
+    written = sum(f.stat().st_size for f in ref.iterdir())
+    tensors = sum(f.stat().st_size for f in ref.glob("*.safetensors"))
+    asked = []
+
+    def free(p):
+        asked.append(1)
+        return written + checkpoint.SMALL_FILES_BYTES
+
+    monkeypatch.setattr(hardware, "free_disk_bytes", free)
+    _quantize(measured, tmp_path / "out", *extra)
+    assert asked
+    with pytest.raises(Exception):  # one byte of tensors less is refused: the tensor bytes are counted exactly
+        monkeypatch.setattr(hardware, "free_disk_bytes", lambda p: tensors - 1)
+        _quantize(measured, tmp_path / "out2", *extra)
+
+
+def test_memory_estimate_names_the_largest_step(measured, tmp_path, monkeypatch):
+    """The estimate is the largest step's temporaries (5 bytes an element of a bf16 weight for maxabs: the
+    finiteness check) plus a row block and MEMORY_MARGIN; not 3x the largest tensor in float32 (a copied embedding)."""
+    from hqtflow import hardware
+
+    seen = []
+    monkeypatch.setattr(hardware, "available_memory_bytes", lambda: seen.append(1) or 10 * 2**20)
+    r = run_cli("quantize", "-m", measured, "-o", tmp_path / "out", "--disk-offload")
+    assert r.exit_code == 6 and seen
+    n = 128 * 64  # the tiny Llama's largest Linear (its MLP's)
+    need = 5 * n + offload.BLOCK_BYTES * offload.QUANT_CHUNK_ELEMS + offload.MEMORY_MARGIN
+    assert f"about {need / 1e9:.2f} GB is needed (the largest step, " in r.stderr, r.stderr
+    assert f"{n / 1e6:.1f}M elements x 5 bytes, plus 64 MiB)" in r.stderr, r.stderr
 
 
 def test_offload_not_with_scales_only(measured, tmp_path):
@@ -307,4 +352,14 @@ def test_resource_estimates(measured, tiny_llama):
     n_up = 128 * 64
     n_all = sum(t.numel() for t in _tensors(tiny_llama).values())
     assert p.total_bytes == n_up + 2 + 2 + 2 * (n_all - n_up)
-    assert p.largest_source_elems == max(t.numel() for t in _tensors(tiny_llama).values())
+    # bf16 copies are written from the mapped file (no memory); the quantized weight: 5 bytes an element (maxabs),
+    # 20 for an OPT weight scale, 5 + 2 when the source is another dtype
+    unit = next(u for u in p.units if u.kind == "quant")
+    block = offload.BLOCK_BYTES * offload.QUANT_CHUNK_ELEMS
+    assert offload.step_memory(unit, hp_dtype=torch.bfloat16)[0] == 5 * n_up + block
+    assert offload.step_memory(unit, hp_dtype=torch.bfloat16, opt_weight=True)[0] == 20 * n_up + block
+    assert all(offload.step_memory(u, hp_dtype=torch.bfloat16)[0] == 0 for u in p.units if u.kind == "copy")
+    p32 = offload.plan_offload(tiny_llama, ["model.layers.0.mlp.up_proj"], dtype="fp32", weight_only=False,
+                               per_channel=False)
+    copy = next(u for u in p32.units if u.kind == "copy")
+    assert offload.step_memory(copy, hp_dtype=torch.bfloat16)[0] == 4 * copy.weight.numel  # cast: a copy
