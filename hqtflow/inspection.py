@@ -600,16 +600,18 @@ def _write(path: Path, text: str) -> None:
 
 
 def _check_writable(path: Path | None, inputs=()) -> None:
-    import os
-
     if path is None:
         return
     for i in inputs:
         if i is not None and Path(path).resolve().is_relative_to(Path(i).resolve()):
             raise ArtifactError(f"Cannot write {path}: it lies inside the inspected artifact {i}, which is never modified.")
+    from hqtflow.formats.artifact import why_unwritable
+
     parent = Path(path).parent if str(Path(path).parent) else Path(".")
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ArtifactError(f"Cannot write {path}: its directory {parent} does not exist or is not writable.")
+    if not parent.is_dir():
+        raise ArtifactError(f"Cannot write {path}: its directory {parent} does not exist.")
+    if why := why_unwritable(parent):
+        raise ArtifactError(f"Cannot write {path}: its directory {parent} is not writable ({why}).")
     if Path(path).is_dir():
         raise ArtifactError(f"Cannot write {path}: it is a directory.")
 

@@ -333,8 +333,20 @@ def check_output_dir(out: Path, overwrite: bool, inputs=(), any_dir: bool = Fals
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ArtifactError(f"Cannot create the parent directory of {out} ({e.strerror}).") from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ArtifactError(f"Cannot write to {parent}: permission denied.")
+    if why := why_unwritable(parent):
+        raise ArtifactError(f"Cannot write to {parent}: {why}.")
+
+
+def why_unwritable(folder: Path) -> str | None:
+    """Why files cannot be created in `folder` ("read-only file system", "permission denied"), None if they can."""
+    if os.access(folder, os.W_OK | os.X_OK):
+        return None
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return "read-only file system"
+    except OSError:
+        pass
+    return "permission denied"
 
 
 @contextmanager

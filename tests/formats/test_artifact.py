@@ -1,6 +1,7 @@
 """Artifacts are written atomically with a manifest last, and refused when missing, partial, edited or newer."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,16 @@ def test_manifest_recording_a_path_that_is_not_utf8(tmp_path):
     _patch(out, model={"id": "m", "path": "\ud800"})
     with pytest.raises(ArtifactError, match="corrupt"):
         read_manifest(out, "hqtflow.test", 1)
+
+
+@pytest.mark.parametrize("flags, why", [(os.ST_RDONLY, "read-only file system"), (0, "permission denied")])
+def test_unwritable_parent_says_why(tmp_path, monkeypatch, flags, why):
+    """A read-only file system (EROFS) is named as such, not as a permission problem."""
+    from hqtflow.formats import artifact
+
+    real = os.statvfs
+    monkeypatch.setattr(artifact.os, "access", lambda p, mode: False)
+    monkeypatch.setattr(artifact.os, "statvfs", lambda p: type("S", (), {"f_flag": real(p).f_flag | flags if flags
+                                                                          else real(p).f_flag & ~os.ST_RDONLY})())
+    with pytest.raises(ArtifactError, match=f"Cannot write to {tmp_path}: {why}."):
+        artifact.check_output_dir(tmp_path / "out", False)
