@@ -260,10 +260,11 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
             more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
             raise ModelError(f"Cannot load the model in {path}: {meaning} {len(keys)} weights "
                              f"({', '.join(keys[:3])}{more}); the weights and config.json do not belong together.")
+    from hqtflow.formats.checkpoint import TensorFiles
     from hqtflow.formats.hf_names import loaded_twice
 
-    files = weight_files(path)
-    if twice := loaded_twice(model, [k for f in files for k in safetensors_header(f)[1] if k != "__metadata__"]):
+    stored = TensorFiles(path, error=ModelError).entries  # a tensor stored in two files is refused, naming both
+    if twice := loaded_twice(model, list(stored)):
         raise ModelError(f"{path} holds a weight twice, as {twice[0]} and {twice[1]}; the weights and config.json do "
                          "not belong together.")
     model.eval()

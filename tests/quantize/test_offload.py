@@ -197,6 +197,31 @@ def test_weight_files_are_those_transformers_reads(tiny_factory, tmp_path):
         offload.plan_offload(model, [], dtype="bf16", weight_only=False, per_channel=False)
 
 
+def test_tensor_in_two_shards_names_both_files(tiny_llama, tmp_path):
+    """A tensor stored in two shards is refused naming the two files (it named the tensor twice), by both paths."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hqtflow import models
+    from hqtflow.errors import ModelError
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    t = load_file(tiny_llama / "model.safetensors")
+    keys = sorted(t)
+    key = keys[0]
+    save_file({k: t[k] for k in keys[: len(keys) // 2]}, model / "model-00001-of-00002.safetensors")
+    save_file({k: t[k] for k in [key, *keys[len(keys) // 2:]]}, model / "model-00002-of-00002.safetensors")
+    weight_map = {k: f"model-0000{1 + (i >= len(keys) // 2)}-of-00002.safetensors" for i, k in enumerate(keys)}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    both = f"{key} is in both model-00001-of-00002.safetensors and model-00002-of-00002.safetensors"
+    with pytest.raises(ModelError, match=both):
+        models.load_model(model)
+    with pytest.raises(ModelError, match=both):
+        offload.plan_offload(model, [], dtype="bf16", weight_only=False, per_channel=False)
+
+
 def test_hub_cache_shards_and_tensors_transformers_drops(tiny_factory, tmp_path):
     """What transformers loads without a word must plan for --disk-offload and load in memory: a sharded model in
     the hub cache's layout (each shard a symlink into ../../blobs), the rotary inv_freq buffers older checkpoints
