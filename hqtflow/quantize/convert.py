@@ -17,14 +17,19 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def convert_model(model: nn.Module, names: list[str], meas: Measurement, method: ScaleMethod, *,
                   target: str, fp8: str, hp_dtype: str, weight_only: bool = False,
-                  round_weight=None) -> dict[str, dict]:
+                  round_weight=None, progress=None) -> dict[str, dict]:
     """Replace each named Linear by an FP8Linear with scales from `meas`; return the scales used.
     `round_weight(name, weight, weight_scale)`: the weight moved onto its FP8 grid (GPTQ); None: round to nearest.
+    `progress`: a `hqtflow.progress.Progress` advanced by each layer converted.
 
     `method` is one ScaleMethod or per-module rules (`hqtflow.scales.ScaleRules`: (name, type name) -> ScaleMethod). A dynamic method's
     activations are quantized at run time (its measured input statistics are not used)."""
+    from hqtflow.progress import Progress
+
     used = {}
     _untie_if_needed(model, names)
+    progress = progress or Progress(False)
+    progress.start("quantize", len(names), "layer")
     for name in names:
         lin = model.get_submodule(name)
         m = method(name, type(lin).__name__) if callable(method) else method
@@ -35,6 +40,8 @@ def convert_model(model: nn.Module, names: list[str], meas: Measurement, method:
         _set_module(model, name, FP8Linear.from_linear(lin, sc.weight, None if weight_only else sc.input, fp8,
                                                        dynamic=dynamic, weight=weight, inc_codes=m.inc_codes))
         used[name] = {"input": None if sc.input is None else float(sc.input), "weight": sc.weight.float().flatten().tolist()}
+        progress.advance(1)
+    progress.close()
     return used
 
 

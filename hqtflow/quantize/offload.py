@@ -396,9 +396,12 @@ def check_resources(p: OffloadPlan, output: Path, *, hp_dtype: torch.dtype = tor
 
 # ---- writing -------------------------------------------------------------------------------------
 def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8: str, hp_dtype: str,
-                    round_weight=None) -> dict:
+                    round_weight=None, progress=None) -> dict:
     """Write the shards, index, config.json and generation config of `p` into `out`; return timing stats.
-    `round_weight(name, weight, weight_scale)`: GPTQ's weight on its FP8 grid (one tensor at a time), or None."""
+    `round_weight(name, weight, weight_scale)`: GPTQ's weight on its FP8 grid (one tensor at a time), or None.
+    `progress`: a `hqtflow.progress.Progress` advanced by the bytes of each tensor written."""
+    from hqtflow.progress import Progress
+
     import time
 
     from hqtflow.formats.checkpoint import write_config, write_index
@@ -410,45 +413,51 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
     t0 = time.perf_counter()
     weight_map: dict[str, str] = {}
     read_bytes = 0
+    progress = progress or Progress(False)
+    progress.start("quantize", p.total_bytes, "B")
     with TensorFiles(p.model_dir, error=ModelError) as source, torch.no_grad():
         for name, idx in zip(p.shard_names, p.shards):
             outs = [t for i in idx for t in p.units[i].specs]
             with SafetensorsWriter(out / name, outs) as shard:
                 for i in idx:
                     u = p.units[i]
-                    if u.kind == "value":
-                        u.write(shard, u.outputs[0].key, u.value.to(u.outputs[0].dtype))
-                        continue
-                    src = u.read(source)  # memory-mapped: file pages, not anonymous memory (an expert's rows: a copy)
-                    read_bytes += u.source_bytes
-                    if u.kind == "copy":
-                        u.write(shard, u.outputs[0].key, src.to(u.outputs[0].dtype))
+                    try:
+                        if u.kind == "value":
+                            u.write(shard, u.outputs[0].key, u.value.to(u.outputs[0].dtype))
+                            continue
+                        src = u.read(source)  # memory-mapped: file pages, not anonymous memory (an expert's rows: a copy)
+                        read_bytes += u.source_bytes
+                        if u.kind == "copy":
+                            u.write(shard, u.outputs[0].key, src.to(u.outputs[0].dtype))
+                            del src
+                            continue
+                        hp = u.outputs[1].dtype
+                        w = src.to(hp)
                         del src
-                        continue
-                    hp = u.outputs[1].dtype
-                    w = src.to(hp)
-                    del src
-                    stats = None if p.weight_only else meas.nodes[u.module].inputs[0]
-                    sc = linear_scales(method, stats, w, target=target, fp8=fp8, hp_dtype=hp_dtype,
-                                       name=u.module)
-                    if round_weight is not None:
-                        w = round_weight(u.module, w, sc.weight)
-                    # FP8Linear.from_linear's own arithmetic (quantize_linear), streamed in row blocks
-                    q = quantize_linear(w, sc.weight, None if p.weight_only else sc.input, fp8,
-                                        rows=max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[1])), inc_codes=method.inc_codes)
-                    key = f"{u.module}.weight"
-                    if u.whole(key):
-                        shard.write_blocks(u.disk[key][0] if u.disk else key, q.weight_blocks)
-                    else:  # an expert's gate and up: one expert's FP8 weight, split in two
-                        u.write(shard, key, torch.cat(list(q.weight_blocks)))
-                    u.write(shard, f"{u.module}.weight_scale", q.weight_scale)
-                    if q.input_scale is not None:
-                        u.write(shard, f"{u.module}.input_scale", q.input_scale)
-                    if u.bias_source is not None:
-                        u.write(shard, f"{u.module}.bias", source.get(u.bias_source.key).to(hp))
-                        read_bytes += u.bias_source.nbytes
-                    del w
+                        stats = None if p.weight_only else meas.nodes[u.module].inputs[0]
+                        sc = linear_scales(method, stats, w, target=target, fp8=fp8, hp_dtype=hp_dtype,
+                                           name=u.module)
+                        if round_weight is not None:
+                            w = round_weight(u.module, w, sc.weight)
+                        # FP8Linear.from_linear's own arithmetic (quantize_linear), streamed in row blocks
+                        q = quantize_linear(w, sc.weight, None if p.weight_only else sc.input, fp8,
+                                            rows=max(1, QUANT_CHUNK_ELEMS // max(1, w.shape[1])), inc_codes=method.inc_codes)
+                        key = f"{u.module}.weight"
+                        if u.whole(key):
+                            shard.write_blocks(u.disk[key][0] if u.disk else key, q.weight_blocks)
+                        else:  # an expert's gate and up: one expert's FP8 weight, split in two
+                            u.write(shard, key, torch.cat(list(q.weight_blocks)))
+                        u.write(shard, f"{u.module}.weight_scale", q.weight_scale)
+                        if q.input_scale is not None:
+                            u.write(shard, f"{u.module}.input_scale", q.input_scale)
+                        if u.bias_source is not None:
+                            u.write(shard, f"{u.module}.bias", source.get(u.bias_source.key).to(hp))
+                            read_bytes += u.bias_source.nbytes
+                        del w
+                    finally:  # written (or the run stops, and the bar with it)
+                        progress.advance(u.nbytes)
             weight_map.update({t.key: name for t in outs})
+    progress.close()
     if len(p.shard_names) > 1:
         write_index(out, p.total_bytes, weight_map)
     qc = quantization_config(per_channel=p.per_channel, static_input=not p.weight_only, ignore=p.stats.get("ignore", []),

@@ -185,6 +185,7 @@ def weight_rounding(job: Job, *, show_progress: bool = True):
 
 def _convert(model, job: Job, *, weight_only: bool) -> None:
     """Swap the planned Linears for FP8Linear: the scale method(s), or HQT's SmoothQuant folded into the model."""
+    from hqtflow.progress import Progress
     from hqtflow.quantize.convert import convert_model
     from hqtflow.quantize.experts import unfuse_experts
 
@@ -198,7 +199,7 @@ def _convert(model, job: Job, *, weight_only: bool) -> None:
         convert_smoothquant(model, job.plan["quantize"], job.meas.ranks[0], job.method.default.name, **kw)
     else:
         convert_model(model, job.plan["quantize"], job.meas.ranks[0], job.method, weight_only=weight_only,
-                      round_weight=weight_rounding(job), **kw)
+                      round_weight=weight_rounding(job), progress=Progress(None), **kw)
 
 
 def quantize_in_memory(s: QuantizeSettings, dtype: str | None = None):
@@ -314,6 +315,7 @@ def _dynamic_rule(s: QuantizeSettings, job: Job):
 def _offload_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
     """A checkpoint streamed from the model's files one tensor at a time (`--disk-offload`)."""
     from hqtflow import models
+    from hqtflow.progress import Progress
     from hqtflow.quantize.offload import prepare, write_offloaded
     from hqtflow.scales import HP_DTYPES
 
@@ -330,7 +332,7 @@ def _offload_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
 
     def write(tmp: Path):
         write_offloaded(plan, tmp, job.meas.ranks[0], method, target=job.target, fp8=cfg.fp8_config,
-                        hp_dtype=cfg.hp_dtype, round_weight=weight_rounding(job))
+                        hp_dtype=cfg.hp_dtype, round_weight=weight_rounding(job), progress=Progress(None))
         models.load_tokenizer(job.model_dir).save_pretrained(tmp)
         return ArtifactKind.CHECKPOINT, {**_checkpoint_data(s, job, _dynamic_rule(s, job), tmp), "disk_offload": True}
     return write

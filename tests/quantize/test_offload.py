@@ -222,6 +222,21 @@ def test_tensor_in_two_shards_names_both_files(tiny_llama, tmp_path):
         offload.plan_offload(model, [], dtype="bf16", weight_only=False, per_channel=False)
 
 
+@pytest.mark.parametrize("extra, unit", [(("--disk-offload",), "B"), ((), "layer")])
+def test_quantize_shows_progress(measured, tmp_path, monkeypatch, extra, unit):
+    """Both paths show a bar (on a terminal): bytes written (--disk-offload) or layers converted (in memory)."""
+    import hqtflow.progress
+
+    class Shown(hqtflow.progress.Progress):
+        def __init__(self, enabled=True):
+            super().__init__(True)
+
+    monkeypatch.setattr(hqtflow.progress, "Progress", Shown)
+    r = run_cli("quantize", "-m", measured, "-o", tmp_path / "out", *extra)
+    assert r.exit_code == 0, r.output
+    assert re.search(rf"quantize: 100%.*{unit}", r.stderr), r.stderr
+
+
 def test_hub_cache_shards_and_tensors_transformers_drops(tiny_factory, tmp_path):
     """What transformers loads without a word must plan for --disk-offload and load in memory: a sharded model in
     the hub cache's layout (each shard a symlink into ../../blobs), the rotary inv_freq buffers older checkpoints
