@@ -475,12 +475,18 @@ def geometry(model) -> tuple[int, int, int]:
 
 
 def free_memory(device) -> tuple[int, str]:
-    """Bytes a KV cache may take on `device` now, and what they are: a CUDA GPU's free memory, else the available RAM."""
+    """Bytes a KV cache may take on `device` now, and what they are: a CUDA GPU's free memory, else the available RAM
+    (within a cgroup's memory limit, as a container's is)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.mem_get_info(device)[0], "free on the GPU"
-    import psutil
+    from hqtflow.hardware import available_memory_bytes
 
-    return psutil.virtual_memory().available, "of available RAM"
+    available = available_memory_bytes()
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    return available, "of available RAM"
 
 
 def gib(n: int) -> str:

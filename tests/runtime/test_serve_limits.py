@@ -102,6 +102,15 @@ def test_a_kv_cache_larger_than_the_memory_is_refused_before_allocating(tiny_lla
         and "GiB of available RAM" in error, r.stderr
 
 
+def test_a_cpu_kv_cache_is_sized_within_a_cgroups_memory_limit(monkeypatch):
+    """A container's memory limit bounds the KV cache as it bounds --disk-offload (MemAvailable ignores it)."""
+    from hqtflow import hardware
+    from hqtflow.runtime import paged
+
+    monkeypatch.setattr(hardware, "available_memory_bytes", lambda: 3 * 2**30)
+    assert paged.free_memory("cpu") == (3 * 2**30, "of available RAM")
+
+
 def test_a_kv_cache_the_allocator_refuses_is_one_sentence(monkeypatch):
     import torch
 
