@@ -1,7 +1,7 @@
 """hqtflow: an FP8 quantization workflow for LLMs (measure -> quantize -> (unify: N cards -> M) -> generate / eval /
 serve / export / inspect)."""
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 
 def load(path, **kwargs):

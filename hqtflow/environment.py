@@ -33,7 +33,7 @@ TGI_NOT_READ = ("QUANTIZE", "NUM_SHARD", "SHARDED", "SPECULATE", "DTYPE", "KV_CA
 
 
 def cache_dir() -> Path:
-    """Prepared models, the built CPU kernel and the compile cache (default ~/.cache/hqtflow)."""
+    """Prepared models, the built CPU kernel, the compile cache and weight digests (default ~/.cache/hqtflow)."""
     return Path(os.environ.get("HQTFLOW_CACHE") or Path.home() / ".cache" / "hqtflow")
 
 

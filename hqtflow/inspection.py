@@ -287,7 +287,7 @@ def _source_model(data: dict, fp: dict | None, dtype: str = "bf16"):
     from hqtflow import models
 
     try:
-        if fp and fp.get("id") and models.fingerprint(Path(path)).get("id") != fp.get("id"):
+        if fp and fp.get("id") and not models.same_model(fp, models.fingerprint(Path(path))):
             return None, f"source model {path} has changed since quantization (fingerprint differs); weight error not computed"
         from hqtflow.quantize.experts import unfuse_experts
 

@@ -361,49 +361,103 @@ def check_safetensors(path: Path, error: type[Exception] | None = None) -> None:
         raise error(f"{path} is not a valid safetensors file ({str(e).splitlines()[0]}).") from None
 
 
-def fingerprint(path: Path, *, sample_bytes: int = 4096, max_tensors: int = 256) -> dict:
-    """Identify a model without loading it: its config, its weight files' headers, and sampled tensor bytes.
+# The files beside config.json and the weights that decide what a model's checkpoint holds: what its tokenizer,
+# chat template and generation config are read from (quantize writes them into the checkpoint). Part of the
+# fingerprint, so `run` redoes its stages when one changes.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
+                   "chat_template.json")
+MODEL_SIDE_FILES = (*TOKENIZER_FILES, "generation_config.json")
+FINGERPRINT_SCHEME = 2  # 2: weights hashed whole; 1 (recorded without `scheme`, hqtflow <= 0.4.0): sampled bytes
 
-    Sampled bytes are the first `sample_bytes` of up to `max_tensors` tensors spread evenly over the files
-    (the same tensors every time), so two folders with the same shapes but other weights differ.
-    """
+
+def side_files(path: Path) -> list[Path]:
+    """The MODEL_SIDE_FILES a model folder holds, and its `additional_chat_templates/*.jinja`."""
+    path = Path(path)
+    return [*(path / n for n in MODEL_SIDE_FILES if (path / n).is_file()),
+            *sorted((path / "additional_chat_templates").glob("*.jinja"))]
+
+
+def content_files(path: Path) -> list[Path]:
+    """The files a model's weights are read from: its safetensors (weight_files) and their index, else (older
+    layouts) its .bin/.pt/.pth/.gguf files."""
+    path = Path(path)
+    files = weight_files(path)
+    if files:
+        return files + ([path / SAFETENSORS_INDEX] if (path / SAFETENSORS_INDEX).is_file() else [])
+    return sorted(p for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf") and p.is_file())
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's content, remembered in the hqtflow cache (`digests/`) under its resolved path, size,
+    mtime and inode, so a model's unchanged weights are read once, not by every stage (about 0.7 GB/s)."""
+    from hqtflow.formats.artifact import sha256_file, write_json_atomic
+
+    real = Path(path).resolve()
+    st = real.stat()
+    key = {"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+    entry = cache_dir() / "digests" / f"{hashlib.sha256(str(real).encode()).hexdigest()[:32]}.json"
+    try:
+        cached = json.loads(entry.read_text())
+        if isinstance(cached, dict) and cached.get("key") == key and isinstance(cached.get("sha256"), str):
+            return cached["sha256"]
+    except (OSError, ValueError, RecursionError):
+        pass  # none yet, or unreadable: computed below
+    digest = sha256_file(real)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(entry, {"key": key, "sha256": digest})
+    except OSError:  # a read-only cache: the digest is computed again next time
+        pass
+    return digest
+
+
+def _files_sha256(path: Path, files: list[Path], digest=None) -> str:
+    """One hash over the files' names (relative to `path`) and contents."""
+    from hqtflow.formats.artifact import sha256_file
+
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.relative_to(path).as_posix()}\0{(digest or sha256_file)(f)}\n".encode())
+    return h.hexdigest()
+
+
+def fingerprint(path: Path) -> dict:
+    """Identify a model without loading it: `id` hashes its config and the whole content of its weight files (their
+    digests cached: file_digest); `files_sha256` its tokenizer, chat template and generation config
+    (MODEL_SIDE_FILES). `run` compares all of it; `same_model` (quantize, inspect) the id.
+    `weights_header_sha256` (every .safetensors file's tensor names, shapes and dtypes) is computed as scheme 1 did,
+    to check a fingerprint an older hqtflow recorded."""
     path = Path(path)
     cfg = load_config(path)
     cfg_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
     headers = hashlib.sha256()
-    sample = hashlib.sha256()
-    files = sorted(path.glob("*.safetensors"))  # every one, as before weight_files: earlier artifacts' ids hold
-    entries = []
-    for f in files:
-        start, header = safetensors_header(f)
+    for f in sorted(path.glob("*.safetensors")):
         headers.update(f.name.encode())
-        headers.update(json.dumps({k: v for k, v in header.items() if k != "__metadata__"}, sort_keys=True).encode())
-        entries += [(f, start + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0], name)
-                    for name, info in sorted(header.items()) if name != "__metadata__"]
-    if not files:  # pytorch_model*.bin or other layouts: hash names and sizes, then the first bytes
-        for f in sorted(p for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf")):
-            headers.update(f"{f.name}:{f.stat().st_size}".encode())
-            entries.append((f, 0, f.stat().st_size, f.name))
-    step = max(1, len(entries) // max_tensors)
-    handles: dict[Path, Any] = {}
-    try:
-        for f, offset, size, name in entries[::step]:
-            fh = handles.setdefault(f, open(f, "rb"))
-            fh.seek(offset)
-            sample.update(name.encode())
-            sample.update(fh.read(min(size, sample_bytes)))
-    finally:
-        for fh in handles.values():
-            fh.close()
-    combined = hashlib.sha256((cfg_hash + headers.hexdigest() + sample.hexdigest()).encode()).hexdigest()
+        headers.update(json.dumps({k: v for k, v in safetensors_header(f)[1].items() if k != "__metadata__"},
+                                  sort_keys=True).encode())
+    weights = _files_sha256(path, content_files(path), file_digest)
     return {
-        "id": combined[:16],
+        "scheme": FINGERPRINT_SCHEME,
+        "id": hashlib.sha256((cfg_hash + weights).encode()).hexdigest()[:16],
         "config_sha256": cfg_hash,
+        "weights_sha256": weights,
         "weights_header_sha256": headers.hexdigest(),
-        "weights_sample_sha256": sample.hexdigest(),
+        "files_sha256": _files_sha256(path, side_files(path)),
         "model_type": cfg.get("model_type"),
         "architectures": cfg.get("architectures"),
     }
+
+
+def same_model(recorded: dict, current: dict) -> bool:
+    """Whether a fingerprint an artifact recorded names the model `current` fingerprints: the same id; one of scheme 1
+    (an older hqtflow's, whose id sampled the weights) the same config and weight headers, all it can still tell."""
+    if recorded.get("scheme") == current["scheme"]:
+        return recorded.get("id") == current["id"]
+    if recorded.get("scheme") is None:
+        return (recorded.get("config_sha256"), recorded.get("weights_header_sha256")) == \
+            (current["config_sha256"], current["weights_header_sha256"])
+    return False
 
 
 # ---- the embedded default model ---------------------------------------------------------------

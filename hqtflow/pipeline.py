@@ -122,6 +122,7 @@ def checkpoint_is_current(q) -> bool:
         return False
     return (not other_version(m.written_by) and _same_settings(m.data.get("settings", {}), asdict(q))
             and m.data.get("source_digest") == meas.digest()
+            and m.model == meas.manifest.model  # the model's fingerprint: its tokenizer files too
             and m.raw.get("config") == quant_config(q).to_dict())
 
 

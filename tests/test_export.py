@@ -48,11 +48,11 @@ def test_import_hqt_then_quantize(measured, tiny_llama, tmp_path):
     out = tmp_path / "imported"
     r = run_cli("import-hqt", gaudi, "-o", out, "--model", tiny_llama)
     assert r.exit_code == 0, r.output
-    m = read_manifest(out, "hqtflow.measurement", 1)
+    m = read_manifest(out, "hqtflow.measurement")
     assert m.data["provenance_known"] is False and m.data["world_size"] == 1 and m.data["observer"] == "maxabs"
     assert m.data["ranks"][0]["stem"] == "measure_hooks_maxabs" and m.data["ranks"][0]["layers"] == {}
     assert m.data["scale_files"] == ["measure_hooks_maxabs_MAXABS_HW.json"]
-    assert m.model["id"] == read_manifest(measured, "hqtflow.measurement", 1).model["id"]
+    assert m.model["id"] == read_manifest(measured, "hqtflow.measurement").model["id"]
     ck = tmp_path / "ck"
     r = run_cli("quantize", "-m", out, "-o", ck, "--scale-method", "maxabs_pow2")
     assert r.exit_code == 0, r.output
@@ -86,7 +86,7 @@ def test_import_hqt_refuses(measured, tmp_path):
     (two / "measure_hooks_maxabs_1_2.json").write_text(json.dumps({**js, "LocalRank": 1}))
     r = run_cli("import-hqt", two, "-o", tmp_path / "ok2")
     assert r.exit_code == 0, r.output
-    d = read_manifest(tmp_path / "ok2", "hqtflow.measurement", 1).data
+    d = read_manifest(tmp_path / "ok2", "hqtflow.measurement").data
     assert d["world_size"] == 2 and [x["stem"] for x in d["ranks"]] == ["measure_hooks_maxabs_0_2", "measure_hooks_maxabs_1_2"]
     npz = tmp_path / "npz"
     npz.mkdir()
@@ -120,7 +120,7 @@ def test_export_fp8_layout(checkpoint, tmp_path):
             assert torch.equal(w.to(torch.bfloat16), mod.dequantized_weight()), name
             assert t[f"{name}.input_scale"].item() == mod.input_scale.item()
     assert torch.equal(t["lm_head.weight"], src["lm_head.weight"])
-    assert (out / "tokenizer.json").is_file() and read_manifest(out, "hqtflow.export", 1).data["format"] == "fp8"
+    assert (out / "tokenizer.json").is_file() and read_manifest(out, "hqtflow.export").data["format"] == "fp8"
 
 
 def test_export_fp8_loads_back_identically(checkpoint, tmp_path):
@@ -261,7 +261,7 @@ def test_export_inc_layout_matches_inc(checkpoint, inc_reference, tmp_path):
     assert q["mode"] == "LOAD" and q["world_size"] == -1 and q["use_qdq"] == "True" and q["blocklist"]["names"] == ["lm_head"]
     assert json.loads((out / "quantization_config.json").read_text()) == q  # INC writes it beside config.json
     assert json.loads((inc_reference / "quantization_config.json").read_text()) == qr
-    assert (out / "tokenizer.json").is_file() and read_manifest(out, "hqtflow.export", 1).data["format"] == "inc"
+    assert (out / "tokenizer.json").is_file() and read_manifest(out, "hqtflow.export").data["format"] == "inc"
 
 
 def test_export_inc_loads_in_inc(inc, checkpoint, tmp_path):
@@ -274,7 +274,7 @@ def test_export_inc_loads_in_inc(inc, checkpoint, tmp_path):
     theirs = inc.load(str(out), format="huggingface", device="cpu")
     ours, tok = hqtflow.load(checkpoint, dtype="bf16")  # INC computes in bf16
     patched = {n for n, m in theirs.named_modules() if type(m).__name__ == "PatchedLinear"}
-    assert patched == set(read_manifest(out, "hqtflow.export", 1).data["quantized"])
+    assert patched == set(read_manifest(out, "hqtflow.export").data["quantized"])
     r = run_cli("generate", out, "-p", "x")  # INC's layout runs in INC, not in hqtflow's runtime
     assert r.exit_code == 3 and "runs in Neural Compressor" in r.stderr, r.output
     manifest = out / "hqtflow_manifest.json"  # a format this hqtflow does not know is named, not taken for INC's
@@ -314,7 +314,7 @@ def test_export_inc_per_channel_and_refusals(inc, measured, checkpoint, tmp_path
     pt = tmp_path / "pt"
     assert run_cli("export", pc, "--format", "compressed-tensors", "--per-tensor", "-o", pt).exit_code == 0
     tp = _tensors(pt)
-    for name in read_manifest(out, "hqtflow.export", 1).data["quantized"]:
+    for name in read_manifest(out, "hqtflow.export").data["quantized"]:
         assert torch.equal(t[f"{name}.weight"].t().view(torch.uint8), tp[f"{name}.weight"].view(torch.uint8))
         assert torch.equal(t[f"{name}.dequant_weights.scale"], tp[f"{name}.weight_scale"].reshape(()))
     theirs = inc.load(str(out), format="huggingface", device="cpu")

@@ -154,10 +154,22 @@ def set_weight(value):
 
 
 def set_last_weight(value):
-    """The last element of a weight: past the bytes the model's fingerprint samples (its first 4 KB)."""
+    """The last element of a weight: past the bytes an older hqtflow's fingerprint sampled (its first 4 KB)."""
     def fn(t):
         t["model.layers.0.mlp.up_proj.weight"][-1, -1] = value
     return fn
+
+
+def measured_on(c, model):
+    """A copy of the measurement whose manifest records `model`'s fingerprint, as one made on it would."""
+    from hqtflow.models import fingerprint
+
+    return manifest(c.copy("m"), model=fingerprint(model))
+
+
+def quantize_nan_model(c):
+    model = tensors(c.copy("model"), set_last_weight(float("nan")))
+    return ["quantize", model, "-m", measured_on(c, model), "-o", c.out]
 
 
 def killed_quantize(c, name):
@@ -301,7 +313,7 @@ CASES = {
     "quantize/negative, hashes rewritten": (lambda c: quantize(c, rehash(stats(c.copy("m"), node(-0.03)))), "negative"),
     "quantize/manifest version 0": (lambda c: quantize(c, manifest(c.copy("m"), _version=0)), "schema version 0"),
     "quantize/manifest version '1'": (lambda c: quantize(c, manifest(c.copy("m"), _version="1")), "schema version '1'"),
-    "quantize/manifest version 2": (lambda c: quantize(c, manifest(c.copy("m"), _version=2)), "newer hqtflow"),
+    "quantize/manifest version 3": (lambda c: quantize(c, manifest(c.copy("m"), _version=3)), "newer hqtflow"),
     "quantize/manifest file outside": (lambda c: ((c.w / "x.json").write_text("{}"),
                                                   quantize(c, manifest(c.copy("m"), files={"../x.json": "0"})))[1],
                                        "outside itself"),
@@ -363,9 +375,10 @@ CASES = {
     "quantize/statistic of another layer's length": (lambda c: quantize(c, rehash(stats(c.copy("m"), lambda r: r["Nodes"][NODE].update(
                                                          inputs=[[[1.0, 2.0, 3.0]]])))),
                                                      "have 3 values, but the layer has 64 inputs"),
-    "quantize/model weight NaN past the fingerprint's bytes": (
-        lambda c: ["quantize", tensors(c.copy("model"), set_last_weight(float("nan"))), "-m", c.m, "-o", c.out],
-        "holds 1 NaN or infinite values"),
+    "quantize/model weight changed past the fingerprint's old sample": (
+        lambda c: ["quantize", tensors(c.copy("model"), set_last_weight(0.5)), "-m", c.m, "-o", c.out],
+        "was made on a different model, or on this one before its config or weights changed"),
+    "quantize/model weight NaN, the measurement's fingerprint its own": (quantize_nan_model, "holds 1 NaN or infinite values"),
     "quantize/QUANT_CONFIG selects nothing": (lambda c: quantize(c, c.m, "-c", write(c.w / "c.json", json.dumps(
         {"mode": "QUANTIZE", "allowlist": {"types": [], "names": ["no_such_layer"]}}))), "quantizes no Linear layer"),
     "quantize/manifest model not an object": (lambda c: quantize(c, manifest(c.copy("m"), model="x")), "corrupt"),
@@ -843,7 +856,7 @@ MODEL_CASES = {"measure/nan weights", "measure/inf weights", "measure/truncated 
                "measure/config's vocabulary disagrees with the weights", "measure/config's rope type unknown",
                "measure/generation_config.json not JSON", "generate/generation_config.json not JSON, hashes rewritten",
                "measure/garbage pickle weights", "generate/garbage weights, foreign",
-               "quantize/model weight NaN past the fingerprint's bytes", "quantize/measurement's recorded model path relative",
+               "quantize/model weight NaN, the measurement's fingerprint its own", "quantize/measurement's recorded model path relative",
                "eval/checkpoint's recorded model path relative"}
 
 

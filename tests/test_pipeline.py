@@ -78,7 +78,7 @@ def test_run_never_replaces_newer_outputs_nor_trips_on_odd_ones(tiny_llama, data
     assert run_cli("run", recipe).exit_code == 0
     run = tmp_path / "run"
     saved = {d: (run / d / MANIFEST).read_text() for d in ("measure", "fp8")}
-    for d, edit in (("measure", lambda m: m.update(_version=2)), ("fp8", lambda m: m["tool"].update(hqtflow="99.0"))):
+    for d, edit in (("measure", lambda m: m.update(_version=3)), ("fp8", lambda m: m["tool"].update(hqtflow="99.0"))):
         edit_manifest(run / d, edit)
         r = run_cli("run", recipe)
         assert r.exit_code == 3 and "does not replace it" in r.stderr and "Traceback" not in r.output, r.output

@@ -15,7 +15,7 @@ def test_measure_tasks_and_text(smollm2, data_dir, tmp_path):
     r = run_cli("measure", smollm2, "-o", out, "--tasks", "piqa_local,lambada_openai_local", "--data-dir", data_dir,
                 "--text", data_dir / "wikitext2_valid.txt", "--limit", "16", "--max-length", "256", "--batch-size", "8")
     assert r.exit_code == 0, r.output
-    m = read_manifest(out, "hqtflow.measurement", 1)
+    m = read_manifest(out, "hqtflow.measurement")
     js = json.loads((out / "measure_hooks_maxabs.json").read_text())["Nodes"]
     assert len(js) == 30 * 7 + 1  # 7 Linear per layer, plus the (tied) lm_head
     kinds = [s["kind"] for s in m.data["calibration"]["sources"]]
@@ -33,7 +33,7 @@ def test_tp3(smollm2, data_dir, tmp_path):
     r = run_cli("measure", smollm2, "-o", out, "--tp", "3", "--text", data_dir / "wikitext2_valid.txt",
                 "--limit", "6", "--max-length", "64", "--batch-size", "3")
     assert r.exit_code == 0, r.output
-    m = read_manifest(out, "hqtflow.measurement", 1)
+    m = read_manifest(out, "hqtflow.measurement")
     assert m.data["world_size"] == 3
     for rank in range(3):
         js = json.loads((out / f"measure_hooks_maxabs_{rank}_3.json").read_text())

@@ -90,6 +90,6 @@ def test_tune_gptq(tiny_llama, measured, wiki_text, tmp_path):
     g = tune(meas, tmp_path / "g", wiki_text, "--target-kl", "1e6", "--gptq")
     assert g["weight_rounding"] == "gptq" and plain["weight_rounding"] == "nearest"
     assert g["sensitivity"] != plain["sensitivity"]
-    assert read_manifest(tmp_path / "g" / "checkpoint", "hqtflow.checkpoint", 1).data["weight_rounding"] == "gptq"
+    assert read_manifest(tmp_path / "g" / "checkpoint", "hqtflow.checkpoint").data["weight_rounding"] == "gptq"
     r = run_cli("tune", "-m", measured, "-o", tmp_path / "x", "--text", wiki_text, "--target-kl", "1", "--gptq")
     assert r.exit_code == 3 and "--hessians" in r.stderr and not (tmp_path / "x").exists()

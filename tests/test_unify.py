@@ -102,11 +102,11 @@ def test_unify_two_ranks_equals_one(runs, tmp_path):
     r = run_cli("unify", "-g", "01", "-m", runs["pt2"], "-o", tmp_path / "u")
     assert r.exit_code == 0, r.output
     assert_equal_measurements(nodes(tmp_path / "u", "measure_hooks_maxabs"), nodes(runs["pt1"], "measure_hooks_maxabs"))
-    m = read_manifest(tmp_path / "u", "hqtflow.measurement", 1)
+    m = read_manifest(tmp_path / "u", "hqtflow.measurement")
     assert m.data["world_size"] == 1 and m.data["unified_from"]["groups"] == [[0, 1]]
     assert set(m.data["unified_from"]["files"]) == {"measure_hooks_maxabs_0_2.json", "measure_hooks_maxabs_1_2.json"}
     assert m.data["merge"]["row_parallel_outputs"].startswith("observed after the all-reduce")
-    assert m.model == read_manifest(runs["pt1"], "hqtflow.measurement", 1).model
+    assert m.model == read_manifest(runs["pt1"], "hqtflow.measurement").model
 
 
 @pytest.mark.slow
@@ -135,7 +135,7 @@ def test_identity_groups_return_each_rank(runs, tmp_path):
     assert r.exit_code == 0 and "--force: Groups 1 0 are not consecutive ranks in order" in r.stderr, r.output
     for r_new, r_old in ((0, 1), (1, 0)):
         assert nodes(tmp_path / "swapped", f"measure_hooks_maxabs_{r_new}_2") == nodes(runs["pt2"], f"measure_hooks_maxabs_{r_old}_2")
-    assert read_manifest(tmp_path / "swapped", "hqtflow.measurement", 1).data["forced"] == ["groups 1 0 out of rank order"]
+    assert read_manifest(tmp_path / "swapped", "hqtflow.measurement").data["forced"] == ["groups 1 0 out of rank order"]
 
 
 @pytest.mark.slow
@@ -167,14 +167,14 @@ def test_foreign_dump_with_stray_files(runs, tmp_path):
     r = run_cli("unify", "-g", "01", "-m", tmp_path / "imp", "-o", tmp_path / "u")
     assert r.exit_code == 0, r.output
     assert_equal_measurements(nodes(tmp_path / "u", "measure_hooks_maxabs"), nodes(runs["pt1"], "measure_hooks_maxabs"))
-    data = read_manifest(tmp_path / "u", "hqtflow.measurement", 1).data
+    data = read_manifest(tmp_path / "u", "hqtflow.measurement").data
     assert data["unified_from"]["provenance_known"] is False and data["provenance_known"] is False
     # an earlier unify output of another world size beside them: ambiguous unless told
     shutil.copy(tmp_path / "u" / "measure_hooks_maxabs.json", dump / "measure_hooks_maxabs_0_1.json")
     r = run_cli("import-hqt", dump, "-o", tmp_path / "imp2")
     assert r.exit_code == 3 and "world sizes [1, 2]" in r.stderr and "--world-size" in r.stderr
     assert run_cli("import-hqt", dump, "-o", tmp_path / "imp2", "--world-size", "2").exit_code == 0
-    assert read_manifest(tmp_path / "imp2", "hqtflow.measurement", 1).data["world_size"] == 2
+    assert read_manifest(tmp_path / "imp2", "hqtflow.measurement").data["world_size"] == 2
     # per-channel statistics of an imported dump (no recorded styles) need the plan
     pc = tmp_path / "pcdump"
     pc.mkdir()

@@ -38,8 +38,9 @@ class ArtifactKind(StrEnum):
 
     @property
     def version(self) -> int:
-        """The schema version this hqtflow writes, and the newest it reads."""
-        return 1
+        """The schema version this hqtflow writes, and the newest it reads (2: the model fingerprint hashes the whole
+        weights, models.FINGERPRINT_SCHEME; v1 artifacts are read, their fingerprints checked as far as they tell)."""
+        return 2
 
 
 MIN_VERSION = 1  # every schema starts at v1

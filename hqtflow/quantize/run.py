@@ -92,10 +92,10 @@ def plan_job(s: QuantizeSettings) -> Job:
     model_dir = models.resolve_model(s.model) if s.model is not None else models.recorded_model(
         recorded, meas.directory, f"`hqtflow quantize MODEL -m {meas.directory} -o {s.output}`")
     fp = models.fingerprint(model_dir)
-    if meas.manifest.model and meas.manifest.model.get("id") != fp["id"]:
+    if meas.manifest.model and not models.same_model(meas.manifest.model, fp):
         raise ArtifactError(
-            f"Measurement {meas.directory} was made on a different model (fingerprint {meas.manifest.model.get('id')}, "
-            f"{model_dir} is {fp['id']}); measure this model first."
+            f"Measurement {meas.directory} was made on a different model, or on this one before its config or weights "
+            f"changed (fingerprint {meas.manifest.model.get('id')}, {model_dir} is {fp['id']}); measure this model first."
         )
     if s.scales_only:
         cfg.check_rank_files(meas.world_size, s.config or "the default config")

@@ -61,12 +61,12 @@ def test_inc_measurement_artifact(pair):
     from hqtflow.formats.artifact import read_manifest, sha256_file
 
     ours, theirs = pair
-    m = read_manifest(theirs, "hqtflow.measurement", 1)
+    m = read_manifest(theirs, "hqtflow.measurement")
     d = m.data
     assert d["engine"]["name"] == "inc" and d["engine"]["device"] == "cpu"
     assert d["world_size"] == 1 and d["ranks"][0]["stem"] == "measure_hooks_maxabs"
     assert d["calibration"]["samples"] == 4 and d["calibration"]["tokens"] == 4 * 64
-    ref = read_manifest(ours, "hqtflow.measurement", 1)
+    ref = read_manifest(ours, "hqtflow.measurement")
     assert m.model == ref.model  # the same model fingerprint
     assert d["calibration"]["sources"] == ref.data["calibration"]["sources"]
     assert set(d["ranks"][0]["layers"]) == set(ref.data["ranks"][0]["layers"])
@@ -166,7 +166,7 @@ def test_inc_checkpoint_equals_hqtflow_checkpoint(pair, tmp_path):
     for k in ta:
         assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
         assert torch.equal(ta[k].view(torch.uint8), tb[k].view(torch.uint8)), k
-    ma, mb = read_manifest(a, "hqtflow.checkpoint", 1), read_manifest(b, "hqtflow.checkpoint", 1)
+    ma, mb = read_manifest(a, "hqtflow.checkpoint"), read_manifest(b, "hqtflow.checkpoint")
     assert ma.data["engine"]["name"] == "inc"
     assert ma.data["quantized"] == mb.data["quantized"] and ma.data["skipped"] == mb.data["skipped"]
     assert json.loads((a / "config.json").read_text())["quantization_config"] == \
@@ -190,9 +190,9 @@ def test_inc_scale_files_equal_hqtflow(method, pair, tmp_path):
     ja, jb = (json.loads((d / f"{stem}.json").read_text()) for d in (a, b))
     assert ja["Mode"] == jb["Mode"] == "Scale" and set(ja["Nodes"]) == set(jb["Nodes"])
     assert ja["Nodes"] == jb["Nodes"]
-    ma = read_manifest(a, "hqtflow.scales", 1)
+    ma = read_manifest(a, "hqtflow.scales")
     assert ma.data["engine"]["name"] == "inc" and ma.data["world_size"] == 1
-    assert set(ma.data["files"]) == set(read_manifest(b, "hqtflow.scales", 1).data["files"])
+    assert set(ma.data["files"]) == set(read_manifest(b, "hqtflow.scales").data["files"])
     cfg = json.loads((a / "quant_config.json").read_text())
     assert cfg["mode"] == "QUANTIZE" and cfg["use_qdq"] and cfg["dump_stats_path"] == str(a.resolve() / "measure")
 

@@ -56,7 +56,7 @@ def test_inc_file_layout(text_run, tiny_llama):
 def test_manifest(text_run, tiny_llama, wiki_text):
     from hqtflow.models import fingerprint
 
-    m = read_manifest(text_run, "hqtflow.measurement", 1)
+    m = read_manifest(text_run, "hqtflow.measurement")
     assert m.model == fingerprint(tiny_llama)
     assert set(m.files) == {"measure_hooks_maxabs.json", "measure_hooks_maxabs.npz",
                             "measure_hooks_maxabs_mod_list.json", "quant_config.json", "kv_cache_maxabs.json"}
@@ -119,7 +119,7 @@ def test_padding_not_observed(tiny_factory, tmp_path):
     for name in ja:
         for key in ("inputs", "outputs"):
             np.testing.assert_allclose(ja[name][key], jb[name][key], rtol=1e-5, err_msg=f"{name} {key}")
-    man = read_manifest(a, "hqtflow.measurement", 1).data["calibration"]
+    man = read_manifest(a, "hqtflow.measurement").data["calibration"]
     assert man["samples"] == 4 and man["tokens"] < 4 * max(map(len, texts))
 
 
@@ -136,14 +136,14 @@ def test_outputs_per_channel_and_blocklist(tiny_llama, wiki_text, tmp_path):
     assert np.array(q["params"]["weight"]).shape == (64, 1)  # per output channel
     k = js["model.layers.0.self_attn.k_proj"]
     assert np.array(k["outputs"]).shape == (1, 32, 1)  # 2 KV heads x 16: KV-cache scales come from here
-    man = read_manifest(out, "hqtflow.measurement", 1).data
+    man = read_manifest(out, "hqtflow.measurement").data
     assert man["ranks"][0]["skipped"] == {"lm_head": "excluded by allowlist/blocklist"}
 
 
 def test_lm_eval_calibration(tiny_llama, data_dir, tmp_path):
     out = measure(tiny_llama, tmp_path / "ev", "--tasks", "piqa_local", "--data-dir", data_dir, "--limit", "3",
                   "--batch-size", "4")
-    d = read_manifest(out, "hqtflow.measurement", 1).data["calibration"]
+    d = read_manifest(out, "hqtflow.measurement").data["calibration"]
     src = d["sources"][0]
     assert src["kind"] == "lm-eval" and src["tasks"] == ["piqa_local"]
     assert src["results"]["piqa_local"]["sample_len"] == 3
@@ -155,7 +155,7 @@ def test_overwrite(text_run, tiny_llama, wiki_text, tmp_path):
     r = run_cli("measure", tiny_llama, "-o", out, "--text", wiki_text, "--limit", "1")
     assert r.exit_code == 3 and "already exists; pass --overwrite" in r.output
     measure(tiny_llama, out, "--text", wiki_text, "--limit", "2", "--max-length", "16", "--overwrite")
-    assert read_manifest(out, "hqtflow.measurement", 1).data["calibration"]["samples"] == 2
+    assert read_manifest(out, "hqtflow.measurement").data["calibration"]["samples"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["o"]
 
 
@@ -183,7 +183,7 @@ def test_max_length_defaults_to_the_model_context(tiny_llama, wiki_text, tmp_pat
     from hqtflow.pipeline import measurement_is_current
 
     out = measure(tiny_llama, tmp_path / "d", "--text", wiki_text, "--limit", "2")
-    d = read_manifest(out, "hqtflow.measurement", 1).data
+    d = read_manifest(out, "hqtflow.measurement").data
     assert d["calibration"]["max_length"] == d["settings"]["max_length"] == 256
     assert d["calibration"]["tokens"] == 2 * 256
     assert measurement_is_current(MeasureSettings(output=str(out), model=str(tiny_llama), text=(str(wiki_text),), limit=2))
@@ -191,7 +191,7 @@ def test_max_length_defaults_to_the_model_context(tiny_llama, wiki_text, tmp_pat
 
 def test_max_length_up_to_the_context_is_kept(tiny_llama, wiki_text, tmp_path):
     out = measure(tiny_llama, tmp_path / "e", "--text", wiki_text, "--limit", "1", "--max-length", "256")
-    assert read_manifest(out, "hqtflow.measurement", 1).data["calibration"]["tokens"] == 256
+    assert read_manifest(out, "hqtflow.measurement").data["calibration"]["tokens"] == 256
 
 
 @pytest.mark.parametrize("recipe", [False, True], ids=["flag", "recipe"])
@@ -298,7 +298,7 @@ def test_a_generate_until_task_calibrates_and_counts_what_ran(tiny_llama, tmp_pa
     prompt, generated = greedy_tokens(tiny_llama)
     folder = gen_task(tmp_path / "tasks", ["never said"])
     out = measure(tiny_llama, tmp_path / "m", "--tasks", "gen", "--include-path", folder, "--limit", "1", "--dtype", "fp32")
-    data = read_manifest(out, "hqtflow.measurement", 1).data
+    data = read_manifest(out, "hqtflow.measurement").data
     assert data["calibration"]["samples"] == 1 and data["calibration"]["tokens"] == prompt + len(generated) - 1
     assert json.loads((out / "measure_hooks_maxabs.json").read_text())["NumSamples"] == 1
     assert set(data["calibration"]["sources"][0]["results"]["gen"]) == {"exact_match", "sample_len"}
@@ -314,7 +314,7 @@ def test_generation_stops_at_the_tasks_until(tiny_llama, tmp_path):
     assert len(generated) > 1 and stop.strip(), generated  # (the first generated token ends the generation)
     folder = gen_task(tmp_path / "tasks", ["never said", stop])
     out = measure(tiny_llama, tmp_path / "m", "--tasks", "gen", "--include-path", folder, "--limit", "1", "--dtype", "fp32")
-    assert read_manifest(out, "hqtflow.measurement", 1).data["calibration"]["tokens"] == prompt  # the prompt alone
+    assert read_manifest(out, "hqtflow.measurement").data["calibration"]["tokens"] == prompt  # the prompt alone
 
 
 def test_a_task_yamls_path_names_the_task(tiny_llama, tmp_path):
@@ -322,7 +322,7 @@ def test_a_task_yamls_path_names_the_task(tiny_llama, tmp_path):
     a path that is no file, or a YAML defining no task, is refused naming the file."""
     folder = gen_task(tmp_path / "tasks", ["\n"])
     out = measure(tiny_llama, tmp_path / "m", "--tasks", folder / "gen.yaml", "--limit", "1")
-    assert set(read_manifest(out, "hqtflow.measurement", 1).data["calibration"]["sources"][0]["results"]) == {"gen"}
+    assert set(read_manifest(out, "hqtflow.measurement").data["calibration"]["sources"][0]["results"]) == {"gen"}
     (folder / "notes.yaml").write_text("description: no task here\n")
     for path, why in ((folder / "nope.yaml", "does not exist"), (folder / "notes.yaml", "defines no task")):
         r = run_cli("measure", tiny_llama, "-o", tmp_path / "n", "--tasks", path, "--limit", "1")

@@ -25,7 +25,7 @@ def test_two_ranks_match_one(tiny_factory, wiki_text, tmp_path):
     assert r2.exit_code == 0, r2.output
 
     out = tmp_path / "tp2"
-    m = read_manifest(out, "hqtflow.measurement", 1)
+    m = read_manifest(out, "hqtflow.measurement")
     assert m.data["world_size"] == 2 and [r["rank"] for r in m.data["ranks"]] == [0, 1]
     ranks = [json.loads((out / f"measure_hooks_maxabs_{r}_2.json").read_text()) for r in range(2)]
     assert [r["LocalRank"] for r in ranks] == [0, 1]
@@ -68,7 +68,7 @@ def test_user_started_torchrun(tiny_llama, wiki_text, tmp_path):
            "--max-length", "32"]
     r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert read_manifest(out, "hqtflow.measurement", 1).data["world_size"] == 2
+    assert read_manifest(out, "hqtflow.measurement").data["world_size"] == 2
     assert (out / "measure_hooks_maxabs_1_2.json").is_file()
 
 
@@ -92,7 +92,7 @@ def test_moe_experts_under_two_ranks_unify_to_one(tiny_factory, wiki_text, tmp_p
     assert run_cli("measure", model, "-o", tmp_path / "one", *common).exit_code == 0
     r = run_cli("measure", model, "-o", tmp_path / "two", "--tp", "2", *common)
     assert r.exit_code == 0, r.output
-    layers = read_manifest(tmp_path / "two", "hqtflow.measurement", 1).data["ranks"][1]["layers"]
+    layers = read_manifest(tmp_path / "two", "hqtflow.measurement").data["ranks"][1]["layers"]
     gu, down = layers["model.layers.1.mlp.experts.2.gate_up_proj"], layers["model.layers.1.mlp.experts.2.down_proj"]
     assert (gu["style"], gu["packed_parts"], gu["weight_shape"], gu["global_weight_shape"]) == ("column", 2, [96, 64], [192, 64])
     assert (down["style"], down["weight_shape"], down["global_weight_shape"]) == ("row", [64, 48], [64, 96])

@@ -149,7 +149,7 @@ def measured(tiny_llama, wiki_text, tmp_path_factory):
 def test_measure_writes_hessians(measured):
     from hqtflow.formats.hessians import read_hessians
 
-    m = read_manifest(measured, "hqtflow.measurement", 1)
+    m = read_manifest(measured, "hqtflow.measurement")
     assert m.data["hessians"]["file"] == "hessians.safetensors" and "hessians.safetensors" in m.files
     hs = read_hessians(measured)
     h = hs.get("model.layers.1.mlp.down_proj", 128)
@@ -171,8 +171,8 @@ def test_quantize_gptq_checkpoint(measured, tmp_path):
     changed = [k for k in rtn if k.endswith(".weight") and rtn[k].dtype == torch.float8_e4m3fn
                and not torch.equal(rtn[k].view(torch.uint8), gptq[k].view(torch.uint8))]
     assert len(changed) > 10
-    assert read_manifest(tmp_path / "gptq", "hqtflow.checkpoint", 1).data["weight_rounding"] == "gptq"
-    assert read_manifest(tmp_path / "rtn", "hqtflow.checkpoint", 1).data["weight_rounding"] == "nearest"
+    assert read_manifest(tmp_path / "gptq", "hqtflow.checkpoint").data["weight_rounding"] == "gptq"
+    assert read_manifest(tmp_path / "rtn", "hqtflow.checkpoint").data["weight_rounding"] == "nearest"
     r = run_cli("inspect", tmp_path / "gptq")
     assert r.exit_code == 0 and "weight_rounding: gptq" in r.stdout and "rounded by GPTQ" in r.stdout, r.output
     model, tok = hqtflow.load(tmp_path / "gptq")
@@ -307,7 +307,7 @@ def test_unify_one_rank_keeps_hessians(measured, tmp_path):
 
     r = run_cli("unify", "-g", "0", "-m", measured, "-o", tmp_path / "u")
     assert r.exit_code == 0, r.output
-    assert read_manifest(tmp_path / "u", "hqtflow.measurement", 1).data["hessians"]["matrices"] > 0
+    assert read_manifest(tmp_path / "u", "hqtflow.measurement").data["hessians"]["matrices"] > 0
     a, b = read_hessians(measured), read_hessians(tmp_path / "u")
     assert torch.equal(a.get("model.layers.0.mlp.down_proj", 128), b.get("model.layers.0.mlp.down_proj", 128))
     r = run_cli("quantize", "-m", tmp_path / "u", "-o", tmp_path / "q", "--gptq")

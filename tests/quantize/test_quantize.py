@@ -74,9 +74,9 @@ def test_checkpoint_roundtrip(measured, tiny_llama, tmp_path):
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale").shape == (1,)
         assert f.get_tensor("model.layers.0.self_attn.q_proj.input_scale").shape == (1,)
         assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
-    m = read_manifest(out, "hqtflow.checkpoint", 1)
+    m = read_manifest(out, "hqtflow.checkpoint")
     assert m.data["scale_method"] == "maxabs_pow2" and m.data["target"] == "cpu"
-    assert m.data["source_digest"] == read_manifest(measured, "hqtflow.measurement", 1).digest()
+    assert m.data["source_digest"] == read_manifest(measured, "hqtflow.measurement").digest()
     assert m.data["skipped"] == {"lm_head": "excluded by allowlist/blocklist"}
 
     model, tok = hqtflow.load(out)
@@ -202,8 +202,8 @@ def test_scales_only_inc_layout(measured, tmp_path):
     assert node["outputs"][0] == s_in * s_w
     inc = json.loads((out / "quant_config.json").read_text())
     assert inc["device_for_scales"] == "GAUDI2" and inc["dump_stats_path"] == str(out.resolve() / "measure")
-    m = read_manifest(out, "hqtflow.scales", 1)
-    assert m.data["source_digest"] == read_manifest(measured, "hqtflow.measurement", 1).digest()
+    m = read_manifest(out, "hqtflow.scales")
+    assert m.data["source_digest"] == read_manifest(measured, "hqtflow.measurement").digest()
 
 
 def test_e5m2(measured, tmp_path):
@@ -233,7 +233,7 @@ def test_missing_statistics_refused(tiny_llama, wiki_text, tmp_path):
     ok = tmp_path / "ok.json"
     ok.write_text(json.dumps({"mode": "QUANTIZE", "ignore_modules_wo_measures": True, "blocklist": {"names": ["lm_head"]}}))
     out = quantize_cli(meas, tmp_path / "out2", "-c", ok)
-    assert read_manifest(out, "hqtflow.checkpoint", 1).data["skipped"]["model.layers.0.mlp.down_proj"].startswith("no statistics")
+    assert read_manifest(out, "hqtflow.checkpoint").data["skipped"]["model.layers.0.mlp.down_proj"].startswith("no statistics")
 
 
 def test_nan_statistics_refused(measured, tmp_path):
@@ -268,11 +268,11 @@ def test_npz_only_needs_trust_pickle(measured, tmp_path):
     imp = tmp_path / "imp"
     assert (imp / "measure_hooks_maxabs.npz").read_bytes() == (dump / "measure_hooks_maxabs.npz").read_bytes()
     assert json.loads((imp / "measure_hooks_maxabs.json").read_text()) == json.loads((measured / "measure_hooks_maxabs.json").read_text())
-    m = read_manifest(imp, "hqtflow.measurement", 1)
+    m = read_manifest(imp, "hqtflow.measurement")
     assert "measure_hooks_maxabs.json" in m.files and m.data["provenance_known"] is False
     r = run_cli("quantize", "-m", imp, "-o", tmp_path / "trusted")  # the model recorded by --model
     assert r.exit_code == 0, r.output
-    assert read_manifest(tmp_path / "trusted", "hqtflow.checkpoint", 1).data["provenance_known"] is False
+    assert read_manifest(tmp_path / "trusted", "hqtflow.checkpoint").data["provenance_known"] is False
 
 
 def test_partial_and_bad_method(measured, tmp_path):

@@ -1,0 +1,74 @@
+"""The model fingerprint (hqtflow.models.fingerprint): what decides that a model is the one an artifact was made on."""
+
+import json
+import os
+import shutil
+
+from hqtflow import models
+
+
+def _copy(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("HQTFLOW_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    return model
+
+
+def _scale_last_row(model):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model / "model.safetensors")
+    name = max(n for n in tensors if n.endswith("down_proj.weight"))
+    tensors[name][-1] *= 16
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_fingerprint_hashes_the_whole_weights_and_the_tokenizer_files(tiny_llama, tmp_path, monkeypatch):
+    """A weight changed anywhere (the last row of the last layer) is another model; a tokenizer, chat template or
+    generation config changed is the same model (`id`: quantize takes its measurement) with other files (`run`
+    redoes its stages)."""
+    model = _copy(tiny_llama, tmp_path, monkeypatch)
+    first = models.fingerprint(model)
+    assert first["scheme"] == models.FINGERPRINT_SCHEME and models.fingerprint(model) == first
+    _scale_last_row(model)
+    weights = models.fingerprint(model)
+    assert weights["id"] != first["id"] and weights["weights_sha256"] != first["weights_sha256"]
+    assert (weights["config_sha256"], weights["weights_header_sha256"]) == (first["config_sha256"], first["weights_header_sha256"])
+    for name in ("chat_template.jinja", "generation_config.json", "tokenizer_config.json"):
+        assert name in models.MODEL_SIDE_FILES
+        before = models.fingerprint(model)
+        path = model / name
+        path.write_text(path.read_text() + "\n" if path.is_file() else json.dumps({"bos_token_id": 1}))
+        after = models.fingerprint(model)
+        assert after["id"] == before["id"] and after["files_sha256"] != before["files_sha256"], name
+        assert models.same_model(before, after)
+
+
+def test_weight_digests_are_cached_until_the_file_changes(tiny_llama, tmp_path, monkeypatch):
+    """A weight file's digest is read from the cache while its path, size and mtime hold: stages do not reread an
+    unchanged model; a rewritten file is hashed again."""
+    from hqtflow.formats import artifact
+
+    model = _copy(tiny_llama, tmp_path, monkeypatch)
+    first = models.fingerprint(model)
+    assert list((tmp_path / "cache" / "digests").glob("*.json"))
+    hashed = []
+    real = artifact.sha256_file
+    monkeypatch.setattr(artifact, "sha256_file", lambda p, *a: hashed.append(p.name) or real(p, *a))
+    assert models.fingerprint(model) == first and "model.safetensors" not in hashed
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert models.fingerprint(model) == first and "model.safetensors" in hashed
+
+
+def test_an_older_fingerprint_is_checked_by_config_and_weight_headers(tiny_llama, tmp_path, monkeypatch):
+    """A v1 artifact's fingerprint (hqtflow <= 0.4.0: sampled bytes, no `scheme`) names this model when its config
+    and weight headers agree, all it can still tell; another model's is refused."""
+    model = _copy(tiny_llama, tmp_path, monkeypatch)
+    fp = models.fingerprint(model)
+    older = {"id": "0123456789abcdef", "config_sha256": fp["config_sha256"], "weights_sample_sha256": "0" * 64,
+             "weights_header_sha256": fp["weights_header_sha256"], "model_type": "llama"}
+    assert models.same_model(older, fp)
+    assert not models.same_model({**older, "config_sha256": "1" * 64}, fp)
+    assert not models.same_model({**fp, "id": "0123456789abcdef"}, fp)
