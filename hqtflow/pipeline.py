@@ -5,6 +5,7 @@ from the same inputs by this hqtflow version (its manifest says so), and redone 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -175,6 +176,18 @@ def read_own_report(report: Path) -> dict | None:
     return old
 
 
+def absolute_paths(ms):
+    """The settings `run` records, with their paths absolute (the output, the recipe file and a model folder), so a
+    path spelled otherwise (relative, absolute, `./`) is the same input and no stage is redone for it."""
+    from dataclasses import replace
+
+    model = ms.model
+    if model is not None and Path(model).expanduser().exists():  # a folder, not a bundled name or hub id
+        model = os.path.abspath(Path(model).expanduser())
+    return replace(ms, output=os.path.abspath(ms.output), model=model,
+                   recipe=os.path.abspath(ms.recipe) if ms.recipe else None)
+
+
 def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo: Callable[[str], None] = print,
                data_dir: str | Path | None = None) -> Path:
     from hqtflow import __version__
@@ -188,7 +201,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
 
     r = load_recipe(recipe)
     r = with_data_dir(r, data_dir) if data_dir is not None else r
-    ms = measure_settings(r, overrides, overwrite=True)
+    ms = absolute_paths(measure_settings(r, overrides, overwrite=True))
     root = Path(ms.output).parent
     check_own_output(Path(ms.output), ArtifactKind.MEASUREMENT)
     check_own_output(root / "fp8", ArtifactKind.CHECKPOINT)

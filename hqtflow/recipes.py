@@ -12,8 +12,9 @@ always was):
 - gaudi: the optimum-habana / TGI-Gaudi commands of `hqtflow handoff` (checked there, see hqtflow/handoff.py);
 - and version (the recipe schema, 1; a newer one is refused), name (default: the file's stem), model_type, notes.
 
-Relative paths of inputs (config, quant_config, calibration files, include paths, data dirs, ppl_file) are resolved
-against the recipe's own directory; `output` is relative to where you run hqtflow. CLI flags override recipe values
+Relative paths of inputs (model, config, quant_config, calibration files, include paths, data dirs, ppl_file) are
+resolved against the recipe's own directory (a `model` that is no folder there is a bundled name, a hub id, or a folder
+from where you run hqtflow, as `-m` takes it); `output` is relative to where you run hqtflow. CLI flags override recipe values
 through `measure_settings`, the one merge of `measure --recipe` and `run`.
 """
 
@@ -42,7 +43,7 @@ def _value(kind: str, default: Any = None):
 class MeasureSection:
     """The recipe's measurement: MeasureSettings keyword arguments (defaults: MeasureSettings')."""
 
-    model: str | None = _value("text")
+    model: str | None = _value("model")
     config: str | None = _value("config")
     tasks: tuple[str, ...] = _value("names", ())
     include_path: tuple[str, ...] = _value("paths", ())
@@ -303,6 +304,20 @@ class _Reader:
 
     def flag(self, label: str, value: Any) -> bool:
         return value if isinstance(value, bool) else self.fail(label, "true or false", value)
+
+    def model(self, label: str, value: Any) -> str:
+        """A model folder beside the recipe (its path, resolved), else the text as `-m` takes it (a bundled name such
+        as `smollm2`, a hub id, a folder from the current directory); a relative path naming a folder both beside the
+        recipe and from the current directory, two different ones, is refused as ambiguous."""
+        value = self.text(label, value)
+        p = Path(value).expanduser()
+        if p.is_absolute() or not (self.base / p).exists():
+            return value
+        beside = self.path(label, value)
+        if p.exists() and p.resolve() != Path(beside):
+            raise ConfigError(f"Recipe {self.file}: '{label}' {value} names {beside} (beside the recipe, where a recipe's "
+                              f"paths are resolved) and {p.resolve()} (from the current directory); give an absolute path.")
+        return beside
 
     def kv_cache(self, label: str, value: Any) -> KVCache:
         return parse(KVCache, value, f"Recipe {self.file}: {label}")

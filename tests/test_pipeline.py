@@ -154,6 +154,47 @@ def test_run_redoes_the_stages_whose_task_files_changed(tiny_llama, data_dir, tm
     run("measure", "eval")
 
 
+def test_run_redoes_the_stages_of_a_changed_model_only(tiny_llama, data_dir, tmp_path, monkeypatch):
+    """The model's fingerprint hashes its whole weights and its tokenizer, chat template and generation config: a
+    weight changed anywhere, or a new chat template, redoes measure and quantize (the checkpoint gets them); the same
+    recipe, output and model spelled otherwise (relative, absolute) redoes nothing; `model` is read from the recipe's
+    folder wherever hqtflow runs."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hqtflow import models
+
+    proj = tmp_path / "proj"
+    shutil.copytree(tiny_llama, proj / "model")
+    recipe = write_recipe(proj / "tiny.yaml", "model", data_dir, 2)
+    edit = yaml.safe_load(recipe.read_text())
+    recipe.write_text(yaml.safe_dump({**edit, "output": "run/measure"}))  # from where hqtflow runs
+
+    def run(*args, redone=()):
+        r = run_cli("run", *args)
+        assert r.exit_code == 0, r.output
+        assert [s for s in ("measure", "quantize", "eval") if f"{s}: writing" in r.stdout] == list(redone), r.stdout
+
+    monkeypatch.chdir(proj)
+    run(recipe, redone=("measure", "quantize", "eval"))
+    run("tiny.yaml", "-o", proj / "run" / "measure")
+    run("./tiny.yaml", "--model", proj / "model", "-o", "run/../run/measure")
+    monkeypatch.chdir(tmp_path)  # the model is the recipe's neighbour still; the output is another
+    run(recipe, "-o", proj / "run" / "measure")
+    weights = proj / "model" / "model.safetensors"
+    tensors = load_file(weights)
+    name = max(n for n in tensors if n.endswith("mlp.down_proj.weight"))  # the last layer's
+    tensors[name][-1] *= 16  # the last row: far past any sampled first bytes
+    save_file(tensors, weights, metadata={"format": "pt"})
+    run(recipe, "-o", proj / "run" / "measure", redone=("measure", "quantize", "eval"))
+    checkpoint = read_manifest(proj / "run" / "fp8", ArtifactKind.CHECKPOINT)
+    assert checkpoint.model == models.fingerprint(proj / "model")
+    (proj / "model" / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    run(recipe, "-o", proj / "run" / "measure", redone=("measure", "quantize", "eval"))
+    assert "[{{ m['content'] }}]" in (proj / "run" / "fp8" / "chat_template.jinja").read_text()
+
+
 def test_generate_and_eval(tiny_llama, wiki_text, data_dir, tmp_path):
     meas, ck = tmp_path / "m", tmp_path / "fp8"
     assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2").exit_code == 0

@@ -290,6 +290,29 @@ def test_a_task_yamls_path_is_read_from_the_recipes_folder(tmp_path):
     assert r.eval.tasks == (str(tmp_path / "tasks" / "mine.yaml"),)
 
 
+def test_a_models_path_is_read_from_the_recipes_folder(tmp_path, monkeypatch):
+    """`model` is an input path like the others: a folder beside the recipe wins wherever hqtflow runs; a bundled name,
+    a hub id or a folder from the current directory stays as given; two different folders by one name are refused."""
+    from hqtflow.errors import ConfigError
+    from hqtflow.recipes import load_recipe
+
+    (tmp_path / "proj" / "models" / "tiny").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "models" / "other").mkdir(parents=True)
+    path = tmp_path / "proj" / "r.yaml"
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for given, read in (("models/tiny", str(tmp_path / "proj" / "models" / "tiny")), ("smollm2", "smollm2"),
+                        ("org/name", "org/name"), ("models/other", "models/other"), ("/abs/m", "/abs/m")):
+        path.write_text(f"model: {given}\noutput: out/m\n")
+        assert load_recipe(path).measure.model == read, given
+    (tmp_path / "elsewhere" / "models" / "tiny").mkdir()
+    path.write_text("model: models/tiny\noutput: out/m\n")
+    with pytest.raises(ConfigError, match="'model' models/tiny names .*proj/models/tiny .*beside the recipe.* and "
+                                          ".*elsewhere/models/tiny .*give an absolute path"):
+        load_recipe(path)
+    monkeypatch.chdir(tmp_path / "proj")  # both spellings name one folder: no ambiguity
+    assert load_recipe(path).measure.model == str(tmp_path / "proj" / "models" / "tiny")
+
+
 def test_one_recipe_flag_merge(tmp_path):
     """`measure --recipe` and `run` share recipes.merge_flags: flags given override, flags not given (None) keep the
     recipe's value, and a run without any output directory is refused."""
