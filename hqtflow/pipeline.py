@@ -188,6 +188,31 @@ def absolute_paths(ms):
                    recipe=os.path.abspath(ms.recipe) if ms.recipe else None)
 
 
+def check_recipe(r, ms) -> None:
+    """Every stage's settings, checked before any stage runs (a later stage's refusal after hours of measuring
+    wastes them); a refusal names the recipe key."""
+    from hqtflow.errors import ConfigError
+    from hqtflow.measure.run import load_measure_config
+
+    def checked(key: str, check: Callable[[], object]) -> None:
+        try:
+            check()
+        except ConfigError as e:
+            raise ConfigError(f"Recipe {r.path}, '{key}': {e}") from None
+
+    ms.validate()
+    checked("config", lambda: load_measure_config(ms.config))
+    from hqtflow.quantize.run import plan_config
+
+    checked("quant_config", lambda: plan_config(r.quantize.settings(ms.output, ms.output)))
+    if r.eval.tasks:
+        from hqtflow import lmeval
+
+        ev = r.eval
+        lmeval.check_tasks(list(ev.tasks), lmeval.task_manager(list(ev.include_path), ev.data_dir, list(ev.tasks)),
+                           ev.data_dir)
+
+
 def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo: Callable[[str], None] = print,
                data_dir: str | Path | None = None) -> Path:
     from hqtflow import __version__
@@ -202,6 +227,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     r = load_recipe(recipe)
     r = with_data_dir(r, data_dir) if data_dir is not None else r
     ms = absolute_paths(measure_settings(r, overrides, overwrite=True))
+    check_recipe(r, ms)
     root = Path(ms.output).parent
     check_own_output(Path(ms.output), ArtifactKind.MEASUREMENT)
     check_own_output(root / "fp8", ArtifactKind.CHECKPOINT)

@@ -54,7 +54,7 @@ class MeasureSection:
     batch_size: int = _value("count", MeasureSettings.batch_size)
     max_length: int | None = _value("count")  # given here: explicit, as --max-length (None: the model's context, up to 512)
     tp: int = _value("count", MeasureSettings.tp)
-    dtype: str = _value("text", MeasureSettings.dtype)
+    dtype: str = _value("dtype", MeasureSettings.dtype)
     output: str | None = _value("text")
 
 
@@ -304,6 +304,11 @@ class _Reader:
 
     def flag(self, label: str, value: Any) -> bool:
         return value if isinstance(value, bool) else self.fail(label, "true or false", value)
+
+    def dtype(self, label: str, value: Any) -> str:
+        from hqtflow.config import HP_DTYPES
+
+        return value if value in HP_DTYPES else self.fail(label, f"one of {', '.join(HP_DTYPES)}", value)
 
     def model(self, label: str, value: Any) -> str:
         """A model folder beside the recipe (its path, resolved), else the text as `-m` takes it (a bundled name such

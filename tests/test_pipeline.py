@@ -195,6 +195,20 @@ def test_run_redoes_the_stages_of_a_changed_model_only(tiny_llama, data_dir, tmp
     assert "[{{ m['content'] }}]" in (proj / "run" / "fp8" / "chat_template.jinja").read_text()
 
 
+def test_run_checks_every_stage_before_the_first(tiny_llama, data_dir, tmp_path):
+    """A later stage's wrong setting (a MEASURE config as quant_config, an unknown eval task) is refused before
+    measure runs, naming the recipe key; nothing is written."""
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, data_dir, 2)
+    raw = yaml.safe_load(recipe.read_text())
+    for key, value, words in (("quant_config", "maxabs_measure", r"'quant_config': .*maxabs_measure.json has mode MEASURE"),
+                              ("config", "maxabs_quant", r"'config': .*maxabs_quant.json has mode QUANTIZE"),
+                              ("eval", {"tasks": ["no_such_task"]}, "Unknown lm-eval task 'no_such_task'")):
+        recipe.write_text(yaml.safe_dump({**raw, key: value}))
+        r = run_cli("run", recipe)
+        assert r.exit_code != 0 and re.search(words, r.stderr) and "writing" not in r.stdout, r.output
+        assert not (tmp_path / "run").exists()
+
+
 def test_generate_and_eval(tiny_llama, wiki_text, data_dir, tmp_path):
     meas, ck = tmp_path / "m", tmp_path / "fp8"
     assert run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2").exit_code == 0

@@ -57,9 +57,9 @@ class Job:
     hessians: object = None  # hqtflow.formats.hessians.Hessians for --gptq, else None
 
 
-def plan_job(s: QuantizeSettings) -> Job:
-    """Every check that needs no weights: config, target, measurement (complete, finite, same model), rank count."""
-    from hqtflow import models
+def plan_config(s: QuantizeSettings):
+    """Every check of the config and flags alone (no measurement, no model) -> (config, target, scale rules); `run`
+    makes them before any stage runs."""
     from hqtflow.scales import TARGETS, scale_rules
 
     cfg = quant_config(s)
@@ -80,6 +80,16 @@ def plan_job(s: QuantizeSettings) -> Job:
     if s.gptq and (s.scales_only or any(m.smoothquant for m in rules.methods())):
         raise ConfigError("--gptq changes the FP8 weights of a checkpoint; it cannot be combined with --scales-only "
                           "(INC quantizes the original weights) or SmoothQuant methods.")
+    if not s.scales_only and cfg.fp8_config != "E4M3":
+        raise ConfigError("compressed-tensors FP8 checkpoints are E4M3; fp8_config E5M2 is supported with --scales-only.")
+    return cfg, target, rules
+
+
+def plan_job(s: QuantizeSettings) -> Job:
+    """Every check that needs no weights: config, target, measurement (complete, finite, same model), rank count."""
+    from hqtflow import models
+
+    cfg, target, rules = plan_config(s)
     meas = load_measurement(s.measurement)
     hessians = meas.hessians() if s.gptq else None
     if s.gptq and hessians is None:
@@ -103,8 +113,6 @@ def plan_job(s: QuantizeSettings) -> Job:
         if meas.world_size > 1:
             raise ArtifactError(f"{meas.directory} is a {meas.world_size}-rank measurement; a checkpoint needs one rank: "
                                 f"run `hqtflow unify -g {''.join(map(str, range(meas.world_size)))} -m {meas.directory} -o DIR` first.")
-        if cfg.fp8_config != "E4M3":
-            raise ConfigError("compressed-tensors FP8 checkpoints are E4M3; fp8_config E5M2 is supported with --scales-only.")
     plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0], unfuse=not s.scales_only,
                         world_size=meas.world_size, weight_only=s.weight_only and not s.scales_only)
     if not plan["quantize"]:
