@@ -86,11 +86,11 @@ def main() -> None:
     bf16 = models.load_model(bf16_path, "bf16")
     batches = [int(b) for b in a.batch_sizes.split(",")]
     max_len = a.prompt_length + a.new_tokens
-    from hqtflow.hardware import cpu_flags, fastest_dtype
+    from hqtflow.hardware import fastest_dtype, machine_line
 
     print(f"model {bf16_path.name}; FP8 {a.checkpoint} (backend {backend}); prompt {a.prompt_length}, {a.new_tokens} new tokens, "
           f"greedy; threads {torch.get_num_threads()}; median of {a.runs} runs")
-    print(f"torch {torch.__version__}; CPU flags: {' '.join(cpu_flags())}; --dtype auto here: {fastest_dtype()} "
+    print(f"torch {torch.__version__}; {machine_line()}; --dtype auto here: {fastest_dtype()} "
           f"(FP8 model's high-precision dtype: {next(fp8.parameters()).dtype})")
 
     engines = {"bf16 transformers generate": None,

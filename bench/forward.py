@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from checkpoint import DEFAULT, fp8_and_source  # noqa: E402
 from hqtflow import models  # noqa: E402
-from hqtflow.hardware import cpu_flags, fastest_dtype  # noqa: E402
+from hqtflow.hardware import fastest_dtype, machine_line  # noqa: E402
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
     print(f"model {base.name}; FP8 {a.checkpoint} (backend {backend}, "
           f"high-precision dtype {next(fp8.parameters()).dtype}); forward of {a.batch} x {a.length} tokens; "
           f"threads {torch.get_num_threads()}; median of {a.runs} runs")
-    print(f"torch {torch.__version__}; CPU flags: {' '.join(cpu_flags())}; --dtype auto here: {fastest_dtype()}")
+    print(f"torch {torch.__version__}; {machine_line()}; --dtype auto here: {fastest_dtype()}")
     times: dict[str, list[float]] = {n: [] for n in engines}
     with torch.inference_mode():
         for n, m in engines.items():  # warm-up

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hqtflow.hardware import cpu_flags, fastest_dtype  # noqa: E402
+from hqtflow.hardware import cpu_flags, fastest_dtype, machine_line  # noqa: E402
 from hqtflow.quantize.fp8_linear import FP8Linear, resolve_backend, set_backend  # noqa: E402
 
 SHAPES = {"4096x4096": (4096, 4096), "smollm2 q/o 576x576": (576, 576), "smollm2 up 576->1536": (576, 1536),
@@ -80,7 +80,7 @@ def main() -> None:
 
         isa = ck.ops().fp8_isa()
         avx2 = ck.ops("avx2") if "avx512f" in cpu_flags() and ck.load("avx2") else None  # else: the native build
-    print(f"device {dev}: {torch.cuda.get_device_name() if dev == 'cuda' else ' '.join(cpu_flags())}")
+    print(f"device {dev}{f': {torch.cuda.get_device_name()}' if dev == 'cuda' else ''}; {machine_line()}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; median of {a.iters} calls; "
           f"{'hot (one weight copy)' if a.hot else f'cold (weights cycled over {a.working_set} MiB of bf16 copies)'}; "
           f"--dtype auto here: {fastest_dtype(dev)}"

@@ -8,7 +8,6 @@ fresh cache, so the FP8 row carries the cache's rounding into every position.
 """
 
 import argparse
-import platform
 
 import torch
 
@@ -30,7 +29,7 @@ class _Cached:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="An FP8 checkpoint quantized with --kv-cache fp8 (k_scale/v_scale).")
     ap.add_argument("--ppl-file", required=True)
     ap.add_argument("--windows", type=int, default=8)
@@ -49,7 +48,9 @@ def main() -> None:
     ways = {"no cache": lambda n: None,
             "bf16 KV cache": lambda n: StaticCache(config=model.config, max_cache_len=n),
             "FP8 KV cache": lambda n: FP8StaticCache(model.config, n, scales)}
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, backend {args.backend}, "
+    from hqtflow.hardware import machine_line
+
+    print(f"torch {torch.__version__}; {machine_line()}; backend {args.backend}, "
           f"compute dtype {next(model.parameters()).dtype}")
     res = {}
     with torch.inference_mode():

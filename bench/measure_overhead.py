@@ -125,11 +125,11 @@ def make_modes(args, model_dir, tmp):
 
     from hqtflow.measure.kv import KVStats
 
-    kv = KVStats(hq_model)
+    kv, cache = KVStats(hq_model), models.cache_kwarg(hq_model)  # the name `hqtflow measure` passes the cache under
 
     def run_hq_kv(ids, mask):  # what `hqtflow measure` runs: Linear observers + KV-cache statistics
         with session.batch(mask):
-            return hq_model(input_ids=ids, attention_mask=mask, past_key_values=kv.cache(mask), use_cache=True).logits
+            return hq_model(input_ids=ids, attention_mask=mask, **{cache: kv.cache(mask)}, use_cache=True).logits
 
     modes = {"plain forward": run_plain, "hqtflow observers": run_hq, "hqtflow observers + KV stats": run_hq_kv}
     extra = {"plain": plain, "session": session, "hq_model": hq_model}
@@ -151,6 +151,11 @@ def make_modes(args, model_dir, tmp):
     return modes, extra
 
 
+def progress(what: str) -> None:
+    """A progress line on stderr (the report on stdout stays as it was): the bench takes minutes."""
+    print(f"[{time.strftime('%H:%M:%S')}] {what} ...", file=sys.stderr, flush=True)
+
+
 def timed(fn, ids, mask) -> float:
     t0 = time.perf_counter()
     fn(ids, mask)
@@ -162,11 +167,13 @@ def bench(modes: dict, windows, rounds: int, warmup: int) -> dict[str, list[list
     names = list(modes)
     times = {n: [[0.0] * len(windows) for _ in range(rounds)] for n in names}
     with torch.inference_mode():
+        progress(f"warming up {len(names)} modes ({warmup} passes over 2 batches each)")
         for _ in range(warmup):
             for name in names:
                 for ids, mask in windows[:2]:
                     modes[name](ids, mask)
         for r in range(rounds):
+            progress(f"timed round {r + 1} of {rounds} ({len(windows)} batches x {len(names)} modes)")
             for b, (ids, mask) in enumerate(windows):
                 k = (r + b) % len(names)  # rotate: no mode always runs first or last
                 for name in names[k:] + names[:k]:
@@ -330,10 +337,13 @@ def main(argv=None) -> int:
     windows = token_windows(args.data, tokenizer, args.batches, args.batch_size, args.seq_len)
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hqtflow-bench-") as tmp:
+        progress("loading a model copy per mode")
         modes, extra = make_modes(args, model_dir, tmp)
         n_linear = sum(isinstance(m, torch.nn.Linear) for m in extra["plain"].modules())
         print_env(args, model_dir, extra["plain"], n_linear, windows)
-        print(f"load avg   : {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1/5/15 min) before timing")
+        from hqtflow.hardware import machine_line
+
+        print(f"machine    : {machine_line()} before timing")
         times = bench(modes, windows, args.rounds, args.warmup)
         print(f"load avg   : {' '.join(f'{x:.2f}' for x in os.getloadavg())} after timing")
         ratios = report(times)

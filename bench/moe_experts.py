@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hqtflow.hardware import cpu_flags  # noqa: E402
+from hqtflow.hardware import machine_line  # noqa: E402
 from hqtflow.quantize.experts import unfuse_experts  # noqa: E402
 from hqtflow.quantize.fp8_linear import FP8Linear, compute_in, set_backend  # noqa: E402
 
@@ -77,7 +77,7 @@ def timed(calls: dict[str, callable], iters: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="1,8,32,256")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--experts", type=int, default=64)
@@ -90,7 +90,7 @@ def main() -> None:
 
     if not cpu_kernel.available():
         sys.exit(f"the CPU FP8 kernel could not be built: {cpu_kernel.build_error()}")
-    print(f"CPU flags: {' '.join(cpu_flags())}; FP8 kernel path {torch.ops.hqtflow.fp8_isa()}")
+    print(f"{machine_line()}; FP8 kernel path {torch.ops.hqtflow.fp8_isa()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; experts {a.experts}, top-{a.top_k}, "
           f"hidden {a.hidden}, expert intermediate {a.inter}")
     g = torch.Generator().manual_seed(0)

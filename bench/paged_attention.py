@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hqtflow.hardware import cpu_flags  # noqa: E402
+from hqtflow.hardware import machine_line  # noqa: E402
 from hqtflow.runtime.paged import DecodeBatch, KVPool, attend_one, decode_batch_attention  # noqa: E402
 
 MODELS = {"smollm2": (9, 3, 64), "llama-8b": (32, 8, 128)}  # query heads, KV heads, head dim
@@ -105,7 +105,7 @@ def main() -> None:
 
     if not cpu_ops():
         sys.exit("hqtflow's CPU ops could not be built here (no C++ compiler?): there is no op to measure.")
-    print(f"CPU flags: {' '.join(cpu_flags()) or '(none found)'}; torch {torch.__version__}, "
+    print(f"{machine_line()}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; softcap {a.softcap or 'none'}, sinks {'yes' if a.sinks else 'no'}")
     print(f"{'model':9} {'cache':15} {'B':>3} {'L':>5} | {'loop':>7} {'padded':>7} {'op':>7} | "
           f"{'op / fastest baseline':>21} {'max |op, padded - loop|':>24}")

@@ -168,6 +168,17 @@ def cached_fraction(files: list[Path]) -> str:
     return f"{100 * res / max(size, 1):.0f}% of the files' pages in the page cache (fincore)"
 
 
+def net_throughput(total: int, wall_s: float, base_s: float) -> float | None:
+    """GB/s over the run's wall time minus the import baseline's; None (no figure) when that leaves under 5% of the
+    run (a run no slower than the baseline's process)."""
+    net = wall_s - base_s
+    return total / net / 1e9 if net > 0.05 * wall_s else None
+
+
+def _gbs(value: float | None, width: int) -> str:
+    return f"{'n/a':>{width}}" if value is None else f"{value:{width}.2f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=4.0)
@@ -189,10 +200,9 @@ def main() -> None:
         rs, rn = min(read_all(files)[0] for _ in range(2)), total
         read_gbs = rn / rs / 1e9
         print(f"page cache: {cached_fraction(files)}")
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from fp8_linear import cpu_flags
+        from hqtflow.hardware import machine_line
 
-        print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} CPUs")
+        print(machine_line())
         print(f"sequential read of the safetensors files: {read_gbs:.2f} GB/s ({rs:.2f} s)")
         base = sample_process([sys.executable, "-c", "import torch, transformers, accelerate, safetensors, hqtflow.cli, hqtflow.quantize.run; "
                                "from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM"], env)
@@ -205,7 +215,7 @@ def main() -> None:
             r = sample_process([sys.executable, "-m", "hqtflow", "quantize", "-m", str(meas), "-o", str(out), *extra], env)
             n_out = len(list(out.glob("*.safetensors")))
             thr = total / r["wall_s"] / 1e9
-            thr_net = total / max(r["wall_s"] - base["wall_s"], 1e-9) / 1e9
+            thr_net = net_throughput(total, r["wall_s"], base["wall_s"])
             rows.append((label, r, thr, thr_net, n_out))
             shutil.rmtree(out) if not a.keep else None
         print(f"\n{'mode':<13} {'wall s':>7} {'peak RssAnon':>13} {'/ckpt':>6} {'(-base)/ckpt':>13} {'peak RSS':>9} "
@@ -213,14 +223,14 @@ def main() -> None:
         for label, r, thr, thr_net, n_out in rows:
             print(f"{label:<13} {r['wall_s']:7.1f} {r['peak_anon'] / 2**20:10.0f} MiB {r['peak_anon'] / total:6.1%} "
                   f"{(r['peak_anon'] - base['peak_anon']) / total:13.1%} {r['peak_rss'] / 2**20:5.0f} MiB "
-                  f"{r['peak_rss'] / total:6.1%} {thr:6.2f} {thr / read_gbs:6.2f} {thr_net:6.2f} {thr_net / read_gbs:7.2f} {n_out:6d}")
+                  f"{r['peak_rss'] / total:6.1%} {thr:6.2f} {thr / read_gbs:6.2f} {_gbs(thr_net, 6)} {_gbs(thr_net and thr_net / read_gbs, 7)} {n_out:6d}")
         print("GB/s = bf16 checkpoint bytes / process wall time; * = wall time minus the import-baseline process's "
-              "wall time; /read = ratio to the sequential read speed; RSS includes the memory-mapped file pages "
+              "wall time (n/a: the run took no longer than the baseline, within 5%); /read = ratio to the sequential read speed; RSS includes the memory-mapped file pages "
               "(reclaimable), RssAnon does not.")
         off = rows[1]
         print(f"targets (disk-offload): peak RssAnon < 15% of checkpoint: {off[1]['peak_anon'] / total:.1%} "
               f"(above the import baseline: {(off[1]['peak_anon'] - base['peak_anon']) / total:.1%}); "
-              f"throughput >= 0.5 x read speed: {off[2] / read_gbs:.2f} (excluding startup: {off[3] / read_gbs:.2f})")
+              f"throughput >= 0.5 x read speed: {off[2] / read_gbs:.2f} (excluding startup: {_gbs(off[3] and off[3] / read_gbs, 0)})")
     finally:
         if not a.keep and a.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -23,6 +23,18 @@ def cpu_flags() -> tuple[str, ...]:
         return (platform.machine(),)
 
 
+def machine_line() -> str:
+    """What a benchmark prints about the machine it ran on: the CPU flags, the CPU count and the load average (a run
+    beside other work shows it)."""
+    import os
+
+    try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "unknown"
+    return f"CPU flags: {' '.join(cpu_flags()) or '(none found)'}; {os.cpu_count()} CPUs; load average {load} (1/5/15 min)"
+
+
 def fastest_dtype(device: str = "cpu") -> str:
     """"bf16" or "fp32": the faster high-precision dtype on `device`."""
     if not str(device).startswith("cpu"):

@@ -1,0 +1,41 @@
+"""The benchmarks' command lines and headers (fast: nothing is timed; tests/test_bench_smoke.py runs them)."""
+
+import importlib.util
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+# every CPU bench prints the machine it ran on, one shared line
+MACHINE_BENCHES = ("decode", "forward", "fp8_linear", "kv_cache_ppl", "measure_overhead", "moe_experts",
+                   "paged_attention", "quantize_offload")
+
+
+def test_machine_line_has_the_cpu_flags_and_the_load():
+    from hqtflow.hardware import machine_line
+
+    assert re.fullmatch(r"CPU flags: .+; \d+ CPUs; load average [\d.]+ [\d.]+ [\d.]+ \(1/5/15 min\)", machine_line())
+
+
+@pytest.mark.parametrize("bench", MACHINE_BENCHES)
+def test_every_bench_prints_the_machine_line(bench):
+    source = (ROOT / "bench" / f"{bench}.py").read_text()
+    assert "machine_line()" in source
+
+
+@pytest.mark.parametrize("bench,last_words", [("kv_cache_ppl", "--windows 8"), ("moe_experts", "measured in one run")])
+def test_help_is_the_whole_description(bench, last_words):
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / f"{bench}.py"), "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and last_words in r.stdout, r.stdout
+
+
+def test_offload_throughput_without_time_left_is_not_a_number():
+    """A run no longer than the import baseline's process leaves no time to divide by: n/a, not 198719488 GB/s."""
+    spec = importlib.util.spec_from_file_location("quantize_offload", ROOT / "bench" / "quantize_offload.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench._gbs(None, 6) == "   n/a" and bench._gbs(1.5, 6) == "  1.50"
+    assert bench.net_throughput(1e9, wall_s=2.0, base_s=2.5) is None and bench.net_throughput(1e9, 3.0, 2.0) == 1.0
