@@ -6,22 +6,24 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def load(path: str | Path, *, device: str = "cpu", verify: bool = True, backend: str = "auto", dtype: str = "auto"):
+def load(path: str | Path, *, device: str = "cpu", verify: bool = True, backend: str = "auto", dtype="auto"):
     """Load an FP8 checkpoint -> (model, tokenizer): hqtflow's own or its `export --format fp8|compressed-tensors`
-    (schema and file hashes checked), or another tool's compressed-tensors or AutoFP8 `fp8` checkpoint.
+    (schema checked; with `verify`, every listed file's hash), or another tool's compressed-tensors or AutoFP8 `fp8`
+    checkpoint.
 
     `device`: cpu, cuda or auto (cuda when PyTorch sees a CUDA GPU).
     `backend`: the FP8 matmul ("auto": the CPU kernel on CPU, `_scaled_mm` on FP8 GPUs; "qdq" is the reference).
-    `dtype`: the high-precision compute dtype, bf16/fp16/fp32 ("auto": the fastest here, see hqtflow.hardware)."""
+    `dtype`: the high-precision compute dtype, bf16/fp16/fp32, their torch names ("bfloat16", torch.bfloat16, ...)
+    or "auto" (the fastest here, see hqtflow.hardware)."""
     from hqtflow import models
     from hqtflow.errors import ArtifactError
     from hqtflow.formats.artifact import MANIFEST
     from hqtflow.formats.checkpoint import load_checkpoint
-    from hqtflow.hardware import resolve_dtype, run_device
+    from hqtflow.hardware import dtype_name, resolve_dtype, run_device
     from hqtflow.quantize.fp8_linear import set_backend
 
     device = run_device(device, "device=")
-    dtype = resolve_dtype(dtype, device, "dtype=")
+    dtype = resolve_dtype(dtype_name(dtype), device, "dtype=")
     path = Path(path)
     if (path / MANIFEST).is_file() or not path.is_dir():  # hqtflow's: verified; read_manifest words a missing path
         _check_manifest(path, verify)

@@ -43,6 +43,17 @@ def fastest_dtype(device: str = "cpu") -> str:
 
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
+# torch's names of the high-precision dtypes (and a torch.dtype's str without "torch.") -> hqtflow's
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+
+def dtype_name(dtype):
+    """hqtflow's name of a dtype given as hqtflow's name, torch's ("bfloat16") or a torch.dtype (torch.bfloat16), for
+    the Python API; anything else is returned as it is, for resolve_dtype to refuse."""
+    name = str(dtype).removeprefix("torch.")
+    return DTYPE_NAMES[name] if name in DTYPE_NAMES else name if name in DTYPES else dtype
+
+
 RUN_DEVICES = ("auto", "cpu", "cuda")
 
 

@@ -152,6 +152,26 @@ def test_load_refuses_a_device_it_cannot_use_and_a_file(measured, tmp_path, monk
         hqtflow.load(out / "config.json")
 
 
+def test_load_takes_its_keywords_and_torchs_dtype_names(measured, tmp_path):
+    """hqtflow.load's signature is its keywords (and `hqtflow` exports it alone with __version__, importing no torch);
+    dtype takes torch's names and dtypes besides bf16/fp16/fp32."""
+    import inspect
+    import subprocess
+    import sys
+
+    import hqtflow
+
+    assert list(inspect.signature(hqtflow.load).parameters) == ["path", "device", "verify", "backend", "dtype"]
+    assert hqtflow.__all__ == ["__version__", "load"] and "verify" in hqtflow.load.__doc__
+    code = "import sys, hqtflow; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    out = quantize_cli(measured, tmp_path / "fp8")
+    for given, dtype in (("bfloat16", torch.bfloat16), (torch.float32, torch.float32), ("float16", torch.float16),
+                         ("torch.bfloat16", torch.bfloat16)):
+        model, _ = hqtflow.load(out, dtype=given, verify=False)
+        assert model.model.norm.weight.dtype == dtype, given
+
+
 def test_compressed_tensors_loads_it(measured, tmp_path):
     """transformers' compressed-tensors integration reads the checkpoint: same greedy text as hqtflow's runtime."""
     require_compressed_tensors()
