@@ -132,7 +132,7 @@ def build_tiny(model_type: str, out: Path, tokenizer_dir: Path, *, seed: int = 0
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = AutoConfig.for_model(model_type, vocab_size=len(tok), **{**TINY[model_type], **overrides})
+    cfg = AutoConfig.for_model(model_type, **{"vocab_size": len(tok), **TINY[model_type], **overrides})
     cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
     cfg.bos_token_id = tok.eos_token_id
     torch.manual_seed(seed)

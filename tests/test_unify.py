@@ -318,3 +318,43 @@ def test_import_of_optimum_habana_single_group_unify_output(tmp_path):
     assert r.exit_code == 0, r.output
     r = run_cli("unify", "-g", "0", "-m", tmp_path / "imp", "-o", tmp_path / "u")
     assert r.exit_code == 0, r.output
+
+
+# ---- a vocabulary that does not divide by the rank count ---------------------------------------------
+@pytest.fixture(scope="module")
+def uneven(tiny_factory, wiki_text, tmp_path_factory):
+    """A model whose vocabulary (517 = 12 * 43 + 1) divides by no rank count, measured on 1 to 4 ranks: transformers
+    shards lm_head unevenly (259 + 258 rows on 2 ranks, 173 + 173 + 171 on 3)."""
+    model = tiny_factory("llama", hidden_size=96, intermediate_size=120, num_attention_heads=12, num_key_value_heads=12,
+                         head_dim=8, vocab_size=517, dtype="float32")
+    base = tmp_path_factory.mktemp("uneven")
+    common = ["--text", wiki_text, "--limit", "2", "--max-length", "32", "--dtype", "fp32"]
+    for tp in (1, 2, 3, 4):
+        r = run_cli("measure", model, "-o", base / f"tp{tp}", "--tp", str(tp), *common)
+        assert r.exit_code == 0, r.output
+    return base
+
+
+def weight_scales(measurement, out):
+    """quantize --scales-only with per-channel weight scales: per rank, {node: (weight scales, input scale)}."""
+    cfg = out.parent / "pcs.json"
+    cfg.write_text(json.dumps({"mode": "QUANTIZE", "scale_method": "act_maxabs_pow2_weights_pcs_maxabs_pow2"}))
+    r = run_cli("quantize", "-m", measurement, "-o", out, "--scales-only", "-c", cfg, "--scales-for", "gaudi2")
+    assert r.exit_code == 0, r.output
+    files = sorted(out.glob("*_ACT_MAXABS_POW2_WEIGHTS_PCS_MAXABS_POW2*.json"))
+    return [{k: (np.array(v["params"]["weight"]["0"]), v["inputs"][0])
+             for k, v in json.loads(f.read_text())["Nodes"].items()} for f in files]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 3])
+def test_scales_of_uneven_shards_are_the_true_slices(uneven, tp, tmp_path):
+    """Each rank's per-channel weight scales of a column-parallel layer are the one-rank scales of the rows it held
+    (rank r's rows start after the preceding ranks' recorded rows, not at r * its own row count)."""
+    full = weight_scales(uneven / "tp1", tmp_path / "one")[0]
+    ranks = weight_scales(uneven / f"tp{tp}", tmp_path / "many")
+    layers = read_manifest(uneven / f"tp{tp}", "hqtflow.measurement", 1).data["ranks"]
+    rows = [r["layers"]["lm_head"]["weight_shape"][0] for r in layers]
+    assert len(set(rows)) > 1 and sum(rows) == 517
+    for name in ("lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"):
+        np.testing.assert_array_equal(np.concatenate([r[name][0] for r in ranks]), full[name][0], err_msg=name)

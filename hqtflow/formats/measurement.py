@@ -401,6 +401,21 @@ def _layer_records(layers) -> bool:
         isinstance(info, dict) and all(ok(info[k]) for k, ok in kinds.items() if k in info) for info in layers.values())
 
 
+SHARDED_DIM = {"column": 0, "row": 1}  # the weight dimension a tensor-parallel style splits
+
+
+def shard_span(layers: list[dict], name: str, rank: int) -> tuple[int, int, int] | None:
+    """(dim, offset, size) of rank `rank`'s shard of layer `name`'s weight, from the per-rank layer records
+    (`LoadedMeasurement.layers`); None when it is not sharded. The offset is the sum of the preceding ranks'
+    recorded sizes: a dimension that does not divide by the rank count gives the first ranks one row more."""
+    info = layers[rank].get(name)
+    dim = SHARDED_DIM.get((info or {}).get("style"))
+    if dim is None or len(layers) == 1:
+        return None
+    offset = sum(r[name]["weight_shape"][dim] for r in layers[:rank] if name in r)
+    return dim, offset, info["weight_shape"][dim]
+
+
 def manifest_ranks(m: Manifest) -> tuple[list[str], int]:
     """The rank stems and world size a measurement manifest records (checked: one stem per rank)."""
     try:

@@ -9,25 +9,27 @@ import torch
 
 from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError
-from hqtflow.formats.measurement import copy_measurement_files
+from hqtflow.formats.measurement import copy_measurement_files, shard_span
 from hqtflow.formats.scale_files import scale_entry, scale_stem, write_quant_config, write_scale_file
 from hqtflow.scales import HP_DTYPES, ScaleRules, linear_scales
 
 
-def _local_weight(w: torch.Tensor, info: dict | None, rank: int, world: int) -> torch.Tensor:
-    """The shard of a full weight that rank `rank` held, from the style the measurement recorded."""
-    if world == 1 or info is None or info.get("style") in (None, "replicated"):
+def _local_weight(w: torch.Tensor, layers: list[dict], name: str, rank: int) -> torch.Tensor:
+    """The shard of a full weight that rank `rank` held, from the styles and shapes the measurement recorded
+    (a packed weight, e.g. fused gate/up, holds its slice of each part)."""
+    span = shard_span(layers, name, rank)
+    if span is None:
         return w
-    shape = info["weight_shape"]
-    dim = {"column": 0, "row": 1}[info["style"]]
-    return w.narrow(dim, rank * shape[dim], shape[dim])
+    dim, offset, size = span
+    parts = int(layers[rank][name].get("packed_parts", 1))
+    return torch.cat([p.narrow(dim, offset // parts, size // parts) for p in w.chunk(parts, dim)], dim)
 
 
 def write_scale_files(out: Path, final: Path, model, meas, cfg: QuantConfig, rules: ScaleRules, target: str) -> list[str]:
     """Write into `out` (a staging dir that becomes `final`). Each node gets the scales of its own method
     (`rules`, INC's per-node resolution); the files are named after the default method, as INC names them."""
     data = meas.manifest.data
-    layers_by_rank = [r.get("layers") or {} for r in data["ranks"]]
+    layers_by_rank = meas.layers
     if meas.world_size > 1 and not any(layers_by_rank):
         raise ArtifactError(f"{meas.directory} is a {meas.world_size}-rank import: HQT dumps do not record how each "
                             "weight was sharded, so per-rank scales cannot be computed; unify it to one rank first "
@@ -44,7 +46,7 @@ def write_scale_files(out: Path, final: Path, model, meas, cfg: QuantConfig, rul
                 continue  # e.g. per-expert nodes of fused MoE weights: no Linear to quantize
             if not hasattr(mod, "weight") or not node.inputs or not cfg.selects(name, type(mod).__name__):
                 continue
-            w = _local_weight(mod.weight.detach(), layers.get(name), rank, meas.world_size)
+            w = _local_weight(mod.weight.detach(), layers_by_rank, name, rank)
             sc = linear_scales(rules(name, type(mod).__name__), node.inputs[0], w, target=target, fp8=cfg.fp8_config,
                                hp_dtype=cfg.hp_dtype, name=name, store=HP_DTYPES[cfg.hp_dtype])  # as INC reads them
             nodes[name] = scale_entry(sc.input, sc.weight, sc.output, w.shape[1])
