@@ -27,7 +27,7 @@ import numpy as np
 
 from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning
 from hqtflow.formats.artifact import check_output_dir, sha256_file, staged_output
-from hqtflow.formats.measurement import LoadedMeasurement, NodeStats, load_measurement, rank_suffix, write_artifact, write_measurement
+from hqtflow.formats.measurement import SHARDED_DIM, LoadedMeasurement, NodeStats, load_measurement, rank_suffix, write_artifact, write_measurement
 
 
 # ---- groups -------------------------------------------------------------------------------------
@@ -170,11 +170,11 @@ def merge_group(src: LoadedMeasurement, group: list[int], plan: dict[str, str],
     names: list[str] = []
     for r in group:
         names += [n for n in src.ranks[r].nodes if n not in names]
-    nodes, layers = {}, {}
+    nodes, layers, records = {}, {}, src.layers
     for name in names:
         have = [r for r in group if name in src.ranks[r].nodes]
         stats = [src.ranks[r].nodes[name] for r in have]
-        info = src.layers[have[0]].get(name) if src.layers[have[0]] else None
+        info = records[have[0]].get(name)
         plan_style = next((s for pat, s in plan.items() if re.search(pat, name)), None)
         try:
             inputs = [merge_stat("input", [s.inputs[i] for s in stats], info, plan_style, in_order)
@@ -188,20 +188,23 @@ def merge_group(src: LoadedMeasurement, group: list[int], plan: dict[str, str],
             raise ArtifactError(f"Node {name} has statistics of different shapes or counts on ranks {have}.") from None
         nodes[name] = NodeStats(inputs, outputs, params)
         if info:
-            layers[name] = _merged_info(info, len(have))
+            layers[name] = _merged_info([records[r].get(name, info) for r in have])
     return nodes, layers
 
 
-def _merged_info(info: dict, n: int) -> dict:
+def _merged_info(infos: list[dict]) -> dict:
+    """The layer record of a merged rank from its group's records: a sharded dimension is the sum of the shards
+    (which differ by one row where a dimension does not divide by the rank count)."""
+    info = infos[0]
     out = dict(info)
     shape = list(info.get("weight_shape", []))
-    if shape and info.get("style") in ("column", "row"):
-        dim = 0 if info["style"] == "column" else 1
-        shape[dim] *= n
+    dim = SHARDED_DIM.get(info.get("style"))
+    if shape and dim is not None:
+        shape[dim] = sum(i["weight_shape"][dim] for i in infos)
         out["weight_shape"] = shape
-        if info["style"] == "column" and info.get("output_dim") == info["weight_shape"][0]:
+        if dim == 0 and info.get("output_dim") == info["weight_shape"][0]:
             out["output_dim"] = shape[0]
-        if info["style"] == "row":
+        if dim == 1:
             out["input_dim"] = shape[1]
     if shape and shape == info.get("global_weight_shape"):
         out["style"] = "replicated"

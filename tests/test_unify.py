@@ -358,3 +358,24 @@ def test_scales_of_uneven_shards_are_the_true_slices(uneven, tp, tmp_path):
     assert len(set(rows)) > 1 and sum(rows) == 517
     for name in ("lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"):
         np.testing.assert_array_equal(np.concatenate([r[name][0] for r in ranks]), full[name][0], err_msg=name)
+
+
+@pytest.mark.slow
+def test_unified_uneven_shards_quantize_as_measured(uneven, tmp_path):
+    """unify 4 -> 2 and 4 -> 1 of the uneven vocabulary record each merged rank's rows as the sum of its group's
+    (130 + 130 and 130 + 127 of 517), and --scales-only gives each merged rank the scales of those rows: 4 -> 1
+    equals a direct one-rank measurement's."""
+    full = weight_scales(uneven / "tp1", tmp_path / "ref")
+    for groups in (["01", "23"], ["0123"]):
+        out = tmp_path / "-".join(groups)
+        r = run_cli("unify", "-g", *groups, "-m", uneven / "tp4", "-o", out)
+        assert r.exit_code == 0, r.output
+        shapes = [r["layers"]["lm_head"]["weight_shape"] for r in
+                  read_manifest(out, "hqtflow.measurement", 1).data["ranks"]]
+        assert shapes == ([[260, 96], [257, 96]] if len(groups) == 2 else [[517, 96]])
+        ranks = weight_scales(out, tmp_path / f"s{len(groups)}")
+        for name in ("lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"):  # column-parallel
+            np.testing.assert_array_equal(np.concatenate([r[name][0] for r in ranks]), full[0][name][0], err_msg=name)
+    for name, (w, x) in full[0].items():  # 4 -> 1: every node
+        np.testing.assert_array_equal(ranks[0][name][0], w, err_msg=name)
+        assert ranks[0][name][1] == pytest.approx(x, rel=RTOL), name
