@@ -1,4 +1,4 @@
-"""`hqtflow run RECIPE`: measure -> quantize -> eval, each stage skipped while its artifact is valid and was made
+"""`hqtflow run RECIPE`: measure -> (unify, for a recipe on several cards) -> quantize -> eval, each stage skipped while its artifact is valid and was made
 from the same inputs by this hqtflow version (its manifest says so), and redone when an input or the version changed
 (the version changes whenever what a stage writes changes)."""
 
@@ -12,6 +12,8 @@ from typing import Callable
 
 from hqtflow.errors import ArtifactError, NewerArtifactError
 
+
+UNIFIED = "measure-unified"  # beside the recipe's measurement: its ranks unified to one, which quantize reads
 
 # settings added after artifacts were written: one recorded without them was made with this default
 ADDED_SETTINGS = {"hessians": False, "gptq": False}
@@ -127,6 +129,22 @@ def checkpoint_is_current(q) -> bool:
             and m.raw.get("config") == quant_config(q).to_dict())
 
 
+def unified_is_current(measurement: Path, out: Path) -> bool:
+    """`out` is this hqtflow's one-rank unification of every rank of `measurement` as its files are now."""
+    from hqtflow.formats.artifact import ArtifactKind, read_manifest, sha256_file
+    from hqtflow.formats.measurement import load_measurement
+
+    try:
+        m = read_manifest(out, ArtifactKind.MEASUREMENT)
+        src = load_measurement(measurement)
+    except ArtifactError:
+        return False
+    made = m.data.get("unified_from") or {}
+    files = {f"{s}.json": sha256_file(src.directory / f"{s}.json") for s in src.stems}
+    return (not other_version(m.written_by) and m.data["world_size"] == 1 and made.get("files") == files
+            and made.get("groups") == [list(range(src.world_size))])
+
+
 def check_own_output(out: Path, kind: str) -> None:
     """`run` replaces its own artifacts when stale; anything else already at `out` is refused, never clobbered."""
     from hqtflow.formats.artifact import artifact_kind
@@ -223,17 +241,20 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     from hqtflow.measure.run import measure
     from hqtflow.quantize.run import quantize
     from hqtflow.recipes import load_recipe, measure_settings, with_data_dir
+    from hqtflow.unify import unify
 
     r = load_recipe(recipe)
     r = with_data_dir(r, data_dir) if data_dir is not None else r
     ms = absolute_paths(measure_settings(r, overrides, overwrite=True))
     check_recipe(r, ms)
     root = Path(ms.output).parent
-    check_own_output(Path(ms.output), ArtifactKind.MEASUREMENT)
-    check_own_output(root / "fp8", ArtifactKind.CHECKPOINT)
-    check_not_newer(Path(ms.output), ArtifactKind.MEASUREMENT)
-    check_not_newer(root / "fp8", ArtifactKind.CHECKPOINT)
-    check_not_anothers(root / "fp8", Path(ms.output), force)
+    # a checkpoint is quantized from one rank: a measurement on several cards is unified to one beside it first
+    one_rank = Path(ms.output) if ms.tp == 1 else root / UNIFIED
+    for out, kind in ((Path(ms.output), ArtifactKind.MEASUREMENT), (one_rank, ArtifactKind.MEASUREMENT),
+                      (root / "fp8", ArtifactKind.CHECKPOINT)):
+        check_own_output(out, kind)
+        check_not_newer(out, kind)
+    check_not_anothers(root / "fp8", one_rank, force)
     if r.eval.ppl_file:  # the eval's inputs are checked before the stages before it run
         from hqtflow.evaluate import read_ppl_text
 
@@ -248,7 +269,13 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
             echo(f"measure: {ms.output} was {why}.")
         echo(f"measure: writing {ms.output}")
         measure(ms)
-    qs = r.quantize.settings(ms.output, str(root / "fp8"), overwrite=True)
+    if one_rank != Path(ms.output):
+        if not force and current(lambda: unified_is_current(Path(ms.output), one_rank)):
+            echo(f"unify: {one_rank} is up to date, skipped.")
+        else:
+            echo(f"unify: writing {one_rank} (ranks 0-{ms.tp - 1} -> 1)")
+            unify(ms.output, [f"0-{ms.tp - 1}"], one_rank, overwrite=True)
+    qs = r.quantize.settings(str(one_rank), str(root / "fp8"), overwrite=True)
     if not force and current(lambda: checkpoint_is_current(qs)):
         echo(f"quantize: {qs.output} is up to date, skipped.")
     else:

@@ -232,3 +232,22 @@ def test_generate_and_eval(tiny_llama, wiki_text, data_dir, tmp_path):
     assert again.exit_code == 3 and "already exists" in again.stderr
     none = run_cli("eval", ck)
     assert none.exit_code == 2 and "Nothing to evaluate" in none.stderr
+
+
+def test_run_recipe_on_several_cards_unifies_to_one_rank(tiny_llama, data_dir, tmp_path):
+    """A recipe with `cards: 2` measures on 2 ranks, unifies them to one beside the measurement (measure-unified),
+    quantizes that; a second run finds every stage up to date."""
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, data_dir, 2)
+    raw = yaml.safe_load(recipe.read_text())
+    raw["cards"] = 2
+    del raw["eval"]
+    recipe.write_text(yaml.safe_dump(raw))
+    first = run_cli("run", recipe)
+    assert first.exit_code == 0, first.output
+    unified = tmp_path / "run" / "measure-unified"
+    assert f"unify: writing {unified} (ranks 0-1 -> 1)" in first.stdout
+    assert read_manifest(tmp_path / "run" / "measure", ArtifactKind.MEASUREMENT).data["world_size"] == 2
+    assert read_manifest(tmp_path / "run" / "fp8", ArtifactKind.CHECKPOINT).data["source_measurement"] == str(unified)
+    second = run_cli("run", recipe)
+    assert second.exit_code == 0, second.output
+    assert second.stdout.count("up to date, skipped") == 3, second.stdout
