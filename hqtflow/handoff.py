@@ -59,6 +59,7 @@ class Artifact:
     config: dict  # its quant_config.json
     model: str | None  # the model folder it was made from
     recipe: str | None  # the recipe its measurement was made with, when recorded
+    fingerprint: dict | None = None  # the fingerprint of that model (hqtflow.models.fingerprint), when recorded
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,8 @@ def read_artifact(directory: str | Path) -> Artifact:
     if kind == "scales":  # what INC will load (the .npz) is written from the same nodes as the JSON twin checked here
         for names in needed.values():
             read_scale_file(directory / names[-2])
-    return Artifact(directory.resolve(), kind, world, base, config, data.get("model_path"), _recorded_recipe(data))
+    return Artifact(directory.resolve(), kind, world, base, config, data.get("model_path"), _recorded_recipe(data),
+                    m.model if isinstance(m.model, dict) else None)
 
 
 def _gaudi_section(recipe_path: str | None, gaudi: Any) -> dict:
@@ -210,14 +212,18 @@ def _gaudi_section(recipe_path: str | None, gaudi: Any) -> dict:
 
 
 def _fewer_cards(job: Job, entry: dict) -> list[str]:
-    """A note when a recipe entry written for more cards (no `cards` of its own) runs on fewer: its batch sizes and
-    token limits were sized for the memory of all of them."""
+    """Notes when the artifact's rank count is not the recipe's card count, and when a recipe entry written for more
+    cards (no `cards` of its own) runs on fewer: its batch sizes and token limits were sized for all of them."""
     n = job.recipe_cards
-    if entry.get("cards") is None and job.gaudi and n and job.world_size < n:
-        return [f"the batch sizes and token limits below come from the recipe's {n}-card run; on {job.world_size} "
-                "card(s) lower them in proportion, or give the recipe's gaudi section an entry with "
-                f"cards: {job.world_size}."]
-    return []
+    if not n or job.world_size == n:
+        return []
+    notes = [f"the artifact holds {job.world_size} rank(s), so this runs on {job.world_size} card(s); the recipe "
+             f"measures on {n} (cards: {n})."]
+    if entry.get("cards") is None and job.gaudi and job.world_size < n:
+        notes.append(f"the batch sizes and token limits below come from the recipe's {n}-card run; on "
+                     f"{job.world_size} card(s) lower them in proportion, or give the recipe's gaudi section an entry "
+                     f"with cards: {job.world_size}.")
+    return notes
 
 
 def _entry(job: Job, key: str) -> dict:
@@ -300,6 +306,8 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
         model = _check_model(str(model)) if model else model  # (a --model given may be a path on the Gaudi host)
     if not model:
         raise ConfigError("No model: the artifact records none; pass --model.")
+    if r and artifact:
+        _check_measured_model(r.measure.model, artifact, recipe)
     return Job(mode, world, str(model), gaudi, config, name, artifact, r.measure.tp if r else None)
 
 
@@ -315,8 +323,31 @@ def _check_model(model: str) -> str:
     return model
 
 
+def _check_measured_model(recipe_model: str, artifact: Artifact, recipe) -> None:
+    """An artifact handed off with a recipe was made from the recipe's model (their fingerprints agree). A recipe
+    model not here (a hub id not cached, a path on the Gaudi host) cannot be compared and is not checked."""
+    from hqtflow import models
+    from hqtflow.errors import ModelError
+
+    if artifact.fingerprint is None:
+        return
+    try:
+        model_dir = models.resolve_model(recipe_model)
+    except (ModelError, ArtifactError):
+        return
+    if models.fingerprint(model_dir) != artifact.fingerprint:
+        raise ArtifactError(f"{artifact.directory} was made from the model {artifact.model}, not from recipe {recipe}'s "
+                            f"model {recipe_model} ({model_dir}); hand it off with its own recipe (--recipe) or none.")
+
+
 def _model_arg(model: str) -> str:
+    """The model as optimum-habana loads it: a folder here by its absolute path (an embedded name, `smollm2`, by
+    its prepared folder), else as given (a hub id, or a path on the Gaudi host)."""
+    from hqtflow.models import EMBEDDED_MODELS, resolve_model
+
     p = Path(model).expanduser()
+    if model in EMBEDDED_MODELS and not p.exists():
+        return str(resolve_model(model))
     return str(p.resolve()) if p.exists() else model
 
 
@@ -360,7 +391,7 @@ def tgi_gaudi(job: Job, handoff_dir: Path, *, image: str = TGI_IMAGE, port: int 
     plan = Plan([], configs={rel_cfg: config}, dirs=["quantization_config"] + (["data"] if volume == handoff_dir / "data" else []))
     e = _entry(job, "tgi")
     plan.notes += _fewer_cards(job, e)
-    local = Path(job.model).expanduser()
+    local = Path(_model_arg(job.model))
     mounts = [f"{volume}:/data", f"{handoff_dir / 'quantization_config'}:{SRC}/quantization_config",
               f"{job.artifact.directory}:{SRC}/hqt_output"]
     model_id = job.model

@@ -359,3 +359,17 @@ def test_inspect_per_rank_scales(arts):
     assert "(not computed: see the Note below)" in r.stdout
     assert "Note: weight error not computed: the scales of a 2-rank artifact are per weight shard" in r.stdout
     assert "weight error against" not in r.stdout and "unavailable" not in r.stdout
+
+
+def test_recipe_and_measurement_must_share_the_model(arts, smollm2, wiki_text, tmp_path):
+    """A recipe handed off with another model's measurement is refused in one sentence; with its own model's, a rank
+    count other than the recipe's cards is noted, and the embedded model's name is written as its folder."""
+    r = run_cli("handoff", RECIPES / "smollm2-3x.yaml", "-m", arts["m2"], "--to", "optimum-habana", "-o", tmp_path / "x.sh")
+    assert r.exit_code == 3 and "not from recipe" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert not (tmp_path / "x.sh").exists()
+    m = tmp_path / "sm"
+    r = run_cli("measure", "smollm2", "-o", m, "--text", wiki_text, "--limit", "1", "--max-length", "32")
+    assert r.exit_code == 0, r.output
+    [cmd] = handoff(RECIPES / "smollm2-3x.yaml", "-m", m, "--to", "optimum-habana", tmp=tmp_path)
+    assert cmd[cmd.index("--model_name_or_path") + 1] == str(smollm2.resolve())
+    assert "the artifact holds 1 rank(s), so this runs on 1 card(s); the recipe measures on 3" in (tmp_path / "run.sh").read_text()
