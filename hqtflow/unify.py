@@ -27,7 +27,7 @@ import numpy as np
 
 from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning
 from hqtflow.formats.artifact import check_output_dir, sha256_file, staged_output
-from hqtflow.formats.measurement import SHARDED_DIM, LoadedMeasurement, NodeStats, load_measurement, rank_suffix, write_artifact, write_measurement
+from hqtflow.formats.measurement import SHARDED_DIM, LoadedMeasurement, check_rank_numbers, NodeStats, load_measurement, rank_suffix, write_artifact, write_measurement
 
 
 # ---- groups -------------------------------------------------------------------------------------
@@ -101,16 +101,15 @@ _EXPERT = re.compile(r"(^|\.)experts?\.\d+(\.|$)")
 
 
 def check_same_run(src: LoadedMeasurement, *, force: bool = False) -> list[str]:
-    """Every rank file must come from the same measurement run: rank number, Mode, NumSamples and node set agree
-    with rank 0's (see the module doc); `force` turns the NumSamples and node-set refusals into warnings."""
+    """Every rank file must come from the same measurement run: rank number (formats.measurement.check_rank_numbers),
+    Mode, NumSamples and node set agree with rank 0's (see the module doc); `force` turns the NumSamples and node-set
+    refusals into warnings."""
+    check_rank_numbers(src)
     first = src.ranks[0]
     common = {n for n in first.nodes if not _EXPERT.search(n)}
     overridden = []
     for r, meas in enumerate(src.ranks):
         where = f"{src.directory / src.stems[r]}.json"
-        # -1: optimum-habana's unify_measurements.py marks a single group's file so (INC writes no rank as null)
-        if meas.local_rank not in (None, -1) and meas.local_rank != r:
-            raise ArtifactError(f"{where} says it is rank {meas.local_rank}, not {r}.")
         if meas.mode != "DynamicRange":
             raise ArtifactError(f"{where} (rank {r}) has Mode {meas.mode!r}; only measurement files (Mode 'DynamicRange') "
                                 "are merged.")

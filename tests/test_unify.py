@@ -379,3 +379,21 @@ def test_unified_uneven_shards_quantize_as_measured(uneven, tmp_path):
     for name, (w, x) in full[0].items():  # 4 -> 1: every node
         np.testing.assert_array_equal(ranks[0][name][0], w, err_msg=name)
         assert ranks[0][name][1] == pytest.approx(x, rel=RTOL), name
+
+
+@pytest.mark.slow
+def test_rank_files_out_of_manifest_order_are_refused_everywhere(runs, tmp_path):
+    """A manifest whose ranks list the files out of order is refused by every reader (the rank file's LocalRank is
+    checked in formats.measurement), as unify refused it: scale files would otherwise be written for the wrong shard."""
+    bad = tmp_path / "swapped"
+    shutil.copytree(runs["pt2"], bad)
+    manifest = json.loads((bad / "hqtflow_manifest.json").read_text())
+    ranks = manifest["data"]["ranks"]
+    ranks[0], ranks[1] = ranks[1], ranks[0]
+    (bad / "hqtflow_manifest.json").write_text(json.dumps(manifest))
+    for args in (["quantize", "-m", bad, "-o", tmp_path / "s", "--scales-only", "--scales-for", "gaudi2"],
+                 ["inspect", bad], ["unify", "-g", "01", "-m", bad, "-o", tmp_path / "u"]):
+        r = run_cli(*args)
+        assert r.exit_code == 3 and "measure_hooks_maxabs_1_2.json says it is rank 1, not 0" in r.stderr, (args, r.output)
+        assert "Traceback" not in r.output
+    assert not (tmp_path / "s").exists() and not (tmp_path / "u").exists()

@@ -446,7 +446,17 @@ def load_measurement(directory: str | Path) -> LoadedMeasurement:
     refuse_foreign_dump(directory)
     m = read_manifest(directory, ArtifactKind.MEASUREMENT)
     stems, world = manifest_ranks(m)
-    return LoadedMeasurement(directory, m, [read_measurement(confined(directory, f"{s}.json")) for s in stems], stems, world)
+    loaded = LoadedMeasurement(directory, m, [read_measurement(confined(directory, f"{s}.json")) for s in stems], stems, world)
+    check_rank_numbers(loaded)
+    return loaded
+
+
+def check_rank_numbers(src: LoadedMeasurement) -> None:
+    """Each rank file says it is the rank its place in the manifest (or dump) gives it; -1 is optimum-habana's
+    unify_measurements.py's mark of a single group's file (INC writes no rank as null)."""
+    for r, meas in enumerate(src.ranks):
+        if meas.local_rank not in (None, -1) and meas.local_rank != r:
+            raise ArtifactError(f"{src.directory / src.stems[r]}.json says it is rank {meas.local_rank}, not {r}.")
 
 
 @dataclass
@@ -515,4 +525,6 @@ def read_dump(directory: Path, *, trust_pickle: bool = False, world_size: int | 
         else:
             raise ArtifactError(f"Rank {r} of {directory} has no measurement .json (only {stem}_mod_list.json).")
         stems.append(stem)
-    return LoadedMeasurement(directory, None, ranks, stems, world)
+    loaded = LoadedMeasurement(directory, None, ranks, stems, world)
+    check_rank_numbers(loaded)
+    return loaded
