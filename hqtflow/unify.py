@@ -32,7 +32,9 @@ from hqtflow.formats.measurement import SHARDED_DIM, LoadedMeasurement, check_ra
 
 # ---- groups -------------------------------------------------------------------------------------
 def parse_groups(tokens: list[str], world: int) -> list[list[int]]:
-    """`0123 4567` (HQT: one digit a rank), `0-7`, `0,1,2,3 4,5,6,7`; every rank exactly once, equal sizes."""
+    """`0123 4567` (HQT: one digit a rank), `0-7`, `0,1,2,3 4,5,6,7`; every rank exactly once, equal sizes. A token
+    holding several groups separated by spaces (`-g "0123 4567"`) is split."""
+    tokens = [t for tok in tokens for t in tok.split()]  # `-g "0123 4567"` as `-g 0123 4567`
     if not tokens:
         raise ConfigError("No groups: pass -g, e.g. -g 0123 4567.")
     groups = []

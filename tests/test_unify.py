@@ -25,6 +25,7 @@ def test_group_forms():
     assert parse_groups(["0-15"], 16) == [list(range(16))]
     assert parse_groups(["8-15", "0-7"], 16) == [list(range(8, 16)), list(range(8))]
     assert parse_groups(["0", "1"], 2) == [[0], [1]]
+    assert parse_groups(["0123 4567"], 8) == parse_groups(["0,1,2,3  4,5,6,7"], 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 @pytest.mark.parametrize("groups, world, message", [
@@ -35,6 +36,7 @@ def test_group_forms():
     (["0x1"], 2, "not a list of ranks"),
     (["3-1"], 4, "runs backwards"),
     ([], 2, "No groups"),
+    ([" "], 2, "No groups"),
 ])
 def test_bad_groups(groups, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
