@@ -399,3 +399,13 @@ def test_rank_files_out_of_manifest_order_are_refused_everywhere(runs, tmp_path)
         assert r.exit_code == 3 and "measure_hooks_maxabs_1_2.json says it is rank 1, not 0" in r.stderr, (args, r.output)
         assert "Traceback" not in r.output
     assert not (tmp_path / "s").exists() and not (tmp_path / "u").exists()
+
+
+@pytest.mark.slow
+def test_kv_fp8_of_a_multi_rank_measurement_says_why(runs, tmp_path):
+    """A measurement on several ranks has no KV-cache statistics, nor its unification: --kv-cache fp8 says so (not
+    that an older hqtflow wrote it)."""
+    assert run_cli("unify", "-g", "01", "-m", runs["pt2"], "-o", tmp_path / "u").exit_code == 0
+    r = run_cli("quantize", "-m", tmp_path / "u", "-o", tmp_path / "q", "--kv-cache", "fp8")
+    assert r.exit_code == 3 and "a measurement on several ranks (and one unified from it) carries none; measure on " \
+        "one rank (--tp 1)" in r.stderr, r.output

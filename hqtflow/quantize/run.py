@@ -265,9 +265,19 @@ def _kv_stats(s: QuantizeSettings, job: Job) -> dict | None:
         raise ConfigError("--kv-cache fp8 puts KV scales into an FP8 checkpoint; it cannot be combined with --scales-only.")
     stats = job.meas.kv_stats()
     if not stats:
-        raise ArtifactError(f"{job.meas.directory} has no KV-cache statistics ({KV_FILE}): measure again with this "
-                            "hqtflow (one rank) to use --kv-cache fp8.")
+        raise ArtifactError(f"{job.meas.directory} has no KV-cache statistics ({KV_FILE}): {_why_no_kv(job.meas)}")
     return stats
+
+
+def _why_no_kv(meas) -> str:
+    """Why a measurement has no KV-cache statistics, and what gives them."""
+    data = meas.manifest.data
+    if meas.world_size > 1 or (data.get("unified_from") or {}).get("world_size", 1) > 1:
+        return ("a measurement on several ranks (and one unified from it) carries none; measure on one rank "
+                "(--tp 1) for --kv-cache fp8.")
+    if data.get("provenance_known") is False:
+        return "an imported HQT dump carries none; measure with hqtflow on one rank for --kv-cache fp8."
+    return "measure again on one rank with this hqtflow for --kv-cache fp8."
 
 
 def _provenance(job: Job) -> dict:
