@@ -299,7 +299,9 @@ def load(s, device: str = "cpu"):
         raise ConfigError("--scales-only writes files; generate, eval and serve run the quantized model.")
     job = plan_job(s)
     check_method(job.cfg, device)
-    model = models.load_model(job.model_dir, job.dtype)
+    # INC's modules compute in the config's hp_dtype (bf16 by default); the model around them runs in it too, whatever
+    # dtype it was measured in (an fp32 model around them fed fp32 queries and bf16 values to attention)
+    model = models.load_model(job.model_dir, job.cfg.hp_dtype)
     with torch.no_grad():
         qmodel = convert(job, model, device).eval()
     return qmodel, models.load_tokenizer(job.model_dir)
@@ -409,7 +411,7 @@ def load_run(model_ref: str | None, measurement, *, device: str, config=None, sc
     for flag, value in (("--backend", backend), ("--dtype", dtype)):
         if value != "auto":
             raise ConfigError(f"{flag} sets hqtflow's FP8 runtime; --engine inc runs Neural Compressor's modules "
-                              "in the measured model's dtype.")
+                              "in the QUANT_CONFIG's hp_dtype (bf16 unless it sets another).")
     s = QuantizeSettings(measurement=str(measurement), output="-", model=model_ref,
                          config=str(config) if config else None, scale_method=scale_method)
     model, tok = load(s, device)

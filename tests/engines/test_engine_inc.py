@@ -269,3 +269,15 @@ def test_cli_refusals(pair, wiki_text, tmp_path, args, message):
     assert r.exit_code == 2, r.output
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_generate_inc_from_an_fp32_measurement(inc, tiny_llama, wiki_text, tmp_path):
+    """A measurement made in fp32 runs under INC in the config's hp_dtype (bf16): the model around INC's modules runs
+    in it too (an fp32 model gave attention fp32 queries and bf16 values: a RuntimeError, exit 1)."""
+    meas = tmp_path / "m"
+    r = run_cli("measure", tiny_llama, "-o", meas, "--text", wiki_text, "--limit", "2", "--max-length", "32",
+                "--dtype", "fp32")
+    assert r.exit_code == 0, r.output
+    r = run_cli("generate", tiny_llama, "--engine", "inc", "--device", "cpu", "-m", meas, "--scale-method",
+                "maxabs_pow2", "-p", "hi", "--max-new-tokens", "2")
+    assert r.exit_code == 0 and r.stdout.strip(), r.output
