@@ -19,7 +19,6 @@ them) with a note that hqtflow does not use them.
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
@@ -58,12 +57,13 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
 
         model_dir = models.resolve_model(model)
         fp = models.fingerprint(model_dir)
-        known = {n for n, _ in models.skeleton(model_dir).named_modules()}
-        gaudi = {n for n in mf.gaudi_only(meas.ranks[0].nodes) if n.rpartition(".")[0] in known}  # in a module of ours
-        unknown = [n for n in meas.ranks[0].nodes if n not in known and n not in gaudi
-                   and not re.search(r"\.\d+\.(gate_up_proj|down_proj)$", n)]
-        if unknown:
-            raise ArtifactError(f"Node {unknown[0]} of the measurement is not a module of {model_dir}; was it measured on another model?")
+        known = _node_names(models.skeleton(model_dir))
+        for r, rank in enumerate(meas.ranks):
+            gaudi = {n for n in mf.gaudi_only(rank.nodes) if n.rpartition(".")[0] in known}  # in a module of ours
+            unknown = [n for n in rank.nodes if n not in known and n not in gaudi]
+            if unknown:
+                raise ArtifactError(f"Node {unknown[0]} of rank {r} of the measurement is not a module of {model_dir}; "
+                                    "was it measured on another model?")
 
     base, observer = meas.base, meas.observer
     with staged_output(output, overwrite=overwrite, inputs=[directory, model_dir]) as tmp:
@@ -106,6 +106,19 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
         mf.write_artifact(tmp, output, base=base, inc_config={"observer": observer, "scale_method": "maxabs_hw"},
                           model=fp, config={"observer": observer, "dump_stats_path": base}, data=data)
     return output
+
+
+def _node_names(model) -> set[str]:
+    """The node names a measurement of `model` can hold: its modules, and `<experts>.<e>.gate_up_proj|down_proj` for
+    each expert e of its fused-experts modules (as `measure` names them)."""
+    from hqtflow.measure.hooks import is_fused_experts
+
+    names = set()
+    for name, mod in model.named_modules():
+        names.add(name)
+        if is_fused_experts(mod):
+            names |= {f"{name}.{e}.{p}" for e in range(mod.gate_up_proj.shape[0]) for p in ("gate_up_proj", "down_proj")}
+    return names
 
 
 def summary(out: Path) -> str:

@@ -12,7 +12,8 @@ Imported HQT dumps (`import-hqt`: no recorded styles): max for per-tensor statis
 
 Ranks that do not belong together are refused, naming the rank and the field: a Mode other than "DynamicRange"
 (a scale file is not a measurement; never merged), a different NumSamples, or a different set of nodes (expert
-nodes, `experts.<n>`, may differ: expert parallelism). `--force` merges the last two anyway and prints each
+nodes, `experts.<n>`, may differ: expert parallelism, where two ranks hold the same experts or other ones, never
+some of the same). `--force` merges the last two anyway and prints each
 override as a warning.
 """
 
@@ -109,6 +110,7 @@ def check_same_run(src: LoadedMeasurement, *, force: bool = False) -> list[str]:
     check_rank_numbers(src)
     first = src.ranks[0]
     common = {n for n in first.nodes if not _EXPERT.search(n)}
+    experts = [{n for n in meas.nodes if _EXPERT.search(n)} for meas in src.ranks]
     overridden = []
     for r, meas in enumerate(src.ranks):
         where = f"{src.directory / src.stems[r]}.json"
@@ -122,6 +124,11 @@ def check_same_run(src: LoadedMeasurement, *, force: bool = False) -> list[str]:
         if nodes != common:
             odd = sorted(nodes ^ common)
             problems.append(f"its nodes differ from rank 0's ({len(odd)} node(s), e.g. {odd[0]}): another model or run")
+        mixed = next((q for q in range(r) if experts[q] & experts[r] and experts[q] != experts[r]), None)
+        if mixed is not None:  # ranks hold the same experts (tensor parallel) or other ones (expert parallel)
+            odd = sorted(experts[mixed] ^ experts[r])
+            problems.append(f"its expert nodes overlap rank {mixed}'s without being the same ({len(odd)} node(s), e.g. "
+                            f"{odd[0]}): another model or run")
         for p in problems:
             if not force:
                 raise ArtifactError(f"Rank {r} ({where}): {p}; refusing to merge ranks that do not belong together "

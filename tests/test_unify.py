@@ -409,3 +409,34 @@ def test_kv_fp8_of_a_multi_rank_measurement_says_why(runs, tmp_path):
     r = run_cli("quantize", "-m", tmp_path / "u", "-o", tmp_path / "q", "--kv-cache", "fp8")
     assert r.exit_code == 3 and "a measurement on several ranks (and one unified from it) carries none; measure on " \
         "one rank (--tp 1)" in r.stderr, r.output
+
+
+def test_expert_nodes_are_checked(tiny_factory, tmp_path):
+    """Expert nodes are checked as the others are: against the model's experts (`import-hqt --model`: an expert 99 of
+    a 4-expert model is refused), and between ranks (a 4-expert rank beside a 6-expert one: another model)."""
+    from hqtflow.formats.measurement import NodeStats, write_measurement
+
+    def dump(name, experts_by_rank):
+        d = tmp_path / name
+        d.mkdir()
+        for r, experts in enumerate(experts_by_rank):
+            names = ["model.layers.0.self_attn.q_proj"] + [f"model.layers.0.mlp.experts.{e}.{p}" for e in experts
+                                                           for p in ("gate_up_proj", "down_proj")]
+            nodes = {n: NodeStats([np.array([[1.0]], np.float32)], [], {"weight": np.array([[0.5]], np.float32)})
+                     for n in names}
+            stem = f"measure_hooks_maxabs_{r}_{len(experts_by_rank)}" if len(experts_by_rank) > 1 else "measure_hooks_maxabs"
+            write_measurement(d, stem, nodes, local_rank=r if len(experts_by_rank) > 1 else None, num_samples=2,
+                              twins=(".json",))
+        return d
+
+    mixtral = tiny_factory("mixtral")  # 4 experts
+    r = run_cli("import-hqt", dump("ok", [range(4)]), "-o", tmp_path / "ok_i", "--model", mixtral)
+    assert r.exit_code == 0, r.output
+    r = run_cli("import-hqt", dump("e99", [[0, 99]]), "-o", tmp_path / "e99_i", "--model", mixtral)
+    assert r.exit_code == 3 and "Node model.layers.0.mlp.experts.99.gate_up_proj of rank 0" in r.stderr, r.output
+    r = run_cli("import-hqt", dump("ep", [[0, 1], [2, 3]]), "-o", tmp_path / "ep_i", "--model", mixtral)
+    assert r.exit_code == 0, r.output  # expert parallelism: other experts on each rank
+    mixed = dump("mixed", [range(4), range(6)])
+    r = run_cli("import-hqt", mixed, "-o", tmp_path / "mixed_i")
+    assert r.exit_code == 3 and "its expert nodes overlap rank 0's without being the same" in r.stderr, r.output
+    assert not (tmp_path / "mixed_i").exists()
