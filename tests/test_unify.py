@@ -355,7 +355,7 @@ def test_scales_of_uneven_shards_are_the_true_slices(uneven, tp, tmp_path):
     (rank r's rows start after the preceding ranks' recorded rows, not at r * its own row count)."""
     full = weight_scales(uneven / "tp1", tmp_path / "one")[0]
     ranks = weight_scales(uneven / f"tp{tp}", tmp_path / "many")
-    layers = read_manifest(uneven / f"tp{tp}", "hqtflow.measurement", 1).data["ranks"]
+    layers = read_manifest(uneven / f"tp{tp}", "hqtflow.measurement").data["ranks"]
     rows = [r["layers"]["lm_head"]["weight_shape"][0] for r in layers]
     assert len(set(rows)) > 1 and sum(rows) == 517
     for name in ("lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"):
@@ -373,7 +373,7 @@ def test_unified_uneven_shards_quantize_as_measured(uneven, tmp_path):
         r = run_cli("unify", "-g", *groups, "-m", uneven / "tp4", "-o", out)
         assert r.exit_code == 0, r.output
         shapes = [r["layers"]["lm_head"]["weight_shape"] for r in
-                  read_manifest(out, "hqtflow.measurement", 1).data["ranks"]]
+                  read_manifest(out, "hqtflow.measurement").data["ranks"]]
         assert shapes == ([[260, 96], [257, 96]] if len(groups) == 2 else [[517, 96]])
         ranks = weight_scales(out, tmp_path / f"s{len(groups)}")
         for name in ("lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"):  # column-parallel
