@@ -4,6 +4,7 @@ HTTP request as one or several engine sequences (n / best_of) whose events are m
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 import weakref
@@ -11,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hqtflow.runtime.engine import Engine, Event, Request, SamplingParams
+from hqtflow.runtime.grammar import compile_pool
 from hqtflow.runtime.schemas import ApiError, invalid, parse, read_body, server_bounds
 from hqtflow.runtime.settings import ServeSettings
 
@@ -62,10 +64,15 @@ class Slot:
         return stream
 
 
-async def _disconnected(request, queue: asyncio.Queue) -> None:
-    """Wait for the ASGI `http.disconnect` of a request whose body has been read, then wake the stream (None)."""
+async def _client_left(request) -> None:
+    """Return at the ASGI `http.disconnect` of a request whose body has been read."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _disconnected(request, queue: asyncio.Queue) -> None:
+    """Wait for the client of a request whose body has been read to leave, then wake the stream (None)."""
+    await _client_left(request)
     queue.put_nowait((None, None))
 
 
@@ -141,6 +148,21 @@ class Ctx:
             raise invalid(f"`{inputs}` tokens + `{new}` must be <= {s.max_total_tokens}. "
                           f"Given: {n_input} `{inputs}` tokens and {max_new} `{new}`")
         return max_new
+
+    async def compile(self, request, fn, *args):
+        """`fn(*args)`, a grammar compile, on the grammar's own threads (grammar.compile_pool): off the event loop and
+        off the threadpool that tokenizes. A client that leaves meanwhile gets its 499 at once: its compile is skipped
+        if still queued; one already running ends on its own (xgrammar cannot be interrupted) and is not waited for."""
+        future = asyncio.get_running_loop().run_in_executor(compile_pool, functools.partial(fn, *args))
+        watcher = asyncio.ensure_future(_client_left(request))
+        try:
+            await asyncio.wait({future, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not future.done():
+                raise ApiError(499, "Client closed the request", "cancelled")
+            return future.result()
+        finally:
+            future.cancel()  # a compile still queued never runs (a no-op once it has run)
+            watcher.cancel()
 
     def admit(self) -> Slot:
         """One of `--max-concurrent-requests` places, taken now (a 429 when none is free), freed by the request."""

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 
 class GrammarError(ValueError):
     pass
+
+
+_COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")  # a regex's counted repetition
 
 
 def available() -> bool:
@@ -23,6 +29,11 @@ def available() -> bool:
         return False
     return True
 
+
+# the threads grammars compile on (one compile may take seconds of a core): their own, so compiles never take the
+# threads that tokenize (anyio's shared pool) and never more than these cores; 1 on a machine of up to 7 cores
+COMPILE_WORKERS = max(1, min(2, (os.cpu_count() or 1) // 4))
+compile_pool = ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="hqtflow-grammar")
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept per tokenizer, by size: one may take hundreds of MB
 
@@ -55,7 +66,56 @@ MAX_SCHEMA_DEPTH = 64
 # (a 1000-branch `anyOf` took 48 s), on the server's shared cores; enum values: OpenAI's limit for structured output
 MAX_SUBSCHEMAS = 512
 MAX_ENUM_VALUES = 1000
+# What drives xgrammar's compile beyond that (measured on a 49152-token vocabulary, 2 shared cores; each bound keeps
+# its worst case near 1-2 s): a string literal's length (an enum of 2 strings of 7500 characters took 8.7 s, 10 of
+# 1500 1.3 s, 30 of 500 0.4 s); the property names of an object open to other properties (no `additionalProperties:
+# false`), whose every character is a state of the "any other key" rule (~13 ms each: 256 characters took 3.4 s);
+# a regex's counted repetition ({m,n}: `.{0,100}` took 1.6 s, `[^"]{1,300}` 5.8 s) and its length
+MAX_LITERAL_CHARS = 500  # one enum/const string or property name
+MAX_LITERALS_CHARS = 15_000  # every enum/const value and property name together (OpenAI's limit)
+MAX_OPEN_KEY_CHARS = 128  # the property names of objects open to other properties, together
+MAX_REGEX_CHARS = 2_000  # a regex or `pattern`
+MAX_REGEX_REPEAT = 128  # a regex's counted repetitions, nested ones multiplied (`(a{0,10}){0,20}`: 200)
 TOOLS_SCALE = 4  # a request's tools together (each within the limits above): their one call schema, 4x the limits
+
+
+def repeat_size(regex: str) -> int:
+    """The states a regex's counted repetitions ({n}, {m,}, {m,n}) unroll into in xgrammar: each counts its largest
+    count, times what the repetitions inside its group count. A scan, not a parser: escapes and classes are skipped."""
+    groups, inner, i = [0], 0, 0  # the count inside each open group; inside the last atom (0: a plain atom)
+    while i < len(regex):
+        ch, step = regex[i], 1
+        if ch == "\\":
+            step, inner = 2, 0
+        elif ch == "[":  # a class, up to its closing bracket (a "]" first in it is a literal)
+            j = i + 1 + (regex[i + 1:i + 2] == "^")
+            j += regex[j:j + 1] == "]"
+            while j < len(regex) and regex[j] != "]":
+                j += 2 if regex[j] == "\\" else 1
+            step, inner = j + 1 - i, 0
+        elif ch == "(":
+            groups.append(0)
+        elif ch == ")" and len(groups) > 1:
+            inner = groups.pop()
+            groups[-1] += inner
+        elif ch == "{" and (m := _COUNT.match(regex, i)):
+            count = max(int(m[1]), int(m[2] or 0))
+            groups[-1] += inner * (count - 1) if inner else count  # a group's own count was added at its ")"
+            step = m.end() - i
+        else:
+            inner = 0
+        i += step
+    return sum(groups)
+
+
+def regex_problem(regex: str) -> str | None:
+    """Why a regex is too costly to compile (None: it is not): longer than MAX_REGEX_CHARS, or a counted
+    repetition beyond MAX_REGEX_REPEAT."""
+    if len(regex) > MAX_REGEX_CHARS:
+        return f"is longer than {MAX_REGEX_CHARS} characters"
+    if repeat_size(regex) > MAX_REGEX_REPEAT:
+        return f"repeats more than {MAX_REGEX_REPEAT} times (counted repetitions such as {{0,{MAX_REGEX_REPEAT + 1}}}, nested ones multiplied)"
+    return None
 
 
 def depth(value) -> int:
@@ -97,7 +157,8 @@ def subschemas(schema):
 
 def size_problem(schema, scale: int = 1) -> str | None:
     """Why a JSON schema is too large to compile on the server's shared cores (None: it is not): more than `scale`
-    x MAX_SUBSCHEMAS subschemas or MAX_ENUM_VALUES enum values."""
+    x MAX_SUBSCHEMAS subschemas or MAX_ENUM_VALUES enum values, or literals or patterns beyond their bounds
+    (literal_problem)."""
     count = enums = 0
     for _, s in subschemas(schema):
         count += 1
@@ -106,6 +167,32 @@ def size_problem(schema, scale: int = 1) -> str | None:
             return f"more than {scale * MAX_SUBSCHEMAS} subschemas (properties, items, `anyOf` branches ...)"
         if enums > scale * MAX_ENUM_VALUES:
             return f"more than {scale * MAX_ENUM_VALUES} `enum` values"
+    return literal_problem(schema, scale)
+
+
+def literal_problem(schema, scale: int = 1) -> str | None:
+    """Why a JSON schema's string literals or patterns would take too long to compile (None: they would not): an
+    enum/const string or property name over MAX_LITERAL_CHARS, all of them together over `scale` x
+    MAX_LITERALS_CHARS, the property names of objects open to other properties over `scale` x MAX_OPEN_KEY_CHARS,
+    or a `pattern` regex_problem names."""
+    total = open_keys = 0
+    for path, s in subschemas(schema):
+        where = f"at {path}" if path else "at the root"
+        values = [*(s["enum"] if isinstance(s.get("enum"), list) else ()), *([s["const"]] if "const" in s else ())]
+        names = list(s["properties"]) if isinstance(s.get("properties"), dict) else []
+        for kind, v in [*(("`enum`/`const` string", v) for v in values), *(("property name", n) for n in names)]:
+            if isinstance(v, str) and len(v) > MAX_LITERAL_CHARS:
+                return f"a {kind} of more than {MAX_LITERAL_CHARS} characters ({where})"
+            total += len(v) if isinstance(v, str) else len(json.dumps(v))
+        if total > scale * MAX_LITERALS_CHARS:
+            return f"more than {scale * MAX_LITERALS_CHARS} characters of `enum`/`const` values and property names"
+        if s.get("additionalProperties") is not False:
+            open_keys += sum(map(len, names))
+            if open_keys > scale * MAX_OPEN_KEY_CHARS:
+                return (f"more than {scale * MAX_OPEN_KEY_CHARS} characters of property names in objects open to other "
+                        f"properties (give those objects `additionalProperties: false`)")
+        if isinstance(s.get("pattern"), str) and (problem := regex_problem(s["pattern"])):
+            return f"a `pattern` that {problem} ({where})"
     return None
 
 
@@ -164,6 +251,8 @@ def compile_grammar(tokenizer, kind: str, value=None, scale: int = 1):
         if problem := schema_problem(value, scale):
             raise GrammarError(problem)
         value = json.dumps(value)  # keys in the order given: the grammar writes properties in that order
+    if kind == "regex" and isinstance(value, str) and (problem := regex_problem(value)):
+        raise GrammarError(f"the regex {problem}")
     return _compile(tokenizer, kind, value)
 
 

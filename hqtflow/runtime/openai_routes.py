@@ -413,8 +413,9 @@ def openai_router(ctx: Ctx) -> APIRouter:
             raise invalid("`response_format` cannot be combined with `tools`: a tool call's grammar holds the reply")
         if plan is not None and req.stop:  # a stop sequence would cut a call short of its grammar's end
             raise invalid("`stop` cannot be combined with `tools`: a tool reply ends where its grammar ends it")
-        # templated, tokenized and compiled off the event loop (/health and streams go on), in one hop
-        ids, grammar = await run_in_threadpool(lambda: (chat_prompt(req, plan), chat_grammar(req, plan)))
+        # templated and tokenized, then compiled, off the event loop (/health and streams go on)
+        ids = await run_in_threadpool(chat_prompt, req, plan)
+        grammar = await ctx.compile(request, chat_grammar, req, plan)
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         names = ("messages", "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")

@@ -22,7 +22,8 @@ def sse(data) -> str:
 
 
 def tgi_grammar(ctx: Ctx, p: TgiParameters):
-    """The request's grammar, compiled (None without one); slow for a large one, so the routes run it in a thread."""
+    """The request's grammar, compiled (None without one); slow for a large one, so the routes run it on the
+    grammar's threads (Ctx.compile)."""
     if p.grammar is None:
         return None
     kind, value = p.grammar.type, p.grammar.value
@@ -63,7 +64,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
             raise invalid(f"`truncate` must be strictly positive and less than {s.max_input_tokens}. Given: {truncate}")
         return items[-truncate:]
 
-    async def prepare(req: TgiRequest, stream: bool):
+    async def prepare(req: TgiRequest, request: Request, stream: bool):
         """The request's ids, parameters and engine parameters, and its place among the in-flight requests: taken
         first (TGI's 429 before any tokenizing or compiling), handed to the caller, given back on an error."""
         p = req.parameters  # (best_of and top_n_tokens within this server's limits: checked by parse)
@@ -74,7 +75,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         with ctx.admit() as slot:  # tokenized and compiled off the event loop: other requests and /health go on
             ids = truncated(await run_in_threadpool(ctx.encode, req.inputs), p.truncate)
             params = sampling(ctx, p, len(ids))  # the checks first, then the grammar
-            params.grammar = await run_in_threadpool(tgi_grammar, ctx, p)
+            params.grammar = await ctx.compile(request, tgi_grammar, ctx, p)
         return ids, p, params, slot
 
     def details(seq: Sequence, ids: list[int], p: TgiParameters) -> dict:
@@ -90,7 +91,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
     async def generate_json(req: TgiRequest, request: Request, headers: dict | None = None) -> dict:
         """TGI's answer; `headers` gets TGI's timing headers (x-total-time, x-queue-time, ...)."""
         start = time.monotonic()
-        ids, p, params, slot = await prepare(req, stream=False)
+        ids, p, params, slot = await prepare(req, request, stream=False)
         seqs = await ctx.collect([(ids, params)] * (p.best_of or 1), request, slot=slot)
         best = max(seqs, key=lambda q: q.logprob)  # TGI: the sequence with the highest total logprob
         if headers is not None:
@@ -119,8 +120,8 @@ def tgi_router(ctx: Ctx) -> APIRouter:
                 "x-inference-time": ms(inference), "x-time-per-token": ms(inference / n),
                 "x-prompt-tokens": str(n_input), "x-generated-tokens": str(len(seq.tokens))}
 
-    async def generate_stream_response(req: TgiRequest) -> StreamingResponse:
-        ids, p, params, slot = await prepare(req, stream=True)  # a 429 comes before the 200 of the stream
+    async def generate_stream_response(req: TgiRequest, request: Request) -> StreamingResponse:
+        ids, p, params, slot = await prepare(req, request, stream=True)  # a 429 comes before the 200 of the stream
 
         async def events():
             try:
@@ -143,7 +144,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         """TGI's route for its clients: {"inputs", "parameters", "stream"}; a list of one result, or SSE."""
         req = await ctx.read(TgiRequest, request)
         if req.stream:
-            return await generate_stream_response(req)
+            return await generate_stream_response(req, request)
         headers: dict = {}
         out = await generate_json(req, request, headers)
         return JSONResponse([out], headers=headers)
@@ -161,7 +162,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/generate_stream")
     async def generate_stream(request: Request):
-        return await generate_stream_response(no_stream_field(await ctx.read(TgiRequest, request), "/generate_stream"))
+        return await generate_stream_response(no_stream_field(await ctx.read(TgiRequest, request), "/generate_stream"), request)
 
     @r.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' health checks
     async def health():

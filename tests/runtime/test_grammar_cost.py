@@ -1,0 +1,87 @@
+"""What a grammar may cost the server: the inputs that drive xgrammar's compile are bounded (a 422 naming the bound,
+before anything compiles), and compiles run on their own threads, where a client that left skips its queued one."""
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import running
+from hqtflow.runtime import grammar
+from hqtflow.runtime.server import ServeSettings, create_app
+
+X = "x" * 1500  # 10 enum strings of this: 1.3 s to compile on 2 shared cores; 40 of them 22 s, 1000 of them > 13 min
+
+
+@pytest.fixture(scope="module")
+def url(lm):
+    with running(create_app(*lm, ServeSettings(max_input_tokens=32, max_total_tokens=64))) as base:
+        yield base
+
+
+def tgi(grammar_: dict) -> dict:
+    return {"inputs": "x", "parameters": {"max_new_tokens": 1, "grammar": grammar_}}
+
+
+@pytest.mark.parametrize("body, bound", [
+    (tgi({"type": "json", "value": {"enum": [f"{i}{X}" for i in range(10)]}}), "`enum`/`const` string of more than 500"),
+    (tgi({"type": "json", "value": {"const": X}}), "`enum`/`const` string of more than 500"),
+    (tgi({"type": "json", "value": {"enum": [f"{i}" + "x" * 400 for i in range(40)]}}), "more than 15000 characters"),
+    (tgi({"type": "json", "value": {"type": "object", "properties": {"k" * 600: {}}, "additionalProperties": False}}),
+     "property name of more than 500 characters (at the root)"),
+    (tgi({"type": "json", "value": {"type": "object", "properties": {f"{i:02d}" + "k" * 10: {} for i in range(12)}}}),
+     "more than 128 characters of property names in objects open to other properties (give those objects "
+     "`additionalProperties: false`)"),
+    (tgi({"type": "json", "value": {"type": "string", "pattern": "[a-z]{0,300}"}}), "a `pattern` that repeats more than 128"),
+    (tgi({"type": "regex", "value": "(.{0,20}){0,10}"}), "the regex repeats more than 128 times"),
+    (tgi({"type": "regex", "value": "a" * 2001}), "the regex is longer than 2000 characters"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "response_format": {"type": "json_schema",
+      "json_schema": {"name": "p", "schema": {"type": "string", "pattern": '[^"]{1,300}'}}}}, "repeats more than 128"),
+])
+def test_the_inputs_that_drive_a_compile_are_bounded(url, body, bound):
+    path = "/v1/chat/completions" if "messages" in body else "/generate"
+    t0 = time.monotonic()
+    r = httpx.post(f"{url}{path}", json=body, timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 422 and bound in (error["message"] if path.startswith("/v1/") else error), r.text
+    assert time.monotonic() - t0 < 1  # refused before compiling
+
+
+def test_what_is_within_the_bounds_compiles(url):
+    """A closed object's long property names, an enum up to the bounds and a bounded repetition are accepted."""
+    closed = {"type": "object", "properties": {f"{i:03d}" + "k" * 97: {"type": "integer"} for i in range(20)},
+              "additionalProperties": False}
+    for g in ({"type": "json", "value": closed}, {"type": "json", "value": {"enum": [f"{i}" + "y" * 499 for i in range(4)]}},
+              {"type": "regex", "value": "[a-z]{1,8}(-[a-z]{1,8}){0,3}"}):
+        r = httpx.post(f"{url}/generate", json=tgi(g), timeout=120)
+        assert r.status_code == 200, r.text
+
+
+def test_repeat_size_multiplies_nested_counts_and_skips_classes_and_escapes():
+    assert grammar.repeat_size("(a{0,10}){0,20}") == 200
+    assert grammar.repeat_size("a{3}b{0,5}") == 8
+    assert grammar.repeat_size(r"\{0,999\}[{]{2}") == 2
+    assert grammar.repeat_size("[]{]{0,4}") == 4
+
+
+def test_compiles_run_on_their_own_threads_and_a_client_that_left_skips_its_queued_compile(url, monkeypatch):
+    """While every grammar thread is busy, tokenizing (the shared threadpool) goes on; a request whose client left
+    while its compile was queued never compiles."""
+    compiled, release = [], threading.Event()
+    real = grammar._compile
+    monkeypatch.setattr(grammar, "_compile", lambda tok, kind, value: compiled.append(value) or real(tok, kind, value))
+    busy = [grammar.compile_pool.submit(release.wait, 30) for _ in range(grammar.COMPILE_WORKERS)]
+    try:
+        t0 = time.monotonic()
+        assert httpx.post(f"{url}/tokenize", json={"inputs": "hello"}, timeout=10).status_code == 200
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(httpx.TimeoutException):  # its compile waits behind the busy threads; the client leaves
+            httpx.post(f"{url}/generate", json=tgi({"type": "regex", "value": "left[0-9]"}), timeout=1)
+        time.sleep(0.5)  # the server sees the disconnect and drops the queued compile
+    finally:
+        release.set()
+        for f in busy:
+            f.result()
+    r = httpx.post(f"{url}/generate", json=tgi({"type": "regex", "value": "stayed[0-9]"}), timeout=60)
+    assert r.status_code == 200 and compiled == ["stayed[0-9]"], (r.text, compiled)
