@@ -19,6 +19,7 @@ class GrammarError(ValueError):
     pass
 
 
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's log prefix: time, source file and line
 _COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")  # a regex's counted repetition
 
 
@@ -57,8 +58,14 @@ def _compile(tokenizer, kind: str, value: str):
         if kind == "regex":
             return c.compile_regex(value)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError on a bad schema or regex
-        raise GrammarError(f"{kind} grammar does not compile: {str(e).splitlines()[0][:200]}") from None
+        raise GrammarError(f"{kind} grammar does not compile: {xgrammar_message(e)}") from None
     raise GrammarError(f"unknown grammar type {kind!r}")
+
+
+def xgrammar_message(e: Exception) -> str:
+    """xgrammar's error, without the time and source location its log prefix adds ("[09:45:41]
+    /project/cpp/regex_converter.cc:94: "): what the client wrote wrong, not how the server was built."""
+    return _LOG_PREFIX.sub("", str(e).splitlines()[0] if str(e) else type(e).__name__)[:200]
 
 
 MAX_SCHEMA_DEPTH = 64

@@ -65,6 +65,14 @@ def test_repeat_size_multiplies_nested_counts_and_skips_classes_and_escapes():
     assert grammar.repeat_size("[]{]{0,4}") == 4
 
 
+def test_xgrammar_errors_do_not_show_its_build_paths(url):
+    r = httpx.post(f"{url}/generate", json=tgi({"type": "regex", "value": "ab(("}))
+    assert r.status_code == 422 and "`grammar`: regex grammar does not compile: Regex parsing error at" in r.json()["error"]
+    assert ".cc:" not in r.text and "/project/" not in r.text, r.text
+    r = httpx.post(f"{url}/generate", json=tgi({"type": "json", "value": {"type": "string", "pattern": "(("}}))
+    assert r.status_code == 422 and ".cc:" not in r.text and "[" not in r.json()["error"].split("compile: ")[1], r.text
+
+
 def test_compiles_run_on_their_own_threads_and_a_client_that_left_skips_its_queued_compile(url, monkeypatch):
     """While every grammar thread is busy, tokenizing (the shared threadpool) goes on; a request whose client left
     while its compile was queued never compiles."""
