@@ -640,9 +640,11 @@ def serve_settings(ctx: typer.Context, options: dict) -> ServeSettings:
     values = {name: environment.tgi_knob(TGI_ENV[name], value) if name in sources else value
               for name, value in options.items()}
     where = ServeSettings(sources=sources).named
-    if values["api_key"] is not None and not values["api_key"].strip():  # an empty key would turn the check off
-        raise HqtflowError("--api-key is empty: give a key, or leave the flag out to serve without one.")
-    values["api_key"] = values["api_key"] or environment.api_key()
+    if values["api_key"] is not None:  # the flag wins over HQTFLOW_API_KEY and TGI's API_KEY
+        environment.check_api_key(values["api_key"], "--api-key", "leave the flag out")
+    elif from_env := environment.api_key():
+        values["api_key"], sources["api_key"] = from_env
+    values["cors_allow_origin"] = values["cors_allow_origin"] or environment.cors_allow_origin()
     values["kv_cache"] = parse(KVCache, values["kv_cache"], "--kv-cache").value
     from hqtflow.runtime.cuda_graphs import parse_batch_sizes
 
@@ -677,7 +679,7 @@ def _serve_command(kind: str, doc: str):
         max_top_n_tokens: Annotated[int, typer.Option(help="TGI's top_n_tokens at most (TGI's flag; env MAX_TOP_N_TOKENS; at most 5).")] = S.max_top_n_tokens,
         max_client_batch_size: Annotated[int, typer.Option(help="Prompts one /v1/completions request may batch, and its sequences (prompts x n or best_of) (TGI's flag, whose default is 4; env MAX_CLIENT_BATCH_SIZE).")] = S.max_client_batch_size,
         payload_limit: Annotated[int, typer.Option(help="A request body's bytes at most; a 413 above (TGI's flag and default; env PAYLOAD_LIMIT).")] = S.payload_limit,
-        api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` (env HQTFLOW_API_KEY).")] = S.api_key,
+        api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` (visible ASCII; env HQTFLOW_API_KEY, or API_KEY as TGI's launcher).")] = S.api_key,
         batch_bucket_size: Annotated[int, typer.Option(help="Pad a decode step to a multiple of tokens (one per sequence) (env BATCH_BUCKET_SIZE).")] = S.batch_bucket_size,
         prefill_batch_bucket_size: Annotated[int, typer.Option(help="A step with prefill is padded to a multiple of this x PAD_SEQUENCE_TO_MULTIPLE_OF tokens (env PREFILL_BATCH_BUCKET_SIZE).")] = S.prefill_batch_bucket_size,
         pad_sequence_to_multiple_of: Annotated[int, typer.Option(help="Pad a step with prefill to a multiple of tokens: few distinct shapes, bounded per-shape caches (env PAD_SEQUENCE_TO_MULTIPLE_OF).")] = S.pad_sequence_to_multiple_of,
@@ -686,7 +688,7 @@ def _serve_command(kind: str, doc: str):
         compile: Annotated[bool, typer.Option("--compile/--no-compile", help="Put the CUDA-graph decode steps through torch.compile before capturing them (a CUDA GPU only; minutes of compiling before /health is ready).")] = S.compile,
         shutdown_timeout: Annotated[float, typer.Option(help="Seconds running requests may take to finish after SIGTERM or Ctrl-C; then they are cut (within a container's stop grace period).", min=0)] = S.shutdown_timeout,
         client_timeout: Annotated[float, typer.Option(help="Seconds a client may take to send its whole request, or leave an answer unread while the server waits to write (a stalled stream); then its connection is closed and its request cancelled. 0: no limit.", min=0)] = S.client_timeout,
-        cors_allow_origin: Annotated[Optional[list[str]], typer.Option(metavar="ORIGIN", help="An origin (https://host:port) whose web pages may call the API from a browser; repeat for more; * for any (TGI's flag).")] = None,
+        cors_allow_origin: Annotated[Optional[list[str]], typer.Option(metavar="ORIGIN", help="An origin (https://host:port) whose web pages may call the API from a browser; repeat for more; * for any (TGI's flag; env CORS_ALLOW_ORIGIN, one origin).")] = None,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
         config: Annotated[Optional[Path], typer.Option("-c", "--config", help="With -m: the QUANTIZE QUANT_CONFIG (default: env QUANT_CONFIG, else maxabs_arbitrary, lm_head in bf16).")] = None,
         scale_method: Annotated[Optional[str], typer.Option(help="With -m: override the config's scale_method.")] = None,

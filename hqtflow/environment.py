@@ -1,6 +1,6 @@
 """Every environment variable hqtflow reads or sets, in one place (no heavy imports here).
 
-Read: HQTFLOW_CACHE, HQTFLOW_API_KEY, CXX (the CPU kernel's compiler), QUANT_CONFIG (the default of `-c`, as
+Read: HQTFLOW_CACHE, HQTFLOW_API_KEY and TGI's API_KEY, TGI's CORS_ALLOW_ORIGIN, CXX (the CPU kernel's compiler), QUANT_CONFIG (the default of `-c`, as
 optimum-habana and TGI-on-Gaudi read it), TGI's serving knobs (TGI_KNOBS; MAX_INPUT_LENGTH, MAX_INPUT_TOKENS' older
 name; MODEL_ID and PORT, the defaults of serve's model and --port; TGI_NOT_READ, only to name them) and torchrun's RANK, WORLD_SIZE,
 LOCAL_RANK, TORCHELASTIC_RUN_ID. Set, for libraries that only read the environment: TQDM_DISABLE (ranks other than
@@ -29,7 +29,12 @@ TGI_OLDER_NAMES = {"MAX_INPUT_TOKENS": "MAX_INPUT_LENGTH"}  # read when the knob
 # (MODEL_ID and PORT are read: the model argument's and --port's defaults)
 TGI_NOT_READ = ("QUANTIZE", "NUM_SHARD", "SHARDED", "SPECULATE", "DTYPE", "KV_CACHE_DTYPE", "REVISION", "ROPE_SCALING",
                 "ROPE_FACTOR", "TRUST_REMOTE_CODE", "MAX_WAITING_TOKENS", "WAITING_SERVED_RATIO", "LORA_ADAPTERS",
-                "DISABLE_GRAMMAR_SUPPORT", "WATERMARK_GAMMA", "WATERMARK_DELTA", "CUDA_MEMORY_FRACTION", "VALIDATION_WORKERS")
+                "DISABLE_GRAMMAR_SUPPORT", "WATERMARK_GAMMA", "WATERMARK_DELTA", "CUDA_MEMORY_FRACTION", "VALIDATION_WORKERS",
+                "NGROK", "NGROK_AUTHTOKEN", "NGROK_EDGE", "OTLP_ENDPOINT", "OTLP_SERVICE_NAME", "TOKENIZER_CONFIG_PATH",
+                "USAGE_STATS", "JSON_OUTPUT", "WEIGHTS_CACHE_OVERRIDE", "DISABLE_CUSTOM_KERNELS", "PREFIX_CACHING", "ATTENTION")
+TGI_SECRETS = ("NGROK_AUTHTOKEN",)  # named without their value
+# (not named: HOSTNAME, --hostname's variable, which every shell and container sets to the machine's name; MASTER_ADDR
+# and MASTER_PORT, torch.distributed's own)
 
 
 def cache_dir() -> Path:
@@ -42,8 +47,40 @@ def cxx_compiler() -> str:
     return os.environ.get("CXX") or "c++"
 
 
-def api_key() -> str | None:
-    return os.environ.get("HQTFLOW_API_KEY") or None
+API_KEY_VARIABLES = ("HQTFLOW_API_KEY", "API_KEY")  # hqtflow's, then TGI's launcher's (--api-key's variable)
+
+
+def api_key() -> tuple[str, str] | None:
+    """The API key set in the environment and the variable that set it: HQTFLOW_API_KEY, else TGI's API_KEY (None:
+    neither). Both set to different keys is refused; so is a key that is empty or check_api_key refuses."""
+    from hqtflow.errors import ConfigError
+
+    given = [(os.environ[v], v) for v in API_KEY_VARIABLES if v in os.environ]
+    if len(given) == 2 and given[0][0] != given[1][0]:
+        raise ConfigError("The environment variables HQTFLOW_API_KEY and API_KEY set different keys; keep one.")
+    for key, name in given:
+        check_api_key(key, f"The environment variable {name}", "unset it")
+    return given[0] if given else None
+
+
+def check_api_key(key: str, name: str, instead: str) -> None:
+    """Refuse an API key no client could send, naming `name` (what set it) and what to do `instead` of an empty one:
+    empty (it would turn the check off) or other than visible ASCII (an HTTP header's value carries no other
+    characters: the openai client raises UnicodeEncodeError, curl's UTF-8 bytes never match)."""
+    from hqtflow.errors import ConfigError
+
+    if not key.strip():
+        raise ConfigError(f"{name} is empty: give a key, or {instead} to serve without one.")
+    if not all("!" <= c <= "~" for c in key):
+        bad = next(c for c in key if not "!" <= c <= "~")
+        raise ConfigError(f"{name} holds {bad!r}: an API key is sent in an HTTP header, which carries visible ASCII "
+                          "characters only (letters, digits, punctuation; no spaces).")
+
+
+def cors_allow_origin() -> list[str]:
+    """TGI's CORS_ALLOW_ORIGIN (--cors-allow-origin's variable, read when the flag is not given): one origin, as
+    TGI's launcher reads it."""
+    return [os.environ["CORS_ALLOW_ORIGIN"]] if os.environ.get("CORS_ALLOW_ORIGIN") else []
 
 
 def quant_config() -> str | None:
@@ -89,7 +126,7 @@ def tgi_knob(name: str, default):
 
 def tgi_not_read() -> list[str]:
     """The TGI launcher variables set here that hqtflow serve has no counterpart for, as NAME=value."""
-    return [f"{name}={os.environ[name]}" for name in TGI_NOT_READ if os.environ.get(name)]
+    return [name if name in TGI_SECRETS else f"{name}={os.environ[name]}" for name in TGI_NOT_READ if os.environ.get(name)]
 
 
 def use_inductor_cache() -> None:

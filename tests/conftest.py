@@ -49,7 +49,7 @@ def _no_gaudi_or_tgi_environment():
     from hqtflow.environment import TGI_KNOBS, TGI_NOT_READ, TGI_OLDER_NAMES
 
     with pytest.MonkeyPatch.context() as mp:
-        for name in ("QUANT_CONFIG", "HQTFLOW_API_KEY", "MODEL_ID", "PORT", *TGI_KNOBS, *TGI_OLDER_NAMES.values(), *TGI_NOT_READ):
+        for name in ("QUANT_CONFIG", "HQTFLOW_API_KEY", "API_KEY", "CORS_ALLOW_ORIGIN", "SERVED_MODEL_NAME", "MODEL_ID", "PORT", *TGI_KNOBS, *TGI_OLDER_NAMES.values(), *TGI_NOT_READ):
             mp.delenv(name, raising=False)
         yield
 

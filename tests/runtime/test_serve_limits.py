@@ -148,3 +148,46 @@ def test_start_refusals_name_what_the_user_set(tiny_llama, busy_port, monkeypatc
     monkeypatch.setenv("CUDA_GRAPHS", "1,2")
     assert refused("--port", busy_port, "--device", "cpu") == (
         "Error: CUDA graphs (CUDA_GRAPHS=1,2) need a CUDA GPU; this model runs on cpu (give CUDA_GRAPHS=0).")
+
+
+def test_tgis_api_key_and_cors_variables_are_read_and_bad_keys_refused(monkeypatch):
+    """TGI's API_KEY and CORS_ALLOW_ORIGIN (its launcher's --api-key and --cors-allow-origin variables) were ignored:
+    a TGI deployment moved over served with no key. An empty key variable served with no key; a non-ASCII key no
+    client can send. Both are refused at start, naming the variable."""
+    from hqtflow.runtime import server
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda model, settings, **kw: seen.update(settings=settings))
+    monkeypatch.setenv("API_KEY", "tgi-key")
+    monkeypatch.setenv("CORS_ALLOW_ORIGIN", "https://ui.example")
+    assert run_cli("serve", "fp8", "some-model").exit_code == 0
+    assert (seen["settings"].api_key, seen["settings"].cors_allow_origin) == ("tgi-key", ["https://ui.example"])
+    assert run_cli("serve", "fp8", "some-model", "--api-key", "flag", "--cors-allow-origin", "https://b.example").exit_code == 0
+    assert (seen["settings"].api_key, seen["settings"].cors_allow_origin) == ("flag", ["https://b.example"])
+
+    def refused(*args) -> str:
+        r = run_cli("serve", "fp8", "some-model", *args)
+        assert r.exit_code == 2, r.output
+        return r.stderr.strip().splitlines()[-1]
+
+    monkeypatch.setenv("HQTFLOW_API_KEY", "other")
+    assert refused() == "Error: The environment variables HQTFLOW_API_KEY and API_KEY set different keys; keep one."
+    monkeypatch.delenv("API_KEY")
+    monkeypatch.setenv("HQTFLOW_API_KEY", "")
+    assert refused() == ("Error: The environment variable HQTFLOW_API_KEY is empty: give a key, or unset it to serve "
+                         "without one.")
+    monkeypatch.setenv("HQTFLOW_API_KEY", "clé")
+    assert refused().startswith("Error: The environment variable HQTFLOW_API_KEY holds 'é': an API key is sent in an "
+                                "HTTP header, which carries visible ASCII characters only")
+    assert refused("--api-key", "a key").startswith("Error: --api-key holds ' ': an API key is sent")
+
+
+def test_tgi_variables_not_read_are_named_and_secrets_without_their_value(monkeypatch):
+    from hqtflow.runtime import server
+
+    monkeypatch.setattr(server, "serve", lambda model, settings, **kw: None)
+    monkeypatch.setenv("NGROK", "true")
+    monkeypatch.setenv("NGROK_AUTHTOKEN", "s3cret")
+    r = run_cli("serve", "fp8", "some-model")
+    assert r.exit_code == 0 and "Note: NGROK=true, NGROK_AUTHTOKEN: TGI's launcher reads these" in r.stderr, r.stderr
+    assert "s3cret" not in r.output
