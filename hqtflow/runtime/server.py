@@ -11,6 +11,7 @@ leaves the batch at the next step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 import warnings
@@ -69,6 +70,12 @@ def generation(req: Request) -> bool:
     return req.method == "POST" and req.url.path in GENERATION_ROUTES
 
 
+def authorized(req: Request, key: str) -> bool:
+    """`Authorization: Bearer KEY`, the scheme in any case (RFC 7235, as TGI), the key compared in constant time."""
+    scheme, _, given = req.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
 def request_guard(s: ServeSettings, metrics: Metrics):
     """The HTTP middleware before every route: counts generation requests, checks the API key, the body size and
     that a POST body is JSON."""
@@ -83,8 +90,10 @@ def request_guard(s: ServeSettings, metrics: Metrics):
                 metrics.counters.inc("tgi_request_failure", err=err)
             return error(status, message, path=req.url.path)
 
-        if s.api_key and req.url.path not in ("/health", "/metrics") and req.headers.get("authorization") != f"Bearer {s.api_key}":
-            return refuse(401, "Invalid or missing API key", "authentication")
+        if s.api_key and req.url.path not in ("/health", "/metrics") and not authorized(req, s.api_key):
+            response = refuse(401, "Invalid or missing API key", "authentication")
+            response.headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: the scheme to answer with
+            return response
         if int(req.headers.get("content-length") or 0) > s.payload_limit:
             return refuse(413, too_large(s.payload_limit).message, "validation")
         if req.method != "POST" or req.url.path not in BODY_ROUTES:  # other methods and paths: routing's 404 / 405

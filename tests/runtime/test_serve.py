@@ -474,3 +474,22 @@ def test_fp8_quantized_at_start_with_a_method(tiny_llama, wiki_text, tmp_path, m
     for flag in (["-c", str(cfg)], ["--scale-method", "maxabs_pow2"]):
         r = run_cli("serve", "fp8", tiny_llama, *flag, "--port", "1")
         assert r.exit_code == 2 and "give its measurement with -m DIR" in r.stderr, r.stderr
+
+
+def test_the_key_check_takes_the_scheme_in_any_case_and_a_401_says_bearer(lm):
+    """The check compared the whole header with "Bearer KEY": `bearer KEY` (RFC 7235: the scheme is
+    case-insensitive; TGI takes it) was a 401, and a 401 had no WWW-Authenticate. The openai client still reads it."""
+    import openai
+
+    app = create_app(*lm, ServeSettings(max_total_tokens=64, max_input_tokens=16, api_key="secret"))
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 1}}
+    with running(app) as base:
+        for header in ("bearer secret", "BEARER secret", "Bearer  secret"):
+            assert httpx.post(f"{base}/generate", json=body, headers={"Authorization": header}).status_code == 200, header
+        for header in ("Bearer secre", "Bearer secrett", "Basic secret", "secret", ""):
+            r = httpx.post(f"{base}/generate", json=body, headers={"Authorization": header})
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (header, r.headers)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0, timeout=30)
+        with pytest.raises(openai.AuthenticationError) as e:
+            client.completions.create(model="x", prompt="hi", max_tokens=1)
+        assert e.value.status_code == 401 and "Invalid or missing API key" in str(e.value)
