@@ -688,6 +688,7 @@ def _serve_command(kind: str, doc: str):
         compile: Annotated[bool, typer.Option("--compile/--no-compile", help="Put the CUDA-graph decode steps through torch.compile before capturing them (a CUDA GPU only; minutes of compiling before /health is ready).")] = S.compile,
         shutdown_timeout: Annotated[float, typer.Option(help="Seconds running requests may take to finish after SIGTERM or Ctrl-C; then they are cut (within a container's stop grace period).", min=0)] = S.shutdown_timeout,
         client_timeout: Annotated[float, typer.Option(help="Seconds a client may take to send its whole request, or leave an answer unread while the server waits to write (a stalled stream); then its connection is closed and its request cancelled. 0: no limit.", min=0)] = S.client_timeout,
+        served_model_name: Annotated[Optional[str], typer.Option(envvar="SERVED_MODEL_NAME", show_envvar=False, help="The model's name to clients (/info, /v1/models, the `model` of /v1 answers) instead of MODEL as given, a path (TGI's flag; env SERVED_MODEL_NAME).")] = S.served_model_name,
         cors_allow_origin: Annotated[Optional[list[str]], typer.Option(metavar="ORIGIN", help="An origin (https://host:port) whose web pages may call the API from a browser; repeat for more; * for any (TGI's flag; env CORS_ALLOW_ORIGIN, one origin).")] = None,
         measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="fp8: quantize the bf16 MODEL at start from this measurement (like TGI with QUANT_CONFIG).")] = None,
         config: Annotated[Optional[Path], typer.Option("-c", "--config", help="With -m: the QUANTIZE QUANT_CONFIG (default: env QUANT_CONFIG, else maxabs_arbitrary, lm_head in bf16).")] = None,
@@ -708,7 +709,8 @@ def _serve_command(kind: str, doc: str):
             payload_limit=payload_limit,
             batch_bucket_size=batch_bucket_size, prefill_batch_bucket_size=prefill_batch_bucket_size,
             pad_sequence_to_multiple_of=pad_sequence_to_multiple_of, warmup=warmup, cuda_graphs=cuda_graphs, compile=compile,
-            shutdown_timeout=shutdown_timeout, client_timeout=client_timeout, cors_allow_origin=cors_allow_origin or []))
+            shutdown_timeout=shutdown_timeout, client_timeout=client_timeout, cors_allow_origin=cors_allow_origin or [],
+            served_model_name=served_model_name))
         unread = environment.tgi_not_read()
         if measurement is None and config is None and environment.quant_config():  # TGI-Gaudi quantizes at start with it
             unread.append(f"QUANT_CONFIG={environment.quant_config()} (read with -m only)")

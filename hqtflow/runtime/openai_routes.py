@@ -258,7 +258,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
     def head(chat: bool, stream: bool):
         obj = "chat.completion" + (".chunk" if stream else "") if chat else "text_completion"
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
-                "model": s.model_id, "system_fingerprint": "hqtflow"}
+                "model": s.served_name, "system_fingerprint": "hqtflow"}
 
     def usage(prompts, seqs) -> dict:
         p, c = sum(len(x) for x in prompts), sum(len(q.tokens) for q in seqs)
@@ -508,7 +508,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
         return StreamingResponse(slot.tie_to(chunks()), media_type="text/event-stream")
 
     def model_card() -> dict:
-        return {"id": s.model_id, "object": "model", "created": 0, "owned_by": "hqtflow"}
+        return {"id": s.served_name, "object": "model", "created": 0, "owned_by": "hqtflow"}
 
     @r.api_route("/v1/models", methods=["GET", "HEAD"])  # HEAD: as every GET route (TGI's axum does)
     async def list_models():
@@ -518,8 +518,8 @@ def openai_router(ctx: Ctx) -> APIRouter:
     async def get_model(model: str):
         if not model:  # `/v1/models/`: no such route (as every path with a trailing slash)
             raise HTTPException(404, "Not Found")
-        if model != s.model_id:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{s.model_id}'", "model_not_found")
+        if model != s.served_name:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{s.served_name}'", "model_not_found")
         return model_card()
 
     return r

@@ -10,6 +10,7 @@ class ServeSettings:
     """What `hqtflow serve` serves with; its CLI options take their defaults from here (so tests and users agree)."""
 
     model_id: str = "model"
+    served_model_name: str | None = None  # the name clients see instead of model_id, a path (TGI's flag)
     dtype: str = "bf16"
     # None: TGI's launcher defaults, from the model's context (runtime/limits.py): total min(context, 4096), input
     # total - 1, prefill input + 50
@@ -42,6 +43,12 @@ class ServeSettings:
     # where a value came from when not its flag (an environment variable: {"max_total_tokens": "MAX_TOTAL_TOKENS"}),
     # so that a refusal names what the user set
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def served_name(self) -> str:
+        """The model's name to clients (/info's model_id, /v1/models, the `model` of /v1 answers): TGI's
+        --served-model-name, else the model as given to serve."""
+        return self.served_model_name or self.model_id
 
     def named(self, name: str) -> str:
         """The flag or environment variable that set option `name` (its flag when not given)."""

@@ -493,3 +493,22 @@ def test_the_key_check_takes_the_scheme_in_any_case_and_a_401_says_bearer(lm):
         with pytest.raises(openai.AuthenticationError) as e:
             client.completions.create(model="x", prompt="hi", max_tokens=1)
         assert e.value.status_code == 401 and "Invalid or missing API key" in str(e.value)
+
+
+def test_served_model_name_is_the_name_clients_see(lm, monkeypatch):
+    """TGI's --served-model-name (env SERVED_MODEL_NAME) was missing: /info, /v1/models and every /v1 answer sent
+    the model as given to serve, an absolute checkpoint path."""
+    from hqtflow.runtime import server
+
+    app = create_app(*lm, ServeSettings(model_id="/srv/secret/ckpt", served_model_name="tiny", max_total_tokens=64,
+                                        max_input_tokens=16))
+    with running(app) as base:
+        answers = [httpx.get(f"{base}/info"), httpx.get(f"{base}/v1/models"), httpx.get(f"{base}/v1/models/tiny"),
+                   httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1})]
+        assert [r.status_code for r in answers] == [200] * 4
+        assert answers[0].json()["model_id"] == "tiny" and answers[1].json()["data"][0]["id"] == "tiny"
+        assert answers[3].json()["model"] == "tiny" and not any("/srv/secret" in r.text for r in answers)
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda model, settings, **kw: seen.update(settings=settings))
+    monkeypatch.setenv("SERVED_MODEL_NAME", "from-env")
+    assert run_cli("serve", "fp8", "/srv/secret/ckpt").exit_code == 0 and seen["settings"].served_name == "from-env"
