@@ -415,7 +415,9 @@ def openai_router(ctx: Ctx) -> APIRouter:
             raise invalid("`stop` cannot be combined with `tools`: a tool reply ends where its grammar ends it")
         # templated and tokenized, then compiled, off the event loop (/health and streams go on)
         ids = await run_in_threadpool(chat_prompt, req, plan)
-        grammar = await ctx.compile(request, chat_grammar, req, plan)
+        fmt = req.response_format
+        grammar = None if plan is None and (fmt is None or fmt.type == "text") else \
+            await ctx.compile(request, chat_grammar, req, plan)  # (a request without one never waits for the compiles)
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         names = ("messages", "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")

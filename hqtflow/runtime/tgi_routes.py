@@ -75,7 +75,8 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         with ctx.admit() as slot:  # tokenized and compiled off the event loop: other requests and /health go on
             ids = truncated(await run_in_threadpool(ctx.encode, req.inputs), p.truncate)
             params = sampling(ctx, p, len(ids))  # the checks first, then the grammar
-            params.grammar = await ctx.compile(request, tgi_grammar, ctx, p)
+            if p.grammar is not None:  # (the grammar's threads are for compiles: no request waits there for nothing)
+                params.grammar = await ctx.compile(request, tgi_grammar, ctx, p)
         return ids, p, params, slot
 
     def details(seq: Sequence, ids: list[int], p: TgiParameters) -> dict:
