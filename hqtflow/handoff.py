@@ -300,14 +300,15 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
     QuantConfig.from_dict(config, source=name)  # one sentence for a wrong key or value
     if mode == "measure" and str(config.get("mode", "")).upper() != "MEASURE":
         raise ConfigError(f"QUANT_CONFIG {name} has mode {config.get('mode')!r}; --mode measure needs a MEASURE config.")
+    given = model
     if model is None:  # a recipe SOURCE names the model; an artifact, the folder it was made from
         from_recipe = r.measure.model if r else None
         model = from_recipe if recipe == source else (artifact.model if artifact else None) or from_recipe
         model = _check_model(str(model)) if model else model  # (a --model given may be a path on the Gaudi host)
     if not model:
         raise ConfigError("No model: the artifact records none; pass --model.")
-    if r and artifact:
-        _check_measured_model(r.measure.model, artifact, recipe)
+    if r and artifact and (given or r.measure.model):  # the model handed off: --model, else the recipe's
+        _check_measured_model(str(given or r.measure.model), artifact, recipe)
     return Job(mode, world, str(model), gaudi, config, name, artifact, r.measure.tp if r else None)
 
 
@@ -324,8 +325,9 @@ def _check_model(model: str) -> str:
 
 
 def _check_measured_model(recipe_model: str, artifact: Artifact, recipe) -> None:
-    """An artifact handed off with a recipe was made from the recipe's model (their fingerprints agree). A recipe
-    model not here (a hub id not cached, a path on the Gaudi host) cannot be compared and is not checked."""
+    """An artifact handed off with a recipe was made from the model handed off (models.same_model: an older hqtflow's
+    fingerprint, or a tokenizer changed since, still agree). A model not here (a hub id not cached, a path on the
+    Gaudi host) cannot be compared and is not checked."""
     from hqtflow import models
     from hqtflow.errors import ModelError
 
@@ -335,7 +337,7 @@ def _check_measured_model(recipe_model: str, artifact: Artifact, recipe) -> None
         model_dir = models.resolve_model(recipe_model)
     except (ModelError, ArtifactError):
         return
-    if models.fingerprint(model_dir) != artifact.fingerprint:
+    if not models.same_model(artifact.fingerprint, models.fingerprint(model_dir)):
         raise ArtifactError(f"{artifact.directory} was made from the model {artifact.model}, not from recipe {recipe}'s "
                             f"model {recipe_model} ({model_dir}); hand it off with its own recipe (--recipe) or none.")
 

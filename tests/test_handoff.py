@@ -373,3 +373,19 @@ def test_recipe_and_measurement_must_share_the_model(arts, smollm2, wiki_text, t
     [cmd] = handoff(RECIPES / "smollm2-3x.yaml", "-m", m, "--to", "optimum-habana", tmp=tmp_path)
     assert cmd[cmd.index("--model_name_or_path") + 1] == str(smollm2.resolve())
     assert "the artifact holds 1 rank(s), so this runs on 1 card(s); the recipe measures on 3" in (tmp_path / "run.sh").read_text()
+
+
+def test_an_older_hqtflows_fingerprint_of_the_recipes_model_is_accepted(smollm2):
+    """A measurement an hqtflow <= 0.4 made (its fingerprint sampled the weights: no scheme, no weights_sha256) is
+    the recipe's model's when config and weight headers agree, as quantize accepts it; another model's is refused."""
+    from types import SimpleNamespace
+
+    from hqtflow import handoff, models
+    from hqtflow.errors import ArtifactError
+
+    current = models.fingerprint(smollm2)
+    older = {k: v for k, v in current.items() if k not in ("scheme", "weights_sha256", "files_sha256")}
+    handoff._check_measured_model(str(smollm2), SimpleNamespace(fingerprint=older, directory="m", model="x"), "r.yaml")
+    other = dict(older, weights_header_sha256="0" * 64)
+    with pytest.raises(ArtifactError, match="not from recipe r.yaml's model"):
+        handoff._check_measured_model(str(smollm2), SimpleNamespace(fingerprint=other, directory="m", model="x"), "r.yaml")
