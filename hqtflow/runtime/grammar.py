@@ -80,7 +80,8 @@ MAX_ENUM_VALUES = 1000
 # a regex's counted repetition ({m,n}: `.{0,100}` took 1.6 s, `[^"]{1,300}` 5.8 s) and its length
 MAX_LITERAL_CHARS = 500  # one enum/const string or property name
 MAX_LITERALS_CHARS = 15_000  # every enum/const value and property name together (OpenAI's limit)
-MAX_OPEN_KEY_CHARS = 128  # the property names of objects open to other properties, together
+MAX_OPEN_KEY_CHARS = 512  # the property names of objects open to other properties, together (a pydantic model's
+# schema is open: ~50 fields; at most ~7 s, on the grammar's own thread)
 MAX_REGEX_CHARS = 2_000  # a regex or `pattern`
 MAX_REGEX_REPEAT = 128  # a regex's counted repetitions, nested ones multiplied (`(a{0,10}){0,20}`: 200)
 TOOLS_SCALE = 4  # a request's tools together (each within the limits above): their one call schema, 4x the limits

@@ -89,7 +89,7 @@ def parameters_problem(params) -> str | None:
         return f"must be an object schema: a root `{root}` may make the arguments something else"
     if depth(params) > MAX_SCHEMA_DEPTH - 2:  # the call around the arguments adds two levels
         return f"nests deeper than {MAX_SCHEMA_DEPTH - 2} levels"
-    return schema_problem(params)
+    return schema_problem(arguments_schema(params, "#"))  # as compiled: objects closed to their properties
 
 
 def one_call_schema(tool: dict) -> dict:
