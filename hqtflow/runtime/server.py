@@ -328,7 +328,10 @@ def exit_now(code: int) -> None:
 
     atexit._run_exitfuncs()  # what sys.exit would run (logging's flush, weakref finalizers' temporary files)
     for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: the exit status still says how it ended
+            pass
     os._exit(code)
 
 
