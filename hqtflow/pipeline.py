@@ -209,14 +209,14 @@ def absolute_paths(ms):
 def check_recipe(r, ms) -> None:
     """Every stage's settings, checked before any stage runs (a later stage's refusal after hours of measuring
     wastes them); a refusal names the recipe key."""
-    from hqtflow.errors import ConfigError
+    from hqtflow.errors import CalibrationError, ConfigError
     from hqtflow.measure.run import load_measure_config
 
     def checked(key: str, check: Callable[[], object]) -> None:
         try:
             check()
-        except ConfigError as e:
-            raise ConfigError(f"Recipe {r.path}, '{key}': {e}") from None
+        except (ConfigError, CalibrationError) as e:  # (the same kind, so the same exit status)
+            raise type(e)(f"Recipe {r.path}, '{key}': {e}") from None
 
     ms.validate()
     checked("config", lambda: load_measure_config(ms.config))
@@ -227,8 +227,8 @@ def check_recipe(r, ms) -> None:
         from hqtflow import lmeval
 
         ev = r.eval
-        lmeval.check_tasks(list(ev.tasks), lmeval.task_manager(list(ev.include_path), ev.data_dir, list(ev.tasks)),
-                           ev.data_dir)
+        checked("eval.tasks", lambda: lmeval.check_tasks(
+            list(ev.tasks), lmeval.task_manager(list(ev.include_path), ev.data_dir, list(ev.tasks)), ev.data_dir))
 
 
 def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo: Callable[[str], None] = print,

@@ -202,7 +202,7 @@ def test_run_checks_every_stage_before_the_first(tiny_llama, data_dir, tmp_path)
     raw = yaml.safe_load(recipe.read_text())
     for key, value, words in (("quant_config", "maxabs_measure", r"'quant_config': .*maxabs_measure.json has mode MEASURE"),
                               ("config", "maxabs_quant", r"'config': .*maxabs_quant.json has mode QUANTIZE"),
-                              ("eval", {"tasks": ["no_such_task"]}, "Unknown lm-eval task 'no_such_task'")):
+                              ("eval", {"tasks": ["no_such_task"]}, r"'eval.tasks': Unknown lm-eval task 'no_such_task'")):
         recipe.write_text(yaml.safe_dump({**raw, key: value}))
         r = run_cli("run", recipe)
         assert r.exit_code != 0 and re.search(words, r.stderr) and "writing" not in r.stdout, r.output
