@@ -138,10 +138,6 @@ def safetensors_bytes(specs: list[TensorSpec]) -> int:
     return len(_layout(specs)[0]) + sum(t.nbytes for t in specs)
 
 
-# the model folder's files a checkpoint carries over (written anew by transformers, about as large as there)
-CARRIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                 "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt")
 # the index, manifest and config.json's quantization_config hqtflow adds (a 70B model's index: ~100 KB) and the
 # file system's rounding of the ~20 files to its blocks
 SMALL_FILES_BYTES = 2**20
@@ -151,7 +147,9 @@ def checkpoint_bytes(files: list[list[TensorSpec]], model_dir: Path) -> tuple[in
     """The disk space a checkpoint of safetensors `files` (each file's tensors) made from `model_dir` takes, and what
     it is made of: the safetensors files exactly, the carried files as large as in `model_dir`, SMALL_FILES_BYTES."""
     tensors = sum(safetensors_bytes(f) for f in files)
-    carried = sum(f.stat().st_size for f in (Path(model_dir) / n for n in CARRIED_FILES) if f.is_file())
+    from hqtflow.models import side_files
+
+    carried = sum(f.stat().st_size for f in [Path(model_dir) / "config.json", *side_files(model_dir)] if f.is_file())
     how = (f"{_mb(tensors)} of safetensors files, {_mb(carried)} of tokenizer and config files and "
            f"{_mb(SMALL_FILES_BYTES)} for the index and manifest")
     return tensors + carried + SMALL_FILES_BYTES, how
