@@ -47,20 +47,13 @@ def _is_fp8(path: Path) -> bool:
 
 def _check_manifest(path: Path, verify: bool) -> None:
     """An hqtflow checkpoint's manifest, or an export's in a layout this runtime loads; hashes checked."""
-    import json
-
     from hqtflow.errors import ArtifactError
     from hqtflow.export import FORMATS, LOADABLE_FORMATS
-    from hqtflow.formats.artifact import MANIFEST, ArtifactKind, read_manifest
+    from hqtflow.formats.artifact import ArtifactKind, read_checkpoint_manifest
 
-    try:
-        kind = json.loads((path / MANIFEST).read_text()).get("_type")
-    except (OSError, ValueError, RecursionError, AttributeError):
-        kind = None  # read_manifest names what is wrong
-    if kind != ArtifactKind.EXPORT:
-        read_manifest(path, ArtifactKind.CHECKPOINT, verify=verify)
+    m = read_checkpoint_manifest(path, verify=verify)
+    if m.type != ArtifactKind.EXPORT:
         return
-    m = read_manifest(path, ArtifactKind.EXPORT, verify=verify)
     fmt = m.data.get("format")
     if fmt not in FORMATS:
         raise ArtifactError(f"{path}'s manifest gives the export format {fmt!r}, which this hqtflow does not know "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from hqtflow.errors import HqtflowError
@@ -11,14 +10,12 @@ from hqtflow.errors import HqtflowError
 def source_model(checkpoint: str | None) -> str | None:
     """The bf16 model a checkpoint was quantized from (its manifest records it)."""
     from hqtflow import models
+    from hqtflow.formats.artifact import MANIFEST, read_checkpoint_manifest
 
     path = models.resolve_model(checkpoint)
-    from hqtflow.formats.artifact import MANIFEST
-
-    mpath = path / MANIFEST
-    if not mpath.exists():
+    if not (path / MANIFEST).exists():
         return None
-    return json.loads(mpath.read_text()).get("data", {}).get("model_path")
+    return read_checkpoint_manifest(path, verify=False).data.get("model_path")
 
 
 def _where(model: str | None) -> str:

@@ -45,7 +45,8 @@ from pathlib import Path
 import torch
 
 from hqtflow.errors import ArtifactError, ConfigError, does_not_exist
-from hqtflow.formats.artifact import MANIFEST, ArtifactKind, artifact_kind, read_manifest, staged_output, write_manifest
+from hqtflow.formats.artifact import (MANIFEST, ArtifactKind, read_checkpoint_manifest, read_manifest, staged_output,
+                                     write_manifest)
 from hqtflow.formats.checkpoint import (HP_DTYPE_NAMES, KV_SUFFIXES, autofp8_tensors, check_scales, inc_tensors,
                                         load_checkpoint, read_tensors, requantize, write_safetensors)
 from hqtflow.formats.compressed_tensors import autofp8_quantization_config, inc_quantization_config
@@ -57,10 +58,7 @@ LOADABLE_FORMATS = ("fp8", "compressed-tensors")  # what hqtflow.load runs ("inc
 
 def _source_manifest(path: Path):
     """The manifest of an hqtflow checkpoint or of an earlier compressed-tensors export (checked), or None."""
-    if not (path / MANIFEST).exists():
-        return None
-    kind = artifact_kind(path)
-    return read_manifest(path, ArtifactKind.EXPORT if kind == ArtifactKind.EXPORT else ArtifactKind.CHECKPOINT)
+    return read_checkpoint_manifest(path) if (path / MANIFEST).exists() else None
 
 
 def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[str]]:
@@ -197,6 +195,6 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
 
 
 def summary(out: Path) -> str:
-    d = json.loads((Path(out) / MANIFEST).read_text())["data"]
+    d = read_manifest(out, ArtifactKind.EXPORT, verify=False).data
     extra = f" ({'; '.join(d['notes'])})" if d["notes"] else ""
     return f"Wrote {out}: {d['format']} layout, {len(d['quantized'])} FP8 Linear modules, {d['weights']} weights{extra}."

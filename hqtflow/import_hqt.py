@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hqtflow.errors import ArtifactError, ConfigError, does_not_exist
 from hqtflow.formats import measurement as mf
-from hqtflow.formats.artifact import MANIFEST, check_not_partial, check_output_dir, staged_output
+from hqtflow.formats.artifact import ArtifactKind, check_not_partial, check_output_dir, read_manifest, staged_output
 
 
 def import_hqt(directory: str | Path, output: str | Path, *, model: str | None = None, dtype: str = "bf16",
@@ -122,9 +122,7 @@ def _node_names(model) -> set[str]:
 
 
 def summary(out: Path) -> str:
-    import json
-
-    d = json.loads((Path(out) / MANIFEST).read_text())["data"]
+    d = read_manifest(out, ArtifactKind.MEASUREMENT, verify=False).data
     nodes = sum(r["nodes"] for r in d["ranks"])
     model = f", model {d['model_path']}" if d.get("model_path") else " (no model recorded: pass MODEL to quantize)"
     notes = "".join(f"\nNote: {n}." for n in d.get("notes") or ())

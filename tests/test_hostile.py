@@ -555,6 +555,8 @@ CASES = {
                                 "unfinished output"),
     "eval/truncated checkpoint, hashes rewritten": (lambda c: ["eval", rehash(trunc_ck(c)), "--no-baseline",
                                                                "--ppl-file", c.text], "is truncated"),
+    "eval/garbage manifest": (lambda c: ["eval", write(c.copy("ck") / MANIFEST, "{broken").parent, "--ppl-file", c.text],
+                              "is corrupt"),
     "eval/--report inside the checkpoint": (lambda c: ["eval", c.copy("ck"), "--no-baseline", "--ppl-file", c.text,
                                                        "--report", c.w / "ck" / "r.json"], "lies inside"),
     # serve
@@ -578,6 +580,7 @@ CASES = {
                                           "--max-concurrent-requests must be at least 1, not 0"),
     "serve/--batch-bucket-size 0": (lambda c: serve(c.ck, "--batch-bucket-size", "0"), "--batch-bucket-size must be at least 1"),
     # bench
+    "bench/garbage manifest": (lambda c: bench(write(c.copy("ck") / MANIFEST, "{broken").parent), "is corrupt"),
     "bench/--json inside the checkpoint": (lambda c: [*bench(c.copy("ck")), "--json", c.w / "ck" / "b.json"], "lies inside"),
     "bench/--json under a file": (lambda c: [*bench(c.ck), "--json", write(c.w / "f", "x") / "b.json"],
                                   "Cannot create the parent directory"),

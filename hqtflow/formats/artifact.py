@@ -515,6 +515,14 @@ def artifact_kind(directory: str | Path) -> str:
     return str(_raw_manifest(Path(directory), "")[1]["_type"])
 
 
+def read_checkpoint_manifest(directory: str | Path, *, verify: bool = True) -> Manifest:
+    """An FP8 checkpoint's manifest: an hqtflow checkpoint's or its export's (any other kind is refused by
+    read_manifest as not the checkpoint needed)."""
+    kind = _raw_manifest(Path(directory), "checkpoint")[1]["_type"]
+    return read_manifest(directory, ArtifactKind.EXPORT if kind == ArtifactKind.EXPORT else ArtifactKind.CHECKPOINT,
+                         verify=verify)
+
+
 def kind_named(directory: str | Path) -> str | None:
     """For an error message: "measurement", "checkpoint", ... when `directory` holds an hqtflow manifest, else None."""
     if not (Path(directory) / MANIFEST).is_file():

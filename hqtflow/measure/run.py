@@ -6,7 +6,6 @@ The artifact directory holds INC's files for every rank (`<stem>.json/.npz/_mod_
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 from hqtflow.config import MEASURE_OBSERVERS, QuantConfig
 from hqtflow.errors import CalibrationError, ConfigError
 from hqtflow.formats import measurement as mf
-from hqtflow.formats.artifact import MANIFEST, StagingDir, check_output_dir
+from hqtflow.formats.artifact import ArtifactKind, StagingDir, check_output_dir, read_manifest
 from hqtflow.measure.settings import DEFAULT_MAX_LENGTH, MeasureSettings
 from hqtflow.progress import Progress
 from hqtflow.task_yaml import is_task_file
@@ -268,8 +267,7 @@ def _sha(path) -> str:
 
 
 def measurement_summary(out: Path) -> str:
-    m = json.loads((Path(out) / MANIFEST).read_text())
-    d = m["data"]
+    d = read_manifest(out, ArtifactKind.MEASUREMENT, verify=False).data
     nodes = sum(len(r["layers"]) for r in d["ranks"])
     return (f"Wrote {out}: {nodes} observed nodes over {d['world_size']} rank(s), "
             f"{d['calibration']['samples']} samples / {d['calibration']['tokens']} tokens.")

@@ -7,14 +7,13 @@ the source measurement's digest).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hqtflow.choices import KVCache, parse
 from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError, ConfigError
-from hqtflow.formats.artifact import MANIFEST, ArtifactKind, staged_output, write_manifest
+from hqtflow.formats.artifact import ArtifactKind, artifact_kind, read_manifest, staged_output, write_manifest
 from hqtflow.quantize.settings import QuantizeSettings  # noqa: F401 - re-exported (it lived here)
 from hqtflow.formats.measurement import (LoadedMeasurement, Measurement, gaudi_only_note, load_measurement,
                                          require_dynamic_range)
@@ -465,9 +464,9 @@ def _no_statistics(name: str, meas: Measurement) -> str:
 
 
 def summary(out: Path) -> str:
-    m = json.loads((Path(out) / MANIFEST).read_text())
-    d = m["data"]
-    what = "scale files" if m["_type"] == ArtifactKind.SCALES else "FP8 checkpoint"
+    m = read_manifest(out, artifact_kind(out), verify=False)
+    d = m.data
+    what = "scale files" if m.type == ArtifactKind.SCALES else "FP8 checkpoint"
     notes = "".join(f"\nNote: {n}." for n in d.get("notes") or ())
     return (f"Wrote {out}: {what}, {d['scale_method']} for {d['target']}, {len(d['quantized'])} modules quantized, "
             f"{len(d['skipped'])} kept in high precision.{notes}")
