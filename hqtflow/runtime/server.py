@@ -363,7 +363,7 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
         model, tok = inc.load_run(model_ref, measurement, device=inc_device, config=config, scale_method=scale_method,
                                   backend=backend, dtype=dtype)
         settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
-        _run(create_app(model, tok, settings), sock)
+        _run(_app(model, tok, settings), sock)
         return
 
     if measurement is not None:

@@ -241,6 +241,9 @@ def test_cli_eval_and_serve_inc(pair, data_dir, tmp_path, monkeypatch):
     server._serve(None, model, server.ServeSettings(), kind="fp8", measurement=str(theirs), backend="auto",
                   dtype="auto", inc_device="cpu", scale_method="maxabs_pow2")
     assert served["app"] is not None
+    with pytest.raises(HqtflowError, match="no KV-cache scales .* serve it with --kv-cache bf16"):  # create_app's refusal, worded
+        server._serve(None, model, server.ServeSettings(kv_cache="fp8"), kind="fp8", measurement=str(theirs),
+                      backend="auto", dtype="auto", inc_device="cpu", scale_method="maxabs_pow2")
     with pytest.raises(HqtflowError, match="serve fp8 MODEL -m DIR"):
         server._serve(None, model, server.ServeSettings(), kind="bf16", measurement=str(theirs), backend="auto",
                       dtype="auto", inc_device="cpu")
