@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -47,8 +46,8 @@ import torch
 from hqtflow.errors import ArtifactError, ConfigError, does_not_exist
 from hqtflow.formats.artifact import (MANIFEST, ArtifactKind, read_checkpoint_manifest, read_manifest, staged_output,
                                      write_manifest)
-from hqtflow.formats.checkpoint import (HP_DTYPE_NAMES, KV_SUFFIXES, autofp8_tensors, check_scales, inc_tensors,
-                                        load_checkpoint, read_tensors, requantize, write_safetensors)
+from hqtflow.formats.checkpoint import (HP_DTYPE_NAMES, KV_SUFFIXES, autofp8_tensors, check_scales, copy_side_files,
+                                        inc_tensors, load_checkpoint, read_tensors, requantize, write_safetensors)
 from hqtflow.formats.compressed_tensors import autofp8_quantization_config, inc_quantization_config
 from hqtflow.formats.hf_names import per_expert_containers
 
@@ -179,10 +178,7 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         for name, text in extra_files.items():
             (tmp / name).write_text(text)
-        for p in sorted(checkpoint.iterdir()):
-            if p.is_file() and p.suffix != ".safetensors" and p.name not in ("config.json", MANIFEST, *extra_files) \
-                    and not p.name.startswith(".") and not p.name.endswith(".safetensors.index.json"):
-                shutil.copy2(p, tmp / p.name)
+        copy_side_files(checkpoint, tmp)
         src_manifest = _source_manifest(checkpoint)
         write_manifest(tmp, ArtifactKind.EXPORT, model=src_manifest.model if src_manifest else None,
                        config={"format": fmt, "per_channel": target_pc},

@@ -315,7 +315,7 @@ def quantize(s, device: str = "cpu") -> Path:
 
     from hqtflow import models
     from hqtflow.formats.artifact import check_output_dir, staged_output, write_manifest
-    from hqtflow.formats.checkpoint import save_checkpoint
+    from hqtflow.formats.checkpoint import copy_side_files, save_checkpoint
     from hqtflow.quantize.convert import _set_module, _untie_if_needed
     from hqtflow.formats.artifact import ArtifactKind
     from hqtflow.quantize.run import plan_job
@@ -342,7 +342,7 @@ def quantize(s, device: str = "cpu") -> Path:
             _set_module(qmodel, name, fp8)
     with staged_output(Path(s.output), overwrite=s.overwrite, inputs=[job.meas.directory, job.model_dir, s.config]) as tmp:
         save_checkpoint(qmodel, tmp, ignore=job.plan["ignore"], per_channel=per_channel, static_input=True)
-        models.load_tokenizer(job.model_dir).save_pretrained(tmp)
+        copy_side_files(job.model_dir, tmp)
         data = {**_common(job, device), "kv_cache": "bf16", "mode": "w8a8-static", "settings": asdict(s)}
         write_manifest(tmp, ArtifactKind.CHECKPOINT, model=job.fingerprint, config=job.cfg.to_dict(), data=data)
     return Path(s.output)

@@ -133,6 +133,21 @@ def write_config(out: Path, config, quantization_config: dict, generation_config
         generation_config.save_pretrained(out)
 
 
+def copy_side_files(model_dir: Path, out: Path) -> None:
+    """The model's tokenizer, chat template and generation config files (models.side_files), copied as they are:
+    the checkpoint's tokenizer is its source's, byte for byte (after write_config: the source's generation config
+    replaces the one transformers derived)."""
+    import shutil
+
+    from hqtflow.models import side_files
+
+    model_dir = Path(model_dir)
+    for f in side_files(model_dir):
+        dst = Path(out) / f.relative_to(model_dir)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dst)
+
+
 def safetensors_bytes(specs: list[TensorSpec]) -> int:
     """The size of the safetensors file `SafetensorsWriter` writes for `specs`: its header and the tensors' bytes."""
     return len(_layout(specs)[0]) + sum(t.nbytes for t in specs)
@@ -177,7 +192,7 @@ def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_chann
     """compressed-tensors FP8 safetensors + config.json with its quantization_config.
 
     `dynamic`: the dynamic method the FP8Linears run (`dynamic: true`, strategy token or tensor; an INC method's
-    rule is recorded under INC_DYNAMIC_KEY). `carried_from`: the model folder whose tokenizer the caller writes next;
+    rule is recorded under INC_DYNAMIC_KEY). `carried_from`: the model folder whose side files the caller copies next (copy_side_files);
     the free disk is checked for the whole checkpoint before any tensor is written (`check_free_disk`)."""
     from hqtflow.formats.compressed_tensors import quantization_config
     from hqtflow.formats.hf_names import disk_module_names, to_disk_names

@@ -333,6 +333,7 @@ def _offload_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
     """A checkpoint streamed from the model's files one tensor at a time (`--disk-offload`)."""
     from hqtflow import models
     from hqtflow.progress import Progress
+    from hqtflow.formats.checkpoint import copy_side_files
     from hqtflow.quantize.offload import prepare, write_offloaded
     from hqtflow.scales import HP_DTYPES
 
@@ -350,7 +351,7 @@ def _offload_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
     def write(tmp: Path):
         write_offloaded(plan, tmp, job.meas.ranks[0], method, target=job.target, fp8=cfg.fp8_config,
                         hp_dtype=cfg.hp_dtype, round_weight=weight_rounding(job), progress=Progress(None))
-        models.load_tokenizer(job.model_dir).save_pretrained(tmp)
+        copy_side_files(job.model_dir, tmp)
         return ArtifactKind.CHECKPOINT, {**_checkpoint_data(s, job, _dynamic_rule(s, job), tmp), "disk_offload": True}
     return write
 
@@ -360,7 +361,7 @@ def _in_memory_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
     import torch
 
     from hqtflow import models
-    from hqtflow.formats.checkpoint import save_checkpoint
+    from hqtflow.formats.checkpoint import copy_side_files, save_checkpoint
 
     cfg = job.cfg
     model = models.load_model(job.model_dir, job.dtype)
@@ -378,7 +379,7 @@ def _in_memory_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
         save_checkpoint(model, tmp, ignore=job.plan["ignore"], per_channel=per_channel,
                         static_input=not s.weight_only, kv_cache=bool(kv_stats), dynamic=dynamic,
                         carried_from=job.model_dir)
-        models.load_tokenizer(job.model_dir).save_pretrained(tmp)
+        copy_side_files(job.model_dir, tmp)
         return ArtifactKind.CHECKPOINT, _checkpoint_data(s, job, dynamic, tmp)
     return write
 

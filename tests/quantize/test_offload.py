@@ -403,3 +403,37 @@ def test_resource_estimates(measured, tiny_llama):
                                per_channel=False)
     copy = next(u for u in p32.units if u.kind == "copy")
     assert offload.step_memory(copy, hp_dtype=torch.bfloat16)[0] == 4 * copy.weight.numel  # cast: a copy
+
+
+def test_side_files_are_the_sources_byte_for_byte(tiny_llama, wiki_text, tmp_path):
+    """Both writers and export copy the tokenizer, chat template and generation config files as they are: a tokenizer
+    without a pad token keeps none in the checkpoint (load_tokenizer sets one at load time), and generate runs."""
+    import shutil
+
+    import hqtflow
+    from hqtflow.models import side_files
+
+    src = tmp_path / "nopad"
+    shutil.copytree(tiny_llama, src)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (src / name).is_file():
+            raw = json.loads((src / name).read_text())
+            raw.pop("pad_token", None)
+            (src / name).write_text(json.dumps(raw, indent=3))  # an indent save_pretrained would not write
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    meas = _measure(src, tmp_path / "m", wiki_text)
+    ref = _quantize(meas, tmp_path / "ref")
+    off = _quantize(meas, tmp_path / "off", "--disk-offload")
+    r = run_cli("export", ref, "-f", "fp8", "-o", tmp_path / "exp")
+    assert r.exit_code == 0, r.output
+    names = [p.relative_to(src) for p in side_files(src)]
+    assert Path("tokenizer_config.json") in names and Path("additional_chat_templates/tool_use.jinja") in names
+    for out in (ref, off, tmp_path / "exp"):
+        for n in names:
+            assert (out / n).read_bytes() == (src / n).read_bytes(), (out, n)
+        assert "pad_token" not in json.loads((out / "tokenizer_config.json").read_text())
+    _, tok = hqtflow.load(off)
+    assert tok.pad_token == tok.eos_token
+    r = run_cli("generate", off, "-p", "The tower is", "--max-new-tokens", "4")
+    assert r.exit_code == 0 and r.stdout.strip(), r.output
