@@ -37,7 +37,7 @@ from statistics import median
 from typing import Any
 
 from hqtflow.errors import ArtifactError, ConfigError, HqtflowError, InspectError  # noqa: F401 - InspectError re-exported (it lived here)
-from hqtflow.formats.artifact import ArtifactKind
+from hqtflow.formats.artifact import ArtifactKind, write_json_atomic, write_text_atomic
 
 MEASUREMENT, SCALES, CHECKPOINT = ArtifactKind.MEASUREMENT, ArtifactKind.SCALES, ArtifactKind.CHECKPOINT
 KINDS = {MEASUREMENT: "measurement", SCALES: "scales", CHECKPOINT: "checkpoint"}
@@ -586,19 +586,6 @@ def render_text(rep: dict) -> str:
     return "\n".join(out)
 
 
-def _write(path: Path, text: str) -> None:
-    import os
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ArtifactError(f"Cannot write {path} ({e.strerror}).") from None
-
-
 def _check_writable(path: Path | None, inputs=()) -> None:
     if path is None:
         return
@@ -626,7 +613,7 @@ def run_inspect(artifact, *, compare=None, json_path=None, html_path=None, top: 
         _check_writable(json_path, (artifact,))
         rep, text = sensitivity_chart(artifact, top=max(top, 1))
         if json_path is not None:
-            _write(Path(json_path), json.dumps(_clean(rep), indent=2) + "\n")
+            write_json_atomic(Path(json_path), _clean(rep))
         return text
     _check_writable(json_path, (artifact, compare))
     _check_writable(html_path, (artifact, compare))
@@ -637,7 +624,7 @@ def run_inspect(artifact, *, compare=None, json_path=None, html_path=None, top: 
 
         html = render_html(rep)
     if json_path is not None:
-        _write(Path(json_path), json.dumps(rep, indent=2) + "\n")
+        write_json_atomic(Path(json_path), rep)
     if html is not None:
-        _write(Path(html_path), html)
+        write_text_atomic(Path(html_path), html)
     return render_text(rep)

@@ -236,7 +236,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     from hqtflow import __version__
     from hqtflow.choices import KVCache
     from hqtflow.eval_run import input_files, run_eval
-    from hqtflow.formats.artifact import ArtifactKind, read_manifest
+    from hqtflow.formats.artifact import ArtifactKind, read_manifest, write_json_atomic
     from hqtflow.formats.measurement import KV_FILE
     from hqtflow.measure.run import measure
     from hqtflow.quantize.run import quantize
@@ -313,7 +313,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     table = run_eval(qs.output, baseline=None, use_source=True, **asdict(ev), report=tmp)
     data = json.loads(tmp.read_text())
     data.update({"checkpoint_digest": digest, "eval": ev_json, "hqtflow": __version__})
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    tmp.replace(report)
+    write_json_atomic(report, data, default=str)
+    tmp.unlink()
     echo(table)
     return root
