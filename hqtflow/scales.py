@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from hqtflow.config import INC_DYNAMIC_METHODS
 from hqtflow.errors import ConfigError
 
 TARGETS = ("gaudi2", "gaudi3", "cpu", "cuda")
@@ -129,7 +130,6 @@ class ScaleMethod:
 
 
 # Neural Compressor 3.10's methods that exist only with `dynamic_quantization: true` (it refuses them otherwise).
-INC_DYNAMIC_METHODS = ("act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw", "maxabs_pcs_pow2")
 # hqtflow's own: compressed-tensors FP8_DYNAMIC (llm-compressor's preset, vLLM's near-lossless default):
 # per-channel weights amax / F, per-token activations amax / F in float32, no backoff, no rounding; and
 # fp8_dynamic_mse: the same, each weight channel's scale amax / F times the multiplier in MSE_MULTIPLIERS with the

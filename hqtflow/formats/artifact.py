@@ -221,7 +221,7 @@ def remove_stale_partials(parent: Path) -> list[Path]:
             _foreign_leftover(p, m[1], original)  # its pid says nothing here
             continue
         if pid != os.getpid() and not _pid_alive(pid) and (p / own).is_file():
-            if m[1] == "old" and not (original.exists() or original.is_symlink()) and _whole(p):
+            if m[1] == "old" and not (original.exists() or original.is_symlink()) and _all_files_present(p):
                 try:  # killed between the commit's renames: the replaced output is all there is, put it back
                     os.rename(p, original)
                     continue
@@ -247,14 +247,14 @@ def _foreign_leftover(p: Path, kind: str, original: Path) -> None:
         return
     elif os.path.lexists(original):
         shutil.rmtree(p, ignore_errors=True)
-    elif _whole(p) and time.time() - p.stat().st_mtime > 60:
+    elif _all_files_present(p) and time.time() - p.stat().st_mtime > 60:
         try:
             os.rename(p, original)
         except OSError:  # another run got there first, or it cannot be moved: leave it be
             pass
 
 
-def _whole(directory: Path) -> bool:
+def _all_files_present(directory: Path) -> bool:
     """Whether every file an artifact's manifest lists is there (a replaced output whose removal was cut short is
     not: it is never put back)."""
     try:

@@ -27,7 +27,8 @@ from torch import nn
 from hqtflow import errors
 from hqtflow.errors import ArtifactError, ModelError
 from hqtflow.formats.scale_files import MAX_SCALE  # larger: scale x FP8 value overflows float32
-from hqtflow.scales import FP8_DTYPES, HP_DTYPES, ScaleMethod
+from hqtflow.models import SAFETENSORS_INDEX
+from hqtflow.scales import FP8_DTYPES, HP_DTYPES, ScaleMethod, full_scale
 
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -38,7 +39,6 @@ FP8_WEIGHT_DTYPES = tuple(FP8_DTYPES.values())
 KV_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")  # KV-cache scales of an attention module (kv_scale: both)
 SCALE_SUFFIXES = (".weight_scale", ".input_scale") + KV_SUFFIXES
 DROPPED_SUFFIXES = (".output_scale", ".weight_zero_point", ".input_zero_point")
-INDEX = "model.safetensors.index.json"
 
 
 # ---- writing -------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def shard_names(n: int) -> list[str]:
 def write_index(out: Path, total_size: int, weight_map: dict[str, str]) -> None:
     """The index of a sharded checkpoint: which file holds each tensor."""
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    (Path(out) / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    (Path(out) / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def write_config(out: Path, config, quantization_config: dict, generation_config=None) -> None:
@@ -228,9 +228,6 @@ def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_chann
 
 
 # ---- other runtimes' layouts (`hqtflow export`; their configs: compressed_tensors.py) ----------------------
-E4M3_MAX = 448.0
-
-
 def _dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 dequantization, exact (4-bit x 8-bit mantissas fit in float32)."""
     return q.float() * scale.float().reshape(-1, 1) if scale.numel() > 1 else q.float() * scale.float().reshape(())
@@ -239,7 +236,7 @@ def _dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def scale_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """amax / 448 in `dtype`, rounded up (never below the float32 value, so x / s never exceeds 448), at least the
     smallest normal number of `dtype` (an all-zero tensor gets that floor, as in `hqtflow.scales`)."""
-    s32 = torch.clamp(amax.float() / E4M3_MAX, min=torch.finfo(dtype).tiny)
+    s32 = torch.clamp(amax.float() / full_scale("E4M3"), min=torch.finfo(dtype).tiny)
     s = s32.to(dtype)
     low = s.float() < s32
     if low.any():
@@ -252,7 +249,7 @@ def requantize(q: torch.Tensor, scale: torch.Tensor, per_channel: bool) -> tuple
     w = _dequant(q, scale)
     amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)
     s = scale_for(amax, scale.dtype)
-    return (w / s.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
+    return (w / s.float()).clamp(-full_scale("E4M3"), full_scale("E4M3")).to(torch.float8_e4m3fn), s
 
 
 def autofp8_tensors(tensors: dict[str, torch.Tensor], linears: list[str], *, static: bool) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hqtflow.errors import HqtflowError, ModelError
+from hqtflow.models import DEFAULT_MODEL
 
 STATS = ("avg", "min", "max", "p50", "p90", "p99")  # text-generation-benchmark's: average, lowest, highest, ...
 METRICS = (  # key, label, unit, lower is better
@@ -231,7 +232,7 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
     names = list(models)
     report = benchmark(models, settings, echo=echo)
     report["models"] = {names[0]: str(base_ref)} if base_ref else {}
-    report["models"][names[-1]] = str(model or "smollm2")
+    report["models"][names[-1]] = str(model or DEFAULT_MODEL)
     threads = torch.get_num_threads()
     device = next(m.parameters()).device
     header = (f"hqtflow bench: {', '.join(f'{n}={p}' for n, p in report['models'].items())}\n"

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from hqtflow.models import DEFAULT_MODEL
 from hqtflow.runtime.api import Ctx, ServeSettings
 from hqtflow.runtime.engine import STOPPED, Engine, SamplingParams
 from hqtflow.runtime.metrics import Metrics, metrics_router
@@ -362,7 +363,7 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
 
         model, tok = inc.load_run(model_ref, measurement, device=inc_device, config=config, scale_method=scale_method,
                                   backend=backend, dtype=dtype)
-        settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
+        settings.model_id, settings.dtype = model_ref or DEFAULT_MODEL, "fp8"
         _run(_app(model, tok, settings), sock)
         return
 
@@ -377,14 +378,14 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
                                                          config=config, scale_method=scale_method), dtype)
         model.to(device)
         set_backend(model, backend)
-        settings.model_id, settings.dtype = model_ref or "smollm2", "fp8"
+        settings.model_id, settings.dtype = model_ref or DEFAULT_MODEL, "fp8"
         _run(_app(model, tok, settings), sock)
         return
     model, tok, loaded = load_any(model_ref, dtype, backend=backend, device=device)  # dtype auto: the fastest there
     if (loaded == "fp8") != (kind == "fp8"):
         raise ModelError(f"{model_ref or 'the default model'} is {'an FP8 checkpoint' if loaded == 'fp8' else 'not an FP8 checkpoint'}; "
                            f"use `hqtflow serve {'fp8' if loaded == 'fp8' else 'bf16'}`.")
-    settings.model_id, settings.dtype = model_ref or "smollm2", loaded
+    settings.model_id, settings.dtype = model_ref or DEFAULT_MODEL, loaded
     _run(_app(model, tok, settings), sock)
 
 
