@@ -93,6 +93,11 @@ def resolve_dtype(dtype: str | None, device: str = "cpu", name: str = "--dtype")
 
 
 # ---- free resources (monkeypatched by tests) -------------------------------------------------------------
+def byte_size(n: int) -> str:
+    """A size in bytes for a message, binary units with one decimal: "1.2 GiB" from 1 GiB up, else "64.0 MiB"."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def available_memory_bytes() -> int | None:
     """The memory this process may still take: /proc/meminfo's MemAvailable, or less where a cgroup memory limit
     (v2 memory.max, v1 memory.limit_in_bytes, of the process's group or an ancestor) leaves less; None where

@@ -27,6 +27,7 @@ from torch import nn
 from hqtflow import errors
 from hqtflow.errors import ArtifactError, ModelError
 from hqtflow.formats.scale_files import MAX_SCALE  # larger: scale x FP8 value overflows float32
+from hqtflow.hardware import byte_size
 from hqtflow.models import SAFETENSORS_INDEX
 from hqtflow.scales import FP8_DTYPES, HP_DTYPES, ScaleMethod, full_scale
 
@@ -165,8 +166,8 @@ def checkpoint_bytes(files: list[list[TensorSpec]], model_dir: Path) -> tuple[in
     from hqtflow.models import side_files
 
     carried = sum(f.stat().st_size for f in [Path(model_dir) / "config.json", *side_files(model_dir)] if f.is_file())
-    how = (f"{_mb(tensors)} of safetensors files, {_mb(carried)} of tokenizer and config files and "
-           f"{_mb(SMALL_FILES_BYTES)} for the index and manifest")
+    how = (f"{byte_size(tensors)} of safetensors files, {byte_size(carried)} of tokenizer and config files and "
+           f"{byte_size(SMALL_FILES_BYTES)} for the index and manifest")
     return tensors + carried + SMALL_FILES_BYTES, how
 
 
@@ -179,12 +180,8 @@ def check_free_disk(out: Path, files: list[list[TensorSpec]], model_dir: Path) -
     parent = Path(out).resolve().parent
     free = hardware.free_disk_bytes(parent)
     if free < need:
-        raise errors.ResourceError(f"Not enough free disk space in {parent} for the FP8 checkpoint: {_mb(need)} is "
-                                   f"needed ({how}) and {_mb(free)} is free.")
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
+        raise errors.ResourceError(f"Not enough free disk space in {parent} for the FP8 checkpoint: {byte_size(need)} is "
+                                   f"needed ({how}) and {byte_size(free)} is free.")
 
 
 def save_checkpoint(model: nn.Module, out: Path, *, ignore: list[str], per_channel: bool, static_input: bool,

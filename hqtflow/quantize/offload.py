@@ -45,10 +45,6 @@ MEMORY_MARGIN = 64 * 2**20
 BLOCK_BYTES = 9  # per element of a row block cast to FP8: float32 x, float32 x / s, the codes
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
 # ---- the plan ------------------------------------------------------------------------------------
 # transformers drops these tensors of older checkpoints where the model has such a buffer (its own exception rules)
 IGNORED_ON_LOAD = {"rotary_emb.inv_freq": r"rotary_emb\.inv_freq", "position_ids": r"(^|\.)position_ids$"}
@@ -380,7 +376,7 @@ def memory_needed(p: OffloadPlan, *, hp_dtype: torch.dtype, opt_weight: bool = F
     plus MEMORY_MARGIN; and the formula, in words."""
     step, how = max((step_memory(u, hp_dtype=hp_dtype, opt_weight=opt_weight, gptq=gptq)
                      for u in p.units if u.kind != "value"), default=(0, "no tensor"), key=lambda s: s[0])
-    return step + MEMORY_MARGIN, f"the largest step, {how}, plus {MEMORY_MARGIN >> 20} MiB"
+    return step + MEMORY_MARGIN, f"the largest step, {how}, plus {hardware.byte_size(MEMORY_MARGIN)}"
 
 
 def check_resources(p: OffloadPlan, output: Path, *, hp_dtype: torch.dtype = torch.bfloat16, opt_weight: bool = False,
@@ -389,8 +385,8 @@ def check_resources(p: OffloadPlan, output: Path, *, hp_dtype: torch.dtype = tor
     need, how = memory_needed(p, hp_dtype=hp_dtype, opt_weight=opt_weight, gptq=gptq)
     avail = hardware.available_memory_bytes()
     if avail is not None and avail < need:
-        raise ResourceError(f"Not enough free memory for --disk-offload: about {_gb(need)} is needed ({how}) and "
-                            f"{_gb(avail)} is available (MemAvailable, within the cgroup's memory limit).")
+        raise ResourceError(f"Not enough free memory for --disk-offload: about {hardware.byte_size(need)} is needed ({how}) and "
+                            f"{hardware.byte_size(avail)} is available (MemAvailable, within the cgroup's memory limit).")
     check_free_disk(output, [[t for i in idx for t in p.units[i].specs] for idx in p.shards], p.model_dir)
 
 

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hqtflow.hardware import byte_size
 from hqtflow.scales import FP8_DTYPES, dequantize, quantize
 
 NAME = "hqtflow_paged"
@@ -156,7 +157,7 @@ class KVPool:
             from hqtflow.errors import ResourceError
 
             size = 2 * layers * shape[0] * kv_heads * head_dim * store.itemsize
-            raise ResourceError(f"Cannot allocate a KV cache of {num_blocks * block_size} tokens ({gib(size)}) on "
+            raise ResourceError(f"Cannot allocate a KV cache of {num_blocks * block_size} tokens ({byte_size(size)}) on "
                                 f"{torch.device(device).type}: {str(e).splitlines()[0][:200]}") from None
         self.scales = None if scales is None else [(_per_head(k, kv_heads, device), _per_head(v, kv_heads, device)) for k, v in scales]
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
@@ -489,10 +490,6 @@ def free_memory(device) -> tuple[int, str]:
     return available, "of available RAM"
 
 
-def gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def num_blocks(model, *, block_size: int, dtype: torch.dtype, fp8: bool, device, max_batch_total_tokens: int | None,
                memory_fraction: float = 0.5) -> int:
     """Blocks for `max_batch_total_tokens` KV tokens (TGI's knob), or for `memory_fraction` of the free memory; KV
@@ -506,6 +503,6 @@ def num_blocks(model, *, block_size: int, dtype: torch.dtype, fp8: bool, device,
         max_batch_total_tokens = int(free * memory_fraction) // per_token
     blocks = max(1, -(-max_batch_total_tokens // block_size))
     if (need := blocks * block_size * per_token) > free:
-        raise ResourceError(f"A KV cache of {max_batch_total_tokens} tokens needs {gib(need)} ({per_token} bytes a token), "
-                            f"more than the {gib(free)} {what}.")
+        raise ResourceError(f"A KV cache of {max_batch_total_tokens} tokens needs {byte_size(need)} ({per_token} bytes a token), "
+                            f"more than the {byte_size(free)} {what}.")
     return blocks

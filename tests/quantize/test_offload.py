@@ -376,8 +376,8 @@ def test_memory_estimate_names_the_largest_step(measured, tmp_path, monkeypatch)
     assert r.exit_code == 6 and seen
     n = 128 * 64  # the tiny Llama's largest Linear (its MLP's)
     need = 5 * n + offload.BLOCK_BYTES * offload.QUANT_CHUNK_ELEMS + offload.MEMORY_MARGIN
-    assert f"about {need / 1e9:.2f} GB is needed (the largest step, " in r.stderr, r.stderr
-    assert f"{n / 1e6:.1f}M elements x 5 bytes, plus 64 MiB)" in r.stderr, r.stderr
+    assert f"about {hardware.byte_size(need)} is needed (the largest step, " in r.stderr, r.stderr
+    assert f"{n / 1e6:.1f}M elements x 5 bytes, plus 64.0 MiB)" in r.stderr, r.stderr
 
 
 def test_offload_not_with_scales_only(measured, tmp_path):

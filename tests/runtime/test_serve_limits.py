@@ -123,7 +123,7 @@ def test_a_kv_cache_the_allocator_refuses_is_one_sentence(monkeypatch):
     monkeypatch.setattr(torch, "empty", refuse)
     with pytest.raises(ResourceError) as e:
         paged.KVPool(layers=2, kv_heads=2, head_dim=16, num_blocks=4, block_size=16, dtype=torch.bfloat16, device="cpu")
-    assert str(e.value) == ("Cannot allocate a KV cache of 64 tokens (0.0 GiB) on cpu: [enforce fail at alloc_cpu.cpp:127] "
+    assert str(e.value) == ("Cannot allocate a KV cache of 64 tokens (0.0 MiB) on cpu: [enforce fail at alloc_cpu.cpp:127] "
                             "DefaultCPUAllocator: can't allocate memory")
 
 
