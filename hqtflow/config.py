@@ -72,10 +72,6 @@ INC_PASSTHROUGH_KEYS = frozenset(
 )
 LEGACY_KEYS = frozenset({"method", "quantize_weight", "whitelist", "blacklist"})
 
-# Module types hqtflow observes. "Linear" covers torch.nn.Linear and its TP variants; MoE expert
-# containers (fused 3-D weights) are observed per expert and selected by the type name of the container.
-SUPPORTED_TYPES = ("Linear",)
-
 
 def choice(key: str, value: Any, choices: tuple[str, ...], *, source: str) -> str:
     """Match `value` case-insensitively against `choices`; return the canonical spelling."""

@@ -85,8 +85,7 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
         candidates["bf16"] = base_ref
     results, paths = {}, {}
     m, tok, kind = loader() if loader else load_any(model, dtype, backend=backend, device=device)
-    name = "fp8" if kind == "fp8" else kind
-    names = list(candidates) + [name if name not in candidates else f"{name}-model"]
+    names = list(candidates) + [kind if kind not in candidates else f"{kind}-model"]
     for n in candidates:
         bm, btok, _ = load_any(candidates[n], "bf16", device=device)  # the accuracy reference is the bf16 model
         with bf16_matmuls_via_fp32():

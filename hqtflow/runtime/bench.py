@@ -221,14 +221,13 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
             raise HqtflowError(f"--prompt-length + --decode-length ({settings.prompt_length + settings.decode_length}) "
                                f"exceeds the {context[0]} positions of {ref or 'smollm2'} ({context[1]}).")
     m, tok, kind = load_any(model, dtype, backend=backend, device=device)
-    name = "fp8" if kind == "fp8" else kind
     models: dict[str, tuple] = {}
     if base_ref:
         bm, btok, bkind = load_any(base_ref, dtype, device=device)  # auto: the fastest high-precision dtype there
         if bkind == "fp8":
             raise ModelError(f"The baseline {base_ref} is an FP8 checkpoint; give a bf16 model.")
         models[bkind] = (bm, btok)
-    models[name if name not in models else f"{name}-model"] = (m, tok)
+    models[kind if kind not in models else f"{kind}-model"] = (m, tok)
     names = list(models)
     report = benchmark(models, settings, echo=echo)
     report["models"] = {names[0]: str(base_ref)} if base_ref else {}
