@@ -352,11 +352,11 @@ def _chat_prompt(tok, prompt: str, model: Optional[str]) -> str:
     from hqtflow.errors import ModelError
 
     if not getattr(tok, "chat_template", None):
-        raise ModelError(f"The tokenizer of {model or 'smollm2'} has no chat template; drop --chat.")
+        raise ModelError(f"The tokenizer of {model or DEFAULT_MODEL} has no chat template; drop --chat.")
     try:
         return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     except TemplateError as e:
-        raise ModelError(f"The chat template of {model or 'smollm2'} fails ({type(e).__name__}: {e}); drop --chat.") from None
+        raise ModelError(f"The chat template of {model or DEFAULT_MODEL} fails ({type(e).__name__}: {e}); drop --chat.") from None
 
 
 @app.command()

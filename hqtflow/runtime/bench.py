@@ -219,7 +219,7 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
         context = models_mod.context_length(models_mod.load_config(models_mod.resolve_model(ref)))
         if context and settings.prompt_length + settings.decode_length + 1 > context[0]:
             raise HqtflowError(f"--prompt-length + --decode-length ({settings.prompt_length + settings.decode_length}) "
-                               f"exceeds the {context[0]} positions of {ref or 'smollm2'} ({context[1]}).")
+                               f"exceeds the {context[0]} positions of {ref or DEFAULT_MODEL} ({context[1]}).")
     m, tok, kind = load_any(model, dtype, backend=backend, device=device)
     models: dict[str, tuple] = {}
     if base_ref:
