@@ -7,14 +7,17 @@ from pathlib import Path
 
 
 def load(path: str | Path, *, device: str = "cpu", verify: bool = True, backend: str = "auto", dtype="auto"):
-    """Load an FP8 checkpoint -> (model, tokenizer): hqtflow's own or its `export --format fp8|compressed-tensors`
-    (schema checked; with `verify`, every listed file's hash), or another tool's compressed-tensors or AutoFP8 `fp8`
-    checkpoint.
+    """Load an FP8 checkpoint -> (model, tokenizer), ready to run (torch is imported on the first call).
 
-    `device`: cpu, cuda or auto (cuda when PyTorch sees a CUDA GPU).
-    `backend`: the FP8 matmul ("auto": the CPU kernel on CPU, `_scaled_mm` on FP8 GPUs; "qdq" is the reference).
-    `dtype`: the high-precision compute dtype, bf16/fp16/fp32, their torch names ("bfloat16", torch.bfloat16, ...)
-    or "auto" (the fastest here, see hqtflow.hardware)."""
+    `path`: hqtflow's checkpoint or its `export --format fp8|compressed-tensors` (schema checked), or another tool's
+    compressed-tensors or AutoFP8 `fp8` checkpoint.
+    `device`: "cpu", "cuda" or "auto" (cuda when PyTorch sees a CUDA GPU).
+    `verify`: check the sha256 of every file hqtflow's manifest lists (False: its schema and file list only; faster
+    for a large checkpoint that was verified before).
+    `backend`: the FP8 matmul: "auto" (the CPU kernel on CPU, `_scaled_mm` on FP8 GPUs), "qdq" (the reference), ...
+    `dtype`: the high-precision compute dtype: "auto" (the fastest here, see hqtflow.hardware),
+    "bf16"/"bfloat16"/torch.bfloat16, "fp16"/"float16"/torch.float16 or "fp32"/"float32"/torch.float32.
+    Raises hqtflow.errors.HqtflowError subclasses (one sentence each) for what is wrong with the arguments or files."""
     from hqtflow import models
     from hqtflow.errors import ArtifactError
     from hqtflow.formats.artifact import MANIFEST

@@ -8,7 +8,8 @@
 | 5 | calibration or evaluation data: missing, empty, unreadable or unusable |
 | 6 | resource: not enough memory or disk, a port in use |
 
-1 is left to Python for bugs (a traceback) and 130 means interrupted.
+1 is left to Python for bugs (a traceback); a run stopped by a signal exits 128 + its number (130: Ctrl-C, SIGINT;
+143: SIGTERM).
 """
 
 

@@ -1,17 +1,20 @@
 """The FP8 checkpoint on disk (`quantize`, `export`): safetensors files + config.json, written and read here.
 
 Its tensors are compressed-tensors FP8 (what config.json's `quantization_config` says: `compressed_tensors.py`).
-- Writing: `SafetensorsWriter`, the one safetensors writer: the header is computed up front from every tensor's
-  `TensorSpec` (largest items first, so every tensor is aligned), then each tensor is written to its offset, in any
-  order and in row blocks, so memory does not grow with the file (`--disk-offload` streams its shards through it);
-  `write_safetensors` writes tensors held in memory. `save_checkpoint` writes a converted model; shards are named by
-  `shard_names` and listed by `write_index`. `check_free_disk`: both writers' refusal, before any tensor is written,
-  of a disk with less free space than the checkpoint takes (`checkpoint_bytes`, exact but for the small files).
+- Writing: `SafetensorsWriter`, the checkpoints' safetensors writer (formats/hessians.py writes its own file): the
+  header is computed up front from every tensor's `TensorSpec` (largest items first, so every tensor is aligned),
+  then each tensor is written to its offset, in any order and in row blocks, so memory does not grow with the file
+  (`--disk-offload` streams its shards through it); `write_safetensors` writes tensors held in memory.
+  `save_checkpoint` writes a converted model; shards are named by `shard_names` and listed by `write_index`;
+  `copy_side_files` copies the model's tokenizer and generation config files. `check_free_disk`: both writers'
+  refusal, before any tensor is written, of a disk with less free space than the checkpoint takes
+  (`checkpoint_bytes`, exact but for the small files).
 - Other runtimes' layouts (`hqtflow export`): `autofp8_tensors` (AutoFP8 / vLLM `fp8`), `inc_tensors` (Neural
   Compressor's huggingface QDQ layout), `requantize` between per-tensor and per-channel weight scales; `load_checkpoint`
   reads the `fp8` layout back.
-- Reading: `TensorFiles`, the one tensor reader: a folder's safetensors files, listed from their (checked) headers
-  and read one tensor at a time, memory-mapped; `read_tensors` reads them all; `load_checkpoint` builds the model.
+- Reading: `TensorFiles`, the reader of a model's or checkpoint's weight files (formats/hessians.py reads its own
+  file): a folder's safetensors files, listed from their (checked) headers and read one tensor at a time,
+  memory-mapped; `read_tensors` reads them all; `load_checkpoint` builds the model.
 """
 
 from __future__ import annotations
