@@ -198,7 +198,7 @@ class Ctx:
                 yield i, ev, handles[i]
             self.metrics.finished(time.perf_counter() - t0, handles, counts)
         except (GeneratorExit, asyncio.CancelledError):  # a streaming client went away
-            self.metrics.counters.inc("tgi_request_failure", err="cancelled")
+            self.metrics.failed("cancelled")
             raise
         finally:
             slot.release()

@@ -73,6 +73,10 @@ class Metrics:
             self.next_size.observe(batch)
         self.shapes.labels(kind, str(shape[0]), str(shape[1])).inc()
 
+    def failed(self, err: str) -> None:
+        """A request that failed, counted under its error type (TGI's `err` label: validation, overloaded, ...)."""
+        self.counters.inc("tgi_request_failure", err=err)
+
     def finished(self, seconds: float, handles, counts) -> None:
         self.counters.inc("tgi_request_success")
         self.duration.observe(seconds)

@@ -504,7 +504,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
                     yield chunk({**h, "choices": [], "usage": usage(prompts, seqs)})
                 yield "data: [DONE]\n\n"
             except ApiError as e:
-                ctx.metrics.counters.inc("tgi_request_failure", err=e.error_type)
+                ctx.metrics.failed(e.error_type)
                 yield chunk(openai_error(e.message, e.error_type, e.status))
 
         return StreamingResponse(slot.tie_to(chunks()), media_type="text/event-stream")

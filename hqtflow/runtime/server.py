@@ -50,7 +50,7 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(req: Request, e: ApiError):
         if generation(req):
-            metrics.counters.inc("tgi_request_failure", err=e.error_type)
+            metrics.failed(e.error_type)
         return error(e.status, e.message, e.error_type, req.url.path)
 
     @app.exception_handler(HTTPException)
@@ -62,7 +62,7 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(Exception)
     async def _server_error(req: Request, e: Exception):  # a bug: answered in the API's JSON (uvicorn logs the traceback)
         if generation(req):
-            metrics.counters.inc("tgi_request_failure", err="internal")
+            metrics.failed("internal")
         return error(500, f"Internal server error ({type(e).__name__})", "internal", req.url.path)
 
 
@@ -88,7 +88,7 @@ def request_guard(s: ServeSettings, metrics: Metrics):
 
         def refuse(status: int, message: str, err: str):
             if counted:
-                metrics.counters.inc("tgi_request_failure", err=err)
+                metrics.failed(err)
             return error(status, message, path=req.url.path)
 
         if s.api_key and req.url.path not in ("/health", "/metrics") and not authorized(req, s.api_key):

@@ -135,7 +135,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
                                           "seed": handle.seed, "input_length": len(ids)}
                     yield sse(out)
             except ApiError as e:
-                ctx.metrics.counters.inc("tgi_request_failure", err=e.error_type)
+                ctx.metrics.failed(e.error_type)
                 yield sse({"error": e.message, "error_type": e.error_type})
 
         return StreamingResponse(slot.tie_to(events()), media_type="text/event-stream")
