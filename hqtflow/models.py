@@ -271,15 +271,16 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
     return model
 
 
-def skeleton(path: Path):
-    """The model's module tree with no weights (meta device): for planning before anything heavy is loaded."""
+def skeleton(path: Path, dtype=None):
+    """The model's module tree with no weights (parameters on the meta device, in `dtype`, default config.json's):
+    for planning before anything heavy is loaded."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(path)
-        with init_empty_weights():
-            return AutoModelForCausalLM.from_config(config)
+        with init_empty_weights(include_buffers=False):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype or config.dtype)
     except config_errors() as e:
         raise bad_config(path, e) from None
     except (OSError, *BUILD_ERRORS) as e:

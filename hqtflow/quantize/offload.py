@@ -34,7 +34,7 @@ import torch
 from hqtflow import hardware
 from hqtflow.errors import ModelError, ResourceError
 from hqtflow.formats.checkpoint import (ST_DTYPES, SafetensorsWriter, TensorEntry, TensorFiles, TensorSpec,
-                                        check_free_disk, shard_names)
+                                        check_free_disk, generation_config_of, shard_names)
 from hqtflow.formats.hf_names import Mapping, disk_keys, disk_module_names, loaded_twice, split, split_shape
 
 DEFAULT_SHARD_SIZE = 512 * 2**20  # bytes of tensor data per output file
@@ -177,44 +177,18 @@ def _expert_parts(skel, sources: dict[str, TensorEntry], renamed: dict[str, Tens
     return out
 
 
-def _skeleton(model_dir: Path, dtype: torch.dtype):
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(model_dir)
-        with init_empty_weights(include_buffers=False):  # parameters on meta, with the dtypes loading would give
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelError(f"Cannot build the model described by {Path(model_dir) / 'config.json'} ({e}).") from None
-
-
-def _generation_config(model_dir: Path, skel):
-    from transformers import GenerationConfig
-
-    from hqtflow.models import check_generation_config
-
-    check_generation_config(model_dir)
-    if (Path(model_dir) / "generation_config.json").is_file():
-        try:
-            return GenerationConfig.from_pretrained(model_dir)
-        except (OSError, ValueError):  # a valid JSON object transformers cannot use: the model config's defaults
-            pass
-    return getattr(skel, "generation_config", None)
-
-
 def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: bool, per_channel: bool,
                  shard_size: int | None = None, extra_values: dict[str, torch.Tensor] | None = None,
                  unfused: list[str] = (), ignore: list[str] = ()) -> OffloadPlan:
     """Map every tensor of the converted model to its source tensor and its output shard (nothing is read yet).
     `unfused`: fused MoE experts modules written per expert (`hqtflow.quantize.experts`), from their source parts.
     `ignore`: the modules kept in high precision (the config's list, under the checkpoint's names)."""
-    from hqtflow.models import torch_dtype
+    from hqtflow.models import skeleton, torch_dtype
 
     model_dir = Path(model_dir)
     shard_size = shard_size or DEFAULT_SHARD_SIZE
     sources = read_sources(model_dir)
-    skel = _skeleton(model_dir, torch_dtype(dtype))
+    skel = skeleton(model_dir, torch_dtype(dtype))  # parameters in the dtypes loading would give
     config = skel.config
     quant = set(names)
     out_emb = skel.get_output_embeddings()
@@ -345,7 +319,8 @@ def plan_offload(model_dir: Path, names: list[str], *, dtype: str, weight_only: 
             size = 0
         shards[-1].append(i)
         size += u.nbytes
-    return OffloadPlan(model_dir, config, _generation_config(model_dir, skel), units, shards, shard_names(len(shards)),
+    generation_config = generation_config_of(model_dir, getattr(skel, "generation_config", None))
+    return OffloadPlan(model_dir, config, generation_config, units, shards, shard_names(len(shards)),
                        sum(u.nbytes for u in units), weight_only, per_channel, {"ignore": list(ignore)})
 
 
