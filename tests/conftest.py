@@ -91,6 +91,8 @@ TINY = {
                   num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256),
     "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True,
                    num_kv_heads=2, parallel_attn=True, bias=False),
+    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256),  # fused qkv_proj and gate_up_proj
     "phi": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=256),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),  # transformers' Conv1D projections

@@ -154,7 +154,7 @@ class Engine:
         whose decode-only steps are CUDA graphs (runtime/cuda_graphs.py; None: TGI's 1..32 on CUDA, none on a CPU;
         () for none); `capture=False` runs those steps batched but eagerly (tests). compile: those steps through
         torch.compile (runtime/cuda_graphs.py)."""
-        from hqtflow.runtime import paged
+        from hqtflow.runtime import paged, rope
 
         if kv_cache not in ("bf16", "fp8"):
             raise ValueError(f"kv_cache must be bf16 or fp8, not {kv_cache!r}.")
@@ -174,6 +174,7 @@ class Engine:
 
             scales = kv_scales(model)
         paged.install(model)
+        per_request_rope = rope.install(model)  # dynamic/longrope: each request's own frequencies, in eager steps
         if self.device.type == "cpu":
             paged.cpu_ops()  # build (once per machine) or load the decode attention op now, not in the first step
         layers, kv_heads, head_dim = paged.geometry(model)
@@ -188,10 +189,13 @@ class Engine:
         if cuda_graphs is None:
             from hqtflow.runtime.cuda_graphs import DEFAULT_BATCH_SIZES
 
-            cuda_graphs = DEFAULT_BATCH_SIZES if self.device.type == "cuda" else ()
+            cuda_graphs = DEFAULT_BATCH_SIZES if self.device.type == "cuda" and not per_request_rope else ()
         if cuda_graphs and capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs (--cuda-graphs) need a CUDA GPU; this model runs on {self.device.type} "
                              "(give --cuda-graphs 0).")
+        if cuda_graphs and per_request_rope:
+            raise ValueError("This model's RoPE frequencies depend on each request's length (dynamic or longrope), "
+                             "which a CUDA-graph decode step cannot take (give --cuda-graphs 0).")
         if compile and not cuda_graphs:
             raise ValueError("--compile compiles the CUDA-graph decode steps: it needs a CUDA GPU and --cuda-graphs "
                              "other than 0.")
@@ -439,7 +443,7 @@ class Engine:
             ids += toks[past:past + n]
             pos += range(past, past + n)
             table = self._slots(req)
-            seqs.append(Seq(start, n, past, table[past:past + n], table[:past + n]))
+            seqs.append(Seq(start, n, past, table[past:past + n], table[:past + n], len(req.input_ids)))
             scored = []
             if req.params.prompt_logprobs is not None:  # logits at prompt position i score prompt token i + 1
                 done = len(req.prompt) if req.prompt else _unscored(req)  # prompt tokens scored (the first needs none)

@@ -62,6 +62,7 @@ class Seq:
     past: int
     write: torch.Tensor  # [n] slots of the new tokens
     read: torch.Tensor   # [past + n] slots of the whole context
+    prompt: int = 0      # the request's prompt length (for RoPE frequencies that depend on it: runtime/rope.py)
 
 
 class StepPlan:
@@ -83,6 +84,12 @@ class StepPlan:
         self.decode_only = (self.decode_op and not self.prefill and len(self.decode) == tokens
                             and all(s.start == i for i, s in enumerate(self.decode)))
         self._windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def token_lengths(self) -> list[int]:
+        """Each token's sequence length as transformers' generate sees it when it computes that token: the whole
+        prompt's for a prompt token (one prefill forward), p + 1 for a later token at position p; 1 for padding."""
+        lengths = [max(s.prompt, s.past + i + 1) for s in self.seqs for i in range(s.n)]
+        return lengths + [1] * (self.tokens - self.real)
 
     def decode_contexts(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, offsets) of the decoding rows' contexts for the CPU op: whole, or the last `window` positions of
