@@ -15,7 +15,7 @@ from hqtflow.environment import TGI_ENV
 from hqtflow.errors import (AccuracyWarning, FallbackWarning, HqtflowError, LeftoverWarning, ProvenanceWarning,
                             ResourceError)
 from hqtflow.measure.settings import MeasureSettings
-from hqtflow.models import DEFAULT_MODEL
+from hqtflow.models import DEFAULT_MODEL, check_context
 from hqtflow.quantize.settings import QuantizeSettings
 from hqtflow.runtime.settings import ServeSettings
 
@@ -409,11 +409,13 @@ def generate(
         ids = tok(text, return_tensors="pt", add_special_tokens=not chat).to(run_device)
     if ids["input_ids"].shape[1] == 0:
         raise HqtflowError("The prompt is empty (no tokens): give some text with -p.")
+    n = ids["input_ids"].shape[1]
+    check_context(m.config.to_dict(), n + max_new_tokens,
+                  f"The prompt ({n} tokens) + --max-new-tokens ({max_new_tokens})", model or DEFAULT_MODEL)
     with torch.inference_mode():
         if engine == "serve":
             from hqtflow.runtime.engine import Engine, SamplingParams
 
-            n = ids["input_ids"].shape[1]
             try:
                 eng = Engine(m, tok, kv_cache=kv_cache, max_batch_total_tokens=n + max_new_tokens + 1,
                              max_prefill_tokens=max(n, 1)).start()

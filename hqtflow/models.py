@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hqtflow.errors import ArtifactError, ModelError, does_not_exist
+from hqtflow.errors import ArtifactError, HqtflowError, ModelError, does_not_exist
 
 DEFAULT_MODEL = "smollm2"
 # name -> (PyPI package, GGUF file inside it)
@@ -155,6 +155,14 @@ def context_length(cfg: dict) -> tuple[int, str] | None:
                     return int(original * factor), f"{where}rope_scaling's original_max_position_embeddings {original} x YaRN factor {factor}"
                 return value, f"{where}{key}"
     return None
+
+
+def check_context(cfg: dict, positions: int, asked: str, ref: str) -> None:
+    """Refuse (HqtflowError, exit 2) a run that needs `positions` positions beyond the model's context: a learned
+    position table has no row past it, and RoPE models were not trained there. `asked` says what asked for them."""
+    context = context_length(cfg)
+    if context and positions > context[0]:
+        raise HqtflowError(f"{asked} exceeds the {context[0]} positions of {ref} ({context[1]}).")
 
 
 def config_errors() -> tuple[type[Exception], ...]:

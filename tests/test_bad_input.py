@@ -211,3 +211,14 @@ def test_a_task_data_file_missing_at_run_time_is_a_data_error(setup):
     assert r.exit_code == 5 and "Traceback" not in r.output, r.output
     last = r.stderr.strip().splitlines()[-1]
     assert "nope.jsonl of lm-eval task bad_task does not exist." in last and last.count("Error: ") == 1, r.stderr
+
+
+@pytest.mark.parametrize("engine", ["serve", "static", "transformers"])
+def test_generate_past_the_context(tiny_factory, engine):
+    """generate past a learned position table (GPT-BigCode's n_positions) was an IndexError traceback on every
+    engine (and ran silently past a RoPE model's context): refused up front, as bench and serve do."""
+    path = tiny_factory("gpt_bigcode", n_positions=16)
+    r = run_cli("generate", path, "-p", "one two three four five six seven eight nine ten", "--max-new-tokens", "10",
+                "--engine", engine)
+    assert r.exit_code == 2, r.stdout + r.stderr
+    assert "exceeds the 16 positions of" in r.stderr and "(n_positions)" in r.stderr and "Traceback" not in r.stderr

@@ -216,10 +216,10 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
     if base_ref and baseline is None and not Path(base_ref).exists():
         raise ModelError(f"The checkpoint's source model {base_ref} (from its manifest) does not exist; pass --baseline.")
     for ref in (model, base_ref) if base_ref else (model,):  # cheap checks before loading anything
-        context = models_mod.context_length(models_mod.load_config(models_mod.resolve_model(ref)))
-        if context and settings.prompt_length + settings.decode_length + 1 > context[0]:
-            raise HqtflowError(f"--prompt-length + --decode-length ({settings.prompt_length + settings.decode_length}) "
-                               f"exceeds the {context[0]} positions of {ref or DEFAULT_MODEL} ({context[1]}).")
+        models_mod.check_context(models_mod.load_config(models_mod.resolve_model(ref)),
+                                 settings.prompt_length + settings.decode_length + 1,
+                                 f"--prompt-length + --decode-length ({settings.prompt_length + settings.decode_length})",
+                                 ref or DEFAULT_MODEL)
     m, tok, kind = load_any(model, dtype, backend=backend, device=device)
     models: dict[str, tuple] = {}
     if base_ref:
