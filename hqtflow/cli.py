@@ -457,7 +457,7 @@ def eval_(
     limit: Annotated[Optional[int], typer.Option(help="Documents per task.")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward.")] = 8,
     ppl_file: Annotated[Optional[Path], typer.Option(help="Text for perplexity (e.g. ../shared/data/wikitext2_test.txt).")] = None,
-    ppl_windows: Annotated[Optional[int], typer.Option(help="At most this many disjoint 512-token windows (default: the whole file).")] = None,
+    ppl_windows: Annotated[Optional[int], typer.Option(help="At most this many disjoint perplexity windows of 512 tokens, or of the model's context where shorter (default: the whole file).")] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
     backend: Backend = "auto",
     dtype: ComputeDtype = "auto",

@@ -42,15 +42,20 @@ def read_ppl_text(path, what: str = "Perplexity file") -> str:
 
 
 @torch.inference_mode()
+def capped_to_context(model, tokens: int) -> int:
+    """`tokens`, at most the model's context (positions past it were never trained, or do not exist)."""
+    from hqtflow.models import context_length
+
+    context = context_length(model.config.to_dict())
+    return min(tokens, context[0]) if context else tokens
+
+
 def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: int | None = None, progress=None,
                label: str = "perplexity") -> dict:
     """Perplexity over disjoint `window`-token windows (each scored from its own start, no overlap); `progress`
     (a hqtflow.progress.Progress) gets a bar over the windows. A model whose context is shorter than `window` is
     scored in windows of its context (positions past it were never trained, or do not exist)."""
-    from hqtflow.models import context_length
-
-    context = context_length(model.config.to_dict())
-    window = min(window, context[0]) if context else window
+    window = capped_to_context(model, window)
     ids = tokenizer.encode(text, add_special_tokens=False)
     n = len(ids) // window
     if max_windows:
@@ -168,10 +173,12 @@ def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = ""
     progress = Progress(show_progress)
     prefix = f"{label}: " if label else ""
     if s.tasks:
+        # lm-eval's context, at most the model's: the engine runs a scored sequence's last token too (max_length + 1)
+        max_length = capped_to_context(model, s.max_length + 1) - 1
         progress.start(f"{prefix}lm-eval {','.join(s.tasks)}", 0, unit="request")
-        with serving_engine(model, tokenizer, batch_size=s.batch_size, max_length=s.max_length) as engine:
+        with serving_engine(model, tokenizer, batch_size=s.batch_size, max_length=max_length) as engine:
             forward, generate = padded_forward(model, tokenizer) if engine is None else (None, engine[1])
-            lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=s.max_length, generate=generate,
+            lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=max_length, generate=generate,
                                  score=engine and engine[0], progress=progress.update, announce=progress.add_total)
             out["tasks"], out["higher_is_better"] = lmeval.run_tasks(lm, list(s.tasks), manager, limit=s.limit)
             del lm, generate  # (they hold the engine)

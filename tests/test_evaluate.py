@@ -187,3 +187,16 @@ def test_a_task_yaml_by_path_reads_its_include_and_function_not_its_folder(setup
     # an include path still walks its folder, less the virtualenv: the sub-folder's files are recorded
     walked = lmeval.task_files([path], [str(folder)], manager)
     assert str(folder / "other" / "broken.yaml") in walked and not any(".venv" in f for f in walked)
+
+
+def test_lm_eval_context_is_capped_at_a_short_models_context(tiny_factory, data_dir):
+    """lm-eval's context was a fixed 512 tokens: on a model with 32 learned positions a long document ran past the
+    table (an IndexError, reported as a resource error). It is capped at the model's context, as perplexity is."""
+    from hqtflow import lmeval, models
+    from hqtflow.evaluate import EvalSettings, evaluate
+
+    path = tiny_factory("gpt_bigcode", n_positions=32)
+    model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
+    s = EvalSettings(tasks=("lambada_openai_local",), data_dir=str(data_dir), limit=2, batch_size=2)
+    out = evaluate(model, tok, s, lmeval.task_manager([], data_dir, list(s.tasks)), show_progress=False)
+    assert out["tasks"]["lambada_openai_local"]["perplexity"] > 1
