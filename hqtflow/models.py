@@ -303,10 +303,16 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+# the key projection of an attention module, separate or fused with the queries and values (Phi-3's qkv_proj): the KV
+# statistics are taken from the keys and values the module hands its cache, so either is measured the same way
+KEY_PROJECTIONS = ("k_proj", "qkv_proj")
+
+
 def attention_modules(model) -> dict[int, str]:
-    """{layer index: name} of the attention modules whose keys and values a KV cache holds (those with `k_proj`)."""
+    """{layer index: name} of the attention modules whose keys and values a KV cache holds (those with a
+    KEY_PROJECTIONS projection)."""
     return {m.layer_idx: n for n, m in model.named_modules() if isinstance(getattr(m, "layer_idx", None), int)
-            and hasattr(m, "k_proj")}
+            and any(hasattr(m, p) for p in KEY_PROJECTIONS)}
 
 
 # ---- weight files -----------------------------------------------------------------------------

@@ -49,7 +49,9 @@ class FP8StaticLayer(StaticLayer):
 
 def kv_scales(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per decoder layer (k_scale, v_scale) from the attention modules' buffers; ValueError when absent."""
-    found = {m.layer_idx: m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "k_proj")}
+    from hqtflow.models import attention_modules
+
+    found = {i: model.get_submodule(name) for i, name in attention_modules(model).items()}
     n = model.config.get_text_config(decoder=True).num_hidden_layers
     missing = [i for i in range(n) if not (i in found and hasattr(found[i], "k_scale") and hasattr(found[i], "v_scale"))]
     if missing:

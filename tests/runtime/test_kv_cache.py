@@ -129,3 +129,18 @@ def test_cli_kv_cache_paths(artifacts, tiny_llama, wiki_text, tmp_path):
     assert r.exit_code == 3 and "no KV-cache statistics" in r.stderr and not (tmp_path / "x").exists()
     r = run_cli("quantize", "-m", artifacts / "m", "-o", tmp_path / "y", "--kv-cache", "fp8", "--scales-only")
     assert r.exit_code == 2 and "--scales-only" in r.stderr
+
+
+def test_fused_qkv_projection(tiny_factory, wiki_text, tmp_path):
+    """Phi-3's attention projects q, k and v in one qkv_proj: its KV statistics were keyed layer0/layer1 (only k_proj
+    named an attention module) and quantize --kv-cache fp8 refused them as naming modules the model lacks. They are
+    taken from what the attention module caches, so a fused projection is measured, scaled and served the same."""
+    path = tiny_factory("phi3")
+    assert run_cli("measure", path, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2").exit_code == 0
+    stats = json.loads((tmp_path / "m" / KV_FILE).read_text())["layers"]
+    assert sorted(stats) == [f"model.layers.{i}.self_attn" for i in range(2)]
+    r = run_cli("quantize", "-m", tmp_path / "m", "-o", tmp_path / "fp8", "--kv-cache", "fp8")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    for engine in ("serve", "static"):
+        r = run_cli("generate", tmp_path / "fp8", "--engine", engine, "--kv-cache", "fp8", "--max-new-tokens", "4")
+        assert r.exit_code == 0, (engine, r.stdout + r.stderr)
