@@ -48,8 +48,22 @@ def read_texts(path: Path, text_field: str) -> list[str]:
             raise CalibrationError(
                 f"{path} line {lineno} has no text field {text_field!r} (fields: {fields}); pick one with --text-field."
             )
+        if _has_lone_surrogate(rec[text_field]):
+            raise CalibrationError(f"{path} line {lineno}: field {text_field!r} holds a lone UTF-16 surrogate (a "
+                                   "\\ud800-\\udfff escape not paired), which is no text a tokenizer takes.")
         texts.append(rec[text_field])
     return texts
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    """Whether `text` holds a code point JSON's `\\ud800`-`\\udfff` escapes give when not paired (not encodable)."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def first_tokens(text: str, tokenizer, needed: int | None) -> list[int]:

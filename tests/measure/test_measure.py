@@ -362,3 +362,20 @@ metric_list:
     r = run_cli("measure", tiny_llama, "-o", tmp_path / "m", "--tasks", tmp_path / "t.yaml", "--limit", "2")
     assert r.exit_code == 5 and "The data of lm-eval task tl cannot be read" in r.stderr, r.output
     assert not (tmp_path / "m").exists() and r.stderr.strip().splitlines()[-1].startswith("Error: The data of lm-eval task tl")
+
+
+def refused_before_loading(args, code: int, words: str) -> None:
+    """`hqtflow measure ARGS` is refused in one sentence with exit `code`, no traceback."""
+    r = run_cli("measure", *args)
+    err = r.stderr.strip()
+    assert r.exit_code == code and "Traceback" not in r.output, r.output
+    assert err.startswith("Error: ") and len(err.splitlines()) == 1 and words in err, err
+
+
+def test_a_lone_surrogate_in_a_jsonl_record_is_one_sentence(tiny_llama, tmp_path):
+    """JSON's `\\ud800` unpaired decodes to a code point no tokenizer takes (a TypeError traceback from the fast
+    tokenizer): refused naming the file and line, exit 5."""
+    (tmp_path / "s.jsonl").write_text('{"text": "fine"}\n{"text": "bad \\ud800 surrogate"}\n')
+    refused_before_loading([tiny_llama, "-o", tmp_path / "m", "--text", tmp_path / "s.jsonl"], 5,
+                           f"{tmp_path / 's.jsonl'} line 2: field 'text' holds a lone UTF-16 surrogate")
+    assert not (tmp_path / "m").exists()
