@@ -238,9 +238,30 @@ def check_tasks(tasks: list[str], manager, data_dir: str | Path | None) -> None:
     for t in tasks:
         if t in LOCAL_TASKS and data_dir is not None:
             check_local_data(t, data_dir)
+        for yaml_file in _task_yamls(t, manager):
+            check_functions(yaml_file)
         for f in _data_files(manager, t):  # before the model loads (run_tasks still catches what this misses)
             if Path(f).is_absolute() and not any(c in f for c in "*?[") and not Path(f).is_file():
                 raise CalibrationError(f"The data file {f} of lm-eval task {t} does not exist.")
+
+
+def _task_yamls(name: str, manager) -> list[str]:
+    """The task YAMLs lm-eval loads for the task, group or tag `name` (given by path, or indexed by lm-eval)."""
+    given = [path for path, cfg in _configs(manager).items() if (cfg.get("group") or cfg.get("task")) == name]
+    index = getattr(manager, "task_index", None) or {}
+    indexed = [getattr(index.get(t), "yaml_path", None) for t in _members(name, index, manager)]
+    return list(dict.fromkeys(given + [str(p) for p in indexed if p is not None]))
+
+
+def check_functions(yaml_file: str) -> None:
+    """Import the `!function`s of a task YAML (and its `include:`s) as lm-eval will, refusing one that cannot be
+    (a module missing, or without the function) in one sentence before a model loads."""
+    try:
+        load_task_yaml(yaml_file)
+    except (ImportError, AttributeError) as e:
+        why = f" ({e.__cause__})" if e.__cause__ is not None else ""
+        raise CalibrationError(f"lm-eval task file {yaml_file} names a `!function` that cannot be loaded: "
+                               f"{str(e).rstrip('.')}{why}.") from None
 
 
 def _data_files(manager, task: str) -> list[str]:

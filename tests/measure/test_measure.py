@@ -364,9 +364,9 @@ metric_list:
     assert not (tmp_path / "m").exists() and r.stderr.strip().splitlines()[-1].startswith("Error: The data of lm-eval task tl")
 
 
-def refused_before_loading(args, code: int, words: str) -> None:
-    """`hqtflow measure ARGS` is refused in one sentence with exit `code`, no traceback."""
-    r = run_cli("measure", *args)
+def refused(args, code: int, words: str) -> None:
+    """`hqtflow ARGS` is refused in one sentence holding `words`, with exit `code`, no traceback."""
+    r = run_cli(*args)
     err = r.stderr.strip()
     assert r.exit_code == code and "Traceback" not in r.output, r.output
     assert err.startswith("Error: ") and len(err.splitlines()) == 1 and words in err, err
@@ -376,6 +376,18 @@ def test_a_lone_surrogate_in_a_jsonl_record_is_one_sentence(tiny_llama, tmp_path
     """JSON's `\\ud800` unpaired decodes to a code point no tokenizer takes (a TypeError traceback from the fast
     tokenizer): refused naming the file and line, exit 5."""
     (tmp_path / "s.jsonl").write_text('{"text": "fine"}\n{"text": "bad \\ud800 surrogate"}\n')
-    refused_before_loading([tiny_llama, "-o", tmp_path / "m", "--text", tmp_path / "s.jsonl"], 5,
-                           f"{tmp_path / 's.jsonl'} line 2: field 'text' holds a lone UTF-16 surrogate")
+    refused(["measure", tiny_llama, "-o", tmp_path / "m", "--text", tmp_path / "s.jsonl"], 5,
+            f"{tmp_path / 's.jsonl'} line 2: field 'text' holds a lone UTF-16 surrogate")
     assert not (tmp_path / "m").exists()
+
+
+def test_a_task_yamls_missing_function_module_is_refused_before_the_model_loads(tiny_llama, tmp_path):
+    """`doc_to_text: !function nomod.fn` without a nomod module: one sentence, exit 5, from measure's and eval's
+    preflight (task_yaml.load_task_yaml's ImportError was a traceback after the model loaded)."""
+    gen_task(tmp_path / "tasks", ["\n"])
+    yaml_file = tmp_path / "tasks" / "gen.yaml"
+    yaml_file.write_text(yaml_file.read_text().replace('"{{text}}"', "!function nomod.fn"))
+    words = f"lm-eval task file {yaml_file} names a `!function` that cannot be loaded: Cannot import module 'nomod'"
+    for task in (["--tasks", yaml_file], ["--tasks", "gen", "--include-path", tmp_path / "tasks"]):
+        refused(["measure", tiny_llama, "-o", tmp_path / "m", *task, "--limit", "1"], 5, words)
+        refused(["eval", tiny_llama, *task, "--limit", "1"], 5, words)
