@@ -424,6 +424,19 @@ def _task_naming(file: str, tasks: list[str], manager) -> str:
     return ", ".join(named or tasks)
 
 
+def _task_raising(error: BaseException, tasks: list[str]) -> str:
+    """The name of the lm-eval task whose method raised `error` (all of `tasks` where no task's frame is in its
+    traceback)."""
+    import traceback
+
+    from lm_eval.api.task import Task
+
+    selves = [frame.f_locals.get("self") for frame, _ in traceback.walk_tb(error.__traceback__)]
+    task = next((t for t in reversed(selves) if isinstance(t, Task)), None)
+    name = getattr(getattr(task, "config", None), "task", None)
+    return name if isinstance(name, str) else ", ".join(tasks)
+
+
 def metric_key(key: str) -> str:
     """lm-eval's result key `metric,filter` as hqtflow records it: the metric alone under lm-eval's default filter
     `none`, else the whole key (`exact_match,strict-match`), so each of a task's filters keeps its own value."""
@@ -441,6 +454,7 @@ def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> tuple[dict
     """Run lm-eval tasks through `lm`; return ({task: {metric_key: value}}, {task: {metric_key: higher_is_better}}),
     the second as lm-eval's task configs say (None where they do not)."""
     import lm_eval.evaluator as evaluator
+    from jinja2.exceptions import UndefinedError
 
     # a task YAML given by path: its config, as lm-eval's CLI passes it (`!function`s imported)
     specs = [load_task_yaml(t) if is_task_file(t) else t for t in tasks]
@@ -458,6 +472,9 @@ def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> tuple[dict
         missing = e.filename or (found.group(1) if found else str(e))
         raise CalibrationError(f"The data file {missing} of lm-eval task {_task_naming(missing, tasks, manager)} "
                                "does not exist.") from None
+    except UndefinedError as e:  # a template (doc_to_text, ...) names a field the task's records lack
+        raise CalibrationError(f"The template of lm-eval task {_task_raising(e, tasks)} uses a field its data's "
+                               f"records lack ({e}).") from None
     except Exception as e:  # datasets could not read a task's data file (empty, truncated, not its format)
         from datasets.exceptions import DatasetGenerationError
 

@@ -391,3 +391,27 @@ def test_a_task_yamls_missing_function_module_is_refused_before_the_model_loads(
     for task in (["--tasks", yaml_file], ["--tasks", "gen", "--include-path", tmp_path / "tasks"]):
         refused(["measure", tiny_llama, "-o", tmp_path / "m", *task, "--limit", "1"], 5, words)
         refused(["eval", tiny_llama, *task, "--limit", "1"], 5, words)
+
+
+def test_a_template_field_the_data_lacks_is_one_sentence(tiny_llama, tmp_path):
+    """A custom task whose doc_to_text uses {{query}} over records without it: one sentence naming the task and the
+    variable, exit 5, from measure and eval (jinja2's UndefinedError was a traceback out of lmeval.run_tasks)."""
+    (tmp_path / "d.jsonl").write_text('{"text": "The tower is tall"}\n')
+    (tmp_path / "t.yaml").write_text(f"""task: tl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {tmp_path / 'd.jsonl'}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{query}}}}"
+doc_to_target: " tall"
+metric_list:
+  - metric: perplexity
+""")
+    words = "The template of lm-eval task tl uses a field its data's records lack ('query' is undefined)."
+    for cmd in (["measure", tiny_llama, "-o", tmp_path / "m"], ["eval", tiny_llama]):
+        r = run_cli(*cmd, "--tasks", tmp_path / "t.yaml", "--limit", "1")
+        assert r.exit_code == 5 and "Traceback" not in r.output, r.output
+        assert r.stderr.strip().splitlines()[-1] == f"Error: {words}", r.stderr
+    assert not (tmp_path / "m").exists()
