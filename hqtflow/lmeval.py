@@ -371,8 +371,10 @@ def build_lm(forward: Forward | None, tokenizer, *, batch_size: int, max_length:
                 context, gen_kwargs = req.args
                 until = gen_kwargs.get("until") or [tokenizer.decode([self.eot_token_id])]
                 until = [until] if isinstance(until, str) else list(until)
-                max_new = int(gen_kwargs.get("max_gen_toks", 256))
-                ids = self.tok_encode(context)[-max(1, self.max_length - max_new):]
+                # prompt + generation within max_length, as lm-eval's hf model: the prompt cut on the left to leave
+                # max_gen_toks, the generation cut to leave the prompt one token
+                max_new = min(int(gen_kwargs.get("max_gen_toks", 256)), self.max_length - 1)
+                ids = self.tok_encode(context)[-(self.max_length - max_new):]
                 text = generate(torch.tensor([ids]), max_new, until)  # (a generator may stop at them early)
                 for stop in until:
                     text = text.split(stop)[0]

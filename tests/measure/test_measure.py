@@ -415,3 +415,14 @@ metric_list:
         assert r.exit_code == 5 and "Traceback" not in r.output, r.output
         assert r.stderr.strip().splitlines()[-1] == f"Error: {words}", r.stderr
     assert not (tmp_path / "m").exists()
+
+
+def test_generation_stays_within_max_length(tiny_llama, tmp_path):
+    """A task's max_gen_toks (6) past --max-length (4): the prompt cut to its last token and 3 tokens generated, so
+    no sequence runs longer than --max-length (max_gen_toks were generated after it, past the model's context)."""
+    prompt, generated = greedy_tokens(tiny_llama)
+    assert prompt > 1 and len(generated) == 6, generated
+    folder = gen_task(tmp_path / "tasks", ["never said"])
+    out = measure(tiny_llama, tmp_path / "m", "--tasks", "gen", "--include-path", folder, "--limit", "1", "--dtype", "fp32",
+                  "--max-length", "4")
+    assert read_manifest(out, "hqtflow.measurement").data["calibration"]["tokens"] == 1 + 3 - 1
