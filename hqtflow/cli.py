@@ -241,7 +241,7 @@ def measure(
     tasks: Annotated[list[str], typer.Option("--tasks", "-t", help="lm-eval tasks, comma separated (e.g. piqa_local,lambada_openai_local).")] = MeasureSettings.tasks,
     include_path: Annotated[list[Path], typer.Option("--include-path", help="Directory of lm-eval task YAMLs.")] = MeasureSettings.include_path,
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="Data for the bundled <task>_local tasks (e.g. ../shared/data).")] = MeasureSettings.data_dir,
-    text: Annotated[list[Path], typer.Option("--text", help="Plain .txt or .jsonl calibration file (repeatable).")] = MeasureSettings.text,
+    text: Annotated[list[Path], typer.Option("--text", help="Calibration file (repeatable): .jsonl gives one text per record, .json is refused, any other suffix is one plain text.")] = MeasureSettings.text,
     text_field: Annotated[str, typer.Option(help="Field of .jsonl records that holds the text.")] = MeasureSettings.text_field,
     limit: Annotated[Optional[int], typer.Option(help="Documents per lm-eval task, or text chunks per file.")] = MeasureSettings.limit,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward.")] = MeasureSettings.batch_size,

@@ -94,14 +94,34 @@ def does_not_exist(path) -> str:
         return "does not exist (the current directory was removed)"
 
 
+def not_there(path) -> str:
+    """Why `path`, which `Path.exists()` denies, is not there: a symlink loop, else it does not exist (does_not_exist)."""
+    import errno
+    import os
+
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symlink loop (or lies behind one)"
+    return does_not_exist(path)
+
+
 def not_a_file(path) -> str:
     """Why `path`, which is not a regular file, cannot be read as one: the end of a one-sentence error."""
     from pathlib import Path
 
     p = Path(path)
     if not p.exists():
-        return does_not_exist(p)
+        return not_there(p)
     return "is a directory, not a file" if p.is_dir() else "is not a regular file (a device or a pipe)"
+
+
+def not_a_directory(path) -> str:
+    """Why `path`, which is not a directory, cannot be read as one: the end of a one-sentence error."""
+    from pathlib import Path
+
+    return "is not a directory" if Path(path).exists() else not_there(path)
 
 
 def brief(value) -> str:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hqtflow.errors import CalibrationError, does_not_exist, not_a_file
+from hqtflow.errors import CalibrationError, not_a_directory, not_a_file
 from hqtflow.task_yaml import is_task_file, load_task_yaml, task_yaml_files
 
 TASKS_DIR = Path(__file__).parent / "tasks"
@@ -36,7 +36,7 @@ def local_task_dir(data_dir: str | Path) -> Path:
     """Write the bundled `<task>_local` YAMLs, pointed at `data_dir`, into a temp include path."""
     given = Path(data_dir)
     if not given.is_dir():
-        raise CalibrationError(f"Data directory {given} {'is not a directory' if given.exists() else does_not_exist(given)}.")
+        raise CalibrationError(f"Data directory {given} {not_a_directory(given)}.")
     data_dir = given.resolve()
     out = Path(tempfile.mkdtemp(prefix="hqtflow-tasks-"))
     atexit.register(shutil.rmtree, out, True)  # lm-eval reads it until the command ends
@@ -108,8 +108,8 @@ def task_manager(include_paths: list[str | Path], data_dir: str | Path | None, t
     from lm_eval.tasks import TaskManager
 
     for p in map(Path, include_paths):
-        if not p.exists():
-            raise CalibrationError(f"lm-eval include path {p} {does_not_exist(p)}.")
+        if not p.is_dir():
+            raise CalibrationError(f"lm-eval include path {p} {not_a_directory(p)}; give the folder of its task YAMLs.")
     for f in map(Path, filter(is_task_file, tasks)):
         if not f.is_file():
             raise CalibrationError(f"lm-eval task file {f} {not_a_file(f)}.")
@@ -180,7 +180,7 @@ def task_files(tasks: list[str], include_paths, manager) -> dict[str, str | None
     from hqtflow.formats.artifact import sha256_file
 
     index = manager.task_index
-    files = [f for root in map(Path, include_paths) for f in ([root] if root.is_file() else _walk_tasks(root))]
+    files = [f for root in map(Path, include_paths) for f in _walk_tasks(root)]
     files += [f for t in tasks if is_task_file(t) for f in task_yaml_files(t)]
     for task in dict.fromkeys(t for name in task_names(tasks, manager) for t in _members(name, index, manager)):
         if task in LOCAL_TASKS:

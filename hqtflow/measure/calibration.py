@@ -19,19 +19,24 @@ class Batch:
 
 
 def read_texts(path: Path, text_field: str) -> list[str]:
-    """A .txt file is one text; a .jsonl file gives one text per record (its `text_field`)."""
+    """A .jsonl file (any case) gives one text per record (its `text_field`); a .json file is refused (JSON lines go in
+    .jsonl); any other file is one plain text. A UTF-8 byte order mark is dropped."""
     path = Path(path)
     if not path.is_file():  # (/dev/zero would be read until memory runs out, a pipe until its writer closes it)
         raise CalibrationError(f"Calibration file {path} {not_a_file(path)}; give a .txt or .jsonl file.")
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        raise CalibrationError(f"Calibration file {path} is a .json file; give JSON records one a line as .jsonl, or "
+                               "plain text as .txt.")
     try:
-        content = path.read_text()
+        content = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
         raise CalibrationError(f"Calibration file {path} is not UTF-8 text.") from None
     except OSError as e:
         raise CalibrationError(f"Cannot read the calibration file {path} ({e.strerror}).") from None
     if not content.strip():
         raise CalibrationError(f"Calibration file {path} is empty.")
-    if path.suffix != ".jsonl":
+    if suffix != ".jsonl":
         return [content]
     texts = []
     for lineno, line in enumerate(content.splitlines(), 1):

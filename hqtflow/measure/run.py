@@ -41,14 +41,14 @@ def preflight(s: MeasureSettings):
     cfg = load_measure_config(s.config)
     model_dir = models.resolve_model(s.model)
     s = resolve_max_length(s, model_dir)
-    check_output_dir(Path(s.output), s.overwrite, inputs(s, model_dir))
-    texts = [(f, _read(f, s.text_field)) for f in s.text]
+    texts = [(f, _read(f, s.text_field)) for f in s.text]  # (data first: a loop as --text is data's error)
     manager = None
     if s.tasks:
         from hqtflow import lmeval
 
         manager = lmeval.task_manager(list(s.include_path), s.data_dir, list(s.tasks))
         lmeval.check_tasks(list(s.tasks), manager, s.data_dir)
+    check_output_dir(Path(s.output), s.overwrite, inputs(s, model_dir))
     cfg.check_rank_files(s.tp, s.config or "the default config")
     if s.tp > 1:
         from hqtflow.measure.distributed import check_tp_split

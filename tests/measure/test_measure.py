@@ -426,3 +426,30 @@ def test_generation_stays_within_max_length(tiny_llama, tmp_path):
     out = measure(tiny_llama, tmp_path / "m", "--tasks", "gen", "--include-path", folder, "--limit", "1", "--dtype", "fp32",
                   "--max-length", "4")
     assert read_manifest(out, "hqtflow.measurement").data["calibration"]["tokens"] == 1 + 3 - 1
+
+
+def test_odd_text_files(tmp_path):
+    """A UTF-8 byte order mark is no text (it was a token, and made a .jsonl's first line invalid JSON); the .jsonl
+    suffix is matched in any case (.JSONL was read as one plain text)."""
+    (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfThe tower is tall.")
+    (tmp_path / "b.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "one"}\n{"text": "two"}\n')
+    (tmp_path / "u.JSONL").write_text('{"text": "one"}\n')
+    assert read_texts(tmp_path / "b.txt", "text") == ["The tower is tall."]
+    assert read_texts(tmp_path / "b.jsonl", "text") == ["one", "two"]
+    assert read_texts(tmp_path / "u.JSONL", "text") == ["one"]
+
+
+def test_odd_calibration_paths_are_data_errors(tiny_llama, tmp_path):
+    """A .json file (not JSON lines) and a symlink loop as --text, and a file as --include-path: one sentence, exit 5
+    (a .json was one plain text, the loop exit 3 from the output check, the file an unknown task)."""
+    (tmp_path / "a.json").write_text('[{"text": "one"}]')
+    (tmp_path / "loop1").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop1")
+    gen_task(tmp_path / "tasks", ["\n"])
+    out = ["-o", tmp_path / "m"]
+    refused(["measure", tiny_llama, *out, "--text", tmp_path / "a.json"], 5,
+            f"Calibration file {tmp_path / 'a.json'} is a .json file; give JSON records one a line as .jsonl")
+    refused(["measure", tiny_llama, *out, "--text", tmp_path / "loop1"], 5,
+            f"Calibration file {tmp_path / 'loop1'} is a symlink loop (or lies behind one)")
+    refused(["measure", tiny_llama, *out, "--tasks", "gen", "--include-path", tmp_path / "tasks" / "gen.yaml"], 5,
+            f"lm-eval include path {tmp_path / 'tasks' / 'gen.yaml'} is not a directory")
