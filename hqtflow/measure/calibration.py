@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import groupby
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -15,7 +16,7 @@ from hqtflow.errors import CalibrationError, not_a_file
 @dataclass(frozen=True)
 class Batch:
     input_ids: torch.Tensor  # [B, S]
-    attention_mask: torch.Tensor  # [B, S], 0 on padding
+    attention_mask: torch.Tensor  # [B, S], all ones (text windows are never padded)
 
 
 def read_texts(path: Path, text_field: str) -> list[str]:
@@ -101,14 +102,12 @@ def token_chunks(texts: list[str], tokenizer, max_length: int, limit: int | None
     return chunks
 
 
-def batches(chunks: list[list[int]], batch_size: int, pad_id: int) -> Iterator[Batch]:
-    """Right-padded batches with an attention mask."""
-    for start in range(0, len(chunks), batch_size):
-        group = chunks[start:start + batch_size]
-        width = max(len(c) for c in group)
-        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(group), width), dtype=torch.long)
-        for row, c in enumerate(group):
-            ids[row, : len(c)] = torch.tensor(c)
-            mask[row, : len(c)] = 1
-        yield Batch(ids, mask)
+def batches(chunks: list[list[int]], batch_size: int) -> Iterator[Batch]:
+    """Batches of windows of one length, never padded, longest first (stably sorted): the statistics are the same at
+    any batch size, as padding a row would change the bf16 rounding of its batch. A .txt's windows are all
+    `max_length` long but its last; a .jsonl's records batch with those of their length."""
+    for _, same in groupby(sorted(chunks, key=len, reverse=True), key=len):
+        same = list(same)
+        for start in range(0, len(same), batch_size):
+            ids = torch.tensor(same[start:start + batch_size], dtype=torch.long)
+            yield Batch(ids, torch.ones_like(ids))

@@ -204,7 +204,7 @@ def write_artifact_files(path: Path, s: MeasureSettings, cfg: QuantConfig, model
 
 
 def run_sources(s: MeasureSettings, texts, manager, tokenizer, forward, generate, progress: Progress) -> list[dict]:
-    """Feed every calibration source to `forward(ids, mask)` (text windows in right-padded batches, then the
+    """Feed every calibration source to `forward(ids, mask)` (text windows in batches of one length, then the
     lm-eval tasks, which may also call `generate(ids, max_new)`); return the sources as the manifest records them.
     Both engines (hqtflow's observers, Neural Compressor's) calibrate through this one function."""
     from hqtflow.measure.calibration import batches, token_chunks
@@ -215,7 +215,7 @@ def run_sources(s: MeasureSettings, texts, manager, tokenizer, forward, generate
         if not chunks:
             raise CalibrationError(f"Calibration file {path} has no tokens.")
         progress.start(f"text {Path(path).name}", len(chunks))
-        for b in batches(chunks, s.batch_size, tokenizer.pad_token_id):
+        for b in batches(chunks, s.batch_size):
             forward(b.input_ids, b.attention_mask)
         sources.append({"kind": "text", "path": str(path), "sha256": _sha(path), "chunks": len(chunks)})
     if s.tasks:

@@ -8,7 +8,7 @@ import torch
 
 from conftest import ROOT, run_cli
 from hqtflow.formats.artifact import read_manifest
-from hqtflow.measure.calibration import read_texts, token_chunks
+from hqtflow.measure.calibration import batches, read_texts, token_chunks
 
 CFG = ROOT / "quantization_config"
 
@@ -104,23 +104,29 @@ def test_statistics_equal_reference(text_run, tiny_llama, wiki_text):
         assert node["params"]["weight"][0][0] == weights[name], name
 
 
-def test_padding_not_observed(tiny_factory, tmp_path):
-    """Sequences of different lengths batched together (right padding) give the same statistics as one by one."""
-    model = tiny_factory("llama", dtype="float32")
+def test_text_windows_are_batched_with_their_length_never_padded():
+    """Windows of one length share a batch, longest first and otherwise in order: no row is padded (a padded batch
+    changed SmolLM2's bf16 statistics by up to 4.7% between --batch-size 1 and 8)."""
+    chunks = [[1] * 4, [2] * 2, [3] * 4, [4] * 3, [5] * 4, [6] * 2]
+    got = [(b.input_ids.tolist(), bool(b.attention_mask.all())) for b in batches(chunks, 2)]
+    assert got == [([[1] * 4, [3] * 4], True), ([[5] * 4], True), ([[4] * 3], True), ([[2] * 2, [6] * 2], True)]
+
+
+def test_text_statistics_do_not_depend_on_the_batch_size(tiny_llama, tmp_path):
+    """Records of different lengths give, in bf16, the same statistics bit for bit in batches as one by one: only
+    windows of one length share a batch (padded to the longest, a batch's bf16 rounding changed its rows' values)."""
     recs = tmp_path / "c.jsonl"
-    texts = ["The tower is 324 metres tall.", "A short one.",
-             "It was the first structure to reach a height of 300 metres, and it remained so for decades.", "Ok."]
+    texts = ["The tower is 324 metres tall.", "A short one.", "The river is 776 km long.",
+             "It was the first structure to reach a height of 300 metres, and it remained so for decades.", "Ok.",
+             "The tower is 325 metres tall.", "It is the tallest structure in Paris.", "A short two."]
     recs.write_text("\n".join(json.dumps({"text": t}) for t in texts))
     cfg = CFG / "maxabs_measure_include_outputs.json"
-    a = measure(model, tmp_path / "batched", "--text", recs, "--batch-size", "4", "--dtype", "fp32", "-c", cfg)
-    b = measure(model, tmp_path / "single", "--text", recs, "--batch-size", "1", "--dtype", "fp32", "-c", cfg)
-    ja = json.loads((a / "measure_hooks_maxabs.json").read_text())["Nodes"]
-    jb = json.loads((b / "measure_hooks_maxabs.json").read_text())["Nodes"]
-    for name in ja:
-        for key in ("inputs", "outputs"):
-            np.testing.assert_allclose(ja[name][key], jb[name][key], rtol=1e-5, err_msg=f"{name} {key}")
+    a = measure(tiny_llama, tmp_path / "batched", "--text", recs, "--batch-size", "8", "-c", cfg)
+    b = measure(tiny_llama, tmp_path / "single", "--text", recs, "--batch-size", "1", "-c", cfg)
+    for name in ("measure_hooks_maxabs.json", "measure_hooks_maxabs.npz", "kv_cache_maxabs.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
     man = read_manifest(a, "hqtflow.measurement").data["calibration"]
-    assert man["samples"] == 4 and man["tokens"] < 4 * max(map(len, texts))
+    assert man["samples"] == len(texts) and man["tokens"] < len(texts) * 30
 
 
 def test_outputs_per_channel_and_blocklist(tiny_llama, wiki_text, tmp_path):
