@@ -404,13 +404,13 @@ def content_files(path: Path) -> list[Path]:
 
 
 def file_digest(path: Path) -> str:
-    """The sha256 of a file's content, remembered in the hqtflow cache (`digests/`) under its resolved path, size,
-    mtime and inode, so a model's unchanged weights are read once, not by every stage (about 0.7 GB/s)."""
-    from hqtflow.formats.artifact import sha256_file, write_json_atomic
+    """The sha256 of a file's content, remembered in the hqtflow cache (`digests/`) under its resolved path and
+    artifact.file_identity (inode, size, mtime, ctime), so a model's unchanged weights are read once, not by every
+    stage (about 0.7 GB/s)."""
+    from hqtflow.formats.artifact import file_identity, sha256_file, write_json_atomic
 
     real = Path(path).resolve()
-    st = real.stat()
-    key = {"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+    key = {"path": str(real), **file_identity(real)}
     entry = cache_dir() / "digests" / f"{hashlib.sha256(str(real).encode()).hexdigest()[:32]}.json"
     try:
         cached = json.loads(entry.read_text())

@@ -62,6 +62,24 @@ def test_weight_digests_are_cached_until_the_file_changes(tiny_llama, tmp_path, 
     assert models.fingerprint(model) == first and "model.safetensors" in hashed
 
 
+def test_a_weight_file_rewritten_in_place_with_its_mtime_put_back_is_hashed_again(tiny_llama, tmp_path, monkeypatch):
+    """Same path, inode, size and mtime (restored as `touch -d` does) but other bytes: the ctime, which no user sets,
+    tells the cached digest stale, so the fingerprint names another model."""
+    model = _copy(tiny_llama, tmp_path, monkeypatch)
+    first = models.fingerprint(model)
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    with open(weights, "r+b") as f:  # in place: the same inode and size
+        f.seek(st.st_size - 2)
+        flipped = bytes(255 - b for b in f.read(2))  # the last weight's bytes, changed
+        f.seek(st.st_size - 2)
+        f.write(flipped)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = weights.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    assert models.fingerprint(model)["id"] != first["id"]
+
+
 def test_an_older_fingerprint_is_checked_by_config_and_weight_headers(tiny_llama, tmp_path, monkeypatch):
     """A v1 artifact's fingerprint (hqtflow <= 0.4.0: sampled bytes, no `scheme`) names this model when its config
     and weight headers agree, all it can still tell; another model's is refused."""

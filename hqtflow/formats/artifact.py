@@ -72,6 +72,13 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def file_identity(path: Path) -> dict[str, int]:
+    """What tells a file's content unchanged without reading it: its inode, size, mtime and ctime (no user sets a
+    ctime: a file rewritten in place with its mtime put back has a new one)."""
+    st = os.stat(path)
+    return {"inode": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
 def tool_versions() -> dict[str, str]:
     import torch
     import transformers
