@@ -580,7 +580,34 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
         for rel, digest in files.items():
             p = directory / rel
             if not p.is_file():
-                raise ArtifactError(f"{directory} is incomplete: {rel} is listed in its manifest but missing.")
+                raise _missing(directory, rel)
             if sha256_file(p) != digest:
-                raise ArtifactError(f"{directory} was modified after it was written: {rel} does not match its manifest hash (or another run replaced it meanwhile).")
+                raise _changed(directory, rel)
     return Manifest(mpath, raw)
+
+
+def _missing(directory: Path, rel: str) -> ArtifactError:
+    return ArtifactError(f"{directory} is incomplete: {rel} is listed in its manifest but missing.")
+
+
+def _changed(directory: Path, rel: str) -> ArtifactError:
+    return ArtifactError(f"{directory} was modified after it was written: {rel} does not match its manifest hash (or "
+                         "another run replaced it meanwhile).")
+
+
+def verified_bytes(manifest: Manifest, rel: str) -> bytes:
+    """The bytes of a file `manifest` lists, read once and checked against its hash: a reader parses exactly what was
+    checked (a file replaced after read_manifest's check is refused, never parsed). For the small files parsed whole;
+    weights are checked by read_manifest and file_identity."""
+    directory = manifest.path.parent
+    p = confined(directory, rel)
+    if rel not in manifest.files:
+        raise ArtifactError(f"{p} is not listed in {directory}'s manifest (it was added after the artifact was "
+                            "written); it is never read.")
+    try:
+        data = p.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise _missing(directory, rel) from None
+    if hashlib.sha256(data).hexdigest() != manifest.files[rel]:
+        raise _changed(directory, rel)
+    return data

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from hqtflow.errors import ArtifactError, does_not_exist
-from hqtflow.formats.artifact import (MANIFEST, ArtifactKind, Manifest, check_not_partial, confined, read_manifest,
-                                      sha256_file, whole, write_json_atomic, write_manifest)
+from hqtflow.formats.artifact import (MANIFEST, ArtifactKind, Manifest, check_not_partial, read_manifest,
+                                      sha256_file, verified_bytes, whole, write_json_atomic, write_manifest)
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -203,13 +203,13 @@ class Measurement:
     mode: str
 
 
-def read_measurement(path: Path) -> Measurement:
-    """Read a measurement `.json` (never the pickled `.npz`)."""
+def read_measurement(path: Path, data: bytes | None = None) -> Measurement:
+    """Read a measurement `.json` (never the pickled `.npz`); `data`: its bytes, already read (artifact.verified_bytes)."""
     path = Path(path)
-    if not path.is_file():
+    if data is None and not path.is_file():
         raise ArtifactError(f"Measurement file {path} {does_not_exist(path)}.")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_bytes() if data is None else data)
         nodes = raw["Nodes"]
         mode = raw.get("Mode", "DynamicRange")
     except (ValueError, RecursionError, KeyError, TypeError):
@@ -294,15 +294,12 @@ def write_kv_stats(directory: Path, layers: dict[str, dict[str, float]]) -> Path
 
 
 
-def read_kv_stats(directory: Path) -> dict[str, dict[str, float]] | None:
-    """{attention module: {"k": maxabs, "v": maxabs}} from a measurement artifact, None when it has none."""
+def read_kv_stats(path: Path, data: bytes) -> dict[str, dict[str, float]]:
+    """{attention module: {"k": maxabs, "v": maxabs}} from a KV_FILE's bytes (`path` names it)."""
     import math
 
-    path = Path(directory) / KV_FILE
-    if not path.exists():
-        return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(data)
         ok = data.get("format") == KV_FORMAT and data.get("version") == 1 and isinstance(data["layers"], dict)
     except (ValueError, RecursionError, AttributeError, KeyError):
         ok, data = False, {}
@@ -376,7 +373,12 @@ class LoadedMeasurement:
         return "sha256:" + "".join(sha256_file(f)[:16] for f in files if f.exists())
 
     def kv_stats(self) -> dict[str, dict[str, float]] | None:
-        return read_kv_stats(self.directory)
+        """The KV-cache statistics (KV_FILE), None when the artifact has none; its bytes are read once and checked
+        against the manifest's hash (artifact.verified_bytes), so they are the measurement's even if it was replaced
+        since it was loaded."""
+        if self.manifest is None or KV_FILE not in self.manifest.files:
+            return None
+        return read_kv_stats(self.directory / KV_FILE, verified_bytes(self.manifest, KV_FILE))
 
     def hessians(self):
         """GPTQ's Hessians (`measure --hessians`; hqtflow.formats.hessians), None when the artifact has none. Only a
@@ -446,7 +448,8 @@ def load_measurement(directory: str | Path) -> LoadedMeasurement:
     refuse_foreign_dump(directory)
     m = read_manifest(directory, ArtifactKind.MEASUREMENT)
     stems, world = manifest_ranks(m)
-    loaded = LoadedMeasurement(directory, m, [read_measurement(confined(directory, f"{s}.json")) for s in stems], stems, world)
+    ranks = [read_measurement(directory / f"{s}.json", verified_bytes(m, f"{s}.json")) for s in stems]
+    loaded = LoadedMeasurement(directory, m, ranks, stems, world)
     check_rank_numbers(loaded)
     return loaded
 

@@ -144,3 +144,59 @@ def test_fused_qkv_projection(tiny_factory, wiki_text, tmp_path):
     for engine in ("serve", "static"):
         r = run_cli("generate", tmp_path / "fp8", "--engine", engine, "--kv-cache", "fp8", "--max-new-tokens", "4")
         assert r.exit_code == 0, (engine, r.stdout + r.stderr)
+
+
+def _other_measurement(artifacts, tmp_path):
+    """A copy of the measurement (A) and a valid other one (B: its KV statistics doubled, its manifest rehashed)."""
+    import shutil
+
+    from hqtflow.formats.artifact import MANIFEST, sha256_file
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    shutil.copytree(artifacts / "m", a)
+    shutil.copytree(artifacts / "m", b)
+    kv = json.loads((b / KV_FILE).read_text())
+    kv["layers"] = {n: {x: s * 2 for x, s in v.items()} for n, v in kv["layers"].items()}
+    (b / KV_FILE).write_text(json.dumps(kv))
+    stem = json.loads((b / MANIFEST).read_text())["data"]["ranks"][0]["stem"]
+    ranks = json.loads((b / f"{stem}.json").read_text())
+    ranks["NumSamples"] += 1
+    (b / f"{stem}.json").write_text(json.dumps(ranks))
+    m = json.loads((b / MANIFEST).read_text())
+    m["files"] = {rel: sha256_file(b / rel) for rel in m["files"]}
+    (b / MANIFEST).write_text(json.dumps(m))
+    return a, b, stem
+
+
+def test_kv_statistics_are_the_hashed_ones_when_the_measurement_is_replaced_after_loading(artifacts, tmp_path):
+    """quantize --kv-cache fp8 reads the KV statistics after loading the measurement: another run's --overwrite
+    replacing it meanwhile is refused (the bytes parsed are the bytes hashed), never B's scales under A's manifest."""
+    from hqtflow.errors import ArtifactError
+    from hqtflow.formats.measurement import load_measurement
+
+    a, b, _ = _other_measurement(artifacts, tmp_path)
+    meas = load_measurement(a)
+    a.rename(tmp_path / "A.old")
+    b.rename(a)  # as StagingDir.commit replaces an output
+    with pytest.raises(ArtifactError, match=f"{KV_FILE} does not match its manifest hash"):
+        meas.kv_stats()
+
+
+def test_rank_files_are_parsed_from_the_bytes_hashed(artifacts, tmp_path, monkeypatch):
+    """A rank file replaced right after the manifest's check hashed it is refused, not parsed unchecked."""
+    from hqtflow.errors import ArtifactError
+    from hqtflow.formats import artifact
+    from hqtflow.formats.measurement import load_measurement
+
+    a, b, stem = _other_measurement(artifacts, tmp_path)
+    real = artifact.sha256_file
+
+    def hash_then_replace(path, *args):
+        digest = real(path, *args)
+        if path.name == f"{stem}.json":
+            path.write_bytes((b / path.name).read_bytes())
+        return digest
+
+    monkeypatch.setattr(artifact, "sha256_file", hash_then_replace)
+    with pytest.raises(ArtifactError, match=f"{stem}.json does not match its manifest hash"):
+        load_measurement(a)
