@@ -376,20 +376,24 @@ class LoadedMeasurement:
         """The KV-cache statistics (KV_FILE), None when the artifact has none; its bytes are read once and checked
         against the manifest's hash (artifact.verified_bytes), so they are the measurement's even if it was replaced
         since it was loaded."""
-        if self.manifest is None or KV_FILE not in self.manifest.files:
+        if not self._listed(KV_FILE, "measure again on one rank for --kv-cache fp8"):
             return None
         return read_kv_stats(self.directory / KV_FILE, verified_bytes(self.manifest, KV_FILE))
 
     def hessians(self):
-        """GPTQ's Hessians (`measure --hessians`; hqtflow.formats.hessians), None when the artifact has none. Only a
-        file the manifest lists (and so hashed) is read: one put there afterwards is refused."""
+        """GPTQ's Hessians (`measure --hessians`; hqtflow.formats.hessians), None when the artifact has none."""
         from hqtflow.formats.hessians import HESSIAN_FILE, read_hessians
 
-        listed = self.manifest is not None and HESSIAN_FILE in self.manifest.files
-        if not listed and os.path.lexists(self.directory / HESSIAN_FILE):
-            raise ArtifactError(f"{self.directory / HESSIAN_FILE} is not listed in the measurement's manifest (it was "
-                                "added after the measurement was written); measure again with --hessians.")
-        return read_hessians(self.directory) if listed else None
+        return read_hessians(self.directory) if self._listed(HESSIAN_FILE, "measure again with --hessians") else None
+
+    def _listed(self, name: str, remedy: str) -> bool:
+        """Whether the manifest lists the file `name` (and so hashed it): only such a file is read; one put there
+        afterwards is refused, `remedy` saying what gives a real one."""
+        listed = self.manifest is not None and name in self.manifest.files
+        if not listed and os.path.lexists(self.directory / name):
+            raise ArtifactError(f"{self.directory / name} is not listed in the measurement's manifest (it was added "
+                                f"after the measurement was written); {remedy}.")
+        return listed
 
 
 def _layer_records(layers) -> bool:

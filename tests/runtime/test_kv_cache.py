@@ -200,3 +200,20 @@ def test_rank_files_are_parsed_from_the_bytes_hashed(artifacts, tmp_path, monkey
     monkeypatch.setattr(artifact, "sha256_file", hash_then_replace)
     with pytest.raises(ArtifactError, match=f"{stem}.json does not match its manifest hash"):
         load_measurement(a)
+
+
+def test_kv_statistics_outside_the_manifest_refused(artifacts, tmp_path):
+    """A KV statistics file the manifest does not list (dropped into a measurement without one) is never read by
+    quantize --kv-cache fp8: refused in one sentence, exit 3, as an unlisted Hessian file is."""
+    import shutil
+
+    from conftest import refused_quantize
+    from hqtflow.formats.artifact import MANIFEST
+
+    plain = tmp_path / "plain"  # a measurement that carries no KV statistics
+    shutil.copytree(artifacts / "m", plain)
+    m = json.loads((plain / MANIFEST).read_text())
+    del m["files"][KV_FILE]
+    (plain / MANIFEST).write_text(json.dumps(m))
+    refused_quantize(["-m", plain, "-o", tmp_path / "out", "--kv-cache", "fp8"],
+                     "is not listed in the measurement's manifest", tmp_path, 3)
