@@ -307,11 +307,22 @@ def real_path(p: Path) -> Path:
 
 
 def check_replaceable(out: Path) -> None:
-    """`--overwrite` replaces hqtflow's own outputs (a directory holding a manifest), an empty directory or a symlink
-    (the link, not what it points to); any other directory is the user's and is refused."""
-    if out.is_dir() and not out.is_symlink() and not (out / MANIFEST).is_file() and any(out.iterdir()):
-        raise ArtifactError(f"Output {out} is not an hqtflow artifact (it has no {MANIFEST}); --overwrite replaces "
-                            "only hqtflow's outputs: move it away or choose another output (nothing was written).")
+    """`--overwrite` replaces hqtflow's own outputs (a directory holding an hqtflow manifest), an empty directory or a
+    symlink (the link, not what it points to); any other directory is the user's and is refused."""
+    if out.is_dir() and not out.is_symlink() and not holds_artifact(out) and any(out.iterdir()):
+        raise ArtifactError(f"Output {out} is not an hqtflow artifact (it has no valid {MANIFEST}); --overwrite "
+                            "replaces only hqtflow's outputs: move it away or choose another output (nothing was written).")
+
+
+def holds_artifact(directory: Path) -> bool:
+    """Whether `directory` holds an hqtflow manifest: a JSON object whose `_type` is an hqtflow schema name
+    (`hqtflow.*`: ArtifactKind's, or a newer hqtflow's), not merely a file of that name. Nothing else is checked: a
+    damaged artifact of hqtflow's may still be replaced."""
+    try:
+        raw = json.loads((Path(directory) / MANIFEST).read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(raw, dict) and isinstance(raw.get("_type"), str) and raw["_type"].startswith("hqtflow.")
 
 
 def check_output_dir(out: Path, overwrite: bool, inputs=(), any_dir: bool = False) -> None:

@@ -189,3 +189,17 @@ def test_unwritable_parent_says_why(tmp_path, monkeypatch, flags, why):
                                                                           else real(p).f_flag & ~os.ST_RDONLY})())
     with pytest.raises(ArtifactError, match=f"Cannot write to {tmp_path}: {why}."):
         artifact.check_output_dir(tmp_path / "out", False)
+
+
+@pytest.mark.parametrize("manifest", ["{}", "not json", '{"_type": "photos"}', '["hqtflow.measurement"]'])
+def test_overwrite_refuses_a_folder_that_only_holds_a_file_named_like_a_manifest(tmp_path, manifest):
+    """--overwrite replaces hqtflow's outputs only: a folder of the user's holding a file named hqtflow_manifest.json
+    that is no hqtflow manifest (no `_type` naming an hqtflow schema) is refused, and kept as it was."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    (mine / MANIFEST).write_text(manifest)
+    with pytest.raises(ArtifactError, match="is not an hqtflow artifact"):
+        _make(mine, overwrite=True)
+    assert sorted(p.name for p in mine.iterdir()) == [MANIFEST, "notes.txt"]
+    assert (mine / "notes.txt").read_text() == "precious" and [p.name for p in tmp_path.iterdir()] == ["mine"]
