@@ -219,3 +219,19 @@ def test_rules_on_synthetic_values():
     big = torch.tensor([w.abs().max() * 1e4])  # a weight scale so large that almost every value rounds to 0
     bad = _weight_stats((w / big).to(torch.float8_e4m3fn), big, 448.0)
     assert bad["flag"] == "underflow" and bad["zero_fraction"] > 0.5 and bad["smallest_normal"] == pytest.approx(2**-6 * float(big))
+
+
+def test_file_size_limit_is_a_resource_error(arts, tmp_path):
+    """inspect --json/--html under a file-size limit (ulimit -f, a full disk's stand-in) exits 6 with the sentence
+    every other stage gives, and leaves no report or temp file behind."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))  # CPython ignores SIGXFSZ: a write fails with EFBIG
+    try:
+        r = run_cli("inspect", arts["meas2"], "--json", tmp_path / "r.json", "--html", tmp_path / "r.html")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert r.exit_code == 6, r.output
+    assert r.stderr.startswith("Error: cannot write (File too large): free some disk space"), r.stderr
+    assert not list(tmp_path.iterdir())
