@@ -20,7 +20,7 @@ def load(path: str | Path, *, device: str = "cpu", verify: bool = True, backend:
     Raises hqtflow.errors.HqtflowError subclasses (one sentence each) for what is wrong with the arguments or files."""
     from hqtflow import models
     from hqtflow.errors import ArtifactError
-    from hqtflow.formats.artifact import MANIFEST
+    from hqtflow.formats.artifact import MANIFEST, check_unchanged
     from hqtflow.formats.checkpoint import load_checkpoint
     from hqtflow.hardware import dtype_name, resolve_dtype, run_device
     from hqtflow.quantize.fp8_linear import set_backend
@@ -28,14 +28,18 @@ def load(path: str | Path, *, device: str = "cpu", verify: bool = True, backend:
     device = run_device(device, "device=")
     dtype = resolve_dtype(dtype_name(dtype), device, "dtype=")
     path = Path(path)
+    manifest = None
     if (path / MANIFEST).is_file() or not path.is_dir():  # hqtflow's: verified; read_manifest words a missing path
-        _check_manifest(path, verify)
+        manifest = _check_manifest(path, verify)
     elif not _is_fp8(models.resolve_model(str(path))):
         raise ArtifactError(f"{path} is not an FP8 checkpoint: it has no {MANIFEST} and its config.json no FP8 "
                             "quantization_config (compressed-tensors or fp8).")
     model = load_checkpoint(path, device=device, dtype=models.torch_dtype(dtype))
     set_backend(model, backend)
-    return model, models.load_tokenizer(path)
+    tokenizer = models.load_tokenizer(path)
+    if manifest is not None:  # loaded by path: the files read are the ones hashed, or it is refused
+        check_unchanged(manifest)
+    return model, tokenizer
 
 
 def _is_fp8(path: Path) -> bool:
@@ -48,15 +52,15 @@ def _is_fp8(path: Path) -> bool:
     return (path / MANIFEST).exists() or not isinstance(qc, dict) or qc.get("quant_method") in ("compressed-tensors", "fp8")
 
 
-def _check_manifest(path: Path, verify: bool) -> None:
-    """An hqtflow checkpoint's manifest, or an export's in a layout this runtime loads; hashes checked."""
+def _check_manifest(path: Path, verify: bool):
+    """An hqtflow checkpoint's manifest, or an export's in a layout this runtime loads, hashes checked: returned."""
     from hqtflow.errors import ArtifactError
     from hqtflow.export import FORMATS, LOADABLE_FORMATS
     from hqtflow.formats.artifact import ArtifactKind, read_checkpoint_manifest
 
     m = read_checkpoint_manifest(path, verify=verify)
     if m.type != ArtifactKind.EXPORT:
-        return
+        return m
     fmt = m.data.get("format")
     if fmt not in FORMATS:
         raise ArtifactError(f"{path}'s manifest gives the export format {fmt!r}, which this hqtflow does not know "
@@ -64,6 +68,7 @@ def _check_manifest(path: Path, verify: bool) -> None:
     if fmt not in LOADABLE_FORMATS:
         raise ArtifactError(f"{path} is an `export --format {fmt}` artifact, which runs in Neural Compressor; "
                             f"hqtflow loads {' and '.join(LOADABLE_FORMATS)} exports and its own checkpoints.")
+    return m
 
 
 def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto", device: str = "cpu"):

@@ -938,6 +938,30 @@ def test_overwrite_replaces_only_hqtflow_outputs(base, tmp_path):
         assert r.exit_code == 0 and (out / MANIFEST).is_file(), r.output
 
 
+def test_a_checkpoint_replaced_while_it_loads_is_refused(base, tmp_path, monkeypatch):
+    """serve/generate/eval check a checkpoint's hashes, then load it by path: another run's --overwrite replacing it
+    in between (B, a valid checkpoint of its own) is refused in one sentence, never served unchecked."""
+    from hqtflow import api
+    from hqtflow.errors import ArtifactError
+    from hqtflow.formats import checkpoint
+
+    a, b = tmp_path / "ck", tmp_path / "B"
+    shutil.copytree(base["ck"], a)
+    shutil.copytree(base["ck"], b)
+    edit_json(b / "config.json", lambda cfg: cfg.update(hqtflow_test="B"))
+    rehash(b)
+    real = checkpoint.load_checkpoint
+
+    def replaced_then_loaded(path, **kwargs):
+        a.rename(tmp_path / "ck.old")
+        b.rename(a)  # as StagingDir.commit replaces an output
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "load_checkpoint", replaced_then_loaded)
+    with pytest.raises(ArtifactError, match="changed while it was being loaded"):
+        api.load(a)
+
+
 def test_overwriting_a_symlinked_output_leaves_no_backup(base, tmp_path):
     """--overwrite of an output that is a symlink replaces the link; the linked directory and its files stay as they were,
     and no `.out.old-*` link is left behind."""

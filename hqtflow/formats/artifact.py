@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterator
@@ -409,6 +409,7 @@ def write_manifest(directory: Path, type_: str, version: int | None = None, *, m
 class Manifest:
     path: Path
     raw: dict
+    checked: dict[str, dict] = field(default_factory=dict, compare=False, repr=False)  # rel -> file_identity when hashed
 
     @property
     def type(self) -> str:
@@ -587,14 +588,30 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
         for f in [*weight_files(directory, ArtifactError), directory / SAFETENSORS_INDEX]:
             if f.is_file() and f.relative_to(directory).as_posix() not in files:
                 raise ArtifactError(f"{directory} was modified after it was written: {f.name} is not in its manifest (or another run replaced it meanwhile).")
+    checked = {}
     if verify:
         for rel, digest in files.items():
             p = directory / rel
             if not p.is_file():
                 raise _missing(directory, rel)
+            checked[rel] = file_identity(p)
             if sha256_file(p) != digest:
                 raise _changed(directory, rel)
-    return Manifest(mpath, raw)
+    return Manifest(mpath, raw, checked)
+
+
+def check_unchanged(manifest: Manifest) -> None:
+    """Refuse an artifact whose files changed since read_manifest hashed them (their file_identity): a reader that
+    reopens them by path afterwards (load_checkpoint) then loaded files nobody checked."""
+    directory = manifest.path.parent
+    for rel, identity in manifest.checked.items():
+        try:
+            same = file_identity(directory / rel) == identity
+        except OSError:
+            same = False
+        if not same:
+            raise ArtifactError(f"{directory} changed while it was being loaded ({rel} was replaced or rewritten, by "
+                                "another run's --overwrite?); nothing loaded from it is used: load it again.")
 
 
 def _missing(directory: Path, rel: str) -> ArtifactError:
