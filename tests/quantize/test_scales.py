@@ -135,6 +135,13 @@ def test_mse_weight_scale_is_the_least_squares_multiplier(w):
     assert (s < ref).any() and (s <= ref).all()
 
 
+def test_mse_weight_scale_ties_go_to_the_largest_multiplier():
+    """[56, 38.5] in bf16 (amax / 448 = 0.125, error 2.25): the scales 0.1226 and 0.1235 both give the least error
+    (1.5625); the larger one (the larger multiplier, nearer amax / 448) is chosen, whichever order they come in."""
+    w = torch.tensor([[56.0, 38.5]], dtype=torch.bfloat16)
+    assert weight_scale(w, scale_method("fp8_dynamic_mse").weight).tolist() == [0.12353515625]
+
+
 @pytest.mark.parametrize("name", SCALE_METHODS)
 def test_every_method_gives_positive_finite_scales(name, w):
     from hqtflow.scales import DYNAMIC_METHODS, INC_DYNAMIC_METHODS
