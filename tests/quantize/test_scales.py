@@ -191,6 +191,13 @@ def test_scale_over_the_stored_dtype_refused():
         linear_scales(m, 5e4, big, name="q", store=torch.float16)
     with pytest.raises(ModelError, match="The weight of q gives the scale inf, over 6.55e\\+04"):  # scale files, hp fp16
         linear_scales(m, 1.0, torch.full((4, 8), 1e6), name="q", hp_dtype="fp16", store=torch.float16)
+    from hqtflow.formats.scale_files import MAX_SCALE
+    from hqtflow.scales import LinearScales, stored
+
+    top = torch.tensor(65504.0, dtype=torch.float16)  # the limits themselves are stored: "over" means over
+    assert stored(LinearScales(top, top / top), torch.float16, output=True).input.item() == 65504.0  # output too
+    top = torch.tensor(MAX_SCALE)
+    assert stored(LinearScales(top, top), torch.float32).weight.item() == MAX_SCALE
 
 
 def test_quantize_saturates_and_matches_torch_cast():
