@@ -89,4 +89,5 @@ def test_an_older_fingerprint_is_checked_by_config_and_weight_headers(tiny_llama
              "weights_header_sha256": fp["weights_header_sha256"], "model_type": "llama"}
     assert models.same_model(older, fp)
     assert not models.same_model({**older, "config_sha256": "1" * 64}, fp)
+    assert not models.same_model({**older, "weights_header_sha256": "1" * 64}, fp)
     assert not models.same_model({**fp, "id": "0123456789abcdef"}, fp)
