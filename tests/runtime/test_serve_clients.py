@@ -173,6 +173,8 @@ def test_openai_completions_score_text(url, lm):
     assert strs.choices[1].text == tok.decode(alone(lm, tok("A river")["input_ids"], 4), skip_special_tokens=True)
     n = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, n=2, temperature=1.0, seed=1, logprobs=2)
     assert [x.index for x in n.choices] == [0, 1] and all(len(x.logprobs.tokens) == len(x.logprobs.top_logprobs) for x in n.choices)
+    for x in n.choices:  # sampled, so seldom among the 2 likeliest: the chosen token is listed too (as vLLM does)
+        assert all(t in top for t, top in zip(x.logprobs.tokens, x.logprobs.top_logprobs))  # byte tokens may share a text
     again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, n=2, temperature=1.0, seed=1, logprobs=2)
     assert [x.text for x in again.choices] == [x.text for x in n.choices]
     best = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, n=1, best_of=3, temperature=1.0, logprobs=0)
