@@ -89,6 +89,14 @@ def test_weight_per_channel(w):
         assert s[i].item() == pow2(bf16(w[i].abs().max().item() / 224))
 
 
+def test_inc_per_channel_weight_scales_are_computed_in_the_weights_dtype():
+    """INC's MaxAbsPcs: maxabs / 224 and its rounding in the weight's dtype (fp32 here), then hp_dtype (bf16); hqtflow's
+    own methods cast to bf16 first. 224 * (1 + 2^-12) is 224 in bf16 (scale 1) but over it in fp32 (pow2: 2)."""
+    w = torch.tensor([[224 * (1 + 2**-12), 1.0]])
+    rule = scale_method("act_maxabs_pow2_weights_pcs_maxabs_pow2").weight
+    assert weight_scale(w, rule).tolist() == [2.0] and weight_scale(w, rule, inc=False).tolist() == [1.0]
+
+
 def _qdq_err(w, s):
     return float(((w.float() - dequantize(quantize(w, s), s, torch.float32)) ** 2).sum())
 
