@@ -1,5 +1,6 @@
 """The continuous-batching engine: greedy equals model.generate, batching does not change any request's text."""
 
+import itertools
 import threading
 import time
 
@@ -301,13 +302,18 @@ def test_seed_stop_and_penalty(lm, engine):
     assert text_of(a) == text_of(b) and a[-1].finish_reason == "length"
     other = engine.generate(x, SamplingParams(max_new_tokens=12, do_sample=True, temperature=0.9, seed=8))
     assert [e.token.id for e in other] != [e.token.id for e in a]
-    greedy = text_of(engine.generate(x, SamplingParams(max_new_tokens=16)))
-    stop = greedy[len(greedy) // 2: len(greedy) // 2 + 2]
+    events = engine.generate(x, SamplingParams(max_new_tokens=16))
+    greedy = text_of(events)
+    ends = list(itertools.accumulate(len(e.token.text) for e in events))  # where each token's text ends
+    # a stop sequence across a token boundary: the last character of token k and the first of token k + 1
+    k, at = next((k, ends[k] - 1) for k in range(len(ends) // 2, len(ends) - 1) if ends[k - 1] < ends[k] < ends[k + 1]
+                 and greedy.find(greedy[ends[k] - 1:ends[k] + 1]) == ends[k] - 1)
+    stop = greedy[at:at + 2]
     stopped = engine.generate(x, SamplingParams(max_new_tokens=16, stop=(stop,)))
-    assert stopped[-1].finish_reason == "stop_sequence" and stopped[-1].stop_at == greedy.find(stop)
-    # the text of every generated token, the stop sequence included (TGI's generated_text; OpenAI cuts at stop_at)
-    assert text_of(stopped) == "".join(e.token.text for e in stopped) and greedy.startswith(text_of(stopped))
-    assert text_of(stopped).endswith(stop) or stop in text_of(stopped)[-len(stopped[-1].token.text) - len(stop):]
+    assert stopped[-1].finish_reason == "stop_sequence" and stopped[-1].stop_at == at
+    # ended by the token that completes it, whose text holds only its end; the text of every generated token, the
+    # stop sequence included (TGI's generated_text; OpenAI cuts at stop_at)
+    assert len(stopped) == k + 2 and text_of(stopped) == "".join(e.token.text for e in stopped) == greedy[:ends[k + 1]]
     penalised = text_of(engine.generate(x, SamplingParams(max_new_tokens=16, repetition_penalty=0.05)))  # < 1 favours seen tokens
     assert penalised != greedy
 
