@@ -983,7 +983,8 @@ def test_a_signal_to_the_tp_launcher_alone_stops_the_ranks(tiny_llama, wiki_text
     import signal
     import subprocess
     import sys
-    import time
+
+    import psutil
 
     out = tmp_path / "m"
     cmd = [sys.executable, "-m", "hqtflow", "measure", str(tiny_llama), "-o", str(out), "--tp", "2", "--text",
@@ -998,9 +999,12 @@ def test_a_signal_to_the_tp_launcher_alone_stops_the_ranks(tiny_llama, wiki_text
         ch = p.stderr.read(1)
         assert ch, seen
         seen += ch
+    ranks = psutil.Process(p.pid).children(recursive=True)  # torchrun and its ranks
+    assert len(ranks) >= 3, ranks
     p.send_signal(getattr(signal, sig))
     _, err = p.communicate(timeout=120)
-    time.sleep(5)  # an orphaned rank would have written its output by now
+    _, alive = psutil.wait_procs(ranks, timeout=60)  # an orphaned rank would run on and write the output
+    assert not alive, alive
     assert p.returncode == 128 + getattr(signal, sig), (seen + err)[-3000:]
     assert (seen + err).count("nothing was written") == 1, (seen + err)[-3000:]
     assert not list(tmp_path.iterdir()), sorted(x.name for x in tmp_path.iterdir())
