@@ -206,6 +206,20 @@ def smollm2() -> Path:
     return d
 
 
+SMOLLM2_TP3_CALIBRATION = ["--limit", "6", "--max-length", "64", "--batch-size", "3", "--dtype", "fp32"]  # + its --text
+
+
+@pytest.fixture(scope="session")
+def smollm2_tp3(smollm2, data_dir, tmp_path_factory) -> Path:
+    """SmolLM2 measured on 3 ranks in fp32 (what --dtype auto picks on CPUs without native bf16), once: its layout
+    (test_smollm2) and its unified statistics (test_unify) are checked on the same run."""
+    out = tmp_path_factory.mktemp("smollm2_tp3") / "m3"
+    r = run_cli("measure", smollm2, "-o", out, "--tp", "3", "--text", data_dir / "wikitext2_valid.txt",
+                *SMOLLM2_TP3_CALIBRATION)
+    assert r.exit_code == 0, r.output
+    return out
+
+
 @pytest.fixture(scope="session")
 def wiki_text(data_dir) -> Path:
     return data_dir / "wikitext2_valid.txt"

@@ -28,11 +28,8 @@ def test_measure_tasks_and_text(smollm2, data_dir, tmp_path):
     assert all(v > 0 for v in down) and max(down) > 10 * min(down)
 
 
-def test_tp3(smollm2, data_dir, tmp_path):
-    out = tmp_path / "tp3"
-    r = run_cli("measure", smollm2, "-o", out, "--tp", "3", "--text", data_dir / "wikitext2_valid.txt",
-                "--limit", "6", "--max-length", "64", "--batch-size", "3")
-    assert r.exit_code == 0, r.output
+def test_tp3(smollm2_tp3):
+    out = smollm2_tp3
     m = read_manifest(out, "hqtflow.measurement")
     assert m.data["world_size"] == 3
     for rank in range(3):

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, SMOLLM2_TP3_CALIBRATION, run_cli
 from hqtflow.errors import ConfigError, ProvenanceWarning
 from hqtflow.formats.artifact import read_manifest
 from hqtflow.unify import _concat, check_rank_order, parse_groups
@@ -250,7 +250,7 @@ def test_unified_files_load_in_neural_compressor(runs, tmp_path):
 
 # ---- end to end on SmolLM2 --------------------------------------------------------------------------
 @pytest.mark.slow
-def test_smollm2_three_ranks_unified_gives_the_same_checkpoint(smollm2, data_dir, tmp_path):
+def test_smollm2_three_ranks_unified_gives_the_same_checkpoint(smollm2, smollm2_tp3, data_dir, tmp_path):
     """measure --tp 3 -> unify -g 012 -> quantize -> generate equals measuring on one rank.
 
     Scales are identical except where a statistic lies within float32 reduction noise of a rounding boundary
@@ -258,12 +258,10 @@ def test_smollm2_three_ranks_unified_gives_the_same_checkpoint(smollm2, data_dir
     import torch
     from safetensors import safe_open
 
-    common = ["--text", data_dir / "wikitext2_valid.txt", "--limit", "6", "--max-length", "64", "--batch-size", "3",
-              "--dtype", "fp32"]
-    assert run_cli("measure", smollm2, "-o", tmp_path / "m1", *common).exit_code == 0
-    r = run_cli("measure", smollm2, "-o", tmp_path / "m3", "--tp", "3", *common)
-    assert r.exit_code == 0, r.output
-    assert run_cli("unify", "-g", "012", "-m", tmp_path / "m3", "-o", tmp_path / "u").exit_code == 0
+    one = run_cli("measure", smollm2, "-o", tmp_path / "m1", "--text", data_dir / "wikitext2_valid.txt",
+                  *SMOLLM2_TP3_CALIBRATION)  # as smollm2_tp3 measured on 3 ranks
+    assert one.exit_code == 0, one.output
+    assert run_cli("unify", "-g", "012", "-m", smollm2_tp3, "-o", tmp_path / "u").exit_code == 0
     ref = nodes(tmp_path / "m1", "measure_hooks_maxabs")
     uni = nodes(tmp_path / "u", "measure_hooks_maxabs")
     assert_equal_measurements(uni, ref)
