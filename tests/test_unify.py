@@ -65,9 +65,18 @@ def test_packed_shards_are_deinterleaved():
 
 # ---- proofs on a tiny model -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def runs(tiny_factory, wiki_text, tmp_path_factory):
-    """The same model and batches measured with --tp 1, 2 and 4 (float32), per tensor and per channel."""
-    model = tiny_factory("llama", num_key_value_heads=4, dtype="float32")
+def uneven_model(tiny_factory):
+    """A model whose vocabulary (517 = 12 * 43 + 1) divides by no rank count: transformers shards lm_head unevenly
+    (259 + 258 rows on 2 ranks, 173 + 173 + 171 on 3); its 12 heads divide by 1 to 4 ranks."""
+    return tiny_factory("llama", hidden_size=96, intermediate_size=120, num_attention_heads=12, num_key_value_heads=12,
+                        head_dim=8, vocab_size=517, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def runs(uneven_model, wiki_text, tmp_path_factory):
+    """The same model (the uneven vocabulary's) and batches measured with --tp 1, 2 and 4 (float32), per tensor
+    (outputs included) and per channel."""
+    model = uneven_model
     base = tmp_path_factory.mktemp("unify")
     pc = base / "pc.json"
     pc.write_text(json.dumps({"mode": "MEASURE", "observer": "maxabs_per_channel", "measure_exclude": "NONE"}))
@@ -148,9 +157,10 @@ def test_per_channel_concatenation(runs, tmp_path):
     ref = nodes(runs["pc1"], "measure_hooks_maxabs_per_channel")
     assert_equal_measurements(u, ref)
     # shapes: column weights and outputs concatenated, row inputs concatenated
-    assert np.array(u["model.layers.0.self_attn.q_proj"]["params"]["weight"]).shape == (64, 1)
-    assert np.array(u["model.layers.0.self_attn.q_proj"]["outputs"]).shape == (1, 64, 1)
-    assert np.array(u["model.layers.0.mlp.down_proj"]["inputs"]).shape == (1, 128, 1)
+    assert np.array(u["model.layers.0.self_attn.q_proj"]["params"]["weight"]).shape == (96, 1)  # 12 heads x 8
+    assert np.array(u["model.layers.0.self_attn.q_proj"]["outputs"]).shape == (1, 96, 1)
+    assert np.array(u["model.layers.0.mlp.down_proj"]["inputs"]).shape == (1, 120, 1)
+    assert np.array(u["lm_head"]["params"]["weight"]).shape == (517, 1)  # 259 + 258 rows
 
 
 # ---- foreign dumps, stray files, bad input ---------------------------------------------------------
@@ -322,17 +332,13 @@ def test_import_of_optimum_habana_single_group_unify_output(tmp_path):
 
 # ---- a vocabulary that does not divide by the rank count ---------------------------------------------
 @pytest.fixture(scope="module")
-def uneven(tiny_factory, wiki_text, tmp_path_factory):
-    """A model whose vocabulary (517 = 12 * 43 + 1) divides by no rank count, measured on 1 to 4 ranks: transformers
-    shards lm_head unevenly (259 + 258 rows on 2 ranks, 173 + 173 + 171 on 3)."""
-    model = tiny_factory("llama", hidden_size=96, intermediate_size=120, num_attention_heads=12, num_key_value_heads=12,
-                         head_dim=8, vocab_size=517, dtype="float32")
-    base = tmp_path_factory.mktemp("uneven")
-    common = ["--text", wiki_text, "--limit", "2", "--max-length", "32", "--dtype", "fp32"]
-    for tp in (1, 2, 3, 4):
-        r = run_cli("measure", model, "-o", base / f"tp{tp}", "--tp", str(tp), *common)
-        assert r.exit_code == 0, r.output
-    return base
+def uneven(runs, uneven_model, wiki_text, tmp_path_factory):
+    """uneven_model measured per tensor on 1 to 4 ranks, by rank count: `runs`' measurements, and 3 ranks."""
+    three = tmp_path_factory.mktemp("uneven") / "tp3"
+    r = run_cli("measure", uneven_model, "-o", three, "--tp", "3", "--text", wiki_text, "--limit", "2", "--max-length",
+                "32", "--dtype", "fp32")
+    assert r.exit_code == 0, r.output
+    return {1: runs["pt1"], 2: runs["pt2"], 3: three, 4: runs["pt4"]}
 
 
 def weight_scales(measurement, out):
@@ -351,9 +357,9 @@ def weight_scales(measurement, out):
 def test_scales_of_uneven_shards_are_the_true_slices(uneven, tp, tmp_path):
     """Each rank's per-channel weight scales of a column-parallel layer are the one-rank scales of the rows it held
     (rank r's rows start after the preceding ranks' recorded rows, not at r * its own row count)."""
-    full = weight_scales(uneven / "tp1", tmp_path / "one")[0]
-    ranks = weight_scales(uneven / f"tp{tp}", tmp_path / "many")
-    layers = read_manifest(uneven / f"tp{tp}", "hqtflow.measurement").data["ranks"]
+    full = weight_scales(uneven[1], tmp_path / "one")[0]
+    ranks = weight_scales(uneven[tp], tmp_path / "many")
+    layers = read_manifest(uneven[tp], "hqtflow.measurement").data["ranks"]
     rows = [r["layers"]["lm_head"]["weight_shape"][0] for r in layers]
     assert len(set(rows)) > 1 and sum(rows) == 517
     for name in ("lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"):
@@ -365,10 +371,10 @@ def test_unified_uneven_shards_quantize_as_measured(uneven, tmp_path):
     """unify 4 -> 2 and 4 -> 1 of the uneven vocabulary record each merged rank's rows as the sum of its group's
     (130 + 130 and 130 + 127 of 517), and --scales-only gives each merged rank the scales of those rows: 4 -> 1
     equals a direct one-rank measurement's."""
-    full = weight_scales(uneven / "tp1", tmp_path / "ref")
+    full = weight_scales(uneven[1], tmp_path / "ref")
     for groups in (["01", "23"], ["0123"]):
         out = tmp_path / "-".join(groups)
-        r = run_cli("unify", "-g", *groups, "-m", uneven / "tp4", "-o", out)
+        r = run_cli("unify", "-g", *groups, "-m", uneven[4], "-o", out)
         assert r.exit_code == 0, r.output
         shapes = [r["layers"]["lm_head"]["weight_shape"] for r in
                   read_manifest(out, "hqtflow.measurement").data["ranks"]]
