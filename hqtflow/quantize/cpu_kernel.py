@@ -148,6 +148,24 @@ def _register_fakes() -> None:
         return weight.new_empty(weight.shape, dtype=dtype)
 
 
+def build(variants) -> None:
+    """Compile the libraries of `variants` not built yet side by side, one compiler each (what `load` would do one
+    after another); a failure is left for `load` to report."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = {v: library_path(v) for v in {"native" if _is_native(v) else v for v in variants}}
+    todo = {v: lib for v, lib in todo.items() if not lib.is_file()}
+
+    def one(v):
+        try:
+            _build(v, todo[v])
+        except OSError:
+            pass
+
+    with ThreadPoolExecutor(max(1, len(todo))) as pool:
+        list(pool.map(one, todo))
+
+
 def load(variant: str = "native") -> bool:
     """Build (first time on this machine) or load the kernel; True when its ops exist."""
     return _load(variant) is None

@@ -40,13 +40,21 @@ def _variants():
     return ["native", "avx2"] + (["bf16dot"] if "amx_bf16" in cpu_flags() else [])
 
 
+@pytest.fixture(scope="module")
+def cpu_kernel_built(cpu_kernel_loaded):
+    """The kernel module with every variant this file loads compiled, side by side the first time on a machine (a
+    minute or more each, one after another)."""
+    cpu_kernel_loaded.build(_variants() + ["scalar"])
+    return cpu_kernel_loaded
+
+
 @pytest.fixture(scope="module", params=_variants())
-def ops(request, cpu_kernel_loaded):
+def ops(request, cpu_kernel_built):
     variant = request.param
     from conftest import need
 
-    need(cpu_kernel_loaded.load(variant), f"the {variant} kernel could not be built: {cpu_kernel_loaded.build_error(variant)}")
-    return cpu_kernel_loaded.ops(variant)
+    need(cpu_kernel_built.load(variant), f"the {variant} kernel could not be built: {cpu_kernel_built.build_error(variant)}")
+    return cpu_kernel_built.ops(variant)
 
 
 def _layer(k, n, hp, mode, seed=0):
@@ -128,12 +136,12 @@ def test_large_outputs_give_the_same_rows(ops):
 
 
 @pytest.fixture(scope="module")
-def avx2_and_scalar(cpu_kernel_loaded):
+def avx2_and_scalar(cpu_kernel_built):
     from conftest import need
 
     for variant in ("avx2", "scalar"):
-        need(cpu_kernel_loaded.load(variant), f"the {variant} kernel could not be built: {cpu_kernel_loaded.build_error(variant)}")
-    return cpu_kernel_loaded.ops("avx2"), cpu_kernel_loaded.ops("scalar")
+        need(cpu_kernel_built.load(variant), f"the {variant} kernel could not be built: {cpu_kernel_built.build_error(variant)}")
+    return cpu_kernel_built.ops("avx2"), cpu_kernel_built.ops("scalar")
 
 
 @pytest.mark.parametrize("k,n", SHAPES + [(7, 13), (4100, 24)])
