@@ -19,7 +19,14 @@ TOKENS, WINDOW = 512, 256
 
 
 @pytest.fixture(scope="module")
-def setup(smollm2, data_dir, tmp_path_factory):
+def bf16(smollm2):
+    from hqtflow import models
+
+    return models.load_model(smollm2, "bf16")
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2, bf16, data_dir, tmp_path_factory):
     from hqtflow import models
     from hqtflow.accuracy import log_probs, token_windows
 
@@ -28,7 +35,6 @@ def setup(smollm2, data_dir, tmp_path_factory):
                 "--max-length", "256", "--batch-size", "8", "--hessians")
     assert r.exit_code == 0, r.output
     tok = models.load_tokenizer(smollm2)
-    bf16 = models.load_model(smollm2, "bf16")
     windows = token_windows(tok, data_dir / "wikitext2_test.txt", TOKENS, WINDOW)
     assert sum(w.shape[1] for w in windows) == TOKENS
     return meas, windows, log_probs(bf16, windows)
@@ -45,31 +51,44 @@ def gate(setup, method: str, gptq: bool = False):
     return divergence(ref, model, windows)
 
 
-def test_default_method(setup):
-    d = gate(setup, None)  # maxabs_arbitrary, static per-tensor W8A8, lm_head bf16
+@pytest.fixture(scope="module")
+def gates(setup):
+    """gate(setup, method, gptq), each computed once: fp8_dynamic's is shared by three tests."""
+    done = {}
+
+    def get(method, gptq=False):
+        if (method, gptq) not in done:
+            done[method, gptq] = gate(setup, method, gptq)
+        return done[method, gptq]
+
+    return get
+
+
+def test_default_method(gates):
+    d = gates(None)  # maxabs_arbitrary, static per-tensor W8A8, lm_head bf16
     print(f"maxabs_arbitrary: mean KL {d.mean_kl:.4f}, top-1 {d.top1:.4f}")
     assert d.mean_kl < 0.06 and d.top1 > 0.88
 
 
 @pytest.mark.parametrize("method", ["fp8_dynamic", "fp8_dynamic_mse", "maxabs_pcs_pow2"])
-def test_dynamic_methods(setup, method):
-    d = gate(setup, method)
+def test_dynamic_methods(gates, method):
+    d = gates(method)
     print(f"{method}: mean KL {d.mean_kl:.4f}, top-1 {d.top1:.4f}")
     assert d.mean_kl < 0.055 and d.top1 > 0.87
 
 
-def test_gptq(setup):
+def test_gptq(gates):
     """GPTQ-rounded weights (`quantize --gptq`, same scales) with per-token dynamic activations are closer to bf16
     than the same method's round-to-nearest weights. (The static default gains on 8192 tokens, bench/RESULTS.md,
     but not measurably on this short slice.)"""
-    nearest, gptq = gate(setup, "fp8_dynamic"), gate(setup, "fp8_dynamic", gptq=True)
+    nearest, gptq = gates("fp8_dynamic"), gates("fp8_dynamic", gptq=True)
     print(f"fp8_dynamic: mean KL {nearest.mean_kl:.4f} -> {gptq.mean_kl:.4f} with GPTQ, "
           f"top-1 {nearest.top1:.4f} -> {gptq.top1:.4f}")
     # measured on this slice: 0.0466 -> 0.0407, top-1 0.902 -> 0.918 (on 8192 tokens: 0.0280 -> 0.0179)
     assert gptq.mean_kl < 0.92 * nearest.mean_kl and gptq.top1 > nearest.top1 - 0.005
 
 
-def test_tuned_checkpoint(setup, smollm2, data_dir, tmp_path):
+def test_tuned_checkpoint(setup, gates, bf16, smollm2, data_dir, tmp_path):
     """`hqtflow tune` on SmolLM2 (fp8_dynamic, calibration text WikiText-2 valid) to 85% of the all-quantized KL
     there: the tuned checkpoint keeps a few Linear layers in bf16 and is closer to bf16 on the held-out test slice
     than the same method with every layer quantized."""
@@ -83,7 +102,7 @@ def test_tuned_checkpoint(setup, smollm2, data_dir, tmp_path):
     meas, windows, ref = setup
     calib = token_windows(models.load_tokenizer(smollm2), data_dir / "wikitext2_valid.txt", 256, 128)
     model, _ = quantize_in_memory(QuantizeSettings(measurement=str(meas), output="-", scale_method="fp8_dynamic"))
-    full_calib = divergence(log_probs(models.load_model(smollm2, "bf16"), calib), model, calib).mean_kl
+    full_calib = divergence(log_probs(bf16, calib), model, calib).mean_kl
     target = 0.85 * full_calib
     r = run_cli("tune", "-m", meas, "-o", tmp_path / "tune", "--text", data_dir / "wikitext2_valid.txt",
                 "--scale-method", "fp8_dynamic", "--target-kl", str(target), "--tokens", "256", "--window", "128")
@@ -93,7 +112,7 @@ def test_tuned_checkpoint(setup, smollm2, data_dir, tmp_path):
     tol = 1e-6 if report["compute_dtype"] == "bf16" else 0.1 * full_calib
     assert abs(report["all_quantized"]["mean_kl"] - full_calib) < tol
     assert report["kept_bf16"] and report["tuned"]["mean_kl"] <= target
-    full = gate(setup, "fp8_dynamic")
+    full = gates("fp8_dynamic")
     tuned_model, _ = hqtflow.load(tmp_path / "tune" / "checkpoint", dtype="bf16")  # as `full` computes
     tuned = divergence(ref, tuned_model, windows)
     kept = len(report["kept_bf16"])
