@@ -112,6 +112,8 @@ class Ctx:
     def __init__(self, engine: Engine, tokenizer, settings: ServeSettings, metrics, state: dict):
         self.engine, self.tok, self.s, self.metrics, self.state = engine, tokenizer, settings, metrics, state
         self.mailbox: Mailbox | None = None
+        self.waiting: set[asyncio.Queue] = set()  # the queues of the requests waiting on the engine now
+        self.closing: str | None = None  # set by shut_down: the error every request ends with
         self.vocab = vocab_size(engine.model, tokenizer)
         self.bounds = server_bounds(settings.max_best_of, settings.max_top_n_tokens)  # for schemas.parse
 
@@ -164,6 +166,18 @@ class Ctx:
             future.cancel()  # a compile still queued never runs (a no-op once it has run)
             watcher.cancel()
 
+    def shut_down(self, reason: str) -> None:
+        """(Any thread.) End every request waiting on the engine with `reason` (a 424, a stream's error event) now,
+        without waiting for the engine's step to end, and any later one at once: a long step must not hold the
+        answers past uvicorn's shutdown deadline, which cancels what is left (a plain-text 500)."""
+        self.closing = reason
+        if self.mailbox is not None:
+            self.mailbox.loop.call_soon_threadsafe(self._end_waiting, reason)
+
+    def _end_waiting(self, reason: str) -> None:
+        for queue in self.waiting:
+            queue.put_nowait((0, Event(0, None, error=reason)))
+
     def admit(self) -> Slot:
         """One of `--max-concurrent-requests` places, taken now (a 429 when none is free), freed by the request."""
         if self.state["in_flight"] >= self.s.max_concurrent_requests:
@@ -180,7 +194,10 @@ class Ctx:
         mailbox = self._mailbox(asyncio.get_running_loop())
         handles, counts, left, t0 = [], [0] * len(jobs), len(jobs), time.perf_counter()
         watcher = asyncio.ensure_future(_disconnected(request, queue)) if request is not None else None
+        self.waiting.add(queue)
         try:
+            if self.closing:
+                raise ApiError(424, self.closing, "generation")
             # once per request: its prompts, each once (the n sequences of a prompt share its list)
             self.metrics.input_length.observe(sum(len(ids) for ids in {id(ids): ids for ids, _ in jobs}.values()))
             for i, (ids, params) in enumerate(jobs):
@@ -202,6 +219,7 @@ class Ctx:
             raise
         finally:
             slot.release()
+            self.waiting.discard(queue)
             if watcher is not None:
                 watcher.cancel()
             for h in handles:

@@ -187,7 +187,7 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
 
         app.add_middleware(CORSMiddleware, allow_origins=s.cors_allow_origin, allow_methods=["GET", "POST"],
                            allow_headers=["*"])
-    ctx = Ctx(engine, tokenizer, s, metrics, state)
+    ctx = app.state.ctx = Ctx(engine, tokenizer, s, metrics, state)
     for router in (tgi_router(ctx), openai_router(ctx), metrics_router(metrics)):
         app.include_router(router)
 
@@ -301,11 +301,7 @@ def _run(app, sock) -> None:
 
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit:
-                app.state.deadline = time.monotonic() + timeout
-                grace = max(0.0, timeout - min(1.0, timeout / 2))  # the rest: the streams' error events go out
-                timer = threading.Timer(grace, app.state.engine.abort, args=("the server is shutting down",))
-                timer.daemon = True  # an idle server exits at once, without waiting for it
-                timer.start()
+                drain(app, timeout)
             super().handle_exit(sig, frame)
 
     from hqtflow.runtime.transport import raise_open_files_limit
@@ -318,16 +314,38 @@ def _run(app, sock) -> None:
     Server(config).run(sockets=[sock])
 
 
+def drain(app, timeout: float) -> None:
+    """Start a graceful shutdown: running requests have `timeout` seconds (the engine's thread is waited for until
+    then), and what is left ends with "the server is shutting down" a second before (half of it, when shorter), in
+    time to be sent before uvicorn cancels what is still running at the timeout."""
+    import threading
+
+    app.state.deadline = time.monotonic() + timeout
+    grace = max(0.0, timeout - min(1.0, timeout / 2))
+    timer = threading.Timer(grace, shut_down, args=(app, "the server is shutting down"))
+    timer.daemon = True  # an idle server exits at once, without waiting for it
+    timer.start()
+
+
+def shut_down(app, reason: str) -> None:
+    """End every request with `reason`: the ones waiting on the engine at once (their answers go out even while a
+    long step runs), and the engine's at its next step."""
+    app.state.ctx.shut_down(reason)
+    app.state.engine.abort(reason)
+
+
 def exit_now(code: int) -> None:
     """End the process with `code` once the server has stopped, without the interpreter's teardown: freeing every
-    object of torch, transformers and the model takes 1-3 s of CPU, which ran past --shutdown-timeout. The atexit
-    handlers run and the logs and stdio are flushed first; the kernel frees the rest (a step the engine thread may
-    still be running ends with the process)."""
-    import atexit
+    object of torch, transformers and the model takes 1-3 s of CPU, which ran past --shutdown-timeout. The logs are
+    flushed, weakref finalizers run (temporary files) and stdio is flushed first; the kernel frees the rest (a step
+    the engine thread may still be running ends with the process). Not every atexit handler: torch._dynamo's imports
+    tabulate to log a table of compile times, 1.3 s beside a running step."""
     import os
     import sys
+    import weakref
 
-    atexit._run_exitfuncs()  # what sys.exit would run (logging's flush, weakref finalizers' temporary files)
+    logging.shutdown()
+    weakref.finalize._exitfunc()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -672,3 +672,81 @@ def test_developer_is_system_to_a_template_that_does_not_name_it(url):
     as_system, as_developer = (httpx.post(f"{url}/v1/chat/completions", json={**ask, "messages": [
         {"role": role, "content": "Answer in French."}, *MESSAGES]}).json() for role in ("system", "developer"))
     assert as_developer["usage"] == as_system["usage"] and as_developer["choices"] == as_system["choices"]
+
+
+def test_a_shutdown_during_a_long_step_answers_every_client_with_the_shutdown_error(lm, monkeypatch):
+    """A graceful shutdown while the engine's step runs past the timeout (a long prefill, a loaded machine): every
+    waiting request still ends with "the server is shutting down" (a 424 JSON, a stream's error event), what the
+    official clients raise as such, before uvicorn's deadline cancels the tasks (its plain-text 500, which
+    text_generation failed to parse), and the server stops by the timeout."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from hqtflow.runtime.server import drain, uvicorn_config
+
+    tg, hub, openai = client_lib("text_generation"), client_lib("huggingface_hub"), client_lib("openai")
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)
+    app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=32, max_total_tokens=64, shutdown_timeout=2))
+    stuck, released = threading.Event(), threading.Event()
+
+    def long_step(plan):  # the engine's step outlasts the shutdown timeout
+        stuck.set()
+        released.wait(30)
+
+    monkeypatch.setattr(app.state.engine, "_forward", long_step)
+    with socket_port() as port:
+        server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    base, results = f"http://127.0.0.1:{port}", {}
+    calls = {"tgi": lambda: tg.Client(base, timeout=30).generate(PROMPT, max_new_tokens=4),
+             "tgi_stream": lambda: list(tg.Client(base, timeout=30).generate_stream(PROMPT, max_new_tokens=4)),
+             "hub": lambda: hub.InferenceClient(base_url=base, timeout=30).text_generation(PROMPT, max_new_tokens=4),
+             "openai": lambda: openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0).chat.completions.create(
+                 model="tiny", messages=MESSAGES, max_tokens=4)}
+
+    def call(name):
+        try:
+            results[name] = calls[name]()
+        except Exception as e:  # noqa: BLE001 - what each client raises is the result
+            results[name] = e
+
+    clients = [threading.Thread(target=call, args=(name,)) for name in calls]
+    try:
+        for c in clients:
+            c.start()
+        assert stuck.wait(30)
+        while app.state.ctx.state["in_flight"] < len(calls):  # every request is waiting on the stuck step
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        drain(app, 2.0)
+        server.should_exit = True  # what uvicorn's signal handler does
+        for c in clients:
+            c.join(30)
+        assert time.monotonic() - t0 < 2.0  # answered before uvicorn's deadline
+        thread.join(10)
+        assert not thread.is_alive() and time.monotonic() - t0 < 2.0 + 1.0
+    finally:
+        released.set()
+    for name, raised in results.items():
+        assert "the server is shutting down" in str(raised), (name, repr(raised))
+    assert isinstance(results["tgi"], tg.errors.GenerationError) and isinstance(results["hub"], hub.errors.GenerationError)
+    assert isinstance(results["openai"], openai.APIStatusError) and results["openai"].status_code == 424
+
+
+def socket_port():
+    """A free loopback port (the socket closed when the block ends)."""
+    import contextlib
+    import socket
+
+    @contextlib.contextmanager
+    def port():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            yield sock.getsockname()[1]
+
+    return port()
