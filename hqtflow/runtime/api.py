@@ -11,10 +11,15 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
+from fastapi.responses import StreamingResponse
+
 from hqtflow.runtime.engine import Engine, Event, Request, SamplingParams
 from hqtflow.runtime.grammar import compile_pool
 from hqtflow.runtime.schemas import ApiError, invalid, parse, read_body, server_bounds
 from hqtflow.runtime.settings import ServeSettings
+
+KEEP_ALIVE_SECONDS = 15.0  # an SSE comment after this long without an event (TGI's axum KeepAlive::default())
+KEEP_ALIVE = ":\n\n"  # an SSE comment, which every SSE client skips
 
 
 @dataclass
@@ -97,6 +102,33 @@ class Mailbox:
             items, self.items, self.scheduled = self.items, deque(), False
         for queue, item in items:
             queue.put_nowait(item)
+
+
+async def with_keep_alive(events):
+    """`events` (an async generator of SSE text), with a comment whenever KEEP_ALIVE_SECONDS pass without one: a
+    stream queued or in a long prefill is not silent on the wire (proxies cut idle connections, nginx's at 60 s)."""
+    pending = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=KEEP_ALIVE_SECONDS)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            pending = asyncio.ensure_future(anext(events))
+    finally:  # the client left: the event awaited is cancelled (the request with it), then the stream closed
+        pending.cancel()
+        await asyncio.wait({pending})
+        await events.aclose()
+
+
+def event_stream(events) -> StreamingResponse:
+    """The SSE answer of `events` (an async generator of SSE text), with keep-alive comments."""
+    return StreamingResponse(with_keep_alive(events), media_type="text/event-stream")
 
 
 def vocab_size(model, tokenizer) -> int:

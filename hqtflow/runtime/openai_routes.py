@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from hqtflow.runtime import tools
-from hqtflow.runtime.api import Ctx, Sequence
+from hqtflow.runtime.api import Ctx, Sequence, event_stream
 from hqtflow.runtime.engine import SamplingParams
 from hqtflow.runtime.grammar import TOOLS_SCALE, GrammarError, compile_grammar
 from hqtflow.runtime.schemas import (ROLES, ApiError, ChatRequest, CompletionRequest, OpenAICommon, invalid, openai_error,
@@ -507,7 +507,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
                 ctx.metrics.failed(e.error_type)
                 yield chunk(openai_error(e.message, e.error_type, e.status))
 
-        return StreamingResponse(slot.tie_to(chunks()), media_type="text/event-stream")
+        return event_stream(slot.tie_to(chunks()))
 
     def model_card() -> dict:
         return {"id": s.served_name, "object": "model", "created": 0, "owned_by": "hqtflow"}

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from hqtflow.runtime.api import Ctx, Sequence
+from hqtflow.runtime.api import Ctx, Sequence, event_stream
 from hqtflow.runtime.engine import SamplingParams
 from hqtflow.runtime.grammar import GrammarError, compile_grammar
 from hqtflow.runtime.schemas import (ApiError, JsonSchema, TgiParameters, TgiRequest,
@@ -138,7 +138,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
                 ctx.metrics.failed(e.error_type)
                 yield sse({"error": e.message, "error_type": e.error_type})
 
-        return StreamingResponse(slot.tie_to(events()), media_type="text/event-stream")
+        return event_stream(slot.tie_to(events()))
 
     @r.post("/")
     async def compat(request: Request):

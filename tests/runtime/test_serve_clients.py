@@ -750,3 +750,45 @@ def socket_port():
             yield sock.getsockname()[1]
 
     return port()
+
+
+def test_streams_send_keep_alive_comments_the_official_clients_skip(lm, monkeypatch):
+    """Every SSE route sends a comment after KEEP_ALIVE_SECONDS without an event (TGI's 15 s; 0.05 s here, with 0.2 s
+    steps), so a queued stream is not silent on the wire; text_generation (Client, AsyncClient), huggingface_hub
+    (text_generation, chat_completion) and openai stream the same text as without them."""
+    import asyncio
+    import time
+
+    from hqtflow.runtime import api
+
+    tg, hub, openai = client_lib("text_generation"), client_lib("huggingface_hub"), client_lib("openai")
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)
+    app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=32, max_total_tokens=64))
+    engine = app.state.engine
+    with running(app) as base:
+        want = tg.Client(base).generate(PROMPT, max_new_tokens=3).generated_text
+        chat = openai.OpenAI(base_url=f"{base}/v1", api_key="x").chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=3, temperature=0).choices[0].message.content
+        step = engine._forward
+        monkeypatch.setattr(engine, "_forward", lambda plan: (time.sleep(0.2), step(plan))[1])
+        monkeypatch.setattr(api, "KEEP_ALIVE_SECONDS", 0.05)
+        body = {"model": "tiny", "max_tokens": 3, "stream": True}
+        for route, payload in [("/generate_stream", {"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}),
+                               ("/", {"inputs": PROMPT, "parameters": {"max_new_tokens": 3}, "stream": True}),
+                               ("/v1/completions", {**body, "prompt": PROMPT}),
+                               ("/v1/chat/completions", {**body, "messages": MESSAGES})]:
+            raw = httpx.post(f"{base}{route}", json=payload, timeout=30).text
+            assert raw.startswith(":\n\n") and raw.count(":\n\n") >= 3, (route, raw)
+        assert "".join(r.token.text for r in tg.Client(base).generate_stream(PROMPT, max_new_tokens=3)) == want
+
+        async def async_stream():
+            return [r async for r in tg.AsyncClient(base).generate_stream(PROMPT, max_new_tokens=3)]
+
+        assert "".join(r.token.text for r in asyncio.run(async_stream())) == want
+        c = hub.InferenceClient(base_url=base, timeout=30)
+        assert "".join(c.text_generation(PROMPT, max_new_tokens=3, stream=True)) == want
+        parts = c.chat_completion(MESSAGES, max_tokens=3, temperature=0, stream=True)
+        assert "".join(p.choices[0].delta.content or "" for p in parts) == chat
+        parts = openai.OpenAI(base_url=f"{base}/v1", api_key="x").chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=3, temperature=0, stream=True)
+        assert "".join(p.choices[0].delta.content or "" for p in parts) == chat
