@@ -126,9 +126,11 @@ async def with_keep_alive(events):
         await events.aclose()
 
 
-def event_stream(events) -> StreamingResponse:
-    """The SSE answer of `events` (an async generator of SSE text), with keep-alive comments."""
-    return StreamingResponse(with_keep_alive(events), media_type="text/event-stream")
+def event_stream(events, headers: dict[str, str]) -> StreamingResponse:
+    """The SSE answer of `events` (an async generator of SSE text), with keep-alive comments, `headers` and TGI's
+    `X-Accel-Buffering: no` (nginx passes each event on at once instead of buffering the answer)."""
+    return StreamingResponse(with_keep_alive(events), media_type="text/event-stream",
+                             headers={**headers, "X-Accel-Buffering": "no"})
 
 
 def vocab_size(model, tokenizer) -> int:

@@ -507,7 +507,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
                 ctx.metrics.failed(e.error_type)
                 yield chunk(openai_error(e.message, e.error_type, e.status))
 
-        return event_stream(slot.tie_to(chunks()))
+        return event_stream(slot.tie_to(chunks()), {"x-compute-type": ctx.engine.device.type})
 
     def model_card() -> dict:
         return {"id": s.served_name, "object": "model", "created": 0, "owned_by": "hqtflow"}

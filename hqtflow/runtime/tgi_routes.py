@@ -138,7 +138,8 @@ def tgi_router(ctx: Ctx) -> APIRouter:
                 ctx.metrics.failed(e.error_type)
                 yield sse({"error": e.message, "error_type": e.error_type})
 
-        return event_stream(slot.tie_to(events()))
+        return event_stream(slot.tie_to(events()), {"x-compute-type": ctx.engine.device.type,
+                                                     "x-compute-characters": str(len(req.inputs))})
 
     @r.post("/")
     async def compat(request: Request):

@@ -368,3 +368,18 @@ def test_generate_sends_tgis_timing_headers(url):
         assert min(parts) >= 0 and sum(parts) <= int(h["x-total-time"]) + 2 and float(h["x-compute-time"]) >= 0
         assert int(h["x-time-per-token"]) <= int(h["x-inference-time"]) and h["x-compute-type"] == "cpu"
         assert int(h["x-compute-characters"]) == len("The river")
+
+
+def test_streams_send_tgis_headers(url):
+    """Every SSE answer has TGI's `X-Accel-Buffering: no` (nginx passes events on at once); TGI's streams add
+    x-compute-type and x-compute-characters."""
+    body = {"inputs": "The river", "parameters": {"max_new_tokens": 2}}
+    v1 = {"model": "tiny", "max_tokens": 2, "stream": True}
+    for path, payload in [("/generate_stream", body), ("/", {**body, "stream": True}),
+                          ("/v1/completions", {**v1, "prompt": "The river"}),
+                          ("/v1/chat/completions", {**v1, "messages": [{"role": "user", "content": "Hi"}]})]:
+        with httpx.stream("POST", f"{url}{path}", json=payload, timeout=30) as r:
+            h = r.headers
+            assert r.status_code == 200 and h["x-accel-buffering"] == "no" and h["x-compute-type"] == "cpu", (path, h)
+            if not path.startswith("/v1/"):
+                assert int(h["x-compute-characters"]) == len("The river"), h
