@@ -200,6 +200,10 @@ class Ctx:
             future.cancel()  # a compile still queued never runs (a no-op once it has run)
             watcher.cancel()
 
+    def answered(self, start: float, seqs: list[Sequence]) -> None:
+        """A non-streaming request answered with `seqs` (`start`: its arrival): its success metrics, once."""
+        self.metrics.finished(start, [(q.handle, len(q.tokens)) for q in seqs])
+
     def shut_down(self, reason: str) -> None:
         """(Any thread.) End every request waiting on the engine with `reason` (a 424, a stream's error event) now,
         without waiting for the engine's step to end, and any later one at once: a long step must not hold the
@@ -218,15 +222,19 @@ class Ctx:
             raise ApiError(429, "Model is overloaded", "overloaded")
         return Slot(self.state)
 
-    async def stream(self, jobs: list[tuple[list[int], SamplingParams]], request=None, slot: Slot | None = None):
+    async def stream(self, jobs: list[tuple[list[int], SamplingParams]], request=None, slot: Slot | None = None,
+                     start: float | None = None, record: bool = True):
         """Run the jobs as one request; yields (job index, event, handle) as tokens come; cancels what is left
         when the consumer goes away (counted as cancelled), or, given the HTTP `request` (a non-streaming one, whose
         body is read), as soon as its client disconnects (the sequences leave the engine's batch at its next step).
-        `slot`: the place a streaming route took before its 200 (else one is taken here)."""
+        `slot`: the place a streaming route took before its 200 (else one is taken here). `record`: the request's
+        success metrics once every job has finished (`start`: its arrival; default now), else the caller's, which
+        knows the sequences it answers with (Metrics.finished)."""
+        start = time.monotonic() if start is None else start
         slot = slot or self.admit()
         queue = asyncio.Queue()
         mailbox = self._mailbox(asyncio.get_running_loop())
-        handles, counts, left, t0 = [], [0] * len(jobs), len(jobs), time.perf_counter()
+        handles, counts, left = [], [0] * len(jobs), len(jobs)
         watcher = asyncio.ensure_future(_disconnected(request, queue)) if request is not None else None
         self.waiting.add(queue)
         try:
@@ -247,7 +255,8 @@ class Ctx:
                 counts[i] += ev.token is not None
                 left -= ev.finish_reason is not None
                 yield i, ev, handles[i]
-            self.metrics.finished(time.perf_counter() - t0, handles, counts)
+            if record:
+                self.metrics.finished(start, list(zip(handles, counts)))
         except (GeneratorExit, asyncio.CancelledError):  # a streaming client went away
             self.metrics.failed("cancelled")
             raise
@@ -261,9 +270,9 @@ class Ctx:
 
     async def collect(self, jobs, request=None, slot: Slot | None = None) -> list[Sequence]:
         """Every event of the jobs; with the HTTP `request`, a client that disconnects cancels them. `slot`: the
-        place the route took (else one is taken here)."""
+        place the route took (else one is taken here). The caller records the success (`answered`)."""
         out = [Sequence() for _ in jobs]
-        async for i, ev, handle in self.stream(jobs, request, slot):
+        async for i, ev, handle in self.stream(jobs, request, slot, record=False):
             out[i].events.append(ev)
             out[i].handle = handle
         return out

@@ -49,11 +49,14 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.counters = Counters({"hqtflow_preemptions": (
             "Sequences preempted since start (KV blocks ran out; recomputed when readmitted)", lambda: engine.stats.preemptions)})
-        secs = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60)
+        secs = tuple(0.0001 * 1.5 ** k for k in range(1, 36))  # TGI's buckets of every *_duration: 0.15 ms to 209 s
         toks = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
         self.duration = Histogram("tgi_request_duration", "End-to-end request seconds", buckets=secs, registry=r)
-        self.queue = Histogram("tgi_request_queue_duration", "Seconds a sequence waited in the queue (before its prefill and after each preemption)", buckets=secs, registry=r)
-        self.per_token = Histogram("tgi_request_mean_time_per_token_duration", "Mean seconds per generated token after the first",
+        self.validation = Histogram("tgi_request_validation_duration", "Seconds from a request's arrival to its submission to the engine",
+                                    buckets=secs, registry=r)
+        self.queue = Histogram("tgi_request_queue_duration", "Seconds a request waited in the queue (before its prefill and after each preemption)", buckets=secs, registry=r)
+        self.inference = Histogram("tgi_request_inference_duration", "Seconds a request ran in the batch", buckets=secs, registry=r)
+        self.per_token = Histogram("tgi_request_mean_time_per_token_duration", "Inference seconds per generated token",
                                    buckets=secs, registry=r)
         self.generated = Histogram("tgi_request_generated_tokens", "Generated tokens per request", buckets=toks, registry=r)
         self.input_length = Histogram("tgi_request_input_length", "Input tokens per request (its prompts, each once)", buckets=toks, registry=r)
@@ -77,15 +80,23 @@ class Metrics:
         """A request that failed, counted under its error type (TGI's `err` label: validation, overloaded, ...)."""
         self.counters.inc("tgi_request_failure", err=err)
 
-    def finished(self, seconds: float, handles, counts) -> None:
-        self.counters.inc("tgi_request_success")
-        self.duration.observe(seconds)
-        self.generated.observe(sum(counts))
+    def finished(self, start: float, returned: list[tuple]) -> None:
+        """One successful request, once, as TGI records it: `start` its arrival (time.monotonic()), `returned` the
+        (engine handle, generated tokens) of the sequences it answers with (not best_of's others). With several
+        (n, several prompts): validation until the first was submitted, queue the longest wait, tokens their sum,
+        time per token the inference over the longest one's (the steps they ran)."""
         now = time.monotonic()
-        for h, n in zip(handles, counts):
-            self.queue.observe(h.queue_time(now))
-            if h.t_first is not None and n > 1:
-                self.per_token.observe((now - h.t_first) / (n - 1))
+        validation = min(h.t_submit for h, _ in returned) - start
+        queue = max(h.queue_time(now) for h, _ in returned)
+        inference = max(0.0, now - start - validation - queue)
+        longest = max(n for _, n in returned)
+        self.counters.inc("tgi_request_success")
+        self.duration.observe(now - start)
+        self.validation.observe(validation)
+        self.queue.observe(queue)
+        self.inference.observe(inference)
+        self.per_token.observe(inference / longest if longest else 0.0)  # TGI's: 0 without a token
+        self.generated.observe(sum(n for _, n in returned))
 
     def render(self) -> bytes:
         return self.counters.render().encode() + generate_latest(self.registry)

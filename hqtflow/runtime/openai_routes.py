@@ -311,6 +311,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/v1/completions")
     async def completions(request: Request):
+        start = time.monotonic()
         req = within_max_client_batch_size(await ctx.read(CompletionRequest, request))
         with ctx.admit() as slot:  # a 429 before any tokenizing (TGI's order); handed on, or given back on an error
             prompts = await run_in_threadpool(prompts_of, req)  # off the event loop: /health and streams go on
@@ -320,13 +321,14 @@ def openai_router(ctx: Ctx) -> APIRouter:
             jobs = jobs_for(req, prompts, make, per)
             texts = echoed_prompts(req, prompts) if req.echo else [""] * len(prompts)
         if req.stream:
-            return stream(jobs, prompts, req, chat=False, echo=texts if req.echo else None, slot=slot)
+            return stream(jobs, prompts, req, chat=False, echo=texts if req.echo else None, slot=slot, arrival=start)
         seqs = await ctx.collect(jobs, request, slot)
-        choices = []
+        choices, returned = [], []
         for pi, ids in enumerate(prompts):
             group = seqs[pi * per:(pi + 1) * per]
             if per > req.n:  # best_of: the n with the highest total logprob
                 group = sorted(group, key=lambda q: -q.logprob)[: req.n]
+            returned += group
             for j, q in enumerate(group):
                 lp = None
                 if k is not None:
@@ -334,6 +336,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
                                                     before_stop(q.tokens, q.last.stop_at)), 0)
                 choices.append({"index": pi * req.n + j, "text": texts[pi] + final_text(q.last), "logprobs": lp,
                                 "finish_reason": FINISH[q.last.finish_reason]})
+        ctx.answered(start, returned)
         return {**head(False, False), "choices": choices, "usage": usage(prompts, seqs)}
 
     # -- chat -----------------------------------------------------------------------------------------------
@@ -403,11 +406,12 @@ def openai_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        start = time.monotonic()
         req = await ctx.read(ChatRequest, request)
         with ctx.admit() as slot:  # a 429 before templating, tokenizing or compiling (TGI's order); handed on
-            return await chat_answer(req, request, slot)
+            return await chat_answer(req, request, slot, start)
 
-    async def chat_answer(req: ChatRequest, request: Request, slot):
+    async def chat_answer(req: ChatRequest, request: Request, slot, start: float):
         plan = tools.plan(req.tools, req.tool_choice, req.tool_prompt)
         if plan is not None and req.response_format is not None and req.response_format.type != "text":
             raise invalid("`response_format` cannot be combined with `tools`: a tool call's grammar holds the reply")
@@ -426,8 +430,9 @@ def openai_router(ctx: Ctx) -> APIRouter:
         make = lambda n: params(req, n, max_new, top_n=top_n, grammar=grammar, default_max_new=100, names=names)  # noqa: E731
         jobs = jobs_for(req, [ids], make, req.n)
         if req.stream:
-            return stream(jobs, [ids], req, chat=True, plan=plan, slot=slot)
+            return stream(jobs, [ids], req, chat=True, plan=plan, slot=slot, arrival=start)
         seqs = await ctx.collect(jobs, request, slot)
+        ctx.answered(start, seqs)
         choices = []
         for j, q in enumerate(seqs):
             message, finish = chat_message(q, plan)
@@ -436,8 +441,9 @@ def openai_router(ctx: Ctx) -> APIRouter:
         return {**head(True, False), "choices": choices, "usage": usage([ids], seqs)}
 
     # -- streaming (both) -----------------------------------------------------------------------------------
-    def stream(jobs, prompts, req, *, chat: bool, slot, echo: list[str] | None = None, plan=None) -> StreamingResponse:
-        """`slot`: the request's place, taken by the route (a 429 comes before the 200 of the stream)."""
+    def stream(jobs, prompts, req, *, chat: bool, slot, arrival: float, echo: list[str] | None = None, plan=None) -> StreamingResponse:
+        """`slot`: the request's place, taken by the route (a 429 comes before the 200 of the stream); `arrival`:
+        when it came (time.monotonic())."""
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         h = {**head(chat, True), **({"usage": None} if include_usage else {})}  # as OpenAI: null until the last chunk
         per = len(jobs) // len(prompts)
@@ -464,7 +470,7 @@ def openai_router(ctx: Ctx) -> APIRouter:
             echoed = [not echo] * len(jobs)
             seqs = [Sequence() for _ in jobs]
             try:
-                async for i, ev, _ in ctx.stream(jobs, slot=slot):
+                async for i, ev, _ in ctx.stream(jobs, slot=slot, start=arrival):
                     seqs[i].events.append(ev)
                     if not echoed[i]:  # the prompt first, scored (the engine attaches its logprobs to the first event)
                         echoed[i] = True

@@ -95,6 +95,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         ids, p, params, slot = await prepare(req, request, stream=False)
         seqs = await ctx.collect([(ids, params)] * (p.best_of or 1), request, slot=slot)
         best = max(seqs, key=lambda q: q.logprob)  # TGI: the sequence with the highest total logprob
+        ctx.answered(start, [best])
         if headers is not None:
             headers.update(timing_headers(start, best, req.inputs, len(ids)))
         head = req.inputs if p.return_full_text else ""
@@ -122,11 +123,12 @@ def tgi_router(ctx: Ctx) -> APIRouter:
                 "x-prompt-tokens": str(n_input), "x-generated-tokens": str(len(seq.tokens))}
 
     async def generate_stream_response(req: TgiRequest, request: Request) -> StreamingResponse:
+        start = time.monotonic()
         ids, p, params, slot = await prepare(req, request, stream=True)  # a 429 comes before the 200 of the stream
 
         async def events():
             try:
-                async for _, ev, handle in ctx.stream([(ids, params)], slot=slot):
+                async for _, ev, handle in ctx.stream([(ids, params)], slot=slot, start=start):
                     out = {"index": ev.index, "token": token_json(ev.token),
                            "top_tokens": top_json(ev.token) if p.top_n_tokens else None, "generated_text": None, "details": None}
                     if ev.finish_reason:

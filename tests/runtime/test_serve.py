@@ -515,3 +515,36 @@ def test_served_model_name_is_the_name_clients_see(lm, monkeypatch):
     monkeypatch.setattr(server, "serve", lambda model, settings, **kw: seen.update(settings=settings))
     monkeypatch.setenv("SERVED_MODEL_NAME", "from-env")
     assert run_cli("serve", "fp8", "/srv/secret/ckpt").exit_code == 0 and seen["settings"].served_name == "from-env"
+
+
+def test_request_histograms_are_observed_once_per_successful_request(lm):
+    """TGI's request histograms (duration, validation, queue, inference, mean time per token, generated tokens) get
+    one observation per successful request, with the tokens of the sequences it answers with (best_of's other
+    sequence left out); a cancelled request is in none of them, only in input_length (observed at validation, as TGI)."""
+    app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=32, max_total_tokens=64))
+    engine = app.state.engine
+    with running(app) as base:
+        was = metric_values(httpx.get(f"{base}/metrics").text)
+        best = httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {
+            "max_new_tokens": 5, "best_of": 2, "do_sample": True, "details": True}})
+        assert best.status_code == 200, best.text
+        best = best.json()["details"]
+        two = httpx.post(f"{base}/v1/completions", json={"prompt": [PROMPT, "Hello"], "max_tokens": 3}).json()
+        assert httpx.post(f"{base}/generate", json={"inputs": ""}).status_code == 422
+        step = engine._forward
+        engine._forward = lambda plan: (time.sleep(0.5), step(plan))[1]
+        with pytest.raises(httpx.TimeoutException):  # a client that leaves: its request is cancelled
+            httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 20}}, timeout=0.3)
+        deadline = time.monotonic() + 20
+        while 'tgi_request_failure{err="cancelled"}' not in (now := metric_values(httpx.get(f"{base}/metrics").text)):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        engine._forward = step
+    grew = lambda name: now.get(name, 0) - was.get(name, 0)  # noqa: E731
+    assert grew("tgi_request_success") == 2
+    for name in ("duration", "validation_duration", "queue_duration", "inference_duration",
+                 "mean_time_per_token_duration", "generated_tokens"):
+        assert grew(f"tgi_request_{name}_count") == 2, name
+    returned = best["generated_tokens"] + two["usage"]["completion_tokens"]
+    assert best["best_of_sequences"] and grew("tgi_request_generated_tokens_sum") == returned
+    assert grew("tgi_request_input_length_count") == 3  # the 2 answered and the cancelled one, validated
