@@ -47,6 +47,7 @@ class Metrics:
     def __init__(self, engine: Engine):
         disable_created_metrics()  # no `*_created` series, which TGI does not serve (prometheus_client's switch)
         r = self.registry = CollectorRegistry()
+        self.warming = False  # set while the warm-up runs (server.warm_up)
         self.counters = Counters({"hqtflow_preemptions": (
             "Sequences preempted since start (KV blocks ran out; recomputed when readmitted)", lambda: engine.stats.preemptions)})
         secs = tuple(0.0001 * 1.5 ** k for k in range(1, 36))  # TGI's buckets of every *_duration: 0.15 ms to 209 s
@@ -70,11 +71,14 @@ class Metrics:
             lambda: engine.kv_tokens)
 
     def on_step(self, kind: str, batch: int, seconds: float, shape: tuple) -> None:
+        """An engine step: its shape counted always; TGI's tgi_batch_* histograms not while warming up."""
+        self.shapes.labels(kind, str(shape[0]), str(shape[1])).inc()
+        if self.warming:
+            return
         self.batch_duration.labels(kind).observe(seconds)
         self.batch_size.labels(kind).observe(batch)
         if kind == "prefill":
             self.next_size.observe(batch)
-        self.shapes.labels(kind, str(shape[0]), str(shape[1])).inc()
 
     def failed(self, err: str) -> None:
         """A request that failed, counted under its error type (TGI's `err` label: validation, overloaded, ...)."""

@@ -115,11 +115,20 @@ def request_guard(s: ServeSettings, metrics: Metrics):
     return guard
 
 
-def warm_up(engine: Engine, tokenizer, s: ServeSettings, state: dict) -> None:
+def warm_up(engine: Engine, tokenizer, s: ServeSettings, state: dict, metrics: Metrics) -> None:
     """Run each bucketed prefill length once (and one decode at the smallest batch bucket; a prompt longer than
     --max-batch-prefill-tokens runs in chunks, so chunks with a past run too), then report healthy;
     stop at the first run that fails (the engine stopped because the server is shutting down, which must not wait on
-    this thread; or a shape that cannot run, logged): /health then never reports ready."""
+    this thread; or a shape that cannot run, logged): /health then never reports ready. Its steps are not in TGI's
+    tgi_batch_* metrics (nor those of requests served meanwhile, which share them)."""
+    metrics.warming = True
+    try:
+        _warm_up(engine, tokenizer, s, state)
+    finally:
+        metrics.warming = False
+
+
+def _warm_up(engine: Engine, tokenizer, s: ServeSettings, state: dict) -> None:
     step = max(1, s.pad_sequence_to_multiple_of)
     filler = next(i for i in range(len(tokenizer)) if i not in engine.eos and i not in engine.special)
     for n in range(step, s.max_input_tokens + 1, step) if step > 1 else [1]:
@@ -131,7 +140,7 @@ def warm_up(engine: Engine, tokenizer, s: ServeSettings, state: dict) -> None:
     state["ready"] = True
 
 
-def lifespan(engine: Engine, tokenizer, s: ServeSettings, state: dict):
+def lifespan(engine: Engine, tokenizer, s: ServeSettings, state: dict, metrics: Metrics):
     """The engine thread runs while the app does; with warmup, the shapes are run in the background at start. At
     the end, the engine's step is waited for until the shutdown deadline a signal set (`app.state.deadline`)."""
 
@@ -145,7 +154,7 @@ def lifespan(engine: Engine, tokenizer, s: ServeSettings, state: dict):
                                                     time.monotonic() - t, failed)
         engine.start()
         if s.warmup:
-            asyncio.get_running_loop().run_in_executor(None, warm_up, engine, tokenizer, s, state)
+            asyncio.get_running_loop().run_in_executor(None, warm_up, engine, tokenizer, s, state, metrics)
         yield
         deadline = getattr(_app.state, "deadline", None)
         engine.stop(wait=30.0 if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -177,7 +186,7 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     metrics = Metrics(engine)
     engine.on_step = metrics.on_step
     state = {"in_flight": 0, "ready": not s.warmup}
-    app = FastAPI(title="hqtflow serve", lifespan=lifespan(engine, tokenizer, s, state),
+    app = FastAPI(title="hqtflow serve", lifespan=lifespan(engine, tokenizer, s, state, metrics),
                   redirect_slashes=False)  # `/generate/` is a 404, not a redirect to a URL built from the Host header
     app.state.engine, app.state.metrics, app.state.model_id, app.state.settings = engine, metrics, s.model_id, s
     add_error_handlers(app, metrics)

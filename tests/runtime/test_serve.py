@@ -414,6 +414,7 @@ def test_warmup_buckets_and_health(lm):
             assert f'hqtflow_batch_shape_runs{{batch="1",method="prefill",seq="{seq}"}} 1.0' in text
         shapes = [line for line in text.splitlines() if "shape" in line]  # decode: 1 sequence, padded to 4 tokens
         assert 'hqtflow_batch_shape_runs{batch="1",method="decode",seq="4"}' in text, shapes
+        assert "tgi_batch_inference_duration_count" not in text and "tgi_batch_next_size_count 0.0" in text  # not warm-up's
         r = httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 6}})
         assert r.json()["generated_text"] == alone(lm, PROMPT, 6)  # padding and dummy rows change nothing
 
