@@ -7,7 +7,7 @@ import time
 
 from fastapi import APIRouter
 from fastapi.responses import Response
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, disable_created_metrics,
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
 
 from hqtflow.runtime.engine import Engine
@@ -64,7 +64,7 @@ class Metrics:
         self.batch_duration = Histogram("tgi_batch_inference_duration", "Forward seconds", ["method"], buckets=secs, registry=r)
         self.batch_size = Histogram("tgi_batch_inference_size", "Batch size run (after bucketing)", ["method"], buckets=toks, registry=r)
         self.next_size = Histogram("tgi_batch_next_size", "Sequences joining the batch per prefill", buckets=toks, registry=r)
-        self.shapes = Gauge("hqtflow_batch_shape_runs", "Forward passes per input shape run", ["method", "batch", "seq"], registry=r)
+        self.shapes = Counter("hqtflow_batch_shape_runs", "Forward passes per input shape run", ["method", "batch", "seq"], registry=r)
         Gauge("tgi_queue_size", "Requests waiting", registry=r).set_function(lambda: len(engine.pending))
         Gauge("tgi_batch_current_size", "Requests in the running batch", registry=r).set_function(lambda: len(engine.active))
         Gauge("tgi_batch_current_max_tokens", "KV tokens held by the running batch (its blocks)", registry=r).set_function(

@@ -411,9 +411,10 @@ def test_warmup_buckets_and_health(lm):
             time.sleep(0.05)
         text = httpx.get(f"{base}/metrics").text
         for seq in (8, 16, 24, 32):  # every bucketed prefill length ran once
-            assert f'hqtflow_batch_shape_runs{{batch="1",method="prefill",seq="{seq}"}} 1.0' in text
+            assert f'hqtflow_batch_shape_runs_total{{batch="1",method="prefill",seq="{seq}"}} 1.0' in text
         shapes = [line for line in text.splitlines() if "shape" in line]  # decode: 1 sequence, padded to 4 tokens
-        assert 'hqtflow_batch_shape_runs{batch="1",method="decode",seq="4"}' in text, shapes
+        assert 'hqtflow_batch_shape_runs_total{batch="1",method="decode",seq="4"}' in text, shapes
+        assert "# TYPE hqtflow_batch_shape_runs_total counter" in text  # a count since start, not a gauge
         assert "tgi_batch_inference_duration_count" not in text and "tgi_batch_next_size_count 0.0" in text  # not warm-up's
         r = httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 6}})
         assert r.json()["generated_text"] == alone(lm, PROMPT, 6)  # padding and dummy rows change nothing
