@@ -222,6 +222,11 @@ class Engine:
         self._thread.start()
         return self
 
+    @property
+    def running(self) -> bool:
+        """The engine's thread is alive (not stopped, nor died of an error outside a step)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def abort(self, reason: str) -> None:
         """End every running and waiting request with `reason` as its error (at the engine's next step): a server
         shutting down ends its streams with an error event instead of cutting their connections."""

@@ -170,8 +170,9 @@ def tgi_router(ctx: Ctx) -> APIRouter:
 
     @r.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' health checks
     async def health():
-        if not ctx.state["ready"]:
-            return JSONResponse({"error": "warming up", "error_type": "unhealthy"}, 503)
+        """200 once warmed up (with --warmup) while the engine's thread runs; else TGI's 503."""
+        if not ctx.state["ready"] or not ctx.engine.running:
+            return JSONResponse({"error": "unhealthy", "error_type": "healthcheck"}, 503)
         return Response(status_code=200)
 
     @r.api_route("/info", methods=["GET", "HEAD"])

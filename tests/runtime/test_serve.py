@@ -550,3 +550,21 @@ def test_request_histograms_are_observed_once_per_successful_request(lm):
     returned = best["generated_tokens"] + two["usage"]["completion_tokens"]
     assert best["best_of_sequences"] and grew("tgi_request_generated_tokens_sum") == returned
     assert grew("tgi_request_input_length_count") == 3  # the 2 answered and the cancelled one, validated
+
+
+def test_health_is_503_when_the_engine_thread_has_died(lm):
+    """/health is TGI's 503 ({"error": "unhealthy", "error_type": "healthcheck"}) once the engine's thread has
+    failed (it reflected only the warm-up)."""
+    app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=32, max_total_tokens=64))
+    engine = app.state.engine
+    with running(app) as base:
+        assert httpx.get(f"{base}/health").status_code == 200
+
+        def broken():
+            raise RuntimeError("the engine failed")
+
+        engine._admit = broken  # outside a step's error handling: the thread ends
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{base}/generate", json={"inputs": PROMPT}, timeout=1)
+        r = httpx.get(f"{base}/health")
+        assert r.status_code == 503 and r.json() == {"error": "unhealthy", "error_type": "healthcheck"}, r.text
