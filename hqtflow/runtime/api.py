@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 import time
 import weakref
@@ -79,6 +80,12 @@ async def _disconnected(request, queue: asyncio.Queue) -> None:
     """Wait for the client of a request whose body has been read to leave, then wake the stream (None)."""
     await _client_left(request)
     queue.put_nowait((None, None))
+
+
+def log_cancelled(request) -> None:
+    """One line for a non-streaming request its client left (uvicorn's access log has none: nothing was answered)."""
+    logging.getLogger("uvicorn.error").info("%s %s: cancelled, the client closed the request", request.method,
+                                            request.url.path)
 
 
 class Mailbox:
@@ -249,6 +256,7 @@ class Ctx:
                 if ev is None:  # the client is gone
                     for h in handles:
                         h.cancel()
+                    log_cancelled(request)
                     raise ApiError(499, "Client closed the request", "cancelled")
                 if ev.error:
                     raise ApiError(424, ev.error, "generation")
@@ -257,8 +265,10 @@ class Ctx:
                 yield i, ev, handles[i]
             if record:
                 self.metrics.finished(start, list(zip(handles, counts)))
-        except (GeneratorExit, asyncio.CancelledError):  # a streaming client went away
+        except (GeneratorExit, asyncio.CancelledError):  # a client went away (a non-streaming one: its task cancelled)
             self.metrics.failed("cancelled")
+            if request is not None:
+                log_cancelled(request)
             raise
         finally:
             slot.release()

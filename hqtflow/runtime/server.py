@@ -51,6 +51,7 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def _api_error(req: Request, e: ApiError):
         if generation(req):
             metrics.failed(e.error_type)
+        log_refusal(req, e)
         return error(e.status, e.message, e.error_type, req.url.path)
 
     @app.exception_handler(HTTPException)
@@ -64,6 +65,20 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         if generation(req):
             metrics.failed("internal")
         return error(500, f"Internal server error ({type(e).__name__})", "internal", req.url.path)
+
+
+def log_refusal(req: Request, e: ApiError) -> None:
+    """One warning line for a 422: its reason (which names fields, never the prompt's text)."""
+    if e.status == 422:
+        logging.getLogger("uvicorn.error").warning("%s %s: 422 %s", req.method, req.url.path, e.message)
+
+
+class QuietProbes(logging.Filter):
+    """Drops uvicorn's access lines of GET/HEAD /health and /metrics (probes and scrapes, every few seconds)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) >= 3 and args[1] in ("GET", "HEAD") and args[2] in ("/health", "/metrics"))
 
 
 def generation(req: Request) -> bool:
@@ -317,6 +332,7 @@ def _run(app, sock) -> None:
 
     raise_open_files_limit()
     config = uvicorn_config(app, log_level="info")
+    logging.getLogger("uvicorn.access").addFilter(QuietProbes())
     host, port = sock.getsockname()[:2]
     logging.getLogger("uvicorn.error").info("Serving %s on http://%s:%d", app.state.model_id,
                                             f"[{host}]" if ":" in host else host, port)

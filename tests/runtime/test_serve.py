@@ -568,3 +568,39 @@ def test_health_is_503_when_the_engine_thread_has_died(lm):
             httpx.post(f"{base}/generate", json={"inputs": PROMPT}, timeout=1)
         r = httpx.get(f"{base}/health")
         assert r.status_code == 503 and r.json() == {"error": "unhealthy", "error_type": "healthcheck"}, r.text
+
+
+def test_refusals_and_cancellations_are_logged_and_probes_are_not(lm, caplog):
+    """A 422's reason is one warning line (no prompt text), a non-streaming request its client left one line; uvicorn's
+    access lines of GET /health and /metrics are dropped (QuietProbes), the others kept."""
+    import logging
+
+    from hqtflow.runtime.server import QuietProbes
+
+    app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=32, max_total_tokens=64))
+    log = logging.getLogger("uvicorn.error")
+    try:
+        with running(app) as base:
+            log.addHandler(caplog.handler)  # after uvicorn's logging config, which replaces its handlers
+            log.setLevel(logging.INFO)  # as `hqtflow serve` runs uvicorn (the tests' is at warning)
+            secret = "zebra " * 40
+            assert httpx.post(f"{base}/generate", json={"inputs": secret}).status_code == 422
+            step = app.state.engine._forward
+            app.state.engine._forward = lambda plan: (time.sleep(0.5), step(plan))[1]
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(f"{base}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 20}}, timeout=0.3)
+            deadline = time.monotonic() + 20
+            while not any("cancelled" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            app.state.engine._forward = step
+    finally:
+        log.removeHandler(caplog.handler)
+    refused = [r for r in caplog.records if "422" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelno == logging.WARNING and "must have less than 32 tokens" in refused[0].getMessage()
+    assert "zebra" not in caplog.text
+    access = lambda method, path: logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',  # noqa: E731
+                                                    ("127.0.0.1:1", method, path, "1.1", 200), None)
+    quiet = QuietProbes()
+    assert not quiet.filter(access("GET", "/health")) and not quiet.filter(access("GET", "/metrics"))
+    assert quiet.filter(access("POST", "/generate"))
