@@ -348,11 +348,9 @@ def test_context_length_of_rope_scalings():
     assert context_length({"max_position_embeddings": 131072, "rope_scaling": llama3})[0] == 131072
 
 
-@pytest.mark.parametrize("data", [b"", b'{"text": "The tower is tall"}\n{"text": "The riv', bytes(range(256))])
-def test_a_user_tasks_unreadable_data_is_one_sentence(data, tiny_llama, tmp_path):
-    """A task's data file that is empty, cut short or not JSON: exit 5 naming the task, nothing written (datasets
-    raised DatasetGenerationError or StopIteration through lm-eval)."""
-    (tmp_path / "d.jsonl").write_bytes(data)
+def perplexity_task(tmp_path, field: str) -> None:
+    """A user's lm-eval task tl in tmp_path/t.yaml: perplexity of " tall" after each record's `field`, over the
+    records of tmp_path/d.jsonl."""
     (tmp_path / "t.yaml").write_text(f"""task: tl
 dataset_path: json
 dataset_kwargs:
@@ -360,11 +358,19 @@ dataset_kwargs:
     test: {tmp_path / 'd.jsonl'}
 test_split: test
 output_type: loglikelihood
-doc_to_text: "{{{{text}}}}"
+doc_to_text: "{{{{{field}}}}}"
 doc_to_target: " tall"
 metric_list:
   - metric: perplexity
 """)
+
+
+@pytest.mark.parametrize("data", [b"", b'{"text": "The tower is tall"}\n{"text": "The riv', bytes(range(256))])
+def test_a_user_tasks_unreadable_data_is_one_sentence(data, tiny_llama, tmp_path):
+    """A task's data file that is empty, cut short or not JSON: exit 5 naming the task, nothing written (datasets
+    raised DatasetGenerationError or StopIteration through lm-eval)."""
+    (tmp_path / "d.jsonl").write_bytes(data)
+    perplexity_task(tmp_path, "text")
     r = run_cli("measure", tiny_llama, "-o", tmp_path / "m", "--tasks", tmp_path / "t.yaml", "--limit", "2")
     assert r.exit_code == 5 and "The data of lm-eval task tl cannot be read" in r.stderr, r.output
     assert not (tmp_path / "m").exists() and r.stderr.strip().splitlines()[-1].startswith("Error: The data of lm-eval task tl")
@@ -403,18 +409,7 @@ def test_a_template_field_the_data_lacks_is_one_sentence(tiny_llama, tmp_path):
     """A custom task whose doc_to_text uses {{query}} over records without it: one sentence naming the task and the
     variable, exit 5, from measure and eval (jinja2's UndefinedError was a traceback out of lmeval.run_tasks)."""
     (tmp_path / "d.jsonl").write_text('{"text": "The tower is tall"}\n')
-    (tmp_path / "t.yaml").write_text(f"""task: tl
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {tmp_path / 'd.jsonl'}
-test_split: test
-output_type: loglikelihood
-doc_to_text: "{{{{query}}}}"
-doc_to_target: " tall"
-metric_list:
-  - metric: perplexity
-""")
+    perplexity_task(tmp_path, "query")
     words = "The template of lm-eval task tl uses a field its data's records lack ('query' is undefined)."
     for cmd in (["measure", tiny_llama, "-o", tmp_path / "m"], ["eval", tiny_llama]):
         r = run_cli(*cmd, "--tasks", tmp_path / "t.yaml", "--limit", "1")
