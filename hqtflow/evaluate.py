@@ -41,7 +41,6 @@ def read_ppl_text(path, what: str = "Perplexity file") -> str:
     return text
 
 
-@torch.inference_mode()
 def capped_to_context(model, tokens: int) -> int:
     """`tokens`, at most the model's context (positions past it were never trained, or do not exist)."""
     from hqtflow.models import context_length
@@ -50,6 +49,7 @@ def capped_to_context(model, tokens: int) -> int:
     return min(tokens, context[0]) if context else tokens
 
 
+@torch.inference_mode()
 def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: int | None = None, progress=None,
                label: str = "perplexity") -> dict:
     """Perplexity over disjoint `window`-token windows (each scored from its own start, no overlap); `progress`

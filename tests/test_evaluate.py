@@ -3,6 +3,7 @@ pass and any later use), also when the engine fails to start; a model the engine
 batches instead."""
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +201,17 @@ def test_lm_eval_context_is_capped_at_a_short_models_context(tiny_factory, data_
     s = EvalSettings(tasks=("lambada_openai_local",), data_dir=str(data_dir), limit=2, batch_size=2)
     out = evaluate(model, tok, s, lmeval.task_manager([], data_dir, list(s.tasks)), show_progress=False)
     assert out["tasks"]["lambada_openai_local"]["perplexity"] > 1
+
+
+def test_perplexity_runs_without_autograd(setup, data_dir, monkeypatch):
+    """The perplexity pass runs under inference mode (a misplaced decorator once left it building autograd graphs
+    for every window)."""
+    from hqtflow.evaluate import perplexity
+
+    model, tok, _, _ = setup
+    modes = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **kw: modes.append(torch.is_inference_mode_enabled())
+                        or forward(*a, **kw))
+    perplexity(model, tok, (data_dir / "wikitext2_test.txt").read_text()[:4000], window=32, max_windows=2)
+    assert modes and all(modes)
