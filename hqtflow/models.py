@@ -386,11 +386,17 @@ MODEL_SIDE_FILES = (*TOKENIZER_FILES, "generation_config.json")
 FINGERPRINT_SCHEME = 2  # 2: weights hashed whole; 1 (recorded without `scheme`, hqtflow <= 0.4.0): sampled bytes
 
 
+# Tokenizer files under other names than TOKENIZER_FILES': tokenizer.model.v3, sentencepiece.bpe.model, *.tiktoken
+OTHER_TOKENIZER_FILES = ("tokenizer*", "*.model", "*.model.v*", "*.tiktoken", "vocab.*")
+
+
 def side_files(path: Path) -> list[Path]:
-    """The MODEL_SIDE_FILES a model folder holds, and its `additional_chat_templates/*.jinja`."""
+    """The MODEL_SIDE_FILES a model folder holds, its `additional_chat_templates/*.jinja`, then its other tokenizer
+    files (OTHER_TOKENIZER_FILES: a checkpoint without them could not load its tokenizer)."""
     path = Path(path)
-    return [*(path / n for n in MODEL_SIDE_FILES if (path / n).is_file()),
-            *sorted((path / "additional_chat_templates").glob("*.jinja"))]
+    named = [path / n for n in MODEL_SIDE_FILES if (path / n).is_file()]
+    other = {f for pattern in OTHER_TOKENIZER_FILES for f in path.glob(pattern) if f.is_file()} - set(named)
+    return [*named, *sorted((path / "additional_chat_templates").glob("*.jinja")), *sorted(other)]
 
 
 def content_files(path: Path) -> list[Path]:

@@ -12,6 +12,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
+import anyio
 from fastapi.responses import StreamingResponse
 
 from hqtflow.runtime.engine import Engine, Event, Request, SamplingParams
@@ -82,10 +83,10 @@ async def _disconnected(request, queue: asyncio.Queue) -> None:
     queue.put_nowait((None, None))
 
 
-def log_cancelled(request) -> None:
-    """One line for a non-streaming request its client left (uvicorn's access log has none: nothing was answered)."""
-    logging.getLogger("uvicorn.error").info("%s %s: cancelled, the client closed the request", request.method,
-                                            request.url.path)
+def log_cancelled(request, cause: str) -> None:
+    """One line for a non-streaming request cancelled by `cause` (uvicorn's access log has none: nothing was
+    answered)."""
+    logging.getLogger("uvicorn.error").info("%s %s: cancelled, %s", request.method, request.url.path, cause)
 
 
 class Mailbox:
@@ -129,8 +130,9 @@ async def with_keep_alive(events):
             pending = asyncio.ensure_future(anext(events))
     finally:  # the client left: the event awaited is cancelled (the request with it), then the stream closed
         pending.cancel()
-        await asyncio.wait({pending})
-        await events.aclose()
+        with anyio.CancelScope(shield=True):  # Starlette's cancel scope would cancel this cleanup's awaits too
+            await asyncio.wait({pending})
+            await events.aclose()
 
 
 def event_stream(events, headers: dict[str, str]) -> StreamingResponse:
@@ -216,7 +218,7 @@ class Ctx:
         without waiting for the engine's step to end, and any later one at once: a long step must not hold the
         answers past uvicorn's shutdown deadline, which cancels what is left (a plain-text 500)."""
         self.closing = reason
-        if self.mailbox is not None:
+        if self.mailbox is not None and not self.mailbox.loop.is_closed():  # closed: the server has stopped
             self.mailbox.loop.call_soon_threadsafe(self._end_waiting, reason)
 
     def _end_waiting(self, reason: str) -> None:
@@ -256,7 +258,7 @@ class Ctx:
                 if ev is None:  # the client is gone
                     for h in handles:
                         h.cancel()
-                    log_cancelled(request)
+                    log_cancelled(request, "the client closed the request")
                     raise ApiError(499, "Client closed the request", "cancelled")
                 if ev.error:
                     raise ApiError(424, ev.error, "generation")
@@ -267,8 +269,8 @@ class Ctx:
                 self.metrics.finished(start, list(zip(handles, counts)))
         except (GeneratorExit, asyncio.CancelledError):  # a client went away (a non-streaming one: its task cancelled)
             self.metrics.failed("cancelled")
-            if request is not None:
-                log_cancelled(request)
+            if request is not None:  # its task cancelled: the client left, or the shutdown deadline passed
+                log_cancelled(request, "its task was cancelled (the client left, or the shutdown deadline passed)")
             raise
         finally:
             slot.release()

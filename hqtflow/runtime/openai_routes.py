@@ -432,12 +432,12 @@ def openai_router(ctx: Ctx) -> APIRouter:
         if req.stream:
             return stream(jobs, [ids], req, chat=True, plan=plan, slot=slot, arrival=start)
         seqs = await ctx.collect(jobs, request, slot)
-        ctx.answered(start, seqs)
         choices = []
         for j, q in enumerate(seqs):
             message, finish = chat_message(q, plan)
             lp = chat_logprobs(before_stop(q.tokens, q.last.stop_at)) if req.logprobs else None
             choices.append({"index": j, "message": message, "logprobs": lp, "finish_reason": finish})
+        ctx.answered(start, seqs)  # once the answer is built (a failure building it is not also a success)
         return {**head(True, False), "choices": choices, "usage": usage([ids], seqs)}
 
     # -- streaming (both) -----------------------------------------------------------------------------------

@@ -145,7 +145,8 @@ def publish(spec: dict, *, vocab: int, max_input_tokens: int, max_total_tokens: 
         paths_body["$ref"] = "#/components/schemas/TgiGenerateRequest"
 
     paths = spec["paths"]
-    paths["/health"]["get"]["responses"] = {"200": {"description": "ready (no body)"}, "503": error("/health", "warming up")}
+    paths["/health"]["get"]["responses"] = {"200": {"description": "ready (no body)"},
+                                            "503": error("/health", "warming up, or the engine has stopped")}
     paths["/metrics"]["get"]["responses"] = {"200": {"description": "Prometheus metrics (TGI's names)",
                                                      "content": {"text/plain": {"schema": {"type": "string"}}}}}
     paths["/v1/models/{model}"]["get"]["responses"] = {

@@ -336,7 +336,12 @@ def _run(app, sock) -> None:
     host, port = sock.getsockname()[:2]
     logging.getLogger("uvicorn.error").info("Serving %s on http://%s:%d", app.state.model_id,
                                             f"[{host}]" if ":" in host else host, port)
-    Server(config).run(sockets=[sock])
+    try:
+        Server(config).run(sockets=[sock])
+    finally:  # stopped before drain's timer fired (an idle server): it has nothing left to end
+        timer = getattr(app.state, "shutdown_timer", None)
+        if timer is not None:
+            timer.cancel()
 
 
 def drain(app, timeout: float) -> None:
@@ -350,6 +355,7 @@ def drain(app, timeout: float) -> None:
     timer = threading.Timer(grace, shut_down, args=(app, "the server is shutting down"))
     timer.daemon = True  # an idle server exits at once, without waiting for it
     timer.start()
+    app.state.shutdown_timer = timer
 
 
 def shut_down(app, reason: str) -> None:

@@ -95,7 +95,6 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         ids, p, params, slot = await prepare(req, request, stream=False)
         seqs = await ctx.collect([(ids, params)] * (p.best_of or 1), request, slot=slot)
         best = max(seqs, key=lambda q: q.logprob)  # TGI: the sequence with the highest total logprob
-        ctx.answered(start, [best])
         if headers is not None:
             headers.update(timing_headers(start, best, req.inputs, len(ids)))
         head = req.inputs if p.return_full_text else ""
@@ -105,6 +104,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
             if len(seqs) > 1:
                 out["details"]["best_of_sequences"] = [{"generated_text": head + q.last.generated_text, **details(q, ids, p)}
                                                        for q in seqs if q is not best]
+        ctx.answered(start, [best])  # once the answer is built (a failure building it is not also a success)
         return out
 
     def timing_headers(start: float, seq: Sequence, inputs: str, n_input: int) -> dict[str, str]:

@@ -422,13 +422,15 @@ def test_side_files_are_the_sources_byte_for_byte(tiny_llama, wiki_text, tmp_pat
             (src / name).write_text(json.dumps(raw, indent=3))  # an indent save_pretrained would not write
     (src / "additional_chat_templates").mkdir()
     (src / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    (src / "tokenizer.model.v3").write_bytes(b"a tokenizer file under another name")  # Mistral's, say
     meas = _measure(src, tmp_path / "m", wiki_text)
     ref = _quantize(meas, tmp_path / "ref")
     off = _quantize(meas, tmp_path / "off", "--disk-offload")
     r = run_cli("export", ref, "-f", "fp8", "-o", tmp_path / "exp")
     assert r.exit_code == 0, r.output
     names = [p.relative_to(src) for p in side_files(src)]
-    assert Path("tokenizer_config.json") in names and Path("additional_chat_templates/tool_use.jinja") in names
+    assert {Path("tokenizer_config.json"), Path("additional_chat_templates/tool_use.jinja"),
+            Path("tokenizer.model.v3")} <= set(names)
     for out in (ref, off, tmp_path / "exp"):
         for n in names:
             assert (out / n).read_bytes() == (src / n).read_bytes(), (out, n)
