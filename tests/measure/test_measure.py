@@ -156,6 +156,20 @@ def test_lm_eval_calibration(tiny_llama, data_dir, tmp_path):
     assert d["samples"] == 6  # 3 documents x 2 choices
 
 
+def test_lm_eval_padding_is_not_observed(tiny_factory, data_dir, tmp_path):
+    """lm-eval's requests of different lengths batched together (right padding) give the statistics of one by one,
+    inputs and outputs (in fp32, where batching changes no rounding that matters)."""
+    model = tiny_factory("llama", dtype="float32")
+    cfg = CFG / "maxabs_measure_include_outputs.json"
+    runs = [measure(model, tmp_path / str(b), "--tasks", "piqa_local", "--data-dir", data_dir, "--limit", "3",
+                    "--batch-size", str(b), "--dtype", "fp32", "-c", cfg) for b in (4, 1)]
+    batched, single = (json.loads((r / "measure_hooks_maxabs.json").read_text())["Nodes"] for r in runs)
+    assert batched.keys() == single.keys()
+    for name in batched:
+        for key in ("inputs", "outputs"):
+            np.testing.assert_allclose(batched[name][key], single[name][key], rtol=1e-5, err_msg=f"{name} {key}")
+
+
 def test_overwrite(text_run, tiny_llama, wiki_text, tmp_path):
     out = measure(tiny_llama, tmp_path / "o", "--text", wiki_text, "--limit", "1", "--max-length", "16")
     r = run_cli("measure", tiny_llama, "-o", out, "--text", wiki_text, "--limit", "1")
