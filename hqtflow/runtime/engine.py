@@ -305,6 +305,15 @@ class Engine:
             self._last_trim = time.monotonic()
 
     def _loop(self) -> None:
+        try:
+            self._serve_requests()
+        except Exception as e:  # outside a step (a step's errors end its requests and serving goes on)
+            with self._cv:  # nothing will run what waits, nor what comes later: they end with the reason now
+                self._stop = True
+                self._end_all(f"{STOPPED} ({type(e).__name__}: {e})")
+            raise
+
+    def _serve_requests(self) -> None:
         while True:
             with self._cv:
                 if not self._stop and not self.pending and not self.active:

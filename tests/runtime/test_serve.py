@@ -554,7 +554,8 @@ def test_request_histograms_are_observed_once_per_successful_request(lm):
 
 def test_health_is_503_when_the_engine_thread_has_died(lm):
     """/health is TGI's 503 ({"error": "unhealthy", "error_type": "healthcheck"}) once the engine's thread has
-    failed (it reflected only the warm-up)."""
+    failed (it reflected only the warm-up); the request it failed on, and any later one, end with the reason (they
+    waited forever)."""
     app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=32, max_total_tokens=64))
     engine = app.state.engine
     with running(app) as base:
@@ -564,8 +565,9 @@ def test_health_is_503_when_the_engine_thread_has_died(lm):
             raise RuntimeError("the engine failed")
 
         engine._admit = broken  # outside a step's error handling: the thread ends
-        with pytest.raises(httpx.TimeoutException):
-            httpx.post(f"{base}/generate", json={"inputs": PROMPT}, timeout=1)
+        for reason in ("the engine has stopped (RuntimeError: the engine failed)", "the engine has stopped"):
+            r = httpx.post(f"{base}/generate", json={"inputs": PROMPT}, timeout=30)  # the one it failed on, a later one
+            assert r.status_code == 424 and r.json()["error"] == reason, r.text
         r = httpx.get(f"{base}/health")
         assert r.status_code == 503 and r.json() == {"error": "unhealthy", "error_type": "healthcheck"}, r.text
 
