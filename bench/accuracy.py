@@ -54,7 +54,7 @@ def calibrate(model, tok, data: Path, chunks: int, length: int, batch: int):
     ids = token_chunks([data.read_text()], tok, length, chunks)
     device = next(model.parameters()).device
     with torch.inference_mode():
-        for b in batches(ids, batch, tok.pad_token_id):
+        for b in batches(ids, batch):
             with session.batch(b.attention_mask):
                 model(input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device))
     session.close()
