@@ -6,13 +6,13 @@ import contextlib
 import hashlib
 import json
 import pickle
-import struct
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from hqtflow.errors import ArtifactError, HqtflowError, ModelError, does_not_exist
+from hqtflow.formats.safetensors_files import SAFETENSORS_INDEX, check_safetensors, safetensors_header, weight_files
 
 DEFAULT_MODEL = "smollm2"
 # name -> (PyPI package, GGUF file inside it)
@@ -315,67 +315,7 @@ def attention_modules(model) -> dict[int, str]:
             and any(hasattr(m, p) for p in KEY_PROJECTIONS)}
 
 
-# ---- weight files -----------------------------------------------------------------------------
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
-def weight_files(path: Path, error: type[Exception] = ModelError) -> list[Path]:
-    """The safetensors files of a model folder, as transformers picks them: model.safetensors, else the shards its
-    model.safetensors.index.json maps weights to (each must be there), else (a folder of other names) every
-    *.safetensors. Another .safetensors file beside them is not part of the model."""
-    path = Path(path)
-    single, index = path / "model.safetensors", path / SAFETENSORS_INDEX
-    if single.is_file() or not index.is_file():
-        return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
-            raise TypeError("weight_map is not an object of file names")
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        raise error(f"{index} is not a valid safetensors index ({type(e).__name__}: {e}).") from None
-    names = sorted(set(weight_map.values()))
-    # names inside the folder (the hub cache's shards are symlinks into its blobs: not resolved)
-    if bad := next((n for n in names if not n or Path(n).is_absolute() or ".." in Path(n).parts), None):
-        raise error(f"{index} maps weights to {bad!r}, a file outside {path}; refusing to read it.")
-    if missing := [n for n in names if not (path / n).is_file()]:
-        raise error(f"{index} maps weights to {missing[0]}, which is not in {path}.")
-    return [path / n for n in names]
-
-
 # ---- fingerprint ------------------------------------------------------------------------------
-def safetensors_header(path: Path) -> tuple[int, dict]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return 8 + n, json.loads(f.read(n))
-
-
-def check_safetensors(path: Path, error: type[Exception] | None = None) -> None:
-    """Refuse a .safetensors file whose header is unreadable or whose tensors run past its end (a truncated copy),
-    from the header alone (no tensor is read), with `error` (default ArtifactError; a model's files: ModelError)."""
-    error = error or ArtifactError
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-        if 8 + n > size:
-            raise ValueError("header longer than the file")
-        start, header = safetensors_header(path)
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (OSError, struct.error, ValueError, OverflowError, MemoryError, KeyError, TypeError, IndexError, AttributeError,
-            RecursionError):
-        raise error(f"{path} is not a readable safetensors file (corrupt header).") from None
-    if start + end > size:
-        raise error(f"{path} is truncated: its tensors need {start + end} bytes but the file has {size}.")
-    from safetensors import SafetensorError, safe_open
-
-    try:  # safetensors' own header checks (offsets, dtypes, shapes against sizes); maps the file, reads no tensor
-        with safe_open(path, framework="numpy"):
-            pass
-    except (SafetensorError, OSError) as e:
-        raise error(f"{path} is not a valid safetensors file ({str(e).splitlines()[0]}).") from None
-
-
 # The files beside config.json and the weights that decide what a model's checkpoint holds: what its tokenizer,
 # chat template and generation config are read from (quantize writes them into the checkpoint). Part of the
 # fingerprint, so `run` redoes its stages when one changes.

@@ -792,10 +792,12 @@ def garbage_weights(d):
 
 def overlapping_offsets(d):
     """Rewrite model.safetensors' header so that its second tensor starts inside the first (same length, same data)."""
+    from hqtflow.formats.safetensors_files import safetensors_header
+
     f = d / "model.safetensors"
     data = f.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
+    start, header = safetensors_header(f)
+    n = start - 8
     first, second = [k for k in header if k != "__metadata__"][:2]
     begin, end = header[second]["data_offsets"]
     header[second]["data_offsets"] = [begin - 2, end - 2]

@@ -583,7 +583,7 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
     for rel in files:
         confined(directory, rel)
     if found_type in (ArtifactKind.CHECKPOINT, ArtifactKind.EXPORT):  # the weights read are the ones listed
-        from hqtflow.models import SAFETENSORS_INDEX, weight_files
+        from hqtflow.formats.safetensors_files import SAFETENSORS_INDEX, weight_files
 
         for f in [*weight_files(directory, ArtifactError), directory / SAFETENSORS_INDEX]:
             if f.is_file() and f.relative_to(directory).as_posix() not in files:

@@ -5,7 +5,7 @@ Its tensors are compressed-tensors FP8 (what config.json's `quantization_config`
   header is computed up front from every tensor's `TensorSpec` (largest items first, so every tensor is aligned),
   then each tensor is written to its offset, in any order and in row blocks, so memory does not grow with the file
   (`--disk-offload` streams its shards through it); `write_safetensors` writes tensors held in memory.
-  `save_checkpoint` writes a converted model; shards are named by `shard_names` and listed by `write_index`;
+  `save_checkpoint` writes a converted model (`--disk-offload`'s shards are named and indexed in safetensors_files.py);
   `copy_side_files` copies the model's tokenizer and generation config files. `check_free_disk`: both writers'
   refusal, before any tensor is written, of a disk with less free space than the checkpoint takes
   (`checkpoint_bytes`, exact but for the small files).
@@ -13,8 +13,8 @@ Its tensors are compressed-tensors FP8 (what config.json's `quantization_config`
   Compressor's huggingface QDQ layout), `requantize` between per-tensor and per-channel weight scales; `load_checkpoint`
   reads the `fp8` layout back.
 - Reading: `TensorFiles`, the reader of a model's or checkpoint's weight files (formats/hessians.py reads its own
-  file): a folder's safetensors files, listed from their (checked) headers and read one tensor at a time,
-  memory-mapped; `read_tensors` reads them all; `load_checkpoint` builds the model.
+  file): a folder's safetensors files (listed and checked by safetensors_files.py), from their headers, read one
+  tensor at a time, memory-mapped; `read_tensors` reads them all; `load_checkpoint` builds the model.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from torch import nn
 
 from hqtflow import errors
 from hqtflow.errors import ArtifactError, ModelError
+from hqtflow.formats.safetensors_files import check_safetensors, safetensors_header, weight_files
 from hqtflow.formats.scale_files import MAX_SCALE  # larger: scale x FP8 value overflows float32
 from hqtflow.hardware import byte_size
-from hqtflow.models import SAFETENSORS_INDEX
 from hqtflow.scales import FP8_DTYPES, HP_DTYPES, ScaleMethod, full_scale
 
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -116,16 +116,6 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     with SafetensorsWriter(path, [TensorSpec(k, t.dtype, list(t.shape)) for k, t in tensors.items()]) as w:
         for k, t in tensors.items():
             w.write(k, t)
-
-
-def shard_names(n: int) -> list[str]:
-    return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-
-
-def write_index(out: Path, total_size: int, weight_map: dict[str, str]) -> None:
-    """The index of a sharded checkpoint: which file holds each tensor."""
-    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    (Path(out) / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def write_config(out: Path, config, quantization_config: dict, generation_config=None) -> None:
@@ -299,13 +289,11 @@ class TensorEntry:
 
 
 class TensorFiles:
-    """The tensors of a folder's safetensors files (`hqtflow.models.weight_files`: those transformers loads):
+    """The tensors of a folder's safetensors files (`safetensors_files.weight_files`: those transformers loads):
     `entries` from the headers (each file checked first, no tensor read), `get(key)` one tensor, memory-mapped (its
     pages are file pages, reclaimable, not anonymous memory). `error`: the kind of a damaged file's refusal."""
 
     def __init__(self, directory: Path, *, device: str = "cpu", error: type[Exception] = ArtifactError):
-        from hqtflow.models import check_safetensors, safetensors_header, weight_files
-
         self.directory, self.device = Path(directory), device
         self.files = weight_files(self.directory, error)
         self.entries: dict[str, TensorEntry] = {}

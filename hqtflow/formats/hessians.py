@@ -35,7 +35,7 @@ class Hessians:
     """A measurement's Hessians, checked on open (format, version, the module map) and per matrix on `get`."""
 
     def __init__(self, path: Path):
-        from hqtflow.models import check_safetensors, safetensors_header
+        from hqtflow.formats.safetensors_files import check_safetensors, safetensors_header
 
         self.path = Path(path)
         check_safetensors(self.path)

@@ -34,8 +34,9 @@ import torch
 from hqtflow import hardware
 from hqtflow.errors import ModelError, ResourceError
 from hqtflow.formats.checkpoint import (ST_DTYPES, SafetensorsWriter, TensorEntry, TensorFiles, TensorSpec,
-                                        check_free_disk, generation_config_of, shard_names)
+                                        check_free_disk, generation_config_of)
 from hqtflow.formats.hf_names import Mapping, disk_keys, disk_module_names, loaded_twice, split, split_shape
+from hqtflow.formats.safetensors_files import shard_names
 
 DEFAULT_SHARD_SIZE = 512 * 2**20  # bytes of tensor data per output file
 QUANT_CHUNK_ELEMS = 1 << 20  # weights are cast to FP8 in row blocks of about this many elements
@@ -375,8 +376,9 @@ def write_offloaded(p: OffloadPlan, out: Path, meas, method, *, target: str, fp8
 
     import time
 
-    from hqtflow.formats.checkpoint import write_config, write_index
+    from hqtflow.formats.checkpoint import write_config
     from hqtflow.formats.compressed_tensors import quantization_config
+    from hqtflow.formats.safetensors_files import write_index
     from hqtflow.quantize.fp8_linear import quantize_linear
     from hqtflow.scales import linear_scales
 

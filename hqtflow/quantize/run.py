@@ -312,7 +312,7 @@ def _notes(checkpoint: Path) -> list[str]:
     """What a user of the checkpoint outside hqtflow must know: MoE experts stored under hqtflow's own per-expert
     names (a model whose checkpoint keeps its experts fused, GraniteMoE's `input_linear`, has no per-expert names)."""
     from hqtflow.formats.hf_names import per_expert_containers
-    from hqtflow.models import safetensors_header, weight_files
+    from hqtflow.formats.safetensors_files import safetensors_header, weight_files
 
     own = per_expert_containers(k for f in weight_files(checkpoint) for k in safetensors_header(f)[1])
     if not own:

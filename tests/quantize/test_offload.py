@@ -180,18 +180,18 @@ def test_weight_files_are_those_transformers_reads(tiny_factory, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from hqtflow import models
     from hqtflow.errors import ModelError
+    from hqtflow.formats.safetensors_files import weight_files
 
     model = tmp_path / "m"
     shutil.copytree(tiny_factory("mixtral"), model)
     key = f"{EXPERTS}.1.w1.weight"
     save_file({key: torch.zeros_like(load_file(model / "model.safetensors")[key])}, model / "zz-old.safetensors")
-    assert models.weight_files(model) == [model / "model.safetensors"]
+    assert weight_files(model) == [model / "model.safetensors"]
     plan = offload.plan_offload(model, [], dtype="bf16", weight_only=False, per_channel=False)
     assert {e.file.name for u in plan.units for e, _ in u.parts or ()} == {"model.safetensors"}
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {key: "model-00002.safetensors"}}))
-    assert models.weight_files(model) == [model / "model.safetensors"]  # transformers prefers it to an index
+    assert weight_files(model) == [model / "model.safetensors"]  # transformers prefers it to an index
     (model / "model.safetensors").rename(model / "model-00001.safetensors")
     with pytest.raises(ModelError, match="maps weights to model-00002.safetensors, which is not in"):
         offload.plan_offload(model, [], dtype="bf16", weight_only=False, per_channel=False)
