@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hqtflow import lmeval, models  # noqa: E402
-from hqtflow.config import QuantConfig  # noqa: E402
 from hqtflow.evaluate import EvalSettings, evaluate  # noqa: E402
+from hqtflow.formats.quant_config import QuantConfig  # noqa: E402
 from hqtflow.measure.calibration import batches, token_chunks  # noqa: E402
 from hqtflow.measure.hooks import ObserverSession  # noqa: E402
 from hqtflow.quantize.convert import convert_model  # noqa: E402

@@ -109,7 +109,7 @@ def token_windows(path: str, tokenizer, batches: int, batch_size: int, seq_len: 
 # ---- modes ---------------------------------------------------------------------------------------
 def make_modes(args, model_dir, tmp):
     from hqtflow import models
-    from hqtflow.config import QuantConfig
+    from hqtflow.formats.quant_config import QuantConfig
     from hqtflow.measure.hooks import ObserverSession
 
     plain = models.load_model(model_dir)

@@ -1,6 +1,6 @@
 """Closed sets of option values as enums (a member is its string), and `parse`, which checks a value against one.
 
-Not every closed set is here: the QUANT_CONFIG's values are tuples in config.py, checked by `config.choice`."""
+Not every closed set is here: the QUANT_CONFIG's values are tuples in formats/quant_config.py, checked by its `choice`."""
 
 from __future__ import annotations
 

@@ -177,7 +177,7 @@ def _config(config: Optional[Path], mode: str = "QUANTIZE") -> Optional[str]:
     HQT's users switch QUANT_CONFIG between a MEASURE and a QUANTIZE config: one of the other `mode` is refused
     naming the variable."""
     from hqtflow import bundled, environment
-    from hqtflow.config import QuantConfig
+    from hqtflow.formats.quant_config import QuantConfig
     from hqtflow.errors import ConfigError, not_a_file
 
     if config is not None:

@@ -243,7 +243,7 @@ def _entry(job: Job, key: str) -> dict:
 def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | None = None, model: str | None = None,
              measurement: str | Path | None = None, recipe: str | Path | None = None) -> Job:
     """Resolve SOURCE (a recipe .yaml or an artifact dir) plus overrides into what the target functions need."""
-    from hqtflow.config import QuantConfig
+    from hqtflow.formats.quant_config import QuantConfig
     from hqtflow.recipes import load_recipe
 
     if mode not in MODES:

@@ -33,7 +33,7 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
     directory, output = Path(directory), Path(output)
     if world_size is not None and world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, not {world_size}.")
-    from hqtflow.config import HP_DTYPES
+    from hqtflow.formats.quant_config import HP_DTYPES
 
     if dtype not in HP_DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(HP_DTYPES)}, not {dtype!r}.")

@@ -306,7 +306,7 @@ class _Reader:
         return value if isinstance(value, bool) else self.fail(label, "true or false", value)
 
     def dtype(self, label: str, value: Any) -> str:
-        from hqtflow.config import HP_DTYPES
+        from hqtflow.formats.quant_config import HP_DTYPES
 
         return value if value in HP_DTYPES else self.fail(label, f"one of {', '.join(HP_DTYPES)}", value)
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from hqtflow.config import INC_DYNAMIC_METHODS
 from hqtflow.errors import ConfigError
+from hqtflow.formats.quant_config import INC_DYNAMIC_METHODS
 
 TARGETS = ("gaudi2", "gaudi3", "cpu", "cuda")
 FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}

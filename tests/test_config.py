@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from hqtflow.config import SCALE_METHODS, ModuleFilter, QuantConfig
 from hqtflow.errors import ConfigError
+from hqtflow.formats.quant_config import SCALE_METHODS, ModuleFilter, QuantConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def test_every_key_parses_case_insensitively():
 
 @pytest.mark.parametrize("name", SCALE_METHODS)
 def test_every_scale_method_name(name):
-    from hqtflow.config import INC_DYNAMIC_METHODS
+    from hqtflow.formats.quant_config import INC_DYNAMIC_METHODS
 
     extra = {"dynamic_quantization": True} if name in INC_DYNAMIC_METHODS else {}
     assert QuantConfig.from_dict({"scale_method": name.upper(), **extra}).scale_method == name

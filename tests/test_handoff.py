@@ -128,7 +128,7 @@ def host_of(container_path: str, mounts: dict) -> Path:
 
 def check_config(path: Path, inc, *, mode: str, files_base: Path | None, world: int, mapper=lambda p: Path(p)):
     """The QUANT_CONFIG parses in INC's FP8Config and hqtflow's reader, and its dump_stats_path names every rank's files."""
-    from hqtflow.config import QuantConfig
+    from hqtflow.formats.quant_config import QuantConfig
 
     raw = json.loads(path.read_text())
     cfg = inc.FP8Config(**raw)

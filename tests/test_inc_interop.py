@@ -129,7 +129,7 @@ def test_allow_and_block_lists_select_what_inc_selects(inc, allowlist, blocklist
 
     from neural_compressor.torch.algorithms.fp8_quant._core.utils import should_quantize
 
-    from hqtflow.config import QuantConfig
+    from hqtflow.formats.quant_config import QuantConfig
 
     ours = QuantConfig.from_dict({"allowlist": allowlist, "blocklist": blocklist})
     theirs = SimpleNamespace(cfg={"mod_dict": {"Linear": "linear", "Conv2d": "linear"}, "allowlist": allowlist,

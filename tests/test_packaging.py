@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from hqtflow import bundled
-from hqtflow.config import QuantConfig
 from hqtflow.errors import ConfigError
+from hqtflow.formats.quant_config import QuantConfig
 from hqtflow.recipes import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]

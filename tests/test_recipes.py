@@ -88,7 +88,7 @@ def test_recipes_exist():
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipe_is_complete(path):
-    from hqtflow.config import QuantConfig
+    from hqtflow.formats.quant_config import QuantConfig
     from hqtflow.recipes import load_recipe
 
     raw = _raw(path)
@@ -120,7 +120,7 @@ def test_smollm2_recipe_cards_split_the_real_model(path, smollm2):
 def test_recipe_dry_run(path, tiny_factory, data_dir, tmp_path):
     from torch import nn
 
-    from hqtflow.config import QuantConfig
+    from hqtflow.formats.quant_config import QuantConfig
     from hqtflow.recipes import load_recipe
 
     raw = _raw(path)

@@ -499,7 +499,7 @@ def known_values() -> dict[tuple[str, str], tuple[str, ...]]:
     outside them comes from a newer or another hqtflow, which stages would otherwise misread (section "config": the
     QUANT_CONFIG, as `QuantConfig.from_dict` accepts it; `--engine inc` records a per-module method as "custom" and
     its device, "hpu", as the target)."""
-    from hqtflow import config as c
+    from hqtflow.formats import quant_config as c
     from hqtflow.choices import KVCache
 
     return {("data", "fp8"): c.FP8_FORMATS, ("data", "hp_dtype"): c.HP_DTYPES, ("data", "model_dtype"): c.HP_DTYPES,

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from hqtflow.config import QuantConfig
 from hqtflow.errors import ModelError
 from hqtflow.formats.measurement import NodeStats
+from hqtflow.formats.quant_config import QuantConfig
 from hqtflow.measure.observers import make_observer, weight_stat
 
 

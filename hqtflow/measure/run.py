@@ -10,10 +10,10 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from hqtflow.config import MEASURE_OBSERVERS, QuantConfig
 from hqtflow.errors import CalibrationError, ConfigError
 from hqtflow.formats import measurement as mf
 from hqtflow.formats.artifact import ArtifactKind, StagingDir, check_output_dir, read_manifest
+from hqtflow.formats.quant_config import MEASURE_OBSERVERS, QuantConfig
 from hqtflow.measure.settings import DEFAULT_MAX_LENGTH, MeasureSettings
 from hqtflow.progress import Progress
 from hqtflow.task_yaml import is_task_file

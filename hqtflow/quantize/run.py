@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hqtflow.choices import KVCache, parse
-from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError, ConfigError
 from hqtflow.formats.artifact import ArtifactKind, artifact_kind, read_manifest, staged_output, write_manifest
+from hqtflow.formats.quant_config import QuantConfig
 from hqtflow.quantize.settings import QuantizeSettings  # noqa: F401 - re-exported (it lived here)
 from hqtflow.formats.measurement import (LoadedMeasurement, Measurement, gaudi_only_note, load_measurement,
                                          require_dynamic_range)
@@ -28,10 +28,10 @@ def quant_config(s: QuantizeSettings) -> QuantConfig:
         raise ConfigError(f"{s.config} has mode {cfg.mode}; `hqtflow quantize` needs a QUANTIZE config such as quantization_config/maxabs_quant.json.")
     changes = {}
     if s.scale_method:
-        from hqtflow.config import SCALE_METHODS, choice
+        from hqtflow.formats.quant_config import SCALE_METHODS, choice
 
         changes["scale_method"] = choice("scale_method", s.scale_method, SCALE_METHODS, source="--scale-method")
-        from hqtflow.config import INC_DYNAMIC_METHODS
+        from hqtflow.formats.quant_config import INC_DYNAMIC_METHODS
 
         if changes["scale_method"] in INC_DYNAMIC_METHODS:  # INC's dynamic-only methods imply its switch
             changes["extra"] = {**cfg.extra, "dynamic_quantization": True}

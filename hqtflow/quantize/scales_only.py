@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from hqtflow.config import QuantConfig
 from hqtflow.errors import ArtifactError
 from hqtflow.formats.measurement import copy_measurement_files, shard_span
+from hqtflow.formats.quant_config import QuantConfig
 from hqtflow.formats.scale_files import scale_entry, scale_stem, write_quant_config, write_scale_file
 from hqtflow.scales import HP_DTYPES, ScaleRules, linear_scales
 

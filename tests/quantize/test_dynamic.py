@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from conftest import need, run_cli
-from hqtflow.config import QuantConfig
 from hqtflow.errors import ConfigError
+from hqtflow.formats.quant_config import QuantConfig
 from hqtflow.quantize.fp8_linear import FP8Linear, set_backend
 from hqtflow.scales import INC_DYNAMIC_METHODS, dynamic_activation_scale, scale_method, weight_scale
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from hqtflow.config import SCALE_METHODS
 from hqtflow.errors import ConfigError
+from hqtflow.formats.quant_config import SCALE_METHODS
 from hqtflow.scales import (activation_scale, dequantize, full_scale, hw_scales, inc_code_scale, linear_scales,
                             quantize, round_hw, scale_method, weight_scale)
 
