@@ -407,7 +407,7 @@ _CALL = {"type": "object", "required": ["function"], "additionalProperties": {"t
          "properties": {"id": {"type": ["string", "null"]}, "type": {"enum": ["function", None]}, "function": {
              "type": "object", "required": ["name", "arguments"], "additionalProperties": {"type": "null"},
              "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
-MESSAGE = {  # a chat message as openai_routes.chat_messages reads it (other fields: null, i.e. not given)
+MESSAGE = {  # a chat message as openai_prompts.chat_messages reads it (other fields: null, i.e. not given)
     "description": "role and content (a string or text parts); an assistant's content may be null or left out "
                    "beside its tool calls; a tool's result names the call it answers",
     "anyOf": [{"type": "object", "required": ["role", "content"], "additionalProperties": {"type": "null"},

@@ -123,9 +123,9 @@ def test_an_answer_keeps_its_first_space_after_the_prompt(tokenizers, kind):
 
 @pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
 def test_logprob_token_texts_join_to_the_answer(tokenizers, kind):
-    """The OpenAI routes' token texts (runtime/openai_routes.token_texts) keep a SentencePiece token's leading space,
+    """The OpenAI routes' token texts (runtime/openai_text.token_texts) keep a SentencePiece token's leading space,
     so an answer's tokens join to its text; a byte-level token's is its decode alone."""
-    from hqtflow.runtime.openai_routes import token_texts
+    from hqtflow.runtime.openai_text import token_texts
 
     tok = tokenizers[kind]
     text = token_texts(tok)

@@ -199,7 +199,7 @@ def test_stop_hold_back_is_the_longest_end_that_begins_a_stop():
     two-letter alphabet (overlapping prefixes)."""
     import random
 
-    from hqtflow.runtime.openai_routes import HeldBack
+    from hqtflow.runtime.openai_stream import HeldBack
 
     rng = random.Random(0)
     word = lambda lo, hi: "".join(rng.choice("ab") for _ in range(rng.randint(lo, hi)))  # noqa: E731

@@ -10,7 +10,7 @@ from jinja2 import Template
 
 from conftest import client_lib, running
 from hqtflow.runtime import tools
-from hqtflow.runtime.openai_routes import chat_messages
+from hqtflow.runtime.openai_prompts import chat_messages
 from hqtflow.runtime.schemas import ApiError, ChatRequest, parse
 from hqtflow.runtime.server import ServeSettings, create_app
 
