@@ -254,11 +254,16 @@ def stepping(plan):
         _STEP.reset(token)
 
 
+def current_step():
+    """The step plan `stepping` set for the forward running now; None outside the engine."""
+    return _STEP.get()
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query [1, heads, T, d], key/value [1, kv_heads, T, d] of a flattened step -> ([1, T, heads, d], None)."""
     plan: StepPlan | None = kwargs.pop("paged", None)
     if plan is None:
-        plan = _STEP.get()
+        plan = current_step()
     if plan is None:  # the model run outside the engine (transformers' generate on the same model)
         if kwargs.get("softcap") or kwargs.get("s_aux") is not None:  # SDPA would leave them out: the model's eager
             eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)

@@ -40,9 +40,9 @@ def install(model) -> bool:
 def _per_length_forward(module, plain, frequencies, x, position_ids, layer_type=None):
     """The rotary embedding's (cos, sin) with every token's frequencies taken from its request's length (the step
     plan's `token_lengths`); transformers' own forward when no step plan is running."""
-    from hqtflow.runtime.paged import _STEP
+    from hqtflow.runtime.paged import current_step
 
-    plan = _STEP.get()
+    plan = current_step()
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
     if plan is None:
         return type(module).forward(module, x, position_ids, **kwargs)
