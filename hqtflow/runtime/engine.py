@@ -672,8 +672,9 @@ def _warp(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_k and p.top_k < x.numel():
         x[x < torch.topk(x, p.top_k).values[-1]] = -math.inf
     if p.top_p < 1.0:
-        sx, si = x.sort(descending=True)
-        drop = sx.softmax(-1).cumsum(-1) - sx.softmax(-1) > p.top_p  # keep the smallest set whose mass reaches top_p
+        sx, si = x.sort()  # transformers' TopPLogitsWarper (and TGI's): ascending, drop the tokens whose mass with
+        drop = sx.softmax(-1).cumsum(-1) <= 1 - p.top_p  # all below them is <= 1 - top_p, so the smallest set whose
+        drop[-1] = False  # mass reaches top_p is kept (one token at least)
         x[si[drop]] = -math.inf
     if p.typical_p < 1.0:  # transformers' TypicalLogitsWarper
         logp = torch.log_softmax(x, -1)

@@ -423,6 +423,30 @@ def test_warpers_and_processors_match_their_definitions():
     assert set(out.nonzero()[:, 0].tolist()) == set(green.tolist()) and out.max() == 2.0
 
 
+def test_top_p_keeps_transformers_smallest_set_reaching_the_mass():
+    """top_p keeps what transformers' TopPLogitsWarper (and TGI) keep: the smallest set whose mass reaches top_p, also
+    when a prefix's mass equals top_p exactly (it kept one token more: [.25, .25, .25, .125, .125] at 0.5 kept 3)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from hqtflow.runtime.engine import _warp
+
+    def kept(x, top_p):
+        ours = torch.isfinite(_warp(x.clone(), SamplingParams(do_sample=True, top_p=top_p)))
+        ref = torch.isfinite(TopPLogitsWarper(top_p)(None, x.clone()[None])[0])
+        assert torch.equal(ours, ref), (x, top_p, ours, ref)
+        return int(ours.sum())
+
+    exact = [([.5, .25, .25], .5, 1), ([.25, .25, .25, .125, .125], .5, 2), ([.25, .25, .25, .125, .125], .75, 3),
+             ([.4, .3, .2, .1], .7, 2), ([.4, .3, .2, .1], 1e-4, 1)]
+    for probs, top_p, n in exact:
+        assert kept(torch.tensor(probs).log(), top_p) == n, (probs, top_p)
+    torch.manual_seed(0)
+    for _ in range(20):
+        x = torch.randn(512) * 3
+        for top_p in (0.1, 0.5, 0.9, 0.99):
+            kept(x, top_p)
+
+
 # -- paged KV cache, chunked prefill, determinism ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lm16(tiny_llama):
