@@ -151,11 +151,12 @@ Seed = Annotated[int, BeforeValidator(_u64),  # a u64, as TGI's
                  WithJsonSchema({"type": "integer", "minimum": 0, "maximum": 2**64 - 1})]
 
 
-RANGE = ("minimum", "exclusiveMinimum", "maximum")
+RANGE = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
 
 
 def bounded(default=None, **bounds) -> Any:
-    """A number field with a range, given as JSON Schema's keywords (minimum, exclusiveMinimum, maximum): published
+    """A number field with a range, given as JSON Schema's keywords (minimum, exclusiveMinimum, maximum,
+    exclusiveMaximum): published
     so in /openapi.json, and checked by `Strict` from the same keywords (`out_of_range`)."""
     assert bounds and set(bounds) <= set(RANGE), bounds
     return Field(default, json_schema_extra=bounds)
@@ -163,14 +164,14 @@ def bounded(default=None, **bounds) -> Any:
 
 def out_of_range(name: str, v, bounds: dict) -> str | None:
     """None if `v` is within `bounds`, else the refusal in TGI's words ("`top_k` must be strictly positive",
-    "`top_p` must be > 0.0 and <= 1.0. Given: 1.5")."""
-    lo_open = "exclusiveMinimum" in bounds
-    lo, hi = bounds.get("exclusiveMinimum", bounds.get("minimum")), bounds.get("maximum")
-    if (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or v <= hi):
+    "`top_p` must be > 0.0 and < 1.0. Given: 1.5")."""
+    lo_open, hi_open = "exclusiveMinimum" in bounds, "exclusiveMaximum" in bounds
+    lo, hi = bounds.get("exclusiveMinimum", bounds.get("minimum")), bounds.get("exclusiveMaximum", bounds.get("maximum"))
+    if (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or (v < hi if hi_open else v <= hi)):
         return None
     if lo == 0 and lo_open and hi is None:
         return f"`{name}` must be strictly positive"
-    parts = ([f"{'>' if lo_open else '>='} {lo}"] if lo is not None else []) + ([f"<= {hi}"] if hi is not None else [])
+    parts = ([f"{'>' if lo_open else '>='} {lo}"] if lo is not None else []) + ([f"{'<' if hi_open else '<='} {hi}"] if hi is not None else [])
     return f"`{name}` must be {' and '.join(parts)}. Given: {v}"
 
 
@@ -271,9 +272,9 @@ class TgiParameters(Strict):
     temperature: float | None = bounded(exclusiveMinimum=0)
     top_k: Int | None = bounded(minimum=1)
     top_n_tokens: Int | None = bounded(minimum=0, maximum=MAX_TOP_N_TOKENS)
-    top_p: float | None = bounded(exclusiveMinimum=0, maximum=1)
+    top_p: float | None = bounded(exclusiveMinimum=0.0, exclusiveMaximum=1.0)  # TGI's: "> 0.0 and < 1.0"
     truncate: Int | None = bounded(minimum=1)  # and <= --max-input-tokens (published per server)
-    typical_p: float | None = bounded(exclusiveMinimum=0, maximum=1)
+    typical_p: float | None = bounded(exclusiveMinimum=0.0, exclusiveMaximum=1.0)
     watermark: bool = False
 
     REFUSED: ClassVar[dict[str, str]] = {"adapter_id": "no LoRA adapters are loaded"}

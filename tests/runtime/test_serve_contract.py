@@ -154,6 +154,8 @@ def test_published_bounds_are_the_validators(url, spec):
                 cases += [(prop["exclusiveMinimum"] + step, True), (prop["exclusiveMinimum"], False)]
             if "maximum" in prop:
                 cases += [(prop["maximum"], True), (prop["maximum"] + step, False)]
+            if "exclusiveMaximum" in prop:
+                cases += [(prop["exclusiveMaximum"] - step, True), (prop["exclusiveMaximum"], False)]
             for value, ok in cases:
                 given = {**context, field: value}
                 if field == "best_of" and name == "CompletionRequest":
@@ -168,6 +170,19 @@ def test_published_bounds_are_the_validators(url, spec):
                     assert f"`{field}" in r.text or f"`parameters.{field}" in r.text, (field, r.text)
                 checked += 1
     assert checked >= 40, checked
+
+
+def test_top_p_and_typical_p_of_one_are_refused_as_tgi_refuses_them(url, spec):
+    """TGI's routes refuse top_p and typical_p outside (0, 1), 1.0 included, in TGI's words (1.0 was accepted);
+    OpenAI's routes take top_p up to 1 inclusive, as OpenAI."""
+    for field in ("top_p", "typical_p"):
+        r = post(url, "/generate", {"inputs": "x", "parameters": {"max_new_tokens": 1, field: 1.0}})
+        assert r.status_code == 422 and f"`{field}` must be > 0.0 and < 1.0" in r.json()["error"], r.text
+        assert spec["components"]["schemas"]["TgiParameters"]["properties"][field]["exclusiveMaximum"] == 1.0
+    r = post(url, "/generate", {"inputs": "x", "parameters": {"max_new_tokens": 1, "top_p": 0.99, "typical_p": 0.99}})
+    assert r.status_code == 200, r.text
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        assert post(url, path, {**body, "max_tokens": 1, "top_p": 1.0}).status_code == 200
 
 
 @pytest.mark.slow
