@@ -58,6 +58,15 @@ def within_max_client_batch_size(ctx: Ctx, req: CompletionRequest) -> Completion
     return req
 
 
+def best_of(group: list, n: int) -> list:
+    """OpenAI's best_of: the n candidates with the highest log probability per token (the mean over the tokens whose
+    logprobs the answer lists: those before a stop sequence; all, when none is), best first (ties: in order)."""
+    def per_token(q) -> float:
+        tokens = before_stop(q.tokens, q.last.stop_at) or q.tokens
+        return sum(t.logprob for t in tokens) / max(1, len(tokens))
+    return sorted(group, key=per_token, reverse=True)[:n]
+
+
 def jobs_for(req, prompts, make, count: int):
     """count sequences per prompt; with a seed, sequence j of a prompt samples with seed + j (modulo 2**64, the
     seed range, so every accepted seed works)."""
@@ -99,8 +108,8 @@ def completion_choices(token_text: Callable[[int], str], req: CompletionRequest,
     choices, returned = [], []
     for pi, ids in enumerate(prompts):
         group = seqs[pi * per:(pi + 1) * per]
-        if per > req.n:  # best_of: the n with the highest total logprob
-            group = sorted(group, key=lambda q: -q.logprob)[: req.n]
+        if per > req.n:  # best_of: the n with the highest logprob per token
+            group = best_of(group, req.n)
         returned += group
         for j, q in enumerate(group):
             lp = None

@@ -195,6 +195,27 @@ def test_openai_completions_score_text(url, lm):
     assert e.value.param == "temperature" and e.value.code == "validation" and e.value.type == "invalid_request_error"
 
 
+def test_openai_best_of_returns_the_highest_logprob_per_token(url):
+    """OpenAI's best_of returns the candidate with the highest log probability per token (it took the highest total,
+    so the shortest won); candidate j is the request alone with seed + j. Seeds are tried until the two rules
+    disagree (candidates cut short by a stop sequence differ in length)."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=12, temperature=1.0, stop=["e"], logprobs=0)
+    for seed in range(0, 200, 4):
+        cands = []
+        for j in range(4):
+            c = client.completions.create(n=1, seed=seed + j, **kw).choices[0]
+            lps = c.logprobs.token_logprobs
+            cands.append((c.text, sum(lps), sum(lps) / max(1, len(lps))))
+        by_total, by_mean = max(cands, key=lambda c: c[1])[0], max(cands, key=lambda c: c[2])[0]
+        if by_total != by_mean:
+            break
+    else:
+        pytest.fail("no seed where the total and the per-token rule disagree")
+    assert client.completions.create(best_of=4, n=1, seed=seed, **kw).choices[0].text == by_mean, (seed, cands)
+
+
 def test_openai_chat_n_logprobs_usage_and_json(url, lm):
     openai = client_lib("openai")
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
