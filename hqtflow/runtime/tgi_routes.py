@@ -94,7 +94,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         start = time.monotonic()
         ids, p, params, slot = await prepare(req, request, stream=False)
         seqs = await ctx.collect([(ids, params)] * (p.best_of or 1), request, slot=slot)
-        best = max(seqs, key=lambda q: q.logprob)  # TGI: the sequence with the highest total logprob
+        best = max(seqs, key=lambda q: q.logprob / max(1, len(q.tokens)))  # TGI's: the highest logprob per token
         if headers is not None:
             headers.update(timing_headers(start, best, req.inputs, len(ids)))
         head = req.inputs if p.return_full_text else ""

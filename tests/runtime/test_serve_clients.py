@@ -54,8 +54,8 @@ def test_text_generation_client(url, lm):
     best = c.generate(PROMPT, max_new_tokens=6, best_of=3, do_sample=True, temperature=1.5)
     others = best.details.best_of_sequences
     assert len(others) == 2
-    total = sum(t.logprob for t in best.details.tokens)
-    assert all(total >= sum(t.logprob for t in o.tokens) for o in others)
+    mean = sum(t.logprob for t in best.details.tokens) / len(best.details.tokens)
+    assert all(mean >= sum(t.logprob for t in o.tokens) / len(o.tokens) for o in others)
     short = c.generate(PROMPT + " " + PROMPT, max_new_tokens=2, truncate=3, decoder_input_details=True)
     assert [t.id for t in short.details.prefill] == tok(PROMPT + " " + PROMPT)["input_ids"][-3:]
     streamed = list(c.generate_stream(PROMPT, max_new_tokens=8, top_n_tokens=2))
@@ -193,6 +193,24 @@ def test_openai_completions_score_text(url, lm):
         client.completions.create(model="tiny", prompt=PROMPT, temperature=2.5)
     assert "`temperature` must be >= 0.0 and <= 2.0" in e.value.message
     assert e.value.param == "temperature" and e.value.code == "validation" and e.value.type == "invalid_request_error"
+
+
+def test_tgi_best_of_returns_the_highest_logprob_per_token(url):
+    """TGI's best_of returns the sequence with the highest mean logprob per token (its router's rule; it took the
+    highest total, so the shortest won), the others in details.best_of_sequences. Requests are repeated until the
+    two rules disagree (sequences cut short by a stop sequence differ in length)."""
+    def per_token(q):
+        return sum(t["logprob"] for t in q["tokens"]) / len(q["tokens"])
+
+    for _ in range(40):
+        r = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {
+            "max_new_tokens": 12, "best_of": 4, "do_sample": True, "stop": ["e"], "details": True}}, timeout=60).json()
+        seqs = [r["details"], *r["details"]["best_of_sequences"]]
+        assert per_token(seqs[0]) == max(map(per_token, seqs)), seqs
+        if max(seqs, key=lambda q: sum(t["logprob"] for t in q["tokens"])) is not max(seqs, key=per_token):
+            break
+    else:
+        pytest.fail("no answer where the total and the per-token rule disagree")
 
 
 def test_openai_best_of_returns_the_highest_logprob_per_token(url):
