@@ -50,6 +50,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     watermark: bool = False  # TGI's Kirchenbauer et al. watermark (gamma 0.5, delta 2.0)
     top_n: int = 0  # top-n logprobs of each generated token
+    processed_logprobs: bool = False  # logprobs of the distribution sampled from (TGI's); else the model's (OpenAI's)
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and the top k
     prompt_logprobs_from: int = 1  # the first prompt token scored; those before get (None, []) (scoring a continuation)
     grammar: object | None = None  # an xgrammar CompiledGrammar (see runtime/grammar.py)
@@ -517,36 +518,61 @@ class Engine:
         self.active = keep
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[int, float, list | None]]:
-        logprobs = torch.log_softmax(logits, dim=-1)
+        """Each row's token, its logprob and the top-n (id, logprob): of the model's distribution (raw log_softmax),
+        or, for a request with `processed_logprobs` whose logits a processor or warper changes, of the distribution
+        it samples from (TGI's), computed once per such row instead of the raw one."""
+        own = [r.params.processed_logprobs and (r.params.do_sample or _processed(r)) for r in reqs]
+        raw = [row for row, o in enumerate(own) if not o]  # the rows whose logprobs are the model's
         greedy = logits.max(-1).indices  # each row's pick if no processor changes it: the first max (argmax's, faster on CPU)
-        # greedy picks and their logprobs in one transfer (one wait for the device); float64 holds any token id
-        picked = torch.stack([greedy.double(), logprobs.gather(1, greedy[:, None])[:, 0].double()]).tolist()
-        toks, chosen, changed = [int(t) for t in picked[0]], picked[1], []
+        if len(raw) == len(reqs):  # greedy picks and their logprobs in one transfer; float64 holds any token id
+            logprobs = torch.log_softmax(logits, dim=-1)
+            picked = torch.stack([greedy.double(), logprobs.gather(1, greedy[:, None])[:, 0].double()]).tolist()
+            toks, chosen = [int(t) for t in picked[0]], picked[1]
+        else:
+            logprobs = torch.log_softmax(logits[raw], dim=-1) if raw else None
+            toks, chosen = [int(t) for t in greedy.tolist()], [0.0] * len(reqs)
+        at = {row: i for i, row in enumerate(raw)}  # a raw row's row in `logprobs`
+        processed: dict[int, torch.Tensor] = {}  # an `own` row's logprobs of its processed distribution
+        changed = []
         for row, req in enumerate(reqs):
             p = req.params
             try:  # a request whose processors or sampling fail ends alone: its neighbours in the batch go on
                 if p.do_sample:
-                    x = self._process(req, logits[row].clone())
-                    toks[row] = int(torch.multinomial(_warp(x, p).softmax(-1), 1, generator=req.generator))
+                    x = _warp(self._process(req, logits[row].clone()), p)
+                    if own[row]:
+                        processed[row] = torch.log_softmax(x, -1)
+                        toks[row] = int(torch.multinomial(processed[row].exp(), 1, generator=req.generator))
+                    else:
+                        toks[row] = int(torch.multinomial(x.softmax(-1), 1, generator=req.generator))
                     changed.append(row)
                 elif _processed(req):
-                    toks[row] = int(self._process(req, logits[row].clone()).argmax())
+                    x = self._process(req, logits[row].clone())
+                    toks[row] = int(x.argmax())
+                    if own[row]:
+                        processed[row] = torch.log_softmax(x, -1)
                     changed.append(row)
                 if req.matcher is not None:
                     req.matcher.accept_token(toks[row])
             except Exception as e:  # noqa: BLE001 - reported to this request only
                 req.emit(Event(len(req.generated), None, error=f"{type(e).__name__}: {e}"))
                 req.finished = True
-        if changed:
-            rows = torch.tensor(changed, device=logits.device)
-            for row, v in zip(changed, logprobs[rows, torch.tensor([toks[r] for r in changed], device=logits.device)].tolist()):
+        rows = changed if len(raw) == len(reqs) else raw  # the raw rows whose logprob is not yet in `chosen`
+        if rows:
+            idx = torch.tensor([at[r] for r in rows], device=logits.device)
+            for row, v in zip(rows, logprobs[idx, torch.tensor([toks[r] for r in rows], device=logits.device)].tolist()):
                 chosen[row] = v
+        for row, lp in processed.items():
+            chosen[row] = float(lp[toks[row]])
         out = []
         for row, req in enumerate(reqs):
             top = None
-            if req.params.top_n:
-                t = logprobs[row].topk(req.params.top_n)
-                top = list(zip(t.indices.tolist(), t.values.tolist()))
+            if req.params.top_n and not req.finished:
+                if row in processed:  # as TGI, tokens the processors ruled out (-inf: a grammar's, top_k's) are not listed
+                    t = processed[row].topk(min(req.params.top_n, processed[row].numel()))
+                    top = [(i, v) for i, v in zip(t.indices.tolist(), t.values.tolist()) if v != -math.inf]
+                else:
+                    t = logprobs[at[row]].topk(req.params.top_n)
+                    top = list(zip(t.indices.tolist(), t.values.tolist()))
             out.append((toks[row], chosen[row], top))
         return out
 

@@ -195,6 +195,36 @@ def test_openai_completions_score_text(url, lm):
     assert e.value.param == "temperature" and e.value.code == "validation" and e.value.type == "invalid_request_error"
 
 
+def test_tgi_logprobs_are_of_the_processed_distribution_openais_of_the_models(url, lm):
+    """TGI's routes return the logprobs of the distribution each token is chosen from (TGI's NextTokenChooser): with
+    a grammar the top tokens are allowed ones only, renormalised, the chosen one first (greedy); with top_k 1 every
+    logprob is 0. OpenAI's routes return the model's own (raw) logprobs, as vLLM's default. (Both were raw: the
+    grammar's top tokens were ones it forbids.)"""
+    tok = lm[1]
+    r = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 6, "top_n_tokens": 3, "details": True, "grammar": {"type": "regex", "value": "[0-9]{3}-[a-z]{2}"}}},
+        timeout=60).json()
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", r["generated_text"]), r
+    for chosen, top in zip(r["details"]["tokens"], r["details"]["top_tokens"]):
+        if chosen["special"]:  # the grammar's end (EOS)
+            continue
+        assert top[0]["id"] == chosen["id"] and top[0]["logprob"] == pytest.approx(chosen["logprob"]), (chosen, top)
+        assert all(re.fullmatch("[0-9]+|-|[0-9]*-?[a-z]*", t["text"]) for t in top), top  # never a forbidden token
+    for path in ("/generate", "/generate_stream"):
+        r = httpx.post(f"{url}{path}", json={"inputs": PROMPT, "parameters": {
+            "max_new_tokens": 4, "top_k": 1, "do_sample": True, "details": True, "top_n_tokens": 2}}, timeout=60)
+        events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")] if "stream" in path else \
+            [{"token": t, "top_tokens": top} for t, top in zip(r.json()["details"]["tokens"], r.json()["details"]["top_tokens"])]
+        assert [e["token"]["logprob"] for e in events] == [0.0] * 4, events
+        assert all(len(e["top_tokens"]) == 1 for e in events), events  # the tokens top_k rules out are not listed
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    c = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, temperature=0.05, seed=1, logprobs=1).choices[0]
+    _, lp = prompt_logprobs(lm, tok(PROMPT)["input_ids"])
+    assert torch.isclose(lp[-1], torch.tensor(c.logprobs.token_logprobs[0]), atol=1e-4).any()  # one of the model's
+    assert max(c.logprobs.top_logprobs[0].values()) == pytest.approx(float(lp[-1].max()), abs=1e-4)
+
+
 def test_tgi_best_of_returns_the_highest_logprob_per_token(url):
     """TGI's best_of returns the sequence with the highest mean logprob per token (its router's rule; it took the
     highest total, so the shortest won), the others in details.best_of_sequences. Requests are repeated until the

@@ -423,6 +423,45 @@ def test_warpers_and_processors_match_their_definitions():
     assert set(out.nonzero()[:, 0].tolist()) == set(green.tolist()) and out.max() == 2.0
 
 
+def test_processed_logprobs_are_of_the_distribution_sampled_from(lm, engine):
+    """processed_logprobs (TGI's routes): the chosen token's logprob and the top-n are the log_softmax of the logits
+    after the processors and warpers (TGI's NextTokenChooser), rebuilt here with transformers' warpers; tokens they
+    rule out are not listed. Without it (OpenAI's routes), and for a request nothing processes, they stay the model's
+    raw log_softmax. (Every logprob was the raw one: temperature 0.05 or top_k 1 did not change it.)"""
+    from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    model, tok = lm
+    prompt = ids(tok, PROMPTS[3])
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0, -1].float()[None]
+    raw = torch.log_softmax(logits[0], -1)
+    cases = [(dict(temperature=0.05, do_sample=True, seed=1), [TemperatureLogitsWarper(0.05)]),
+             (dict(top_k=1, do_sample=True, seed=1), [TopKLogitsWarper(1)]),
+             (dict(temperature=0.7, top_k=20, top_p=0.8, do_sample=True, seed=3),
+              [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.8)]),
+             (dict(repetition_penalty=3.0), [RepetitionPenaltyLogitsProcessor(3.0)]), (dict(), [])]
+    for kw, warpers in cases:
+        x = logits.clone()
+        for w in warpers:
+            x = w(torch.tensor([prompt]), x)
+        want = torch.log_softmax(x[0], -1)
+        first = {}
+        for processed in (True, False):
+            ev = engine.generate(prompt, SamplingParams(max_new_tokens=1, top_n=40, processed_logprobs=processed, **kw))[0]
+            first[processed] = ev.token
+            ref = want if processed else raw
+            assert ev.token.logprob == pytest.approx(float(ref[ev.token.id]), abs=1e-4), (kw, processed)
+            finite = int(torch.isfinite(ref).sum())
+            assert len(ev.token.top) == min(40, finite), (kw, processed)  # ruled-out tokens are not listed
+            assert [v for _, v in ev.token.top] == pytest.approx(ref.topk(min(40, finite)).values.tolist(), abs=1e-4)
+        assert first[True].id == first[False].id, kw  # the same token either way (same seed)
+    ev = engine.generate(prompt, SamplingParams(max_new_tokens=1, top_n=3, top_k=1, do_sample=True, seed=1, processed_logprobs=True))[0]
+    assert ev.token.logprob == 0.0 and len(ev.token.top) == 1
+    greedy = [engine.generate(prompt, SamplingParams(max_new_tokens=4, top_n=3, processed_logprobs=p)) for p in (True, False)]
+    assert [(e.token.id, e.token.logprob, e.token.top) for e in greedy[0]] == [(e.token.id, e.token.logprob, e.token.top) for e in greedy[1]]
+
+
 def test_top_p_keeps_transformers_smallest_set_reaching_the_mass():
     """top_p keeps what transformers' TopPLogitsWarper (and TGI) keep: the smallest set whose mass reaches top_p, also
     when a prefix's mass equals top_p exactly (it kept one token more: [.25, .25, .25, .125, .125] at 0.5 kept 3)."""
