@@ -252,6 +252,52 @@ def sqnr(ref, x) -> float:
     return float(10 * torch.log10(ref.pow(2).mean() / (ref - x).pow(2).mean()))
 
 
+class _ReplayedGraph:
+    """A CUDA graph as the CPU can play it: replay() reruns the step and copies its result into the output buffer."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+def emulated_capture(fn, pool=None, warmup: int = 2):
+    """runtime.cuda_graphs.capture emulated on the CPU: the `warmup` eager runs capture() makes, then a recording that
+    runs nothing (a CUDA graph capture launches no kernel, so the state stays as the warm-ups left it)."""
+    for _ in range(warmup):
+        out = fn().clone()  # stands for the graph's output buffer
+    return _ReplayedGraph(fn, out), out
+
+
+def decode_to_the_last_slot(dec, ids, new: int):
+    """Greedy tokens from `dec.generate(ids, new)` on a decoder whose cache has `ids.shape[1] + new` slots, then the
+    logits of the last token fed eagerly into that cache's last slot, and the cache: (tokens, logits, cache)."""
+    import torch
+
+    n = ids.shape[1]
+    assert dec.max_length == n + new
+    tokens = dec.generate(ids, new).tokens
+    cache = dec._caches[ids.shape[0]]
+    with torch.inference_mode():
+        logits = dec.model(input_ids=tokens[:, -1:].to(dec.device), **{dec._cache_kwarg: cache},
+                           cache_position=torch.tensor([n + new - 1], device=dec.device), use_cache=True).logits
+    return tokens, logits, cache
+
+
+def assert_same_decode(got, want, *, atol: float = 0.0) -> None:
+    """decode_to_the_last_slot's results agree: tokens, last logits, every layer's keys, values and write counter."""
+    import torch
+
+    (tokens, logits, cache), (ref_tokens, ref_logits, ref_cache) = got, want
+    assert torch.equal(tokens.cpu(), ref_tokens.cpu())
+    torch.testing.assert_close(logits.float().cpu(), ref_logits.float().cpu(), atol=atol, rtol=0 if not atol else 1e-3)
+    for layer, ref in zip(cache.layers, ref_cache.layers, strict=True):
+        assert int(layer.cumulative_length) == int(ref.cumulative_length) == ref.max_cache_len
+        for a, b in ((layer.keys, ref.keys), (layer.values, ref.values)):
+            torch.testing.assert_close(a.float().cpu(), b.float().cpu(), atol=atol, rtol=0 if not atol else 1e-3)
+
+
 def refused_quantize(args, message: str, tmp_path: Path, code: int) -> None:
     """`hqtflow quantize ARGS` refuses with one sentence containing `message`, exit `code`, and writes nothing."""
     r = run_cli("quantize", *args)

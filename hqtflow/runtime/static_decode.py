@@ -7,11 +7,13 @@ overhead. FP8 layers run whatever backend they are set to (`set_backend`): the C
 both traceable ops. Compiled artifacts persist in `$HQTFLOW_CACHE/inductor`, so only the first run compiles.
 
 On CUDA the decode step is also a CUDA graph (`cuda_graph`, the default there): captured once per batch size on its
-first step (the warm-up runs before capture write the same keys and values to the same cache positions, so they change
-nothing), then replayed with the token and position copied into its static inputs. With `compile` the graph holds the
-compiled step (gpt-fast's "reduce-overhead": inductor fuses the norms, rotary, residuals and FP8 input quantization
-into few kernels, the graph removes their launches). A capture that fails leaves the decoder eager (the reason in
-`graph_failed`).
+first step, then replayed with the token and position copied into its static inputs. The cache writes each step at its
+own counter (`cumulative_length`, advanced in place), so the eager warm-up runs before capture would move every later
+token's keys and values two slots on: the cache's tensors and counters are saved before the capture and put back after
+it (a copy of the cache for that moment), and the replays then write where the eager steps do. With `compile` the
+graph holds the compiled step (gpt-fast's "reduce-overhead": inductor fuses the norms, rotary, residuals and FP8
+input quantization into few kernels, the graph removes their launches). A capture that fails leaves the decoder eager
+(the reason in `graph_failed`).
 
 Compiled, attention is `sdpa_gqa` (registered with transformers as "hqtflow_sdpa"): transformers' SDPA attention, except
 that a decode step's query heads are packed onto their key/value heads (transformers' `pack_gqa`) under
@@ -72,6 +74,27 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, sc
     return out.reshape(b, heads, q_len, d).transpose(1, 2).contiguous(), None
 
 
+def _cache_state(cache) -> list[tuple[object, str, object]]:
+    """(layer, attribute, copy) for every tensor and number a decode step can change in `cache`'s layers."""
+    saved = []
+    for layer in cache.layers:
+        for name, value in vars(layer).items():
+            if isinstance(value, torch.Tensor):
+                saved.append((layer, name, value.clone()))
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                saved.append((layer, name, value))
+    return saved
+
+
+def _restore_cache_state(saved: list[tuple[object, str, object]]) -> None:
+    """Put `_cache_state`'s copies back; tensors in place (a captured graph holds their addresses)."""
+    for layer, name, value in saved:
+        if isinstance(value, torch.Tensor):
+            getattr(layer, name).copy_(value)
+        else:
+            setattr(layer, name, value)
+
+
 class StaticDecoder:
     def __init__(self, model, *, max_length: int = 512, compile: bool = False, kv_cache: str = "bf16",
                  cuda_graph: bool | None = None):
@@ -125,6 +148,7 @@ class StaticDecoder:
         entry = self._graphs.get(tok.shape[0])
         if entry is None:
             static_tok, static_pos = tok.clone(), torch.tensor([position], device=self.device)
+            saved = _cache_state(cache)
             try:
                 from hqtflow.runtime.cuda_graphs import capture
 
@@ -132,7 +156,9 @@ class StaticDecoder:
             except Exception as e:  # noqa: BLE001 - graphs are an optimization
                 self.graph_failed = f"{type(e).__name__}: {e}"
                 torch.cuda.synchronize()
+                _restore_cache_state(saved)
                 return self._step(tok, torch.tensor([position], device=self.device), cache)
+            _restore_cache_state(saved)  # the warm-ups advanced the counters and wrote keys and values
             entry = self._graphs[tok.shape[0]] = (graph, static_tok, static_pos, out)
         graph, static_tok, static_pos, out = entry
         static_tok.copy_(tok)

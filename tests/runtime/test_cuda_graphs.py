@@ -5,6 +5,7 @@ capture itself runs only on a CUDA GPU."""
 import pytest
 import torch
 
+from conftest import assert_same_decode, decode_to_the_last_slot
 from hqtflow.runtime.cuda_graphs import DecodeGraphs, parse_batch_sizes
 from hqtflow.runtime.engine import Engine, SamplingParams
 from hqtflow.runtime.paged import DecodeBatch, KVPool, Seq, StepPlan, paged_attention
@@ -143,7 +144,9 @@ def test_graphs_on_cuda_match_eager(lm, compile):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_static_decoder_graph_on_cuda_matches_eager(lm):
-    """StaticDecoder on CUDA: the captured decode step gives the eager step's greedy tokens (batch 1 and 3)."""
+    """StaticDecoder on CUDA, its cache sized as the CLI sizes it (prompt + new tokens, so the last slot is written):
+    the captured decode step gives the eager step's tokens, last logits, keys, values and write counters (batch 1 and
+    3), on its first generate (the capture's warm-ups) and replayed after the cache's reset."""
     from hqtflow.runtime.static_decode import StaticDecoder
 
     model, tok = lm
@@ -151,33 +154,33 @@ def test_static_decoder_graph_on_cuda_matches_eager(lm):
     try:
         for batch in (1, 3):
             ids = torch.tensor([tok(PROMPTS[1])["input_ids"]] * batch)
-            eager = StaticDecoder(model, max_length=64, cuda_graph=False).generate(ids, 16).tokens
-            graphed = StaticDecoder(model, max_length=64)
+            size = ids.shape[1] + 16
+            eager = decode_to_the_last_slot(StaticDecoder(model, max_length=size, cuda_graph=False), ids, 16)
+            graphed = StaticDecoder(model, max_length=size)
             assert graphed.cuda_graph
-            got = graphed.generate(ids, 16).tokens
-            again = graphed.generate(ids, 16).tokens  # replayed, after the cache's reset
+            assert_same_decode(decode_to_the_last_slot(graphed, ids, 16), eager, atol=1e-5)
             assert graphed.graph_failed is None and graphed._graphs
-            assert torch.equal(got, eager) and torch.equal(again, eager)
+            assert_same_decode(decode_to_the_last_slot(graphed, ids, 16), eager, atol=1e-5)
     finally:
         model.to("cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_static_decoder_compiled_graph_on_cuda_matches_eager(lm):
-    """StaticDecoder(compile=True) on CUDA: the compiled step is what the graph captures (gpt-fast's reduce-overhead),
-    and its greedy tokens are the eager step's."""
+    """StaticDecoder(compile=True) on CUDA: the compiled step is what the graph captures (gpt-fast's reduce-overhead);
+    its tokens, last logits and cache (sized to the last slot) are the eager step's (fp32, inductor's own kernels)."""
     from hqtflow.runtime.static_decode import StaticDecoder
 
     model, tok = lm
     model = model.to("cuda")
     try:
         ids = torch.tensor([tok(PROMPTS[1])["input_ids"]] * 2)
-        eager = StaticDecoder(model, max_length=64, cuda_graph=False).generate(ids, 16).tokens
-        dec = StaticDecoder(model, max_length=64, compile=True)
+        size = ids.shape[1] + 16
+        eager = decode_to_the_last_slot(StaticDecoder(model, max_length=size, cuda_graph=False), ids, 16)
+        dec = StaticDecoder(model, max_length=size, compile=True)
         assert dec.cuda_graph and dec.compiled
-        got = dec.generate(ids, 16).tokens
+        assert_same_decode(decode_to_the_last_slot(dec, ids, 16), eager, atol=1e-3)
         assert dec.graph_failed is None and dec._graphs
-        assert torch.equal(got, eager)
     finally:
         model.to("cpu")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import run_cli
+from conftest import assert_same_decode, decode_to_the_last_slot, emulated_capture, run_cli
 from hqtflow.formats.measurement import KV_FILE
 from hqtflow.measure.kv import KVStats
 from hqtflow.scales import dequantize, quantize
@@ -103,6 +103,22 @@ def test_decode_with_fp8_kv_cache(artifacts):
     kl = (ref.exp() * (ref - q)).sum(-1)
     assert 0 < kl.max() < 1e-3, kl.max()  # quantized (not a no-op), and close
     assert fp8.shape == hp.shape and torch.equal(fp8[:, 0], q[:, ids.shape[1] - 1].argmax(-1))
+
+
+def test_fp8_cache_graph_capture_leaves_the_cache_as_the_eager_step_does(artifacts, monkeypatch):
+    """The FP8 cache's layer advances its write counter in place too: with CUDA-graph capture emulated on the CPU
+    (eager warm-ups, a recording that runs nothing, replays), the graphed decode equals the eager one, cache included."""
+    import hqtflow.runtime.cuda_graphs as cuda_graphs
+    from hqtflow.evaluate import load_any
+    from hqtflow.runtime.static_decode import StaticDecoder
+
+    monkeypatch.setattr(cuda_graphs, "capture", emulated_capture)
+    model, _, _ = load_any(str(artifacts / "fp8"), backend="qdq")
+    ids = torch.randint(5, 500, (2, 10), generator=torch.Generator().manual_seed(3))
+    eager = decode_to_the_last_slot(StaticDecoder(model, max_length=20, kv_cache="fp8", cuda_graph=False), ids, 10)
+    graphed = StaticDecoder(model, max_length=20, kv_cache="fp8", cuda_graph=True)
+    assert_same_decode(decode_to_the_last_slot(graphed, ids, 10), eager)
+    assert graphed.graph_failed is None and graphed._graphs
 
 
 def test_cli_kv_cache_paths(artifacts, tiny_llama, wiki_text, tmp_path):

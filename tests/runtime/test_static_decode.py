@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import assert_same_decode, decode_to_the_last_slot, emulated_capture, run_cli
 from hqtflow.runtime.static_decode import StaticDecoder
 
 
@@ -71,6 +71,24 @@ def test_compiled_step_fp8_cpu_kernel(tiny_fp8, cpu_kernel_loaded):
     compiled = StaticDecoder(model, max_length=32, compile=True).generate(ids, 10).tokens
     assert compiled.shape == eager.shape
     assert (compiled == eager).float().mean() >= 0.9
+
+
+def test_graph_capture_leaves_the_cache_as_the_eager_step_does(tiny_llama, monkeypatch):
+    """The CUDA-graph decode, with capture emulated on the CPU (its eager warm-ups, a recording that runs nothing,
+    replays that rerun the step), sized as the CLI sizes it (prompt + new tokens): the warm-ups advanced the cache's
+    write counter, so every later token's keys went two slots on and the last step wrote past the cache."""
+    import hqtflow.runtime.cuda_graphs as cuda_graphs
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(cuda_graphs, "capture", emulated_capture)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(5, 500, (2, 9), generator=torch.Generator().manual_seed(1))
+    for new in (2, 12):  # one decode step (the warm-ups' second slot is never rewritten), and many
+        eager = decode_to_the_last_slot(StaticDecoder(model, max_length=9 + new, cuda_graph=False), ids, new)
+        graphed = StaticDecoder(model, max_length=9 + new, cuda_graph=True)
+        assert_same_decode(decode_to_the_last_slot(graphed, ids, new), eager)
+        assert graphed.graph_failed is None and graphed._graphs
+        assert_same_decode(decode_to_the_last_slot(graphed, ids, new), eager)  # replayed after the cache's reset
 
 
 def test_generate_engines_cli(tiny_fp8):
