@@ -149,10 +149,6 @@ def world_size() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", 0))
-
-
 def quiet_other_ranks() -> None:
     """Under torchrun, only rank 0 draws progress bars: the others' (theirs, transformers', lm-eval's, datasets')
     would interleave with it. tqdm reads TQDM_DISABLE when it is imported, so this runs before anything imports it."""
@@ -161,7 +157,8 @@ def quiet_other_ranks() -> None:
 
 
 def rank_env() -> dict[str, str]:
-    """The environment of the ranks `--tp` starts: one OpenMP thread each (they share the machine's cores)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+    """The environment of the ranks `--tp` starts: one OpenMP thread each (they share the machine's cores), and no GPU
+    (they measure on the CPU, with gloo)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 

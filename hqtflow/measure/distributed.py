@@ -2,7 +2,9 @@
 
 Ranks are started by `torch.distributed.run --standalone` (a free port is picked for the rendezvous) with
 OMP_NUM_THREADS=1, or by the user's own torchrun; each loads the model with transformers' `tp_plan="auto"`
-(gloo on CPU, nccl on CUDA) and observes its local shards.
+and observes its local shards. The ranks run on the CPU (gloo), as the 1-rank measurement does, a GPU or not: the ranks
+`--tp` starts see none (CUDA_VISIBLE_DEVICES empty), and a rank of the user's torchrun hides it before CUDA starts
+(transformers' tp_plan puts the shards on whatever accelerator is visible).
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ def init(tp: int) -> tuple[int, int]:
     if world != tp:
         raise HqtflowError(f"torchrun started {world} ranks but --tp is {tp}; they must match.")
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(environment.local_rank())
-        dist.init_process_group(backend=backend)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read when CUDA starts: after this, torch and transformers see no GPU
+        if torch.cuda.is_available():
+            raise HqtflowError("--tp ranks measure on the CPU, but this rank already sees a CUDA GPU: start torchrun "
+                               "with CUDA_VISIBLE_DEVICES set empty.")
+        dist.init_process_group(backend="gloo")
     return dist.get_rank(), world
 
 

@@ -1,6 +1,7 @@
 """`hqtflow measure` end to end on a tiny random Llama: INC's file layout, exact statistics, padding, manifest."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -468,3 +469,45 @@ def test_odd_calibration_paths_are_data_errors(tiny_llama, tmp_path):
             f"Calibration file {tmp_path / 'loop1'} is a symlink loop (or lies behind one)")
     refused(["measure", tiny_llama, *out, "--tasks", "gen", "--include-path", tmp_path / "tasks" / "gen.yaml"], 5,
             f"lm-eval include path {tmp_path / 'tasks' / 'gen.yaml'} is not a directory")
+
+
+def test_ranks_run_on_the_cpu_with_gloo_where_a_gpu_is_visible(monkeypatch):
+    """Rank 1 of `measure --tp 2` on a box with one CUDA GPU (torch.cuda patched: a GPU is seen unless
+    CUDA_VISIBLE_DEVICES is empty when CUDA starts): it took NCCL and set_device(1), a device that is not there; it now
+    hides the GPU and joins with gloo (the ranks measure on the CPU). The ranks `--tp` starts see no GPU at all."""
+    import torch
+    import torch.distributed as dist
+
+    from hqtflow import environment
+    from hqtflow.errors import HqtflowError
+    from hqtflow.measure import distributed
+
+    for k, v in {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
+                 "CUDA_VISIBLE_DEVICES": "0"}.items():
+        monkeypatch.setenv(k, v)
+    calls = []
+    visible = {"started": False}  # CUDA reads CUDA_VISIBLE_DEVICES once, when it starts
+
+    def gpus() -> int:
+        visible["started"] = visible["started"] or os.environ["CUDA_VISIBLE_DEVICES"] != ""
+        return 1 if visible["started"] else 0
+
+    def set_device(i):
+        calls.append(("set_device", i))
+        if i >= gpus():
+            raise RuntimeError("CUDA error: invalid device ordinal")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus() > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend=None, **k: calls.append(("init", backend)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    assert distributed.init(2) == (1, 2)
+    assert calls == [("init", "gloo")] and os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available()
+    # a rank that had started CUDA before (its GPU is seen for good) is refused in one sentence
+    visible["started"], calls[:] = True, []
+    with pytest.raises(HqtflowError, match="--tp ranks measure on the CPU, but this rank already sees a CUDA GPU"):
+        distributed.init(2)
+    assert calls == []
+    assert environment.rank_env()["CUDA_VISIBLE_DEVICES"] == ""
