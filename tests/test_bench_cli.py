@@ -39,3 +39,26 @@ def test_offload_throughput_without_time_left_is_not_a_number():
     spec.loader.exec_module(bench)
     assert bench._gbs(None, 6) == "   n/a" and bench._gbs(1.5, 6) == "  1.50"
     assert bench.net_throughput(1e9, wall_s=2.0, base_s=2.5) is None and bench.net_throughput(1e9, 3.0, 2.0) == 1.0
+
+
+def test_run_cuda_sh_fails_when_a_step_fails(tmp_path):
+    """bench/run_cuda.sh: a failing step's exit status was lost in its `| tee` (exit 0); the default serve step without
+    TOKENIZER/TEXT is refused before anything runs; positional arguments (the docs showed `1b,8b`) are refused."""
+    import os
+
+    def run(*args, **env):
+        env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": os.environ["PATH"], **env}
+        return subprocess.run(["bash", str(ROOT / "bench" / "run_cuda.sh"), *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    failing = run(STEPS="tests", PYTHON="false")
+    assert failing.returncode == 1 and "failed: tests" in failing.stderr
+    assert run(STEPS="tests", PYTHON="true").returncode == 0
+    no_tokenizer = run(PYTHON="true", OUT=str(tmp_path / "refused"))
+    assert no_tokenizer.returncode == 2 and "The serve step needs TOKENIZER" in no_tokenizer.stderr
+    assert not (tmp_path / "refused").exists()
+    refused = run("1b,8b", STEPS="bench", PYTHON="true")
+    assert refused.returncode == 2 and "takes no arguments" in refused.stderr
+    usage = (ROOT / "bench" / "run_cuda.sh").read_text()
+    assert "TOKENIZER=DIR TEXT=FILE bash bench/run_cuda.sh" in usage
+    assert "bench/run_cuda.sh 1b" not in (ROOT / "bench" / "RESULTS.md").read_text()
