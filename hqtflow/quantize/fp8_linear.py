@@ -26,8 +26,10 @@ Backends (`set_backend`):
   [M, 1] for the input, [1, N] for the weight). On CUDA the input's quantization is one fused kernel
   (`torch.compile` of the same float32 arithmetic, compiled once per process): unfused, its four elementwise passes
   cost more than the FP8 GEMM saves (measured on an H100: 0.56-0.89x bf16 at M >= 256).
+  CUDA's `_scaled_mm` refuses what the CPU's runs (`scaled_mm_refusal`): K or N not a multiple of 16, E5M2 inputs
+  with E5M2 weights, a bias with float32 output; on CUDA such a layer is not given "scaled_mm".
 - "auto": "scaled_mm" on a CUDA GPU with FP8 tensor cores, "cpu" on CPU when the kernel builds, else "qdq".
-Layers a backend cannot run keep "qdq".
+Layers a backend cannot run keep "qdq"; an explicit "scaled_mm" for a layer CUDA's `_scaled_mm` refuses is refused.
 """
 
 from __future__ import annotations
@@ -54,6 +56,22 @@ def quantize_per_token(x: torch.Tensor, fp8: str = "E4M3") -> tuple[torch.Tensor
     xf = x.float()
     scale = (xf.abs().amax(-1, keepdim=True) / F).clamp(min=1e-12)
     return quantize(xf, scale, fp8), scale
+
+
+def scaled_mm_refusal(device_type: str, in_features: int, out_features: int, fp8: str, bias: bool,
+                      out_dtype: torch.dtype) -> str | None:
+    """Why `torch._scaled_mm` on `device_type` refuses a layer (inputs and weights both `fp8`), or None. CUDA checks
+    what the CPU kernel does not (PyTorch's ScaledBlas.cpp): K and N multiples of 16, not two E5M2 operands, and a
+    bias only with a bf16 or fp16 output."""
+    if device_type != "cuda":
+        return None
+    if in_features % 16 or out_features % 16:
+        return f"its in/out features ({in_features}, {out_features}) are not multiples of 16"
+    if fp8 == "E5M2":
+        return "its weights and inputs are both E5M2, which CUDA's _scaled_mm does not multiply"
+    if bias and out_dtype == torch.float32:
+        return "it has a bias and computes in float32, and CUDA's _scaled_mm takes a bias only with bf16 or fp16 output"
+    return None
 
 
 def _tensor_tag(t: torch.Tensor) -> tuple:
@@ -193,12 +211,17 @@ class FP8Linear(nn.Module):
         if backend == "qdq":
             return True
         if backend == "scaled_mm":
-            return self.block_size is None and (
+            return self.block_size is None and self.scaled_mm_refusal() is None and (
                 (self.activation == "static" and not self.per_channel) or self.activation == "dynamic_token")
         if backend == "cpu":
             return (self.weight.device.type == "cpu" and self.block_size is None
                     and self.activation in ("static", "dynamic_token", "dynamic_tensor", None))
         return False
+
+    def scaled_mm_refusal(self) -> str | None:
+        """Why `_scaled_mm` on this layer's device refuses it (`scaled_mm_refusal`), or None."""
+        return scaled_mm_refusal(self.weight.device.type, self.in_features, self.out_features, self.fp8,
+                                 self.bias is not None, self.hp_dtype)
 
     def pack_for_cpu(self) -> None:
         """Lay the FP8 weight out the way this machine's CPU kernel reads it (`fp8_pack`: groups of rows, column
@@ -315,14 +338,21 @@ def resolve_backend(backend: str, device: torch.device | str) -> Backend:
 def set_backend(model: nn.Module, backend: str) -> int:
     """Switch every FP8Linear of `model` to `backend` ("auto" picks per device); returns how many switched.
 
-    Layers the backend cannot run keep the reference path (and are counted out). With "cpu", the model's
+    Layers the backend cannot run keep the reference path (and are counted out), except that an explicit "scaled_mm"
+    is refused (BackendError) when CUDA's `_scaled_mm` would refuse a layer at its first call. With "cpu", the model's
     high-precision Linears whose weights are bf16 values in an fp32 model run on the kernel too (`bf16_linear.py`).
     """
-    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    named = [(name, m) for name, m in model.named_modules() if isinstance(m, FP8Linear)]
+    layers = [m for _, m in named]
     if backend == "auto" and layers:
         backend = resolve_backend("auto", layers[0].weight.device)
     elif backend != "auto":
         backend = resolve_backend(backend, "cpu")
+        if backend == "scaled_mm":
+            for name, mod in named:
+                if (why := mod.scaled_mm_refusal()) is not None:
+                    raise BackendError(f"--backend scaled_mm cannot run layer {name or 'the model'}: {why} (--backend "
+                                       "auto keeps such layers on qdq).")
     n = 0
     for mod in layers:
         use = mod.supports(backend)

@@ -57,6 +57,64 @@ def test_scaled_mm_only_where_it_applies():
         set_backend(model, "triton")
 
 
+@pytest.mark.parametrize(("k", "n", "fp8", "bias", "out", "why"), [
+    (576, 1536, "E4M3", True, torch.bfloat16, None),
+    (576, 1536, "E4M3", True, torch.float16, None),
+    (576, 1536, "E4M3", False, torch.float32, None),
+    (40, 32, "E4M3", False, torch.bfloat16, "in/out features (40, 32) are not multiples of 16"),
+    (64, 40, "E4M3", False, torch.bfloat16, "in/out features (64, 40) are not multiples of 16"),
+    (64, 32, "E5M2", False, torch.bfloat16, "both E5M2"),
+    (64, 32, "E4M3", True, torch.float32, "has a bias and computes in float32"),
+])
+def test_scaled_mm_refusal_follows_cudas_limits(k, n, fp8, bias, out, why):
+    """CUDA's _scaled_mm refuses K or N not multiples of 16, two E5M2 operands, and a bias with float32 output (the
+    CPU's runs them all). The shape limits are the ones torch's fake CUDA _scaled_mm checks too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hqtflow.quantize.fp8_linear import scaled_mm_refusal
+    from hqtflow.scales import FP8_DTYPES
+
+    got = scaled_mm_refusal("cuda", k, n, fp8, bias, out)
+    assert got is None if why is None else why in got
+    assert scaled_mm_refusal("cpu", k, n, fp8, bias, out) is None
+    with FakeTensorMode():
+        x = torch.empty(3, k, dtype=FP8_DTYPES[fp8], device="cuda")
+        w = torch.empty(n, k, dtype=FP8_DTYPES[fp8], device="cuda")
+        one = torch.empty((), dtype=torch.float32, device="cuda")
+        try:
+            torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=out)
+            shapes_ok = True
+        except RuntimeError as e:
+            assert "divisible by 16" in str(e)
+            shapes_ok = False
+    assert shapes_ok == (why is None or "multiples of 16" not in why)
+
+
+def test_scaled_mm_outside_cudas_limits_keeps_qdq_or_is_refused(monkeypatch):
+    """On CUDA (the layers' device judged as CUDA), "auto" gave scaled_mm to layers CUDA's _scaled_mm refuses at their
+    first call: they keep qdq now, and an explicit --backend scaled_mm is refused in one sentence naming the layer."""
+    from hqtflow.choices import Backend
+    from hqtflow.errors import BackendError
+    from hqtflow.quantize import fp8_linear
+
+    real = fp8_linear.scaled_mm_refusal
+    monkeypatch.setattr(fp8_linear, "scaled_mm_refusal", lambda device, *rest: real("cuda", *rest))
+    monkeypatch.setattr(fp8_linear, "resolve_backend",
+                        lambda b, device: Backend.SCALED_MM if b == "auto" else Backend(b))
+    good, _ = _layer(k=64, n=32)
+    odd, _ = _layer(k=40, n=32)
+    fp32_bias, _ = _layer(k=64, n=32)
+    fp32_bias.hp_dtype = torch.float32
+    model = torch.nn.Sequential(good, odd, fp32_bias)
+    assert set_backend(model, "auto") == 1
+    assert [m.backend for m in model] == ["scaled_mm", "qdq", "qdq"]
+    with pytest.raises(BackendError) as e:
+        set_backend(model, "scaled_mm")
+    assert str(e.value) == ("--backend scaled_mm cannot run layer 1: its in/out features (40, 32) are not multiples of "
+                            "16 (--backend auto keeps such layers on qdq).")
+    assert set_backend(torch.nn.Sequential(good), "scaled_mm") == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a CUDA GPU with compute capability >= 8.9 (FP8 tensor cores)")
 def test_scaled_mm_on_cuda():
