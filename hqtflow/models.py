@@ -388,15 +388,28 @@ def fingerprint(path: Path) -> dict:
     digests cached: file_digest); `files_sha256` its tokenizer, chat template and generation config
     (MODEL_SIDE_FILES). `run` compares all of it; `same_model` (quantize, inspect) the id.
     `weights_header_sha256` (every .safetensors file's tensor names, shapes and dtypes) is computed as scheme 1 did,
-    to check a fingerprint an older hqtflow recorded."""
+    to check a fingerprint an older hqtflow recorded; a .safetensors file that is not loaded (not in weight_files:
+    macOS' `._model.safetensors`, a stray copy) and whose header cannot be read is left out (scheme 1 could not
+    hash it either), an unreadable weight file is refused (ModelError)."""
     path = Path(path)
     cfg = load_config(path)
     cfg_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
     headers = hashlib.sha256()
+    loaded = set(weight_files(path))
     for f in sorted(path.glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+            if 8 + n > f.stat().st_size:  # a length read from garbage: not allocated
+                raise ValueError("header longer than the file")
+            header = safetensors_header(f)[1]
+            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        except (OSError, struct.error, ValueError, AttributeError, RecursionError):
+            if f in loaded:
+                raise ModelError(f"{f} is not a readable safetensors file (corrupt header).") from None
+            continue
         headers.update(f.name.encode())
-        headers.update(json.dumps({k: v for k, v in safetensors_header(f)[1].items() if k != "__metadata__"},
-                                  sort_keys=True).encode())
+        headers.update(json.dumps(tensors, sort_keys=True).encode())
     weights = _files_sha256(path, content_files(path), file_digest)
     return {
         "scheme": FINGERPRINT_SCHEME,

@@ -91,3 +91,49 @@ def test_an_older_fingerprint_is_checked_by_config_and_weight_headers(tiny_llama
     assert not models.same_model({**older, "config_sha256": "1" * 64}, fp)
     assert not models.same_model({**older, "weights_header_sha256": "1" * 64}, fp)
     assert not models.same_model({**fp, "id": "0123456789abcdef"}, fp)
+
+
+STRAY = {"._model.safetensors": b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(range(256)) * 16,
+         "consolidated.safetensors": b"\x10\0\0\0\0\0\0\0not json at all!"}
+
+
+def test_a_stray_unreadable_safetensors_file_is_not_part_of_the_fingerprint(tiny_llama, tmp_path, monkeypatch):
+    """A `.safetensors` file transformers does not load (macOS' `._model.safetensors`, a garbage
+    `consolidated.safetensors`) whose header cannot be read leaves the fingerprint as it was: it crashed it
+    (MemoryError, JSONDecodeError), after measure's calibration."""
+    model = _copy(tiny_llama, tmp_path, monkeypatch)
+    clean = models.fingerprint(model)
+    for name, content in STRAY.items():
+        (model / name).write_bytes(content)
+        assert models.weight_files(model) == [model / "model.safetensors"]
+        assert models.fingerprint(model) == clean, name
+
+
+def test_a_stray_safetensors_file_is_ignored_by_measure(tiny_llama, tmp_path, monkeypatch, wiki_text):
+    """measure (a MemoryError traceback after calibration) takes the model; quantize's check is the fingerprint above."""
+    from conftest import run_cli
+
+    model = _copy(tiny_llama, tmp_path, monkeypatch)
+    for name, content in STRAY.items():
+        (model / name).write_bytes(content)
+    r = run_cli("measure", model, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2", "--max-length", "32")
+    assert r.exit_code == 0, r.output
+
+
+def test_measure_fingerprints_the_model_before_calibrating(tiny_llama, tmp_path, monkeypatch, wiki_text):
+    """A model the fingerprint cannot be taken of is refused before the model is loaded, not after calibration."""
+    from conftest import run_cli
+    from hqtflow.errors import ModelError
+
+    model = _copy(tiny_llama, tmp_path, monkeypatch)
+
+    def unreadable(path):
+        raise ModelError(f"Cannot fingerprint {path}.")
+
+    def loaded(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "fingerprint", unreadable)
+    monkeypatch.setattr(models, "load_model", loaded)
+    r = run_cli("measure", model, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2", "--max-length", "32")
+    assert r.exit_code == 4 and "Cannot fingerprint" in r.stderr, r.output

@@ -33,8 +33,8 @@ def load_measure_config(path: str | None) -> QuantConfig:
 
 
 def preflight(s: MeasureSettings):
-    """Every check that needs no model weights: settings, config, model folder and context, output dir, data, TP
-    split. Returns the settings with max_length resolved (resolve_max_length), then what the run needs."""
+    """Every check that needs no model weights loaded: settings, config, model folder and context, output dir, data,
+    TP split, the model's fingerprint. Returns the settings with max_length resolved (resolve_max_length), then what the run needs."""
     from hqtflow import models
 
     s.validate()
@@ -54,6 +54,7 @@ def preflight(s: MeasureSettings):
         from hqtflow.measure.distributed import check_tp_split
 
         check_tp_split(models.load_config(model_dir), s.tp)
+    models.fingerprint(model_dir)  # what the manifest records, refused now if it cannot be taken (digests cached)
     return s, cfg, model_dir, texts, manager
 
 
