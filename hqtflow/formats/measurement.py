@@ -474,7 +474,11 @@ class DumpFiles:
     scale_files: list[Path]
 
 
+APPLEDOUBLE = "._"  # macOS' resource-fork twins (`._<name>`), left by tar and copies to other filesystems: never INC's
+
+
 def scan_dump(directory: Path) -> DumpFiles:
+    """The measurement and scale files of a directory by their names; AppleDouble `._*` twins are not read."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ArtifactError(f"HQT measurement directory {directory} {does_not_exist(directory)}.")
@@ -482,7 +486,7 @@ def scan_dump(directory: Path) -> DumpFiles:
     groups: dict = {}
     scales = []
     for p in sorted(directory.iterdir()):
-        if not p.is_file():
+        if not p.is_file() or p.name.startswith(APPLEDOUBLE):
             continue
         f = parse_measurement_file(p.name)
         if f is not None:

@@ -22,3 +22,20 @@ def test_a_statistic_no_maxabs_can_be_is_refused(tmp_path, value, problem):
         return
     with pytest.raises(ArtifactError, match=f"^{re.escape(f'{path}: module q {problem}')}$"):
         read_measurement(path)
+
+
+def test_macos_appledouble_twins_in_a_dump_are_not_measurements(tmp_path):
+    """A dump copied from a Mac holds `._<name>` AppleDouble files beside INC's; they made scan_dump (import-hqt)
+    see two measurements ("._measure_hooks_maxabs, measure_hooks_maxabs") and copy a `._` scale file."""
+    from hqtflow.formats.measurement import read_dump, scan_dump
+
+    raw = {"GlobalRank": None, "LocalRank": None, "Mode": "DynamicRange", "Nodes": {"q": {"inputs": [[[1.0]]]}}}
+    (tmp_path / "measure_hooks_maxabs.json").write_text(json.dumps(raw))
+    (tmp_path / "measure_hooks_maxabs_MAXABS_HW.json").write_text("{}")
+    for name in ("._measure_hooks_maxabs.json", "._measure_hooks_maxabs_mod_list.json",
+                 "._measure_hooks_maxabs_MAXABS_HW.json", ".DS_Store"):
+        (tmp_path / name).write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        ")
+    dump = scan_dump(tmp_path)
+    assert list(dump.groups) == [("measure", "maxabs", 1)]
+    assert dump.scale_files == [tmp_path / "measure_hooks_maxabs_MAXABS_HW.json"]
+    assert read_dump(tmp_path).ranks[0].nodes["q"].inputs[0].tolist() == [[1.0]]
