@@ -335,3 +335,21 @@ def test_export_inc_per_channel_and_refusals(inc, measured, checkpoint, tmp_path
     assert r.exit_code == 2 and "weight-only" in r.stderr and not (tmp_path / "x").exists()
     r = run_cli("export", checkpoint, "--format", "inc", "--per-tensor", "-o", tmp_path / "x")
     assert r.exit_code == 2 and "one scale per tensor" in r.stderr and not (tmp_path / "x").exists()
+
+
+def test_no_written_file_but_the_manifest_names_the_source_model(tiny_llama, checkpoint, tmp_path):
+    """The checkpoint and its exports are the files users upload: their config.json had gained transformers'
+    `"_name_or_path": "<the source folder>"` (the user's home path), which save_pretrained does not write. Only the
+    manifests record input paths (documented)."""
+    from hqtflow.formats.artifact import MANIFEST
+
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    source = json.loads((tiny_llama / "config.json").read_text())
+    assert not [k for k in cfg if k.startswith("_") and k not in source]
+    dirs = [checkpoint]
+    for fmt in ("fp8", "compressed-tensors"):
+        assert run_cli("export", checkpoint, "--format", fmt, "-o", tmp_path / fmt).exit_code == 0
+        dirs.append(tmp_path / fmt)
+    leaks = [f for d in dirs for f in d.rglob("*") if f.is_file() and f.name != MANIFEST
+             and str(tiny_llama).encode() in f.read_bytes()]
+    assert leaks == []

@@ -119,12 +119,19 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def write_config(out: Path, config, quantization_config: dict, generation_config=None) -> None:
-    """config.json (the model's transformers config with its `quantization_config`) and the generation config."""
-    cfg = config.to_dict()
+    """config.json (the model's transformers config with its `quantization_config`) and the generation config.
+    transformers' `_name_or_path` (the folder the config was read from: a user's home path) is left out, as
+    save_pretrained leaves it out."""
+    cfg = _without_name_or_path(config.to_dict())
     cfg["quantization_config"] = quantization_config
     (Path(out) / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
     if generation_config is not None:
         generation_config.save_pretrained(out)
+
+
+def _without_name_or_path(cfg: dict) -> dict:
+    """`cfg` and its nested configs (text_config, ...) without `_name_or_path`."""
+    return {k: _without_name_or_path(v) if isinstance(v, dict) else v for k, v in cfg.items() if k != "_name_or_path"}
 
 
 def copy_side_files(model_dir: Path, out: Path) -> None:
