@@ -19,6 +19,7 @@ them) with a note that hqtflow does not use them.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
             "notes": mf.gaudi_only_note(meas.ranks[0].nodes),
         }
         if model_dir is not None:
-            data["model_path"] = str(Path(model_dir).absolute())
+            data["model_path"] = os.path.abspath(model_dir)
         mf.write_artifact(tmp, output, base=base, inc_config={"observer": observer, "scale_method": "maxabs_hw"},
                           model=fp, config={"observer": observer, "dump_stats_path": base}, data=data)
     return output

@@ -137,3 +137,22 @@ def test_measure_fingerprints_the_model_before_calibrating(tiny_llama, tmp_path,
     monkeypatch.setattr(models, "load_model", loaded)
     r = run_cli("measure", model, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2", "--max-length", "32")
     assert r.exit_code == 4 and "Cannot fingerprint" in r.stderr, r.output
+
+
+def test_the_model_path_artifacts_record_is_normalised(tiny_llama, tmp_path, monkeypatch, wiki_text):
+    """`measure ../w/tiny` recorded `/.../w/../w/tiny`: `..` is now folded (os.path.abspath; a symlinked folder is
+    recorded as the user named it), by measure and by import-hqt."""
+    from conftest import run_cli
+    from hqtflow.formats.artifact import read_manifest
+
+    (tmp_path / "w").mkdir()
+    shutil.copytree(tiny_llama, tmp_path / "w" / "tiny")
+    monkeypatch.chdir(tmp_path / "w")
+    r = run_cli("measure", "../w/tiny", "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2", "--max-length", "32")
+    assert r.exit_code == 0, r.output
+    assert read_manifest(tmp_path / "m", "hqtflow.measurement").data["model_path"] == str(tmp_path / "w" / "tiny")
+    (tmp_path / "dump").mkdir()
+    shutil.copy(tmp_path / "m" / "measure_hooks_maxabs.json", tmp_path / "dump")
+    r = run_cli("import-hqt", tmp_path / "dump", "-o", tmp_path / "i", "--model", "../w/tiny")
+    assert r.exit_code == 0, r.output
+    assert read_manifest(tmp_path / "i", "hqtflow.measurement").data["model_path"] == str(tmp_path / "w" / "tiny")

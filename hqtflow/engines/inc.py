@@ -16,6 +16,7 @@ only the power-of-two / arbitrary scale methods (`maxabs_hw` has no hardware sca
 
 from __future__ import annotations
 
+import os
 import functools
 import tempfile
 import time
@@ -355,7 +356,7 @@ def _common(job, device: str) -> dict:
             "target": device, "fp8": job.cfg.fp8_config, "hp_dtype": job.cfg.hp_dtype,
             "source_measurement": str(meas.directory.resolve()), "source_digest": meas.digest(),
             "provenance_known": meas.manifest.data.get("provenance_known", True),
-            "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]), "model_path": str(Path(job.model_dir).absolute()),
+            "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]), "model_path": os.path.abspath(job.model_dir),
             "engine": {"name": "inc", "version": inc_version(), "device": device}}
 
 

@@ -6,6 +6,7 @@ The artifact directory holds INC's files for every rank (`<stem>.json/.npz/_mod_
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -191,7 +192,7 @@ def write_artifact_files(path: Path, s: MeasureSettings, cfg: QuantConfig, model
         "observer": cfg.observer,
         "dump_stats_path": cfg.dump_stats_path,
         "model_dtype": s.dtype,
-        "model_path": str(Path(model_dir).absolute()),
+        "model_path": os.path.abspath(model_dir),  # `..` folded, symlinks kept as named
         "calibration": {**calibration, "batch_size": s.batch_size, "max_length": s.max_length,
                         "seconds": round(calibration["seconds"], 3)},
         "ranks": records,

@@ -7,6 +7,7 @@ the source measurement's digest).
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -287,7 +288,7 @@ def _provenance(job: Job) -> dict:
             "weight_rounding": "gptq" if job.hessians is not None else "nearest",
             "source_measurement": str(meas.directory.resolve()), "source_digest": meas.digest(),
             "provenance_known": meas.manifest.data.get("provenance_known", True),
-            "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]), "model_path": str(Path(job.model_dir).absolute())}
+            "skipped": job.plan["skipped"], "quantized": sorted(job.plan["quantize"]), "model_path": os.path.abspath(job.model_dir)}
 
 
 def _scale_files_writer(s: QuantizeSettings, job: Job):
