@@ -98,7 +98,10 @@ def user_errors(fn):
 
         from hqtflow.formats.artifact import COMMITTED
 
+        from hqtflow.models import TRUST_PICKLE
+
         COMMITTED.clear()
+        trusted = TRUST_PICKLE.set(bool(kwargs.get("trust_pickle")))  # the command's --trust-pickle, where it has one
         try:
             with _plain_warnings(), _signals_as_interrupts():
                 return fn(*args, **kwargs)
@@ -117,6 +120,8 @@ def user_errors(fn):
             typer.echo(f"Error: cannot write{where} ({e.strerror}): free some disk space or write elsewhere; "
                        f"{_written()}.", err=True)
             raise typer.Exit(ResourceError.exit_code) from None
+        finally:
+            TRUST_PICKLE.reset(trusted)
 
     return wrapper
 
@@ -203,6 +208,7 @@ def _csv(values: Optional[list[str]]) -> Optional[tuple[str, ...]]:
 
 
 Engine = Annotated[str, typer.Option(help="hqtflow (its own observers / FP8 runtime) or inc (Neural Compressor's prepare/convert, driven by hqtflow).")]
+TrustPickle = Annotated[bool, typer.Option(help="Load a model whose weights are only pickles (pytorch_model.bin, .pt, .pth), which runs what they hold; without it such a model is refused (convert it to safetensors).")]
 Device = Annotated[Optional[str], typer.Option(help="--engine inc: cpu or hpu (default: hpu when habana_frameworks.torch imports, else cpu).")]
 RunDevice = Annotated[Optional[str], typer.Option(help="Where the model runs: auto, cpu or cuda (default auto: cuda when PyTorch sees a CUDA GPU, else cpu); with --engine inc: cpu or hpu (default: hpu when habana_frameworks.torch imports).")]
 
@@ -253,6 +259,7 @@ def measure(
     engine: Engine = "hqtflow",
     device: Device = None,
     resolved_settings: Annotated[Optional[Path], typer.Option(hidden=True)] = None,
+    trust_pickle: TrustPickle = False,
 ) -> None:
     """Calibrate a model with maxabs observers and write HQT/INC-compatible per-rank measurement files (flags given
     override the recipe's values; flags not given: the recipe's, else their defaults)."""
@@ -299,6 +306,7 @@ def quantize(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = QuantizeSettings.overwrite,
     engine: Engine = "hqtflow",
     device: Device = None,
+    trust_pickle: TrustPickle = False,
 ) -> None:
     """Turn a measurement into FP8 scales (INC files, --scales-only) or a compressed-tensors FP8 checkpoint."""
     from hqtflow.quantize.run import quantize as run_quantize, summary
@@ -331,6 +339,7 @@ def tune(
     window: Annotated[int, typer.Option(help="Tokens per evaluated sequence.")] = 256,
     gptq: Annotated[bool, typer.Option(help="GPTQ-rounded weights, as `quantize --gptq` (a measurement made with --hessians); Neural Compressor rounds its own weights to nearest.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
+    trust_pickle: TrustPickle = False,
 ) -> None:
     """Per-layer sensitivity, then the fewest Linear layers kept in bf16 that meet --target-kl / --max-ppl-increase."""
     from hqtflow.tune import TuneSettings, summary, tune as run_tune
@@ -374,6 +383,7 @@ def generate(
     config: Annotated[Optional[Path], typer.Option("-c", "--config", help="--engine inc: QUANT_CONFIG (QUANTIZE; default: env QUANT_CONFIG).")] = None,
     scale_method: Annotated[Optional[str], typer.Option(help="--engine inc: override the config's scale_method.")] = None,
     device: RunDevice = None,
+    trust_pickle: TrustPickle = False,
 ) -> None:
     """Greedy text generation from an FP8 checkpoint or a bf16 model."""
     import torch
@@ -465,6 +475,7 @@ def eval_(
     device: RunDevice = None,
     measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="--engine inc: MODEL (bf16) is quantized at load from this measurement; MODEL itself is the baseline.")] = None,
     scale_method: Annotated[Optional[str], typer.Option(help="--engine inc: override the measurement config's scale_method.")] = None,
+    trust_pickle: TrustPickle = False,
 ) -> None:
     """lm-eval tasks and WikiText-2 perplexity of an FP8 model and its bf16 baseline, side by side."""
     from hqtflow.eval_run import run_eval
@@ -503,6 +514,7 @@ def run(
     limit: Annotated[Optional[int], typer.Option(help="Override the calibration limit.")] = None,
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="The recipe's data (tasks' data, text and perplexity files, by name) from this directory: e.g. a bundled recipe's, from an installed package.")] = None,
     force: Annotated[bool, typer.Option(help="Redo every stage even if its artifact is current.")] = False,
+    trust_pickle: TrustPickle = False,
 ) -> None:
     """measure -> quantize -> eval of a recipe (a file, or a bundled one's name); a stage whose artifact is valid and
     current is skipped."""
@@ -700,6 +712,7 @@ def _serve_command(kind: str, doc: str):
         dtype: ComputeDtype = "auto",
         engine: Engine = "hqtflow",
         device: RunDevice = None,
+        trust_pickle: TrustPickle = False,
     ) -> None:
         from hqtflow import environment
 
@@ -756,6 +769,7 @@ def bench(
     backend: Backend = "auto",
     dtype: ComputeDtype = "auto",
     device: Annotated[Optional[str], typer.Option(help="Where both models run: auto, cpu or cuda (default auto: cuda when PyTorch sees a CUDA GPU, else cpu).")] = None,
+    trust_pickle: TrustPickle = False,
 ) -> None:
     """Prefill/decode latency and throughput per batch size through the serving engine, FP8 vs bf16 side by side (text-generation-benchmark style)."""
     from hqtflow.runtime.bench import BenchSettings, parse_batch_sizes, run_bench

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import json
 import pickle
@@ -68,6 +69,7 @@ def resolve_model(ref: str | None) -> Path:
         damaged = ArtifactError if (p / MANIFEST).is_file() else ModelError  # hqtflow's checkpoint, or a model
         for f in weight_files(p, damaged):
             check_safetensors(f, damaged)
+        check_pickled_weights(p)
         return p
     if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
         raise ModelError(f"Model directory {ref} {does_not_exist(ref)}.")
@@ -89,6 +91,23 @@ def resolve_model(ref: str | None) -> Path:
             f"reached ({type(e).__name__}); pass a local model folder."
         ) from None
 
+
+
+# Weights stored as pickles (torch.save), which loading them unpickles; read only when the command was given
+# --trust-pickle (cli.user_errors sets TRUST_PICKLE for the command's duration).
+PICKLED_WEIGHTS = (".bin", ".pt", ".pth")
+TRUST_PICKLE: contextvars.ContextVar[bool] = contextvars.ContextVar("hqtflow_trust_pickle", default=False)
+
+
+def check_pickled_weights(path: Path) -> None:
+    """Refuse a model folder whose weights are pickles only (no safetensors), unless the user opted in."""
+    if TRUST_PICKLE.get() or weight_files(path):
+        return
+    pickled = sorted(p for p in Path(path).iterdir() if p.suffix in PICKLED_WEIGHTS and p.is_file())
+    if pickled:
+        raise ModelError(f"{pickled[0]} is a pickle, and loading it runs whatever it holds: pass --trust-pickle if you "
+                         "trust it, or convert the model to safetensors first (transformers' from_pretrained(DIR) "
+                         "then save_pretrained(OUT)).")
 
 
 def recorded_model(ref: str, artifact: Path, how: str) -> Path:

@@ -156,3 +156,25 @@ def test_the_model_path_artifacts_record_is_normalised(tiny_llama, tmp_path, mon
     r = run_cli("import-hqt", tmp_path / "dump", "-o", tmp_path / "i", "--model", "../w/tiny")
     assert r.exit_code == 0, r.output
     assert read_manifest(tmp_path / "i", "hqtflow.measurement").data["model_path"] == str(tmp_path / "w" / "tiny")
+
+
+def test_a_model_with_only_pickled_weights_needs_trust_pickle(tiny_llama, tmp_path, monkeypatch, wiki_text):
+    """pytorch_model.bin (torch.save) was loaded without a word; loading a pickle runs what it holds, so measure and
+    generate refuse it in one sentence (exit 4) naming the file, --trust-pickle and the conversion; with the flag
+    measure runs."""
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import run_cli
+
+    model = _copy(tiny_llama, tmp_path, monkeypatch)
+    torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    args = ["measure", model, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2", "--max-length", "32"]
+    for argv in (args, ["generate", model, "-p", "x", "--max-new-tokens", "1"]):
+        r = run_cli(*argv)
+        assert r.exit_code == 4 and not (tmp_path / "m").exists(), r.output
+        assert f"{model / 'pytorch_model.bin'} is a pickle" in r.stderr and "--trust-pickle" in r.stderr, r.output
+        assert "safetensors" in r.stderr and "Traceback" not in r.output
+    r = run_cli(*args, "--trust-pickle")
+    assert r.exit_code == 0, r.output

@@ -103,6 +103,8 @@ def shutdown() -> None:
 
 def launch(settings) -> Path:
     """Run `hqtflow measure` on `settings.tp` ranks with torchrun and wait for them."""
+    from hqtflow import models
+
     out = Path(settings.output)
     with tempfile.TemporaryDirectory(prefix="hqtflow-launch-") as tmp:
         spec = Path(tmp) / "settings.json"
@@ -110,6 +112,7 @@ def launch(settings) -> Path:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={settings.tp}",
             "-m", "hqtflow", "measure", "--resolved-settings", str(spec),
+            *(["--trust-pickle"] if models.TRUST_PICKLE.get() else []),  # the launcher's opt-in, for every rank
         ]
         returncode = _run_ranks(cmd, out)
     if returncode != 0:
