@@ -145,10 +145,13 @@ def event_stream(events, headers: dict[str, str]) -> StreamingResponse:
 def vocab_size(model, tokenizer) -> int:
     """Token ids a request may name: the tokenizer's, the embedding's rows and the logits' width, whichever is least
     (an id past the embedding or the logits is a device-side assert on CUDA, which breaks the whole server)."""
-    sizes = [len(tokenizer), model.get_input_embeddings().num_embeddings]
+    return min(len(tokenizer), model.get_input_embeddings().num_embeddings, logits_width(model))
+
+
+def logits_width(model) -> int:
+    """The width of the model's logits: its lm_head's rows (often more than the tokenizer's tokens)."""
     head = model.get_output_embeddings()
-    sizes.append(getattr(head, "out_features", None) or model.config.get_text_config(decoder=True).vocab_size)
-    return min(sizes)
+    return getattr(head, "out_features", None) or model.config.get_text_config(decoder=True).vocab_size
 
 
 class Ctx:
@@ -158,6 +161,7 @@ class Ctx:
         self.waiting: set[asyncio.Queue] = set()  # the queues of the requests waiting on the engine now
         self.closing: str | None = None  # set by shut_down: the error every request ends with
         self.vocab = vocab_size(engine.model, tokenizer)
+        self.width = logits_width(engine.model)  # what a grammar's masks cover
         self.bounds = server_bounds(settings.max_best_of, settings.max_top_n_tokens)  # for schemas.parse
 
     def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:

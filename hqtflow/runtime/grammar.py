@@ -40,16 +40,18 @@ CACHE_BYTES = 256 << 20  # compiled grammars kept per tokenizer, by size: one ma
 
 
 @functools.lru_cache(maxsize=4)
-def _compiler(tokenizer):
+def _compiler(tokenizer, vocab_size: int):
+    """The compiler for a tokenizer and the model's logits width (`vocab_size`): a model's lm_head often has more
+    rows than its tokenizer has tokens (Qwen2.5: 151936 for 151665); the ids past the tokenizer are never allowed."""
     import xgrammar as xgr
 
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
     return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_BYTES)
 
 
-def _compile(tokenizer, kind: str, value: str):
+def _compile(tokenizer, kind: str, value: str, vocab_size: int):
     """Compiled once per schema or regex while it stays in the compiler's cache (xgrammar's, bounded in bytes)."""
-    c = _compiler(tokenizer)
+    c = _compiler(tokenizer, vocab_size)
     try:
         if kind == "json_object":  # OpenAI's JSON mode: an object, never an array or a bare value
             kind, value = "json", '{"type": "object"}'
@@ -241,11 +243,12 @@ def resolves(schema, ref: str) -> bool:
     return isinstance(node, (dict, bool))
 
 
-def compile_grammar(tokenizer, kind: str, value=None, scale: int = 1):
+def compile_grammar(tokenizer, kind: str, value=None, scale: int = 1, vocab_size: int | None = None):
     """kind: "json" (value: a JSON schema, dict or string), "regex" (value: a regex) or "json_object" (any JSON
     object). JSON is written on one line, with ", " and ": " between items (as OpenAI's structured output): a grammar
     that allows any whitespace lets a small model pad with newlines until `max_tokens` cuts the JSON short. scale: the
-    size limits' multiple (TOOLS_SCALE for a request's tools together)."""
+    size limits' multiple (TOOLS_SCALE for a request's tools together). vocab_size: the width of the model's logits
+    (default: the tokenizer's length), which the grammar's masks must match."""
     if not available():
         raise GrammarError("constrained output needs xgrammar (`pip install xgrammar`)")
     if kind == "json":
@@ -261,7 +264,7 @@ def compile_grammar(tokenizer, kind: str, value=None, scale: int = 1):
         value = json.dumps(value)  # keys in the order given: the grammar writes properties in that order
     if kind == "regex" and isinstance(value, str) and (problem := regex_problem(value)):
         raise GrammarError(f"the regex {problem}")
-    return _compile(tokenizer, kind, value)
+    return _compile(tokenizer, kind, value, vocab_size or len(tokenizer))
 
 
 def matcher(compiled):
@@ -271,11 +274,15 @@ def matcher(compiled):
 
 
 def mask_logits(m, logits: torch.Tensor) -> None:
-    """Set the logits of tokens the grammar forbids next to -inf (in place, 1-D)."""
+    """Set the logits of tokens the grammar forbids next to -inf (in place, 1-D). xgrammar's own failures (a C++
+    check, with its time and source path) become one GrammarError sentence."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(1, logits.numel())
-    m.fill_next_token_bitmask(bitmask)
-    row = logits[None].cpu()
-    xgr.apply_token_bitmask_inplace(row, bitmask)
+    try:
+        bitmask = xgr.allocate_token_bitmask(1, logits.numel())
+        m.fill_next_token_bitmask(bitmask)
+        row = logits[None].cpu()
+        xgr.apply_token_bitmask_inplace(row, bitmask)
+    except Exception:  # noqa: BLE001 - xgrammar's RuntimeError names its build, not the request
+        raise GrammarError(f"the grammar could not mask the model's {logits.numel()} logits") from None
     logits.copy_(row[0])

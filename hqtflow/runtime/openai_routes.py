@@ -122,32 +122,33 @@ def completion_choices(token_text: Callable[[int], str], req: CompletionRequest,
 
 
 # -- chat -----------------------------------------------------------------------------------------------------------
-def tools_grammar(tok, plan: tools.ToolPlan):
+def tools_grammar(tok, width: int, plan: tools.ToolPlan):
     """The grammar of a call of one of the plan's tools, on one line; a schema that does not compile is named."""
     try:
-        return compile_grammar(tok, "json", plan.schema, scale=TOOLS_SCALE)
+        return compile_grammar(tok, "json", plan.schema, scale=TOOLS_SCALE, vocab_size=width)
     except GrammarError as e:
         for tool, i in zip(plan.offered, plan.given):
             try:
-                compile_grammar(tok, "json", tools.one_call_schema(tool))
+                compile_grammar(tok, "json", tools.one_call_schema(tool), vocab_size=width)
             except GrammarError as alone:
                 raise invalid(f"`tools[{i}].function.parameters`: {alone}") from None
         raise invalid(f"`tools`: {e}") from None
 
 
-def chat_grammar(tok, req: ChatRequest, plan: tools.ToolPlan | None):
-    """The grammar a chat reply is held to: a tool call's, the response_format's, or None."""
+def chat_grammar(tok, width: int, req: ChatRequest, plan: tools.ToolPlan | None):
+    """The grammar a chat reply is held to: a tool call's, the response_format's, or None (`width`: the model's
+    logits, which may be wider than the tokenizer)."""
     if plan is not None:
-        return tools_grammar(tok, plan)
+        return tools_grammar(tok, width, plan)
     fmt = req.response_format
     try:
         if fmt is None or fmt.type == "text":
             return None
         if fmt.value is not None:  # TGI's grammar types: json (alias json_object) or regex, in `value`
-            return compile_grammar(tok, "regex" if fmt.type == "regex" else "json", fmt.value)
+            return compile_grammar(tok, "regex" if fmt.type == "regex" else "json", fmt.value, vocab_size=width)
         if fmt.type == "json_object":
-            return compile_grammar(tok, "json_object")
-        return compile_grammar(tok, "json", fmt.json_schema.schema_)
+            return compile_grammar(tok, "json_object", vocab_size=width)
+        return compile_grammar(tok, "json", fmt.json_schema.schema_, vocab_size=width)
     except GrammarError as e:
         raise invalid(f"`response_format`: {e}") from None
 
@@ -195,7 +196,7 @@ async def chat_answer(ctx: Ctx, token_text: Callable[[int], str], req: ChatReque
     ids = await run_in_threadpool(chat_prompt, ctx, req, plan)
     fmt = req.response_format
     grammar = None if plan is None and (fmt is None or fmt.type == "text") else \
-        await ctx.compile(request, chat_grammar, ctx.tok, req, plan)  # (a request without one never waits for the compiles)
+        await ctx.compile(request, chat_grammar, ctx.tok, ctx.width, req, plan)  # (a request without one never waits for the compiles)
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     names = ("messages", "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")

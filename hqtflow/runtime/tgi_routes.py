@@ -32,7 +32,7 @@ def tgi_grammar(ctx: Ctx, p: TgiParameters):
     if not value:
         raise invalid(f"`value` cannot be empty for `{p.grammar.type}` grammar")
     try:
-        return compile_grammar(ctx.tok, kind, value)
+        return compile_grammar(ctx.tok, kind, value, vocab_size=ctx.width)
     except GrammarError as e:
         raise invalid(f"`grammar`: {e}") from None
 

@@ -41,7 +41,7 @@ def tgi(grammar_: dict) -> dict:
 ])
 def test_the_inputs_that_drive_a_compile_are_bounded(url, body, bound, monkeypatch):
     compiled = []
-    monkeypatch.setattr(grammar, "_compile", lambda tok, kind, value: compiled.append(value))
+    monkeypatch.setattr(grammar, "_compile", lambda tok, kind, value, vocab: compiled.append(value))
     path = "/v1/chat/completions" if "messages" in body else "/generate"
     r = httpx.post(f"{url}{path}", json=body, timeout=60)
     error = r.json()["error"]
@@ -87,7 +87,7 @@ def test_compiles_run_on_their_own_threads_and_a_client_that_left_skips_its_queu
     a request whose client left while its compile was queued never compiles."""
     compiled, release = [], threading.Event()
     real = grammar._compile
-    monkeypatch.setattr(grammar, "_compile", lambda tok, kind, value: compiled.append(value) or real(tok, kind, value))
+    monkeypatch.setattr(grammar, "_compile", lambda tok, kind, value, vocab: compiled.append(value) or real(tok, kind, value, vocab))
     busy = [grammar.compile_pool.submit(release.wait, 30) for _ in range(grammar.COMPILE_WORKERS)]
     try:
         assert httpx.post(f"{url}/tokenize", json={"inputs": "hello"}, timeout=60).status_code == 200

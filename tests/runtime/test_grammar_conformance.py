@@ -1,0 +1,69 @@
+"""What a grammar lets through: every output a model could write under it (a random walk over the tokens its masks
+allow, multi-character tokens included) ends as text that parses and holds to the schema or regex; what it cannot
+hold the output to is a 422 naming it; a model whose logits are wider than its tokenizer gets grammars too."""
+
+import json
+import random
+
+import httpx
+import pytest
+import torch
+
+from conftest import _served, running
+from hqtflow.runtime import grammar
+from hqtflow.runtime.grammar import GrammarError, compile_grammar, mask_logits, matcher
+from hqtflow.runtime.server import ServeSettings, create_app
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def walk(tok, compiled, seed: int, width: int | None = None, steps: int = 200) -> str | None:
+    """A random walk through the tokens the grammar allows, as the engine masks them; the decoded text once the
+    grammar ends (None: cut by `steps`)."""
+    rng, m, out = random.Random(seed), matcher(compiled), []
+    for _ in range(steps):
+        logits = torch.zeros(width or len(tok))
+        mask_logits(m, logits)
+        allowed = torch.nonzero(logits == 0).flatten().tolist()
+        t = rng.choice(allowed)
+        assert m.accept_token(t)
+        if m.is_terminated():
+            return tok.decode(out)
+        out.append(t)
+    return None
+
+
+@pytest.fixture(scope="module")
+def padded(tiny_factory, tokenizer_dir):
+    """The tiny Llama with 64 lm_head rows more than its tokenizer has tokens (as Qwen2.5 and Phi-3 have)."""
+    from transformers import AutoTokenizer
+
+    return _served(tiny_factory("llama", vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)) + 64))
+
+
+def test_a_model_with_more_logits_than_tokens_gets_grammars(padded):
+    model, tok = padded
+    assert model.get_output_embeddings().out_features == len(tok) + 64
+    with running(create_app(model, tok, ServeSettings(max_input_tokens=32, max_total_tokens=64))) as url:
+        r = httpx.post(f"{url}/generate", json={"inputs": "x", "parameters": {
+            "max_new_tokens": 8, "do_sample": True, "seed": 1, "grammar": {"type": "regex", "value": "[0-9]{3}"}}}, timeout=120)
+        assert r.status_code == 200 and r.json()["generated_text"].isdigit(), r.text
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                       "max_tokens": 6, "response_format": {"type": "json_object"}}, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("{"), r.text
+
+
+def test_the_padded_ids_are_never_allowed_and_masks_of_another_width_fail_in_one_sentence(tok):
+    width = len(tok) + 64
+    compiled = compile_grammar(tok, "regex", "[0-9]{3}", vocab_size=width)
+    logits = torch.zeros(width)
+    mask_logits(matcher(compiled), logits)
+    assert torch.isinf(logits[len(tok):]).all() and (logits[: len(tok)] == 0).any()
+    with pytest.raises(GrammarError) as e:  # a grammar compiled for the tokenizer's length, on the wider logits
+        mask_logits(matcher(compile_grammar(tok, "regex", "[0-9]{3}")), torch.zeros(width))
+    assert str(e.value) == f"the grammar could not mask the model's {width} logits"
