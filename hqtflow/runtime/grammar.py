@@ -56,12 +56,29 @@ def _compile(tokenizer, kind: str, value: str, vocab_size: int):
         if kind == "json_object":  # OpenAI's JSON mode: an object, never an array or a bare value
             kind, value = "json", '{"type": "object"}'
         if kind == "json":
-            return c.compile_json_schema(value, strict_mode=False, any_whitespace=False)
+            return _compile_json(c, value)
         if kind == "regex":
             return c.compile_regex(value)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError on a bad schema or regex
         raise GrammarError(f"{kind} grammar does not compile: {xgrammar_message(e)}") from None
     raise GrammarError(f"unknown grammar type {kind!r}")
+
+
+# xgrammar 0.2.9's rule for one character of a string with minLength/maxLength: it lets raw control characters
+# (TAB, \x01, ...: invalid JSON) through and allows no escape; replaced by JSON's string character
+_BOUNDED_CHAR = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_JSON_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" (([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
+
+
+def _compile_json(c, schema: str):
+    """A JSON schema's grammar; one with minLength/maxLength through xgrammar's EBNF, its length-bounded strings'
+    character rule replaced (_BOUNDED_CHAR), so a bounded string is always valid JSON (escapes count as one)."""
+    if "minLength" not in schema and "maxLength" not in schema:
+        return c.compile_json_schema(schema, strict_mode=False, any_whitespace=False)
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=False))
+    return c.compile_grammar(_BOUNDED_CHAR.sub(lambda m: f"{m[1]} ::= {_JSON_CHAR}", ebnf))
 
 
 def xgrammar_message(e: Exception) -> str:

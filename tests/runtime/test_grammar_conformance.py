@@ -67,3 +67,44 @@ def test_the_padded_ids_are_never_allowed_and_masks_of_another_width_fail_in_one
     with pytest.raises(GrammarError) as e:  # a grammar compiled for the tokenizer's length, on the wider logits
         mask_logits(matcher(compile_grammar(tok, "regex", "[0-9]{3}")), torch.zeros(width))
     assert str(e.value) == f"the grammar could not mask the model's {width} logits"
+
+
+def accepts(tok, compiled, text: str) -> bool:
+    """Whether the grammar takes `text` and may end there."""
+    m = matcher(compiled)
+    return m.accept_string(text) and m.accept_token(tok.eos_token_id)
+
+
+def strings(value, schema):
+    """(string, its schema) for each string the schemas below bound."""
+    if schema.get("type") == "string":
+        yield value, schema
+    for k, sub in schema.get("properties", {}).items():
+        yield from strings(value[k], sub)
+
+
+BOUNDED = [
+    {"type": "string", "maxLength": 8},
+    {"type": "string", "minLength": 2},
+    {"type": "string", "minLength": 1, "maxLength": 4},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+     "required": ["name", "age"], "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema", BOUNDED, ids=lambda s: json.dumps(s)[:60])
+def test_a_length_bounded_string_is_always_valid_json(tok, schema):
+    """xgrammar 0.2.9's length-bounded string let raw control characters through ("a<TAB>b": not JSON)."""
+    compiled = compile_grammar(tok, "json", schema)
+    ended = 0
+    for seed in range(60):
+        if (text := walk(tok, compiled, seed)) is None:
+            continue
+        ended += 1
+        value = json.loads(text)  # raises on a raw control character
+        for s, sub in strings(value, schema):  # (xgrammar's UTF-8 lets a surrogate's 3 bytes through: "\ufffd" x 3)
+            assert sub.get("minLength", 0) <= len(s) <= sub.get("maxLength", 10**9) or "\ufffd" in s, text
+    assert ended >= 30
+    if schema.get("type") == "string":
+        assert not accepts(tok, compiled, '"a\tb"') and not accepts(tok, compiled, '"a\x01b"')
+        assert accepts(tok, compiled, '"a\\tb"') and accepts(tok, compiled, '"\\u00e9\\""')  # escapes count as one
