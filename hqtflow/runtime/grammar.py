@@ -233,6 +233,9 @@ def schema_problem(schema, scale: int = 1) -> str | None:
         where = f"at {path}" if path else "at the root"
         if bad := next((k for k in UNENFORCED if k in s), None):
             return f"`{bad}` ({where}) is not enforced by the grammar"
+        if isinstance(s.get("pattern"), str) and (char := unsafe_literal(s["pattern"])):
+            return (f"`pattern` {s['pattern'][:80]!r} ({where}) names {char!r}, a quote, backslash or control character, "
+                    f"which the grammar would write unescaped into the JSON string (not JSON)")
         if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
             return f"`allOf` of more than one schema ({where}) is not enforced by the grammar"
         ref = s.get("$ref")
@@ -244,6 +247,41 @@ def schema_problem(schema, scale: int = 1) -> str | None:
         if isinstance(s.get("required"), list) and (ghost := [r for r in s["required"] if not isinstance(r, str) or r not in props]):
             return f"`required` ({where}) names {str(ghost[0])[:80]!r}, which is not one of its `properties`"
     return None
+
+
+_ESCAPE = re.compile(r"\\(?:c.|x\{[0-9a-fA-F]+\}|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)", re.S)
+_CONTROL_ESCAPES = set('\\"tnrfvae0c')  # \\, \", \t ... \0 and \cX
+
+
+def unsafe_literal(pattern: str) -> str | None:
+    """The first character a `pattern` names that JSON must escape (`"`, `\\`, a control character), outside a
+    negated class; None if there is none. xgrammar (0.2.9) matches a `pattern` against the raw text between the
+    quotes: `.`, shorthands, ranges and negated classes leave those characters out, but a literal one (`a"b`, `\\\\`,
+    `\\t`, `[\\n]`) would be written as is."""
+    i, negated = 0, None  # None: outside a class
+    while i < len(pattern):
+        if negated is None and pattern[i] == "[":
+            negated = pattern[i + 1:i + 2] == "^"
+            i += 1 + negated
+            i += pattern[i:i + 1] == "]"  # a "]" first in a class is a literal
+            continue
+        if negated is not None and pattern[i] == "]":
+            negated, i = None, i + 1
+            continue
+        token = m[0] if pattern[i] == "\\" and (m := _ESCAPE.match(pattern, i)) else pattern[i]
+        if not negated and _unsafe(token):
+            return token
+        i += len(token)
+    return None
+
+
+def _unsafe(token: str) -> bool:
+    if len(token) == 1:
+        return token == '"' or token < " "
+    if token[1] in "xu" and len(token) > 2:
+        code = int(token[2:].strip("{}"), 16)
+        return code < 0x20 or code in (0x22, 0x5C)
+    return token[1] in _CONTROL_ESCAPES
 
 
 def resolves(schema, ref: str) -> bool:

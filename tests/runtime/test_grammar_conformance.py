@@ -4,6 +4,7 @@ hold the output to is a 422 naming it; a model whose logits are wider than its t
 
 import json
 import random
+import re
 
 import httpx
 import pytest
@@ -108,3 +109,29 @@ def test_a_length_bounded_string_is_always_valid_json(tok, schema):
     if schema.get("type") == "string":
         assert not accepts(tok, compiled, '"a\tb"') and not accepts(tok, compiled, '"a\x01b"')
         assert accepts(tok, compiled, '"a\\tb"') and accepts(tok, compiled, '"\\u00e9\\""')  # escapes count as one
+
+
+@pytest.mark.parametrize("pattern, named", [
+    ('^a"b$', '"'), ("^C:\\\\x$", "\\\\"), ("^a\\tb$", "\\t"), ("^[\\n]$", "\\n"), ("^\\u0022$", "\\u0022"),
+    ("^\\x5c$", "\\x5c"), ("^a\tb$", "\t"), ('^(x|")$', '"'),
+])
+def test_a_pattern_naming_a_quote_backslash_or_control_character_is_refused(tok, pattern, named):
+    """xgrammar writes a pattern's literal characters raw between the quotes: `^a"b$` gave `"a"b"` (not JSON)."""
+    with pytest.raises(GrammarError) as e:
+        compile_grammar(tok, "json", {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}})
+    assert str(e.value).startswith(f"`pattern` {pattern!r} (at /properties/p) names {named!r}, a quote"), str(e.value)
+
+
+@pytest.mark.parametrize("pattern", ["^.{1,8}$", "^[^a]+$", "^[ -~]{1,6}$", "^\\S{1,5}$", '^[^"\\\\]{2}$', "^\\W{1,4}$"])
+def test_classes_in_a_pattern_never_write_a_quote_backslash_or_control_character(tok, pattern):
+    """(classes as xgrammar reads them: ASCII shorthands, `\\W` takes "é")"""
+    compiled = compile_grammar(tok, "json", {"type": "string", "pattern": pattern})
+    ended = 0
+    for seed in range(40):
+        if (text := walk(tok, compiled, seed)) is None:
+            continue
+        ended += 1
+        value = json.loads(text)
+        assert re.fullmatch(pattern.strip("^$"), value, re.ASCII) or "\ufffd" in value, text
+        assert not re.search(r'["\\\x00-\x1f]', value), text
+    assert ended >= 20
