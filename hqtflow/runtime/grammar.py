@@ -167,6 +167,9 @@ SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "contains",
               "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef",
               "multipleOf", "patternProperties")
+# what a `$ref` may have beside it: xgrammar follows the reference alone (2020-12 applies the siblings too)
+REF_SIBLINGS = ("$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default",
+                "examples", "deprecated", "readOnly", "writeOnly")
 
 
 def subschemas(schema):
@@ -233,6 +236,11 @@ def schema_problem(schema, scale: int = 1) -> str | None:
         where = f"at {path}" if path else "at the root"
         if bad := next((k for k in UNENFORCED if k in s), None):
             return f"`{bad}` ({where}) is not enforced by the grammar"
+        if isinstance(s.get("$ref"), str) and (extra := next((k for k in s if k not in REF_SIBLINGS), None)):
+            return f"`{extra}` beside `$ref` ({where}) is not enforced by the grammar (it follows the reference alone)"
+        for kind in ("pattern", "format"):  # xgrammar drops the length bounds beside them (a warning on stderr)
+            if kind in s and (bound := next((k for k in ("minLength", "maxLength") if k in s), None)):
+                return f"`{bound}` beside `{kind}` ({where}) is not enforced by the grammar"
         if isinstance(s.get("pattern"), str) and (char := unsafe_literal(s["pattern"])):
             return (f"`pattern` {s['pattern'][:80]!r} ({where}) names {char!r}, a quote, backslash or control character, "
                     f"which the grammar would write unescaped into the JSON string (not JSON)")

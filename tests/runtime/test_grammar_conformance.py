@@ -135,3 +135,24 @@ def test_classes_in_a_pattern_never_write_a_quote_backslash_or_control_character
         assert re.fullmatch(pattern.strip("^$"), value, re.ASCII) or "\ufffd" in value, text
         assert not re.search(r'["\\\x00-\x1f]', value), text
     assert ended >= 20
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 4}, "`maxLength` beside `pattern` (at the root)"),
+    ({"type": "string", "format": "date", "minLength": 30}, "`minLength` beside `format` (at the root)"),
+    ({"$defs": {"s": {"const": "toolong"}}, "$ref": "#/$defs/s", "maxLength": 3}, "`maxLength` beside `$ref` (at the root)"),
+    ({"properties": {"a": {"$ref": "#/$defs/s", "type": "integer"}}, "$defs": {"s": {"type": "string"}}},
+     "`type` beside `$ref` (at /properties/a)"),
+])
+def test_what_xgrammar_would_drop_is_refused_naming_it(tok, schema, message):
+    """xgrammar ignored these (the length bounds with a warning on the server's stderr): `^abcdef$` with maxLength 3
+    gave "abcdef"."""
+    with pytest.raises(GrammarError) as e:
+        compile_grammar(tok, "json", schema)
+    assert str(e.value).startswith(message + " is not enforced by the grammar"), str(e.value)
+
+
+def test_a_ref_with_annotations_beside_it_compiles(tok):
+    compiled = compile_grammar(tok, "json", {"$defs": {"s": {"enum": ["x", "y"]}}, "$ref": "#/$defs/s",
+                                             "description": "one of two", "title": "S"})
+    assert accepts(tok, compiled, '"x"') and not accepts(tok, compiled, '"z"')
