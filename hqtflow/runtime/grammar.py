@@ -327,7 +327,10 @@ def compile_grammar(tokenizer, kind: str, value=None, scale: int = 1, vocab_size
         value = json.dumps(value)  # keys in the order given: the grammar writes properties in that order
     if kind == "regex" and isinstance(value, str) and (problem := regex_problem(value)):
         raise GrammarError(f"the regex {problem}")
-    return _compile(tokenizer, kind, value, vocab_size or len(tokenizer))
+    compiled = _compile(tokenizer, kind, value, vocab_size or len(tokenizer))
+    if not _allowed(matcher(compiled), vocab_size or len(tokenizer)).any():  # (`[^\s\S]`: sampling got NaN)
+        raise GrammarError(f"the regex {value[:80]!r} matches no text" if kind == "regex" else "the JSON schema accepts no value")
+    return compiled
 
 
 def matcher(compiled):
@@ -336,16 +339,27 @@ def matcher(compiled):
     return xgr.GrammarMatcher(compiled)
 
 
+def _allowed(m, vocab_size: int) -> torch.Tensor:
+    """The matcher's bitmask of the tokens allowed next (1 x ceil(vocab_size / 32) int32)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    m.fill_next_token_bitmask(bitmask)
+    return bitmask
+
+
 def mask_logits(m, logits: torch.Tensor) -> None:
     """Set the logits of tokens the grammar forbids next to -inf (in place, 1-D). xgrammar's own failures (a C++
-    check, with its time and source path) become one GrammarError sentence."""
+    check, with its time and source path) become one GrammarError sentence, and so does a step that allows no token
+    (sampling would draw from NaN, greedy would pick id 0)."""
     import xgrammar as xgr
 
     try:
-        bitmask = xgr.allocate_token_bitmask(1, logits.numel())
-        m.fill_next_token_bitmask(bitmask)
+        bitmask = _allowed(m, logits.numel())
         row = logits[None].cpu()
         xgr.apply_token_bitmask_inplace(row, bitmask)
     except Exception:  # noqa: BLE001 - xgrammar's RuntimeError names its build, not the request
         raise GrammarError(f"the grammar could not mask the model's {logits.numel()} logits") from None
+    if not bitmask.any():
+        raise GrammarError("the grammar allows no token here")
     logits.copy_(row[0])

@@ -156,3 +156,26 @@ def test_a_ref_with_annotations_beside_it_compiles(tok):
     compiled = compile_grammar(tok, "json", {"$defs": {"s": {"enum": ["x", "y"]}}, "$ref": "#/$defs/s",
                                              "description": "one of two", "title": "S"})
     assert accepts(tok, compiled, '"x"') and not accepts(tok, compiled, '"z"')
+
+
+def test_a_grammar_that_matches_nothing_is_refused_and_a_step_without_tokens_is_an_error(tok):
+    """`[^\\s\\S]` gave a 424 NaN with sampling and a 200 "" (not matching it) greedy."""
+    with pytest.raises(GrammarError, match=r"^the regex '\[\^\\\\s\\\\S\]' matches no text$"):
+        compile_grammar(tok, "regex", r"[^\s\S]")
+    m = matcher(compile_grammar(tok, "json", {"type": "string", "pattern": r"^[^\s\S]$"}))  # `"` first, then nothing
+    assert m.accept_string('"')
+    with pytest.raises(GrammarError, match="^the grammar allows no token here$"):
+        mask_logits(m, torch.zeros(len(tok)))
+    m = matcher(compile_grammar(tok, "regex", "ab"))
+    assert m.accept_string("ab") and not m.is_terminated()  # only the end is left: the stop token is allowed
+    logits = torch.zeros(len(tok))
+    mask_logits(m, logits)
+    assert torch.nonzero(logits == 0).flatten().tolist() == [tok.eos_token_id]
+
+
+def test_a_regex_matching_nothing_is_a_422_on_the_server(lm):
+    with running(create_app(*lm, ServeSettings(max_input_tokens=32, max_total_tokens=64))) as url:
+        for sample in (True, False):
+            r = httpx.post(f"{url}/generate", json={"inputs": "x", "parameters": {
+                "max_new_tokens": 4, "do_sample": sample, "grammar": {"type": "regex", "value": "[^\\s\\S]"}}}, timeout=120)
+            assert r.status_code == 422 and "matches no text" in r.json()["error"], r.text
