@@ -167,6 +167,7 @@ SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "contains",
               "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef",
               "multipleOf", "patternProperties")
+TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
 # what a `$ref` may have beside it: xgrammar follows the reference alone (2020-12 applies the siblings too)
 REF_SIBLINGS = ("$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default",
                 "examples", "deprecated", "readOnly", "writeOnly")
@@ -236,6 +237,12 @@ def schema_problem(schema, scale: int = 1) -> str | None:
         where = f"at {path}" if path else "at the root"
         if bad := next((k for k in UNENFORCED if k in s), None):
             return f"`{bad}` ({where}) is not enforced by the grammar"
+        if "type" in s and not (s["type"] in TYPES or isinstance(s["type"], list) and s["type"] and all(t in TYPES for t in s["type"])):
+            return f"`type` {json.dumps(s['type'])[:80]} ({where}) is not a JSON Schema type or a non-empty list of them"
+        if bad := next((k for k in ("exclusiveMinimum", "exclusiveMaximum") if isinstance(s.get(k), bool)), None):
+            return f"`{bad}` ({where}) is a boolean (draft 4): give the bound itself as `{bad}`, as 2020-12 does"
+        if false := next((f"/{k}/{n}" for k in SUBSCHEMA_MAPS if isinstance(s.get(k), dict) for n, v in s[k].items() if v is False), None):
+            return f"a `false` schema (at {path}{false}: the property may not be present) is not supported by the grammar"
         if isinstance(s.get("$ref"), str) and (extra := next((k for k in s if k not in REF_SIBLINGS), None)):
             return f"`{extra}` beside `$ref` ({where}) is not enforced by the grammar (it follows the reference alone)"
         for kind in ("pattern", "format"):  # xgrammar drops the length bounds beside them (a warning on stderr)

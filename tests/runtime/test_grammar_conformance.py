@@ -179,3 +179,18 @@ def test_a_regex_matching_nothing_is_a_422_on_the_server(lm):
             r = httpx.post(f"{url}/generate", json={"inputs": "x", "parameters": {
                 "max_new_tokens": 4, "do_sample": sample, "grammar": {"type": "regex", "value": "[^\\s\\S]"}}}, timeout=120)
             assert r.status_code == 422 and "matches no text" in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": []}, "`type` [] (at the root) is not a JSON Schema type or a non-empty list of them"),
+    ({"properties": {"a": {"type": ["string", "text"]}}}, '`type` ["string", "text"] (at /properties/a) is not a JSON'),
+    ({"type": "number", "minimum": 0, "exclusiveMinimum": True}, "`exclusiveMinimum` (at the root) is a boolean (draft 4)"),
+    ({"type": "object", "properties": {"a": False, "b": {"type": "integer"}}},
+     "a `false` schema (at /properties/a: the property may not be present) is not supported"),
+])
+def test_schemas_at_the_edges_are_refused_naming_the_keyword(tok, schema, message):
+    """`{"type": []}` (invalid) was any value; a draft-4 boolean bound was "Value must be a number"; a property
+    `false` was "Schema 'false' cannot accept any value"."""
+    with pytest.raises(GrammarError) as e:
+        compile_grammar(tok, "json", schema)
+    assert str(e.value).startswith(message), str(e.value)

@@ -178,9 +178,9 @@ BAD = [
     ({"tools": [{"type": "retrieval", "function": {"name": "a"}}]}, "`tools[0].type`"),
     ({"tools": [{"type": "function", "function": {"name": "a", "returns": {}}}]}, "`tools[0].function.returns`"),
     ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {
-        "x": {"type": "nonsense"}}}}}]}, "`tools[0].function.parameters`: json grammar does not compile"),
+        "x": {"type": "nonsense"}}}}}]}, '`tools[0].function.parameters`: `type` "nonsense" (at /properties/x) is not a JSON Schema type'),
     ({"tools": [WEATHER, fn("b", {"properties": {"x": {"type": "nonsense"}}})], "tool_choice": "b"},
-     "`tools[1].function.parameters`: json grammar does not compile"),
+     '`tools[1].function.parameters`: `type` "nonsense" (at /properties/x) is not a JSON Schema type'),
     ({"tools": [fn("b", {"properties": {"a": {}}, "required": [["a"]]})]}, "`required` (at the root) names"),
     ({"tools": [fn("b", {"properties": {"a": {"anyOf": [{}]}, "b": {"$ref": "#/properties/a/anyOf/\u00b2"}}})]},
      "does not resolve"),
