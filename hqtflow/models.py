@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from hqtflow.errors import ArtifactError, HqtflowError, ModelError, does_not_exist
-from hqtflow.formats.safetensors_files import SAFETENSORS_INDEX, check_safetensors, safetensors_header, weight_files
+from hqtflow.formats.safetensors_files import (HEADER_ERRORS, SAFETENSORS_INDEX, check_safetensors, safetensors_header,
+                                              weight_files)
 
 DEFAULT_MODEL = "smollm2"
 # name -> (PyPI package, GGUF file inside it)
@@ -417,13 +418,8 @@ def fingerprint(path: Path) -> dict:
     loaded = set(weight_files(path))
     for f in sorted(path.glob("*.safetensors")):
         try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-            if 8 + n > f.stat().st_size:  # a length read from garbage: not allocated
-                raise ValueError("header longer than the file")
-            header = safetensors_header(f)[1]
-            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-        except (OSError, struct.error, ValueError, AttributeError, RecursionError):
+            tensors = {k: v for k, v in safetensors_header(f)[1].items() if k != "__metadata__"}
+        except HEADER_ERRORS:
             if f in loaded:
                 raise ModelError(f"{f} is not a readable safetensors file (corrupt header).") from None
             continue

@@ -58,10 +58,18 @@ def _header_length(f) -> int:
     return n
 
 
+# What reading a damaged header raises (garbage lengths, bad JSON, wrong shapes of entries)
+HEADER_ERRORS = (OSError, struct.error, ValueError, OverflowError, MemoryError, KeyError, TypeError, IndexError,
+                 AttributeError, RecursionError)
+
+
 def safetensors_header(path: Path) -> tuple[int, dict]:
-    """Where a file's tensor data starts and its header ({key: {dtype, shape, data_offsets}}, `__metadata__`)."""
+    """Where a file's tensor data starts and its header ({key: {dtype, shape, data_offsets}}, `__metadata__`); a
+    header length past the file's end (garbage) is a ValueError, never an allocation."""
     with open(path, "rb") as f:
         n = _header_length(f)
+        if 8 + n > Path(path).stat().st_size:
+            raise ValueError("header longer than the file")
         return 8 + n, json.loads(f.read(n))
 
 
@@ -72,14 +80,9 @@ def check_safetensors(path: Path, error: type[Exception] | None = None) -> None:
     path = Path(path)
     try:
         size = path.stat().st_size
-        with open(path, "rb") as f:
-            n = _header_length(f)
-        if 8 + n > size:
-            raise ValueError("header longer than the file")
         start, header = safetensors_header(path)
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (OSError, struct.error, ValueError, OverflowError, MemoryError, KeyError, TypeError, IndexError, AttributeError,
-            RecursionError):
+    except HEADER_ERRORS:
         raise error(f"{path} is not a readable safetensors file (corrupt header).") from None
     if start + end > size:
         raise error(f"{path} is truncated: its tensors need {start + end} bytes but the file has {size}.")

@@ -27,7 +27,8 @@ Backends (`set_backend`):
   (`torch.compile` of the same float32 arithmetic, compiled once per process): unfused, its four elementwise passes
   cost more than the FP8 GEMM saves (measured on an H100: 0.56-0.89x bf16 at M >= 256).
   CUDA's `_scaled_mm` refuses what the CPU's runs (`scaled_mm_refusal`): K or N not a multiple of 16, E5M2 inputs
-  with E5M2 weights, a bias with float32 output; on CUDA such a layer is not given "scaled_mm".
+  with E5M2 weights, a bias with float32 output, per-token scales without bf16 output; on CUDA such a layer is not
+  given "scaled_mm".
 - "auto": "scaled_mm" on a CUDA GPU with FP8 tensor cores, "cpu" on CPU when the kernel builds, else "qdq".
 Layers a backend cannot run keep "qdq"; an explicit "scaled_mm" for a layer CUDA's `_scaled_mm` refuses is refused.
 """
@@ -59,10 +60,10 @@ def quantize_per_token(x: torch.Tensor, fp8: str = "E4M3") -> tuple[torch.Tensor
 
 
 def scaled_mm_refusal(device_type: str, in_features: int, out_features: int, fp8: str, bias: bool,
-                      out_dtype: torch.dtype) -> str | None:
-    """Why `torch._scaled_mm` on `device_type` refuses a layer (inputs and weights both `fp8`), or None. CUDA checks
-    what the CPU kernel does not (PyTorch's ScaledBlas.cpp): K and N multiples of 16, not two E5M2 operands, and a
-    bias only with a bf16 or fp16 output."""
+                      out_dtype: torch.dtype, rowwise: bool = False) -> str | None:
+    """Why `torch._scaled_mm` on `device_type` refuses a layer (inputs and weights both `fp8`; `rowwise`: per-token
+    input scales), or None. CUDA checks what the CPU kernel does not (PyTorch's ScaledBlas.cpp): K and N multiples of
+    16, not two E5M2 operands, a bias only with a bf16 or fp16 output, and row-wise scales only with a bf16 output."""
     if device_type != "cuda":
         return None
     if in_features % 16 or out_features % 16:
@@ -71,6 +72,9 @@ def scaled_mm_refusal(device_type: str, in_features: int, out_features: int, fp8
         return "its weights and inputs are both E5M2, which CUDA's _scaled_mm does not multiply"
     if bias and out_dtype == torch.float32:
         return "it has a bias and computes in float32, and CUDA's _scaled_mm takes a bias only with bf16 or fp16 output"
+    if rowwise and out_dtype != torch.bfloat16:
+        return (f"its per-token input scales need a bf16 output on CUDA's _scaled_mm, and it computes in "
+                f"{str(out_dtype).removeprefix('torch.')}")
     return None
 
 
@@ -221,7 +225,7 @@ class FP8Linear(nn.Module):
     def scaled_mm_refusal(self) -> str | None:
         """Why `_scaled_mm` on this layer's device refuses it (`scaled_mm_refusal`), or None."""
         return scaled_mm_refusal(self.weight.device.type, self.in_features, self.out_features, self.fp8,
-                                 self.bias is not None, self.hp_dtype)
+                                 self.bias is not None, self.hp_dtype, rowwise=self.activation == "dynamic_token")
 
     def pack_for_cpu(self) -> None:
         """Lay the FP8 weight out the way this machine's CPU kernel reads it (`fp8_pack`: groups of rows, column

@@ -9,8 +9,9 @@ both traceable ops. Compiled artifacts persist in `$HQTFLOW_CACHE/inductor`, so 
 On CUDA the decode step is also a CUDA graph (`cuda_graph`, the default there): captured once per batch size on its
 first step, then replayed with the token and position copied into its static inputs. The cache writes each step at its
 own counter (`cumulative_length`, advanced in place), so the eager warm-up runs before capture would move every later
-token's keys and values two slots on: the cache's tensors and counters are saved before the capture and put back after
-it (a copy of the cache for that moment), and the replays then write where the eager steps do. With `compile` the
+token's keys and values two slots on: the cache layers' counters are saved before the capture and put back after it
+(not the keys and values: the warm-ups wrote them only past the step's position, hidden by the causal mask until the
+real steps overwrite them), and the replays then write where the eager steps do. With `compile` the
 graph holds the compiled step (gpt-fast's "reduce-overhead": inductor fuses the norms, rotary, residuals and FP8
 input quantization into few kernels, the graph removes their launches). A capture that fails leaves the decoder eager
 (the reason in `graph_failed`).
@@ -75,10 +76,14 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, sc
 
 
 def _cache_state(cache) -> list[tuple[object, str, object]]:
-    """(layer, attribute, copy) for every tensor and number a decode step can change in `cache`'s layers."""
+    """(layer, attribute, copy) for every tensor and number a decode step can change in `cache`'s layers but the keys
+    and values themselves (no second KV cache in memory): the warm-ups write those only at positions past the step's,
+    which the causal mask hides until the real steps overwrite them."""
     saved = []
     for layer in cache.layers:
         for name, value in vars(layer).items():
+            if name in ("keys", "values"):
+                continue
             if isinstance(value, torch.Tensor):
                 saved.append((layer, name, value.clone()))
             elif isinstance(value, int | float) and not isinstance(value, bool):
@@ -148,9 +153,11 @@ class StaticDecoder:
         entry = self._graphs.get(tok.shape[0])
         if entry is None:
             static_tok, static_pos = tok.clone(), torch.tensor([position], device=self.device)
-            saved = _cache_state(cache)
+            saved = []
             try:
                 from hqtflow.runtime.cuda_graphs import capture
+
+                saved = _cache_state(cache)
 
                 graph, out = capture(lambda: self._step(static_tok, static_pos, cache))
             except Exception as e:  # noqa: BLE001 - graphs are an optimization
@@ -158,7 +165,7 @@ class StaticDecoder:
                 torch.cuda.synchronize()
                 _restore_cache_state(saved)
                 return self._step(tok, torch.tensor([position], device=self.device), cache)
-            _restore_cache_state(saved)  # the warm-ups advanced the counters and wrote keys and values
+            _restore_cache_state(saved)  # the warm-ups advanced the write counters
             entry = self._graphs[tok.shape[0]] = (graph, static_tok, static_pos, out)
         graph, static_tok, static_pos, out = entry
         static_tok.copy_(tok)

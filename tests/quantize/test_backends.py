@@ -90,6 +90,19 @@ def test_scaled_mm_refusal_follows_cudas_limits(k, n, fp8, bias, out, why):
     assert shapes_ok == (why is None or "multiples of 16" not in why)
 
 
+@pytest.mark.parametrize("out, why", [(torch.bfloat16, None), (torch.float16, "need a bf16 output"),
+                                      (torch.float32, "computes in float32")])
+def test_scaled_mm_refusal_rowwise_needs_bf16(out, why):
+    """Per-token (row-wise) scales: CUDA's _scaled_mm takes only a bf16 output ("Only bf16 high precision output types
+    are supported for row-wise scaling"); per-tensor scales take fp16 too."""
+    from hqtflow.quantize.fp8_linear import scaled_mm_refusal
+
+    got = scaled_mm_refusal("cuda", 64, 32, "E4M3", False, out, rowwise=True)
+    assert got is None if why is None else why in got
+    assert scaled_mm_refusal("cuda", 64, 32, "E4M3", False, torch.float16) is None
+    assert scaled_mm_refusal("cpu", 64, 32, "E4M3", False, out, rowwise=True) is None
+
+
 def test_scaled_mm_outside_cudas_limits_keeps_qdq_or_is_refused(monkeypatch):
     """On CUDA (the layers' device judged as CUDA), "auto" gave scaled_mm to layers CUDA's _scaled_mm refuses at their
     first call: they keep qdq now, and an explicit --backend scaled_mm is refused in one sentence naming the layer."""
@@ -98,7 +111,7 @@ def test_scaled_mm_outside_cudas_limits_keeps_qdq_or_is_refused(monkeypatch):
     from hqtflow.quantize import fp8_linear
 
     real = fp8_linear.scaled_mm_refusal
-    monkeypatch.setattr(fp8_linear, "scaled_mm_refusal", lambda device, *rest: real("cuda", *rest))
+    monkeypatch.setattr(fp8_linear, "scaled_mm_refusal", lambda device, *rest, **kw: real("cuda", *rest, **kw))
     monkeypatch.setattr(fp8_linear, "resolve_backend",
                         lambda b, device: Backend.SCALED_MM if b == "auto" else Backend(b))
     good, _ = _layer(k=64, n=32)
