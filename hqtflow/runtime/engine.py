@@ -539,11 +539,10 @@ class Engine:
             try:  # a request whose processors or sampling fail ends alone: its neighbours in the batch go on
                 if p.do_sample:
                     x = _warp(self._process(req, logits[row].clone()), p)
+                    # from softmax in both cases, so a seed picks the same token whichever logprobs are asked for
+                    toks[row] = int(torch.multinomial(x.softmax(-1), 1, generator=req.generator))
                     if own[row]:
                         processed[row] = torch.log_softmax(x, -1)
-                        toks[row] = int(torch.multinomial(processed[row].exp(), 1, generator=req.generator))
-                    else:
-                        toks[row] = int(torch.multinomial(x.softmax(-1), 1, generator=req.generator))
                     changed.append(row)
                 elif _processed(req):
                     x = self._process(req, logits[row].clone())
@@ -561,8 +560,9 @@ class Engine:
             idx = torch.tensor([at[r] for r in rows], device=logits.device)
             for row, v in zip(rows, logprobs[idx, torch.tensor([toks[r] for r in rows], device=logits.device)].tolist()):
                 chosen[row] = v
-        for row, lp in processed.items():
-            chosen[row] = float(lp[toks[row]])
+        if processed:  # in one transfer
+            for row, v in zip(processed, torch.stack([lp[toks[row]] for row, lp in processed.items()]).tolist()):
+                chosen[row] = v
         out = []
         for row, req in enumerate(reqs):
             top = None

@@ -227,6 +227,12 @@ def literal_problem(schema, scale: int = 1) -> str | None:
     return None
 
 
+# The string formats the grammar writes (xgrammar 0.2.9); beside them it drops minLength/maxLength. Others (OpenAPI's
+# "password", "byte", ...) are annotations it ignores, as JSON Schema 2020-12 does by default.
+GRAMMAR_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+                             "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer"})
+
+
 def schema_problem(schema, scale: int = 1) -> str | None:
     """Why the grammar would not hold output to a JSON schema (None: it would): the keywords above, `allOf` of more
     than one schema, a reference outside the schema or that does not
@@ -246,6 +252,8 @@ def schema_problem(schema, scale: int = 1) -> str | None:
         if isinstance(s.get("$ref"), str) and (extra := next((k for k in s if k not in REF_SIBLINGS), None)):
             return f"`{extra}` beside `$ref` ({where}) is not enforced by the grammar (it follows the reference alone)"
         for kind in ("pattern", "format"):  # xgrammar drops the length bounds beside them (a warning on stderr)
+            if kind == "format" and s.get(kind) not in GRAMMAR_FORMATS:
+                continue  # a format the grammar does not know is an annotation: the bounds hold
             if kind in s and (bound := next((k for k in ("minLength", "maxLength") if k in s), None)):
                 return f"`{bound}` beside `{kind}` ({where}) is not enforced by the grammar"
         if isinstance(s.get("pattern"), str) and (char := unsafe_literal(s["pattern"])):

@@ -60,7 +60,8 @@ def within_max_client_batch_size(ctx: Ctx, req: CompletionRequest) -> Completion
 
 def best_of(group: list, n: int) -> list:
     """OpenAI's best_of: the n candidates with the highest log probability per token (the mean over the tokens whose
-    logprobs the answer lists: those before a stop sequence; all, when none is), best first (ties: in order)."""
+    logprobs the answer lists: those before a stop sequence; for an answer the stop sequence begins, which lists
+    none, the stop's own tokens), best first (ties: in order)."""
     def per_token(q) -> float:
         tokens = before_stop(q.tokens, q.last.stop_at) or q.tokens
         return sum(t.logprob for t in tokens) / max(1, len(tokens))

@@ -152,6 +152,13 @@ def test_what_xgrammar_would_drop_is_refused_naming_it(tok, schema, message):
     assert str(e.value).startswith(message + " is not enforced by the grammar"), str(e.value)
 
 
+def test_length_bounds_beside_a_format_the_grammar_does_not_write_hold(tok):
+    """OpenAPI's "password" (and any format xgrammar does not implement) is an annotation: the grammar keeps the
+    length bounds beside it, so the schema is not refused (it was, with the formats xgrammar writes)."""
+    compiled = compile_grammar(tok, "json", {"type": "string", "format": "password", "minLength": 2, "maxLength": 3})
+    assert accepts(tok, compiled, '"abc"') and not accepts(tok, compiled, '"abcd"') and not accepts(tok, compiled, '"a"')
+
+
 def test_a_ref_with_annotations_beside_it_compiles(tok):
     compiled = compile_grammar(tok, "json", {"$defs": {"s": {"enum": ["x", "y"]}}, "$ref": "#/$defs/s",
                                              "description": "one of two", "title": "S"})
