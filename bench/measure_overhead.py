@@ -103,7 +103,7 @@ def token_windows(path: str, tokenizer, batches: int, batch_size: int, seq_len: 
     chunks = [c for c in chunks if len(c) == seq_len]
     if len(chunks) < batches * batch_size:
         sys.exit(f"{path} has only {len(chunks)} full windows of {seq_len} tokens; need {batches * batch_size}.")
-    return [(b.input_ids, b.attention_mask) for b in make_batches(chunks, batch_size, tokenizer.pad_token_id)]
+    return [(b.input_ids, b.attention_mask) for b in make_batches(chunks, batch_size)]
 
 
 # ---- modes ---------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The benchmarks run (their small versions): CI keeps them from rotting. Timing is never asserted."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -124,3 +125,17 @@ def test_paged_attention_bench_smoke(cpu_kernel_loaded):
     # the three ways agree: to float32 rounding, or within two bf16 units in the last place of outputs below 2 (the
     # padded batch's SDPA rounds the softmax weights to bf16 in a bf16 cache)
     assert all(float(row[-1]) < (1.6e-2 if row[1] == "bf16" else 1e-3) for row in rows), r.stdout
+
+
+def test_measure_overhead_smoke(tiny_llama, wiki_text):
+    """bench/measure_overhead.py (what `make bench` runs) on a tiny Llama: it runs, and its verdict line carries a
+    finite positive ratio for hqtflow's observers and for INC MEASURE."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "measure_overhead.py"), "--model", str(tiny_llama),
+                        "--data", str(wiki_text), "--batches", "2", "--batch-size", "1", "--seq-len", "32",
+                        "--rounds", "2", "--warmup", "1"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = re.search(r"^hqtflow observers: ([\d.]+)x plain forward .*: (OK|OVER TARGET)(; INC MEASURE: ([\d.]+)x)?$",
+                  r.stdout, re.M)
+    assert m and 0 < float(m[1]) < 100, r.stdout[-3000:]
+    assert m[4] is None or 0 < float(m[4]) < 100
+    assert "CPU flags" in r.stdout and "cross-check" in r.stdout, r.stdout[-3000:]
