@@ -21,7 +21,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from hqtflow import models  # noqa: E402
+from hqtflow.hardware import machine_line  # noqa: E402
 from hqtflow.runtime.engine import Engine, SamplingParams  # noqa: E402
+from hf_batching import timed_generate_batch  # noqa: E402
 
 
 def main() -> None:
@@ -37,19 +39,15 @@ def main() -> None:
     model = models.load_model(path, "bf16")
     lines = [ln.strip() for ln in Path(a.data).read_text().splitlines() if len(ln.split()) > 12]
     prompts = [tok.encode(" ".join(ln.split()[: 8 + 3 * (i % 5)])) for i, ln in enumerate(lines[: a.requests])]
-    print(f"model {path.name} bf16, {a.requests} requests x {a.new_tokens} new tokens, greedy, threads {torch.get_num_threads()}")
+    import transformers
 
-    from transformers import GenerationConfig
+    print(f"model {path.name} bf16, {a.requests} requests x {a.new_tokens} new tokens, greedy; both sides set up and "
+          f"warmed up outside the timer")
+    print(f"{machine_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"transformers {transformers.__version__}")
 
-    cfg = GenerationConfig(max_new_tokens=a.new_tokens, do_sample=False)
-    model.generate_batch(inputs=prompts[:2], generation_config=cfg)  # warm-up (it manages its own threads)
-    t = time.perf_counter()
-    out = model.generate_batch(inputs=prompts, generation_config=cfg)
-    t_hf = time.perf_counter() - t
-    errors = [o.error for o in out.values() if o.error]
-    assert not errors and len(out) == len(prompts), errors
-    hf_tokens = sum(len(o.generated_tokens) for o in out.values())
-    hf_seqs = {tuple(o.prompt_ids): list(o.generated_tokens) for o in out.values()}
+    hf_seqs, t_hf = timed_generate_batch(model, prompts, a.new_tokens)  # set up and warmed outside its timer
+    hf_tokens = sum(map(len, hf_seqs))
 
     eng = Engine(model, tok, max_batch_size=a.max_batch_size).start()
     try:
@@ -68,8 +66,8 @@ def main() -> None:
         eng.stop()
     our_tokens = sum(sum(e.token is not None for e in r) for r in results)
     same = 0
-    for ids, r in zip(prompts, results):  # ours stops at EOS, transformers' runs on: compare the common prefix
-        ours, theirs = [e.token.id for e in r if e.token], hf_seqs.get(tuple(ids), [])
+    for theirs, r in zip(hf_seqs, results):  # ours stops at EOS, transformers' runs on: compare the common prefix
+        ours = [e.token.id for e in r if e.token]
         same += ours == theirs[: len(ours)]
     print(f"transformers generate_batch : {hf_tokens / t_hf:7.1f} tokens/s ({hf_tokens} tokens in {t_hf:.1f} s)")
     print(f"hqtflow engine              : {our_tokens / t_ours:7.1f} tokens/s ({our_tokens} tokens in {t_ours:.1f} s)"

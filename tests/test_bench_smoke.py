@@ -139,3 +139,25 @@ def test_measure_overhead_smoke(tiny_llama, wiki_text):
     assert m and 0 < float(m[1]) < 100, r.stdout[-3000:]
     assert m[4] is None or 0 < float(m[4]) < 100
     assert "CPU flags" in r.stdout and "cross-check" in r.stdout, r.stdout[-3000:]
+
+
+def test_engine_vs_transformers_times_generation_only(tiny_llama, wiki_text):
+    """bench/engine_vs_transformers.py: transformers' batching manager is set up and warmed before its timer (as
+    hqtflow's engine is), and gives the tokens `generate_batch` gives; the bench prints the machine and a ratio."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from hf_batching import timed_generate_batch
+    from transformers import GenerationConfig
+
+    from hqtflow import models
+
+    tok, model = models.load_tokenizer(tiny_llama), models.load_model(tiny_llama, "bf16")
+    prompts = [tok.encode(line) for line in wiki_text.read_text().splitlines()[1:40] if len(line.split()) > 12][:3]
+    out, seconds = timed_generate_batch(model, prompts, 4)
+    whole = model.generate_batch(inputs=prompts, generation_config=GenerationConfig(max_new_tokens=4, do_sample=False))
+    assert out == [list(o.generated_tokens) for o in whole.values()] and seconds > 0
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "engine_vs_transformers.py"), "--model", str(tiny_llama),
+                        "--data", str(wiki_text), "--requests", "3", "--new-tokens", "4"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = re.search(r"= ([\d.]+)x transformers$", r.stdout, re.M)
+    assert m and float(m[1]) > 0 and "CPU flags" in r.stdout and "transformers 5." in r.stdout, r.stdout
