@@ -62,3 +62,14 @@ def test_run_cuda_sh_fails_when_a_step_fails(tmp_path):
     usage = (ROOT / "bench" / "run_cuda.sh").read_text()
     assert "TOKENIZER=DIR TEXT=FILE bash bench/run_cuda.sh" in usage
     assert "bench/run_cuda.sh 1b" not in (ROOT / "bench" / "RESULTS.md").read_text()
+
+
+def test_decode_picks_the_fastest_high_precision_engine_per_batch(monkeypatch):
+    """RESULTS' figures (bf16 static 14.6 / 100.4, fp32 static 18.7 / 80.1 tok/s at b1 / b8): fp32 at batch 1, bf16 at
+    batch 8 (one pick for all batches took fp32 and divided b8 by 80.1, a 1.61x where the fastest gives 1.29x)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # decode.py imports bench/checkpoint.py
+    spec = importlib.util.spec_from_file_location("decode_bench", ROOT / "bench" / "decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = {"bf16 static": {1: 14.6, 8: 100.4}, "fp32 static": {1: 18.7, 8: 80.1}}
+    assert bench.fastest_per_batch(results, ["bf16 static", "fp32 static"], [1, 8]) == {1: "fp32 static", 8: "bf16 static"}

@@ -59,6 +59,8 @@ def test_forward_and_decode_smoke(smollm2, wiki_text, tmp_path):
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "fastest high-precision" in r.stdout and "CPU flags" in r.stdout, r.stdout[-2000:]
+    assert re.search(r"^fastest high-precision static: b1 (bf16|fp32) static$", r.stdout, re.M), r.stdout[-3000:]
+    assert re.search(r"^fp8 static / fastest high-precision static +b1 [\d.]+x", r.stdout, re.M), r.stdout[-3000:]
 
 
 
