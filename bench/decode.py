@@ -1,5 +1,5 @@
 """SmolLM2 decode tokens/s at batch 1 and 8: FP8 vs bf16 through the same engine, vs plain transformers `generate`
-in bf16 (what users run today), and vs Neural Compressor's CPU FP8 - all measured in this run.
+in the faster high-precision dtype here (what users run today), and vs Neural Compressor's CPU FP8 - all measured in this run.
 
 Engines: hqtflow's static-KV decoder (`hqtflow/runtime/static_decode.py`) eager and with its decode step compiled
 (`torch.compile`, inductor cache in $HQTFLOW_CACHE/inductor); transformers' `generate` (DynamicCache). FP8 runs
@@ -89,16 +89,20 @@ def main() -> None:
     a = p.parse_args()
     fp8, tok, bf16_path, backend = fp8_and_source(a.checkpoint, a.backend)
     bf16 = models.load_model(bf16_path, "bf16")
+    from hqtflow.hardware import fastest_dtype, machine_line
+
+    hf_dtype = fastest_dtype()  # transformers' generate in the faster high-precision dtype here
+    hf_model = bf16 if hf_dtype == "bf16" else models.load_model(bf16_path, hf_dtype)
+    hf_name = f"{hf_dtype} transformers generate"
     batches = [int(b) for b in a.batch_sizes.split(",")]
     max_len = a.prompt_length + a.new_tokens
-    from hqtflow.hardware import fastest_dtype, machine_line
 
     print(f"model {bf16_path.name}; FP8 {a.checkpoint} (backend {backend}); prompt {a.prompt_length}, {a.new_tokens} new tokens, "
           f"greedy; threads {torch.get_num_threads()}; median of {a.runs} runs")
     print(f"torch {torch.__version__}; {machine_line()}; --dtype auto here: {fastest_dtype()} "
           f"(FP8 model's high-precision dtype: {next(fp8.parameters()).dtype})")
 
-    engines = {"bf16 transformers generate": None,
+    engines = {hf_name: None,
                "fp32 static": StaticDecoder(models.load_model(bf16_path, "fp32"), max_length=max_len),
                "bf16 static": StaticDecoder(bf16, max_length=max_len),
                "fp8 static": StaticDecoder(fp8, max_length=max_len)}
@@ -124,12 +128,12 @@ def main() -> None:
             runs: dict[str, list[float]] = {name: [] for name in engines}
             for name, eng in engines.items():  # warm-up (and compile) outside the timed runs
                 t = time.perf_counter()
-                hf_generate_tps(bf16, ids, 4) if eng is None else eng.generate(ids, 4)
+                hf_generate_tps(hf_model, ids, 4) if eng is None else eng.generate(ids, 4)
                 if "compiled" in name:
                     print(f"  {name} batch {b}: first call (compile or cache load) {time.perf_counter() - t:.1f} s", flush=True)
             for _ in range(a.runs):  # engines interleaved run by run, so drift hits all alike
                 for name, eng in engines.items():
-                    runs[name].append(hf_generate_tps(bf16, ids, a.new_tokens) if eng is None
+                    runs[name].append(hf_generate_tps(hf_model, ids, a.new_tokens) if eng is None
                                       else eng.generate(ids, a.new_tokens).decode_tokens_per_s)
             for name in engines:
                 results[name][b] = statistics.median(runs[name])
@@ -150,8 +154,8 @@ def main() -> None:
               ("fp8 static / fp32 static (same engine)", "fp8 static", "fp32 static", None),
               ("fp8 compiled / bf16 compiled (same engine)", "fp8 static compiled", "bf16 static compiled", 1.0),
               ("fp8 compiled / fp32 compiled (same engine)", "fp8 static compiled", "fp32 static compiled", None),
-              ("fp8 compiled / bf16 transformers generate", "fp8 static compiled", "bf16 transformers generate", None),
-              ("fp8 static / bf16 transformers generate", "fp8 static", "bf16 transformers generate", None),
+              (f"fp8 compiled / {hf_name}", "fp8 static compiled", hf_name, None),
+              (f"fp8 static / {hf_name}", "fp8 static", hf_name, None),
               ("fp8 KV cache / bf16 KV cache (fp8 weights)", "fp8 static, FP8 KV cache", "fp8 static", None),
               ("fp8 static / INC fp8 (same engine)", "fp8 static", "INC fp8 (QDQ) static", 5.0),
               ("fp8 compiled / INC fp8", "fp8 static compiled", "INC fp8 (QDQ) static", 5.0)]

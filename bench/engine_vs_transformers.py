@@ -2,7 +2,8 @@
 
 Why hqtflow has its own small scheduler: transformers' continuous batching samples with one generation config for
 all requests (no per-request seeds, repetition penalty or stop sequences, which TGI's API needs). This measures what
-that choice costs or gains on CPU: aggregate greedy tokens/s over N concurrent requests, both in one run, and checks
+that choice costs or gains on CPU, both in the machine's fastest high-precision dtype (bf16 with native bf16 dot
+products, else fp32): aggregate greedy tokens/s over N concurrent requests, both in one run, and checks
 that the greedy texts agree.
 
     python bench/engine_vs_transformers.py [--model DIR] [--requests 16] [--new-tokens 32]
@@ -21,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from hqtflow import models  # noqa: E402
-from hqtflow.hardware import machine_line  # noqa: E402
+from hqtflow.hardware import fastest_dtype, machine_line  # noqa: E402
 from hqtflow.runtime.engine import Engine, SamplingParams  # noqa: E402
 from hf_batching import timed_generate_batch  # noqa: E402
 
@@ -36,12 +37,13 @@ def main() -> None:
     a = p.parse_args()
     path = models.resolve_model(a.model)
     tok = models.load_tokenizer(path)
-    model = models.load_model(path, "bf16")
+    dtype = fastest_dtype()  # the faster high-precision dtype here, for both sides
+    model = models.load_model(path, dtype)
     lines = [ln.strip() for ln in Path(a.data).read_text().splitlines() if len(ln.split()) > 12]
     prompts = [tok.encode(" ".join(ln.split()[: 8 + 3 * (i % 5)])) for i, ln in enumerate(lines[: a.requests])]
     import transformers
 
-    print(f"model {path.name} bf16, {a.requests} requests x {a.new_tokens} new tokens, greedy; both sides set up and "
+    print(f"model {path.name} {dtype} (the fastest high-precision dtype here), {a.requests} requests x {a.new_tokens} new tokens, greedy; both sides set up and "
           f"warmed up outside the timer")
     print(f"{machine_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"transformers {transformers.__version__}")
@@ -72,7 +74,7 @@ def main() -> None:
     print(f"transformers generate_batch : {hf_tokens / t_hf:7.1f} tokens/s ({hf_tokens} tokens in {t_hf:.1f} s)")
     print(f"hqtflow engine              : {our_tokens / t_ours:7.1f} tokens/s ({our_tokens} tokens in {t_ours:.1f} s)"
           f" = {(our_tokens / t_ours) / (hf_tokens / t_hf):.2f}x transformers")
-    print(f"identical greedy texts: {same}/{len(prompts)} (bf16: batch composition can flip near-ties)")
+    print(f"identical greedy texts: {same}/{len(prompts)} (batch composition can flip near-ties)")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ Copies of the same model see the same token windows (WikiText-2 validation) in o
 observers (the baseline); (2) hqtflow's `ObserverSession` (QUANT_CONFIG mode MEASURE, maxabs), each forward inside
 `session.batch(mask)`; (3) INC `prepare()` with `FP8Config(mode="MEASURE", observer="maxabs")` over a fresh copy (on
 CPU INC also needs `use_qdq=True`: its config parser refuses the CPU device otherwise). Everything runs under
-`torch.inference_mode()`, each mode is warmed up, and the modes run back to back on each batch in a rotating order,
-so load from other processes hits them alike. Reported per mode, as ratios to the plain forward: the median of the
+`torch.inference_mode()` and, as in `hqtflow measure`, `bf16_matmuls_via_fp32()` (bf16 GEMMs through the fp32 GEMM
+on CPUs without native bf16 dot products, the faster path there); each mode is warmed up, and the modes run back to
+back on each batch in a rotating order, so load from other processes hits them alike. Reported per mode, as ratios to the plain forward: the median of the
 paired per-batch ratios (headline) and the ratio of per-batch best-of-rounds times.
 
 If hqtflow's overhead exceeds the 5% target (or with --profile) the observer cost is broken down: hook dispatch
@@ -109,6 +110,7 @@ def token_windows(path: str, tokenizer, batches: int, batch_size: int, seq_len: 
 # ---- modes ---------------------------------------------------------------------------------------
 def make_modes(args, model_dir, tmp):
     from hqtflow import models
+    from hqtflow.bf16_matmul import bf16_matmuls_via_fp32 as fp32_gemm  # as `hqtflow measure` runs every mode
     from hqtflow.formats.quant_config import QuantConfig
     from hqtflow.measure.hooks import ObserverSession
 
@@ -117,10 +119,11 @@ def make_modes(args, model_dir, tmp):
     session = ObserverSession(hq_model, QuantConfig(mode="MEASURE"))
 
     def run_plain(ids, mask):
-        return plain(input_ids=ids, attention_mask=mask).logits
+        with fp32_gemm():
+            return plain(input_ids=ids, attention_mask=mask).logits
 
     def run_hq(ids, mask):
-        with session.batch(mask):
+        with session.batch(mask), fp32_gemm():
             return hq_model(input_ids=ids, attention_mask=mask).logits
 
     from hqtflow.measure.kv import KVStats
@@ -128,7 +131,7 @@ def make_modes(args, model_dir, tmp):
     kv, cache = KVStats(hq_model), models.cache_kwarg(hq_model)  # the name `hqtflow measure` passes the cache under
 
     def run_hq_kv(ids, mask):  # what `hqtflow measure` runs: Linear observers + KV-cache statistics
-        with session.batch(mask):
+        with session.batch(mask), fp32_gemm():
             return hq_model(input_ids=ids, attention_mask=mask, **{cache: kv.cache(mask)}, use_cache=True).logits
 
     modes = {"plain forward": run_plain, "hqtflow observers": run_hq, "hqtflow observers + KV stats": run_hq_kv}
@@ -144,7 +147,8 @@ def make_modes(args, model_dir, tmp):
             inc_model = prepare(models.load_model(model_dir), cfg)
 
             def run_inc(ids, mask):
-                return inc_model(input_ids=ids, attention_mask=mask).logits
+                with fp32_gemm():
+                    return inc_model(input_ids=ids, attention_mask=mask).logits
 
             modes["INC MEASURE"] = run_inc
             extra["inc_model"] = inc_model
@@ -341,9 +345,11 @@ def main(argv=None) -> int:
         modes, extra = make_modes(args, model_dir, tmp)
         n_linear = sum(isinstance(m, torch.nn.Linear) for m in extra["plain"].modules())
         print_env(args, model_dir, extra["plain"], n_linear, windows)
-        from hqtflow.hardware import machine_line
+        from hqtflow.hardware import fastest_dtype, machine_line
 
         print(f"machine    : {machine_line()} before timing")
+        gemm = "through the fp32 GEMM (faster here), as `hqtflow measure`" if fastest_dtype() == "fp32" else "native"
+        print(f"bf16 GEMMs : {gemm}, in every mode")
         times = bench(modes, windows, args.rounds, args.warmup)
         print(f"load avg   : {' '.join(f'{x:.2f}' for x in os.getloadavg())} after timing")
         ratios = report(times)

@@ -11,8 +11,8 @@ driven one at a time: `--streams` concurrent `/generate_stream` requests of `--s
 the same prompts) vs one stream alone (the mean of --single-streams runs); aggregate tokens/s, time to first token
 p50/p95. The concurrent run is repeated `--rounds` times, FP8 and bf16 alternated (the order flipped each round), and
 the FP8 / bf16 ratio is the median of the rounds' ratios: this machine's speed drifts by more between runs a minute
-apart than the difference measured. Then transformers' continuous batching (what `generate_batch` runs, bf16
-baseline, in this process, after the servers have stopped) on the same prompt tokens, its manager set up and warmed
+apart than the difference measured. Then transformers' continuous batching (what `generate_batch` runs, in the
+fastest high-precision dtype here, in this process, after the servers have stopped) on the same prompt tokens, its manager set up and warmed
 up before the timer as the servers are. Printed as ratios measured in this run (targets: >= 5x one
 stream, TTFT p95 <= 3 s, FP8 >= 1.2x bf16, ahead of transformers), with the CPU flags and the load average.
 
@@ -344,15 +344,18 @@ def streams_mode(a, ck: Path) -> int:
         from hqtflow import models
 
         path = models.resolve_model(None if baseline == "smollm2" else baseline)
-        tok, model = models.load_tokenizer(path), models.load_model(path, "bf16").to(device)
+        from hqtflow.hardware import fastest_dtype
+
+        dtype = fastest_dtype(device)  # what the high-precision server's --dtype auto runs: the faster one here
+        tok, model = models.load_tokenizer(path), models.load_model(path, dtype).to(device)
         ids = [tok(x)["input_ids"] for x in texts]
         sys.path.insert(0, str(ROOT / "bench"))
         from hf_batching import timed_generate_batch
 
         out, secs = timed_generate_batch(model, ids, a.stream_tokens)  # set up and warmed outside the timer, as the servers are
         n = sum(map(len, out))
-        peer = {"tokens": n, "seconds": secs, "tokens_per_s": n / secs, "torch_threads": torch.get_num_threads()}
-        print(f"transformers generate_batch (bf16, in-process): {peer['tokens_per_s']:.1f} tok/s ({n} tokens in {secs:.1f} s)", flush=True)
+        peer = {"tokens": n, "seconds": secs, "dtype": dtype, "tokens_per_s": n / secs, "torch_threads": torch.get_num_threads()}
+        print(f"transformers generate_batch ({dtype}, in-process): {peer['tokens_per_s']:.1f} tok/s ({n} tokens in {secs:.1f} s)", flush=True)
     f, b = res["fp8"], res["bf16"]
     mark = lambda good: "OK" if good else "MISSED"  # noqa: E731
     speedup = f["concurrent"]["tokens_per_s"] / f["single_tokens_per_s"]

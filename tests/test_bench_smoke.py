@@ -141,6 +141,9 @@ def test_measure_overhead_smoke(tiny_llama, wiki_text):
     assert m and 0 < float(m[1]) < 100, r.stdout[-3000:]
     assert m[4] is None or 0 < float(m[4]) < 100
     assert "CPU flags" in r.stdout and "cross-check" in r.stdout, r.stdout[-3000:]
+    from hqtflow.hardware import fastest_dtype  # every mode's bf16 GEMMs run as `hqtflow measure` runs them here
+
+    assert f"bf16 GEMMs : {'through the fp32 GEMM' if fastest_dtype() == 'fp32' else 'native'}" in r.stdout, r.stdout
 
 
 def test_engine_vs_transformers_times_generation_only(tiny_llama, wiki_text):
@@ -163,3 +166,6 @@ def test_engine_vs_transformers_times_generation_only(tiny_llama, wiki_text):
     assert r.returncode == 0, r.stderr[-3000:]
     m = re.search(r"= ([\d.]+)x transformers$", r.stdout, re.M)
     assert m and float(m[1]) > 0 and "CPU flags" in r.stdout and "transformers 5." in r.stdout, r.stdout
+    from hqtflow.hardware import fastest_dtype  # both sides in the faster high-precision dtype here
+
+    assert f"model {tiny_llama.name} {fastest_dtype()} (the fastest" in r.stdout, r.stdout
