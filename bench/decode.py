@@ -9,8 +9,10 @@ Decode tokens/s = batch * (new tokens - 1) / time of the decode steps (the promp
 `--runs`. Targets from the issues: FP8 >= 1.3x the fastest high-precision engine (bf16 or fp32 static, whichever is
 faster at that batch size, printed; and the fastest FP8 engine, eager or compiled, vs the fastest of every high-precision engine measured,
 compiled fp32 and bf16 included), >= bf16 through the same engine, >= 5x Neural Compressor. The FP8 model computes
-its non-FP8 parts in `--dtype auto` (bf16 with native bf16 dot products, else fp32). A `--profile` (or any missed
-target) prints where an FP8 decode step spends its time.
+its non-FP8 parts in `--dtype auto` (bf16 with native bf16 dot products, else fp32). Before timing, each batch's FP8 prefill logits are
+checked (the FP8 top token in fp32's top 5 at >= 75% of positions, else it exits without a ratio) and the greedy
+tokens' agreement with bf16 static is printed. A `--profile` (or any missed target) prints where an FP8 decode
+step spends its time.
 
     make demo   # makes out/smollm2/measure and out/smollm2/fp8
     python bench/decode.py [--checkpoint out/smollm2/fp8] [--measurement out/smollm2/measure] [--batch-sizes 1,8]
@@ -32,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from checkpoint import DEFAULT, fp8_and_source  # noqa: E402
+from checks import require_top5  # noqa: E402
 from hqtflow import models  # noqa: E402
 from hqtflow.runtime.static_decode import StaticDecoder  # noqa: E402
 
@@ -126,11 +129,20 @@ def main() -> None:
         for b in batches:
             ids = torch.randint(100, bf16.config.vocab_size - 100, (b, a.prompt_length), generator=gen)
             runs: dict[str, list[float]] = {name: [] for name in engines}
+            rate = require_top5(f"fp8 batch {b}", engines["fp32 static"].model(ids).logits, fp8(ids).logits, 0.75)
+            first: dict[str, torch.Tensor] = {}
             for name, eng in engines.items():  # warm-up (and compile) outside the timed runs
                 t = time.perf_counter()
-                hf_generate_tps(hf_model, ids, 4) if eng is None else eng.generate(ids, 4)
+                if eng is None:
+                    hf_generate_tps(hf_model, ids, 4)
+                else:
+                    first[name] = eng.generate(ids, 4).tokens
                 if "compiled" in name:
                     print(f"  {name} batch {b}: first call (compile or cache load) {time.perf_counter() - t:.1f} s", flush=True)
+            same = {n: f"{100 * float((t == first['bf16 static']).float().mean()):.0f}%" for n, t in first.items()
+                    if not n.startswith("bf16")}
+            print(f"  batch {b} outputs checked: FP8 prefill top token in fp32's top 5 at {100 * rate:.0f}% of positions; "
+                  f"share of the first 4 greedy tokens equal to bf16 static's: {', '.join(f'{n} {v}' for n, v in same.items())}")
             for _ in range(a.runs):  # engines interleaved run by run, so drift hits all alike
                 for name, eng in engines.items():
                     runs[name].append(hf_generate_tps(hf_model, ids, a.new_tokens) if eng is None

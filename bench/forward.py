@@ -2,7 +2,8 @@
 checkpoint vs the bf16 and fp32 models, measured in one run on the same WikiText-2 tokens.
 
 The ratio's baseline is the faster of bf16 and fp32 here. The FP8 model runs its FP8 layers on `--backend` (auto:
-the CPU kernel) and its other parts in `--dtype auto`. Target (issue): FP8 >= 1.0x. Prints the CPU flags.
+the CPU kernel) and its other parts in `--dtype auto`. Target (issue): FP8 >= 1.0x. Prints the CPU flags. The FP8
+logits are checked first (its top token in fp32's top 5 at >= 90% of positions; else it exits without a ratio).
 
     make demo   # makes out/smollm2/fp8
     python bench/forward.py [--checkpoint out/smollm2/fp8] [--batch 16] [--length 512] [--runs 3]
@@ -21,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from checkpoint import DEFAULT, fp8_and_source  # noqa: E402
+from checks import require_top5  # noqa: E402
 from hqtflow import models  # noqa: E402
 from hqtflow.hardware import fastest_dtype, machine_line  # noqa: E402
 
@@ -44,8 +46,10 @@ def main() -> None:
     print(f"torch {torch.__version__}; {machine_line()}; --dtype auto here: {fastest_dtype()}")
     times: dict[str, list[float]] = {n: [] for n in engines}
     with torch.inference_mode():
-        for n, m in engines.items():  # warm-up
-            m(x[:2])
+        warm = {n: m(x[:2]).logits for n, m in engines.items()}  # warm-up, and the output check
+    rate = require_top5("fp8 forward", warm["fp32"], warm["fp8"])
+    print(f"outputs checked: the FP8 top token is in fp32's top 5 at {100 * rate:.0f}% of {x[:2].numel()} positions")
+    with torch.inference_mode():
         for _ in range(a.runs):  # interleaved, so drift hits all alike
             for n, m in engines.items():
                 t = time.perf_counter()

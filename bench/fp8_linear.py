@@ -9,7 +9,8 @@ without AVX-512) W8A8 in fp32; `torch._scaled_mm` W8A8 (a real FP8 GEMM on CUDA 
 emulation on CPU). Targets (issue): M=1 >= 1.5x at 4096^2 and >= 1.0x on SmolLM2 shapes, M=8 >= 1.2x, M=256 and
 512 >= 1.0x.
 
-The columns are timed interleaved, call by call (the median of each), so a host whose speed drifts affects them
+Before timing, every FP8 column's output is checked against the high-precision Linear it was made from (SQNR >= 20
+dB; a wrong path exits without a ratio). The columns are timed interleaved, call by call (the median of each), so a host whose speed drifts affects them
 alike. By default each shape cycles through enough distinct weight copies to exceed the last-level cache (`--working-set`
 MiB per dtype), so weights stream from DRAM the way a model's layers do in decode; `--hot` reuses one copy.
 
@@ -28,6 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checks import require_sqnr  # noqa: E402
 from hqtflow.hardware import cpu_flags, fastest_dtype, machine_line  # noqa: E402
 from hqtflow.quantize.fp8_linear import FP8Linear, resolve_backend, set_backend  # noqa: E402
 
@@ -96,7 +99,7 @@ def main() -> None:
         p.error(f"--columns: unknown {', '.join(sorted(unknown))} (choose from {', '.join(cols[2:])})")
     cols = [c for c in cols if c in wanted]
     print(f"{'shape':24} {'M':>4} {'base ms':>8} " + " ".join(f"{c:>10}" for c in cols) + f" {'best FP8':>9}")
-    verdicts = []
+    verdicts, worst = [], float("inf")
     for label, (k, n) in SHAPES.items():
         copies = 1 if a.hot else max(1, a.working_set * 2**20 // (2 * k * n))
         torch.manual_seed(0)
@@ -130,6 +133,11 @@ def main() -> None:
                 columns["avx2 fp32"] = ([lambda f=f, p=p: avx2.fp8_linear(x32, f.weight, f.weight_scale, f.input_scale,
                                                                           None, p) for f, p in zip(f32, packs)], a.iters)
             with torch.inference_mode():  # modules built outside it: their packing tracks the weights
+                for name, mods in built.items():  # each FP8 column against the Linear it was made from
+                    src, xin = (lins32, x32) if name == "cpu fp32" else (lins, x)
+                    worst = min(worst, require_sqnr(f"{label} M={m_} {name}", src[0](xin), mods[0](xin)))
+                if "avx2 fp32" in columns:
+                    worst = min(worst, require_sqnr(f"{label} M={m_} avx2 fp32", f32[0](x32), columns["avx2 fp32"][0][0]()))
                 row = timed(columns, dev)
             base = min(row["bf16"], row["fp32"])
             ratio = {k_: base / v for k_, v in row.items()}
@@ -142,7 +150,9 @@ def main() -> None:
                 got = ratio.get(gate, 0.0)
                 verdicts.append(f"{label} M={m_}: {gate} (the default W8A8 at --dtype auto) {got:.2f}x (target {target}x) "
                                 f"{'met' if got >= target else 'NOT met'}")
-    print("\n" + "\n".join(verdicts))
+    print(f"\noutputs checked: every FP8 column against the Linear it was made from, lowest SQNR {worst:.1f} dB "
+          f"(>= 20 required)")
+    print("\n".join(verdicts))
 
 
 if __name__ == "__main__":

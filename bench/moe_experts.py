@@ -5,7 +5,8 @@ Shape: OLMoE-1B-7B's (hidden 2048, expert intermediate 1024, 64 experts, top-8),
 (the same routing for every column). The baseline of every ratio is the fastest high-precision column at that M:
 transformers' default `grouped_mm` and its eager loop, each in bf16 and fp32 (on CPUs without native bf16 dot
 products fp32 is faster). Columns (speed relative to that baseline, > 1 = faster): those four, and the FP8 experts
-W8A8 with static per-expert input scales computing in bf16 and in fp32. Columns are timed interleaved, call by call
+W8A8 with static per-expert input scales computing in bf16 and in fp32. Before timing, the FP8 outputs are checked against
+the fp32 experts' (SQNR >= 20 dB, else it exits without a ratio). Columns are timed interleaved, call by call
 (the median of each), so a host whose speed drifts affects them alike.
 
     python bench/moe_experts.py [--ms 1,8,32,256] [--iters 10] [--experts 64] [--top-k 8]
@@ -23,6 +24,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checks import require_sqnr  # noqa: E402
 from hqtflow.hardware import machine_line  # noqa: E402
 from hqtflow.quantize.experts import unfuse_experts  # noqa: E402
 from hqtflow.quantize.fp8_linear import FP8Linear, compute_in, set_backend  # noqa: E402
@@ -111,10 +114,12 @@ def main() -> None:
         calls = {names[k]: (lambda mod=mod, dt=k[0]: mod(x.to(dt), idx, w.to(dt))) for k, mod in hp.items()}
         calls.update({f"fp8 w8a8 {'bf16' if dt == torch.bfloat16 else 'fp32'}": (lambda mod=mod, dt=dt: mod(x.to(dt), idx, w.to(dt)))
                       for dt, mod in fp8.items()})
+        ref = calls["fp32 eager"]()  # the FP8 experts were made from these weights (same seed)
+        db = min(require_sqnr(f"M={m} {c}", ref, calls[c]()) for c in cols[4:])
         t = timed(calls, a.iters)
         base_name = min(names.values(), key=lambda k: t[k])
         print(f"{m:>5}  " + "  ".join(f"{t[base_name] / t[c]:>14.2f}x" for c in cols) +
-              f"   {base_name} {t[base_name] * 1e3:.1f}")
+              f"   {base_name} {t[base_name] * 1e3:.1f}; FP8 output SQNR >= {db:.1f} dB")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--stream-tokens", type=int, default=64, help="streams: new tokens per stream")
     p.add_argument("--single-streams", type=int, default=3, help="streams: one-stream runs averaged")
     p.add_argument("--rounds", type=int, default=3, help="streams: concurrent runs per server, FP8 and bf16 alternated")
+    p.add_argument("--min-agreement", type=float, default=0.5, help="streams: the share of streams whose first 4 "
+                   "greedy tokens must match between the FP8 and bf16 servers (else a failure: a fast but wrong path)")
     p.add_argument("--no-peer", action="store_true", help="streams: skip transformers' generate_batch")
     p.add_argument("--prompt-tokens", default=None, help="soak: MIN:MAX prompt tokens (random WikiText-2 spans)")
     p.add_argument("--server-arg", action="append", default=[], help="extra `hqtflow serve` argument (repeatable)")
@@ -260,7 +262,7 @@ async def drive(url: str, texts: list[str], concurrency: int, max_new: int, time
 
 async def stream_run(url: str, texts: list[str], max_new: int, timeout: float) -> dict:
     """Every text as a /generate_stream at once; aggregate tokens/s and time to first token per stream."""
-    ttft, tokens, errors = [], 0, []
+    ttft, tokens, errors, ids = [], 0, [], [[] for _ in texts]
     limits = httpx.Limits(max_connections=len(texts) + 1, max_keepalive_connections=len(texts) + 1)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         async def one(i, text):
@@ -282,6 +284,7 @@ async def stream_run(url: str, texts: list[str], max_new: int, timeout: float) -
                             return
                         first = first or time.perf_counter()
                         tokens += 1
+                        ids[i].append((ev.get("token") or {}).get("id"))
                     ttft.append((first or time.perf_counter()) - t)
             except Exception as e:  # noqa: BLE001 - counted
                 errors.append(f"stream {i}: {type(e).__name__}: {e}")
@@ -292,7 +295,13 @@ async def stream_run(url: str, texts: list[str], max_new: int, timeout: float) -
     q = sorted(ttft)
     pct = lambda f: q[min(len(q) - 1, int(round(f * (len(q) - 1))))] if q else None  # noqa: E731
     return {"streams": len(texts), "errors": len(errors), "error_examples": errors[:5], "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds if seconds else 0.0, "ttft_p50_s": pct(0.5), "ttft_p95_s": pct(0.95)}
+            "tokens_per_s": tokens / seconds if seconds else 0.0, "ttft_p50_s": pct(0.5), "ttft_p95_s": pct(0.95),
+            "token_ids": ids}
+
+
+def agreement(a: list[list[int]], b: list[list[int]], first: int = 4) -> float:
+    """The share of streams whose first `first` greedy tokens are the same in both runs."""
+    return sum(x[:first] == y[:first] for x, y in zip(a, b)) / max(1, len(a))
 
 
 def streams_mode(a, ck: Path) -> int:
@@ -333,6 +342,10 @@ def streams_mode(a, ck: Path) -> int:
                 server.stop()
                 if a.json:  # beside the figures: why a server was slow (a failed graph capture is logged there)
                     Path(a.json).with_name(f"{Path(a.json).stem}_{kind}_server.log").write_text(server.log.read_text())
+    agree = agreement(res["fp8"]["rounds"][0].pop("token_ids"), res["bf16"]["rounds"][0]["token_ids"])
+    for r in res.values():
+        for x in r["rounds"]:
+            x.pop("token_ids", None)
     for kind, r in res.items():  # the round of median throughput stands for the server
         r["concurrent"] = sorted(r["rounds"], key=lambda x: x["tokens_per_s"])[len(r["rounds"]) // 2]
         print(f"{kind} server ({models[kind]}): one stream {r['single_tokens_per_s']:.1f} tok/s (TTFT {r['single_ttft_s']:.2f} s); "
@@ -374,11 +387,17 @@ def streams_mode(a, ck: Path) -> int:
         lines.append(f"FP8 server / transformers generate_batch: {f['concurrent']['tokens_per_s'] / peer['tokens_per_s']:.2f}x, "
                      f"bf16 server / generate_batch: {b['concurrent']['tokens_per_s'] / peer['tokens_per_s']:.2f}x  "
                      f"[target > 1x: {mark(f['concurrent']['tokens_per_s'] > peer['tokens_per_s'])}]")
+    lines.append(f"FP8 vs bf16 server, same prompts: first 4 greedy tokens equal in {100 * agree:.0f}% of streams "
+                 f"[required >= {100 * a.min_agreement:.0f}%: {mark(agree >= a.min_agreement)}]")
     lines.append(f"errors: {f['errors'] + b['errors']}; " + device_line(device))
     print("\n".join(lines), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"settings": vars(a), "checkpoint": str(ck), "baseline": str(baseline),
-                                            "servers": res, "peer": peer, "device": device_line(device)}, indent=2))
+                                            "servers": res, "peer": peer, "device": device_line(device),
+                                            "fp8_bf16_agreement": agree}, indent=2))
+    if agree < a.min_agreement:
+        sys.exit(f"the FP8 server's greedy tokens match the bf16 server's in only {100 * agree:.0f}% of streams: "
+                 f"a fast but wrong server; its ratios above do not count.")
     return 0
 
 

@@ -73,3 +73,25 @@ def test_decode_picks_the_fastest_high_precision_engine_per_batch(monkeypatch):
     spec.loader.exec_module(bench)
     results = {"bf16 static": {1: 14.6, 8: 100.4}, "fp32 static": {1: 18.7, 8: 80.1}}
     assert bench.fastest_per_batch(results, ["bf16 static", "fp32 static"], [1, 8]) == {1: "fp32 static", 8: "bf16 static"}
+
+
+def test_output_checks_fail_a_wrong_path_loudly():
+    """bench/checks.py: an FP8 output close to the high-precision one passes; a wrong one exits with a sentence (no
+    ratio). serve_load's agreement counts streams whose first 4 greedy tokens match."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(ROOT / "bench"))
+    from checks import require_sqnr, require_top5
+
+    torch = pytest.importorskip("torch")
+    ref = torch.randn(64, 256)
+    assert require_sqnr("ok", ref, ref + 0.01 * torch.randn_like(ref)) > 30
+    with pytest.raises(SystemExit, match="computes the wrong thing"):
+        require_sqnr("wrong", ref, torch.randn_like(ref))
+    assert require_top5("ok", ref, ref) == 1.0
+    with pytest.raises(SystemExit, match="top 5 at only"):
+        require_top5("wrong", ref, -ref)
+    spec = importlib.util.spec_from_file_location("serve_load_bench", ROOT / "bench" / "serve_load.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.agreement([[1, 2, 3, 4, 5], [1, 2]], [[1, 2, 3, 4, 9], [1, 3]]) == 0.5

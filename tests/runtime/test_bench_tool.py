@@ -101,10 +101,11 @@ def test_serve_load_smoke(tiny_fp8, tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_load_streams_smoke(tiny_fp8, tmp_path):
+def test_serve_load_streams_smoke(tiny_fp8, wiki_text, tmp_path):
     """Streams mode: FP8 and bf16 servers (the checkpoint's source model) and transformers' generate_batch."""
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--mode", "streams", "--checkpoint", str(tiny_fp8),
-                        "--streams", "4", "--stream-tokens", "4", "--single-streams", "1", "--rounds", "2", "--json", str(tmp_path / "s.json")],
+                        "--streams", "4", "--stream-tokens", "4", "--single-streams", "1", "--rounds", "2", "--json", str(tmp_path / "s.json"),
+                        "--data", str(wiki_text)],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "s.json").read_text())
@@ -116,4 +117,5 @@ def test_serve_load_streams_smoke(tiny_fp8, tmp_path):
     from hqtflow.hardware import fastest_dtype
 
     assert res["peer"]["tokens"] > 0 and res["peer"]["dtype"] == fastest_dtype()  # the faster high-precision dtype
+    assert 0 <= res["fp8_bf16_agreement"] <= 1 and "first 4 greedy tokens equal in" in r.stdout  # the output check
     assert "FP8 / bf16 server" in r.stdout and "round 2 bf16" in r.stdout and "generate_batch" in r.stdout and "CPU:" in r.stdout
