@@ -98,7 +98,10 @@ def main() -> None:
     path = models.resolve_model(a.model)
     tok = models.load_tokenizer(path)
     bf16 = models.load_model(path, "bf16").to(a.device)
-    print(f"model {path.name}, device {a.device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    from hqtflow.hardware import machine_line
+
+    print(f"model {path.name}, device {a.device}, torch {torch.__version__}, threads {torch.get_num_threads()}; "
+          f"{machine_line()}")
     tasks = [t for t in a.tasks.split(",") if t]
     manager = lmeval.task_manager([], data, tasks)
     settings = EvalSettings(tasks=tuple(tasks), limit=a.limit, batch_size=a.batch_size,

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -71,8 +72,9 @@ def profile_step(decoder: StaticDecoder, ids: torch.Tensor, top: int = 12) -> st
     steps = max(1, min(9, decoder.max_length - ids.shape[1]))  # within the cache
     decoder.generate(ids, min(4, steps))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        decoder.generate(ids, steps)
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+        decoder.generate(ids, steps)  # the prompt's prefill, then steps - 1 decode steps
+    return (f"(the prompt's prefill and {steps - 1} decode steps)\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 
 def main() -> None:
@@ -131,6 +133,8 @@ def main() -> None:
             runs: dict[str, list[float]] = {name: [] for name in engines}
             rate = require_top5(f"fp8 batch {b}", engines["fp32 static"].model(ids).logits, fp8(ids).logits, 0.75)
             first: dict[str, torch.Tensor] = {}
+            bar = tqdm(total=len(engines) * (1 + a.runs), desc=f"batch {b}: warm-up/compile, then timed runs",
+                       file=sys.stderr)
             for name, eng in engines.items():  # warm-up (and compile) outside the timed runs
                 t = time.perf_counter()
                 if eng is None:
@@ -139,6 +143,7 @@ def main() -> None:
                     first[name] = eng.generate(ids, 4).tokens
                 if "compiled" in name:
                     print(f"  {name} batch {b}: first call (compile or cache load) {time.perf_counter() - t:.1f} s", flush=True)
+                bar.update()
             same = {n: f"{100 * float((t == first['bf16 static']).float().mean()):.0f}%" for n, t in first.items()
                     if not n.startswith("bf16")}
             print(f"  batch {b} outputs checked: FP8 prefill top token in fp32's top 5 at {100 * rate:.0f}% of positions; "
@@ -147,6 +152,8 @@ def main() -> None:
                 for name, eng in engines.items():
                     runs[name].append(hf_generate_tps(hf_model, ids, a.new_tokens) if eng is None
                                       else eng.generate(ids, a.new_tokens).decode_tokens_per_s)
+                    bar.update()
+            bar.close()
             for name in engines:
                 results[name][b] = statistics.median(runs[name])
 
@@ -180,7 +187,7 @@ def main() -> None:
             missed |= target is not None and min(vals) < target
             print(f"{label:45}" + "".join(f"{f'b{b} {v:.2f}x':>12}" for b, v in zip(batches, vals)) + verdict)
     if a.profile or missed:
-        print(f"\nwhere an FP8 decode step's time goes (eager static engine, batch {batches[0]}, 8 steps):")
+        print(f"\nwhere an FP8 generate's time goes (eager static engine, batch {batches[0]}) ", end="")
         ids = torch.randint(100, 1000, (batches[0], a.prompt_length), generator=gen)
         with torch.inference_mode():
             print(profile_step(engines["fp8 static"], ids))

@@ -49,12 +49,15 @@ def main() -> None:
         warm = {n: m(x[:2]).logits for n, m in engines.items()}  # warm-up, and the output check
     rate = require_top5("fp8 forward", warm["fp32"], warm["fp8"])
     print(f"outputs checked: the FP8 top token is in fp32's top 5 at {100 * rate:.0f}% of {x[:2].numel()} positions")
-    with torch.inference_mode():
+    from tqdm import tqdm
+
+    with torch.inference_mode(), tqdm(total=a.runs * len(engines), desc="timed forwards", file=sys.stderr) as bar:
         for _ in range(a.runs):  # interleaved, so drift hits all alike
             for n, m in engines.items():
                 t = time.perf_counter()
                 m(x)
                 times[n].append(time.perf_counter() - t)
+                bar.update()
     med = {n: statistics.median(v) for n, v in times.items()}
     for n, v in med.items():
         print(f"{n:6} {v:8.2f} s  {a.batch * a.length / v:9.0f} tokens/s")

@@ -255,7 +255,10 @@ def main() -> None:
     if DEVICE == "cuda":
         print(f"{name} (cc {'.'.join(map(str, torch.cuda.get_device_capability()))}), torch {torch.__version__}, "
               f"CUDA {torch.version.cuda}")
-    results: dict = {"device": name, "torch": torch.__version__}
+    from hqtflow.hardware import machine_line
+
+    print(f"host {machine_line()}")  # the engine's host time per step depends on the host CPU
+    results: dict = {"device": name, "torch": torch.__version__, "host": machine_line()}
 
     def save():
         if a.json:

@@ -188,6 +188,9 @@ def main() -> None:
     work = a.workdir or Path(tempfile.mkdtemp(prefix="hq-offload-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    from tqdm import tqdm
+
+    bar = tqdm(total=5, desc="write the model", unit="phase", file=sys.stderr)  # minutes per phase at 4 GB
     try:
         model_dir, meas = work / "model", work / "meas"
         t0 = time.perf_counter()
@@ -196,6 +199,8 @@ def main() -> None:
         files = sorted(model_dir.glob("*.safetensors"))
         print(f"synthetic Llama: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}: "
               f"{total / 1e9:.3f} GB bf16 in {len(files)} files (written in {time.perf_counter() - t0:.1f} s)")
+        bar.update()
+        bar.set_description("read the files")
         read_all(files)  # warm the page cache for every run alike
         rs, rn = min(read_all(files)[0] for _ in range(2)), total
         read_gbs = rn / rs / 1e9
@@ -204,12 +209,16 @@ def main() -> None:
 
         print(machine_line())
         print(f"sequential read of the safetensors files: {read_gbs:.2f} GB/s ({rs:.2f} s)")
+        bar.update()
+        bar.set_description("import baseline")
         base = sample_process([sys.executable, "-c", "import torch, transformers, accelerate, safetensors, hqtflow.cli, hqtflow.quantize.run; "
                                "from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM"], env)
         print(f"import baseline (torch, transformers incl. the Llama classes, hqtflow): peak RssAnon {base['peak_anon'] / 2**20:.0f} MiB, "
               f"peak RSS {base['peak_rss'] / 2**20:.0f} MiB, {base['wall_s']:.1f} s")
         rows = []
         for label, extra in (("in-memory", []), ("disk-offload", ["--disk-offload"])):
+            bar.update()
+            bar.set_description(f"quantize {label}")
             out = work / f"fp8-{label}"
             read_all(files)
             r = sample_process([sys.executable, "-m", "hqtflow", "quantize", "-m", str(meas), "-o", str(out), *extra], env)
@@ -218,6 +227,8 @@ def main() -> None:
             thr_net = net_throughput(total, r["wall_s"], base["wall_s"])
             rows.append((label, r, thr, thr_net, n_out))
             shutil.rmtree(out) if not a.keep else None
+        bar.update()
+        bar.close()
         print(f"\n{'mode':<13} {'wall s':>7} {'peak RssAnon':>13} {'/ckpt':>6} {'(-base)/ckpt':>13} {'peak RSS':>9} "
               f"{'/ckpt':>6} {'GB/s':>6} {'/read':>6} {'GB/s*':>6} {'/read*':>7} {'shards':>6}")
         for label, r, thr, thr_net, n_out in rows:
@@ -232,6 +243,7 @@ def main() -> None:
               f"(above the import baseline: {(off[1]['peak_anon'] - base['peak_anon']) / total:.1%}); "
               f"throughput >= 0.5 x read speed: {off[2] / read_gbs:.2f} (excluding startup: {_gbs(off[3] and off[3] / read_gbs, 0)})")
     finally:
+        bar.close()
         if not a.keep and a.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 
 # every CPU bench prints the machine it ran on, one shared line
-MACHINE_BENCHES = ("decode", "engine_vs_transformers", "forward", "fp8_linear", "kv_cache_ppl", "measure_overhead", "moe_experts",
+MACHINE_BENCHES = ("accuracy", "decode", "engine_vs_transformers", "fp8_cuda", "forward", "fp8_linear", "kv_cache_ppl", "measure_overhead", "moe_experts",
                    "paged_attention", "quantize_offload")
 
 

@@ -90,6 +90,7 @@ def test_fp8_cuda_bench_runs_on_a_cpu(tmp_path):
     assert "engine_bf16_compiled" not in res  # compiling is for CUDA graphs: not run on a CPU
     assert res["engine_fp8_eager"]["step_ms"] > 0 and res["engine_fp8_eager"]["graph_gpu_ms"] is None
     assert "engine 32 streams: fastest FP8 / fastest bf16" in r.stdout
+    assert "host CPU flags" in r.stdout and json.loads(out.read_text())["host"].startswith("CPU flags")  # the host's CPU, even beside a GPU
 
 
 def test_accuracy_calibration_slices_and_paired_summary(tmp_path):
