@@ -70,7 +70,6 @@ def resolve_model(ref: str | None) -> Path:
         damaged = ArtifactError if (p / MANIFEST).is_file() else ModelError  # hqtflow's checkpoint, or a model
         for f in weight_files(p, damaged):
             check_safetensors(f, damaged)
-        check_pickled_weights(p)
         return p
     if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
         raise ModelError(f"Model directory {ref} {does_not_exist(ref)}.")
@@ -95,7 +94,7 @@ def resolve_model(ref: str | None) -> Path:
 
 
 # Weights stored as pickles (torch.save), which loading them unpickles; read only when the command was given
-# --trust-pickle (cli.user_errors sets TRUST_PICKLE for the command's duration).
+# --trust-pickle (cli.user_errors sets TRUST_PICKLE for the command's duration; Python callers set it themselves).
 PICKLED_WEIGHTS = (".bin", ".pt", ".pth")
 TRUST_PICKLE: contextvars.ContextVar[bool] = contextvars.ContextVar("hqtflow_trust_pickle", default=False)
 
@@ -107,7 +106,7 @@ def check_pickled_weights(path: Path) -> None:
     pickled = sorted(p for p in Path(path).iterdir() if p.suffix in PICKLED_WEIGHTS and p.is_file())
     if pickled:
         raise ModelError(f"{pickled[0]} is a pickle, and loading it runs whatever it holds: pass --trust-pickle if you "
-                         "trust it, or convert the model to safetensors first (transformers' from_pretrained(DIR) "
+                         "trust it (hqtflow.models.TRUST_PICKLE in Python), or convert the model to safetensors first (transformers' from_pretrained(DIR) "
                          "then save_pretrained(OUT)).")
 
 
@@ -259,6 +258,7 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
     from transformers import AutoModelForCausalLM
 
     check_generation_config(path)
+    check_pickled_weights(path)  # here, where they would be unpickled: whatever found the folder (a path, the hub cache)
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
     if tp_plan:
         try:

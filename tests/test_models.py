@@ -178,3 +178,12 @@ def test_a_model_with_only_pickled_weights_needs_trust_pickle(tiny_llama, tmp_pa
         assert "safetensors" in r.stderr and "Traceback" not in r.output
     r = run_cli(*args, "--trust-pickle")
     assert r.exit_code == 0, r.output
+    # the same folder found in the Hugging Face cache by a hub id (it was loaded without a word there)
+    snapshot = tmp_path / "hub" / "models--org--pickled" / "snapshots" / ("0" * 40)
+    shutil.copytree(model, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    r = run_cli("generate", "org/pickled", "-p", "x", "--max-new-tokens", "1")
+    assert r.exit_code == 4 and "pytorch_model.bin is a pickle" in r.stderr, r.output
