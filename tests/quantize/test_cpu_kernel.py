@@ -416,3 +416,51 @@ def test_high_precision_linears_read_packed_bf16(cpu_kernel_loaded):
         assert torch.equal(exact_fp32(h), torch.nn.functional.linear(h, exact_fp32.weight))
         set_backend(model, "qdq")
         assert type(head) is torch.nn.Linear and torch.equal(head(x), ref)
+
+
+def _specials(hp):
+    """Values a clamp and a cast must treat as torch does: NaN of either sign (bf16's own NaN is 0xFFFF, all payload
+    bits set), +-inf, huge values (saturated), one ordinary value."""
+    nan = torch.tensor([float("nan")], dtype=hp)
+    neg_nan = torch.tensor([-1], dtype=torch.int16).view(torch.bfloat16).to(hp) if hp == torch.bfloat16 else -nan
+    big = 3e38 if hp != torch.float16 else 6e4
+    return torch.cat([nan, neg_nan, torch.tensor([float("inf"), -float("inf"), big, -big, 1.0], dtype=hp)])
+
+
+def _same(a, b):
+    """Equal bit for bit where finite or infinite, NaN exactly where the other is NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
+@pytest.mark.parametrize("variant", _variants() + ["scalar"])
+@pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
+@pytest.mark.parametrize("hp", list(HP))
+def test_nan_inf_and_huge_inputs_are_the_reference(cpu_kernel_built, variant, fp8, hp):
+    """NaN stays NaN (the reference's clamp and cast keep it; the vector clamp once made it -F * s), +-inf and huge
+    values saturate to +-F * s: in the input QDQ, the quantize op's bytes and fp8_linear's output rows, at M = 1 and
+    M > 1, on every build (the vector lanes and the scalar tail)."""
+    from conftest import need
+
+    need(cpu_kernel_built.load(variant), f"the {variant} kernel could not be built: {cpu_kernel_built.build_error(variant)}")
+    ops = cpu_kernel_built.ops(variant)
+    hp = HP[hp]
+    sp = _specials(hp)
+    x = torch.ones(37, dtype=hp)
+    x[[0, 5, 17, 18, 33, 36, 35]] = sp  # lanes of the first and second vector, and the scalar tail
+    for s in (0.01, 0.0625):  # a divide, and a power of two (a multiply)
+        sc = torch.tensor(s, dtype=hp)
+        assert _same(ops.fp8_qdq(x, sc, fp8 == "E4M3"), dequantize(quantize(x, sc, fp8), sc, hp))
+        got = ops.fp8_quantize(x[None], sc.float().reshape(1), fp8 == "E4M3").view(torch.uint8)
+        assert torch.equal(got, quantize(x[None], sc, fp8).view(torch.uint8))
+    mod, xs = _layer(576, 192, hp, "e5m2" if fp8 == "E5M2" else "w8a8")
+    for m in (1, 2, 9, 64):
+        xm = xs[:m].clone()
+        for i in range(m):
+            xm[i, (37 * i) % 576] = sp[i % len(sp)]
+        with torch.inference_mode():
+            got, ref = _run(ops, mod, xm), mod(xm)
+        assert torch.equal(got.isnan(), ref.isnan()), f"M={m}"
+        nan_rows = torch.tensor([i % len(sp) < 2 for i in range(m)])  # rows given a NaN: all NaN; the others finite
+        assert torch.isnan(got[nan_rows]).all() and torch.isfinite(got[~nan_rows]).all()
+        d = (got.double() - ref.double()).abs()[~ref.isnan()]
+        assert (d <= _bound(mod, xm)[~ref.isnan()]).all(), f"M={m}"

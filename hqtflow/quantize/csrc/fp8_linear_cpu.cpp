@@ -321,7 +321,10 @@ inline bool power_of_two(float s) {
 #if HQT_AVX512
 // cast(clamp(v / s, -F, F)) to the FP8 grid, as a float (16 lanes; 8 on AVX2): the integer-bit
 // round-to-nearest-even of the normal range and a scaled rint of the subnormal range, exactly like c10's Float8
-// conversions.
+// conversions. A NaN stays NaN, as torch's clamp and cast keep it: the vector max/min return their second
+// operand when one is NaN (the clamp alone would give -F), and the integer rounding can carry a NaN's payload
+// into the sign bit, so NaN lanes are put back after the rounding (one compare and one blend per vector; the
+// byte of a NaN is 0x7F | sign, c10's). +-inf and huge values saturate to +-F.
 struct Fp8Rounder {
   __m512 sv, inv, Fv, min_normal, sub_up, sub_down;
   bool pow2;
@@ -341,8 +344,8 @@ struct Fp8Rounder {
     abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   }
   inline __m512 operator()(__m512 x) const {
-    __m512 v = pow2 ? _mm512_mul_ps(x, inv) : _mm512_div_ps(x, sv);
-    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), Fv)), Fv);
+    const __m512 d = pow2 ? _mm512_mul_ps(x, inv) : _mm512_div_ps(x, sv);
+    const __m512 v = _mm512_min_ps(_mm512_max_ps(d, _mm512_sub_ps(_mm512_setzero_ps(), Fv)), Fv);
     __m512i u = _mm512_castps_si512(v);
     __m512i sign = _mm512_andnot_si512(abs_mask, u);
     __m512i au = _mm512_and_si512(u, abs_mask);
@@ -351,7 +354,8 @@ struct Fp8Rounder {
     __m512 normal = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(au, _mm512_add_epi32(half_ulp, odd)), keep));
     __m512 sub = _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, sub_up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), sub_down);
     __m512 q = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, min_normal, _CMP_LT_OQ), normal, sub);
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(q), sign));
+    q = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(q), sign));
+    return _mm512_mask_mov_ps(q, _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q), d);  // NaN stays NaN
   }
   // The FP8 byte of a value already on the grid.
   inline __m128i bits(__m512 q, bool e4m3) const {
@@ -364,6 +368,7 @@ struct Fp8Rounder {
         _mm512_and_si512(_mm512_srli_epi32(au, 23 - mbits), _mm512_set1_epi32((1 << mbits) - 1)));
     __m512i sub = _mm512_cvtps_epi32(_mm512_mul_ps(a, sub_up));  // exact: a is a multiple of the subnormal step
     __m512i b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, min_normal, _CMP_LT_OQ), normal, sub);
+    b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(q, q, _CMP_UNORD_Q), _mm512_set1_epi32(0x7F));  // NaN: 0x7F | sign
     b = _mm512_or_si512(b, _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80)));
     return _mm512_cvtepi32_epi8(b);
   }
@@ -390,8 +395,8 @@ struct Fp8Rounder {
     abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
   }
   inline __m256 operator()(__m256 x) const {
-    __m256 v = pow2 ? _mm256_mul_ps(x, inv) : _mm256_div_ps(x, sv);
-    v = _mm256_min_ps(_mm256_max_ps(v, _mm256_sub_ps(_mm256_setzero_ps(), Fv)), Fv);
+    const __m256 d = pow2 ? _mm256_mul_ps(x, inv) : _mm256_div_ps(x, sv);
+    const __m256 v = _mm256_min_ps(_mm256_max_ps(d, _mm256_sub_ps(_mm256_setzero_ps(), Fv)), Fv);
     __m256i u = _mm256_castps_si256(v);
     __m256i sign = _mm256_andnot_si256(abs_mask, u);
     __m256i au = _mm256_and_si256(u, abs_mask);
@@ -400,7 +405,8 @@ struct Fp8Rounder {
     __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(au, _mm256_add_epi32(half_ulp, odd)), keep));
     __m256 sub = _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(a, sub_up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), sub_down);
     __m256 q = _mm256_blendv_ps(normal, sub, _mm256_cmp_ps(a, min_normal, _CMP_LT_OQ));
-    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(q), sign));
+    q = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(q), sign));
+    return _mm256_blendv_ps(q, d, _mm256_cmp_ps(d, d, _CMP_UNORD_Q));  // NaN stays NaN
   }
   // The FP8 bytes of 8 values already on the grid, in the low 8 bytes.
   inline __m128i bits(__m256 q, bool e4m3) const {
@@ -413,6 +419,7 @@ struct Fp8Rounder {
         _mm256_and_si256(_mm256_srli_epi32(au, 23 - mbits), _mm256_set1_epi32((1 << mbits) - 1)));
     __m256i sub = _mm256_cvtps_epi32(_mm256_mul_ps(a, sub_up));
     __m256i b = _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(_mm256_cmp_ps(a, min_normal, _CMP_LT_OQ)));
+    b = _mm256_blendv_epi8(b, _mm256_set1_epi32(0x7F), _mm256_castps_si256(_mm256_cmp_ps(q, q, _CMP_UNORD_Q)));  // NaN
     b = _mm256_or_si256(b, _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80)));
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));  // 0..255: exact
     return _mm_packus_epi16(w, w);
