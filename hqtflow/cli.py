@@ -476,12 +476,16 @@ def eval_(
     measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="--engine inc: MODEL (bf16) is quantized at load from this measurement; MODEL itself is the baseline.")] = None,
     scale_method: Annotated[Optional[str], typer.Option(help="--engine inc: override the measurement config's scale_method.")] = None,
     trust_pickle: TrustPickle = False,
+    kv_cache: Annotated[str, typer.Option(help="bf16 (default, as generate and serve), or fp8: MODEL's log-likelihoods and perplexity read keys and values back through the FP8 KV cache with the checkpoint's k_scale/v_scale (refused without them); the bf16 baseline always uses a bf16 cache.")] = "bf16",
 ) -> None:
     """lm-eval tasks and WikiText-2 perplexity of an FP8 model and its bf16 baseline, side by side."""
     from hqtflow.eval_run import run_eval
 
     from hqtflow.choices import Engine as Kind, parse
 
+    from hqtflow.choices import KVCache
+
+    kv_cache = parse(KVCache, kv_cache, "--kv-cache").value
     inc_device, run_device = _run_devices(parse(Kind, engine, "--engine") == Kind.INC, device)
     loader = None
     if inc_device is None and (measurement or scale_method):
@@ -500,7 +504,7 @@ def eval_(
                         tasks=_csv(tasks) or (), include_path=tuple(map(str, include_path or ())),
                         data_dir=str(data_dir) if data_dir else None, limit=limit, batch_size=batch_size,
                         ppl_file=str(ppl_file) if ppl_file else None, ppl_windows=ppl_windows, report=report,
-                        backend=backend, dtype=dtype, device=run_device or "cpu"))
+                        backend=backend, dtype=dtype, device=run_device or "cpu", kv_cache=kv_cache))
     if report is not None:
         typer.echo(f"Wrote {report}.")
 

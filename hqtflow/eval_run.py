@@ -43,9 +43,12 @@ def input_files(tasks, include_path, data_dir, ppl_file, manager=None) -> dict[s
 def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks: tuple[str, ...],
              include_path: tuple[str, ...], data_dir: str | None, limit: int | None, batch_size: int,
              ppl_file: str | None, ppl_windows: int | None, report: Path | None, backend: str = "auto",
-             dtype: str = "auto", loader=None, device: str = "cpu") -> str:
+             dtype: str = "auto", loader=None, device: str = "cpu", kv_cache: str = "bf16") -> str:
     """`loader`: returns (model, tokenizer, kind) in place of loading MODEL here (`--engine inc`); `device`: where
-    MODEL (without a loader) and the bf16 baseline run."""
+    MODEL (without a loader) and the bf16 baseline run; `kv_cache` "fp8": MODEL is scored through the FP8 KV cache
+    with its k/v scales (refused without them), the bf16 baseline always with a bf16 one."""
+    from dataclasses import replace
+
     from hqtflow import lmeval
     from hqtflow.api import load_any
     from hqtflow.bf16_matmul import bf16_matmuls_via_fp32
@@ -69,7 +72,7 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     settings = EvalSettings(tasks=tuple(absolute(t) if is_task_file(t) else t for t in tasks),
                             include_path=tuple(absolute(p) for p in include_path),
                             data_dir=absolute(data_dir), limit=limit, batch_size=batch_size,
-                            ppl_file=absolute(ppl_file), ppl_windows=ppl_windows)
+                            ppl_file=absolute(ppl_file), ppl_windows=ppl_windows, kv_cache=kv_cache)
     manager = None
     if tasks:
         manager = lmeval.task_manager(list(include_path), data_dir, list(tasks))
@@ -85,11 +88,18 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
         candidates["bf16"] = base_ref
     results, paths = {}, {}
     m, tok, kind = loader() if loader else load_any(model, dtype, backend=backend, device=device)
+    if kv_cache == "fp8":
+        from hqtflow.runtime.kv_cache import kv_scales
+
+        try:
+            kv_scales(m)  # before any model is scored
+        except ValueError as e:
+            raise HqtflowError(str(e)) from None
     names = list(candidates) + [kind if kind not in candidates else f"{kind}-model"]
     for n in candidates:
         bm, btok, _ = load_any(candidates[n], "bf16", device=device)  # the accuracy reference is the bf16 model
         with bf16_matmuls_via_fp32():
-            results[n] = evaluate(bm, btok, settings, manager, label=n)
+            results[n] = evaluate(bm, btok, replace(settings, kv_cache="bf16"), manager, label=n)
         paths[n] = _where(candidates[n])
         del bm
     results[names[-1]] = evaluate(m, tok, settings, manager, label=names[-1])

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from hqtflow.api import load_any  # noqa: F401 - the loader lives in hqtflow.api; re-exported for old callers
-from hqtflow.errors import CalibrationError, not_a_file
+from hqtflow.errors import CalibrationError, HqtflowError, not_a_file
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class EvalSettings:
     ppl_file: str | None = None
     ppl_window: int = 512
     ppl_windows: int | None = None  # at most this many windows (None: the whole file)
+    kv_cache: str = "bf16"  # or "fp8": keys and values read back through the checkpoint's FP8 KV cache (k/v scales)
 
 
 def read_ppl_text(path, what: str = "Perplexity file") -> str:
@@ -51,11 +52,14 @@ def capped_to_context(model, tokens: int) -> int:
 
 @torch.inference_mode()
 def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: int | None = None, progress=None,
-               label: str = "perplexity") -> dict:
+               label: str = "perplexity", kv_cache: str = "bf16") -> dict:
     """Perplexity over disjoint `window`-token windows (each scored from its own start, no overlap); `progress`
     (a hqtflow.progress.Progress) gets a bar over the windows. A model whose context is shorter than `window` is
-    scored in windows of its context (positions past it were never trained, or do not exist)."""
+    scored in windows of its context (positions past it were never trained, or do not exist). kv_cache "fp8": each
+    window is one forward through a fresh `FP8StaticCache` with the checkpoint's k/v scales, so attention reads the
+    keys and values rounded to FP8 (ValueError without the scales); "bf16": a plain forward (no cache)."""
     window = capped_to_context(model, window)
+    forward = model if kv_cache == "bf16" else fp8_kv_forward(model)
     ids = tokenizer.encode(text, add_special_tokens=False)
     n = len(ids) // window
     if max_windows:
@@ -68,12 +72,22 @@ def perplexity(model, tokenizer, text: str, *, window: int = 512, max_windows: i
         progress.start(label, n, unit="window")
     for i in range(n):
         x = torch.tensor([ids[i * window:(i + 1) * window]], device=device)
-        logits = model(x).logits[0, :-1].float()
+        logits = forward(x).logits[0, :-1].float()
         nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
         count += window - 1
         if progress is not None:
             progress.update(1, window)
     return {"perplexity": math.exp(nll / count), "windows": n, "window": window, "tokens": count}
+
+
+def fp8_kv_forward(model):
+    """model(x) with its attention reading keys and values back from a new FP8 KV cache (the checkpoint's
+    k_scale/v_scale, the static decoder's `FP8StaticCache`) sized to x; ValueError without the scales."""
+    from hqtflow.models import cache_kwarg
+    from hqtflow.runtime.kv_cache import FP8StaticCache, kv_scales
+
+    scales, kwarg = kv_scales(model), cache_kwarg(model)
+    return lambda x: model(x, **{kwarg: FP8StaticCache(model.config, x.shape[1], scales)}, use_cache=True)
 
 
 def padded_forward(model, tokenizer):
@@ -100,12 +114,13 @@ def padded_forward(model, tokenizer):
 
 
 @contextmanager
-def serving_engine(model, tokenizer, *, batch_size: int, max_length: int):
+def serving_engine(model, tokenizer, *, batch_size: int, max_length: int, kv_cache: str = "bf16"):
     """lm-eval's scoring and greedy generation through the serving engine, so a document's log-likelihood and text
     are what `hqtflow serve` gives it: each sequence's attention is its own (a padded batch's is not: the kernels'
     sums depend on the padded width, by a bf16 step that FP8 inputs amplify up to a nat on a document). Yields
     (score, generate) for lmeval.build_lm, or None for a model the engine cannot run; the model's attention and the
-    engine's KV memory are given back after."""
+    engine's KV memory are given back after. kv_cache: the engine's ("fp8": the checkpoint's k/v scales, checked
+    first: ValueError without them)."""
     from hqtflow.errors import ResourceError
     from hqtflow.runtime.engine import Engine, SamplingParams
     from hqtflow.models import context_length
@@ -113,11 +128,15 @@ def serving_engine(model, tokenizer, *, batch_size: int, max_length: int):
     from hqtflow.runtime.settings import ServeSettings
 
     # the server's defaults for this model (its prefill chunk: the same chunks, so the same scores)
+    if kv_cache == "fp8":
+        from hqtflow.runtime.kv_cache import kv_scales
+
+        kv_scales(model)  # before the engine, whose ValueError means an attention it has no kernel for
     serve, before = limits.fit(ServeSettings(), context_length(model.config.to_dict())), model.config._attn_implementation
     engine = None
     try:
         try:
-            engine = Engine(model, tokenizer, pad_to_multiple=serve.pad_sequence_to_multiple_of, cuda_graphs=(),
+            engine = Engine(model, tokenizer, pad_to_multiple=serve.pad_sequence_to_multiple_of, cuda_graphs=(), kv_cache=kv_cache,
                             max_prefill_tokens=serve.max_batch_prefill_tokens,
                             max_batch_total_tokens=max(batch_size, 1) * (max_length + 2 * serve.pad_sequence_to_multiple_of))
         except ValueError:  # an attention the engine has no kernel for (Bloom, Falcon, Llama 4's chunked layers, ...)
@@ -165,7 +184,8 @@ def serving_engine(model, tokenizer, *, batch_size: int, max_length: int):
 
 def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = "", show_progress: bool = True) -> dict:
     """{"tasks": {task: {metric: v}}, "wikitext": {...}} for one model; progress bars (named `label`) over
-    lm-eval's requests and the perplexity windows."""
+    lm-eval's requests and the perplexity windows. `s.kv_cache` "fp8": log-likelihoods through the serving engine's
+    FP8 KV cache and perplexity through `FP8StaticCache` (HqtflowError for a model the engine cannot run)."""
     from hqtflow import lmeval
     from hqtflow.progress import Progress
 
@@ -176,7 +196,10 @@ def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = ""
         # lm-eval's context, at most the model's: the engine runs a scored sequence's last token too (max_length + 1)
         max_length = capped_to_context(model, s.max_length + 1) - 1
         progress.start(f"{prefix}lm-eval {','.join(s.tasks)}", 0, unit="request")
-        with serving_engine(model, tokenizer, batch_size=s.batch_size, max_length=max_length) as engine:
+        with serving_engine(model, tokenizer, batch_size=s.batch_size, max_length=max_length, kv_cache=s.kv_cache) as engine:
+            if engine is None and s.kv_cache == "fp8":
+                raise HqtflowError("--kv-cache fp8 scores through hqtflow's serving engine, which cannot run this "
+                                   "model's attention: evaluate it with --kv-cache bf16.")
             forward, generate = padded_forward(model, tokenizer) if engine is None else (None, engine[1])
             lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=max_length, generate=generate,
                                  score=engine and engine[0], progress=progress.update, announce=progress.add_total)
@@ -184,7 +207,8 @@ def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = ""
             del lm, generate  # (they hold the engine)
     if s.ppl_file:
         out["wikitext"] = {**perplexity(model, tokenizer, read_ppl_text(s.ppl_file), window=s.ppl_window,
-                                        max_windows=s.ppl_windows, progress=progress, label=f"{prefix}perplexity"),
+                                        max_windows=s.ppl_windows, progress=progress, label=f"{prefix}perplexity",
+                                        kv_cache=s.kv_cache),
                            "file": Path(s.ppl_file).name}
     progress.close()
     return out

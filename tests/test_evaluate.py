@@ -215,3 +215,79 @@ def test_perplexity_runs_without_autograd(setup, data_dir, monkeypatch):
                         or forward(*a, **kw))
     perplexity(model, tok, (data_dir / "wikitext2_test.txt").read_text()[:4000], window=32, max_windows=2)
     assert modes and all(modes)
+
+
+@pytest.fixture(scope="module")
+def kv_checkpoint(tiny_llama, wiki_text, tmp_path_factory):
+    """The tiny model quantized with `--kv-cache fp8` (k_scale/v_scale in the checkpoint)."""
+    from conftest import run_cli
+
+    d = tmp_path_factory.mktemp("kv")
+    r = run_cli("measure", tiny_llama, "-o", d / "m", "--text", wiki_text, "--limit", "2", "--max-length", "32")
+    assert r.exit_code == 0, r.output
+    r = run_cli("quantize", tiny_llama, "-m", d / "m", "-o", d / "ck", "--kv-cache", "fp8")
+    assert r.exit_code == 0, r.output
+    return d / "ck"
+
+
+def _bench_fp8_kv_perplexity(model, tok, text, **kw):
+    """bench/kv_cache_ppl.py's method: each window through its own FP8StaticCache with the checkpoint's scales."""
+    import importlib.util
+    from pathlib import Path
+
+    from hqtflow.evaluate import perplexity
+    from hqtflow.runtime.kv_cache import FP8StaticCache, kv_scales
+
+    spec = importlib.util.spec_from_file_location("kv_cache_ppl", Path(__file__).parents[1] / "bench" / "kv_cache_ppl.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    scales = kv_scales(model)
+    return perplexity(bench._Cached(model, lambda n: FP8StaticCache(model.config, n, scales)), tok, text, **kw)
+
+
+def test_fp8_kv_cache_perplexity_and_scores(kv_checkpoint, data_dir):
+    """kv_cache "fp8": perplexity reads keys and values back through the FP8 KV cache (what bench/kv_cache_ppl.py
+    measures, to the bit; not the bf16 number), and lm-eval's log-likelihoods come from the engine's FP8 KV cache."""
+    import hqtflow
+    from hqtflow.evaluate import perplexity, read_ppl_text, serving_engine
+
+    model, tok = hqtflow.load(kv_checkpoint, backend="qdq")
+    text = read_ppl_text(data_dir / "wikitext2_test.txt")
+    bf16 = perplexity(model, tok, text, window=64, max_windows=3)
+    fp8 = perplexity(model, tok, text, window=64, max_windows=3, kv_cache="fp8")
+    assert fp8["perplexity"] != bf16["perplexity"] and fp8["windows"] == 3
+    assert fp8["perplexity"] == _bench_fp8_kv_perplexity(model, tok, text, window=64, max_windows=3)["perplexity"]
+    items = [(tok.encode(text[i * 300:(i + 1) * 300], add_special_tokens=False)[:40], 20) for i in range(3)]
+    scores = {}
+    for kv in ("bf16", "fp8"):
+        with serving_engine(model, tok, batch_size=2, max_length=64, kv_cache=kv) as engine:
+            scores[kv] = [lp for lp, _ in engine[0](items)]
+    assert scores["fp8"] != scores["bf16"]
+
+
+def test_eval_cli_kv_cache(kv_checkpoint, tiny_llama, data_dir, tmp_path):
+    """`hqtflow eval --kv-cache fp8`: the checkpoint's perplexity through its FP8 KV cache (bench/kv_cache_ppl.py's
+    number, not the bf16-KV one); a model without KV scales is refused with generate's sentence, an unknown value
+    with exit 2."""
+    import json
+
+    import hqtflow
+    from conftest import run_cli
+    from hqtflow.evaluate import perplexity, read_ppl_text
+
+    ppl, rep = data_dir / "wikitext2_test.txt", tmp_path / "fp8.json"
+    r = run_cli("eval", kv_checkpoint, "--no-baseline", "--backend", "qdq", "--ppl-file", ppl, "--ppl-windows", "1",
+                "--kv-cache", "fp8", "--report", rep)
+    assert r.exit_code == 0, r.output
+    got = json.loads(rep.read_text())
+    assert got["settings"]["kv_cache"] == "fp8"
+    model, tok = hqtflow.load(kv_checkpoint, backend="qdq")
+    text = read_ppl_text(ppl)
+    want = _bench_fp8_kv_perplexity(model, tok, text, max_windows=1)["perplexity"]
+    assert got["results"]["fp8"]["wikitext"]["perplexity"] == want != perplexity(model, tok, text, max_windows=1)["perplexity"]
+    refused = run_cli("eval", tiny_llama, "--no-baseline", "--ppl-file", ppl, "--kv-cache", "fp8")
+    generate = run_cli("generate", tiny_llama, "--kv-cache", "fp8", "--max-new-tokens", "1")
+    assert refused.exit_code == generate.exit_code != 0 and "Traceback" not in refused.output
+    last = lambda r: r.stderr.strip().splitlines()[-1]  # noqa: E731 (after the weight-loading bar)
+    assert "no KV-cache scales (k_scale/v_scale)" in last(refused) and last(refused) == last(generate)
+    assert run_cli("eval", kv_checkpoint, "--ppl-file", ppl, "--kv-cache", "int8").exit_code == 2
