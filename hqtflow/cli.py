@@ -208,7 +208,7 @@ def _csv(values: Optional[list[str]]) -> Optional[tuple[str, ...]]:
 
 
 Engine = Annotated[str, typer.Option(help="hqtflow (its own observers / FP8 runtime) or inc (Neural Compressor's prepare/convert, driven by hqtflow).")]
-TrustPickle = Annotated[bool, typer.Option(help="Load a model whose weights are only pickles (pytorch_model.bin, .pt, .pth), which runs what they hold; without it such a model is refused (convert it to safetensors).")]
+TrustPickle = Annotated[bool, typer.Option("--trust-pickle", help="Load a model whose weights are only pickles (pytorch_model.bin, .pt, .pth), which runs what they hold; without it such a model is refused (convert it to safetensors).")]
 Device = Annotated[Optional[str], typer.Option(help="--engine inc: cpu or hpu (default: hpu when habana_frameworks.torch imports, else cpu).")]
 RunDevice = Annotated[Optional[str], typer.Option(help="Where the model runs: auto, cpu or cuda (default auto: cuda when PyTorch sees a CUDA GPU, else cpu); with --engine inc: cpu or hpu (default: hpu when habana_frameworks.torch imports).")]
 
