@@ -156,6 +156,11 @@ def quiet_other_ranks() -> None:
         os.environ["TQDM_DISABLE"] = "1"
 
 
+def hide_gpus() -> None:
+    """Make CUDA see no GPU in this process (read when CUDA starts: torch and transformers then see none)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def rank_env() -> dict[str, str]:
     """The environment of the ranks `--tp` starts: one OpenMP thread each (they share the machine's cores), and no GPU
     (they measure on the CPU, with gloo)."""

@@ -57,7 +57,7 @@ def init(tp: int) -> tuple[int, int]:
     if world != tp:
         raise HqtflowError(f"torchrun started {world} ranks but --tp is {tp}; they must match.")
     if not dist.is_initialized():
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read when CUDA starts: after this, torch and transformers see no GPU
+        environment.hide_gpus()  # the ranks measure on the CPU
         if torch.cuda.is_available():
             raise HqtflowError("--tp ranks measure on the CPU, but this rank already sees a CUDA GPU: start torchrun "
                                "with CUDA_VISIBLE_DEVICES set empty.")
