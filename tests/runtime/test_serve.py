@@ -223,10 +223,12 @@ def test_a_signal_ends_running_streams_within_the_shutdown_timeout(tiny_llama_lo
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    p = subprocess.Popen([sys.executable, "-m", "hqtflow", "serve", "bf16", str(tiny_llama_long), "--port", str(port),
-                          "--max-total-tokens", "4096", "--max-input-tokens", "32", "--shutdown-timeout", "3"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # not nohup's SIG_IGN, if run so
+    # SIGHUP reset to its default (not nohup's SIG_IGN, if run so), then exec (the same pid): not with preexec_fn, which
+    # makes subprocess fork() this big test process, which the kernel can refuse (ENOMEM), where it otherwise uses vfork
+    reset = "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.executable, sys.argv[1:])"
+    p = subprocess.Popen([sys.executable, "-c", reset, sys.executable, "-m", "hqtflow", "serve", "bf16",
+                          str(tiny_llama_long), "--port", str(port), "--max-total-tokens", "4096", "--max-input-tokens",
+                          "32", "--shutdown-timeout", "3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         base, t0 = f"http://127.0.0.1:{port}", time.monotonic()
         while True:
