@@ -226,6 +226,18 @@ def wiki_text(data_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_kv(tiny_llama, wiki_text, tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny model measured and quantized with `--kv-cache fp8`: (measurement, checkpoint with k/v scales).
+    Shared: tests that damage them work on copies."""
+    d = tmp_path_factory.mktemp("tiny_kv")
+    r = run_cli("measure", tiny_llama, "-o", d / "m", "--text", wiki_text, "--limit", "2", "--max-length", "32")
+    assert r.exit_code == 0, r.output
+    r = run_cli("quantize", tiny_llama, "-m", d / "m", "-o", d / "ck", "--kv-cache", "fp8")
+    assert r.exit_code == 0, r.output
+    return d / "m", d / "ck"
+
+
+@pytest.fixture(scope="session")
 def inc():
     """Neural Compressor's quantization API (CPU); its absence is a skip locally and a failure in CI."""
     try:

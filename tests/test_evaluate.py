@@ -218,16 +218,9 @@ def test_perplexity_runs_without_autograd(setup, data_dir, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def kv_checkpoint(tiny_llama, wiki_text, tmp_path_factory):
+def kv_checkpoint(tiny_kv):
     """The tiny model quantized with `--kv-cache fp8` (k_scale/v_scale in the checkpoint)."""
-    from conftest import run_cli
-
-    d = tmp_path_factory.mktemp("kv")
-    r = run_cli("measure", tiny_llama, "-o", d / "m", "--text", wiki_text, "--limit", "2", "--max-length", "32")
-    assert r.exit_code == 0, r.output
-    r = run_cli("quantize", tiny_llama, "-m", d / "m", "-o", d / "ck", "--kv-cache", "fp8")
-    assert r.exit_code == 0, r.output
-    return d / "ck"
+    return tiny_kv[1]
 
 
 def _bench_fp8_kv_perplexity(model, tok, text, **kw):

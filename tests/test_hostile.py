@@ -33,26 +33,23 @@ PROGRESS = re.compile(r"\d+%\|")
 
 # ---- shared artifacts ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def base(tiny_llama, wiki_text, tmp_path_factory):
+def base(tiny_llama, wiki_text, tiny_kv, tmp_path_factory):
     d = tmp_path_factory.mktemp("hostile")
-    r = run_cli("measure", tiny_llama, "-o", d / "m", "--text", wiki_text, "--limit", "2", "--max-length", "32")
-    assert r.exit_code == 0, r.output
-    r = run_cli("quantize", tiny_llama, "-m", d / "m", "-o", d / "ck", "--kv-cache", "fp8")
-    assert r.exit_code == 0, r.output
+    m, ck = tiny_kv  # shared with other modules: every case below damages a copy (Ctx.copy)
     f1, f2 = d / "f1", d / "f2"  # foreign (manifest-less) dumps: one rank, and the same statistics as two ranks
     f1.mkdir()
     f2.mkdir()
-    shutil.copy(d / "m" / f"{STEM}.json", f1)
-    raw = json.loads((d / "m" / f"{STEM}.json").read_text())
+    shutil.copy(m / f"{STEM}.json", f1)
+    raw = json.loads((m / f"{STEM}.json").read_text())
     for r in range(2):
         (f2 / f"{STEM}_{r}_2.json").write_text(json.dumps({**raw, "LocalRank": r}))
     for f in ("f1", "f2"):  # the same dumps brought in: what quantize and unify read
         r = run_cli("import-hqt", d / f, "-o", d / f"i{f[1]}", "--model", tiny_llama)
         assert r.exit_code == 0, r.output
     for out, target in (("s", "cpu"), ("g", "gaudi2")):  # scale files: for this machine, and for a Gaudi (handoff)
-        r = run_cli("quantize", tiny_llama, "-m", d / "m", "-o", d / out, "--scales-only", "--scales-for", target)
+        r = run_cli("quantize", tiny_llama, "-m", m, "-o", d / out, "--scales-only", "--scales-for", target)
         assert r.exit_code == 0, r.output
-    return {"model": tiny_llama, "text": wiki_text, "m": d / "m", "ck": d / "ck", "f1": f1, "f2": f2,
+    return {"model": tiny_llama, "text": wiki_text, "m": m, "ck": ck, "f1": f1, "f2": f2,
             "i1": d / "i1", "i2": d / "i2", "s": d / "s", "g": d / "g"}
 
 
