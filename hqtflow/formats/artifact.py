@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from hqtflow import __version__
 from hqtflow.errors import ArtifactError, NewerArtifactError, does_not_exist
@@ -557,7 +557,7 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
 
     Refused: a staging dir, a missing or corrupt manifest, another type, a schema version outside
     MIN_VERSION..max_version (the kind's current version by default), a listed file outside the directory and (with
-    `verify`) a missing or changed file."""
+    `verify`: verify_files) a missing or changed file."""
     directory = Path(directory)
     max_version = ArtifactKind(type_).version if max_version is None else max_version
     mpath, raw = _raw_manifest(directory, type_.split(".")[-1])
@@ -588,16 +588,25 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
         for f in [*weight_files(directory, ArtifactError), directory / SAFETENSORS_INDEX]:
             if f.is_file() and f.relative_to(directory).as_posix() not in files:
                 raise ArtifactError(f"{directory} was modified after it was written: {f.name} is not in its manifest (or another run replaced it meanwhile).")
-    checked = {}
+    manifest = Manifest(mpath, raw)
     if verify:
-        for rel, digest in files.items():
-            p = directory / rel
-            if not p.is_file():
-                raise _missing(directory, rel)
-            checked[rel] = file_identity(p)
-            if sha256_file(p) != digest:
-                raise _changed(directory, rel)
-    return Manifest(mpath, raw, checked)
+        verify_files(manifest)
+    return manifest
+
+
+def verify_files(manifest: Manifest, *, read_later: Iterable[str] = ()) -> None:
+    """Check every file `manifest` lists present and unchanged (its hash), recording its file_identity; those in
+    `read_later` only present: their reader hashes the bytes it parses (verified_bytes), so none is hashed twice."""
+    directory, later = manifest.path.parent, set(read_later)
+    for rel, digest in manifest.files.items():
+        p = directory / rel
+        if not p.is_file():
+            raise _missing(directory, rel)
+        if rel in later:
+            continue
+        manifest.checked[rel] = file_identity(p)
+        if sha256_file(p) != digest:
+            raise _changed(directory, rel)
 
 
 def check_unchanged(manifest: Manifest) -> None:

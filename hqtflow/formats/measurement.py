@@ -25,7 +25,8 @@ import numpy as np
 
 from hqtflow.errors import ArtifactError, does_not_exist
 from hqtflow.formats.artifact import (MANIFEST, ArtifactKind, Manifest, check_not_partial, read_manifest,
-                                      sha256_file, verified_bytes, whole, write_json_atomic, write_manifest)
+                                      sha256_file, verified_bytes, verify_files, whole, write_json_atomic,
+                                      write_manifest)
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -450,9 +451,11 @@ def load_measurement(directory: str | Path) -> LoadedMeasurement:
     if not directory.is_dir():
         raise ArtifactError(f"Measurement directory {directory} {does_not_exist(directory)}.")
     refuse_foreign_dump(directory)
-    m = read_manifest(directory, ArtifactKind.MEASUREMENT)
+    m = read_manifest(directory, ArtifactKind.MEASUREMENT, verify=False)
     stems, world = manifest_ranks(m)
-    ranks = [read_measurement(directory / f"{s}.json", verified_bytes(m, f"{s}.json")) for s in stems]
+    rank_files = [f"{s}.json" for s in stems]
+    verify_files(m, read_later=rank_files)  # the rank files are hashed as they are parsed
+    ranks = [read_measurement(directory / f, verified_bytes(m, f)) for f in rank_files]
     loaded = LoadedMeasurement(directory, m, ranks, stems, world)
     check_rank_numbers(loaded)
     return loaded

@@ -2,7 +2,9 @@
 
 import json
 import re
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hqtflow.errors import ArtifactError
@@ -39,3 +41,26 @@ def test_macos_appledouble_twins_in_a_dump_are_not_measurements(tmp_path):
     assert list(dump.groups) == [("measure", "maxabs", 1)]
     assert dump.scale_files == [tmp_path / "measure_hooks_maxabs_MAXABS_HW.json"]
     assert read_dump(tmp_path).ranks[0].nodes["q"].inputs[0].tolist() == [[1.0]]
+
+
+def test_load_measurement_hashes_each_file_once(tmp_path, monkeypatch):
+    """The rank files were hashed by read_manifest and again by verified_bytes (which parses what it hashes): now
+    every file the manifest lists is hashed once, the rank files as they are parsed."""
+    from collections import Counter
+
+    from hqtflow.formats import artifact, measurement
+    from hqtflow.formats.measurement import NodeStats, load_measurement, write_artifact, write_measurement
+
+    stems = [f"measure_hooks_maxabs_{r}_2" for r in range(2)]
+    for r, stem in enumerate(stems):
+        write_measurement(tmp_path, stem, {"q": NodeStats(inputs=[np.full((1, 1), r + 1.0)])}, local_rank=r,
+                          num_samples=1)
+    write_artifact(tmp_path, tmp_path, base="measure", inc_config={}, model=None, config={},
+                   data={"world_size": 2, "ranks": [{"stem": s} for s in stems]})
+    hashed = Counter()  # a file's name, each time its bytes are hashed (by path, or as read by verified_bytes)
+    sha256_file, verified_bytes = artifact.sha256_file, artifact.verified_bytes
+    monkeypatch.setattr(artifact, "sha256_file", lambda p, *a: hashed.update([Path(p).name]) or sha256_file(p, *a))
+    monkeypatch.setattr(measurement, "verified_bytes", lambda m, rel: hashed.update([rel]) or verified_bytes(m, rel))
+    loaded = load_measurement(tmp_path)
+    assert [m.nodes["q"].inputs[0].item() for m in loaded.ranks] == [1.0, 2.0]
+    assert hashed == Counter(list(loaded.manifest.files))  # each listed file once: 2 ranks x 3 twins + quant_config.json

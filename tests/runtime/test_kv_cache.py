@@ -199,21 +199,19 @@ def test_kv_statistics_are_the_hashed_ones_when_the_measurement_is_replaced_afte
 
 
 def test_rank_files_are_parsed_from_the_bytes_hashed(artifacts, tmp_path, monkeypatch):
-    """A rank file replaced right after the manifest's check hashed it is refused, not parsed unchecked."""
+    """A rank file replaced right after the manifest's check of the other files is refused, not parsed unchecked."""
     from hqtflow.errors import ArtifactError
-    from hqtflow.formats import artifact
+    from hqtflow.formats import measurement
     from hqtflow.formats.measurement import load_measurement
 
     a, b, stem = _other_measurement(artifacts, tmp_path)
-    real = artifact.sha256_file
+    real = measurement.verify_files
 
-    def hash_then_replace(path, *args):
-        digest = real(path, *args)
-        if path.name == f"{stem}.json":
-            path.write_bytes((b / path.name).read_bytes())
-        return digest
+    def verify_then_replace(manifest, **kw):
+        real(manifest, **kw)
+        (a / f"{stem}.json").write_bytes((b / f"{stem}.json").read_bytes())
 
-    monkeypatch.setattr(artifact, "sha256_file", hash_then_replace)
+    monkeypatch.setattr(measurement, "verify_files", verify_then_replace)
     with pytest.raises(ArtifactError, match=f"{stem}.json does not match its manifest hash"):
         load_measurement(a)
 
