@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hqtflow.errors import ArtifactError, HqtflowError, ModelError, does_not_exist
+from hqtflow.formats import APPLEDOUBLE
 from hqtflow.formats.safetensors_files import (HEADER_ERRORS, SAFETENSORS_INDEX, check_safetensors, safetensors_header,
                                               weight_files)
 
@@ -352,11 +353,13 @@ OTHER_TOKENIZER_FILES = ("tokenizer*", "*.model", "*.model.v*", "*.tiktoken", "v
 
 def side_files(path: Path) -> list[Path]:
     """The MODEL_SIDE_FILES a model folder holds, its `additional_chat_templates/*.jinja`, then its other tokenizer
-    files (OTHER_TOKENIZER_FILES: a checkpoint without them could not load its tokenizer)."""
+    files (OTHER_TOKENIZER_FILES: a checkpoint without them could not load its tokenizer); macOS' `._*` twins
+    (formats.APPLEDOUBLE) that the patterns match are none of them."""
     path = Path(path)
     named = [path / n for n in MODEL_SIDE_FILES if (path / n).is_file()]
     other = {f for pattern in OTHER_TOKENIZER_FILES for f in path.glob(pattern) if f.is_file()} - set(named)
-    return [*named, *sorted((path / "additional_chat_templates").glob("*.jinja")), *sorted(other)]
+    templates = sorted((path / "additional_chat_templates").glob("*.jinja"))
+    return [*named, *[f for f in [*templates, *sorted(other)] if not f.name.startswith(APPLEDOUBLE)]]
 
 
 def content_files(path: Path) -> list[Path]:

@@ -187,3 +187,17 @@ def test_a_model_with_only_pickled_weights_needs_trust_pickle(tiny_llama, tmp_pa
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     r = run_cli("generate", "org/pickled", "-p", "x", "--max-new-tokens", "1")
     assert r.exit_code == 4 and "pytorch_model.bin is a pickle" in r.stderr, r.output
+
+
+def test_macos_appledouble_twins_are_no_side_files(tmp_path):
+    """A `._tokenizer.model` (macOS' AppleDouble twin, from a tar or a copy made on a Mac) matched the side files'
+    `*.model` pattern: it was copied into the FP8 checkpoint and its export and hashed into the fingerprint. `._*`
+    files are left out of side_files, as scan_dump leaves them out of a dump."""
+    (tmp_path / "additional_chat_templates").mkdir()
+    real = ["tokenizer.json", "tokenizer.model", "additional_chat_templates/tool_use.jinja", "tekken.tiktoken"]
+    for name in real:
+        (tmp_path / name).write_text("x")
+    for name in ["._tokenizer.model", "._tokenizer.json", "._tekken.tiktoken", "._tokenizer.model.v3",
+                 "additional_chat_templates/._tool_use.jinja"]:
+        (tmp_path / name).write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        ")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in models.side_files(tmp_path)) == sorted(real)

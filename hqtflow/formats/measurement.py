@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from hqtflow.errors import ArtifactError, does_not_exist
+from hqtflow.formats import APPLEDOUBLE
 from hqtflow.formats.artifact import (MANIFEST, ArtifactKind, Manifest, check_not_partial, read_manifest,
                                       sha256_file, verified_bytes, verify_files, whole, write_json_atomic,
                                       write_manifest)
@@ -475,9 +476,6 @@ class DumpFiles:
 
     groups: dict[tuple[str, str, int], dict[int, dict[str, Path]]]
     scale_files: list[Path]
-
-
-APPLEDOUBLE = "._"  # macOS' resource-fork twins (`._<name>`), left by tar and copies to other filesystems: never INC's
 
 
 def scan_dump(directory: Path) -> DumpFiles:

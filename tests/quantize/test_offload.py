@@ -423,11 +423,17 @@ def test_side_files_are_the_sources_byte_for_byte(tiny_llama, wiki_text, tmp_pat
     (src / "additional_chat_templates").mkdir()
     (src / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
     (src / "tokenizer.model.v3").write_bytes(b"a tokenizer file under another name")  # Mistral's, say
+    appledouble = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        "  # macOS' `._` twins: never carried
+    for name in ("._tokenizer.model", "._tokenizer.json", "additional_chat_templates/._tool_use.jinja"):
+        (src / name).write_bytes(appledouble)
     meas = _measure(src, tmp_path / "m", wiki_text)
     ref = _quantize(meas, tmp_path / "ref")
     off = _quantize(meas, tmp_path / "off", "--disk-offload")
+    assert not [*ref.rglob("._*"), *off.rglob("._*")]
+    (ref / "._tokenizer.model").write_bytes(appledouble)  # one beside the checkpoint is not exported either
     r = run_cli("export", ref, "-f", "fp8", "-o", tmp_path / "exp")
     assert r.exit_code == 0, r.output
+    assert not list((tmp_path / "exp").rglob("._*"))
     names = [p.relative_to(src) for p in side_files(src)]
     assert {Path("tokenizer_config.json"), Path("additional_chat_templates/tool_use.jinja"),
             Path("tokenizer.model.v3")} <= set(names)
