@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import hashlib
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -372,15 +373,20 @@ def content_files(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf") and p.is_file())
 
 
+DIGESTS_PRUNED = ".pruned"  # in `digests/`: its mtime is when the entries were last pruned
+PRUNE_DIGESTS_EVERY = 86400  # seconds
+
+
 def file_digest(path: Path) -> str:
-    """The sha256 of a file's content, remembered in the hqtflow cache (`digests/`) under its resolved path and
-    artifact.file_identity (inode, size, mtime, ctime), so a model's unchanged weights are read once, not by every
-    stage (about 0.7 GB/s)."""
+    """The sha256 of a file's content, remembered in the hqtflow cache (`digests/`, one entry per file: named by its
+    resolved path's hash, holding its artifact.file_identity: inode, size, mtime, ctime), so a model's unchanged
+    weights are read once, not by every stage (about 0.7 GB/s). Entries of files gone are pruned (prune_digests)."""
     from hqtflow.formats.artifact import file_identity, sha256_file, write_json_atomic
 
     real = Path(path).resolve()
     key = {"path": str(real), **file_identity(real)}
-    entry = cache_dir() / "digests" / f"{hashlib.sha256(str(real).encode()).hexdigest()[:32]}.json"
+    folder = cache_dir() / "digests"
+    entry = folder / f"{hashlib.sha256(str(real).encode()).hexdigest()[:32]}.json"
     try:
         cached = json.loads(entry.read_text())
         if isinstance(cached, dict) and cached.get("key") == key and isinstance(cached.get("sha256"), str):
@@ -391,9 +397,33 @@ def file_digest(path: Path) -> str:
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(entry, {"key": key, "sha256": digest})
+        prune_digests(folder)
     except OSError:  # a read-only cache: the digest is computed again next time
         pass
     return digest
+
+
+def prune_digests(folder: Path) -> None:
+    """At most once per PRUNE_DIGESTS_EVERY (DIGESTS_PRUNED's mtime, touched first): remove the entries whose file no
+    longer exists, and unreadable ones. Safe beside other writers: entries are written atomically (a reader never
+    sees half of one), and removing one that another run has just rewritten costs it one hash, never a wrong one."""
+    import time
+
+    stamp = folder / DIGESTS_PRUNED
+    try:
+        if time.time() - stamp.stat().st_mtime < PRUNE_DIGESTS_EVERY:
+            return
+    except FileNotFoundError:
+        pass
+    stamp.touch()
+    for entry in folder.glob("*.json"):
+        try:
+            path = json.loads(entry.read_text())["key"]["path"]
+            if isinstance(path, str) and os.path.exists(path):
+                continue
+        except (OSError, ValueError, RecursionError, KeyError, TypeError):
+            pass
+        entry.unlink(missing_ok=True)
 
 
 def _files_sha256(path: Path, files: list[Path], digest=None) -> str:

@@ -201,3 +201,25 @@ def test_macos_appledouble_twins_are_no_side_files(tmp_path):
                  "additional_chat_templates/._tool_use.jinja"]:
         (tmp_path / name).write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        ")
     assert sorted(p.relative_to(tmp_path).as_posix() for p in models.side_files(tmp_path)) == sorted(real)
+
+
+def test_digests_of_files_gone_are_pruned(tiny_llama, tmp_path, monkeypatch):
+    """The digest cache kept an entry for every weight file ever hashed (every copied or deleted model) forever. A
+    digest written a day or more after the last pruning drops the entries of files that no longer exist (and
+    unreadable ones); the entries of files still there stay."""
+    model = _copy(tiny_llama, tmp_path, monkeypatch)
+    digests = tmp_path / "cache" / "digests"
+    gone = tmp_path / "gone"
+    shutil.copytree(model, gone)
+    models.fingerprint(gone)
+    shutil.rmtree(gone)
+    (digests / ("0" * 32 + ".json")).write_text("{not json")
+    models.fingerprint(model)  # within a day of the last pruning: nothing removed
+    assert len(list(digests.glob("*.json"))) == 3
+    stamp = digests / models.DIGESTS_PRUNED
+    old = stamp.stat().st_mtime - models.PRUNE_DIGESTS_EVERY - 1
+    os.utime(stamp, (old, old))
+    (model / "model.safetensors").touch()  # hashed again: a digest is written
+    models.fingerprint(model)
+    left = [json.loads(p.read_text())["key"]["path"] for p in digests.glob("*.json")]
+    assert left == [str((model / "model.safetensors").resolve())]
