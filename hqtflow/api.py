@@ -71,10 +71,12 @@ def _check_manifest(path: Path, verify: bool):
     return m
 
 
-def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto", device: str = "cpu"):
+def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto", device: str = "cpu", *,
+             trust_pickle: bool = False):
     """The one loader of generate, eval, serve and bench -> (model, tokenizer, kind): an FP8 checkpoint of any origin
     (through `load`, kind "fp8") or a plain HF model (kind: its dtype), on `device`. `dtype`: the high-precision
-    compute dtype ("auto": the fastest on `device`)."""
+    compute dtype ("auto": the fastest on `device`); `trust_pickle`: load a plain model whose weights are only
+    pickles (pytorch_model.bin, .pt, .pth), which runs what they hold (models.load_model)."""
     from hqtflow import models
     from hqtflow.hardware import resolve_dtype
 
@@ -82,4 +84,4 @@ def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto", device
     path = models.resolve_model(ref)
     if _is_fp8(path):
         return (*load(path, backend=backend, dtype=dtype, device=device), "fp8")
-    return models.load_model(path, dtype).to(device), models.load_tokenizer(path), dtype
+    return models.load_model(path, dtype, trust_pickle=trust_pickle).to(device), models.load_tokenizer(path), dtype

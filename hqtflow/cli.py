@@ -98,10 +98,7 @@ def user_errors(fn):
 
         from hqtflow.formats.artifact import COMMITTED
 
-        from hqtflow.models import TRUST_PICKLE
-
         COMMITTED.clear()
-        trusted = TRUST_PICKLE.set(bool(kwargs.get("trust_pickle")))  # the command's --trust-pickle, where it has one
         try:
             with _plain_warnings(), _signals_as_interrupts():
                 return fn(*args, **kwargs)
@@ -120,8 +117,6 @@ def user_errors(fn):
             typer.echo(f"Error: cannot write{where} ({e.strerror}): free some disk space or write elsewhere; "
                        f"{_written()}.", err=True)
             raise typer.Exit(ResourceError.exit_code) from None
-        finally:
-            TRUST_PICKLE.reset(trusted)
 
     return wrapper
 
@@ -282,9 +277,9 @@ def measure(
     if inc_device is not None:
         from hqtflow.engines import inc
 
-        out = inc.measure(settings, inc_device)
+        out = inc.measure(settings, inc_device, trust_pickle=trust_pickle)
     else:
-        out = run_measure(settings)
+        out = run_measure(settings, trust_pickle=trust_pickle)
     if resolved_settings is None:  # ranks stay quiet; the launcher reports
         typer.echo(measurement_summary(out))
 
@@ -319,9 +314,9 @@ def quantize(
     if inc_device is not None:
         from hqtflow.engines import inc
 
-        typer.echo(summary(inc.quantize(s, inc_device)))
+        typer.echo(summary(inc.quantize(s, inc_device, trust_pickle=trust_pickle)))
     else:
-        typer.echo(summary(run_quantize(s)))
+        typer.echo(summary(run_quantize(s, trust_pickle=trust_pickle)))
 
 
 @app.command()
@@ -347,7 +342,7 @@ def tune(
     s = TuneSettings(measurement=str(measurement), output=str(output), text=str(text), model=model,
                      config=_config(config), scale_method=scale_method, target_kl=target_kl,
                      max_ppl_increase=max_ppl_increase, tokens=tokens, window=window, gptq=gptq, overwrite=overwrite)
-    typer.echo(summary(run_tune(s, progress=lambda m: typer.echo(m, err=True))))
+    typer.echo(summary(run_tune(s, progress=lambda m: typer.echo(m, err=True), trust_pickle=trust_pickle)))
 
 
 Backend = Annotated[str, typer.Option(help="FP8 matmul: auto (CPU kernel / CUDA _scaled_mm), cpu, scaled_mm, or qdq (the reference).")]
@@ -409,9 +404,9 @@ def generate(
         from hqtflow.engines import inc
 
         m, tok = inc.load_run(model, measurement, device=inc_device, config=config, scale_method=scale_method,
-                              backend=backend, dtype=dtype)
+                              backend=backend, dtype=dtype, trust_pickle=trust_pickle)
     else:
-        m, tok, _ = load_any(model, dtype, backend=backend, device=run_device)
+        m, tok, _ = load_any(model, dtype, backend=backend, device=run_device, trust_pickle=trust_pickle)
     text = _chat_prompt(tok, prompt, model) if chat else prompt
     if inc_device is not None:
         ids = inc.prompt_inputs(tok, text, inc_device, add_special_tokens=not chat)
@@ -497,14 +492,15 @@ def eval_(
 
         def loader():  # called by run_eval once its own checks passed
             return (*inc.load_run(model, measurement, device=inc_device, scale_method=scale_method, backend=backend,
-                                  dtype=dtype), "fp8")
+                                  dtype=dtype, trust_pickle=trust_pickle), "fp8")
 
         baseline = baseline or (None if no_baseline else model or DEFAULT_MODEL)
     typer.echo(run_eval(model, baseline=None if no_baseline else baseline, use_source=not no_baseline, loader=loader,
                         tasks=_csv(tasks) or (), include_path=tuple(map(str, include_path or ())),
                         data_dir=str(data_dir) if data_dir else None, limit=limit, batch_size=batch_size,
                         ppl_file=str(ppl_file) if ppl_file else None, ppl_windows=ppl_windows, report=report,
-                        backend=backend, dtype=dtype, device=run_device or "cpu", kv_cache=kv_cache))
+                        backend=backend, dtype=dtype, device=run_device or "cpu", kv_cache=kv_cache,
+                        trust_pickle=trust_pickle))
     if report is not None:
         typer.echo(f"Wrote {report}.")
 
@@ -525,7 +521,7 @@ def run(
     from hqtflow.pipeline import run_recipe
 
     run_recipe(recipe, overrides={"model": model, "output": str(output) if output else None, "limit": limit},
-               force=force, echo=typer.echo, data_dir=data_dir)
+               force=force, echo=typer.echo, data_dir=data_dir, trust_pickle=trust_pickle)
 
 
 @app.command()
@@ -746,7 +742,8 @@ def _serve_command(kind: str, doc: str):
         try:
             serve(model, settings, host=host, port=port, kind=kind, measurement=str(measurement) if measurement else None,
                   backend=backend, dtype=dtype, inc_device=inc_device, config=config,
-                  scale_method=scale_method, device=device if inc_device is None else None)
+                  scale_method=scale_method, device=device if inc_device is None else None,
+                  trust_pickle=trust_pickle)
         except KeyboardInterrupt as e:  # uvicorn shut down cleanly, then re-raised the signal (SIGINT or SIGTERM)
             from hqtflow.runtime.server import exit_now
 
@@ -786,7 +783,8 @@ def bench(
     settings = BenchSettings(batch_sizes=parse_batch_sizes(batch_sizes), prompt_length=prompt_length,
                              decode_length=decode_length, runs=runs, warmup=warmup, seed=seed)
     typer.echo(run_bench(model, baseline=baseline, settings=settings, json_path=json_out, backend=backend, dtype=dtype,
-                         device=run_device(device, engine_inc=False), echo=lambda m: typer.echo(m, err=True)))
+                         device=run_device(device, engine_inc=False), echo=lambda m: typer.echo(m, err=True),
+                         trust_pickle=trust_pickle))
 
 
 if __name__ == "__main__":

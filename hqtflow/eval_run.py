@@ -43,10 +43,12 @@ def input_files(tasks, include_path, data_dir, ppl_file, manager=None) -> dict[s
 def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks: tuple[str, ...],
              include_path: tuple[str, ...], data_dir: str | None, limit: int | None, batch_size: int,
              ppl_file: str | None, ppl_windows: int | None, report: Path | None, backend: str = "auto",
-             dtype: str = "auto", loader=None, device: str = "cpu", kv_cache: str = "bf16") -> str:
+             dtype: str = "auto", loader=None, device: str = "cpu", kv_cache: str = "bf16",
+             trust_pickle: bool = False) -> str:
     """`loader`: returns (model, tokenizer, kind) in place of loading MODEL here (`--engine inc`); `device`: where
     MODEL (without a loader) and the bf16 baseline run; `kv_cache` "fp8": MODEL is scored through the FP8 KV cache
-    with its k/v scales (refused without them), the bf16 baseline always with a bf16 one."""
+    with its k/v scales (refused without them), the bf16 baseline always with a bf16 one; `trust_pickle`: load
+    models whose weights are only pickles (api.load_any)."""
     from dataclasses import replace
 
     from hqtflow import lmeval
@@ -87,7 +89,8 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     if base_ref:
         candidates["bf16"] = base_ref
     results, paths = {}, {}
-    m, tok, kind = loader() if loader else load_any(model, dtype, backend=backend, device=device)
+    m, tok, kind = loader() if loader else load_any(model, dtype, backend=backend, device=device,
+                                                    trust_pickle=trust_pickle)
     if kv_cache == "fp8":
         from hqtflow.runtime.kv_cache import kv_scales
 
@@ -97,7 +100,7 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
             raise HqtflowError(str(e)) from None
     names = list(candidates) + [kind if kind not in candidates else f"{kind}-model"]
     for n in candidates:
-        bm, btok, _ = load_any(candidates[n], "bf16", device=device)  # the accuracy reference is the bf16 model
+        bm, btok, _ = load_any(candidates[n], "bf16", device=device, trust_pickle=trust_pickle)  # the accuracy reference is the bf16 model
         with bf16_matmuls_via_fp32():
             results[n] = evaluate(bm, btok, replace(settings, kv_cache="bf16"), manager, label=n)
         paths[n] = _where(candidates[n])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
 import json
 import os
@@ -95,20 +94,19 @@ def resolve_model(ref: str | None) -> Path:
 
 
 
-# Weights stored as pickles (torch.save), which loading them unpickles; read only when the command was given
-# --trust-pickle (cli.user_errors sets TRUST_PICKLE for the command's duration; Python callers set it themselves).
+# Weights stored as pickles (torch.save), which loading them unpickles; read only with `trust_pickle` (the commands'
+# --trust-pickle, passed down to load_model).
 PICKLED_WEIGHTS = (".bin", ".pt", ".pth")
-TRUST_PICKLE: contextvars.ContextVar[bool] = contextvars.ContextVar("hqtflow_trust_pickle", default=False)
 
 
-def check_pickled_weights(path: Path) -> None:
+def check_pickled_weights(path: Path, *, trust_pickle: bool = False) -> None:
     """Refuse a model folder whose weights are pickles only (no safetensors), unless the user opted in."""
-    if TRUST_PICKLE.get() or weight_files(path):
+    if trust_pickle or weight_files(path):
         return
     pickled = sorted(p for p in Path(path).iterdir() if p.suffix in PICKLED_WEIGHTS and p.is_file())
     if pickled:
         raise ModelError(f"{pickled[0]} is a pickle, and loading it runs whatever it holds: pass --trust-pickle if you "
-                         "trust it (hqtflow.models.TRUST_PICKLE in Python), or convert the model to safetensors first (transformers' from_pretrained(DIR) "
+                         "trust it (trust_pickle=True in Python), or convert the model to safetensors first (transformers' from_pretrained(DIR) "
                          "then save_pretrained(OUT)).")
 
 
@@ -254,13 +252,14 @@ def conversion_error(reports: list[str]) -> str | None:
     return None
 
 
-def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None):
-    """Load a causal LM for inference (eval mode, no grad needed)."""
+def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None, trust_pickle: bool = False):
+    """Load a causal LM for inference (eval mode, no grad needed); `trust_pickle`: load weights that are only pickles
+    (check_pickled_weights)."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     check_generation_config(path)
-    check_pickled_weights(path)  # here, where they would be unpickled: whatever found the folder (a path, the hub cache)
+    check_pickled_weights(path, trust_pickle=trust_pickle)  # here, where they would be unpickled: whatever found the folder (a path, the hub cache)
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
     if tp_plan:
         try:

@@ -70,7 +70,9 @@ def _meets(s: TuneSettings, d, base_nll: float) -> bool:
     return ok
 
 
-def tune(s: TuneSettings, progress=None) -> Path:
+def tune(s: TuneSettings, progress=None, *, trust_pickle: bool = False) -> Path:
+    """Per-layer sensitivity, then the fewest layers kept in high precision that meet the target: the tune artifact
+    (`trust_pickle`: load a model whose weights are only pickles, models.load_model)."""
     import torch
 
     from hqtflow import models
@@ -85,7 +87,7 @@ def tune(s: TuneSettings, progress=None) -> Path:
     check_output_dir(out, s.overwrite, [s.measurement, s.config])
     qs = QuantizeSettings(measurement=s.measurement, output=str(out / "checkpoint"), model=s.model, config=s.config,
                           scale_method=s.scale_method, gptq=s.gptq)
-    job = plan_job(qs)
+    job = plan_job(qs, trust_pickle=trust_pickle)
     cfg = quant_config(qs)
     say = progress or (lambda msg: None)
     compute = fastest_dtype() if job.dtype == "bf16" else job.dtype
@@ -93,7 +95,7 @@ def tune(s: TuneSettings, progress=None) -> Path:
     windows = token_windows(tok, s.text, s.tokens, s.window, "--text")  # refused before the model is loaded
     if not windows:
         raise CalibrationError(f"--text {s.text} has fewer than {s.window} tokens (one --window).")
-    model = models.load_model(job.model_dir, compute)
+    model = models.load_model(job.model_dir, compute, trust_pickle=trust_pickle)
     unfuse_experts(model, job.plan["unfused"])
     ref = log_probs(model, windows)
     base_nll = _reference_nll(ref, windows)
@@ -137,7 +139,7 @@ def tune(s: TuneSettings, progress=None) -> Path:
         (tmp / "quant_config.json").write_text(json.dumps(raw, indent=2))
         (tmp / "sensitivity.json").write_text(json.dumps(report, indent=2))
         quantize(QuantizeSettings(measurement=s.measurement, output=str(tmp / "checkpoint"), model=s.model,
-                                  config=str(tmp / "quant_config.json"), gptq=s.gptq))
+                                  config=str(tmp / "quant_config.json"), gptq=s.gptq), trust_pickle=trust_pickle)
         write_manifest(tmp, ArtifactKind.TUNE, model=job.fingerprint, config=raw,
                        data={**{k: v for k, v in report.items() if k != "sensitivity"}, "settings": asdict(s)})
     return out

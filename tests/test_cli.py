@@ -112,7 +112,7 @@ def test_quant_config_is_the_default_of_c(monkeypatch, tmp_path):
     from hqtflow.quantize import run
 
     seen = []
-    monkeypatch.setattr(run, "quantize", lambda s: seen.append(s.config) or tmp_path)
+    monkeypatch.setattr(run, "quantize", lambda s, **kw: seen.append(s.config) or tmp_path)
     monkeypatch.setattr(run, "summary", lambda out: "done")
     argv = ("quantize", "-m", tmp_path / "m", "-o", tmp_path / "q")
     monkeypatch.setenv("QUANT_CONFIG", "pow2_quant")  # a bundled name, as -c takes it
@@ -125,7 +125,7 @@ def test_quant_config_is_the_default_of_c(monkeypatch, tmp_path):
     assert run_cli(*argv).exit_code == 0 and seen[-1] is None
     from hqtflow.measure import run as measure_run
 
-    monkeypatch.setattr(measure_run, "measure", lambda s: seen.append(s.config) or tmp_path)
+    monkeypatch.setattr(measure_run, "measure", lambda s, **kw: seen.append(s.config) or tmp_path)
     monkeypatch.setattr(measure_run, "measurement_summary", lambda out: "done")
     monkeypatch.setenv("QUANT_CONFIG", "maxabs_measure_include_outputs")
     r = run_cli("measure", "some-model", "-o", tmp_path / "m")

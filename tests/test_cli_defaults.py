@@ -42,7 +42,7 @@ def test_measure_flags_not_given_keep_the_recipe_values(tmp_path, monkeypatch):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: smollm2\nbatch_size: 1\ndtype: fp16\ncalibration: {text: x.txt}\noutput: out\n")
     seen = []
-    monkeypatch.setattr(run, "measure", lambda s: seen.append(s) or tmp_path)
+    monkeypatch.setattr(run, "measure", lambda s, **kw: seen.append(s) or tmp_path)
     monkeypatch.setattr(run, "measurement_summary", lambda out: "ok")
     for extra in ([], ["--batch-size", "8"]):
         r = run_cli("measure", "--recipe", recipe, *extra)

@@ -223,3 +223,31 @@ def test_digests_of_files_gone_are_pruned(tiny_llama, tmp_path, monkeypatch):
     models.fingerprint(model)
     left = [json.loads(p.read_text())["key"]["path"] for p in digests.glob("*.json")]
     assert left == [str((model / "model.safetensors").resolve())]
+
+
+def test_python_callers_pass_trust_pickle(tiny_llama, tmp_path, monkeypatch):
+    """--trust-pickle was a context variable the CLI wrapper set (hqtflow.models.TRUST_PICKLE): a library caller had
+    to set a module global. It is now a parameter of the loaders that unpickle, passed down from the commands (the
+    `measure --tp` launcher hands it to each rank as the flag)."""
+    import pytest
+    import torch
+    from safetensors.torch import load_file
+
+    from hqtflow.api import load_any
+    from hqtflow.errors import ModelError
+    from hqtflow.measure import distributed
+    from hqtflow.measure.settings import MeasureSettings
+
+    model = _copy(tiny_llama, tmp_path, monkeypatch)
+    torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    with pytest.raises(ModelError, match=r"pytorch_model\.bin is a pickle.*--trust-pickle .*\(trust_pickle=True in Python\)"):
+        models.load_model(model, "fp32")
+    assert not hasattr(models, "TRUST_PICKLE")
+    m, tok, kind = load_any(str(model), "fp32", trust_pickle=True)
+    assert kind == "fp32" and m.config.num_hidden_layers > 0 and tok is not None
+    ranks = []
+    monkeypatch.setattr(distributed, "_run_ranks", lambda cmd, out: ranks.append(cmd) or 0)
+    for trust in (False, True):
+        distributed.launch(MeasureSettings(output=str(tmp_path / "m"), model=str(model), tp=2), trust_pickle=trust)
+    assert ["--trust-pickle" in cmd for cmd in ranks] == [False, True]

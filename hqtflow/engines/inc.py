@@ -127,8 +127,9 @@ def _step(device: str) -> None:
 
 # ---- measure --------------------------------------------------------------------------------------------
 @own_temp_files
-def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
-    """`hqtflow measure --engine inc`: calibrate through INC's observers, write an hqtflow measurement artifact."""
+def measure(s, device: str = "cpu", *, show_progress: bool = True, trust_pickle: bool = False) -> Path:
+    """`hqtflow measure --engine inc`: calibrate through INC's observers, write an hqtflow measurement artifact
+    (`trust_pickle`: models.load_model's)."""
     import torch
 
     from hqtflow import lmeval, models
@@ -150,7 +151,7 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True) -> Path:
     stage.create()
     try:
         tokenizer = models.load_tokenizer(model_dir)
-        model = models.load_model(model_dir, s.dtype)
+        model = models.load_model(model_dir, s.dtype, trust_pickle=trust_pickle)
         linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         if not any(cfg.selects(n, type(m).__name__) for n, m in linears.items()):
             raise ConfigError("The config selects no module of this model: check its allowlist/blocklist.")
@@ -287,9 +288,9 @@ def _settings_check(s) -> None:
             raise ConfigError(f"{flag} is not implemented with --engine inc; use hqtflow's own engine for it.")
 
 
-def load(s, device: str = "cpu"):
+def load(s, device: str = "cpu", *, trust_pickle: bool = False):
     """(INC's quantized model, tokenizer) for generate / eval / serve: `s` is a QuantizeSettings (model,
-    measurement, config, scale method)."""
+    measurement, config, scale method); `trust_pickle`: models.load_model's."""
     import torch
 
     from hqtflow import models
@@ -298,20 +299,21 @@ def load(s, device: str = "cpu"):
     _settings_check(s)
     if s.scales_only:
         raise ConfigError("--scales-only writes files; generate, eval and serve run the quantized model.")
-    job = plan_job(s)
+    job = plan_job(s, trust_pickle=trust_pickle)
     check_method(job.cfg, device)
     # INC's modules compute in the config's hp_dtype (bf16 by default); the model around them runs in it too, whatever
     # dtype it was measured in (an fp32 model around them fed fp32 queries and bf16 values to attention)
-    model = models.load_model(job.model_dir, job.cfg.hp_dtype)
+    model = models.load_model(job.model_dir, job.cfg.hp_dtype, trust_pickle=job.trust_pickle)
     with torch.no_grad():
         qmodel = convert(job, model, device).eval()
     return qmodel, models.load_tokenizer(job.model_dir)
 
 
-def quantize(s, device: str = "cpu") -> Path:
+def quantize(s, device: str = "cpu", *, trust_pickle: bool = False) -> Path:
     """`hqtflow quantize --engine inc`: INC converts the model; the FP8 weights and the scales its QDQ modules
     apply are written as hqtflow's compressed-tensors checkpoint, or with --scales-only the scale files INC wrote
-    (beside the measurement files and a QUANT_CONFIG, as hqtflow's engine lays them out); same manifests and checks."""
+    (beside the measurement files and a QUANT_CONFIG, as hqtflow's engine lays them out); same manifests and checks.
+    `trust_pickle`: models.load_model's."""
     import torch
 
     from hqtflow import models
@@ -326,11 +328,11 @@ def quantize(s, device: str = "cpu") -> Path:
     if device != "cpu" and not s.scales_only:
         raise ConfigError("quantize --engine inc writes a checkpoint from INC's CPU (QDQ) modules; use --device cpu, "
                           "or --scales-only for the scale files INC computes on the card.")
-    job = plan_job(s)
+    job = plan_job(s, trust_pickle=trust_pickle)
     check_method(job.cfg, device)
     if s.scales_only and all(r.rounding == "SCALE_UNIT" for m in job.method.methods() for r in (m.weight, m.activation)):
         raise ConfigError(_NO_SCALE_FILE.format(job.cfg.scale_method))
-    model = models.load_model(job.model_dir, job.dtype)
+    model = models.load_model(job.model_dir, job.dtype, trust_pickle=job.trust_pickle)
     if s.scales_only:
         return _scales_only(s, job, model, device)
     with torch.no_grad():
@@ -402,9 +404,10 @@ def fp8_linear(mod, fp8: str = "E4M3"):
 
 # ---- running (generate / eval / serve --engine inc) -----------------------------------------------------
 def load_run(model_ref: str | None, measurement, *, device: str, config=None, scale_method: str | None = None,
-             backend: str = "auto", dtype: str = "auto"):
+             backend: str = "auto", dtype: str = "auto", trust_pickle: bool = False):
     """(INC's quantized model, tokenizer): the bf16 MODEL converted at load from a measurement, like optimum-habana
-    and TGI-Gaudi with QUANT_CONFIG. hqtflow's runtime options do not apply to INC's modules and are refused."""
+    and TGI-Gaudi with QUANT_CONFIG. hqtflow's runtime options do not apply to INC's modules and are refused.
+    `trust_pickle`: models.load_model's."""
     from hqtflow.quantize.run import QuantizeSettings
 
     if measurement is None:
@@ -415,7 +418,7 @@ def load_run(model_ref: str | None, measurement, *, device: str, config=None, sc
                               "in the QUANT_CONFIG's hp_dtype (bf16 unless it sets another).")
     s = QuantizeSettings(measurement=str(measurement), output="-", model=model_ref,
                          config=str(config) if config else None, scale_method=scale_method)
-    model, tok = load(s, device)
+    model, tok = load(s, device, trust_pickle=trust_pickle)
     if device == "hpu":
         from hqtflow.engines import hpu
 

@@ -101,10 +101,9 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def launch(settings) -> Path:
-    """Run `hqtflow measure` on `settings.tp` ranks with torchrun and wait for them."""
-    from hqtflow import models
-
+def launch(settings, *, trust_pickle: bool = False) -> Path:
+    """Run `hqtflow measure` on `settings.tp` ranks with torchrun and wait for them (`--trust-pickle` on each rank
+    with `trust_pickle`)."""
     out = Path(settings.output)
     with tempfile.TemporaryDirectory(prefix="hqtflow-launch-") as tmp:
         spec = Path(tmp) / "settings.json"
@@ -112,7 +111,7 @@ def launch(settings) -> Path:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={settings.tp}",
             "-m", "hqtflow", "measure", "--resolved-settings", str(spec),
-            *(["--trust-pickle"] if models.TRUST_PICKLE.get() else []),  # the launcher's opt-in, for every rank
+            *(["--trust-pickle"] if trust_pickle else []),  # the launcher's opt-in, for every rank
         ]
         returncode = _run_ranks(cmd, out)
     if returncode != 0:

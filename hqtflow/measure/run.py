@@ -90,21 +90,24 @@ def _read(path: str, text_field: str) -> list[str]:
     return read_texts(Path(path), text_field)
 
 
-def measure(s: MeasureSettings, *, show_progress: bool = True) -> Path:
-    """Run the measurement stage (spawning ranks for --tp N unless already inside torchrun)."""
+def measure(s: MeasureSettings, *, show_progress: bool = True, trust_pickle: bool = False) -> Path:
+    """Run the measurement stage (spawning ranks for --tp N unless already inside torchrun); `trust_pickle`: load a
+    model whose weights are only pickles (models.load_model)."""
     from hqtflow.measure import distributed
 
     s, cfg, model_dir, texts, manager = preflight(s)
     if s.tp > 1 and not distributed.in_torchrun():
-        return distributed.launch(s)
+        return distributed.launch(s, trust_pickle=trust_pickle)
     rank, world = distributed.init(s.tp)
     try:
-        return _measure_rank(s, cfg, model_dir, texts, manager, rank, world, show_progress and rank == 0)
+        return _measure_rank(s, cfg, model_dir, texts, manager, rank, world, show_progress and rank == 0,
+                             trust_pickle)
     finally:
         distributed.shutdown()
 
 
-def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: int, world: int, show_progress: bool) -> Path:
+def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: int, world: int, show_progress: bool,
+                  trust_pickle: bool) -> Path:
     import torch
 
     from hqtflow import lmeval, models
@@ -119,7 +122,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
     stage.path = distributed.broadcast_path(stage.create if rank == 0 else None)
     try:
         tokenizer = models.load_tokenizer(model_dir)
-        model = models.load_model(model_dir, s.dtype, tp_plan="auto" if world > 1 else None)
+        model = models.load_model(model_dir, s.dtype, tp_plan="auto" if world > 1 else None, trust_pickle=trust_pickle)
         session = ObserverSession(model, cfg)
         if not session.nodes:
             raise ConfigError("The config selects no module of this model: check its allowlist/blocklist.")

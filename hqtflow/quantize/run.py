@@ -55,6 +55,7 @@ class Job:
     plan: dict
     dtype: str
     hessians: object = None  # hqtflow.formats.hessians.Hessians for --gptq, else None
+    trust_pickle: bool = False  # load a model whose weights are only pickles (models.load_model)
 
 
 def plan_config(s: QuantizeSettings):
@@ -85,8 +86,9 @@ def plan_config(s: QuantizeSettings):
     return cfg, target, rules
 
 
-def plan_job(s: QuantizeSettings) -> Job:
-    """Every check that needs no weights: config, target, measurement (complete, finite, same model), rank count."""
+def plan_job(s: QuantizeSettings, *, trust_pickle: bool = False) -> Job:
+    """Every check that needs no weights: config, target, measurement (complete, finite, same model), rank count;
+    `trust_pickle` is kept for the job's model loading (models.load_model)."""
     from hqtflow import models
 
     cfg, target, rules = plan_config(s)
@@ -126,7 +128,7 @@ def plan_job(s: QuantizeSettings) -> Job:
             raise ConfigError("The per-layer scale methods mix static and dynamic activations (or different dynamic "
                               "rules); an FP8 checkpoint has one activation scheme (--scales-only writes mixed INC scales).")
     _warn_fixed_scales(rules, plan["quantize"], meas.ranks[0], target, cfg.fp8_config, weight_only=s.weight_only)
-    return Job(cfg, target, rules, meas, model_dir, fp, plan, dtype, hessians)
+    return Job(cfg, target, rules, meas, model_dir, fp, plan, dtype, hessians, trust_pickle)
 
 
 def _warn_fixed_scales(rules, names: list[str], meas: Measurement, target: str, fp8: str, *,
@@ -210,17 +212,18 @@ def _convert(model, job: Job, *, weight_only: bool) -> None:
                       round_weight=weight_rounding(job), progress=Progress(None), **kw)
 
 
-def quantize_in_memory(s: QuantizeSettings, dtype: str | None = None):
+def quantize_in_memory(s: QuantizeSettings, dtype: str | None = None, *, trust_pickle: bool = False):
     """bf16 model + measurement -> (FP8 model, tokenizer) in memory, nothing written (`serve fp8 MODEL -m DIR`).
 
     Scales come from the weights as stored; `dtype` (bf16/fp16/fp32, "auto": the fastest here; None: the model's
-    own) is the compute dtype afterwards, as `hqtflow.load(checkpoint, dtype=...)` gives it."""
+    own) is the compute dtype afterwards, as `hqtflow.load(checkpoint, dtype=...)` gives it; `trust_pickle`:
+    models.load_model's."""
     import torch
 
     from hqtflow import models
 
-    job = plan_job(s)
-    model = models.load_model(job.model_dir, job.dtype)
+    job = plan_job(s, trust_pickle=trust_pickle)
+    model = models.load_model(job.model_dir, job.dtype, trust_pickle=job.trust_pickle)
     with torch.no_grad():
         _convert(model, job, weight_only=s.weight_only)
     if dtype is not None:
@@ -231,13 +234,14 @@ def quantize_in_memory(s: QuantizeSettings, dtype: str | None = None):
     return model, models.load_tokenizer(job.model_dir)
 
 
-def quantize(s: QuantizeSettings) -> Path:
+def quantize(s: QuantizeSettings, *, trust_pickle: bool = False) -> Path:
     """Plan (`plan_job`), then the one writer of the output kind asked for (INC scale files, a checkpoint streamed
-    from disk, a checkpoint converted in memory), then the manifest, all inside one staged output directory."""
+    from disk, a checkpoint converted in memory), then the manifest, all inside one staged output directory.
+    `trust_pickle`: load a model whose weights are only pickles (models.load_model)."""
     from hqtflow.formats.artifact import check_output_dir
 
     check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config, s.model if s.model and Path(s.model).exists() else None])
-    job = plan_job(s)
+    job = plan_job(s, trust_pickle=trust_pickle)
     kv_stats = _kv_stats(s, job)
     if s.scales_only:
         if s.disk_offload:
@@ -296,7 +300,7 @@ def _scale_files_writer(s: QuantizeSettings, job: Job):
     from hqtflow import models
     from hqtflow.quantize.scales_only import write_scale_files
 
-    model = models.load_model(job.model_dir, job.dtype)
+    model = models.load_model(job.model_dir, job.dtype, trust_pickle=job.trust_pickle)
 
     def write(tmp: Path):
         files = write_scale_files(tmp, Path(s.output), model, job.meas, job.cfg, job.method, job.target)
@@ -365,7 +369,7 @@ def _in_memory_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
     from hqtflow.formats.checkpoint import copy_side_files, save_checkpoint
 
     cfg = job.cfg
-    model = models.load_model(job.model_dir, job.dtype)
+    model = models.load_model(job.model_dir, job.dtype, trust_pickle=job.trust_pickle)
     per_channel = any(job.method(n).weight.granularity == "PCS" for n in job.plan["quantize"])
     dynamic = _dynamic_rule(s, job)
 

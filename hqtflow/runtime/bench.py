@@ -201,8 +201,10 @@ def format_table(report: dict, names: list[str]) -> str:
 
 
 def run_bench(model: str | None, *, baseline: str | None, settings: BenchSettings, json_path: Path | None = None,
-              echo=None, backend: str = "auto", dtype: str = "auto", device: str = "cpu") -> str:
-    """Load the FP8 checkpoint (MODEL) and its bf16 baseline on `device`, benchmark both, return the printed text."""
+              echo=None, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
+              trust_pickle: bool = False) -> str:
+    """Load the FP8 checkpoint (MODEL) and its bf16 baseline on `device`, benchmark both, return the printed text
+    (`trust_pickle`: load models whose weights are only pickles, api.load_any)."""
     from hqtflow import models as models_mod
     from hqtflow.eval_run import source_model
     from hqtflow.api import load_any
@@ -220,10 +222,10 @@ def run_bench(model: str | None, *, baseline: str | None, settings: BenchSetting
                                  settings.prompt_length + settings.decode_length + 1,
                                  f"--prompt-length + --decode-length ({settings.prompt_length + settings.decode_length})",
                                  ref or DEFAULT_MODEL)
-    m, tok, kind = load_any(model, dtype, backend=backend, device=device)
+    m, tok, kind = load_any(model, dtype, backend=backend, device=device, trust_pickle=trust_pickle)
     models: dict[str, tuple] = {}
     if base_ref:
-        bm, btok, bkind = load_any(base_ref, dtype, device=device)  # auto: the fastest high-precision dtype there
+        bm, btok, bkind = load_any(base_ref, dtype, device=device, trust_pickle=trust_pickle)  # auto: the fastest high-precision dtype there
         if bkind == "fp8":
             raise ModelError(f"The baseline {base_ref} is an FP8 checkpoint; give a bf16 model.")
         models[bkind] = (bm, btok)

@@ -261,11 +261,13 @@ def listen_socket(host: str, port: int, port_name: str = "--port"):
 
 def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 3000, kind: str = "bf16",
           measurement: str | None = None, backend: str = "auto", dtype: str = "auto", inc_device: str | None = None,
-          config: str | None = None, scale_method: str | None = None, device: str | None = None) -> None:
+          config: str | None = None, scale_method: str | None = None, device: str | None = None,
+          trust_pickle: bool = False) -> None:
     """Bind host:port, load MODEL (`kind` "fp8": an FP8 checkpoint, or a bf16 model quantized at start from
     `measurement` with the QUANTIZE `config` / `scale_method`, like TGI with QUANT_CONFIG, by hqtflow on `device`
     (hardware.run_device: a CUDA GPU when there is one) or by Neural Compressor on `inc_device`; "bf16": a plain
-    model) and serve it until interrupted."""
+    model) and serve it until interrupted. `trust_pickle`: load a model whose weights are only pickles
+    (models.load_model)."""
     from hqtflow.hardware import run_device
 
     from hqtflow.errors import HqtflowError
@@ -289,7 +291,8 @@ def serve(model_ref: str | None, settings: ServeSettings, *, host: str = "127.0.
     sock = listen_socket(host, port, settings.named("port"))
     try:
         _serve(sock, model_ref, settings, kind=kind, measurement=measurement, backend=backend, dtype=dtype,
-               inc_device=inc_device, config=config, scale_method=scale_method, device=device or "cpu")
+               inc_device=inc_device, config=config, scale_method=scale_method, device=device or "cpu",
+               trust_pickle=trust_pickle)
     finally:
         sock.close()
 
@@ -398,7 +401,7 @@ def uvicorn_config(app, **options):
 
 def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: str | None, backend: str,
            dtype: str, inc_device: str | None = None, config: str | None = None, scale_method: str | None = None,
-           device: str = "cpu") -> None:
+           device: str = "cpu", trust_pickle: bool = False) -> None:
     from hqtflow.errors import HqtflowError, ModelError
     from hqtflow.api import load_any
 
@@ -411,7 +414,7 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
         from hqtflow.engines import inc
 
         model, tok = inc.load_run(model_ref, measurement, device=inc_device, config=config, scale_method=scale_method,
-                                  backend=backend, dtype=dtype)
+                                  backend=backend, dtype=dtype, trust_pickle=trust_pickle)
         settings.model_id, settings.dtype = model_ref or DEFAULT_MODEL, "fp8"
         _run(_app(model, tok, settings), sock)
         return
@@ -424,13 +427,15 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
         from hqtflow.quantize.fp8_linear import set_backend
 
         model, tok = quantize_in_memory(QuantizeSettings(measurement=measurement, output="-", model=model_ref,
-                                                         config=config, scale_method=scale_method), dtype)
+                                                         config=config, scale_method=scale_method), dtype,
+                                        trust_pickle=trust_pickle)
         model.to(device)
         set_backend(model, backend)
         settings.model_id, settings.dtype = model_ref or DEFAULT_MODEL, "fp8"
         _run(_app(model, tok, settings), sock)
         return
-    model, tok, loaded = load_any(model_ref, dtype, backend=backend, device=device)  # dtype auto: the fastest there
+    model, tok, loaded = load_any(model_ref, dtype, backend=backend, device=device,
+                                  trust_pickle=trust_pickle)  # dtype auto: the fastest there
     if (loaded == "fp8") != (kind == "fp8"):
         raise ModelError(f"{model_ref or 'the default model'} is {'an FP8 checkpoint' if loaded == 'fp8' else 'not an FP8 checkpoint'}; "
                            f"use `hqtflow serve {'fp8' if loaded == 'fp8' else 'bf16'}`.")
