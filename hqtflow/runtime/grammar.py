@@ -67,17 +67,23 @@ def _compile(tokenizer, kind: str, value: str, vocab_size: int):
 # xgrammar 0.2.9's rule for one character of a string with minLength/maxLength: it lets raw control characters
 # (TAB, \x01, ...: invalid JSON) through and allows no escape; replaced by JSON's string character
 _BOUNDED_CHAR = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
-_JSON_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" (([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
+_JSON_CHAR = r'(([^\0-\x1f\"\\\ud800-\udfff]) | ("\\" (([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
+# xgrammar's classes of a string's characters (any other string character; json-pointer's "anything from DEL up")
+# take the UTF-16 surrogates U+D800-DFFF, whose 3 UTF-8 bytes (ED A0 80 ...) are not UTF-8: the text got three
+# U+FFFD for one character. Both are rewritten without them. (`\0` is never inside a quoted literal of the EBNF: a
+# JSON literal's NUL is written `\u0000`.)
+_SURROGATE_FREE = {r'[^\0-\x1f\"\\': r'[^\0-\x1f\"\\\ud800-\udfff', r'[\x7f-\U0010ffff]': r'[\x7f-\ud7ff\ue000-\U0010ffff]'}
 
 
 def _compile_json(c, schema: str):
-    """A JSON schema's grammar; one with minLength/maxLength through xgrammar's EBNF, its length-bounded strings'
-    character rule replaced (_BOUNDED_CHAR), so a bounded string is always valid JSON (escapes count as one)."""
-    if "minLength" not in schema and "maxLength" not in schema:
-        return c.compile_json_schema(schema, strict_mode=False, any_whitespace=False)
+    """A JSON schema's grammar, through xgrammar's EBNF with its string characters rewritten: no surrogate
+    (_SURROGATE_FREE), and a length-bounded string's character rule replaced (_BOUNDED_CHAR), so a bounded string
+    is always valid JSON (escapes count as one). Compiled once per EBNF text (the compiler's cache)."""
     import xgrammar as xgr
 
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=False))
+    for loose, strict in _SURROGATE_FREE.items():
+        ebnf = ebnf.replace(loose, strict)
     return c.compile_grammar(_BOUNDED_CHAR.sub(lambda m: f"{m[1]} ::= {_JSON_CHAR}", ebnf))
 
 

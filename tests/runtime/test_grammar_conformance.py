@@ -103,12 +103,39 @@ def test_a_length_bounded_string_is_always_valid_json(tok, schema):
             continue
         ended += 1
         value = json.loads(text)  # raises on a raw control character
-        for s, sub in strings(value, schema):  # (xgrammar's UTF-8 lets a surrogate's 3 bytes through: "\ufffd" x 3)
-            assert sub.get("minLength", 0) <= len(s) <= sub.get("maxLength", 10**9) or "\ufffd" in s, text
+        for s, sub in strings(value, schema):
+            assert sub.get("minLength", 0) <= len(s) <= sub.get("maxLength", 10**9), text
     assert ended >= 30
     if schema.get("type") == "string":
         assert not accepts(tok, compiled, '"a\tb"') and not accepts(tok, compiled, '"a\x01b"')
         assert accepts(tok, compiled, '"a\\tb"') and accepts(tok, compiled, '"\\u00e9\\""')  # escapes count as one
+
+
+def byte_tokens(tok) -> dict[int, int]:
+    """Each byte's token in the byte-level tokenizer (GPT-2's printable stand-ins for the bytes)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    stand_in = {b: chr(b) for b in printable} | {b: chr(0x100 + i) for i, b in enumerate(b for b in range(256) if b not in printable)}
+    return {b: tok.convert_tokens_to_ids(c) for b, c in stand_in.items()}
+
+
+@pytest.mark.parametrize("kind, schema, before", [
+    ("json", {"type": "string"}, '"'),
+    ("json", {"type": "string", "maxLength": 4}, '"'),
+    ("json_object", None, '{"'),  # a key of any object
+    ("json", {"type": "object", "additionalProperties": {"type": "string"}}, '{"k": "'),
+    ("json", {"type": "string", "format": "json-pointer"}, '"/'),
+])
+def test_a_string_never_takes_a_surrogates_bytes(tok, kind, schema, before):
+    """xgrammar's string characters took U+D800-DFFF, whose UTF-8 bytes (ED A0 80) are not UTF-8: one "character"
+    decoded as three U+FFFD (past a maxLength). The character before the surrogates (U+D7FF) still passes."""
+    ids, compiled = byte_tokens(tok), compile_grammar(tok, kind, schema)
+
+    def takes(raw: bytes) -> bool:
+        m = matcher(compiled)
+        return m.accept_string(before) and all(m.accept_token(ids[b]) for b in raw)
+
+    assert takes("\ud7ff\ue000\U0001f600".encode()) and takes(b"\xed\x9f")
+    assert not takes(b"\xed\xa0") and not takes(b"\xed\xbf")
 
 
 @pytest.mark.parametrize("pattern, named", [
