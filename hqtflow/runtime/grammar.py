@@ -278,6 +278,35 @@ def schema_problem(schema, scale: int = 1) -> str | None:
     return None
 
 
+# OpenAI's strict structured outputs (`strict: true`): a subset of what the grammar holds to, refused beyond it, so a
+# schema a strict request passes here passes there too: the keywords its rules name as unsupported, and its rules
+OPENAI_NOT_STRICT = ("allOf", "oneOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+                     "patternProperties", "propertyNames", "minProperties", "maxProperties", "unevaluatedProperties",
+                     "unevaluatedItems", "contains", "minContains", "maxContains", "uniqueItems", "prefixItems",
+                     "minLength", "maxLength")
+
+
+def strict_problem(schema) -> str | None:
+    """Why a JSON schema breaks OpenAI's strict mode (None: it does not): its root not an object (or an `anyOf`),
+    an object without `additionalProperties: false` or with a property missing from `required`, or a keyword of
+    OPENAI_NOT_STRICT. Beside these, the grammar's own bounds (schema_problem) hold, tighter than OpenAI's on size."""
+    if not isinstance(schema, dict) or schema.get("type") != "object" or "anyOf" in schema:
+        return 'strict mode needs an object at the root (`"type": "object"`, not an `anyOf`)'
+    for path, s in subschemas(schema):
+        where = f"at {path}" if path else "at the root"
+        if bad := next((k for k in OPENAI_NOT_STRICT if k in s), None):
+            return f"`{bad}` ({where}) is not supported in strict mode"
+        types = s.get("type") if isinstance(s.get("type"), list) else [s.get("type")]
+        if "object" not in types and "properties" not in s:
+            continue
+        if s.get("additionalProperties") is not False:
+            return f"strict mode needs `additionalProperties: false` on every object ({where})"
+        props, required = s.get("properties") or {}, s.get("required") or []
+        if missing := next((n for n in props if n not in required), None):
+            return f"strict mode needs every property in `required` ({where}: {missing[:80]!r} is not)"
+    return None
+
+
 _ESCAPE = re.compile(r"\\(?:c.|x\{[0-9a-fA-F]+\}|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)", re.S)
 _CONTROL_ESCAPES = set('\\"tnrfvae0c')  # \\, \", \t ... \0 and \cX
 

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from hqtflow.runtime import tools
 from hqtflow.runtime.api import Ctx
 from hqtflow.runtime.engine import SamplingParams
-from hqtflow.runtime.grammar import TOOLS_SCALE, GrammarError, compile_grammar
+from hqtflow.runtime.grammar import TOOLS_SCALE, GrammarError, compile_grammar, strict_problem
 from hqtflow.runtime.openai_prompts import chat_prompt, echoed_prompts, prompts_of
 from hqtflow.runtime.openai_stream import stream
 from hqtflow.runtime.openai_text import (FINISH, before_stop, chat_logprobs, completion_logprobs, final_text, head,
@@ -149,6 +149,8 @@ def chat_grammar(tok, width: int, req: ChatRequest, plan: tools.ToolPlan | None)
             return compile_grammar(tok, "regex" if fmt.type == "regex" else "json", fmt.value, vocab_size=width)
         if fmt.type == "json_object":
             return compile_grammar(tok, "json_object", vocab_size=width)
+        if fmt.json_schema.strict and (problem := strict_problem(fmt.json_schema.schema_)):
+            raise GrammarError(problem)
         return compile_grammar(tok, "json", fmt.json_schema.schema_, vocab_size=width)
     except GrammarError as e:
         raise invalid(f"`response_format`: {e}") from None

@@ -367,7 +367,8 @@ class CompletionRequest(OpenAICommon):
 
 
 class JsonSchema(Strict):
-    """OpenAI's response_format.json_schema; `strict` needs nothing more: the grammar always holds to the schema."""
+    """OpenAI's response_format.json_schema; with `strict` true the schema must keep to OpenAI's strict mode
+    (grammar.strict_problem): the grammar holds to any schema it takes."""
     name: str | None = None
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
@@ -426,7 +427,7 @@ class FunctionSpec(Strict):
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict | None = None  # a JSON schema for the arguments object (none: no arguments)
-    strict: bool | None = None  # nothing more to do: the grammar always holds the arguments to the schema
+    strict: bool | None = None  # true: `parameters` must keep to OpenAI's strict mode (grammar.strict_problem)
 
 
 class ToolSpec(Strict):

@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from hqtflow.runtime.api import Ctx, Sequence, event_stream
 from hqtflow.runtime.engine import SamplingParams
-from hqtflow.runtime.grammar import GrammarError, compile_grammar
+from hqtflow.runtime.grammar import GrammarError, compile_grammar, strict_problem
 from hqtflow.runtime.schemas import (ApiError, JsonSchema, TgiParameters, TgiRequest,
                                      TokenizeRequest, invalid, parse_part, stop_list)
 
@@ -28,7 +28,10 @@ def tgi_grammar(ctx: Ctx, p: TgiParameters):
         return None
     kind, value = p.grammar.type, p.grammar.value
     if kind == "json_schema":  # value: {"name", "schema", ...} as OpenAI's json_schema (other keys: a 422 naming them)
-        kind, value = "json", parse_part(JsonSchema, value, "parameters.grammar.value").schema_ if isinstance(value, dict) else None
+        spec = parse_part(JsonSchema, value, "parameters.grammar.value") if isinstance(value, dict) else None
+        kind, value = "json", spec and spec.schema_
+        if spec and spec.strict and value and (problem := strict_problem(value)):
+            raise invalid(f"`grammar`: {problem}")
     if not value:
         raise invalid(f"`value` cannot be empty for `{p.grammar.type}` grammar")
     try:

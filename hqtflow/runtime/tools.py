@@ -14,7 +14,7 @@ import string
 from dataclasses import dataclass
 
 from hqtflow.runtime.grammar import (MAX_SCHEMA_DEPTH, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS, SUBSCHEMA_ONE, TOOLS_SCALE,
-                                     depth, schema_problem, size_problem)
+                                     depth, schema_problem, size_problem, strict_problem)
 from hqtflow.runtime.schemas import invalid
 
 NO_TOOL = "no_tool"
@@ -56,7 +56,8 @@ def plan(tools: list | None, tool_choice, tool_prompt: str | None) -> ToolPlan |
         if name == NO_TOOL or name in seen:
             raise invalid(f"`tools[{i}].function.name` {name!r} is {'reserved' if name == NO_TOOL else 'given twice'}")
         seen.add(name)
-        if problem := parameters_problem(t["function"].get("parameters")):
+        params = t["function"].get("parameters")
+        if problem := parameters_problem(params) or (t["function"].get("strict") and params is not None and strict_problem(params)):
             raise invalid(f"`tools[{i}].function.parameters`: {problem}")
     if tool_choice == "none" and tool_prompt is not None:
         raise invalid('`tool_prompt` is not used with `tool_choice` "none" (no tool is offered)')

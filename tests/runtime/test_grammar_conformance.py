@@ -228,3 +228,55 @@ def test_schemas_at_the_edges_are_refused_naming_the_keyword(tok, schema, messag
     with pytest.raises(GrammarError) as e:
         compile_grammar(tok, "json", schema)
     assert str(e.value).startswith(message), str(e.value)
+
+
+STRICT_OK = {"type": "object", "properties": {"a": {"type": ["string", "null"]}, "b": {"$ref": "#/$defs/b"}},
+             "required": ["a", "b"], "additionalProperties": False,
+             "$defs": {"b": {"anyOf": [{"type": "integer"}, {"type": "object", "properties": {}, "additionalProperties": False}]}}}
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "object"}, "strict mode needs `additionalProperties: false` on every object (at the root)"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False},
+     "strict mode needs every property in `required` (at the root: 'a' is not)"),
+    ({**STRICT_OK, "$defs": {"b": {"type": "object", "properties": {"c": {}}, "required": ["c"]}}},
+     "strict mode needs `additionalProperties: false` on every object (at /$defs/b)"),
+    ({"enum": ["yes", "no"]}, 'strict mode needs an object at the root (`"type": "object"`, not an `anyOf`)'),
+    ({"type": "object", "anyOf": [STRICT_OK]}, "strict mode needs an object at the root"),
+    ({**STRICT_OK, "properties": {"a": {"type": "string", "maxLength": 3}, "b": {}}},
+     "`maxLength` (at /properties/a) is not supported in strict mode"),
+    ({**STRICT_OK, "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "number"}]}, "b": {}}},
+     "`oneOf` (at /properties/a) is not supported in strict mode"),
+    ({**STRICT_OK, "properties": {"a": {"type": "array", "uniqueItems": True}, "b": {}}},
+     "`uniqueItems` (at /properties/a) is not supported in strict mode"),
+])
+def test_strict_schemas_keep_to_openais_strict_mode(schema, message):
+    assert grammar.strict_problem(STRICT_OK) is None
+    assert grammar.strict_problem(schema).startswith(message), grammar.strict_problem(schema)
+
+
+def test_strict_true_refuses_what_openais_strict_mode_refuses_on_the_server(lm):
+    """`strict: true` took any schema the grammar holds (OpenAI answers a 400 for these); now a 422 naming the rule
+    for response_format, TGI's json_schema grammar and a strict tool; without `strict` the same schema is served."""
+    openai = pytest.importorskip("openai")
+    open_ = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    with running(create_app(*lm, ServeSettings(max_input_tokens=32, max_total_tokens=64))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+        ask = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4)
+        for strict in (True, False):
+            spec = {"name": "s", "strict": strict, "schema": open_}
+            if strict:
+                with pytest.raises(openai.UnprocessableEntityError) as e:
+                    client.chat.completions.create(**ask, response_format={"type": "json_schema", "json_schema": spec})
+                assert "`response_format`: strict mode needs `additionalProperties: false` on every object" in e.value.message
+                with pytest.raises(openai.UnprocessableEntityError) as e:
+                    client.chat.completions.create(**ask, tools=[{"type": "function", "function": {
+                        "name": "f", "strict": True, "parameters": {**open_, "additionalProperties": False}}}])
+                assert "`tools[0].function.parameters`: strict mode needs every property in `required`" in e.value.message
+            else:
+                client.chat.completions.create(**ask, response_format={"type": "json_schema", "json_schema": spec})
+            r = httpx.post(f"{url}/generate", json={"inputs": "x", "parameters": {
+                "max_new_tokens": 2, "grammar": {"type": "json_schema", "value": spec}}}, timeout=120)
+            assert r.status_code == (422 if strict else 200), r.text
+        ok = {"name": "s", "strict": True, "schema": STRICT_OK}
+        client.chat.completions.create(**ask, response_format={"type": "json_schema", "json_schema": ok})
