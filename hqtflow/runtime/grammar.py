@@ -49,6 +49,14 @@ def _compiler(tokenizer, vocab_size: int):
     return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_BYTES)
 
 
+def prepare(tokenizer, vocab_size: int) -> None:
+    """What a server's first grammar would wait for, done at its start (on the grammar's thread): importing xgrammar
+    and reading the tokenizer's vocabulary (~1.4 s of a core for SmolLM2's 49152 tokens), then JSON mode's grammar
+    (an open object: ~20 ms). Nothing without xgrammar."""
+    if available():
+        _compile_json(_compiler(tokenizer, vocab_size), '{"type": "object"}')
+
+
 def _compile(tokenizer, kind: str, value: str, vocab_size: int):
     """Compiled once per schema or regex while it stays in the compiler's cache (xgrammar's, bounded in bytes)."""
     c = _compiler(tokenizer, vocab_size)

@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from hqtflow.models import DEFAULT_MODEL
-from hqtflow.runtime.api import Ctx, ServeSettings
+from hqtflow.runtime import grammar
+from hqtflow.runtime.api import Ctx, ServeSettings, logits_width
 from hqtflow.runtime.engine import STOPPED, Engine, SamplingParams
 from hqtflow.runtime.metrics import Metrics, metrics_router
 from hqtflow.runtime.openai_routes import openai_router
@@ -156,8 +157,9 @@ def _warm_up(engine: Engine, tokenizer, s: ServeSettings, state: dict) -> None:
 
 
 def lifespan(engine: Engine, tokenizer, s: ServeSettings, state: dict, metrics: Metrics):
-    """The engine thread runs while the app does; with warmup, the shapes are run in the background at start. At
-    the end, the engine's step is waited for until the shutdown deadline a signal set (`app.state.deadline`)."""
+    """The engine thread runs while the app does; with warmup, the shapes are run in the background at start, and the
+    grammar compiler is prepared on the grammar's thread (grammar.prepare). At the end, the engine's step is waited for
+    until the shutdown deadline a signal set (`app.state.deadline`)."""
 
     @asynccontextmanager
     async def run(_app):
@@ -168,6 +170,7 @@ def lifespan(engine: Engine, tokenizer, s: ServeSettings, state: dict, metrics: 
             logging.getLogger("uvicorn.error").info("%d CUDA graphs of decode steps captured in %.1f s%s", n,
                                                     time.monotonic() - t, failed)
         engine.start()
+        _app.state.grammar_prepared = grammar.compile_pool.submit(grammar.prepare, tokenizer, logits_width(engine.model))
         if s.warmup:
             asyncio.get_running_loop().run_in_executor(None, warm_up, engine, tokenizer, s, state, metrics)
         yield
