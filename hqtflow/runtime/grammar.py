@@ -83,16 +83,37 @@ _JSON_CHAR = r'(([^\0-\x1f\"\\\ud800-\udfff]) | ("\\" (([\"\\/bfnrt]) | ("u" [A-
 _SURROGATE_FREE = {r'[^\0-\x1f\"\\': r'[^\0-\x1f\"\\\ud800-\udfff', r'[\x7f-\U0010ffff]': r'[\x7f-\ud7ff\ue000-\U0010ffff]'}
 
 
+# xgrammar's date (format date, date-time's first part): 4 digits, a month 01-12 and a day 01-31 whatever the month
+# (2021-02-31, 2021-04-31); replaced by a rule that takes each month's days, February's 29th in leap years only
+_DATE = re.compile(r'(\w+)\{4, 4\} "-" (\w+) "-" (\w+)')
+_DIGIT, _MONTH = '(([0-9]))', '(("0" [1-9]) | ("1" [0-2]))'
+_DAY = '(("0" [1-9]) | ([1-2] [0-9]) | ("3" [01]))'
+_EXACT_DATE = r'''
+hqtflow_date ::= (hqtflow_year "-" (("0" [13578]) | ("1" [02])) "-" (("0" [1-9]) | ([12] [0-9]) | ("3" [01]))) | (hqtflow_year "-" (("0" [469]) | ("11")) "-" (("0" [1-9]) | ([12] [0-9]) | ("30"))) | (hqtflow_year "-02-" (("0" [1-9]) | ("1" [0-9]) | ("2" [0-8]))) | (hqtflow_leap_year "-02-29")
+hqtflow_year ::= [0-9] [0-9] [0-9] [0-9]
+hqtflow_leap_year ::= ([0-9] [0-9] (("0" [48]) | ([2468] [048]) | ([13579] [26]))) | ((([02468] [048]) | ([13579] [26])) "00")
+'''
+
+
+def _exact_dates(ebnf: str) -> str:
+    """xgrammar's dates (_DATE, its year, month and day rules as xgrammar 0.2.9 writes them) as hqtflow_date."""
+    rules = dict(re.findall(r"^(\w+) ::= (.*)$", ebnf, re.M))
+    exact = (_DIGIT, _MONTH, _DAY)
+    out = _DATE.sub(lambda m: "hqtflow_date" if tuple(rules.get(r) for r in m.groups()) == exact else m[0], ebnf)
+    return out + _EXACT_DATE if out != ebnf else out
+
+
 def _compile_json(c, schema: str):
     """A JSON schema's grammar, through xgrammar's EBNF with its string characters rewritten: no surrogate
-    (_SURROGATE_FREE), and a length-bounded string's character rule replaced (_BOUNDED_CHAR), so a bounded string
-    is always valid JSON (escapes count as one). Compiled once per EBNF text (the compiler's cache)."""
+    (_SURROGATE_FREE), a length-bounded string's character rule replaced (_BOUNDED_CHAR), so a bounded string
+    is always valid JSON (escapes count as one), and dates held to their month's days (_exact_dates). Compiled once
+    per EBNF text (the compiler's cache)."""
     import xgrammar as xgr
 
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=False))
     for loose, strict in _SURROGATE_FREE.items():
         ebnf = ebnf.replace(loose, strict)
-    return c.compile_grammar(_BOUNDED_CHAR.sub(lambda m: f"{m[1]} ::= {_JSON_CHAR}", ebnf))
+    return c.compile_grammar(_exact_dates(_BOUNDED_CHAR.sub(lambda m: f"{m[1]} ::= {_JSON_CHAR}", ebnf)))
 
 
 def xgrammar_message(e: Exception) -> str:

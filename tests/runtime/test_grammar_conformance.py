@@ -138,6 +138,26 @@ def test_a_string_never_takes_a_surrogates_bytes(tok, kind, schema, before):
     assert not takes(b"\xed\xa0") and not takes(b"\xed\xbf")
 
 
+def test_a_date_has_its_months_days(tok):
+    """xgrammar's date took any day 01-31 in any month (2021-02-31, 2021-04-31, 1900-02-29): a date now has its
+    month's days, February's 29th in leap years only, alone, in a date-time and in an object's property."""
+    import datetime
+
+    day = compile_grammar(tok, "json", {"type": "string", "format": "date"})
+    for year in (1900, 2000, 2021, 2024):
+        for month in range(1, 13):
+            for d in range(1, 32):
+                text = f"{year:04d}-{month:02d}-{d:02d}"
+                try:
+                    valid = bool(datetime.date.fromisoformat(text))
+                except ValueError:
+                    valid = False
+                assert accepts(tok, day, json.dumps(text)) == valid, text
+    stamp = compile_grammar(tok, "json", {"type": "object", "properties": {"at": {"type": "string", "format": "date-time"}}})
+    assert accepts(tok, stamp, '{"at": "2024-02-29T23:59:59Z"}') and not accepts(tok, stamp, '{"at": "2023-02-29T23:59:59Z"}')
+    assert not accepts(tok, stamp, '{"at": "2023-06-31T00:00:00+01:00"}') and accepts(tok, stamp, '{"at": "2023-07-31T00:00:00Z"}')
+
+
 @pytest.mark.parametrize("pattern, named", [
     ('^a"b$', '"'), ("^C:\\\\x$", "\\\\"), ("^a\\tb$", "\\t"), ("^[\\n]$", "\\n"), ("^\\u0022$", "\\u0022"),
     ("^\\x5c$", "\\x5c"), ("^a\tb$", "\t"), ('^(x|")$', '"'),
