@@ -170,9 +170,31 @@ def repeat_size(regex: str) -> int:
     return sum(groups)
 
 
+def lookahead(regex: str) -> bool:
+    """Whether a regex has a lookahead (`(?=`, `(?!`) outside a class: xgrammar 0.2.9 ignores it (a warning on
+    stderr), so `^(?!admin)[a-z]+$` took "admin". A scan, as repeat_size's: escapes and classes are skipped."""
+    i = 0
+    while i < len(regex):
+        if regex[i] == "\\":
+            i += 2
+        elif regex[i] == "[":
+            j = i + 1 + (regex[i + 1:i + 2] == "^")
+            j += regex[j:j + 1] == "]"
+            while j < len(regex) and regex[j] != "]":
+                j += 2 if regex[j] == "\\" else 1
+            i = j + 1
+        elif regex.startswith(("(?=", "(?!"), i):
+            return True
+        else:
+            i += 1
+    return False
+
+
 def regex_problem(regex: str) -> str | None:
-    """Why a regex is too costly to compile (None: it is not): longer than MAX_REGEX_CHARS, or a counted
-    repetition beyond MAX_REGEX_REPEAT."""
+    """Why a regex cannot be held to or is too costly to compile (None: neither): a lookahead, longer than
+    MAX_REGEX_CHARS, or a counted repetition beyond MAX_REGEX_REPEAT."""
+    if lookahead(regex):
+        return "uses a lookahead (`(?=`, `(?!`), which the grammar would ignore"
     if len(regex) > MAX_REGEX_CHARS:
         return f"is longer than {MAX_REGEX_CHARS} characters"
     if repeat_size(regex) > MAX_REGEX_REPEAT:

@@ -300,3 +300,17 @@ def test_strict_true_refuses_what_openais_strict_mode_refuses_on_the_server(lm):
             assert r.status_code == (422 if strict else 200), r.text
         ok = {"name": "s", "strict": True, "schema": STRICT_OK}
         client.chat.completions.create(**ask, response_format={"type": "json_schema", "json_schema": ok})
+
+
+@pytest.mark.parametrize("kind, value, message", [
+    ("json", {"type": "string", "pattern": "^(?!admin)[a-z]+$"},
+     "the JSON schema has a `pattern` that uses a lookahead (`(?=`, `(?!`), which the grammar would ignore (at the root)"),
+    ("regex", "(?=x)[a-z]+", "the regex uses a lookahead"),
+])
+def test_a_lookahead_is_refused(tok, kind, value, message):
+    """xgrammar ignored a lookahead (a warning on the server's stderr): `^(?!admin)[a-z]+$` took "admin". In a class
+    or after an escaped parenthesis, `(?=` is no lookahead and compiles."""
+    with pytest.raises(GrammarError) as e:
+        compile_grammar(tok, kind, value)
+    assert str(e.value).startswith(message), str(e.value)
+    assert accepts(tok, compile_grammar(tok, "json", {"type": "string", "pattern": "^[(?!]\\(?=$"}), '"?(="')
