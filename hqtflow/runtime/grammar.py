@@ -80,7 +80,8 @@ _JSON_CHAR = r'(([^\0-\x1f\"\\\ud800-\udfff]) | ("\\" (([\"\\/bfnrt]) | ("u" [A-
 # take the UTF-16 surrogates U+D800-DFFF, whose 3 UTF-8 bytes (ED A0 80 ...) are not UTF-8: the text got three
 # U+FFFD for one character. Both are rewritten without them. (`\0` is never inside a quoted literal of the EBNF: a
 # JSON literal's NUL is written `\u0000`.)
-_SURROGATE_FREE = {r'[^\0-\x1f\"\\': r'[^\0-\x1f\"\\\ud800-\udfff', r'[\x7f-\U0010ffff]': r'[\x7f-\ud7ff\ue000-\U0010ffff]'}
+_SURROGATE_FREE = {r'[^\0-\x1f\"\\': r'[^\0-\x1f\"\\\ud800-\udfff',
+                   r'[\x7f-\U0010ffff]': r'[\x7f-\ud7ff\ue000-\U0010ffff]'}
 
 
 # xgrammar's date (format date, date-time's first part): 4 digits, a month 01-12 and a day 01-31 whatever the month
@@ -89,7 +90,13 @@ _DATE = re.compile(r'(\w+)\{4, 4\} "-" (\w+) "-" (\w+)')
 _DIGIT, _MONTH = '(([0-9]))', '(("0" [1-9]) | ("1" [0-2]))'
 _DAY = '(("0" [1-9]) | ([1-2] [0-9]) | ("3" [01]))'
 _EXACT_DATE = r'''
-hqtflow_date ::= (hqtflow_year "-" (("0" [13578]) | ("1" [02])) "-" (("0" [1-9]) | ([12] [0-9]) | ("3" [01]))) | (hqtflow_year "-" (("0" [469]) | ("11")) "-" (("0" [1-9]) | ([12] [0-9]) | ("30"))) | (hqtflow_year "-02-" (("0" [1-9]) | ("1" [0-9]) | ("2" [0-8]))) | (hqtflow_leap_year "-02-29")
+hqtflow_date ::= (hqtflow_year "-" hqtflow_month_day) | (hqtflow_leap_year "-02-29")
+hqtflow_month_day ::= (hqtflow_month31 "-" hqtflow_day31) | (hqtflow_month30 "-" hqtflow_day30) | ("02-" hqtflow_day28)
+hqtflow_day31 ::= hqtflow_day30 | "31"
+hqtflow_day30 ::= hqtflow_day28 | "29" | "30"
+hqtflow_month31 ::= ("0" [13578]) | ("1" [02])
+hqtflow_month30 ::= ("0" [469]) | "11"
+hqtflow_day28 ::= ("0" [1-9]) | ("1" [0-9]) | ("2" [0-8])
 hqtflow_year ::= [0-9] [0-9] [0-9] [0-9]
 hqtflow_leap_year ::= ([0-9] [0-9] (("0" [48]) | ([2468] [048]) | ([13579] [26]))) | ((([02468] [048]) | ([13579] [26])) "00")
 '''

@@ -170,7 +170,8 @@ def lifespan(engine: Engine, tokenizer, s: ServeSettings, state: dict, metrics: 
             logging.getLogger("uvicorn.error").info("%d CUDA graphs of decode steps captured in %.1f s%s", n,
                                                     time.monotonic() - t, failed)
         engine.start()
-        _app.state.grammar_prepared = grammar.compile_pool.submit(grammar.prepare, tokenizer, logits_width(engine.model))
+        width = logits_width(engine.model)
+        _app.state.grammar_prepared = grammar.compile_pool.submit(grammar.prepare, tokenizer, width)
         if s.warmup:
             asyncio.get_running_loop().run_in_executor(None, warm_up, engine, tokenizer, s, state, metrics)
         yield

@@ -56,8 +56,8 @@ def plan(tools: list | None, tool_choice, tool_prompt: str | None) -> ToolPlan |
         if name == NO_TOOL or name in seen:
             raise invalid(f"`tools[{i}].function.name` {name!r} is {'reserved' if name == NO_TOOL else 'given twice'}")
         seen.add(name)
-        params = t["function"].get("parameters")
-        if problem := parameters_problem(params) or (t["function"].get("strict") and params is not None and strict_problem(params)):
+        params, strict = t["function"].get("parameters"), t["function"].get("strict")
+        if problem := parameters_problem(params) or (strict and params is not None and strict_problem(params)):
             raise invalid(f"`tools[{i}].function.parameters`: {problem}")
     if tool_choice == "none" and tool_prompt is not None:
         raise invalid('`tool_prompt` is not used with `tool_choice` "none" (no tool is offered)')
