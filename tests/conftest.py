@@ -264,22 +264,35 @@ def sqnr(ref, x) -> float:
     return float(10 * torch.log10(ref.pow(2).mean() / (ref - x).pow(2).mean()))
 
 
-class _ReplayedGraph:
-    """A CUDA graph as the CPU can play it: replay() reruns the step and copies its result into the output buffer."""
+def _python_numbers(obj) -> dict:
+    return {k: v for k, v in vars(obj).items() if isinstance(v, int | float) and not isinstance(v, bool)}
 
-    def __init__(self, fn, out):
+
+class _ReplayedGraph:
+    """A CUDA graph as the CPU can play it: replay() reruns the step and copies its result into the output buffer.
+    Python numbers are no part of a graph: the step replays with those of `frozen` objects as they were recorded (the
+    branches taken and the values baked into its kernels then), and a replay leaves them as it found them."""
+
+    def __init__(self, fn, out, frozen=()):
         self.fn, self.out = fn, out
+        self.recorded = [(obj, _python_numbers(obj)) for obj in frozen]
 
     def replay(self):
+        found = [(obj, _python_numbers(obj)) for obj, _ in self.recorded]
+        for obj, numbers in self.recorded:
+            vars(obj).update(numbers)
         self.out.copy_(self.fn())
+        for obj, numbers in found:
+            vars(obj).update(numbers)
 
 
-def emulated_capture(fn, pool=None, warmup: int = 2):
+def emulated_capture(fn, pool=None, warmup: int = 2, frozen=()):
     """runtime.cuda_graphs.capture emulated on the CPU: the `warmup` eager runs capture() makes, then a recording that
-    runs nothing (a CUDA graph capture launches no kernel, so the state stays as the warm-ups left it)."""
+    runs nothing (a CUDA graph capture launches no kernel, so the state stays as the warm-ups left it). `frozen`:
+    objects (a static cache's layers) whose Python numbers the recording bakes in (see _ReplayedGraph)."""
     for _ in range(warmup):
         out = fn().clone()  # stands for the graph's output buffer
-    return _ReplayedGraph(fn, out), out
+    return _ReplayedGraph(fn, out, frozen), out
 
 
 def decode_to_the_last_slot(dec, ids, new: int):

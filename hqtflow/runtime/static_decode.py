@@ -21,6 +21,11 @@ that a decode step's query heads are packed onto their key/value heads (transfor
 `torch.compile` too, as transformers does eager; transformers repeats the keys and values there instead, which made a
 compiled SmolLM2 step's attention 4x slower at batch 8 on a 2-core CPU (570 vs 150 us per layer).
 
+Sliding-window layers (Mistral, Gemma's local layers, ...) get full-length static layers too, the window applied by
+transformers' sliding mask: its `StaticSlidingWindowLayer` counts in a Python int once the window is full (which
+branch a step takes, which mask it builds), which a graph replay neither reads nor advances, so graphed steps past
+the window wrote out of bounds or attended the wrong keys; a full-length layer's state is its tensor counter only.
+
 `kv_cache="fp8"` stores keys and values as FP8 with the model's static k/v scales (`kv_cache.py`).
 
 Prompts in a batch have the same length (no padding); this engine is for latency and throughput measurement and
@@ -73,6 +78,17 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, sc
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                                            scale=scaling)
     return out.reshape(b, heads, q_len, d).transpose(1, 2).contiguous(), None
+
+
+def full_length_cache(config, max_length: int):
+    """transformers' StaticCache for `config`, its sliding-window layers full-length ones (see the module's docstring):
+    the same attention, the window masked, every step's state in tensors a CUDA graph replays."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    cache = StaticCache(config=config, max_cache_len=max_length)
+    cache.layers = [StaticLayer(max_length) if type(layer) is StaticSlidingWindowLayer else layer for layer in cache.layers]
+    return cache
 
 
 def _cache_state(cache) -> list[tuple[object, str, object]]:
@@ -129,15 +145,13 @@ class StaticDecoder:
             self._step = torch.compile(self._decode_step, dynamic=False)
 
     def _cache(self, batch: int):
-        from transformers import StaticCache
-
         cache = self._caches.get(batch)
         if cache is None and self.kv_cache == "fp8":
             from hqtflow.runtime.kv_cache import FP8StaticCache
 
             cache = self._caches[batch] = FP8StaticCache(self.model.config, self.max_length, self._kv_scales)
         elif cache is None:
-            cache = self._caches[batch] = StaticCache(config=self.model.config, max_cache_len=self.max_length)
+            cache = self._caches[batch] = full_length_cache(self.model.config, self.max_length)
         else:
             cache.reset()
         return cache

@@ -166,6 +166,26 @@ def test_static_decoder_graph_on_cuda_matches_eager(lm):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text"])
+def test_static_decoder_graph_on_cuda_past_a_sliding_window(tiny_factory, model_type):
+    """A sliding-window model (window 8: Mistral's every layer, Gemma 3's local ones), the prompt (9 tokens) and the
+    decode past the window: the captured steps give the eager steps' tokens, last logits and cache (transformers'
+    sliding static layer kept a Python counter the replays never advanced: they wrote past its window)."""
+    from transformers import AutoModelForCausalLM
+
+    from hqtflow.runtime.static_decode import StaticDecoder
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_factory(model_type), dtype=torch.float32).eval().to("cuda")
+    ids = torch.randint(5, 500, (2, 9), generator=torch.Generator().manual_seed(3))
+    eager = decode_to_the_last_slot(StaticDecoder(model, max_length=9 + 16, cuda_graph=False), ids, 16)
+    graphed = StaticDecoder(model, max_length=9 + 16)
+    assert graphed.cuda_graph
+    assert_same_decode(decode_to_the_last_slot(graphed, ids, 16), eager, atol=1e-5)
+    assert graphed.graph_failed is None and graphed._graphs
+    assert_same_decode(decode_to_the_last_slot(graphed, ids, 16), eager, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_static_decoder_compiled_graph_on_cuda_matches_eager(lm):
     """StaticDecoder(compile=True) on CUDA: the compiled step is what the graph captures (gpt-fast's reduce-overhead);
     its tokens, last logits and cache (sized to the last slot) are the eager step's (fp32, inductor's own kernels)."""

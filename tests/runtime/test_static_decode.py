@@ -147,3 +147,31 @@ def test_compiled_decoder_uses_the_packed_attention(tiny_llama):
     assert model.config._attn_implementation == "sdpa"
     StaticDecoder(model, max_length=16, compile=True)
     assert model.config._attn_implementation == ATTENTION
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text"])
+@pytest.mark.parametrize("prompt", [5, 9])  # the window (8) fills while decoding, or in the prompt already
+def test_graphed_sliding_window_decode_past_the_window(tiny_factory, model_type, prompt, monkeypatch):
+    """A sliding-window model (Mistral: every layer; Gemma 3: local and global layers), window 8, decoding past it
+    with capture emulated on the CPU, its replays seeing the cache layers' Python numbers as recorded (transformers'
+    sliding static layer counts in a Python int: a real replay neither sees it advance nor advances it): the graphed
+    decode equals the eager one, and both the greedy tokens of whole-sequence forwards without a cache."""
+    import hqtflow.runtime.cuda_graphs as cuda_graphs
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_factory(model_type), dtype=torch.float32).eval()
+    ids = torch.randint(5, 500, (2, prompt), generator=torch.Generator().manual_seed(3))
+    new = 12
+    eager = decode_to_the_last_slot(StaticDecoder(model, max_length=prompt + new, cuda_graph=False), ids, new)
+    seq = ids
+    with torch.inference_mode():
+        for _ in range(new):
+            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(eager[0], seq[:, prompt:])
+    graphed = StaticDecoder(model, max_length=prompt + new, cuda_graph=True)
+    layers = lambda: [layer for cache in graphed._caches.values() for layer in cache.layers]  # noqa: E731
+    monkeypatch.setattr(cuda_graphs, "capture", lambda fn, pool=None, warmup=2: emulated_capture(
+        fn, pool, warmup, frozen=layers()))
+    assert_same_decode(decode_to_the_last_slot(graphed, ids, new), eager)
+    assert graphed.graph_failed is None and graphed._graphs
+    assert_same_decode(decode_to_the_last_slot(graphed, ids, new), eager)  # replayed after the cache's reset
