@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -197,8 +197,6 @@ def read_own_report(report: Path) -> dict | None:
 def absolute_paths(ms):
     """The settings `run` records, with their paths absolute (the output, the recipe file and a model folder), so a
     path spelled otherwise (relative, absolute, `./`) is the same input and no stage is redone for it."""
-    from dataclasses import replace
-
     model = ms.model
     if model is not None and Path(model).expanduser().exists():  # a folder, not a bundled name or hub id
         model = os.path.abspath(Path(model).expanduser())
@@ -209,8 +207,10 @@ def absolute_paths(ms):
 def check_recipe(r, ms) -> None:
     """Every stage's settings, checked before any stage runs (a later stage's refusal after hours of measuring
     wastes them); a refusal names the recipe key."""
+    from hqtflow.choices import KVCache
     from hqtflow.errors import CalibrationError, ConfigError
     from hqtflow.measure.run import load_measure_config
+    from hqtflow.recipes import kv_cache_for
 
     def checked(key: str, check: Callable[[], object]) -> None:
         try:
@@ -223,6 +223,9 @@ def check_recipe(r, ms) -> None:
     from hqtflow.quantize.run import plan_config
 
     checked("quant_config", lambda: plan_config(r.quantize.settings(ms.output, ms.output)))
+    if kv_cache_for(r) == KVCache.FP8 and r.quantize.kv_cache != KVCache.FP8 and not r.eval.empty:
+        raise ConfigError(f"Recipe {r.path}, 'eval.kv_cache': fp8 reads the checkpoint's k/v scales, which only "
+                          "`kv_cache: fp8` quantizes: set it, or eval's kv_cache to bf16.")
     if r.eval.tasks:
         from hqtflow import lmeval
 
@@ -242,7 +245,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     from hqtflow.formats.measurement import KV_FILE
     from hqtflow.measure.run import measure
     from hqtflow.quantize.run import quantize
-    from hqtflow.recipes import load_recipe, measure_settings, with_data_dir
+    from hqtflow.recipes import kv_cache_for, load_recipe, measure_settings, with_data_dir
     from hqtflow.unify import unify
 
     r = load_recipe(recipe)
@@ -285,7 +288,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
             echo(f"quantize: {qs.output} was {why}.")
         echo(f"quantize: writing {qs.output}")
         quantize(qs, trust_pickle=trust_pickle)
-    ev = r.eval
+    ev = replace(r.eval, kv_cache=kv_cache_for(r).value)  # recorded: another KV cache redoes the eval
     ev_json = ev.to_json()
     if ev.empty:
         echo("eval: the recipe has no `eval` section, skipped.")

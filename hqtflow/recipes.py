@@ -8,7 +8,7 @@ always was):
 - quantize (QuantizeSettings): quant_config (-> config), kv_cache, gptq (true: measure also records Hessians and
   quantize rounds the weights with GPTQ);
 - eval (`hqtflow run`'s run_eval): the `eval` mapping {tasks, include_path, data_dir, limit, ppl_file, ppl_windows,
-  batch_size (default: the measurement's)};
+  batch_size (default: the measurement's), kv_cache (default: quantize's, the cache the checkpoint is made for)};
 - gaudi: the optimum-habana / TGI-Gaudi commands of `hqtflow handoff` (checked there, see hqtflow/handoff.py);
 - and version (the recipe schema, 1; a newer one is refused), name (default: the file's stem), model_type, notes.
 
@@ -82,6 +82,7 @@ class EvalSection:
     ppl_file: str | None = _value("path")
     ppl_windows: int | None = _value("count")
     batch_size: int | None = _value("count")  # None in YAML: the measurement's batch size
+    kv_cache: KVCache | None = _value("kv_cache")  # None: the quantize section's (`kv_cache_for`)
 
     @property
     def empty(self) -> bool:
@@ -104,6 +105,11 @@ class Recipe:
     quantize: QuantizeSection = QuantizeSection()
     eval: EvalSection = EvalSection()
     gaudi: Mapping[str, Any] | None = None
+
+
+def kv_cache_for(recipe: Recipe) -> KVCache:
+    """The KV cache `hqtflow run` scores the checkpoint with: the eval section's, else the one it is quantized for."""
+    return recipe.eval.kv_cache or recipe.quantize.kv_cache
 
 
 # YAML layout: a top-level key -> (section, field); a nested mapping -> its section (fields named as in YAML)

@@ -251,3 +251,32 @@ def test_run_recipe_on_several_cards_unifies_to_one_rank(tiny_llama, data_dir, t
     second = run_cli("run", recipe)
     assert second.exit_code == 0, second.output
     assert second.stdout.count("up to date, skipped") == 3, second.stdout
+
+
+def test_run_recipe_evaluates_with_the_kv_cache_it_quantized_for(tiny_llama, data_dir, tmp_path):
+    """A recipe quantizing with `kv_cache: fp8` is evaluated through the FP8 KV cache (it was scored with a bf16 one,
+    unlike the checkpoint's use); its `eval.kv_cache` overrides that, and changing it redoes the eval only."""
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, data_dir, 2)
+    raw = yaml.safe_load(recipe.read_text())
+    raw["kv_cache"] = "fp8"
+    recipe.write_text(yaml.safe_dump(raw))
+    r = run_cli("run", recipe)
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert report["settings"]["kv_cache"] == "fp8" and report["eval"]["kv_cache"] == "fp8"
+    rep = tmp_path / "kv.json"
+    e = run_cli("eval", tmp_path / "run" / "fp8", "--no-baseline", "--ppl-file", data_dir / "wikitext2_test.txt",
+                "--ppl-windows", "2", "--kv-cache", "fp8", "--report", rep)
+    assert e.exit_code == 0, e.output
+    assert json.loads(rep.read_text())["results"]["fp8"] == report["results"]["fp8"]
+    raw["eval"]["kv_cache"] = "bf16"
+    recipe.write_text(yaml.safe_dump(raw))
+    r = run_cli("run", recipe)
+    assert r.exit_code == 0, r.output
+    assert [s for s in ("measure", "quantize", "eval") if f"{s}: writing" in r.stdout] == ["eval"], r.stdout
+    bf16 = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert bf16["settings"]["kv_cache"] == "bf16" and bf16["results"]["fp8"] != report["results"]["fp8"]
+    raw["kv_cache"], raw["eval"]["kv_cache"] = "bf16", "fp8"  # no k/v scales to score with: refused before measuring
+    recipe.write_text(yaml.safe_dump(raw))
+    r = run_cli("run", recipe)
+    assert r.exit_code == 2 and "'eval.kv_cache'" in r.stderr and "writing" not in r.stdout, r.output
