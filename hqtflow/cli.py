@@ -462,7 +462,8 @@ def eval_(
     limit: Annotated[Optional[int], typer.Option(help="Documents per task.")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward.")] = 8,
     ppl_file: Annotated[Optional[Path], typer.Option(help="Text for perplexity (e.g. ../shared/data/wikitext2_test.txt).")] = None,
-    ppl_windows: Annotated[Optional[int], typer.Option(help="At most this many disjoint perplexity windows of 512 tokens, or of the model's context where shorter (default: the whole file).")] = None,
+    ppl_windows: Annotated[Optional[int], typer.Option(help="At most this many disjoint perplexity windows of --max-length tokens, or of the model's context where shorter (default: the whole file).")] = None,
+    max_length: Annotated[int, typer.Option(help="Tokens of lm-eval's context (a longer prompt loses its start) and of a perplexity window; at most the model's context.")] = 512,
     report: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
     backend: Backend = "auto",
     dtype: ComputeDtype = "auto",
@@ -499,8 +500,8 @@ def eval_(
                         tasks=_csv(tasks) or (), include_path=tuple(map(str, include_path or ())),
                         data_dir=str(data_dir) if data_dir else None, limit=limit, batch_size=batch_size,
                         ppl_file=str(ppl_file) if ppl_file else None, ppl_windows=ppl_windows, report=report,
-                        backend=backend, dtype=dtype, device=run_device or "cpu", kv_cache=kv_cache,
-                        trust_pickle=trust_pickle))
+                        max_length=max_length, backend=backend, dtype=dtype, device=run_device or "cpu",
+                        kv_cache=kv_cache, trust_pickle=trust_pickle))
     if report is not None:
         typer.echo(f"Wrote {report}.")
 

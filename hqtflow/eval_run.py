@@ -43,12 +43,13 @@ def input_files(tasks, include_path, data_dir, ppl_file, manager=None) -> dict[s
 def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks: tuple[str, ...],
              include_path: tuple[str, ...], data_dir: str | None, limit: int | None, batch_size: int,
              ppl_file: str | None, ppl_windows: int | None, report: Path | None, backend: str = "auto",
-             dtype: str = "auto", loader=None, device: str = "cpu", kv_cache: str = "bf16",
+             dtype: str = "auto", loader=None, device: str = "cpu", kv_cache: str = "bf16", max_length: int = 512,
              trust_pickle: bool = False) -> str:
     """`loader`: returns (model, tokenizer, kind) in place of loading MODEL here (`--engine inc`); `device`: where
     MODEL (without a loader) and the bf16 baseline run; `kv_cache` "fp8": MODEL is scored through the FP8 KV cache
-    with its k/v scales (refused without them), the bf16 baseline always with a bf16 one; `trust_pickle`: load
-    models whose weights are only pickles (api.load_any)."""
+    with its k/v scales (refused without them), the bf16 baseline always with a bf16 one; `max_length`: lm-eval's
+    context and the perplexity window (each at most the model's context); `trust_pickle`: load models whose weights
+    are only pickles (api.load_any)."""
     from dataclasses import replace
 
     from hqtflow import lmeval
@@ -59,7 +60,8 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
 
     if not tasks and not ppl_file:
         raise HqtflowError("Nothing to evaluate: give --tasks and/or --ppl-file.")
-    for flag, value in (("--limit", limit), ("--batch-size", batch_size), ("--ppl-windows", ppl_windows)):
+    for flag, value in (("--limit", limit), ("--batch-size", batch_size), ("--ppl-windows", ppl_windows),
+                        ("--max-length", max_length)):
         if value is not None and value < 1:
             raise HqtflowError(f"{flag} must be at least 1, not {value}.")
     if ppl_file:
@@ -74,7 +76,8 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     settings = EvalSettings(tasks=tuple(absolute(t) if is_task_file(t) else t for t in tasks),
                             include_path=tuple(absolute(p) for p in include_path),
                             data_dir=absolute(data_dir), limit=limit, batch_size=batch_size,
-                            ppl_file=absolute(ppl_file), ppl_windows=ppl_windows, kv_cache=kv_cache)
+                            ppl_file=absolute(ppl_file), ppl_windows=ppl_windows, kv_cache=kv_cache,
+                            max_length=max_length, ppl_window=max_length)
     manager = None
     if tasks:
         manager = lmeval.task_manager(list(include_path), data_dir, list(tasks))

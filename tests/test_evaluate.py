@@ -284,3 +284,27 @@ def test_eval_cli_kv_cache(kv_checkpoint, tiny_llama, data_dir, tmp_path):
     last = lambda r: r.stderr.strip().splitlines()[-1]  # noqa: E731 (after the weight-loading bar)
     assert "no KV-cache scales (k_scale/v_scale)" in last(refused) and last(refused) == last(generate)
     assert run_cli("eval", kv_checkpoint, "--ppl-file", ppl, "--kv-cache", "int8").exit_code == 2
+
+
+def test_eval_cli_max_length(kv_checkpoint, data_dir, tmp_path, monkeypatch):
+    """`hqtflow eval --max-length N`: lm-eval's context and the perplexity window (fixed at 512 before, whatever the
+    task's prompts: a few-shot prompt was cut to its last 512 tokens, with no way to raise it); recorded in the
+    report; below 1 refused."""
+    import json
+
+    from conftest import run_cli
+    from hqtflow import lmeval
+
+    seen = []
+    build_lm = lmeval.build_lm
+    monkeypatch.setattr(lmeval, "build_lm", lambda *a, **kw: seen.append(kw["max_length"]) or build_lm(*a, **kw))
+    rep = tmp_path / "r.json"
+    r = run_cli("eval", kv_checkpoint, "--no-baseline", "--tasks", "lambada_openai_local", "--data-dir", data_dir,
+                "--limit", "2", "--ppl-file", data_dir / "wikitext2_test.txt", "--ppl-windows", "2",
+                "--max-length", "24", "--report", rep)
+    assert r.exit_code == 0, r.output
+    got = json.loads(rep.read_text())
+    assert seen == [24] and got["settings"]["max_length"] == got["settings"]["ppl_window"] == 24
+    assert got["results"]["fp8"]["wikitext"]["window"] == 24 and got["results"]["fp8"]["wikitext"]["tokens"] == 2 * 23
+    r = run_cli("eval", kv_checkpoint, "--ppl-file", data_dir / "wikitext2_test.txt", "--max-length", "0")
+    assert r.exit_code == 2 and "--max-length must be at least 1, not 0." in r.stderr, r.output
