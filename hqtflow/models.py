@@ -435,10 +435,47 @@ def _files_sha256(path: Path, files: list[Path], digest=None) -> str:
     return h.hexdigest()
 
 
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def _calibration_files_sha256(path: Path) -> str:
+    """`files_sha256` without the chat templates (CHAT_TEMPLATE_FILES, additional_chat_templates/, the `chat_template`
+    of tokenizer_config.json): what a measurement's calibration reads (raw text and lm-eval prompts, no chat template
+    applied), so a new chat template redoes quantize (the checkpoint carries it) but not measure."""
+    from hqtflow.formats.artifact import sha256_file
+
+    h = hashlib.sha256()
+    for f in side_files(path):
+        name = f.relative_to(path).as_posix()
+        if name in CHAT_TEMPLATE_FILES or name.startswith("additional_chat_templates/"):
+            continue
+        digest = sha256_file(f)
+        if name == "tokenizer_config.json":
+            try:
+                raw = json.loads(f.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                raw = None
+            if isinstance(raw, dict):
+                raw.pop("chat_template", None)
+                digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
+        h.update(f"{name}\0{digest}\n".encode())
+    return h.hexdigest()
+
+
+def same_calibration_model(recorded: dict, current: dict) -> bool:
+    """A measurement's recorded fingerprint and the model's now agree on everything calibration reads: all of it, but
+    `files_sha256` where both have `calibration_files_sha256` (a fingerprint of an older hqtflow has not: all of it)."""
+    if "calibration_files_sha256" in recorded and "calibration_files_sha256" in current:
+        return ({k: v for k, v in recorded.items() if k != "files_sha256"}
+                == {k: v for k, v in current.items() if k != "files_sha256"})
+    return recorded == current
+
+
 def fingerprint(path: Path) -> dict:
     """Identify a model without loading it: `id` hashes its config and the whole content of its weight files (their
     digests cached: file_digest); `files_sha256` its tokenizer, chat template and generation config
-    (MODEL_SIDE_FILES). `run` compares all of it; `same_model` (quantize, inspect) the id.
+    (MODEL_SIDE_FILES), `calibration_files_sha256` the same but the chat templates. `run` compares all of it (a
+    measurement: but its chat templates, same_calibration_model); `same_model` (quantize, inspect) the id.
     `weights_header_sha256` (every .safetensors file's tensor names, shapes and dtypes) is computed as scheme 1 did,
     to check a fingerprint an older hqtflow recorded; a .safetensors file that is not loaded (not in weight_files:
     macOS' `._model.safetensors`, a stray copy) and whose header cannot be read is left out (scheme 1 could not
@@ -465,6 +502,7 @@ def fingerprint(path: Path) -> dict:
         "weights_sha256": weights,
         "weights_header_sha256": headers.hexdigest(),
         "files_sha256": _files_sha256(path, side_files(path)),
+        "calibration_files_sha256": _calibration_files_sha256(path),
         "model_type": cfg.get("model_type"),
         "architectures": cfg.get("architectures"),
     }

@@ -102,7 +102,7 @@ def measurement_is_current(s) -> bool:
         return False
     if m.raw.get("config") != load_measure_config(s.config).to_dict():
         return False
-    if m.model != models.fingerprint(model_dir):
+    if not models.same_calibration_model(m.model, models.fingerprint(model_dir)):  # a new chat template alone: current
         return False
     for src in m.data["calibration"]["sources"]:
         if src["kind"] == "text" and (not Path(src["path"]).is_file() or sha256_file(Path(src["path"])) != src["sha256"]):
@@ -113,7 +113,8 @@ def measurement_is_current(s) -> bool:
     return True
 
 
-def checkpoint_is_current(q) -> bool:
+def checkpoint_is_current(q, model: str | None) -> bool:
+    from hqtflow import models
     from hqtflow.formats.artifact import ArtifactKind, read_manifest
     from hqtflow.formats.measurement import load_measurement
     from hqtflow.quantize.run import quant_config
@@ -125,7 +126,7 @@ def checkpoint_is_current(q) -> bool:
         return False
     return (not other_version(m.written_by) and _same_settings(m.data.get("settings", {}), asdict(q))
             and m.data.get("source_digest") == meas.digest()
-            and m.model == meas.manifest.model  # the model's fingerprint: its tokenizer files too
+            and m.model == models.fingerprint(models.resolve_model(model))  # the model now: its chat template too
             and m.raw.get("config") == quant_config(q).to_dict())
 
 
@@ -281,7 +282,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
             echo(f"unify: writing {one_rank} (ranks 0-{ms.tp - 1} -> 1)")
             unify(ms.output, [f"0-{ms.tp - 1}"], one_rank, overwrite=True)
     qs = r.quantize.settings(str(one_rank), str(root / "fp8"), overwrite=True)
-    if not force and current(lambda: checkpoint_is_current(qs)):
+    if not force and current(lambda: checkpoint_is_current(qs, ms.model)):
         echo(f"quantize: {qs.output} is up to date, skipped.")
     else:
         if not force and (why := _manifest_version(Path(qs.output), ArtifactKind.CHECKPOINT)):

@@ -156,7 +156,8 @@ def test_run_redoes_the_stages_whose_task_files_changed(tiny_llama, data_dir, tm
 
 def test_run_redoes_the_stages_of_a_changed_model_only(tiny_llama, data_dir, tmp_path, monkeypatch):
     """The model's fingerprint hashes its whole weights and its tokenizer, chat template and generation config: a
-    weight changed anywhere, or a new chat template, redoes measure and quantize (the checkpoint gets them); the same
+    weight changed anywhere, or a tokenizer setting, redoes measure and quantize; a new chat template (a file, or
+    tokenizer_config.json's) redoes quantize only (the checkpoint carries it; calibration applies none); the same
     recipe, output and model spelled otherwise (relative, absolute) redoes nothing; `model` is read from the recipe's
     folder wherever hqtflow runs."""
     import shutil
@@ -191,8 +192,14 @@ def test_run_redoes_the_stages_of_a_changed_model_only(tiny_llama, data_dir, tmp
     checkpoint = read_manifest(proj / "run" / "fp8", ArtifactKind.CHECKPOINT)
     assert checkpoint.model == models.fingerprint(proj / "model")
     (proj / "model" / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
-    run(recipe, "-o", proj / "run" / "measure", redone=("measure", "quantize", "eval"))
+    run(recipe, "-o", proj / "run" / "measure", redone=("quantize", "eval"))
     assert "[{{ m['content'] }}]" in (proj / "run" / "fp8" / "chat_template.jinja").read_text()
+    run(recipe, "-o", proj / "run" / "measure")
+    config = proj / "model" / "tokenizer_config.json"
+    edit_json(config, lambda c: c.update(chat_template="{{ messages[0]['content'] }}"))
+    run(recipe, "-o", proj / "run" / "measure", redone=("quantize", "eval"))
+    edit_json(config, lambda c: c.update(model_max_length=77))
+    run(recipe, "-o", proj / "run" / "measure", redone=("measure", "quantize", "eval"))
 
 
 def test_run_checks_every_stage_before_the_first(tiny_llama, data_dir, tmp_path):
