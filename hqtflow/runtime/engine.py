@@ -50,6 +50,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     watermark: bool = False  # TGI's Kirchenbauer et al. watermark (gamma 0.5, delta 2.0)
     top_n: int = 0  # top-n logprobs of each generated token
+    top_n_ties: bool = False  # TGI's "fuzzy" top-n: also every token tied with the n-th; else exactly n (OpenAI's)
     processed_logprobs: bool = False  # logprobs of the distribution sampled from (TGI's); else the model's (OpenAI's)
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and the top k
     prompt_logprobs_from: int = 1  # the first prompt token scored; those before get (None, []) (scoring a continuation)
@@ -567,12 +568,8 @@ class Engine:
         for row, req in enumerate(reqs):
             top = None
             if req.params.top_n and not req.finished:
-                if row in processed:  # as TGI, tokens the processors ruled out (-inf: a grammar's, top_k's) are not listed
-                    t = processed[row].topk(min(req.params.top_n, processed[row].numel()))
-                    top = [(i, v) for i, v in zip(t.indices.tolist(), t.values.tolist()) if v != -math.inf]
-                else:
-                    t = logprobs[at[row]].topk(req.params.top_n)
-                    top = list(zip(t.indices.tolist(), t.values.tolist()))
+                lp = processed[row] if row in processed else logprobs[at[row]]
+                top = _top_tokens(lp, req.params.top_n, req.params.top_n_ties)
             out.append((toks[row], chosen[row], top))
         return out
 
@@ -682,6 +679,17 @@ def _processed(req: Request) -> bool:
     p = req.params
     return bool(p.watermark or p.repetition_penalty != 1.0 or p.tgi_frequency_penalty or
                 ((p.presence_penalty or p.frequency_penalty) and req.generated) or p.logit_bias or req.matcher is not None)
+
+
+def _top_tokens(logprobs: torch.Tensor, n: int, ties: bool) -> list[tuple[int, float]]:
+    """The n likeliest (id, logprob), best first; with `ties`, also every token tied with the n-th (TGI's
+    batch_top_tokens). As TGI, tokens a processor ruled out (-inf: a grammar's, top_k's) are never listed."""
+    n = min(n, logprobs.numel())
+    if ties:
+        nth = float(logprobs.topk(n).values[-1])
+        n = int((logprobs >= (nth if nth != -math.inf else torch.finfo(logprobs.dtype).min)).sum().clamp(min=1))
+    t = logprobs.topk(n)
+    return [(i, v) for i, v in zip(t.indices.tolist(), t.values.tolist()) if v != -math.inf]
 
 
 def _decoding(req: Request) -> bool:

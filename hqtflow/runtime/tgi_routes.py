@@ -47,6 +47,7 @@ def sampling(ctx: Ctx, p: TgiParameters, n_input: int, default_max_new: int = 10
         temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
         repetition_penalty=p.repetition_penalty or 1.0, tgi_frequency_penalty=p.frequency_penalty or 0.0,
         stop=stop_list(p.stop, ctx.s.max_stop_sequences), seed=p.seed, watermark=p.watermark, top_n=p.top_n_tokens or 0,
+        top_n_ties=True,  # TGI's top-n: with every token tied with the n-th
         processed_logprobs=True,  # TGI's logprobs: of the distribution each token is sampled from
         prompt_logprobs=0 if p.decoder_input_details else None)
 

@@ -1,6 +1,7 @@
 """The continuous-batching engine: greedy equals model.generate, batching does not change any request's text."""
 
 import itertools
+import math
 import threading
 import time
 
@@ -460,6 +461,43 @@ def test_processed_logprobs_are_of_the_distribution_sampled_from(lm, engine):
     assert ev.token.logprob == 0.0 and len(ev.token.top) == 1
     greedy = [engine.generate(prompt, SamplingParams(max_new_tokens=4, top_n=3, processed_logprobs=p)) for p in (True, False)]
     assert [(e.token.id, e.token.logprob, e.token.top) for e in greedy[0]] == [(e.token.id, e.token.logprob, e.token.top) for e in greedy[1]]
+
+
+def test_tgi_top_n_lists_every_token_tied_with_the_nth(tiny_llama):
+    """TGI's top_n_tokens is "fuzzy": every token whose logprob equals the n-th's is listed too (TGI's
+    batch_top_tokens), so n=2 with the 2nd..5th tied lists 5; OpenAI's top_logprobs (top_n_ties off) lists exactly n.
+    Ties made real: the tiny Llama's lm_head rows of the 3rd..5th likeliest tokens set to the 2nd's."""
+    from hqtflow import models
+
+    model, tok = models.load_model(tiny_llama, "fp32"), models.load_tokenizer(tiny_llama)
+    prompt = ids(tok, PROMPTS[0])
+    with torch.inference_mode():
+        order = model(torch.tensor([prompt])).logits[0, -1].argsort(descending=True).tolist()
+        head = model.get_output_embeddings().weight
+        head[order[2:5]] = head[order[1]].clone()
+    eng = Engine(model, tok, max_batch_total_tokens=256).start()
+    try:
+        tied = eng.generate(prompt, SamplingParams(max_new_tokens=1, top_n=2, processed_logprobs=True, top_n_ties=True))[0]
+        exact = eng.generate(prompt, SamplingParams(max_new_tokens=1, top_n=2, processed_logprobs=True))[0]
+        top1 = eng.generate(prompt, SamplingParams(max_new_tokens=1, top_n=1, top_n_ties=True))[0]
+    finally:
+        eng.stop()
+    assert tied.token.top[0][0] == order[0] and sorted(i for i, _ in tied.token.top[1:]) == sorted(order[1:5])
+    assert len({v for _, v in tied.token.top[1:]}) == 1 and tied.token.top[0][1] > tied.token.top[1][1]
+    assert exact.token.top[0][0] == order[0] and len(exact.token.top) == 2
+    assert [i for i, _ in top1.token.top] == [order[0]]  # nothing ties with the first: one
+
+
+def test_tgi_top_n_ties_leave_out_ruled_out_tokens():
+    """With fewer finite tokens than n (top_k's -inf), the fuzzy top-n lists the finite ones only, as TGI (its n-th
+    -inf becomes the float minimum), not the whole -inf vocabulary."""
+    from hqtflow.runtime.engine import _top_tokens
+
+    lp = torch.tensor([-0.5, -1.0, -math.inf, -1.0, -math.inf, -3.0])
+    assert [i for i, _ in _top_tokens(lp, 2, ties=True)] == [0, 1, 3]
+    assert [i for i, _ in _top_tokens(lp, 2, ties=False)] == [0, 1]
+    assert [i for i, _ in _top_tokens(lp, 5, ties=True)] == [0, 1, 3, 5]
+    assert _top_tokens(torch.tensor([0.0, -math.inf, -math.inf]), 3, ties=True) == [(0, 0.0)]
 
 
 def test_top_p_keeps_transformers_smallest_set_reaching_the_mass():
