@@ -4,8 +4,9 @@ One background thread owns the model and a `KVPool` of fixed-size KV blocks (bf1
 k_scale/v_scale). Each step runs one flattened forward over every running sequence's next tokens: one token per
 decoding sequence and a prefill chunk (at most `max_prefill_tokens`, cut at fixed multiples of it, so a prompt's
 chunks are the same whatever else runs) for sequences still reading their prompt, up to `max_prefill_tokens`
-prompt tokens per step; several waiting requests can join in one step. Attention runs per sequence on its own
-blocks, so a request's output does not depend on its neighbours. Waiting requests are admitted (FIFO) while free
+prompt tokens per step; several waiting requests can join in one step (a chunk that does not fit what is left of
+the budget waits, the earliest prefilling sequence always getting its whole chunk, and shorter ones behind it take the
+rest). Attention runs per sequence on its own blocks, so a request's output does not depend on its neighbours. Waiting requests are admitted (FIFO) while free
 blocks hold their prompt; when a decoding sequence needs a block and none is free, the most recently admitted
 sequence is preempted (its blocks freed; when it is admitted again, its prompt is recomputed in the same chunks and
 what it had generated one token a step, as each was computed first, so its output does not depend on the preemption).
@@ -381,7 +382,9 @@ class Engine:
 
     def _schedule(self) -> list[tuple[Request, int]]:
         """(request, new tokens) for this step: every decoding sequence's next token (growing its block table,
-        preempting the newest sequences when blocks run out), then prefill chunks within max_prefill_tokens."""
+        preempting the newest sequences when blocks run out), then prefill chunks within max_prefill_tokens, in
+        admission order (a chunk that does not fit what is left is passed over: the first prefilling sequence always
+        gets its whole chunk, so none waits on those behind it)."""
         self._drop_finished()
         plan: list[tuple[Request, int]] = []
         for req in list(self.active):
@@ -406,8 +409,8 @@ class Engine:
                 n = min(len(req.input_ids) - req.computed, chunk - req.computed % chunk)
             else:  # what it generated before a preemption: a token a step, as it was computed first (decode attention)
                 n = 1
-            if n > budget:
-                break
+            if n > budget:  # its fixed chunk waits for a later step; those behind it may take the rest
+                continue
             budget -= n
             plan.append((req, n))
         return plan

@@ -621,6 +621,33 @@ def test_identical_requests_are_distinct_under_preemption(lm16):
     assert len({tuple(r.generated) for r in reqs}) == 1 and eng.pool.num_free == 4
 
 
+def test_prefill_budget_a_long_chunk_leaves_goes_to_the_prompts_behind_it(lm):
+    """Chunks are cut at fixed multiples of max_prefill_tokens, so a long prompt whose chunk does not fit what an
+    earlier prompt left of the step's budget waits for the next step; the short prompts behind it take that rest
+    now (they waited for the long prompt's whole prefill: TGI would have cut the long chunk to the rest and run it).
+    Next step the long prompt, ahead of them, gets its whole chunk: its chunks and outputs do not change."""
+    model, tok = lm
+    short, later, long_prompt = ids(tok, PROMPTS[0]), ids(tok, PROMPTS[2]), ids(tok, " ".join(PROMPTS * 2))
+    assert len(long_prompt) > 32 + len(short)
+    eng = Engine(model, tok, max_prefill_tokens=32, max_batch_total_tokens=512)
+    steps = []
+    eng.on_step = lambda kind, b, dt, shape: steps.append(shape)
+    out: dict = {}
+    reqs = [eng.submit(x, SamplingParams(max_new_tokens=2), lambda ev, k=k: out.setdefault(k, []).append(ev))
+            for k, x in (("short", short), ("long", long_prompt), ("later", later))]
+    eng.step()
+    assert steps == [(2, len(short) + len(later))] and "later" in out and reqs[1].computed == 0
+    eng.step()
+    assert reqs[1].computed == 32  # its first chunk, whole
+    while eng.step():
+        pass
+    alone = Engine(model, tok, max_prefill_tokens=32, max_batch_total_tokens=512)
+    ref = alone.submit(long_prompt, SamplingParams(max_new_tokens=2), lambda ev: out.setdefault("ref", []).append(ev))
+    while alone.step():
+        pass
+    assert [e.token.id for e in out["long"]] == [e.token.id for e in out["ref"]] and ref.finished
+
+
 def test_chunked_prefill_runs_beside_decoding_streams(lm16):
     """A long prompt is prefilled in chunks of max_prefill_tokens while a running stream keeps decoding in the same
     steps; several waiting prompts share one step; outputs equal the ones alone (chunks are cut at fixed offsets)."""
