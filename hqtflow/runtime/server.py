@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from hqtflow.models import DEFAULT_MODEL
 from hqtflow.runtime import grammar
 from hqtflow.runtime.api import Ctx, ServeSettings, logits_width
+from hqtflow.runtime.docs_ui import docs_app
 from hqtflow.runtime.engine import STOPPED, Engine, SamplingParams
 from hqtflow.runtime.metrics import Metrics, metrics_router
 from hqtflow.runtime.openai_routes import openai_router
@@ -205,8 +206,8 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     metrics = Metrics(engine)
     engine.on_step = metrics.on_step
     state = {"in_flight": 0, "ready": not s.warmup}
-    app = FastAPI(title="hqtflow serve", lifespan=lifespan(engine, tokenizer, s, state, metrics),
-                  redirect_slashes=False)  # `/generate/` is a 404, not a redirect to a URL built from the Host header
+    app = docs_app(title="hqtflow serve", lifespan=lifespan(engine, tokenizer, s, state, metrics),
+                   redirect_slashes=False)  # `/generate/` is a 404, not a redirect to a URL built from the Host header
     app.state.engine, app.state.metrics, app.state.model_id, app.state.settings = engine, metrics, s.model_id, s
     add_error_handlers(app, metrics)
     app.middleware("http")(request_guard(s, metrics))

@@ -398,3 +398,40 @@ def test_streams_send_tgis_headers(url):
             assert r.status_code == 200 and h["x-accel-buffering"] == "no" and h["x-compute-type"] == "cpu", (path, h)
             if not path.startswith("/v1/"):
                 assert int(h["x-compute-characters"]) == len("The river"), h
+
+
+def _page_urls(html: str) -> list[str]:
+    """Every script, stylesheet, icon and link URL a page loads or points to, and the OpenAPI URL Swagger UI fetches."""
+    return re.findall(r'(?:src|href|spec-url)="([^"]*)"', html) + re.findall(r"""url:\s*['"]([^'"]+)['"]""", html)
+
+
+def test_docs_pages_need_no_network(url):
+    """/docs (Swagger UI) and /redoc load their scripts and styles from this server (the `docs` extra's
+    fastapi-offline copy), not from a CDN: offline they were a blank page. Each asset is served."""
+    import importlib.util
+
+    need(importlib.util.find_spec("fastapi_offline") is not None, "fastapi-offline (the docs extra) is not installed")
+    for page in ("/docs", "/redoc"):
+        r = httpx.get(f"{url}{page}")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), (page, r.status_code)
+        urls = _page_urls(r.text)
+        assert urls and not [u for u in urls if re.match(r"(https?:)?//", u)], (page, urls)
+        assert "/openapi.json" in urls, (page, urls)
+        for u in urls:
+            assert httpx.get(f"{url}{u}").status_code == 200, (page, u)
+
+
+def test_docs_page_without_the_docs_extra_says_what_to_install(lm, monkeypatch):
+    """Without fastapi-offline, /docs is a page that loads nothing from the network: it links /openapi.json and names
+    the extra that serves Swagger UI offline (FastAPI's own page would stay blank offline); /redoc is not served."""
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    monkeypatch.setitem(sys.modules, "fastapi_offline", None)  # import fails as if not installed
+    app = create_app(*lm, ServeSettings(model_id="tiny", max_input_tokens=48, max_total_tokens=96))
+    client = TestClient(app)  # no lifespan: the engine never starts
+    r = client.get("/docs")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert _page_urls(r.text) == ["/openapi.json"] and "hqtflow[docs]" in r.text
+    assert client.get("/redoc").status_code == 404
