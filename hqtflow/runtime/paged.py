@@ -502,19 +502,36 @@ def free_memory(device) -> tuple[int, str]:
     return available, "of available RAM"
 
 
+CUDA_RESERVE = 0.10  # the share of a CUDA GPU's memory a KV cache leaves free (see reserved_memory)
+
+
+def reserved_memory(device) -> int:
+    """Bytes a KV cache leaves free on `device` for what the steps allocate beside it: on a CUDA GPU CUDA_RESERVE of
+    its memory (a prefill chunk's activations and logits, cuBLAS's workspace, CUDA-graph pools; vLLM's default
+    gpu_memory_utilization 0.9 leaves as much, TGI 10% of what its warm-up left free); none in RAM."""
+    if torch.device(device).type != "cuda":
+        return 0
+    return int(CUDA_RESERVE * torch.cuda.get_device_properties(device).total_memory)
+
+
 def num_blocks(model, *, block_size: int, dtype: torch.dtype, fp8: bool, device, max_batch_total_tokens: int | None,
                memory_fraction: float = 0.5) -> int:
     """Blocks for `max_batch_total_tokens` KV tokens (TGI's knob), or for `memory_fraction` of the free memory; KV
-    tokens that need more than the free memory are refused (ResourceError) before anything is allocated."""
+    tokens that need more than the free memory less `reserved_memory` are refused (ResourceError) before anything
+    is allocated, and the default is capped by it."""
     from hqtflow.errors import ResourceError
 
     layers, kv, head_dim = geometry(model)
     per_token = KVPool.bytes_per_token(layers, kv, head_dim, dtype, fp8)
     free, what = free_memory(device)
+    reserve = reserved_memory(device)
+    usable = max(0, free - reserve)
     if max_batch_total_tokens is None:
-        max_batch_total_tokens = int(free * memory_fraction) // per_token
+        max_batch_total_tokens = int(min(free * memory_fraction, usable)) // per_token // block_size * block_size
     blocks = max(1, -(-max_batch_total_tokens // block_size))
-    if (need := blocks * block_size * per_token) > free:
+    if (need := blocks * block_size * per_token) > usable:
+        beside = (f" beside the {byte_size(reserve)} ({CUDA_RESERVE:.0%} of the GPU) kept for the steps' activations and "
+                  "workspaces" if reserve else "")
         raise ResourceError(f"A KV cache of {max_batch_total_tokens} tokens needs {byte_size(need)} ({per_token} bytes a token), "
-                            f"more than the {byte_size(free)} {what}.")
+                            f"more than the {byte_size(usable)} {what}{beside}.")
     return blocks

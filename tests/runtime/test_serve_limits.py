@@ -111,6 +111,41 @@ def test_a_cpu_kv_cache_is_sized_within_a_cgroups_memory_limit(monkeypatch):
     assert paged.free_memory("cpu") == (3 * 2**30, "of available RAM")
 
 
+def test_a_cuda_kv_cache_leaves_a_tenth_of_the_gpu_for_the_steps(monkeypatch):
+    """On a CUDA GPU the KV cache leaves 10% of the GPU's memory free (a prefill chunk's activations and logits,
+    cuBLAS's workspace, CUDA-graph pools: vLLM's gpu_memory_utilization 0.9 leaves as much): --max-batch-total-tokens
+    that needs more than the free memory less that reserve is refused before anything is allocated (it was accepted up
+    to all the free memory, then the first steps ran out of memory), and the default (half the free memory) is capped
+    by it. Fake numbers: a 16 GiB GPU, 2 KiB a token; in RAM nothing is reserved."""
+    import types
+
+    import torch
+
+    from hqtflow.errors import ResourceError
+    from hqtflow.runtime import paged
+
+    gib, free = 2**30, [10 * 2**30]
+    monkeypatch.setattr(paged, "geometry", lambda model: (1, 1, 512))  # bf16: 2 * 512 * 2 = 2048 bytes a token
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 16 * gib))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(total_memory=16 * gib))
+
+    def blocks(tokens, device="cuda"):
+        return paged.num_blocks(None, block_size=16, dtype=torch.bfloat16, fp8=False, device=device,
+                                max_batch_total_tokens=tokens)
+
+    usable = int(10 * gib - 1.6 * gib)  # 8.4 GiB: 10 GiB free less 10% of 16 GiB
+    assert blocks(usable // 2048 // 16 * 16) == usable // 2048 // 16  # up to the reserve
+    with pytest.raises(ResourceError) as e:
+        blocks(9 * gib // 2048)  # fits the free 10 GiB, not beside the reserve
+    assert str(e.value) == ("A KV cache of 4718592 tokens needs 9.0 GiB (2048 bytes a token), more than the 8.4 GiB free "
+                            "on the GPU beside the 1.6 GiB (10% of the GPU) kept for the steps' activations and workspaces.")
+    assert blocks(None) * 16 * 2048 == 5 * gib  # half the free memory
+    free[0] = 2 * gib
+    assert blocks(None) * 16 * 2048 <= 0.4 * gib  # half the free 2 GiB would not leave the reserve: 0.4 GiB
+    monkeypatch.setattr(paged, "free_memory", lambda device: (10 * gib, "of available RAM"))
+    assert blocks(10 * gib // 2048, device="cpu") * 16 * 2048 == 10 * gib  # no reserve in RAM
+
+
 def test_a_kv_cache_the_allocator_refuses_is_one_sentence(monkeypatch):
     import torch
 
