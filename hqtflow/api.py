@@ -26,7 +26,7 @@ def load(path: str | Path, *, device: str = "cpu", verify: bool = True, backend:
     from hqtflow.quantize.fp8_linear import set_backend
 
     device = run_device(device, "device=")
-    dtype = resolve_dtype(dtype_name(dtype), device, "dtype=")
+    dtype = resolve_dtype(dtype_name(dtype), device, "dtype")
     path = Path(path)
     manifest = None
     if (path / MANIFEST).is_file() or not path.is_dir():  # hqtflow's: verified; read_manifest words a missing path

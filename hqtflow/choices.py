@@ -19,16 +19,49 @@ class KVCache(StrEnum):
     FP8 = "fp8"
 
 
-def parse(enum: type[E], value: str, what: str, error: type[ConfigError] = ConfigError) -> E:
-    """`value` as a member of `enum`, or an `error` naming `what`, the value and the valid values."""
+def parse(enum: type[E], value: str, what: str, error: type[ConfigError] = ConfigError, *, among=None) -> E:
+    """`value` as a member of `enum` (of `among`, a subset, where given), or an `error` naming `what`, the value and
+    the valid values."""
+    members = list(among or enum)
     try:
-        if not isinstance(value, str):  # Enum's own error would print the whole value
+        if not isinstance(value, str) or enum(value) not in members:  # Enum's own error would print the whole value
             raise ValueError
         return enum(value)
     except ValueError:
-        *rest, last = [m.value for m in enum]
-        valid = f"{', '.join(rest)} or {last}" if rest else last
-        raise error(f"{what} must be {valid}, not {brief(value)}.") from None
+        raise error(f"{what} must be {valid_values(members)}, not {brief(value)}.") from None
+
+
+def valid_values(members) -> str:
+    """The members' values as a message lists them: "a, b or c"."""
+    *rest, last = [m.value for m in members]
+    return f"{', '.join(rest)} or {last}" if rest else last
+
+
+class Dtype(StrEnum):
+    """A high-precision dtype: bf16, fp16 or fp32, and "auto" (the fastest here, hardware.fastest_dtype) where a
+    command picks its compute dtype. The one list of dtype names: every option, recipe key, config value and API
+    argument naming one is parsed by `parse_dtype`."""
+
+    AUTO = "auto"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+    @property
+    def torch(self):
+        """The torch dtype (torch.bfloat16, ...); AUTO has none."""
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.value]
+
+
+HP_DTYPES = (Dtype.BF16, Dtype.FP16, Dtype.FP32)  # the stored / computed ones (a model's, QUANT_CONFIG's hp_dtype)
+
+
+def parse_dtype(value, what: str = "--dtype", *, auto: bool = True, error: type[ConfigError] = ConfigError) -> Dtype:
+    """`value` as a Dtype (with `auto`: "auto" too), or an `error`: "--dtype must be auto, bf16, fp16 or fp32, not
+    'fp64'." (the same sentence for every command, recipe and API argument; `what` names the setting)."""
+    return parse(Dtype, value, what, error, among=None if auto else HP_DTYPES)
 
 
 class Backend(StrEnum):

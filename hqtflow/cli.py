@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from hqtflow.choices import HP_DTYPES, valid_values
 from hqtflow.environment import TGI_ENV
 from hqtflow.errors import (AccuracyWarning, FallbackWarning, HqtflowError, LeftoverWarning, ProvenanceWarning,
                             ResourceError)
@@ -248,7 +249,7 @@ def measure(
     batch_size: Annotated[int, typer.Option(help="Sequences per forward.")] = MeasureSettings.batch_size,
     max_length: Annotated[Optional[int], typer.Option(help="Tokens per sequence (text chunk size, lm-eval context). Default: the model's context, up to 512; a value longer than the model's context is refused.", show_default=False)] = MeasureSettings.max_length,
     tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (cards) to measure on.")] = MeasureSettings.tp,
-    dtype: Annotated[str, typer.Option(help="Model dtype: bf16, fp16 or fp32.")] = MeasureSettings.dtype,
+    dtype: Annotated[str, typer.Option(help=f"Model dtype: {valid_values(HP_DTYPES)}.")] = MeasureSettings.dtype,
     hessians: Annotated[bool, typer.Option(help="Also record each Linear input's second moment, the mean of x x^T (one float32 in_features^2 matrix per distinct input), which `quantize --gptq` needs.")] = MeasureSettings.hessians,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = MeasureSettings.overwrite,
     engine: Engine = "hqtflow",
@@ -346,7 +347,7 @@ def tune(
 
 
 Backend = Annotated[str, typer.Option(help="FP8 matmul: auto (CPU kernel / CUDA _scaled_mm), cpu, scaled_mm, or qdq (the reference).")]
-ComputeDtype = Annotated[str, typer.Option("--dtype", help="High-precision compute dtype: auto (bf16 with native bf16 dot products or on GPUs, else fp32), bf16, fp16 or fp32.")]
+ComputeDtype = Annotated[str, typer.Option("--dtype", help=f"High-precision compute dtype: auto (bf16 with native bf16 dot products or on GPUs, else fp32), {valid_values(HP_DTYPES)}.")]
 
 
 def _chat_prompt(tok, prompt: str, model: Optional[str]) -> str:
@@ -550,7 +551,7 @@ def import_hqt(
     directory: Annotated[Path, typer.Argument(help="Directory of HQT/INC measurement files (e.g. measure_hooks_maxabs_0_2.json ...).")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Measurement artifact directory to write.")] = ...,
     model: Annotated[Optional[str], typer.Option("--model", help="The model the files were measured on (recorded with its fingerprint).")] = None,
-    dtype: Annotated[str, typer.Option(help="Model dtype of the measuring run: bf16, fp16 or fp32.")] = "bf16",
+    dtype: Annotated[str, typer.Option(help=f"Model dtype of the measuring run: {valid_values(HP_DTYPES)}.")] = "bf16",
     world_size: Annotated[Optional[int], typer.Option(help="Pick this world size when the directory holds several measurements.")] = None,
     trust_pickle: Annotated[bool, typer.Option(help="Read a rank's .npz (a pickle) when its JSON twin is missing (the JSON twin is written into the artifact), and copy the foreign .npz files as they are; without it each .npz is written afresh from the checked JSON.")] = False,
     force: Annotated[bool, typer.Option(help="Import rank files that disagree (NumSamples, node sets); each override is printed.")] = False,

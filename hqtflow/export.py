@@ -143,7 +143,9 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
             notes.append("KV-cache scales dropped (INC's KV-cache layout is not written)")
         hp = tensors[f"{linears[0]}.weight_scale"].dtype
         if hp not in HP_DTYPE_NAMES:
-            raise ArtifactError(f"{checkpoint}: scales in {hp}; INC's hp_dtype is bf16, fp16 or fp32.")
+            from hqtflow.choices import HP_DTYPES, valid_values
+
+            raise ArtifactError(f"{checkpoint}: scales in {hp}; INC's hp_dtype is {valid_values(HP_DTYPES)}.")
         if from_ck and src_m.data.get("target") != "gaudi2":
             notes.append("weights use the full float8_e4m3fn range (448): for Gaudi2 (+-240) quantize with --scales-for gaudi2")
         qcfg = inc_quantization_config(scale_method=method, hp_dtype=HP_DTYPE_NAMES[hp], blocklist=ignore, base=base)

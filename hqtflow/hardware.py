@@ -42,7 +42,6 @@ def fastest_dtype(device: str = "cpu") -> str:
     return "bf16" if any(f in cpu_flags() for f in BF16_NATIVE_FLAGS) else "fp32"
 
 
-DTYPES = ("auto", "bf16", "fp16", "fp32")
 # torch's names of the high-precision dtypes (and a torch.dtype's str without "torch.") -> hqtflow's
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
@@ -51,7 +50,7 @@ def dtype_name(dtype):
     """hqtflow's name of a dtype given as hqtflow's name, torch's ("bfloat16") or a torch.dtype (torch.bfloat16), for
     the Python API; anything else is returned as it is, for resolve_dtype to refuse."""
     name = str(dtype).removeprefix("torch.")
-    return DTYPE_NAMES[name] if name in DTYPE_NAMES else name if name in DTYPES else dtype
+    return DTYPE_NAMES.get(name, dtype)
 
 
 RUN_DEVICES = ("auto", "cpu", "cuda")
@@ -84,12 +83,12 @@ def _said(name: str, value: str, quote: bool = False) -> str:
 
 
 def resolve_dtype(dtype: str | None, device: str = "cpu", name: str = "--dtype") -> str:
-    """"auto" (or None) -> fastest_dtype(device); bf16, fp16 and fp32 are returned as they are. `name`: as run_device's."""
-    if dtype not in (None, *DTYPES):
-        from hqtflow.errors import ConfigError
+    """"auto" (or None) -> fastest_dtype(device); bf16, fp16 and fp32 are returned as they are; anything else is
+    refused by choices.parse_dtype's sentence. `name`: the setting, "--dtype" or "dtype" in Python."""
+    from hqtflow.choices import Dtype, parse_dtype
 
-        raise ConfigError(f"Unknown {_said(name, dtype, quote=True)}; valid values are {', '.join(DTYPES)}.")
-    return fastest_dtype(device) if dtype in (None, "auto") else dtype
+    dtype = Dtype.AUTO if dtype is None else parse_dtype(dtype, name)
+    return fastest_dtype(device) if dtype == Dtype.AUTO else dtype.value
 
 
 # ---- free resources (monkeypatched by tests) -------------------------------------------------------------

@@ -34,10 +34,9 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
     directory, output = Path(directory), Path(output)
     if world_size is not None and world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, not {world_size}.")
-    from hqtflow.formats.quant_config import HP_DTYPES
+    from hqtflow.choices import parse_dtype
 
-    if dtype not in HP_DTYPES:
-        raise ConfigError(f"--dtype must be one of {', '.join(HP_DTYPES)}, not {dtype!r}.")
+    parse_dtype(dtype, auto=False)
     if not directory.is_dir():
         raise ArtifactError(f"HQT measurement directory {directory} {does_not_exist(directory)}.")
     check_not_partial(directory)

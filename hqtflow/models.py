@@ -34,12 +34,10 @@ def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:
 
 
 def torch_dtype(name: str):
-    from hqtflow.scales import HP_DTYPES
+    """torch's dtype of bf16, fp16 or fp32 (anything else: choices.parse_dtype's sentence, as a ModelError)."""
+    from hqtflow.choices import parse_dtype
 
-    try:
-        return HP_DTYPES[name]
-    except KeyError:
-        raise ModelError(f"Unknown dtype {name!r}; valid values are {', '.join(HP_DTYPES)}.") from None
+    return parse_dtype(name, "dtype", auto=False, error=ModelError).torch
 
 
 # ---- resolving a model reference --------------------------------------------------------------

@@ -312,9 +312,9 @@ class _Reader:
         return value if isinstance(value, bool) else self.fail(label, "true or false", value)
 
     def dtype(self, label: str, value: Any) -> str:
-        from hqtflow.formats.quant_config import HP_DTYPES
+        from hqtflow.choices import HP_DTYPES, valid_values
 
-        return value if value in HP_DTYPES else self.fail(label, f"one of {', '.join(HP_DTYPES)}", value)
+        return value if isinstance(value, str) and value in HP_DTYPES else self.fail(label, valid_values(HP_DTYPES), value)
 
     def model(self, label: str, value: Any) -> str:
         """A model folder beside the recipe (its path, resolved), else the text as `-m` takes it (a bundled name such

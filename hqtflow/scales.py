@@ -30,12 +30,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from hqtflow import choices
 from hqtflow.errors import ConfigError
 from hqtflow.formats.quant_config import INC_DYNAMIC_METHODS
 
 TARGETS = ("gaudi2", "gaudi3", "cpu", "cuda")
 FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
-HP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # config.HP_DTYPES' torch dtypes
+HP_DTYPES = {d.value: d.torch for d in choices.HP_DTYPES}  # hqtflow's name -> torch's dtype
 WEIGHT_BACKOFF, ACTIVATION_BACKOFF = 0.5, 0.25
 
 

@@ -49,7 +49,7 @@ CASES = {
                                "The data file /nonexistent.jsonl of lm-eval task bad_task does not exist"),
     "limit 0": (lambda w, m, t: [m, "--text", t, "--limit", "0"], "--limit must be at least 1, not 0"),
     "batch size 0": (lambda w, m, t: [m, "--text", t, "--batch-size", "0"], "--batch-size must be at least 1"),
-    "bad dtype": (lambda w, m, t: [m, "--text", t, "--dtype", "int4"], "--dtype must be one of"),
+    "bad dtype": (lambda w, m, t: [m, "--text", t, "--dtype", "int4"], "--dtype must be bf16, fp16 or fp32, not 'int4'."),
     "tp does not divide": (lambda w, m, t: [m, "--text", t, "--tp", "3"], "--tp 3 cannot split this model"),
     "missing recipe": (lambda w, m, t: [m, "--text", t, "-r", w / "nope.yaml"], "Recipe"),
 }

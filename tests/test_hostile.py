@@ -410,7 +410,7 @@ CASES = {
                                                    "-o", c.out], "not an HQT measurement file"),
     "import-hqt/--world-size 0": (lambda c: ["import-hqt", c.f2, "-o", c.out, "--world-size", "0"],
                                   "--world-size must be at least 1"),
-    "import-hqt/--dtype int4": (lambda c: ["import-hqt", c.f1, "-o", c.out, "--dtype", "int4"], "--dtype must be one of"),
+    "import-hqt/--dtype int4": (lambda c: ["import-hqt", c.f1, "-o", c.out, "--dtype", "int4"], "--dtype must be bf16, fp16 or fp32, not 'int4'."),
     "import-hqt/pickle not a dict": (lambda c: ["import-hqt", npz(c, np.arange(3)), "-o", c.out, "--trust-pickle"],
                                      "is not an INC measurement .npz"),
     "import-hqt/pickle dict without Nodes": (lambda c: ["import-hqt", npz(c, {"x": 1}), "-o", c.out, "--trust-pickle"],

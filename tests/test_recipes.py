@@ -381,8 +381,8 @@ def test_recipe_sections_are_the_stage_settings():
     ("calibration: {tasks: [1, 2]}", "'calibration.tasks' must be a list of names"),
     ("calibration: {text: 3}", "'calibration.text' must be a list, not 3"),
     ("config: [a]", "'config' must be a path"),
-    ("dtype: 16", "'dtype' must be one of bf16, fp16, fp32, not 16"),
-    ("dtype: bfloat17", "'dtype' must be one of bf16, fp16, fp32, not 'bfloat17'"),  # refused on reading, by its key
+    ("dtype: 16", "'dtype' must be bf16, fp16 or fp32, not 16"),
+    ("dtype: bfloat17", "'dtype' must be bf16, fp16 or fp32, not 'bfloat17'"),  # refused on reading, by its key
     ("gptq: yes please", "'gptq' must be true or false, not 'yes please'"),
 ])
 def test_recipe_values_refused(tmp_path, text, msg):

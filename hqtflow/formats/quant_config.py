@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hqtflow.choices import HP_DTYPES as HP_DTYPE_MEMBERS
 from hqtflow.errors import ConfigError, not_a_file, parse_problem
 
 MODES = ("MEASURE", "QUANTIZE", "LOAD", "NONE", "AUTO", "SHAPE")
@@ -44,7 +45,7 @@ SCALE_METHODS = (
 )
 INC_DYNAMIC_METHODS = ("act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw", "maxabs_pcs_pow2")
 FP8_FORMATS = ("E4M3", "E5M2")
-HP_DTYPES = ("bf16", "fp16", "fp32")
+HP_DTYPES = tuple(d.value for d in HP_DTYPE_MEMBERS)  # QUANT_CONFIG's hp_dtype, a measurement's model_dtype
 MEASURE_EXCLUDES = ("NONE", "INPUT", "OUTPUT", "PARAMS", "ALL")
 SCALE_FORMATS = ("scalar", "const")
 DEVICES_FOR_SCALES = ("GAUDI2", "GAUDI3", "CPU", "CUDA")

@@ -42,10 +42,9 @@ class MeasureSettings:
         if self.hessians and self.tp > 1:
             raise ConfigError("--hessians (a recipe's `gptq: true`) records GPTQ's statistics on one rank; measure "
                               "with --tp 1 (cards: 1; a checkpoint is written from one rank's measurement anyway).")
-        from hqtflow.formats.quant_config import HP_DTYPES
+        from hqtflow.choices import parse_dtype
 
-        if self.dtype not in HP_DTYPES:
-            raise ConfigError(f"--dtype must be one of {', '.join(HP_DTYPES)}, not {self.dtype!r}.")
+        parse_dtype(self.dtype, auto=False)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -146,7 +146,7 @@ def test_load_refuses_a_device_it_cannot_use_and_a_file(measured, tmp_path, monk
         hqtflow.load(out, device="cuda")
     with pytest.raises(ConfigError, match=r"Unknown device='gpu'; valid values are auto, cpu, cuda\.$"):
         hqtflow.load(out, device="gpu")
-    with pytest.raises(ConfigError, match=r"Unknown dtype='float8'"):
+    with pytest.raises(ConfigError, match=r"dtype must be auto, bf16, fp16 or fp32, not 'float8'\.$"):
         hqtflow.load(out, dtype="float8")
     with pytest.raises(ArtifactError, match=r"config.json is a file, not a directory\."):
         hqtflow.load(out / "config.json")

@@ -1,0 +1,60 @@
+"""The dtype matrix: models stored in fp32, fp16 and bf16 against every --dtype, and the one dtype enum
+(choices.Dtype) whose sentence every command, recipe and API argument refuses a wrong name with."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+
+COMPUTE = "--dtype must be auto, bf16, fp16 or fp32, not 'fp64'."  # generate, eval, serve, bench
+STORED = "--dtype must be bf16, fp16 or fp32, not 'fp64'."  # measure, import-hqt (no auto: a model's own dtype)
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_llama, wiki_text, tmp_path_factory):
+    d = tmp_path_factory.mktemp("dtypes")
+    r = run_cli("measure", tiny_llama, "-o", d / "m", "--text", wiki_text, "--limit", "1", "--max-length", "16")
+    assert r.exit_code == 0, r.output
+    return d / "m"
+
+
+@pytest.mark.parametrize("args, sentence", [
+    (lambda m, ck, t, o: ["measure", m, "-o", o, "--text", t, "--dtype", "fp64"], STORED),
+    (lambda m, ck, t, o: ["import-hqt", ck, "-o", o, "--dtype", "fp64"], STORED),
+    (lambda m, ck, t, o: ["generate", m, "--dtype", "fp64"], COMPUTE),
+    (lambda m, ck, t, o: ["eval", m, "--no-baseline", "--ppl-file", t, "--dtype", "fp64"], COMPUTE),
+    (lambda m, ck, t, o: ["bench", m, "--dtype", "fp64"], COMPUTE),
+], ids=["measure", "import-hqt", "generate", "eval", "bench"])
+def test_every_command_refuses_a_dtype_with_the_same_sentence(args, sentence, tiny_llama, measured, wiki_text, tmp_path):
+    r = run_cli(*args(tiny_llama, measured, wiki_text, tmp_path / "out"))
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert r.output.strip().splitlines()[-1] == f"Error: {sentence}", r.output
+
+
+def test_the_api_recipes_and_models_word_a_dtype_as_the_cli(tiny_llama, tmp_path):
+    import hqtflow
+    from hqtflow import models
+    from hqtflow.errors import ConfigError, ModelError
+
+    with pytest.raises(ConfigError, match=r"^dtype must be auto, bf16, fp16 or fp32, not 'float8'\.$"):
+        hqtflow.load(tmp_path, dtype="float8")
+    with pytest.raises(ModelError, match=r"^dtype must be bf16, fp16 or fp32, not 'auto'\.$"):
+        models.torch_dtype("auto")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tiny_llama}\ndtype: bfloat16\n")
+    r = run_cli("run", recipe)
+    assert r.exit_code != 0 and "'dtype' must be bf16, fp16 or fp32, not 'bfloat16'." in r.output, r.output
+
+
+def test_one_enum_lists_the_dtypes_everywhere():
+    import torch
+
+    from hqtflow import scales
+    from hqtflow.choices import HP_DTYPES, Dtype
+    from hqtflow.formats import quant_config
+
+    assert [d.value for d in Dtype] == ["auto", "bf16", "fp16", "fp32"]
+    assert quant_config.HP_DTYPES == ("bf16", "fp16", "fp32")
+    assert scales.HP_DTYPES == {d.value: d.torch for d in HP_DTYPES}
+    assert Dtype.FP16.torch is torch.float16
