@@ -83,5 +83,41 @@ def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto", device
     dtype = resolve_dtype(dtype, device)
     path = models.resolve_model(ref)
     if _is_fp8(path):
-        return (*load(path, backend=backend, dtype=dtype, device=device), "fp8")
-    return models.load_model(path, dtype, trust_pickle=trust_pickle).to(device), models.load_tokenizer(path), dtype
+        model, tok, kind = (*load(path, backend=backend, dtype=dtype, device=device), "fp8")
+    else:
+        model, tok, kind = models.load_model(path, dtype, trust_pickle=trust_pickle).to(device), models.load_tokenizer(path), dtype
+    if dtype == "fp16":
+        guard_fp16(model, ref or models.DEFAULT_MODEL)
+    return model, tok, kind
+
+
+class Fp16Overflow:
+    """A forward hook on a model's lm_head: logits holding NaN or infinity (activations past fp16's largest value,
+    65504, overflowed) raise a ModelError in one sentence, kept in `tripped` for callers whose engine thread turns
+    exceptions into a request's error, instead of text decoded from NaN logits or a NaN perplexity. Not checked
+    inside torch.compile'd code (the compiled engine's decode steps; its prefill is)."""
+
+    def __init__(self, name: str):
+        self.name, self.tripped = name, None
+
+    def __call__(self, module, inputs, output):
+        import torch
+
+        from hqtflow.errors import ModelError
+
+        if torch.compiler.is_compiling():  # a torch.compile'd decode step (--engine compiled): no graph break
+            return
+        if not bool(torch.isfinite(output).all()):
+            self.tripped = ModelError(f"{self.name} computes NaN or infinite logits in fp16 (its activations pass "
+                                      "fp16's largest value, 65504): run it with --dtype bf16 or fp32.")
+            raise self.tripped
+
+
+def guard_fp16(model, name: str) -> Fp16Overflow:
+    """Install an Fp16Overflow hook on `model`'s output embeddings (its lm_head); returns it (also `model.fp16_guard`)."""
+    guard = Fp16Overflow(name)
+    head = model.get_output_embeddings()
+    if head is not None:
+        head.register_forward_hook(guard)
+    model.fp16_guard = guard
+    return guard

@@ -431,6 +431,8 @@ def generate(
                 events = eng.generate(ids["input_ids"][0].tolist(), SamplingParams(max_new_tokens=max_new_tokens))
             finally:
                 eng.stop()
+            if events[-1].error and getattr(m, "fp16_guard", None) and m.fp16_guard.tripped:
+                raise m.fp16_guard.tripped  # the engine thread's error: fp16 overflowed (api.Fp16Overflow)
             if events[-1].error:  # nothing the user gave: a bug (exit 1, as any unexpected error)
                 raise RuntimeError(f"Generation failed: {events[-1].error}.")
             new = [e.token.id for e in events]

@@ -58,3 +58,37 @@ def test_one_enum_lists_the_dtypes_everywhere():
     assert quant_config.HP_DTYPES == ("bf16", "fp16", "fp32")
     assert scales.HP_DTYPES == {d.value: d.torch for d in HP_DTYPES}
     assert Dtype.FP16.torch is torch.float16
+
+
+@pytest.fixture(scope="module")
+def overflowing(tiny_factory, tmp_path_factory):
+    """The tiny Llama stored in fp32 with a first MLP whose output passes fp16's 65504 (fine in bf16 and fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_factory("llama", dtype="float32")
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        mlp = m.model.layers[0].mlp
+        mlp.up_proj.weight.mul_(100), mlp.gate_proj.weight.mul_(100), mlp.down_proj.weight.mul_(1000)
+    out = tmp_path_factory.mktemp("overflowing")
+    m.save_pretrained(out)
+    for f in src.glob("tokenizer*"):
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+FP16_SENTENCE = "computes NaN or infinite logits in fp16 (its activations pass fp16's largest value, 65504): run it with --dtype bf16 or fp32."
+
+
+@pytest.mark.parametrize("engine", ["serve", "transformers"])
+def test_fp16_overflow_in_generate_is_one_sentence_not_empty_text(overflowing, engine):
+    r = run_cli("generate", overflowing, "-p", "The capital of", "--max-new-tokens", "2", "--engine", engine, "--dtype", "fp16")
+    assert r.exit_code == 4 and FP16_SENTENCE in r.output and "Traceback" not in r.output, r.output
+    r = run_cli("generate", overflowing, "-p", "The capital of", "--max-new-tokens", "2", "--engine", engine, "--dtype", "fp32")
+    assert r.exit_code == 0, r.output
+
+
+def test_fp16_overflow_in_eval_is_one_sentence_not_a_nan_perplexity(overflowing, wiki_text):
+    r = run_cli("eval", overflowing, "--no-baseline", "--ppl-file", wiki_text, "--ppl-windows", "1", "--dtype", "fp16")
+    assert r.exit_code == 4 and FP16_SENTENCE in r.output and "nan" not in r.output, r.output
