@@ -92,3 +92,13 @@ def test_fp16_overflow_in_generate_is_one_sentence_not_empty_text(overflowing, e
 def test_fp16_overflow_in_eval_is_one_sentence_not_a_nan_perplexity(overflowing, wiki_text):
     r = run_cli("eval", overflowing, "--no-baseline", "--ppl-file", wiki_text, "--ppl-windows", "1", "--dtype", "fp16")
     assert r.exit_code == 4 and FP16_SENTENCE in r.output and "nan" not in r.output, r.output
+
+
+def test_fp16_overflow_in_measure_names_fp16_not_broken_weights(overflowing, wiki_text, tmp_path):
+    args = ["measure", overflowing, "--text", wiki_text, "--limit", "1", "--max-length", "16"]
+    r = run_cli(*args, "-o", tmp_path / "m16", "--dtype", "fp16")
+    assert r.exit_code == 4 and "Traceback" not in r.output, r.output
+    assert "in fp16 its activations pass fp16's largest value, 65504: measure it with --dtype bf16 or fp32" in r.output
+    assert "broken" not in r.output and not (tmp_path / "m16").exists()
+    r = run_cli(*args, "-o", tmp_path / "m32", "--dtype", "fp32")
+    assert r.exit_code == 0, r.output

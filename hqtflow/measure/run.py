@@ -158,7 +158,7 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         if session.tokens == 0:
             raise CalibrationError("Calibration ran no tokens through the model.")
 
-        _check_finite(session.stats(), kv, model_dir)
+        _check_finite(session.stats(), kv, model_dir, s.dtype)
         hessians_record = _write_hessians(stage.path, hessians, model_dir) if hessians is not None else None
         stem = mf.measurement_stem(cfg.dump_stats_path, cfg.observer, rank if world > 1 else None, world)
         files = mf.write_measurement(stage.path, stem, session.stats(), local_rank=rank if world > 1 else None,
@@ -237,17 +237,21 @@ def run_sources(s: MeasureSettings, texts, manager, tokenizer, forward, generate
     return sources
 
 
-def _check_finite(stats: dict, kv, model_dir: Path) -> None:
-    """NaN/inf weights or activations make statistics (and so scales) meaningless: refuse, naming the module."""
+def _check_finite(stats: dict, kv, model_dir: Path, dtype: str = "bf16") -> None:
+    """NaN/inf weights or activations make statistics (and so scales) meaningless: refuse, naming the module and the
+    likely cause: in fp16, activations past its largest value (65504) overflowing; else broken weights or data."""
     from hqtflow.errors import ArtifactError, ModelError
 
+    why = ("in fp16 its activations pass fp16's largest value, 65504: measure it with --dtype bf16 or fp32"
+           if dtype == "fp16" else "its weights or the data are broken")
     try:
         mf.check_statistics(mf.Measurement(stats, None, 0, "DynamicRange"), f"Model {model_dir}")
     except ArtifactError as e:
-        raise ModelError(f"{str(e).split('; re-measure')[0]}: its weights or the data are broken; nothing was written.") from None
+        raise ModelError(f"{str(e).split('; re-measure')[0]}: {why}; nothing was written.") from None
     bad = kv.non_finite() if kv is not None else None
     if bad:
-        raise ModelError(f"Model {model_dir}: the keys/values cached by {bad} are NaN or inf (broken weights?); "
+        why = why if dtype == "fp16" else "broken weights?"
+        raise ModelError(f"Model {model_dir}: the keys/values cached by {bad} are NaN or inf ({why}); "
                          "nothing was written.")
 
 
