@@ -40,6 +40,14 @@ def input_files(tasks, include_path, data_dir, ppl_file, manager=None) -> dict[s
     return files
 
 
+def compute_dtype(model) -> str | None:
+    """The high-precision dtype `model` ran in, as hqtflow names it (bf16, fp16, fp32): its first parameter in one
+    (FP8 weights and scales skipped); None for a model with none."""
+    from hqtflow.formats.checkpoint import HP_DTYPE_NAMES
+
+    return next((HP_DTYPE_NAMES[p.dtype] for p in model.parameters() if p.dtype in HP_DTYPE_NAMES), None)
+
+
 def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks: tuple[str, ...],
              include_path: tuple[str, ...], data_dir: str | None, limit: int | None, batch_size: int,
              ppl_file: str | None, ppl_windows: int | None, report: Path | None, backend: str = "auto",
@@ -91,7 +99,7 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
         models.recorded_model(base_ref, model, f"`hqtflow eval {model} --baseline MODEL` (the bf16 model it was quantized from), or --no-baseline")
     if base_ref:
         candidates["bf16"] = base_ref
-    results, paths = {}, {}
+    results, paths, dtypes = {}, {}, {}
     m, tok, kind = loader() if loader else load_any(model, dtype, backend=backend, device=device,
                                                     trust_pickle=trust_pickle)
     if kv_cache == "fp8":
@@ -107,14 +115,16 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
         with bf16_matmuls_via_fp32():
             results[n] = evaluate(bm, btok, replace(settings, kv_cache="bf16"), manager, label=n)
         paths[n] = _where(candidates[n])
+        dtypes[n] = compute_dtype(bm)
         del bm
     results[names[-1]] = evaluate(m, tok, settings, manager, label=names[-1])
     paths[names[-1]] = _where(model)
+    dtypes[names[-1]] = compute_dtype(m)
     base = names[0]
     rows = comparison_rows(results, base)
     if report is not None:
         from hqtflow.formats.artifact import write_json_atomic
 
-        write_json_atomic(report, {"models": paths, "baseline": base, "settings": settings.__dict__, "files": files,
-                                   "results": results, "comparison": rows}, default=str)
+        write_json_atomic(report, {"models": paths, "dtypes": dtypes, "baseline": base, "settings": settings.__dict__,
+                                   "files": files, "results": results, "comparison": rows}, default=str)
     return format_table(rows, names, base)

@@ -102,3 +102,18 @@ def test_fp16_overflow_in_measure_names_fp16_not_broken_weights(overflowing, wik
     assert "broken" not in r.output and not (tmp_path / "m16").exists()
     r = run_cli(*args, "-o", tmp_path / "m32", "--dtype", "fp32")
     assert r.exit_code == 0, r.output
+
+
+def test_eval_report_records_the_dtype_each_model_ran_in(measured, tiny_llama, wiki_text, tmp_path):
+    """--dtype fp16 (or auto, whatever it resolves to here) is what the FP8 model ran in; the baseline is bf16."""
+    import json
+
+    from hqtflow.hardware import fastest_dtype
+
+    ck = tmp_path / "ck"
+    assert run_cli("quantize", tiny_llama, "-m", measured, "-o", ck).exit_code == 0
+    for asked, ran in (("fp16", "fp16"), ("auto", fastest_dtype())):
+        rep = tmp_path / f"{asked}.json"
+        r = run_cli("eval", ck, "--ppl-file", wiki_text, "--ppl-windows", "1", "--dtype", asked, "--report", rep)
+        assert r.exit_code == 0, r.output
+        assert json.loads(rep.read_text())["dtypes"] == {"bf16": "bf16", "fp8": ran}
