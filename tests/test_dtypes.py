@@ -117,3 +117,23 @@ def test_eval_report_records_the_dtype_each_model_ran_in(measured, tiny_llama, w
         r = run_cli("eval", ck, "--ppl-file", wiki_text, "--ppl-windows", "1", "--dtype", asked, "--report", rep)
         assert r.exit_code == 0, r.output
         assert json.loads(rep.read_text())["dtypes"] == {"bf16": "bf16", "fp8": ran}
+
+
+def test_serve_fp8_with_a_measurement_resolves_auto_for_the_serving_device(tiny_llama, measured, monkeypatch):
+    """`serve fp8 MODEL -m DIR --dtype auto` quantizes at start: auto is the fastest dtype where it is served (bf16 on
+    a GPU; "meta" stands for one here), not the CPU's (fp32 without native bf16); fp16 gets the overflow guard."""
+    from hqtflow import hardware
+    from hqtflow.eval_run import compute_dtype
+    from hqtflow.runtime import server
+    from hqtflow.runtime.settings import ServeSettings
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: [])  # a CPU without native bf16: fp32 there
+    seen = {}
+    monkeypatch.setattr(server, "_app", lambda model, tok, settings: model)
+    monkeypatch.setattr(server, "_run", lambda app, sock: seen.setdefault("model", app))
+    for dtype, device, ran in (("auto", "meta", "bf16"), ("auto", "cpu", "fp32"), ("fp16", "cpu", "fp16")):
+        seen.clear()
+        server._serve(None, str(tiny_llama), ServeSettings(), kind="fp8", measurement=str(measured), backend="auto",
+                      dtype=dtype, device=device)
+        assert compute_dtype(seen["model"]) == ran, (dtype, device)
+        assert (getattr(seen["model"], "fp16_guard", None) is not None) == (ran == "fp16")

@@ -429,13 +429,18 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
             raise HqtflowError("--measurement quantizes at start: use it with `hqtflow serve fp8`.")
         from hqtflow.quantize.run import QuantizeSettings, quantize_in_memory
 
+        from hqtflow.api import guard_fp16
+        from hqtflow.hardware import resolve_dtype
         from hqtflow.quantize.fp8_linear import set_backend
 
+        dtype = resolve_dtype(dtype, device)  # auto: the fastest where it is served (bf16 on a GPU), as load_any
         model, tok = quantize_in_memory(QuantizeSettings(measurement=measurement, output="-", model=model_ref,
                                                          config=config, scale_method=scale_method), dtype,
                                         trust_pickle=trust_pickle)
         model.to(device)
         set_backend(model, backend)
+        if dtype == "fp16":
+            guard_fp16(model, model_ref or DEFAULT_MODEL)
         settings.model_id, settings.dtype = model_ref or DEFAULT_MODEL, "fp8"
         _run(_app(model, tok, settings), sock)
         return
