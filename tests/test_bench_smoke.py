@@ -170,3 +170,36 @@ def test_engine_vs_transformers_times_generation_only(tiny_llama, wiki_text):
     from hqtflow.hardware import fastest_dtype  # both sides in the faster high-precision dtype here
 
     assert f"model {tiny_llama.name} {fastest_dtype()} (the fastest" in r.stdout, r.stdout
+
+
+def test_fp8_linear_bench_smoke(cpu_kernel_loaded):
+    """bench/fp8_linear.py, one weight copy, M = 1 and 8, two calls: a row per shape and M whose cells are ratios to
+    the faster high-precision Linear (one of bf16 / fp32 is that baseline, 1.00x), and a verdict line per row."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_linear.py"), "--device", "cpu", "--hot", "--ms", "1,8",
+                        "--iters", "2", "--columns", "cpu w8a8,cpu w-only"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "CPU flags" in r.stdout and "speed vs the faster of bf16 and fp32 F.linear" in r.stdout, r.stdout
+    rows = re.findall(r"^(.+?) +(\d+) +[\d.]+ +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x$", r.stdout, re.M)
+    assert [(row[0], row[1]) for row in rows] == [(s, m) for s in ("4096x4096", "smollm2 q/o 576x576",
+                                                                    "smollm2 up 576->1536", "smollm2 down 1536->576")
+                                                  for m in ("1", "8")], r.stdout
+    for _, _, bf16, fp32, *fp8 in rows:
+        assert max(float(bf16), float(fp32)) == 1.0 and all(float(v) > 0 for v in fp8), r.stdout
+    assert len(re.findall(r"^.+ M=\d+: cpu (w8a8|fp32) .* [\d.]+x \(target [\d.]+x\) (met|NOT met)$", r.stdout, re.M)) == 8
+    assert re.search(r"lowest SQNR [\d.]+ dB", r.stdout), r.stdout
+
+
+def test_moe_experts_bench_smoke(cpu_kernel_loaded):
+    """bench/moe_experts.py on a small experts layer (8 experts, top-2, hidden 128): a row per M of ratios to the
+    fastest high-precision column (which reads 1.00x and is named), the FP8 output's SQNR checked first."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_experts.py"), "--ms", "1,8", "--iters", "2",
+                        "--experts", "8", "--top-k", "2", "--hidden", "128", "--inter", "64"], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "CPU flags" in r.stdout and "fp8 w8a8 bf16" in r.stdout, r.stdout
+    rows = re.findall(r"^ +(\d+)((?: +[\d.]+x){6}) +(bf16|fp32) (grouped_mm|eager) [\d.]+; FP8 output SQNR >= ([\d.]+) dB$",
+                      r.stdout, re.M)
+    assert [row[0] for row in rows] == ["1", "8"], r.stdout
+    for _, cells, *_, db in rows:
+        ratios = [float(c.rstrip("x")) for c in cells.split()]
+        assert max(ratios[:4]) == 1.0 and all(v > 0 for v in ratios) and float(db) >= 20, r.stdout
