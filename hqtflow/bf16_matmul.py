@@ -2,8 +2,9 @@
 
 A bf16 GEMM multiplies bf16 values (exactly, in fp32), sums in fp32 and rounds once to bf16; `F.linear(x.float(),
 w.float()).bfloat16()` computes that function too, only the order of the sums differs (as it does between any two
-GEMM kernels, and within one as the shape changes). On CPUs without AVX512-BF16/AMX torch emulates bf16 matmuls, 4.7x
-slower than this at 2048 x 576 -> 1536 on a 2-core AVX2 EPYC. hqtflow runs its prefill-shaped bf16 work this way
+GEMM kernels, and within one as the shape changes). On CPUs without AVX512-BF16/AMX torch emulates bf16 matmuls, about
+5x slower than this at 2048 x 576 -> 1536 (`bench/bf16_matmul.py --as-avx2`: 4.9-6.7x with torch's AVX2 kernels on a
+shared 2-core machine; at 64-256 rows it does not pay). hqtflow runs its prefill-shaped bf16 work this way
 there: calibration forwards (hqtflow's and INC's engines alike) and the bf16 reference of `eval` and KL. The weight
 is widened per call, which suits many rows at a time, not decode.
 """

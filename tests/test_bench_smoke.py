@@ -203,3 +203,17 @@ def test_moe_experts_bench_smoke(cpu_kernel_loaded):
     for _, cells, *_, db in rows:
         ratios = [float(c.rstrip("x")) for c in cells.split()]
         assert max(ratios[:4]) == 1.0 and all(v > 0 for v in ratios) and float(db) >= 20, r.stdout
+
+
+def test_bf16_matmul_bench_smoke():
+    """bench/bf16_matmul.py --as-avx2 on a small shape: it reruns itself with torch's AVX2 kernels, checks the three
+    bf16 GEMMs agree, and prints each as a ratio to torch's bf16 matmul without native bf16 (the baseline, 1.00x)."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bf16_matmul.py"), "--shape", "64,576,256", "--iters", "2",
+                        "--as-avx2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "CPU flags" in r.stdout and "ATen CPU kernels AVX2, MKL instructions AVX2" in r.stdout, r.stdout
+    assert re.search(r"^outputs checked: the three bf16 GEMMs agree to SQNR >= [\d.]+ dB", r.stdout, re.M), r.stdout
+    rows = dict(re.findall(r"^(bf16 .+?) +([\d.]+)x$", r.stdout, re.M))
+    assert set(rows) == {"bf16 without native bf16", "bf16 via fp32 GEMM (hqtflow)", "bf16 native (oneDNN)"}, r.stdout
+    assert float(rows["bf16 without native bf16"]) == 1.0 and all(float(v) > 0 for v in rows.values()), r.stdout
+    assert re.search(r"^bf16 via fp32 GEMM: [\d.]+x torch's bf16 matmul without native bf16; [\d.]+x", r.stdout, re.M)

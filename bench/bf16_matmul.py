@@ -1,0 +1,98 @@
+"""bf16 matmuls through the fp32 GEMM (`hqtflow.bf16_matmul`, what hqtflow runs on CPUs without native bf16 dot
+products) vs torch's own bf16 matmul, at one Linear shape (default SmolLM2's up projection over 2048 rows), one run.
+
+Columns (speed relative to the baseline, > 1 = faster): the baseline is torch's bf16 `F.linear` as it runs on a
+CPU without AVX512-BF16/AMX (its emulated GEMM: oneDNN's bf16 path switched off, which is what such CPUs get), the
+path `bf16_matmuls_via_fp32` replaces; then hqtflow's fp32-GEMM path; then this machine's native bf16 matmul (oneDNN
+on), the fastest high-precision path where the CPU has native bf16 (`hqtflow.hardware.fastest_dtype`), where hqtflow
+leaves the mode off. Before timing, every column's output is checked against the others (all compute the same bf16
+GEMM, only the order of the sums differs: SQNR >= 40 dB). `--as-avx2` reruns the bench with torch's AVX2 kernels
+(ATen and MKL) on an AVX-512 machine: the arithmetic of the CPUs the mode is for.
+
+    python bench/bf16_matmul.py [--shape 2048,576,1536] [--iters 5] [--as-avx2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checks import require_sqnr  # noqa: E402
+from hqtflow.bf16_matmul import Bf16MatmulsViaFp32  # noqa: E402
+from hqtflow.hardware import fastest_dtype, machine_line  # noqa: E402
+
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def emulated_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """torch's bf16 linear without oneDNN's bf16 kernels: what a CPU without native bf16 computes."""
+    with torch.backends.mkldnn.flags(enabled=False, allow_tf32=None, fp32_precision=None):  # only the switch
+        return F.linear(x, w)
+
+
+def via_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with Bf16MatmulsViaFp32():
+        return F.linear(x, w)
+
+
+def timed(calls: dict, iters: int) -> dict[str, float]:
+    """Median seconds per call of each column, the columns interleaved call by call (a drifting host slows all)."""
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(iters):
+        for k, fn in calls.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="2048,576,1536", help="M,K,N: rows, in features, out features")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--as-avx2", action="store_true", help="rerun with torch's AVX2 kernels (ATen and MKL)")
+    a = ap.parse_args()
+    if a.as_avx2 and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
+    try:
+        m, k, n = (int(v) for v in a.shape.split(","))
+    except ValueError:
+        ap.error(f"--shape {a.shape!r}: give three integers M,K,N")
+    torch.set_grad_enabled(False)
+    print(machine_line())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ATen CPU kernels "
+          f"{torch.backends.cpu.get_cpu_capability()}, MKL instructions "
+          f"{os.environ.get('MKL_ENABLE_INSTRUCTIONS', 'all')}; "
+          f"fastest high-precision dtype here: {fastest_dtype()}; {m} x {k} -> {n}, median of {a.iters} calls")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    calls = {"bf16 without native bf16": lambda: emulated_bf16(x, w),
+             "bf16 via fp32 GEMM (hqtflow)": lambda: via_fp32(x, w),
+             "bf16 native (oneDNN)": lambda: F.linear(x, w)}
+    outs = {name: fn() for name, fn in calls.items()}  # also the warm-up
+    ref = outs["bf16 without native bf16"]
+    db = min(require_sqnr(name, ref, out, min_db=40.0) for name, out in outs.items())
+    t = timed(calls, a.iters)
+    base = t["bf16 without native bf16"]
+    print(f"outputs checked: the three bf16 GEMMs agree to SQNR >= {db:.1f} dB (>= 40 required)")
+    print(f"baseline: bf16 without native bf16, {base * 1e3:.1f} ms")
+    for name, sec in t.items():
+        print(f"{name:30} {base / sec:>7.2f}x")
+    gain = base / t["bf16 via fp32 GEMM (hqtflow)"]
+    native = t["bf16 native (oneDNN)"] / t["bf16 via fp32 GEMM (hqtflow)"]
+    print(f"bf16 via fp32 GEMM: {gain:.2f}x torch's bf16 matmul without native bf16; {native:.2f}x this machine's "
+          f"native bf16 matmul (hqtflow turns it on only where fastest_dtype is fp32: here {fastest_dtype()})")
+
+
+if __name__ == "__main__":
+    main()
