@@ -217,3 +217,17 @@ def test_bf16_matmul_bench_smoke():
     assert set(rows) == {"bf16 without native bf16", "bf16 via fp32 GEMM (hqtflow)", "bf16 native (oneDNN)"}, r.stdout
     assert float(rows["bf16 without native bf16"]) == 1.0 and all(float(v) > 0 for v in rows.values()), r.stdout
     assert re.search(r"^bf16 via fp32 GEMM: [\d.]+x torch's bf16 matmul without native bf16; [\d.]+x", r.stdout, re.M)
+
+
+def test_eval_throughput_bench_smoke(tiny_llama, data_dir):
+    """bench/eval_throughput.py on the tiny Llama, 2 documents: hqtflow's scoring and lm-eval's HFLM agree on the
+    accuracy before timing, and the speed is printed as a ratio to HFLM (the baseline, 1.00x)."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "eval_throughput.py"), "--model", str(tiny_llama),
+                        "--data-dir", str(data_dir), "--task", "piqa_local", "--limit", "2", "--batch-size", "2"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "CPU flags" in r.stdout and re.search(r"^acc: hqtflow [\d.]+, HFLM [\d.]+ \(0 documents differ\)$", r.stdout,
+                                                 re.M), r.stdout
+    rows = dict(re.findall(r"^(hqtflow eval|lm-eval HFLM) +([\d.]+)x$", r.stdout, re.M))
+    assert float(rows["lm-eval HFLM"]) == 1.0 and float(rows["hqtflow eval"]) > 0, r.stdout
+    assert re.search(r"^hqtflow eval scoring: [\d.]+x lm-eval HFLM's throughput$", r.stdout, re.M), r.stdout
