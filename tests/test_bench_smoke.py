@@ -231,3 +231,20 @@ def test_eval_throughput_bench_smoke(tiny_llama, data_dir):
     rows = dict(re.findall(r"^(hqtflow eval|lm-eval HFLM) +([\d.]+)x$", r.stdout, re.M))
     assert float(rows["lm-eval HFLM"]) == 1.0 and float(rows["hqtflow eval"]) > 0, r.stdout
     assert re.search(r"^hqtflow eval scoring: [\d.]+x lm-eval HFLM's throughput$", r.stdout, re.M), r.stdout
+
+
+def test_load_checkpoint_bench_smoke(tiny_llama, wiki_text, tmp_path):
+    """bench/load_checkpoint.py on a tiny FP8 checkpoint, one round: the loaded FP8 model's logits checked against the
+    bf16 model's first, then hqtflow.load (with and without hash checks) as ratios to transformers' bf16 load."""
+    from conftest import run_cli
+
+    assert run_cli("measure", tiny_llama, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2").exit_code == 0
+    assert run_cli("quantize", "-m", tmp_path / "m", "-o", tmp_path / "fp8").exit_code == 0
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "load_checkpoint.py"), "--checkpoint", str(tmp_path / "fp8"),
+                        "--rounds", "1"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "CPU flags" in r.stdout and re.search(r"^output checked: .* at \d+% of positions", r.stdout, re.M), r.stdout
+    rows = dict(re.findall(r"^(transformers bf16|hqtflow\.load(?: verify=False)?) +([\d.]+)x$", r.stdout, re.M))
+    assert float(rows.pop("transformers bf16")) == 1.0 and len(rows) == 2, r.stdout
+    assert all(float(v) > 0 for v in rows.values()), r.stdout
+    assert re.search(r"^FP8 checkpoint load: [\d.]+x transformers' bf16 load \([\d.]+x without", r.stdout, re.M), r.stdout
