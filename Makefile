@@ -30,8 +30,11 @@ test: prepare
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow" --durations=15
 
+# The CPU benches that need no FP8 checkpoint, at their small defaults (each prints ratios against a baseline of the same run).
 bench: prepare
 	$(BIN)/python bench/measure_overhead.py
+	$(BIN)/python bench/bf16_matmul.py
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python bench/eval_throughput.py
 
 clean:
 	rm -rf $(VENV) out hqt_output .pytest_cache
