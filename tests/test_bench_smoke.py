@@ -248,3 +248,15 @@ def test_load_checkpoint_bench_smoke(tiny_llama, wiki_text, tmp_path):
     assert float(rows.pop("transformers bf16")) == 1.0 and len(rows) == 2, r.stdout
     assert all(float(v) > 0 for v in rows.values()), r.stdout
     assert re.search(r"^FP8 checkpoint load: [\d.]+x transformers' bf16 load \([\d.]+x without", r.stdout, re.M), r.stdout
+
+
+def test_gptq_bench_smoke(cpu_kernel_loaded):
+    """bench/gptq.py, one call each: GPTQ's weight checked on its grid and below round-to-nearest's output error,
+    then a row per SmolLM2 shape with GPTQ's speed as a ratio to round-to-nearest (the baseline of the same run)."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gptq.py"), "--iters", "1", "--samples", "128"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "CPU flags" in r.stdout and "speed vs round-to-nearest" in r.stdout, r.stdout
+    rows = re.findall(r"^(smollm2 .+?) +[\d.]+ +([\d.]+)x +([\d.]+)$", r.stdout, re.M)
+    assert [row[0] for row in rows] == ["smollm2 q/o 576x576", "smollm2 up 576->1536", "smollm2 down 1536->576"], r.stdout
+    assert all(float(speed) > 0 and float(err) < 1 for _, speed, err in rows), r.stdout
