@@ -34,6 +34,7 @@ test-fast: setup
 bench: prepare
 	$(BIN)/python bench/measure_overhead.py
 	$(BIN)/python bench/bf16_matmul.py
+	$(BIN)/python bench/gptq.py
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python bench/eval_throughput.py
 
 clean:
