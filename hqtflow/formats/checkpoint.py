@@ -360,6 +360,7 @@ def skeleton_of(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     real), in `dtype` (None: the config's own, bf16 if it names none)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     from hqtflow.models import BUILD_ERRORS, bad_config, config_errors, load_config
 
@@ -372,7 +373,9 @@ def skeleton_of(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
         hp = dtype or (config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.bfloat16)
         if entries:
             _check_sizes(path, AutoModelForCausalLM, config, sum(_numel(e.shape) for e in entries.values()))
-        with init_empty_weights(include_buffers=False):  # parameters on meta; computed buffers (rotary) real
+        # parameters on meta; computed buffers (rotary) real, from __init__; no random init of the meta parameters
+        # (transformers' init_weights, a third of a small model's load, writes nothing a checkpoint does not replace)
+        with init_empty_weights(include_buffers=False), no_init_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=hp)
     except (*config_errors(), *BUILD_ERRORS) as e:
         raise bad_config(path, e) from None

@@ -93,6 +93,29 @@ def test_checkpoint_roundtrip(measured, tiny_llama, tmp_path):
         assert sqnr(bf16(ids).logits, model(ids).logits) > 15
 
 
+def test_load_runs_no_random_init_of_the_weights_it_replaces(measured, tmp_path, monkeypatch):
+    """hqtflow.load builds the model on the meta device and fills it from the checkpoint: transformers' random
+    init_weights (a third of a small model's load, bench/load_checkpoint.py) is not run; the rotary buffers, computed
+    in __init__, are the ones from_pretrained builds."""
+    import hqtflow
+    import transformers.initialization as hf_init
+    from transformers import AutoModelForCausalLM
+
+    out = quantize_cli(measured, tmp_path / "fp8")
+    calls = []
+    for name in ("normal_", "ones_", "zeros_", "copy_"):
+        orig = getattr(hf_init, name)
+        monkeypatch.setattr(hf_init, name, lambda *a, _o=orig, **k: calls.append(1) or _o(*a, **k))
+    model, _ = hqtflow.load(out, verify=False)
+    monkeypatch.undo()
+    assert calls == []
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16)
+    buffers = dict(model.named_buffers())
+    for name, b in ref.named_buffers():
+        if "rotary" in name:
+            assert torch.equal(buffers[name], b), name
+
+
 def test_weight_only_and_per_channel(measured, tmp_path):
     import hqtflow
 
