@@ -2,7 +2,8 @@
 
 Both sides go through the same `lm_eval.simple_evaluate` (the task built the same way, `bootstrap_iters=0`); only the
 LM differs: hqtflow's (`hqtflow.evaluate.evaluate`: the serving engine's log-likelihoods, or padded forwards for a
-model it cannot run) against `HFLM(pretrained=model)` at the same batch size. The model is loaded once, in the
+model it cannot run) against `HFLM(pretrained=model, softmax_dtype=float32)` (the same fp32 log-softmax) at the same
+batch size. The model is loaded once, in the
 fastest high-precision dtype here (`hqtflow.hardware.fastest_dtype`). Before timing, the warm-up run's metrics of the
 two are compared (they score the same documents: the accuracy may differ by bf16 rounding of a near tie, at most
 `--max-flips` documents); then the two are timed in alternated rounds and the ratio of the medians printed.
@@ -55,7 +56,8 @@ def main() -> None:
     manager = lmeval.task_manager([], a.data_dir, [a.task])
     lmeval.check_tasks([a.task], manager, a.data_dir)
     settings = EvalSettings(tasks=(a.task,), data_dir=a.data_dir, limit=a.limit, batch_size=a.batch_size)
-    hf_lm = HFLM(pretrained=model, tokenizer=tok, batch_size=a.batch_size, max_length=settings.max_length)
+    hf_lm = HFLM(pretrained=model, tokenizer=tok, batch_size=a.batch_size, max_length=settings.max_length,
+                 softmax_dtype=torch.float32)  # hqtflow's log-softmax is fp32 (lm-eval's default rounds to bf16)
     sides = {"hqtflow eval": lambda: evaluate(model, tok, settings, manager, show_progress=False)["tasks"],
              "lm-eval HFLM": lambda: lmeval.run_tasks(hf_lm, [a.task], manager, limit=a.limit)[0]}
     first = {name: fn() for name, fn in sides.items()}  # the warm-up, and the outputs compared before timing
