@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checks import require_sqnr  # noqa: E402
 from hqtflow.bf16_matmul import Bf16MatmulsViaFp32  # noqa: E402
 from hqtflow.hardware import fastest_dtype, machine_line  # noqa: E402
+from timing import interleaved_medians  # noqa: E402
 
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
@@ -42,17 +41,6 @@ def emulated_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def via_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     with Bf16MatmulsViaFp32():
         return F.linear(x, w)
-
-
-def timed(calls: dict, iters: int) -> dict[str, float]:
-    """Median seconds per call of each column, the columns interleaved call by call (a drifting host slows all)."""
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    for _ in range(iters):
-        for k, fn in calls.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
@@ -82,7 +70,7 @@ def main() -> None:
     outs = {name: fn() for name, fn in calls.items()}  # also the warm-up
     ref = outs["bf16 without native bf16"]
     db = min(require_sqnr(name, ref, out, min_db=40.0) for name, out in outs.items())
-    t = timed(calls, a.iters)
+    t = interleaved_medians(calls, a.iters)
     base = t["bf16 without native bf16"]
     print(f"outputs checked: the three bf16 GEMMs agree to SQNR >= {db:.1f} dB (>= 40 required)")
     print(f"baseline: bf16 without native bf16, {base * 1e3:.1f} ms")

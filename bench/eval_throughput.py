@@ -14,13 +14,12 @@ two are compared (they score the same documents: the accuracy may differ by bf16
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hqtflow.hardware import fastest_dtype, machine_line  # noqa: E402
+from timing import interleaved_medians  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +39,6 @@ def main() -> None:
         a.limit, a.rounds = 200, 3
     import torch
     from lm_eval.models.huggingface import HFLM
-    from tqdm import tqdm
 
     from hqtflow import lmeval, models
     from hqtflow.evaluate import EvalSettings, evaluate
@@ -68,15 +66,7 @@ def main() -> None:
         if flips > a.max_flips:
             sys.exit(f"{metric} differs between hqtflow's scoring and HFLM's by {flips} of {a.limit} documents (more "
                      f"than --max-flips {a.max_flips}): the scorer computes something else, so its speed is not reported.")
-    times: dict[str, list[float]] = {n: [] for n in sides}
-    with tqdm(total=a.rounds * len(sides), desc="timed evaluations", file=sys.stderr) as bar:
-        for _ in range(a.rounds):
-            for name, fn in sides.items():
-                t = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t)
-                bar.update()
-    med = {n: statistics.median(v) for n, v in times.items()}
+    med = interleaved_medians(sides, a.rounds, desc="timed evaluations")
     base = med["lm-eval HFLM"]
     print(f"baseline: lm-eval HFLM, median {base:.2f} s of {a.rounds} rounds")
     for name, sec in med.items():

@@ -12,9 +12,7 @@ logits are checked first (its top token in fp32's top 5 at >= 90% of positions; 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ from checkpoint import DEFAULT, fp8_and_source  # noqa: E402
 from checks import require_top5  # noqa: E402
 from hqtflow import models  # noqa: E402
 from hqtflow.hardware import fastest_dtype, machine_line  # noqa: E402
+from timing import interleaved_medians  # noqa: E402
 
 
 def main() -> None:
@@ -44,21 +43,12 @@ def main() -> None:
           f"high-precision dtype {next(fp8.parameters()).dtype}); forward of {a.batch} x {a.length} tokens; "
           f"threads {torch.get_num_threads()}; median of {a.runs} runs")
     print(f"torch {torch.__version__}; {machine_line()}; --dtype auto here: {fastest_dtype()}")
-    times: dict[str, list[float]] = {n: [] for n in engines}
     with torch.inference_mode():
         warm = {n: m(x[:2]).logits for n, m in engines.items()}  # warm-up, and the output check
     rate = require_top5("fp8 forward", warm["fp32"], warm["fp8"])
     print(f"outputs checked: the FP8 top token is in fp32's top 5 at {100 * rate:.0f}% of {x[:2].numel()} positions")
-    from tqdm import tqdm
-
-    with torch.inference_mode(), tqdm(total=a.runs * len(engines), desc="timed forwards", file=sys.stderr) as bar:
-        for _ in range(a.runs):  # interleaved, so drift hits all alike
-            for n, m in engines.items():
-                t = time.perf_counter()
-                m(x)
-                times[n].append(time.perf_counter() - t)
-                bar.update()
-    med = {n: statistics.median(v) for n, v in times.items()}
+    with torch.inference_mode():
+        med = interleaved_medians({n: (lambda m=m: m(x)) for n, m in engines.items()}, a.runs, desc="timed forwards")
     for n, v in med.items():
         print(f"{n:6} {v:8.2f} s  {a.batch * a.length / v:9.0f} tokens/s")
     best = min(("bf16", "fp32"), key=med.get)

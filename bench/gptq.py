@@ -14,9 +14,7 @@ round-to-nearest's (else the bench exits without a ratio). Timed interleaved, me
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hqtflow.hardware import machine_line  # noqa: E402
 from hqtflow.quantize.cpu_kernel import quantize_weight  # noqa: E402
 from hqtflow.quantize.gptq import gptq_round  # noqa: E402
+from timing import interleaved_medians  # noqa: E402
 
 SHAPES = {"smollm2 q/o 576x576": (576, 576), "smollm2 up 576->1536": (576, 1536), "smollm2 down 1536->576": (1536, 576)}
 FULL = {"4096x4096": (4096, 4096)}
@@ -59,13 +58,7 @@ def main() -> None:
         if not err["gptq"] < err["rtn"]:
             sys.exit(f"{label}: GPTQ's output error {err['gptq']:.4g} is not below round-to-nearest's {err['rtn']:.4g}, "
                      "so its speed is not reported.")
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(a.iters):
-            for name, fn in calls.items():
-                t = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t)
-        med = {name: statistics.median(v) for name, v in times.items()}
+        med = interleaved_medians(calls, a.iters)
         print(f"{label:24} {med['rtn'] * 1e3:>8.2f} {med['rtn'] / med['gptq']:>7.4f}x   {err['gptq'] / err['rtn']:>24.3f}",
               flush=True)
 

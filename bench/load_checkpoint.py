@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +27,7 @@ from hqtflow import models  # noqa: E402
 from hqtflow.eval_run import source_model  # noqa: E402
 from hqtflow.formats.artifact import MANIFEST  # noqa: E402
 from hqtflow.hardware import machine_line  # noqa: E402
+from timing import interleaved_medians  # noqa: E402
 
 TEXT = "The tower is 324 metres tall, about the same height as an 81-storey building, and the tallest structure in Paris."
 
@@ -44,7 +43,6 @@ def main() -> None:
     if not (ckpt / MANIFEST).is_file():
         sys.exit(f"No FP8 checkpoint at {ckpt}: run `make demo` (or pass --checkpoint).")
     import transformers
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hqtflow
@@ -62,17 +60,7 @@ def main() -> None:
     ids = tok(TEXT, return_tensors="pt").input_ids
     rate = require_top5("the loaded FP8 model", ref(ids).logits[0], fp8(ids).logits[0])
     del ref, fp8
-    times: dict[str, list[float]] = {k: [] for k in loads}
-    with tqdm(total=rounds * len(loads), desc="timed loads", file=sys.stderr) as bar:
-        for _ in range(rounds):
-            for name, fn in loads.items():
-                gc.collect()
-                t = time.perf_counter()
-                out = fn()
-                times[name].append(time.perf_counter() - t)
-                del out
-                bar.update()
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved_medians(loads, rounds, desc="timed loads", before=gc.collect)  # each load's model dropped at once
     base = med["transformers bf16"]
     print(f"output checked: the FP8 top token in the bf16 top 5 at {100 * rate:.0f}% of positions (>= 90% required)")
     print(f"baseline: transformers bf16 from_pretrained + tokenizer, median {base:.2f} s")

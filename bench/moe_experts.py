@@ -15,9 +15,7 @@ the fp32 experts' (SQNR >= 20 dB, else it exits without a ratio). Columns are ti
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +27,7 @@ from checks import require_sqnr  # noqa: E402
 from hqtflow.hardware import machine_line  # noqa: E402
 from hqtflow.quantize.experts import unfuse_experts  # noqa: E402
 from hqtflow.quantize.fp8_linear import FP8Linear, compute_in, set_backend  # noqa: E402
+from timing import interleaved_medians  # noqa: E402
 
 
 def fused_experts(hidden: int, inter: int, experts: int, dtype: torch.dtype, impl: str) -> nn.Module:
@@ -65,18 +64,6 @@ def fp8_experts(src: nn.Module, x: torch.Tensor, idx: torch.Tensor, dtype: torch
     compute_in(holder, dtype)  # what `--dtype` does to a loaded checkpoint
     set_backend(holder, "cpu")
     return holder.experts
-
-
-def timed(calls: dict[str, callable], iters: int) -> dict[str, float]:
-    for fn in calls.values():
-        fn()
-    times = {k: [] for k in calls}
-    for _ in range(iters):
-        for k, fn in calls.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
@@ -116,7 +103,9 @@ def main() -> None:
                       for dt, mod in fp8.items()})
         ref = calls["fp32 eager"]()  # the FP8 experts were made from these weights (same seed)
         db = min(require_sqnr(f"M={m} {c}", ref, calls[c]()) for c in cols[4:])
-        t = timed(calls, a.iters)
+        for fn in calls.values():  # warm-up
+            fn()
+        t = interleaved_medians(calls, a.iters)
         base_name = min(names.values(), key=lambda k: t[k])
         print(f"{m:>5}  " + "  ".join(f"{t[base_name] / t[c]:>14.2f}x" for c in cols) +
               f"   {base_name} {t[base_name] * 1e3:.1f}; FP8 output SQNR >= {db:.1f} dB")
