@@ -95,7 +95,7 @@ class Fp16Overflow:
     """A forward hook on a model's lm_head: logits holding NaN or infinity (activations past fp16's largest value,
     65504, overflowed) raise a ModelError in one sentence, kept in `tripped` for callers whose engine thread turns
     exceptions into a request's error, instead of text decoded from NaN logits or a NaN perplexity. Not checked
-    inside torch.compile'd code (the compiled engine's decode steps; its prefill is)."""
+    inside torch.compile'd code (the compiled engine's decode steps; its prefill is) nor in CUDA graph replays."""
 
     def __init__(self, name: str):
         self.name, self.tripped = name, None
@@ -106,6 +106,8 @@ class Fp16Overflow:
         from hqtflow.errors import ModelError
 
         if torch.compiler.is_compiling():  # a torch.compile'd decode step (--engine compiled): no graph break
+            return
+        if output.is_cuda and torch.cuda.is_current_stream_capturing():  # a CUDA graph capture: no host sync there
             return
         if not bool(torch.isfinite(output).all()):
             self.tripped = ModelError(f"{self.name} computes NaN or infinite logits in fp16 (its activations pass "

@@ -68,10 +68,10 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
 
     if not tasks and not ppl_file:
         raise HqtflowError("Nothing to evaluate: give --tasks and/or --ppl-file.")
-    for flag, value in (("--limit", limit), ("--batch-size", batch_size), ("--ppl-windows", ppl_windows),
-                        ("--max-length", max_length)):
-        if value is not None and value < 1:
-            raise HqtflowError(f"{flag} must be at least 1, not {value}.")
+    for flag, value, least in (("--limit", limit, 1), ("--batch-size", batch_size, 1), ("--ppl-windows", ppl_windows, 1),
+                               ("--max-length", max_length, 2)):  # a 1-token window predicts nothing
+        if value is not None and value < least:
+            raise HqtflowError(f"{flag} must be at least {least}, not {value}.")
     if ppl_file:
         from hqtflow.evaluate import read_ppl_text
 

@@ -126,7 +126,7 @@ def checkpoint_is_current(q, model: str | None) -> bool:
         return False
     return (not other_version(m.written_by) and _same_settings(m.data.get("settings", {}), asdict(q))
             and m.data.get("source_digest") == meas.digest()
-            and m.model == models.fingerprint(models.resolve_model(model))  # the model now: its chat template too
+            and models.same_fingerprint(m.model, models.fingerprint(models.resolve_model(model)))  # its chat template too
             and m.raw.get("config") == quant_config(q).to_dict())
 
 

@@ -94,6 +94,14 @@ def test_fp16_overflow_in_eval_is_one_sentence_not_a_nan_perplexity(overflowing,
     assert r.exit_code == 4 and FP16_SENTENCE in r.output and "nan" not in r.output, r.output
 
 
+def test_fp16_overflow_in_eval_tasks_is_the_same_sentence(overflowing, data_dir):
+    """lm-eval tasks score through the serving engine, whose thread turns the hook's error into the request's: eval
+    re-raises the guard's own sentence (exit 4), not 'The serving engine failed ...: ModelError: ...' (exit 6)."""
+    r = run_cli("eval", overflowing, "--no-baseline", "--tasks", "lambada_openai_local", "--data-dir", data_dir,
+                "--limit", "2", "--dtype", "fp16")
+    assert r.exit_code == 4 and FP16_SENTENCE in r.output and "ModelError" not in r.output, r.output
+
+
 def test_fp16_overflow_in_measure_names_fp16_not_broken_weights(overflowing, wiki_text, tmp_path):
     args = ["measure", overflowing, "--text", wiki_text, "--limit", "1", "--max-length", "16"]
     r = run_cli(*args, "-o", tmp_path / "m16", "--dtype", "fp16")

@@ -93,6 +93,18 @@ def test_an_older_fingerprint_is_checked_by_config_and_weight_headers(tiny_llama
     assert not models.same_model({**fp, "id": "0123456789abcdef"}, fp)
 
 
+def test_a_fingerprint_recorded_before_calibration_files_sha256_is_still_current(tiny_llama, tmp_path, monkeypatch):
+    """`run`'s currency checks: a measurement's or checkpoint's fingerprint written before hqtflow recorded
+    calibration_files_sha256 is the model's when all it has agrees (it redid every stage after an upgrade)."""
+    model = _copy(tiny_llama, tmp_path, monkeypatch)
+    fp = models.fingerprint(model)
+    older = {k: v for k, v in fp.items() if k != "calibration_files_sha256"}
+    assert models.same_fingerprint(older, fp) and models.same_calibration_model(older, fp)
+    assert models.same_fingerprint(fp, fp) and models.same_calibration_model(fp, fp)
+    other = {**older, "files_sha256": "1" * 64}  # its tokenizer or chat template since changed: not current
+    assert not models.same_fingerprint(other, fp) and not models.same_calibration_model(other, fp)
+
+
 STRAY = {"._model.safetensors": b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(range(256)) * 16,
          "consolidated.safetensors": b"\x10\0\0\0\0\0\0\0not json at all!"}
 

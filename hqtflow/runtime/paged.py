@@ -528,6 +528,10 @@ def num_blocks(model, *, block_size: int, dtype: torch.dtype, fp8: bool, device,
     usable = max(0, free - reserve)
     if max_batch_total_tokens is None:
         max_batch_total_tokens = int(min(free * memory_fraction, usable)) // per_token // block_size * block_size
+        if max_batch_total_tokens == 0:
+            kept = f" once {byte_size(reserve)} ({CUDA_RESERVE:.0%} of the GPU) is kept for the steps" if reserve else ""
+            raise ResourceError(f"Too little memory is free for a KV cache: {byte_size(usable)} {what}{kept}, less "
+                                f"than one block of {block_size} tokens ({block_size * per_token} bytes).")
     blocks = max(1, -(-max_batch_total_tokens // block_size))
     if (need := blocks * block_size * per_token) > usable:
         beside = (f" beside the {byte_size(reserve)} ({CUDA_RESERVE:.0%} of the GPU) kept for the steps' activations and "

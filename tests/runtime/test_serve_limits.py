@@ -142,6 +142,11 @@ def test_a_cuda_kv_cache_leaves_a_tenth_of_the_gpu_for_the_steps(monkeypatch):
     assert blocks(None) * 16 * 2048 == 5 * gib  # half the free memory
     free[0] = 2 * gib
     assert blocks(None) * 16 * 2048 <= 0.4 * gib  # half the free 2 GiB would not leave the reserve: 0.4 GiB
+    free[0] = gib  # less than the reserve: the default has no block, said as such (not "a KV cache of 0 tokens")
+    with pytest.raises(ResourceError) as e:
+        blocks(None)
+    assert str(e.value) == ("Too little memory is free for a KV cache: 0.0 MiB free on the GPU once 1.6 GiB (10% of the "
+                            "GPU) is kept for the steps, less than one block of 16 tokens (32768 bytes).")
     monkeypatch.setattr(paged, "free_memory", lambda device: (10 * gib, "of available RAM"))
     assert blocks(10 * gib // 2048, device="cpu") * 16 * 2048 == 10 * gib  # no reserve in RAM
 
