@@ -103,14 +103,24 @@ def bench_linear(ms: list[int]) -> list[dict]:
 def to_fp8(model, vocab: int) -> None:
     """Every decoder Linear to static per-tensor FP8 (input scales: maxabs over one calibration forward)."""
     amax: dict[str, torch.Tensor] = {}
+    kv_amax: dict[str, torch.Tensor] = {}  # k_proj / v_proj outputs: the KV cache's scales (`--fp8-variants kv8`)
+
+    def keep(d, name, t):
+        d[name] = torch.maximum(d.get(name, t.abs().amax()), t.abs().amax())
+
     hooks = []
     for name, mod in model.model.layers.named_modules():
         if isinstance(mod, torch.nn.Linear):
-            hooks.append(mod.register_forward_pre_hook(
-                lambda m, a, name=name: amax.__setitem__(name, torch.maximum(amax.get(name, a[0].abs().amax()), a[0].abs().amax()))))
+            hooks.append(mod.register_forward_pre_hook(lambda m, a, name=name: keep(amax, name, a[0])))
+            if name.endswith(("k_proj", "v_proj")):
+                hooks.append(mod.register_forward_hook(lambda m, a, out, name=name: keep(kv_amax, name, out)))
     model(torch.randint(0, vocab, (4, 128), device=DEVICE))
     for h in hooks:
         h.remove()
+    for name, s in kv_amax.items():  # rotary keeps a key's norm per pair: maxabs * sqrt(2) bounds the cached keys
+        attn, _, proj = name.rpartition(".")
+        bound = s.float() * (2 ** 0.5 if proj == "k_proj" else 1.0)
+        model.model.layers.get_submodule(attn).register_buffer(f"{proj[0]}_scale", (bound / F8).reshape(()))
     for name, s in amax.items():
         parent, _, child = name.rpartition(".")
         owner = model.model.layers.get_submodule(parent)
@@ -170,8 +180,29 @@ def profile_step(model, vocab: int, batch: int, top: int = 12) -> list[tuple[str
     return rows[:top]
 
 
-def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, mode: str = "graphs") -> dict:
-    """mode: "graphs" (decode steps as CUDA graphs), "compiled" (the torch.compile'd step as CUDA graphs), "eager"."""
+def graph_kernels(graph, top: int = 15) -> list[tuple[str, float, int]]:
+    """GPU time per kernel name in one replay of a captured graph (median of 5 replays' totals): (name, us, calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 5, e.count // 5) for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"  graph replay: {total / 1e3:.2f} ms of kernel time, {sum(r[2] for r in rows)} kernels; top:")
+    for name, us, n in rows[:top]:
+        print(f"    {us:8.1f} us {n:5d}x  {name[:100]}")
+    return rows[:top]
+
+
+def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, mode: str = "graphs", kv_cache: str = "bf16",
+                 kernels: bool = False) -> dict:
+    """mode: "graphs" (decode steps as CUDA graphs), "compiled" (the torch.compile'd step as CUDA graphs), "eager".
+    kv_cache: the engine's ("fp8": the scales `to_fp8` calibrated). kernels: print the 32-sequence graph's kernels."""
     from hqtflow.runtime.engine import Engine, SamplingParams
 
     full_steps: list[float] = []  # when each decode step of all `streams` sequences was launched
@@ -181,7 +212,7 @@ def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, mode:
             full_steps.append(time.perf_counter())
 
     eng = Engine(model, tok, max_batch_total_tokens=streams * 256 + 512, cuda_graphs=() if mode == "eager" else None,
-                 compile=mode == "compiled", on_step=on_step)
+                 compile=mode == "compiled", on_step=on_step, kv_cache=kv_cache)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (int(torch.randint(16, 129, (1,), generator=gen)),), generator=gen).tolist()
                for _ in range(streams)]
@@ -214,12 +245,16 @@ def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, mode:
     period = statistics.median(b - a for a, b in zip(full_steps, full_steps[1:])) if len(full_steps) > 2 else None
     gpu = None
     key = max((k for k in eng.graphs.graphs if k[0] == streams), default=None) if eng.graphs else None
+    top = None
     if DEVICE == "cuda" and key:
         gpu = graph_time_replays(eng.graphs.graphs[key][0])
+        top = graph_kernels(eng.graphs.graphs[key][0]) if kernels else None
     res = dict(one_stream_tps=one, streams_tps=n / wall, speedup_vs_one=n / wall / one,
                ttft_p50_s=ttft[len(ttft) // 2], ttft_p95_s=ttft[int(0.95 * (len(ttft) - 1))],
                graphs=len(eng.graphs.graphs) if eng.graphs else 0, graph_failed=eng.graphs.failed if eng.graphs else None,
-               warmup_s=warm, step_ms=period and period * 1e3, graph_gpu_ms=gpu and gpu * 1e3)
+               warmup_s=warm, step_ms=period and period * 1e3, graph_gpu_ms=gpu and gpu * 1e3, kv_cache=kv_cache)
+    if top:
+        res["graph_kernels"] = top
     del eng
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -243,6 +278,9 @@ def main() -> None:
     p.add_argument("--decode-modes", default="graph,compiled,eager", help="decode: graph, compiled, eager")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (profile: the last)")
     p.add_argument("--engine-modes", default="graphs,compiled,eager", help="engine: graphs, compiled, eager")
+    p.add_argument("--fp8-variants", default="plain", help="engine, the FP8 runs in each mode: plain, kv8 (the FP8 KV "
+                   "cache), eager_quant (inputs quantized by three eager kernels outside graphs), or both joined by +")
+    p.add_argument("--graph-kernels", action="store_true", help="engine: print the kernels of the 32-sequence graph")
     p.add_argument("--sizes", default="4096,8192", help="linear: square shapes K = N")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda", help="cuda; cpu runs the decode and engine parts without graphs "
@@ -288,11 +326,20 @@ def main() -> None:
                 print(f"decode tok/s {kind}: " + ", ".join(f"{k_} {v:.0f}" if isinstance(v, float) else f"{k_} {v}"
                                                            for k_, v in res[f"decode_{kind}"].items()), flush=True)
             if "engine" in parts:
-                for mode in engine_modes:
-                    key = f"engine_{kind}_{mode}"
-                    res[key] = bench_engine(model, _Tok(), a.vocab, mode=mode)
+                variants = a.fp8_variants.split(",") if kind == "fp8" else ["plain"]
+                for mode, variant in [(m, v) for m in engine_modes for v in variants]:
+                    key = f"engine_{kind}_{mode}" + ("" if variant == "plain" else f"_{variant}")
+                    FP8Linear.fused_quantize = "eager_quant" not in variant.split("+")
+                    res[key] = bench_engine(model, _Tok(), a.vocab, mode=mode, kernels=a.graph_kernels,
+                                            kv_cache="fp8" if "kv8" in variant.split("+") else "bf16")
+                    FP8Linear.fused_quantize = True
                     print(f"{key}: " + ", ".join(f"{k_} {v:.3g}" if isinstance(v, float) else f"{k_} {v}"
-                                                 for k_, v in res[key].items()), flush=True)
+                                                 for k_, v in res[key].items() if k_ != "graph_kernels"), flush=True)
+                    if kind == "fp8" and (base := res.get(f"engine_bf16_{mode}")):
+                        print(f"  {key} / bf16 {mode}: {res[key]['streams_tps'] / base['streams_tps']:.2f}x tokens/s, "
+                              f"TTFT p50 {res[key]['ttft_p50_s'] * 1e3:.0f} ms vs {base['ttft_p50_s'] * 1e3:.0f} ms")
+                    results[size] = res
+                    save()
             results[size] = res
             save()
         if "decode" in parts:
@@ -305,16 +352,22 @@ def main() -> None:
                 print(f"decode {b}: fastest FP8 ({best8[1]}) / fastest bf16 ({best16[1]}) {best8[0] / best16[0]:.2f}x "
                       "(target 1.3x)")
         if "engine" in parts:
+            def fp8_runs(mode):  # the FP8 variants of a mode, fastest first
+                keys = [k_ for k_ in res if k_ == f"engine_fp8_{mode}" or k_.startswith(f"engine_fp8_{mode}_")]
+                return sorted(keys, key=lambda k_: -res[k_]["streams_tps"])
+
             for mode in engine_modes:  # on a CPU: no graphs in any mode
-                f8, b16 = res[f"engine_fp8_{mode}"], res[f"engine_bf16_{mode}"]
-                print(f"engine {mode}, 32 streams: FP8 / bf16 {f8['streams_tps'] / b16['streams_tps']:.2f}x (target 1.3x); "
+                f8key = fp8_runs(mode)[0]
+                f8, b16 = res[f8key], res[f"engine_bf16_{mode}"]
+                print(f"engine {mode}, 32 streams: FP8 ({f8key}) / bf16 {f8['streams_tps'] / b16['streams_tps']:.2f}x (target 1.3x); "
                       f"FP8 32 streams / one stream {f8['speedup_vs_one']:.1f}x (target 5x); TTFT p95 "
                       f"{f8['ttft_p95_s']:.3f} s")
                 for kind, r in (("bf16", b16), ("FP8", f8)):
                     if r["step_ms"] and r["graph_gpu_ms"]:
                         print(f"  {kind}: a 32-sequence decode step every {r['step_ms']:.2f} ms, its graph alone "
                               f"{r['graph_gpu_ms']:.2f} ms of GPU time (the rest: the engine's host work per step)")
-            best = {k: max(res[f"engine_{k}_{m}"]["streams_tps"] for m in engine_modes) for k in ("fp8", "bf16")}
+            best = {"fp8": max(res[fp8_runs(m)[0]]["streams_tps"] for m in engine_modes),
+                    "bf16": max(res[f"engine_bf16_{m}"]["streams_tps"] for m in engine_modes)}
             print(f"engine 32 streams: fastest FP8 / fastest bf16 {best['fp8'] / best['bf16']:.2f}x")
         del model
         if DEVICE == "cuda":
