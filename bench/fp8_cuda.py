@@ -279,7 +279,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (profile: the last)")
     p.add_argument("--engine-modes", default="graphs,compiled,eager", help="engine: graphs, compiled, eager")
     p.add_argument("--fp8-variants", default="plain", help="engine, the FP8 runs in each mode: plain, kv8 (the FP8 KV "
-                   "cache), eager_quant (inputs quantized by three eager kernels outside graphs), or both joined by +")
+                   "cache), fused_quant (inputs quantized by one compiled kernel outside graphs), or both joined by +")
     p.add_argument("--graph-kernels", action="store_true", help="engine: print the kernels of the 32-sequence graph")
     p.add_argument("--sizes", default="4096,8192", help="linear: square shapes K = N")
     p.add_argument("--json", default=None)
@@ -329,10 +329,10 @@ def main() -> None:
                 variants = a.fp8_variants.split(",") if kind == "fp8" else ["plain"]
                 for mode, variant in [(m, v) for m in engine_modes for v in variants]:
                     key = f"engine_{kind}_{mode}" + ("" if variant == "plain" else f"_{variant}")
-                    FP8Linear.fused_quantize = "eager_quant" not in variant.split("+")
+                    FP8Linear.fused_quantize = "fused_quant" in variant.split("+")
                     res[key] = bench_engine(model, _Tok(), a.vocab, mode=mode, kernels=a.graph_kernels,
                                             kv_cache="fp8" if "kv8" in variant.split("+") else "bf16")
-                    FP8Linear.fused_quantize = True
+                    FP8Linear.fused_quantize = False
                     print(f"{key}: " + ", ".join(f"{k_} {v:.3g}" if isinstance(v, float) else f"{k_} {v}"
                                                  for k_, v in res[key].items() if k_ != "graph_kernels"), flush=True)
                     if kind == "fp8" and (base := res.get(f"engine_bf16_{mode}")):
