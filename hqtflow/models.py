@@ -423,41 +423,36 @@ def prune_digests(folder: Path) -> None:
         entry.unlink(missing_ok=True)
 
 
-def _files_sha256(path: Path, files: list[Path], digest=None) -> str:
-    """One hash over the files' names (relative to `path`) and contents."""
-    from hqtflow.formats.artifact import sha256_file
-
+def _files_sha256(path: Path, files: list[Path], digest) -> str:
+    """One hash over the files' names (relative to `path`) and their digests (`digest(file)`)."""
     h = hashlib.sha256()
     for f in files:
-        h.update(f"{f.relative_to(path).as_posix()}\0{(digest or sha256_file)(f)}\n".encode())
+        h.update(f"{f.relative_to(path).as_posix()}\0{digest(f)}\n".encode())
     return h.hexdigest()
 
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
-def _calibration_files_sha256(path: Path) -> str:
-    """`files_sha256` without the chat templates (CHAT_TEMPLATE_FILES, additional_chat_templates/, the `chat_template`
-    of tokenizer_config.json): what a measurement's calibration reads (raw text and lm-eval prompts, no chat template
-    applied), so a new chat template redoes quantize (the checkpoint carries it) but not measure."""
-    from hqtflow.formats.artifact import sha256_file
-
-    h = hashlib.sha256()
-    for f in side_files(path):
-        name = f.relative_to(path).as_posix()
-        if name in CHAT_TEMPLATE_FILES or name.startswith("additional_chat_templates/"):
-            continue
-        digest = sha256_file(f)
-        if name == "tokenizer_config.json":
+def _calibration_files_sha256(path: Path, files: list[Path], digest) -> str:
+    """`files_sha256` of `files` (side_files, their digests `digest(file)`) without the chat templates
+    (CHAT_TEMPLATE_FILES, additional_chat_templates/, the `chat_template` of tokenizer_config.json): what a
+    measurement's calibration reads (raw text and lm-eval prompts, no chat template applied), so a new chat template
+    redoes quantize (the checkpoint carries it) but not measure."""
+    def calibration_digest(f: Path) -> str:
+        if f.relative_to(path).as_posix() == "tokenizer_config.json":
             try:
                 raw = json.loads(f.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 raw = None
             if isinstance(raw, dict):
                 raw.pop("chat_template", None)
-                digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
-        h.update(f"{name}\0{digest}\n".encode())
-    return h.hexdigest()
+                return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
+        return digest(f)
+
+    kept = [f for f in files if (name := f.relative_to(path).as_posix()) not in CHAT_TEMPLATE_FILES
+            and not name.startswith("additional_chat_templates/")]
+    return _files_sha256(path, kept, calibration_digest)
 
 
 def same_fingerprint(recorded: dict, current: dict) -> bool:
@@ -487,6 +482,8 @@ def fingerprint(path: Path) -> dict:
     to check a fingerprint an older hqtflow recorded; a .safetensors file that is not loaded (not in weight_files:
     macOS' `._model.safetensors`, a stray copy) and whose header cannot be read is left out (scheme 1 could not
     hash it either), an unreadable weight file is refused (ModelError)."""
+    from hqtflow.formats.artifact import sha256_file
+
     path = Path(path)
     cfg = load_config(path)
     cfg_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
@@ -502,14 +499,16 @@ def fingerprint(path: Path) -> dict:
         headers.update(f.name.encode())
         headers.update(json.dumps(tensors, sort_keys=True).encode())
     weights = _files_sha256(path, content_files(path), file_digest)
+    side = side_files(path)
+    side_digests = {f: sha256_file(f) for f in side}  # each read once, for both hashes below
     return {
         "scheme": FINGERPRINT_SCHEME,
         "id": hashlib.sha256((cfg_hash + weights).encode()).hexdigest()[:16],
         "config_sha256": cfg_hash,
         "weights_sha256": weights,
         "weights_header_sha256": headers.hexdigest(),
-        "files_sha256": _files_sha256(path, side_files(path)),
-        "calibration_files_sha256": _calibration_files_sha256(path),
+        "files_sha256": _files_sha256(path, side, side_digests.__getitem__),
+        "calibration_files_sha256": _calibration_files_sha256(path, side, side_digests.__getitem__),
         "model_type": cfg.get("model_type"),
         "architectures": cfg.get("architectures"),
     }

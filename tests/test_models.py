@@ -62,6 +62,25 @@ def test_weight_digests_are_cached_until_the_file_changes(tiny_llama, tmp_path, 
     assert models.fingerprint(model) == first and "model.safetensors" in hashed
 
 
+def test_each_side_file_is_hashed_once_per_fingerprint(tiny_llama, tmp_path, monkeypatch):
+    """files_sha256 and calibration_files_sha256 share one digest per side file (the tokenizer, chat template and
+    generation config were each read twice)."""
+    from collections import Counter
+
+    from hqtflow.formats import artifact
+
+    model = _copy(tiny_llama, tmp_path, monkeypatch)
+    (model / "chat_template.jinja").write_text("{{ messages }}")
+    first = models.fingerprint(model)  # the weights' digests cached
+    hashed = Counter()
+    real = artifact.sha256_file
+    monkeypatch.setattr(artifact, "sha256_file", lambda p, *a: hashed.update([p.name]) or real(p, *a))
+    assert models.fingerprint(model) == first
+    side = [f.name for f in models.side_files(model)]
+    assert {"tokenizer_config.json", "chat_template.jinja"} <= set(side)
+    assert hashed == Counter(side)
+
+
 def test_a_weight_file_rewritten_in_place_with_its_mtime_put_back_is_hashed_again(tiny_llama, tmp_path, monkeypatch):
     """Same path, inode, size and mtime (restored as `touch -d` does) but other bytes: the ctime, which no user sets,
     tells the cached digest stale, so the fingerprint names another model."""
