@@ -115,6 +115,14 @@ class Fp16Overflow:
             raise self.tripped
 
 
+def raise_fp16_overflow(model) -> None:
+    """Raise again the error `model`'s Fp16Overflow guard (guard_fp16) tripped on, if it did: for callers whose
+    serving engine turned it into a request's error (its own sentence, exit 4, not the engine's failure)."""
+    guard = getattr(model, "fp16_guard", None)
+    if guard is not None and guard.tripped:
+        raise guard.tripped
+
+
 def guard_fp16(model, name: str) -> Fp16Overflow:
     """Install an Fp16Overflow hook on `model`'s output embeddings (its lm_head); returns it (also `model.fp16_guard`)."""
     guard = Fp16Overflow(name)

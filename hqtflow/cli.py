@@ -384,7 +384,7 @@ def generate(
     """Greedy text generation from an FP8 checkpoint or a bf16 model."""
     import torch
 
-    from hqtflow.api import load_any
+    from hqtflow.api import load_any, raise_fp16_overflow
 
     if max_new_tokens < 1:
         raise HqtflowError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
@@ -431,9 +431,8 @@ def generate(
                 events = eng.generate(ids["input_ids"][0].tolist(), SamplingParams(max_new_tokens=max_new_tokens))
             finally:
                 eng.stop()
-            if events[-1].error and getattr(m, "fp16_guard", None) and m.fp16_guard.tripped:
-                raise m.fp16_guard.tripped  # the engine thread's error: fp16 overflowed (api.Fp16Overflow)
-            if events[-1].error:  # nothing the user gave: a bug (exit 1, as any unexpected error)
+            if events[-1].error:  # fp16 overflowed (its sentence), else nothing the user gave: a bug (exit 1)
+                raise_fp16_overflow(m)
                 raise RuntimeError(f"Generation failed: {events[-1].error}.")
             new = [e.token.id for e in events]
         elif engine in ("transformers", "inc"):

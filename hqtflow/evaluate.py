@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from hqtflow.api import load_any  # noqa: F401 - the loader lives in hqtflow.api; re-exported for old callers
+from hqtflow.api import load_any, raise_fp16_overflow  # noqa: F401 - load_any re-exported for old callers
 from hqtflow.errors import CalibrationError, HqtflowError, not_a_file
 
 
@@ -155,9 +155,8 @@ def serving_engine(model, tokenizer, *, batch_size: int, max_length: int, kv_cac
                     raise ResourceError(f"An lm-eval request of {len(ids)} + {params.max_new_tokens} tokens does not fit "
                                         f"the {engine.capacity_tokens} KV tokens eval sized for --batch-size x --max-length; "
                                         "raise --max-length.")
-                if ev.error and (guard := getattr(model, "fp16_guard", None)) and guard.tripped:
-                    raise guard.tripped  # fp16 overflowed (api.Fp16Overflow): its own sentence, exit 4
                 if ev.error:
+                    raise_fp16_overflow(model)  # fp16 overflowed: its own sentence, exit 4
                     raise ResourceError(f"The serving engine failed on an lm-eval request: {ev.error}.")
             return [last[i] for i in range(len(jobs))]
 

@@ -102,6 +102,25 @@ def test_fp16_overflow_in_eval_tasks_is_the_same_sentence(overflowing, data_dir)
     assert r.exit_code == 4 and FP16_SENTENCE in r.output and "ModelError" not in r.output, r.output
 
 
+def test_an_engine_threads_fp16_overflow_is_raised_again_by_one_helper():
+    """generate and eval re-raise the guard's sentence through api.raise_fp16_overflow: the guard's error when it
+    tripped, nothing when it did not or the model has no guard (bf16, fp32)."""
+    import torch
+
+    from hqtflow import api
+    from hqtflow.errors import ModelError
+
+    model = torch.nn.Module()
+    api.raise_fp16_overflow(model)  # no guard: nothing
+    model.fp16_guard = api.Fp16Overflow("tiny")
+    api.raise_fp16_overflow(model)  # not tripped: nothing
+    with pytest.raises(ModelError) as tripped:
+        model.fp16_guard(None, (), torch.tensor([float("nan")], dtype=torch.float16))
+    with pytest.raises(ModelError) as again:
+        api.raise_fp16_overflow(model)
+    assert again.value is tripped.value and str(again.value) == "tiny " + FP16_SENTENCE
+
+
 def test_fp16_overflow_in_measure_names_fp16_not_broken_weights(overflowing, wiki_text, tmp_path):
     args = ["measure", overflowing, "--text", wiki_text, "--limit", "1", "--max-length", "16"]
     r = run_cli(*args, "-o", tmp_path / "m16", "--dtype", "fp16")
