@@ -49,13 +49,16 @@ class Dtype(StrEnum):
 
     @property
     def torch(self):
-        """The torch dtype (torch.bfloat16, ...); AUTO has none."""
+        """The torch dtype (torch.bfloat16, ...: TORCH_NAMES); AUTO has none."""
         import torch
 
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.value]
+        return getattr(torch, TORCH_NAMES[self][0])
 
 
-HP_DTYPES = (Dtype.BF16, Dtype.FP16, Dtype.FP32)  # the stored / computed ones (a model's, QUANT_CONFIG's hp_dtype)
+# torch's names of the stored / computed dtypes (a model's, QUANT_CONFIG's hp_dtype), its own first: the one table
+# Dtype.torch, hardware.dtype_name and the formats' maps (scales.HP_DTYPES, checkpoint.HP_DTYPE_NAMES) derive from
+TORCH_NAMES = {Dtype.BF16: ("bfloat16",), Dtype.FP16: ("float16", "half"), Dtype.FP32: ("float32", "float")}
+HP_DTYPES = tuple(TORCH_NAMES)
 
 
 def parse_dtype(value, what: str = "--dtype", *, auto: bool = True, error: type[ConfigError] = ConfigError) -> Dtype:

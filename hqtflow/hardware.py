@@ -10,6 +10,8 @@ import platform
 import shutil
 from pathlib import Path
 
+from hqtflow.choices import TORCH_NAMES
+
 BF16_NATIVE_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -43,7 +45,7 @@ def fastest_dtype(device: str = "cpu") -> str:
 
 
 # torch's names of the high-precision dtypes (and a torch.dtype's str without "torch.") -> hqtflow's
-DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+DTYPE_NAMES = {n: d.value for d, names in TORCH_NAMES.items() for n in names}
 
 
 def dtype_name(dtype):

@@ -60,6 +60,23 @@ def test_one_enum_lists_the_dtypes_everywhere():
     assert Dtype.FP16.torch is torch.float16
 
 
+def test_torchs_dtype_names_are_one_table():
+    """choices.TORCH_NAMES, torch's names of each high-precision dtype, is what Dtype.torch, hardware.dtype_name and
+    the formats' maps are derived from; every name it gives is the torch dtype itself."""
+    import torch
+
+    from hqtflow import hardware
+    from hqtflow.choices import HP_DTYPES, TORCH_NAMES
+    from hqtflow.formats import checkpoint
+
+    assert list(TORCH_NAMES) == list(HP_DTYPES)
+    assert all(getattr(torch, n) is d.torch for d, names in TORCH_NAMES.items() for n in names)
+    assert hardware.DTYPE_NAMES == {n: d.value for d, names in TORCH_NAMES.items() for n in names}
+    assert checkpoint.HP_DTYPE_NAMES == {d.torch: d.value for d in TORCH_NAMES}
+    assert [hardware.dtype_name(x) for x in (torch.half, "float", "torch.bfloat16", "bf16", "fp64")] == \
+        ["fp16", "fp32", "bf16", "bf16", "fp64"]
+
+
 @pytest.fixture(scope="module")
 def overflowing(tiny_factory, tmp_path_factory):
     """The tiny Llama stored in fp32 with a first MLP whose output passes fp16's 65504 (fine in bf16 and fp32)."""
