@@ -588,11 +588,13 @@ def inspect(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report as JSON here.")] = None,
     html_out: Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report here.")] = None,
     top: Annotated[int, typer.Option("--top", help="Rows in the top-N tables.")] = 10,
+    trust_pickle: TrustPickle = False,
 ) -> None:
     """Coverage, activation ranges and outliers, FP8 scale saturation/underflow and weight error of an artifact."""
     from hqtflow.inspection import run_inspect
 
-    typer.echo(run_inspect(artifact, compare=compare, json_path=json_out, html_path=html_out, top=top))
+    typer.echo(run_inspect(artifact, compare=compare, json_path=json_out, html_path=html_out, top=top,
+                           trust_pickle=trust_pickle))
 
 
 @app.command()

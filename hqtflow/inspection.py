@@ -21,8 +21,9 @@ Artifacts are read through their manifest (`read_manifest`, hashes checked) and 
     zero fraction = share of FP8 weights that are exactly 0, and the smallest normal value 2^-6 * scale. A weight is
     flagged **underflow** when occupancy < 1/256 or more than half of its FP8 values are 0.
 - weight error: relative RMS error ||W - dq(q(W))|| / ||W|| and SQNR (dB, = -20 log10 rel RMS) per layer, against
-  the bf16 source model (`data.model_path`, loaded with `hqtflow.models.load_model`); for a scales artifact the
-  weight is quantized with its scale. If the source model is unavailable the report says so.
+  the bf16 source model (`data.model_path`, loaded with `hqtflow.models.load_model`; one whose weights are only
+  pickles only with `--trust-pickle`); for a scales artifact the weight is quantized with its scale. If the source
+  model is unavailable or refused the report says so.
 - compare (`--compare OTHER`, same artifact kind): per node the ratio OTHER / ARTIFACT of each statistic (input,
   output, weight maxabs for measurements; input and weight scales otherwise), nodes only in one, and the largest
   changes by |log2 ratio|.
@@ -279,8 +280,9 @@ def _err(w, wq) -> dict:
     return {"rel_rms": rel, "sqnr_db": -20 * math.log10(rel) if rel > 0 else float("inf")}
 
 
-def _source_model(data: dict, fp: dict | None, dtype: str = "bf16"):
-    """(model, note): the bf16 source model, or None and why not."""
+def _source_model(data: dict, fp: dict | None, dtype: str = "bf16", trust_pickle: bool = False):
+    """(model, note): the bf16 source model, or None and why not (`trust_pickle`: load one whose weights are only
+    pickles, models.load_model)."""
     path = data.get("model_path")
     if not path or not Path(path).is_dir():
         return None, f"source model {path or '(not recorded)'} is unavailable; weight error not computed"
@@ -291,7 +293,7 @@ def _source_model(data: dict, fp: dict | None, dtype: str = "bf16"):
             return None, f"source model {path} has changed since quantization (fingerprint differs); weight error not computed"
         from hqtflow.quantize.experts import unfuse_experts
 
-        model = models.load_model(Path(path), dtype)
+        model = models.load_model(Path(path), dtype, trust_pickle=trust_pickle)
         unfuse_experts(model)  # MoE experts by the names the checkpoint gives them (`<experts>.<e>.gate_up_proj`)
         return model, f"weight error against {path}"
     except HqtflowError as e:
@@ -308,7 +310,7 @@ def _source_weight(model, name: str):
 
 
 # ---- the three kinds -----------------------------------------------------------------------------
-def _inspect_measurement(directory: Path, top: int) -> dict:
+def _inspect_measurement(directory: Path, top: int, trust_pickle: bool = False) -> dict:
     from hqtflow.formats.measurement import load_measurement
 
     meas = load_measurement(directory)
@@ -339,7 +341,7 @@ def _inspect_measurement(directory: Path, top: int) -> dict:
     }
 
 
-def _inspect_checkpoint(directory: Path, top: int) -> dict:
+def _inspect_checkpoint(directory: Path, top: int, trust_pickle: bool = False) -> dict:
     from hqtflow.formats.artifact import read_manifest
     from hqtflow.scales import full_scale
 
@@ -373,7 +375,7 @@ def _inspect_checkpoint(directory: Path, top: int) -> dict:
     from hqtflow.formats.checkpoint import HP_DTYPE_NAMES
 
     dtype = HP_DTYPE_NAMES.get(next(iter(tensors.values()))["weight_scale"].dtype, "bf16") if tensors else "bf16"
-    model, note = _source_model(d, m.model, dtype)
+    model, note = _source_model(d, m.model, dtype, trust_pickle)
     notes.append(note)
     errors = {}
     if model is not None:
@@ -391,7 +393,7 @@ def _inspect_checkpoint(directory: Path, top: int) -> dict:
                           quantized=sorted(tensors))
 
 
-def _inspect_scales(directory: Path, top: int) -> dict:
+def _inspect_scales(directory: Path, top: int, trust_pickle: bool = False) -> dict:
     ld = _load_scales(directory)
     d = ld["manifest"].data
     notes = []
@@ -401,7 +403,7 @@ def _inspect_scales(directory: Path, top: int) -> dict:
     if world > 1:  # each rank's scales are of its own weight shard: no whole weight to compare with
         model, note = None, f"weight error not computed: the scales of a {world}-rank artifact are per weight shard"
     else:
-        model, note = _source_model(d, ld["manifest"].model, "bf16")
+        model, note = _source_model(d, ld["manifest"].model, "bf16", trust_pickle)
     notes.append(note)
     errors = {}
     if model is not None:
@@ -490,8 +492,10 @@ def _compare(a: dict, b: dict, top: int) -> dict:
 
 
 # ---- entry point ---------------------------------------------------------------------------------
-def inspect_artifact(path: str | Path, *, compare: str | Path | None = None, top: int = 10) -> dict:
-    """The whole report as a JSON-serialisable dict (no files written)."""
+def inspect_artifact(path: str | Path, *, compare: str | Path | None = None, top: int = 10,
+                     trust_pickle: bool = False) -> dict:
+    """The whole report as a JSON-serialisable dict (no files written); `trust_pickle`: load a source model whose
+    weights are only pickles (for the weight error; without it such a model is left out with a note)."""
     if top < 1:
         raise ConfigError(f"--top must be at least 1, not {top}.")
     path = Path(path)
@@ -501,11 +505,11 @@ def inspect_artifact(path: str | Path, *, compare: str | Path | None = None, top
         if tc != t:
             raise InspectError(f"Cannot compare {path} ({KINDS[t]}) with {compare} ({KINDS[tc]}): both must be the same kind.")
     fn = {MEASUREMENT: _inspect_measurement, SCALES: _inspect_scales, CHECKPOINT: _inspect_checkpoint}[t]
-    rep = fn(path, top)
+    rep = fn(path, top, trust_pickle)
     rep["summary"]["outliers"] = len(rep["ranges"]["outliers"])
     rep = {"artifact": str(path.resolve()), **rep, "rules": RULES}
     if compare is not None:
-        other = fn(Path(compare), top)
+        other = fn(Path(compare), top, trust_pickle)
         rep["compare"] = {"other": str(Path(compare).resolve()), **_compare(rep, other, top)}
     rep.pop("_compare_stats", None)
     rep.setdefault("notes", [])
@@ -603,7 +607,7 @@ def _check_writable(path: Path | None, inputs=()) -> None:
         raise ArtifactError(f"Cannot write {path}: it is a directory.")
 
 
-def run_inspect(artifact, *, compare=None, json_path=None, html_path=None, top: int = 10) -> str:
+def run_inspect(artifact, *, compare=None, json_path=None, html_path=None, top: int = 10, trust_pickle: bool = False) -> str:
     """Build the report, write --json / --html (only after everything succeeded), return the terminal text."""
     if _is_tune(artifact):  # `hqtflow tune` output: its sensitivity chart
         if compare is not None or html_path is not None:
@@ -617,7 +621,7 @@ def run_inspect(artifact, *, compare=None, json_path=None, html_path=None, top: 
         return text
     _check_writable(json_path, (artifact, compare))
     _check_writable(html_path, (artifact, compare))
-    rep = inspect_artifact(artifact, compare=compare, top=top)
+    rep = inspect_artifact(artifact, compare=compare, top=top, trust_pickle=trust_pickle)
     html = None
     if html_path is not None:
         from hqtflow.report_html import render_html

@@ -235,3 +235,29 @@ def test_file_size_limit_is_a_resource_error(arts, tmp_path):
     assert r.exit_code == 6, r.output
     assert r.stderr.startswith("Error: cannot write (File too large): free some disk space"), r.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_source_model_of_pickles_needs_trust_pickle(tiny_llama, arts, tmp_path):
+    """inspect loads a checkpoint's source model for the weight error; a model whose weights are only pickles was
+    refused naming --trust-pickle, which inspect did not have. Without it the weight error is left out with the
+    sentence the other commands give; with it the pickled model is loaded and the weight error computed."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    ck = tmp_path / "ck"
+    shutil.copytree(arts["ck"], ck)
+    m = json.loads((ck / "hqtflow_manifest.json").read_text())
+    m["data"]["model_path"], m["model"] = str(model), None  # the checkpoint's source: the pickled copy
+    (ck / "hqtflow_manifest.json").write_text(json.dumps(m))
+    js = tmp_path / "c.json"
+    text = inspect_ok(ck, "--json", js)
+    rep = json.loads(js.read_text())
+    assert not rep["weight_error"]["available"]
+    assert f"{model / 'pytorch_model.bin'} is a pickle, and loading it runs whatever it holds: pass --trust-pickle" in text
+    inspect_ok(ck, "--json", js, "--trust-pickle")
+    rep = json.loads(js.read_text())
+    assert rep["weight_error"]["available"] and len(rep["weight_error"]["layers"]) == 14
