@@ -140,6 +140,18 @@ def test_a_stray_unreadable_safetensors_file_is_not_part_of_the_fingerprint(tiny
         assert models.fingerprint(model) == clean, name
 
 
+def test_appledouble_twins_are_no_weight_files(tiny_llama, tmp_path, monkeypatch):
+    """A folder with neither model.safetensors nor an index has every *.safetensors as its weights: macOS'
+    `._weights.safetensors` twin was one of them, and resolve_model refused the model as damaged (its header is no
+    safetensors header). `._*` files are left out (formats.APPLEDOUBLE), as side_files leaves them out."""
+    model = _copy(tiny_llama, tmp_path, monkeypatch)
+    (model / "model.safetensors").rename(model / "weights.safetensors")
+    (model / "._weights.safetensors").write_bytes(STRAY["._model.safetensors"])
+    assert models.weight_files(model) == [model / "weights.safetensors"]
+    assert models.resolve_model(str(model)) == model
+    assert models.content_files(model) == [model / "weights.safetensors"]
+
+
 def test_a_stray_safetensors_file_is_ignored_by_measure(tiny_llama, tmp_path, monkeypatch, wiki_text):
     """measure (a MemoryError traceback after calibration) takes the model; quantize's check is the fingerprint above."""
     from conftest import run_cli

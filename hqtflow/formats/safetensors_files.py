@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 from hqtflow.errors import ArtifactError, ModelError
+from hqtflow.formats import APPLEDOUBLE
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -21,11 +22,13 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 def weight_files(path: Path, error: type[Exception] = ModelError) -> list[Path]:
     """The safetensors files of a model folder, as transformers picks them: model.safetensors, else the shards its
     model.safetensors.index.json maps weights to (each must be there), else (a folder of other names) every
-    *.safetensors. Another .safetensors file beside them is not part of the model."""
+    *.safetensors but macOS' `._*` twins (APPLEDOUBLE). Another .safetensors file beside them is not part of the
+    model."""
     path = Path(path)
     single, index = path / "model.safetensors", path / SAFETENSORS_INDEX
     if single.is_file() or not index.is_file():
-        return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
+        return [single] if single.is_file() else sorted(
+            p for p in path.glob("*.safetensors") if not p.name.startswith(APPLEDOUBLE))
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
