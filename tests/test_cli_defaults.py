@@ -12,8 +12,6 @@ from hqtflow.measure.run import MeasureSettings
 from hqtflow.quantize.settings import QuantizeSettings
 from hqtflow.runtime.api import ServeSettings
 
-# same name, different meaning: serve's --dtype is the compute dtype; ServeSettings.dtype is what /info reports
-NOT_SETTINGS = {("serve fp8", "dtype"), ("serve bf16", "dtype")}
 COMMANDS = {"measure": MeasureSettings, "quantize": QuantizeSettings, "serve fp8": ServeSettings,
             "serve bf16": ServeSettings}
 
@@ -28,7 +26,7 @@ def _command(path: str):
 @pytest.mark.parametrize("path", list(COMMANDS))
 def test_cli_defaults_are_the_settings_defaults(path):
     defaults = {f.name: f.default for f in fields(COMMANDS[path]) if f.default is not MISSING}
-    shared = [p for p in _command(path).params if p.name in defaults and (path, p.name) not in NOT_SETTINGS]
+    shared = [p for p in _command(path).params if p.name in defaults]
     assert len(shared) >= 5, [p.name for p in shared]
     drifted = {p.name: (p.default, defaults[p.name]) for p in shared if p.default != defaults[p.name]}
     assert drifted == {}, "CLI default != dataclass default"

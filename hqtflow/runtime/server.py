@@ -420,7 +420,7 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
 
         model, tok = inc.load_run(model_ref, measurement, device=inc_device, config=config, scale_method=scale_method,
                                   backend=backend, dtype=dtype, trust_pickle=trust_pickle)
-        settings.model_id, settings.dtype = model_ref or DEFAULT_MODEL, "fp8"
+        settings.model_id, settings.quantize = model_ref or DEFAULT_MODEL, "fp8"
         _run(_app(model, tok, settings), sock)
         return
 
@@ -441,7 +441,7 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
         set_backend(model, backend)
         if dtype == "fp16":
             guard_fp16(model, model_ref or DEFAULT_MODEL)
-        settings.model_id, settings.dtype = model_ref or DEFAULT_MODEL, "fp8"
+        settings.model_id, settings.quantize = model_ref or DEFAULT_MODEL, "fp8"
         _run(_app(model, tok, settings), sock)
         return
     model, tok, loaded = load_any(model_ref, dtype, backend=backend, device=device,
@@ -449,7 +449,7 @@ def _serve(sock, model_ref, settings: ServeSettings, *, kind: str, measurement: 
     if (loaded == "fp8") != (kind == "fp8"):
         raise ModelError(f"{model_ref or 'the default model'} is {'an FP8 checkpoint' if loaded == 'fp8' else 'not an FP8 checkpoint'}; "
                            f"use `hqtflow serve {'fp8' if loaded == 'fp8' else 'bf16'}`.")
-    settings.model_id, settings.dtype = model_ref or DEFAULT_MODEL, loaded
+    settings.model_id, settings.quantize = model_ref or DEFAULT_MODEL, "fp8" if loaded == "fp8" else None
     _run(_app(model, tok, settings), sock)
 
 

@@ -11,7 +11,7 @@ class ServeSettings:
 
     model_id: str = "model"
     served_model_name: str | None = None  # the name clients see instead of model_id, a path (TGI's flag)
-    dtype: str = "bf16"
+    quantize: str | None = None  # "fp8" when the model is FP8 (/info's `quantize`, as TGI's --quantize names it)
     # None: TGI's launcher defaults, from the model's context (runtime/limits.py): total min(context, 4096), input
     # total - 1, prefill input + 50
     max_input_tokens: int | None = None

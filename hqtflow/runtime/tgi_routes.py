@@ -184,7 +184,8 @@ def tgi_router(ctx: Ctx) -> APIRouter:
     async def info():
         from hqtflow import __version__
 
-        return {"model_id": s.served_name, "model_sha": None, "model_dtype": s.dtype, "model_device_type": ctx.engine.device.type,
+        return {"model_id": s.served_name, "model_sha": None, "model_dtype": str(ctx.engine.compute_dtype),
+                "model_device_type": ctx.engine.device.type, "quantize": s.quantize,
                 "max_concurrent_requests": s.max_concurrent_requests, "max_best_of": s.max_best_of, "max_stop_sequences": s.max_stop_sequences,
                 "max_input_tokens": s.max_input_tokens, "max_total_tokens": s.max_total_tokens, "validation_workers": 1,
                 "max_client_batch_size": s.max_client_batch_size, "max_top_n_tokens": s.max_top_n_tokens, "router": "hqtflow", "version": __version__}

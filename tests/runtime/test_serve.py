@@ -608,3 +608,21 @@ def test_refusals_and_cancellations_are_logged_and_probes_are_not(lm, caplog):
     quiet = QuietProbes()
     assert not quiet.filter(access("GET", "/health")) and not quiet.filter(access("GET", "/metrics"))
     assert quiet.filter(access("POST", "/generate"))
+
+
+def test_info_reports_the_torch_dtype_and_fp8_as_quantize(url, tiny_kv, monkeypatch):
+    """/info's model_dtype was "fp8" (or "bf16") where TGI reports the torch dtype the model computes in
+    ("torch.float16"); it is that dtype now, and an FP8 model says so in `quantize` (TGI's --quantize value).
+    (huggingface_hub's InferenceClient.get_endpoint_info returns this JSON as it is.)"""
+    from hqtflow.runtime import server
+
+    info = httpx.get(f"{url}/info").json()
+    assert info["model_dtype"] == "torch.float32" and info["quantize"] is None  # the fp32 tiny model
+    served = {}
+    monkeypatch.setattr(server, "_app", lambda *a: served.update(app=server.create_app(*a)))
+    monkeypatch.setattr(server, "_run", lambda app, sock: None)
+    server._serve(None, str(tiny_kv[1]), ServeSettings(max_total_tokens=64, max_input_tokens=16), kind="fp8",
+                  measurement=None, backend="auto", dtype="bf16")
+    with running(served["app"]) as base:
+        info = httpx.get(f"{base}/info").json()
+    assert info["model_dtype"] == "torch.bfloat16" and info["quantize"] == "fp8"
