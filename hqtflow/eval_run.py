@@ -48,16 +48,33 @@ def compute_dtype(model) -> str | None:
     return next((HP_DTYPE_NAMES[p.dtype] for p in model.parameters() if p.dtype in HP_DTYPE_NAMES), None)
 
 
+def check_fp8_kv(model, *, perplexity: bool, key: str = "--kv-cache") -> None:
+    """Refuse a model the FP8 KV cache cannot score: one without k/v scales, and for perplexity (FP8StaticCache) one
+    with sliding-window layers; `key` is the setting that asked for the cache (eval's --kv-cache, run's eval.kv_cache)."""
+    from hqtflow.evaluate import bf16_kv_hint
+    from hqtflow.runtime.kv_cache import has_sliding_layers, kv_scales
+
+    fix = ("quantize it with `--kv-cache fp8`" if key == "--kv-cache" else
+           f"quantize it with the recipe's `kv_cache: fp8`, or {bf16_kv_hint(key)}")
+    try:
+        kv_scales(model, fix)
+    except ValueError as e:
+        raise HqtflowError(str(e)) from None
+    if perplexity and has_sliding_layers(model.config):
+        raise HqtflowError("Perplexity through the FP8 KV cache takes full-attention models only (this one has "
+                           f"sliding-window layers): {bf16_kv_hint(key)}.")
+
+
 def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks: tuple[str, ...],
              include_path: tuple[str, ...], data_dir: str | None, limit: int | None, batch_size: int,
              ppl_file: str | None, ppl_windows: int | None, report: Path | None, backend: str = "auto",
              dtype: str = "auto", loader=None, device: str = "cpu", kv_cache: str = "bf16", max_length: int = 512,
-             trust_pickle: bool = False) -> str:
+             trust_pickle: bool = False, kv_key: str = "--kv-cache") -> str:
     """`loader`: returns (model, tokenizer, kind) in place of loading MODEL here (`--engine inc`); `device`: where
     MODEL (without a loader) and the bf16 baseline run; `kv_cache` "fp8": MODEL is scored through the FP8 KV cache
     with its k/v scales (refused without them), the bf16 baseline always with a bf16 one; `max_length`: lm-eval's
     context and the perplexity window (each at most the model's context); `trust_pickle`: load models whose weights
-    are only pickles (api.load_any)."""
+    are only pickles (api.load_any); `kv_key`: the setting refusals of the FP8 KV cache name (`run`: eval.kv_cache)."""
     from dataclasses import replace
 
     from hqtflow import lmeval
@@ -103,12 +120,7 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
     m, tok, kind = loader() if loader else load_any(model, dtype, backend=backend, device=device,
                                                     trust_pickle=trust_pickle)
     if kv_cache == "fp8":
-        from hqtflow.runtime.kv_cache import kv_scales
-
-        try:
-            kv_scales(m)  # before any model is scored
-        except ValueError as e:
-            raise HqtflowError(str(e)) from None
+        check_fp8_kv(m, perplexity=bool(ppl_file), key=kv_key)  # before any model is scored
     names = list(candidates) + [kind if kind not in candidates else f"{kind}-model"]
     for n in candidates:
         bm, btok, _ = load_any(candidates[n], "bf16", device=device, trust_pickle=trust_pickle)  # the accuracy reference is the bf16 model
@@ -117,7 +129,7 @@ def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks
         paths[n] = _where(candidates[n])
         dtypes[n] = compute_dtype(bm)
         del bm
-    results[names[-1]] = evaluate(m, tok, settings, manager, label=names[-1])
+    results[names[-1]] = evaluate(m, tok, settings, manager, label=names[-1], kv_key=kv_key)
     paths[names[-1]] = _where(model)
     dtypes[names[-1]] = compute_dtype(m)
     base = names[0]

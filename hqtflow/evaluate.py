@@ -183,10 +183,18 @@ def serving_engine(model, tokenizer, *, batch_size: int, max_length: int, kv_cac
         model.set_attn_implementation(before)
 
 
-def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = "", show_progress: bool = True) -> dict:
+def bf16_kv_hint(key: str) -> str:
+    """What turns the FP8 KV cache off, in the words of the setting `key` that asked for it: eval's --kv-cache, or
+    the recipe key `run` reads (eval.kv_cache)."""
+    return "give --kv-cache bf16" if key == "--kv-cache" else f"set {key} to bf16 in the recipe"
+
+
+def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = "", show_progress: bool = True,
+             kv_key: str = "--kv-cache") -> dict:
     """{"tasks": {task: {metric: v}}, "wikitext": {...}} for one model; progress bars (named `label`) over
     lm-eval's requests and the perplexity windows. `s.kv_cache` "fp8": log-likelihoods through the serving engine's
-    FP8 KV cache and perplexity through `FP8StaticCache` (HqtflowError for a model the engine cannot run)."""
+    FP8 KV cache and perplexity through `FP8StaticCache` (HqtflowError for a model the engine cannot run, naming
+    `kv_key`, the setting that asked for it)."""
     from hqtflow import lmeval
     from hqtflow.progress import Progress
 
@@ -199,8 +207,8 @@ def evaluate(model, tokenizer, s: EvalSettings, manager=None, *, label: str = ""
         progress.start(f"{prefix}lm-eval {','.join(s.tasks)}", 0, unit="request")
         with serving_engine(model, tokenizer, batch_size=s.batch_size, max_length=max_length, kv_cache=s.kv_cache) as engine:
             if engine is None and s.kv_cache == "fp8":
-                raise HqtflowError("--kv-cache fp8 scores through hqtflow's serving engine, which cannot run this "
-                                   "model's attention: evaluate it with --kv-cache bf16.")
+                raise HqtflowError(f"{kv_key} fp8 scores through hqtflow's serving engine, which cannot run this "
+                                   f"model's attention: {bf16_kv_hint(kv_key)}.")
             forward, generate = padded_forward(model, tokenizer) if engine is None else (None, engine[1])
             lm = lmeval.build_lm(forward, tokenizer, batch_size=s.batch_size, max_length=max_length, generate=generate,
                                  score=engine and engine[0], progress=progress.update, announce=progress.add_total)

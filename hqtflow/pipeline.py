@@ -316,7 +316,8 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     echo(f"eval: writing {report}")
     tmp = root / ".eval.json.partial"
     tmp.unlink(missing_ok=True)
-    table = run_eval(qs.output, baseline=None, use_source=True, **asdict(ev), report=tmp, trust_pickle=trust_pickle)
+    table = run_eval(qs.output, baseline=None, use_source=True, **asdict(ev), report=tmp, trust_pickle=trust_pickle,
+                     kv_key="eval.kv_cache")
     data = json.loads(tmp.read_text())
     data.update({"checkpoint_digest": digest, "eval": ev_json, "hqtflow": __version__})
     write_json_atomic(report, data, default=str)

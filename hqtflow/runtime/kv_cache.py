@@ -47,8 +47,9 @@ class FP8StaticLayer(StaticLayer):
         return dequantize(self.keys, self.k_scale, self.dtype), dequantize(self.values, self.v_scale, self.dtype)
 
 
-def kv_scales(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per decoder layer (k_scale, v_scale) from the attention modules' buffers; ValueError when absent."""
+def kv_scales(model, fix: str = "quantize it with `--kv-cache fp8`") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per decoder layer (k_scale, v_scale) from the attention modules' buffers; ValueError when absent, ending
+    with `fix` (what gives them, in the caller's words)."""
     from hqtflow.models import attention_modules
 
     found = {i: model.get_submodule(name) for i, name in attention_modules(model).items()}
@@ -56,16 +57,22 @@ def kv_scales(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
     missing = [i for i in range(n) if not (i in found and hasattr(found[i], "k_scale") and hasattr(found[i], "v_scale"))]
     if missing:
         raise ValueError("This model has no KV-cache scales (k_scale/v_scale) for layers "
-                         f"{missing[:4]}{'...' if len(missing) > 4 else ''}: quantize it with `--kv-cache fp8`.")
+                         f"{missing[:4]}{'...' if len(missing) > 4 else ''}: {fix}.")
     return [(found[i].k_scale, found[i].v_scale) for i in range(n)]
+
+
+def has_sliding_layers(config) -> bool:
+    """Whether a model's config gives it layers other than full attention (`layer_types`: Gemma 2 and 3's local
+    layers), which FP8StaticCache does not hold."""
+    text = config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    return any(t != "full_attention" for t in types)
 
 
 class FP8StaticCache(StaticCache):
     """transformers' StaticCache with FP8StaticLayer layers (full-attention models)."""
 
     def __init__(self, config, max_cache_len: int, scales: list[tuple[torch.Tensor, torch.Tensor]]):
-        text = config.get_text_config(decoder=True)
-        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-        if any(t != "full_attention" for t in types):
+        if has_sliding_layers(config):
             raise ValueError("The FP8 KV cache supports full-attention models only (this one has sliding-window layers).")
         Cache.__init__(self, layers=[FP8StaticLayer(max_cache_len, k, v) for k, v in scales])
