@@ -75,6 +75,25 @@ def test_readme_names_every_command_and_the_cli_pipeline():
     pipeline = " ".join(re.search(r"^```\n(measure .*?)\n```", text, re.M).group(1).split())
     assert pipeline in " ".join(app.info.help.split()), (pipeline, app.info.help)
 
+def test_the_readme_eval_max_length_example_does_what_it_says(tiny_kv, tmp_path):
+    """The README's worked `eval --max-length` example, run on the tiny FP8 checkpoint in place of SmolLM2's (the
+    walk-through runs it on SmolLM2): perplexity over --ppl-windows windows of --max-length tokens."""
+    import json
+    import shlex
+
+    from conftest import run_cli
+
+    lines = [ln for b in bash_blocks() for ln in b.splitlines() if ln.startswith("hqtflow eval") and "--max-length" in ln]
+    assert len(lines) == 1, lines
+    args = [str(tiny_kv[1]) if a == "out/smollm2/fp8" else a.replace("../shared/data", str(DATA_DIR))
+            for a in shlex.split(lines[0].split("#")[0])[2:]]
+    r = run_cli("eval", *args, "--report", tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    ppl = json.loads((tmp_path / "r.json").read_text())["results"]["fp8"]["wikitext"]
+    given = lambda flag: int(args[args.index(flag) + 1])  # noqa: E731
+    assert (ppl["windows"], ppl["window"]) == (given("--ppl-windows"), given("--max-length")) and ppl["window"] < 512
+
+
 def _shim(bin_dir: Path) -> None:
     bin_dir.mkdir()
     exe = bin_dir / "hqtflow"
