@@ -227,6 +227,9 @@ def check_recipe(r, ms) -> None:
     if kv_cache_for(r) == KVCache.FP8 and r.quantize.kv_cache != KVCache.FP8 and not r.eval.empty:
         raise ConfigError(f"Recipe {r.path}, 'eval.kv_cache': fp8 reads the checkpoint's k/v scales, which only "
                           "`kv_cache: fp8` quantizes: set it, or eval's kv_cache to bf16.")
+    if r.quantize.kv_cache == KVCache.FP8 and ms.tp > 1:  # quantize would refuse it after measuring and unifying
+        raise ConfigError(f"Recipe {r.path}, 'kv_cache': fp8 takes its k/v scales from KV-cache statistics, which a "
+                          f"measurement on several cards ('cards': {ms.tp}) does not record: set cards: 1, or kv_cache: bf16.")
     if r.eval.tasks:
         from hqtflow import lmeval
 

@@ -306,3 +306,17 @@ def test_run_recipe_names_eval_kv_cache_where_the_fp8_kv_cache_cannot_score(tiny
     e = run_cli("eval", tmp_path / "run" / "fp8", "--no-baseline", "--ppl-file", data_dir / "wikitext2_test.txt",
                 "--ppl-windows", "1", "--kv-cache", "fp8")
     assert e.exit_code == 2 and "give --kv-cache bf16" in e.stderr and "Traceback" not in e.output, e.output
+
+
+def test_run_recipe_refuses_an_fp8_kv_cache_on_several_cards_before_measuring(tiny_llama, data_dir, tmp_path):
+    """KV-cache statistics are recorded on one rank only: a recipe with `kv_cache: fp8` and `cards: 2` measured on
+    2 ranks, unified them, then quantize refused naming `--tp 1` and `--kv-cache fp8` (flags run does not have).
+    It is refused before measuring, naming the recipe keys."""
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, data_dir, 2)
+    raw = yaml.safe_load(recipe.read_text())
+    raw["kv_cache"], raw["cards"] = "fp8", 2
+    recipe.write_text(yaml.safe_dump(raw))
+    r = run_cli("run", recipe)
+    assert r.exit_code == 2 and "writing" not in r.stdout and not (tmp_path / "run").exists(), r.output
+    err = r.stderr.strip()
+    assert err.startswith(f"Error: Recipe {recipe}, 'kv_cache'") and "cards: 1" in err and "--" not in err, err
