@@ -35,6 +35,8 @@ Layers a backend cannot run keep "qdq"; an explicit "scaled_mm" for a layer CUDA
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from dataclasses import dataclass
 from typing import Iterator
@@ -90,6 +92,20 @@ def fused(fn):
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
+_CAPTURING: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8_linear_capturing", default=False)
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Around a CUDA graph's warm-up runs and capture (`runtime.cuda_graphs.capture`): inputs are quantized by the one
+    compiled kernel (fewest kernels to replay), compiled in the warm-up, not while the graph records."""
+    token = _CAPTURING.set(True)
+    try:
+        yield
+    finally:
+        _CAPTURING.reset(token)
+
+
 def quantize_three_kernels(x: torch.Tensor, scale: torch.Tensor, fp8: str = "E4M3") -> torch.Tensor:
     """`quantize(x, scale)` bit for bit, given `scale` in float32, in three eager kernels (a [1] float32 divisor makes
     the division itself float32): no compiled function's dispatch, whose host time rules an eager step on CUDA."""
@@ -135,7 +151,7 @@ class FP8Linear(nn.Module):
     packed: torch.Tensor | None = None  # the "cpu" backend's copy of the weight in its kernel's layout
     _packed_from: tuple[int, int] | None = None  # (data_ptr, version) of the weight `packed` was made from
     fast_accum = False  # "scaled_mm": Hopper's fast FP8 accumulation (cuBLAS's default is the exact fp32 one)
-    # "scaled_mm" on CUDA, static input scale, outside a compiled step or a graph capture: the input quantized by
+    # "scaled_mm" on CUDA, static input scale, outside a compiled step or `capturing()`: the input quantized by
     # three eager kernels (False), or by one compiled kernel (True), whose dispatch costs more host time than the two
     # kernels it saves in an eager step (H200, 8B, 32 prompts' prefill: 121 ms against 162 ms)
     fused_quantize = False
@@ -278,7 +294,7 @@ class FP8Linear(nn.Module):
                 xq = quantize(x2, sa, self.fp8)
         else:
             sa = static_a
-            if cuda and not self.fused_quantize and not torch.cuda.is_current_stream_capturing():
+            if cuda and not (self.fused_quantize or _CAPTURING.get()):
                 xq = quantize_three_kernels(x2, sa, self.fp8)
             else:
                 xq = (fused(quantize) if cuda else quantize)(x2, self.input_scale, self.fp8)

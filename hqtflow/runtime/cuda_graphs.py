@@ -24,15 +24,18 @@ MIN_CONTEXT = 256
 def capture(fn, pool=None, warmup: int = 2):
     """(graph, fn's output) with fn() captured once as a CUDA graph; `warmup` eager runs on a side stream first (cuBLAS
     workspaces, compiled kernels and lazy buffers are made outside the graph). `graph.replay()` reruns it."""
+    from hqtflow.quantize.fp8_linear import capturing
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    with capturing():
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
     return graph, out
 
 

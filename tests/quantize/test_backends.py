@@ -206,3 +206,32 @@ def test_scaled_mm_scales_are_cast_once_also_under_compile():
         fresh = copy.deepcopy(m)
         fresh._mm_scales = None
         assert torch.equal(doubled, fresh(x)) and not torch.equal(doubled, eager)
+
+
+def test_capturing_selects_the_compiled_quantization_for_warm_up_and_capture():
+    """`capturing()` (around runtime.cuda_graphs.capture's warm-up and capture) is what makes a CUDA FP8Linear
+    quantize its input with the one compiled kernel, so that kernel is compiled in the warm-up, not while a graph
+    records; it ends with the block, an error included."""
+    from hqtflow.quantize import fp8_linear
+
+    assert not fp8_linear._CAPTURING.get()
+    with pytest.raises(RuntimeError):
+        with fp8_linear.capturing():
+            assert fp8_linear._CAPTURING.get()
+            raise RuntimeError
+    assert not fp8_linear._CAPTURING.get()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with compute capability >= 8.9 (FP8 tensor cores)")
+def test_a_graph_of_an_fp8_linear_replays_its_eager_output():
+    from hqtflow.runtime.cuda_graphs import capture
+
+    m, x = _layer(256, 512)
+    m, x = m.cuda(), x.cuda()
+    set_backend(m, "scaled_mm")
+    with torch.inference_mode():
+        eager = m(x)  # three eager kernels
+        graph, out = capture(lambda: m(x))  # the compiled kernel: the same bytes
+        graph.replay()
+    assert torch.equal(out, eager)
