@@ -3,6 +3,7 @@ tool's) and its tokenizer; `load_any` is the commands' loader (FP8 checkpoints a
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 
@@ -95,24 +96,42 @@ class Fp16Overflow:
     """A forward hook on a model's lm_head: logits holding NaN or infinity (activations past fp16's largest value,
     65504, overflowed) raise a ModelError in one sentence, kept in `tripped` for callers whose engine thread turns
     exceptions into a request's error, instead of text decoded from NaN logits or a NaN perplexity. Not checked
-    inside torch.compile'd code (the compiled engine's decode steps; its prefill is) nor in CUDA graph replays."""
+    inside torch.compile'd code (the compiled engine's decode steps; its prefill is), in CUDA graph captures, nor
+    `deferred` (the serving engine checks its logits itself, request by request, graph replays included)."""
 
     def __init__(self, name: str):
-        self.name, self.tripped = name, None
+        import threading
+
+        self.name, self.tripped, self._here = name, None, threading.local()
 
     def __call__(self, module, inputs, output):
         import torch
-
-        from hqtflow.errors import ModelError
 
         if torch.compiler.is_compiling():  # a torch.compile'd decode step (--engine compiled): no graph break
             return
         if output.is_cuda and torch.cuda.is_current_stream_capturing():  # a CUDA graph capture: no host sync there
             return
+        if getattr(self._here, "deferred", False):
+            return
         if not bool(torch.isfinite(output).all()):
-            self.tripped = ModelError(f"{self.name} computes NaN or infinite logits in fp16 (its activations pass "
-                                      "fp16's largest value, 65504): run it with --dtype bf16 or fp32.")
-            raise self.tripped
+            raise self.trip()
+
+    def trip(self):
+        """The ModelError of overflowed logits (also kept in `tripped`)."""
+        from hqtflow.errors import ModelError
+
+        self.tripped = ModelError(f"{self.name} computes NaN or infinite logits in fp16 (its activations pass "
+                                  "fp16's largest value, 65504): run it with --dtype bf16 or fp32.")
+        return self.tripped
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """No check on this thread within: its caller checks the logits itself (Engine._overflowed)."""
+        self._here.deferred = True
+        try:
+            yield
+        finally:
+            self._here.deferred = False
 
 
 def raise_fp16_overflow(model) -> None:

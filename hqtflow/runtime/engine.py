@@ -17,6 +17,7 @@ not started (benchmarks).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
@@ -169,6 +170,7 @@ class Engine:
         self.prefill_bucket, self.max_prefill_tokens = max(1, prefill_bucket), max(1, max_prefill_tokens)
         self.trim_interval, self._last_trim = trim_interval, time.monotonic()  # see runtime/memory.py
         self.eos = eos_ids(model, tokenizer)
+        self.guard = getattr(model, "fp16_guard", None)  # fp16 overflow, checked per request (_overflowed)
         self.special = set(tokenizer.all_special_ids)
         self._decode = fast_decode(tokenizer)
         scales = None
@@ -419,13 +421,16 @@ class Engine:
     def _forward(self, plan: list[tuple[Request, int]]) -> None:
         t = time.perf_counter()
         logits = None
-        if self.graphs is not None and all(n == 1 and _decoding(req) for req, n in plan):
-            logits = self.graphs.run([(req.generated[-1], req.computed, req.blocks) for req, _ in plan])
-        if logits is not None:
-            rows, kind, shape = [(req, 1, i, []) for i, (req, _) in enumerate(plan)], "decode", (len(plan), self.graphs.rows)
-            logits = logits.float()
-        else:
-            logits, rows, kind, shape = self._eager_forward(plan)
+        with self.guard.deferred() if self.guard is not None else contextlib.nullcontext():
+            if self.graphs is not None and all(n == 1 and _decoding(req) for req, n in plan):
+                logits = self.graphs.run([(req.generated[-1], req.computed, req.blocks) for req, _ in plan])
+            if logits is not None:
+                rows, kind, shape = [(req, 1, i, []) for i, (req, _) in enumerate(plan)], "decode", (len(plan), self.graphs.rows)
+                logits = logits.float()
+            else:
+                logits, rows, kind, shape = self._eager_forward(plan)
+        if self.guard is not None:
+            rows = self._overflowed(logits, rows)
         if self.on_step:
             self.on_step(kind, len(plan), time.perf_counter() - t, shape)
         self.stats.steps += 1
@@ -450,6 +455,21 @@ class Engine:
             for req, tok in zip(live, self._sample(live, picked)):
                 if not req.finished:  # (one whose sampling failed has had its error)
                     self._emit(req, tok)
+
+    def _overflowed(self, logits: torch.Tensor, rows: list) -> list:
+        """(fp16: the model's api.Fp16Overflow guard) `rows` less the requests any of whose logits rows hold NaN or
+        infinity: each ends alone with the guard's sentence, its neighbours go on. One host sync."""
+        finite = torch.isfinite(logits).all(-1).tolist()
+        ends = [first for _, _, first, _ in rows[1:]] + [len(finite)]  # a request's rows: its first to the next's
+        keep = []
+        for (req, n, first, scored), end in zip(rows, ends):
+            if all(finite[first:end]):
+                keep.append((req, n, first, scored))
+            else:
+                e = self.guard.trip()
+                req.emit(Event(len(req.generated), None, error=f"{type(e).__name__}: {e}"))
+                req.finished = True
+        return keep
 
     def _eager_forward(self, plan: list[tuple[Request, int]]) -> tuple[torch.Tensor, list, str, tuple[int, int]]:
         """One flattened forward of the step -> (kept logits, rows (request, new tokens, first kept row, scored

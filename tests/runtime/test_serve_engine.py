@@ -524,6 +524,53 @@ def test_top_p_keeps_transformers_smallest_set_reaching_the_mass():
             kept(x, top_p)
 
 
+def test_fp16_overflow_ends_only_the_request_whose_logits_overflow(tiny_llama):
+    """--dtype fp16 (api.Fp16Overflow on the lm_head): a request whose logits are NaN or infinite ends alone with the
+    guard's sentence (kept in `tripped`, which generate and eval re-raise); its neighbour in the same batch answers as
+    it does alone, and so does a request after it on the blocks its infinite keys and values were written to. The
+    overflow is real: one token's embedding row is 1e5, fine in fp32, infinity in fp16."""
+    from hqtflow import models
+    from hqtflow.api import guard_fp16
+
+    model, tok = models.load_model(tiny_llama, "fp32"), models.load_tokenizer(tiny_llama)
+    bad, good, later = ids(tok, "The tower is"), ids(tok, "A cold day"), ids(tok, "A game")
+    assert bad[-1] not in good + later
+    with torch.no_grad():
+        model.get_input_embeddings().weight[bad[-1]] = 1e5
+    model.half()
+    guard = guard_fp16(model, "the tiny model")
+    params = SamplingParams(max_new_tokens=4, top_n=2)
+
+    def tokens(events):
+        assert events[-1].finish_reason == "length", events[-1]
+        return [(e.token.id, [i for i, _ in e.token.top]) for e in events]
+
+    def alone(x):
+        eng = Engine(model, tok, max_batch_total_tokens=64)
+        out = []
+        eng.submit(x, params, out.append)
+        while eng.step():
+            pass
+        return tokens(out)
+
+    expected = [alone(good), alone(later)]
+    assert guard.tripped is None
+    eng = Engine(model, tok, max_batch_total_tokens=64)
+    out = [[], [], []]
+    eng.submit(bad, params, out[0].append), eng.submit(good, params, out[1].append)
+    first = eng.pool.free_blocks[-1]  # the block the first request admitted takes
+    eng.step()
+    assert [e.error for e in out[0]] == [f"ModelError: {guard.tripped}"]
+    assert [e.error for e in out[1]] == [None]  # its first token: the step went on without the overflowed request
+    assert "the tiny model computes NaN or infinite logits in fp16" in str(guard.tripped)
+    eng.submit(later, params, out[2].append)
+    eng.step()
+    assert eng.active[-1].blocks == [first]  # the overflowed request's block, given back
+    while eng.step():
+        pass
+    assert [tokens(out[1]), tokens(out[2])] == expected
+
+
 # -- paged KV cache, chunked prefill, determinism ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lm16(tiny_llama):
