@@ -588,14 +588,11 @@ class Engine:
         if processed:  # in one transfer
             for row, v in zip(processed, torch.stack([lp[toks[row]] for row, lp in processed.items()]).tolist()):
                 chosen[row] = v
-        out = []
-        for row, req in enumerate(reqs):
-            top = None
-            if req.params.top_n and not req.finished:
-                lp = processed[row] if row in processed else logprobs[at[row]]
-                top = _top_tokens(lp, req.params.top_n, req.params.top_n_ties)
-            out.append((toks[row], chosen[row], top))
-        return out
+        listed = [row for row, req in enumerate(reqs) if req.params.top_n and not req.finished]
+        tops = dict(zip(listed, _top_tokens([processed[row] if row in processed else logprobs[at[row]] for row in listed],
+                                            [reqs[row].params.top_n for row in listed],
+                                            [reqs[row].params.top_n_ties for row in listed]) if listed else []))
+        return [(toks[row], chosen[row], tops.get(row)) for row in range(len(reqs))]
 
     def _process(self, req: Request, x: torch.Tensor) -> torch.Tensor:
         """Logits processors in TGI's order: watermark, penalties, logit bias, grammar."""
@@ -705,15 +702,34 @@ def _processed(req: Request) -> bool:
                 ((p.presence_penalty or p.frequency_penalty) and req.generated) or p.logit_bias or req.matcher is not None)
 
 
-def _top_tokens(logprobs: torch.Tensor, n: int, ties: bool) -> list[tuple[int, float]]:
-    """The n likeliest (id, logprob), best first; with `ties`, also every token tied with the n-th (TGI's
-    batch_top_tokens). As TGI, tokens a processor ruled out (-inf: a grammar's, top_k's) are never listed."""
-    n = min(n, logprobs.numel())
-    if ties:
-        nth = float(logprobs.topk(n).values[-1])
-        n = int((logprobs >= (nth if nth != -math.inf else torch.finfo(logprobs.dtype).min)).sum().clamp(min=1))
-    t = logprobs.topk(n)
-    return [(i, v) for i, v in zip(t.indices.tolist(), t.values.tolist()) if v != -math.inf]
+TIES_SEEN = 32  # tokens past the largest n that the first transfer of _top_tokens holds (ties with an n-th)
+
+
+def _top_tokens(rows: list[torch.Tensor], ns: list[int], ties: list[bool]) -> list[list[tuple[int, float]]]:
+    """Each row's n likeliest (id, logprob), best first, equal logprobs by id; with `ties`, also every token tied with
+    the n-th (TGI's batch_top_tokens). As TGI, tokens a processor ruled out (-inf: a grammar's, top_k's) are never
+    listed. Every row at once, in one host transfer (a second only for rows with more than TIES_SEEN ties)."""
+    x = torch.stack(rows)
+    vocab = x.shape[-1]
+    ns = [min(n, vocab) for n in ns]
+    width = min(vocab, max(ns) + TIES_SEEN)
+    top = x.topk(width)
+    nth = top.values.gather(1, torch.tensor(ns, device=x.device)[:, None] - 1)  # a -inf n-th: every finite token
+    nth = nth.masked_fill(nth == -math.inf, torch.finfo(x.dtype).min)
+    tied = (x >= nth).sum(-1).clamp(min=1)  # the tokens at least as likely as the n-th
+    host = torch.cat([tied[:, None].double(), top.values.double(), top.indices.double()], 1).tolist()
+    counts = [int(h[0]) for h in host]
+    pairs = [list(zip(h[1 + width:], h[1:1 + width])) for h in host]
+    over = [r for r, c in enumerate(counts) if c > width]  # a flat distribution: more ties than the first transfer
+    if over:
+        more = x[over].topk(max(counts[r] for r in over))
+        for r, ids, vs in zip(over, more.indices.tolist(), more.values.tolist()):
+            pairs[r] = list(zip(ids, vs))
+    out = []
+    for r, (c, n) in enumerate(zip(counts, ns)):
+        best = sorted(pairs[r][:c], key=lambda p: (-p[1], p[0]))[: c if ties[r] else n]
+        out.append([(int(i), v) for i, v in best if v != -math.inf])
+    return out
 
 
 def _decoding(req: Request) -> bool:

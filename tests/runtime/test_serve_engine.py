@@ -494,10 +494,72 @@ def test_tgi_top_n_ties_leave_out_ruled_out_tokens():
     from hqtflow.runtime.engine import _top_tokens
 
     lp = torch.tensor([-0.5, -1.0, -math.inf, -1.0, -math.inf, -3.0])
-    assert [i for i, _ in _top_tokens(lp, 2, ties=True)] == [0, 1, 3]
-    assert [i for i, _ in _top_tokens(lp, 2, ties=False)] == [0, 1]
-    assert [i for i, _ in _top_tokens(lp, 5, ties=True)] == [0, 1, 3, 5]
-    assert _top_tokens(torch.tensor([0.0, -math.inf, -math.inf]), 3, ties=True) == [(0, 0.0)]
+    assert [[i for i, _ in top] for top in _top_tokens([lp] * 3, [2, 2, 5], [True, False, True])] == [[0, 1, 3], [0, 1], [0, 1, 3, 5]]
+    assert _top_tokens([torch.tensor([0.0, -math.inf, -math.inf])], [3], [True]) == [[(0, 0.0)]]
+
+
+def _top_tokens_per_row(logprobs, n, ties):
+    """engine._top_tokens as it was, row by row (3 host reads a row, 4 with ties): the reference of the batched one."""
+    n = min(n, logprobs.numel())
+    if ties:
+        nth = float(logprobs.topk(n).values[-1])
+        n = int((logprobs >= (nth if nth != -math.inf else torch.finfo(logprobs.dtype).min)).sum().clamp(min=1))
+    t = logprobs.topk(n)
+    return [(i, v) for i, v in zip(t.indices.tolist(), t.values.tolist()) if v != -math.inf]
+
+
+def test_top_n_of_every_row_at_once_lists_what_the_per_row_function_listed():
+    """Rows of random logprobs with many ties (a few dozen distinct values), some with fewer finite tokens than n,
+    some flat (more ties than the first transfer holds): the same logprobs in the same order as the per-row function,
+    the same tokens with ties, and exactly n the same tokens above the n-th, the n-th's ties by lowest id (topk's
+    choice among equal values is arbitrary: it changes with k)."""
+    from hqtflow.runtime.engine import _top_tokens
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (7, 512, 49152):
+        rows = [torch.log_softmax((torch.randn(vocab, generator=g) * 3).round() / 2, -1) for _ in range(12)]
+        rows[3][torch.randperm(vocab, generator=g)[: vocab - 2]] = -math.inf
+        rows[5][torch.randperm(vocab, generator=g)[: vocab - 1]] = -math.inf
+        rows[7] = torch.full((vocab,), -math.log(vocab))
+        rows[8] = torch.full((vocab,), -math.inf)
+        ns = [1 + (r * 7) % 20 for r in range(12)]
+        for ties in (True, False):
+            for x, n, got in zip(rows, ns, _top_tokens(rows, ns, [ties] * 12)):
+                ref = _top_tokens_per_row(x, n, ties)
+                assert [v for _, v in got] == [v for _, v in ref] and got == sorted(got, key=lambda p: (-p[1], p[0]))
+                if ties or not ref:
+                    assert sorted(got) == sorted(ref)
+                    continue
+                last = ref[-1][1]
+                assert {p for p in got if p[1] != last} == {p for p in ref if p[1] != last}
+                lowest = torch.nonzero(x == last).flatten().tolist()[: sum(v == last for _, v in got)]
+                assert [i for i, v in got if v == last] == lowest
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the reads of tensor values into Python (each a host sync on a GPU)."""
+    READS = ("tolist", "item", "__float__", "__int__", "__bool__", "__index__")
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_steps_top_n_tokens_cost_one_host_read_for_all_rows(lm):
+    """TGI's top_n_tokens (with ties) of 4 greedy rows: the step's sampling reads its picks once and the top-n of
+    every row once (it read each row's n-th, its count of ties and its top-n: 4 reads a row)."""
+    from hqtflow.runtime.engine import Request
+
+    eng = Engine(*lm, max_batch_total_tokens=64)
+    reqs = [Request([1, 2], SamplingParams(top_n=n, top_n_ties=True), lambda ev: None) for n in (1, 2, 5, 5)]
+    logits = (torch.randn(4, eng.model.config.vocab_size, generator=torch.Generator().manual_seed(0)) * 4).round()
+    with HostReads() as reads:
+        out = eng._sample(reqs, logits)
+    assert reads.count == 2 and [len(top) >= n for (_, _, top), n in zip(out, (1, 2, 5, 5))] == [True] * 4
 
 
 def test_top_p_keeps_transformers_smallest_set_reaching_the_mass():
