@@ -96,6 +96,7 @@ class Request:
     generator: torch.Generator | None = None
     seed: int | None = None
     matcher: object | None = None  # xgrammar GrammarMatcher
+    bitmask: torch.Tensor | None = None  # the matcher's allowed tokens (grammar.bitmask), made at its first step
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # params.logit_bias as (ids, values), made at its first step
     prompt: list | None = None
     t_submit: float = 0.0
@@ -558,19 +559,19 @@ class Engine:
             toks, chosen = [int(t) for t in greedy.tolist()], [0.0] * len(reqs)
         at = {row: i for i, row in enumerate(raw)}  # a raw row's row in `logprobs`
         processed: dict[int, torch.Tensor] = {}  # an `own` row's logprobs of its processed distribution
-        changed = []
+        changed = []  # processors change a row in place: the step's logits are not read after this
         for row, req in enumerate(reqs):
             p = req.params
             try:  # a request whose processors or sampling fail ends alone: its neighbours in the batch go on
                 if p.do_sample:
-                    x = _warp(self._process(req, logits[row].clone()), p)
+                    x = _warp(self._process(req, logits[row]), p)
                     # from softmax in both cases, so a seed picks the same token whichever logprobs are asked for
                     toks[row] = int(torch.multinomial(x.softmax(-1), 1, generator=req.generator))
                     if own[row]:
                         processed[row] = torch.log_softmax(x, -1)
                     changed.append(row)
                 elif _processed(req):
-                    x = self._process(req, logits[row].clone())
+                    x = self._process(req, logits[row])
                     toks[row] = int(x.argmax())
                     if own[row]:
                         processed[row] = torch.log_softmax(x, -1)
@@ -595,7 +596,7 @@ class Engine:
         return [(toks[row], chosen[row], tops.get(row)) for row in range(len(reqs))]
 
     def _process(self, req: Request, x: torch.Tensor) -> torch.Tensor:
-        """Logits processors in TGI's order: watermark, penalties, logit bias, grammar."""
+        """Logits processors in TGI's order: watermark, penalties, logit bias, grammar (on `x` in place)."""
         p = req.params
         if p.watermark and req.input_ids + req.generated:
             rng = torch.Generator().manual_seed(15485863 * (req.input_ids + req.generated)[-1])
@@ -617,9 +618,10 @@ class Engine:
                             torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=x.device))
             x[req.bias[0]] += req.bias[1]
         if req.matcher is not None:
-            from hqtflow.runtime.grammar import mask_logits
+            from hqtflow.runtime.grammar import bitmask, mask_logits
 
-            mask_logits(req.matcher, x)
+            req.bitmask = bitmask(x.numel()) if req.bitmask is None else req.bitmask
+            mask_logits(req.matcher, x, req.bitmask)
         return x
 
     def _emit(self, req: Request, chosen: tuple[int, float, list | None]) -> None:

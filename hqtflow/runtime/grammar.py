@@ -447,27 +447,37 @@ def matcher(compiled):
     return xgr.GrammarMatcher(compiled)
 
 
-def _allowed(m, vocab_size: int) -> torch.Tensor:
-    """The matcher's bitmask of the tokens allowed next (1 x ceil(vocab_size / 32) int32)."""
+def bitmask(vocab_size: int) -> torch.Tensor:
+    """A bitmask of the tokens allowed next (1 x ceil(vocab_size / 32) int32, on the CPU, where xgrammar fills it):
+    one per request, refilled at each of its steps."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-    m.fill_next_token_bitmask(bitmask)
-    return bitmask
+    return xgr.allocate_token_bitmask(1, vocab_size)
 
 
-def mask_logits(m, logits: torch.Tensor) -> None:
-    """Set the logits of tokens the grammar forbids next to -inf (in place, 1-D). xgrammar's own failures (a C++
+def _allowed(m, vocab_size: int) -> torch.Tensor:
+    """The matcher's bitmask of the tokens allowed next."""
+    mask = bitmask(vocab_size)
+    m.fill_next_token_bitmask(mask)
+    return mask
+
+
+def mask_logits(m, logits: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """Set the logits of tokens the grammar forbids next to -inf, in place (1-D), where the logits are: xgrammar's
+    apply_token_bitmask_inplace (its CPU kernel; elsewhere its plain torch ops on the bitmask copied there, not its
+    Triton kernel, compiled at its first call), no copy of the logits.
+    `mask`: the request's bitmask (`bitmask`), refilled here (default: a new one). xgrammar's own failures (a C++
     check, with its time and source path) become one GrammarError sentence, and so does a step that allows no token
     (sampling would draw from NaN, greedy would pick id 0)."""
     import xgrammar as xgr
 
+    mask = bitmask(logits.numel()) if mask is None else mask
     try:
-        bitmask = _allowed(m, logits.numel())
-        row = logits[None].cpu()
-        xgr.apply_token_bitmask_inplace(row, bitmask)
+        m.fill_next_token_bitmask(mask)
+        if mask.any():
+            xgr.apply_token_bitmask_inplace(logits[None], mask.to(logits.device, non_blocking=True),
+                                            backend="cpu" if logits.is_cpu else "torch_native")
     except Exception:  # noqa: BLE001 - xgrammar's RuntimeError names its build, not the request
         raise GrammarError(f"the grammar could not mask the model's {logits.numel()} logits") from None
-    if not bitmask.any():
+    if not mask.any():
         raise GrammarError("the grammar allows no token here")
-    logits.copy_(row[0])

@@ -562,6 +562,38 @@ def test_a_steps_top_n_tokens_cost_one_host_read_for_all_rows(lm):
     assert reads.count == 2 and [len(top) >= n for (_, _, top), n in zip(out, (1, 2, 5, 5))] == [True] * 4
 
 
+class VocabCopies(torch.overrides.TorchFunctionMode):
+    """Counts the copies of tensors of at least `width` values (a row of logits)."""
+    COPIES = ("clone", "copy_", "cpu", "to", "contiguous", "float")
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width, self.count = width, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.COPIES and args[0].numel() >= self.width
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_grammar_masks_its_row_of_the_logits_in_place(lm):
+    """A grammar's step copies no row of logits (it cloned the row, copied it to the CPU and back: on a loaded CPU
+    each copy of 49152 floats is an OpenMP region, ms waiting for a worker); its bitmask is made once per request."""
+    from hqtflow.runtime.engine import Request
+    from hqtflow.runtime.grammar import compile_grammar, matcher
+
+    model, tok = lm
+    width = model.get_output_embeddings().out_features
+    req = Request([1, 2], SamplingParams(), lambda ev: None,
+                  matcher=matcher(compile_grammar(tok, "regex", "[0-9]{3}", vocab_size=width)))
+    eng, g = Engine(model, tok, max_batch_total_tokens=64), torch.Generator().manual_seed(0)
+    with VocabCopies(width) as copies:
+        [(first, _, _)] = eng._sample([req], torch.randn(1, width, generator=g))
+    assert copies.count == 0
+    mask = req.bitmask
+    [(second, _, _)] = eng._sample([req], torch.randn(1, width, generator=g))
+    assert req.bitmask is mask and tok.decode([first, second]).isdigit()
+
+
 def test_top_p_keeps_transformers_smallest_set_reaching_the_mass():
     """top_p keeps what transformers' TopPLogitsWarper (and TGI) keep: the smallest set whose mass reaches top_p, also
     when a prefix's mass equals top_p exactly (it kept one token more: [.25, .25, .25, .125, .125] at 0.5 kept 3)."""
