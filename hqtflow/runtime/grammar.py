@@ -6,6 +6,7 @@ before sampling and accepts each chosen token. A JSON schema using what xgrammar
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -198,10 +199,12 @@ def lookahead(regex: str) -> bool:
 
 
 def regex_problem(regex: str) -> str | None:
-    """Why a regex cannot be held to or is too costly to compile (None: neither): a lookahead, longer than
-    MAX_REGEX_CHARS, or a counted repetition beyond MAX_REGEX_REPEAT."""
+    """Why a regex cannot be held to or is too costly to compile (None: neither): a lookahead, a UTF-16 surrogate
+    (surrogate_atom), longer than MAX_REGEX_CHARS, or a counted repetition beyond MAX_REGEX_REPEAT."""
     if lookahead(regex):
         return "uses a lookahead (`(?=`, `(?!`), which the grammar would ignore"
+    if atom := surrogate_atom(regex):
+        return f"names {atom!r}, a UTF-16 surrogate (U+D800-DFFF), which no UTF-8 text holds"
     if len(regex) > MAX_REGEX_CHARS:
         return f"is longer than {MAX_REGEX_CHARS} characters"
     if repeat_size(regex) > MAX_REGEX_REPEAT:
@@ -400,6 +403,140 @@ def _unsafe(token: str) -> bool:
     return token[1] in _CONTROL_ESCAPES
 
 
+_NAMED_CODES = {"t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "a": 7, "e": 27, "0": 0, "b": 8}  # `\b` in a class
+# xgrammar's shorthands (probed on 0.2.9): \d and \w ASCII, \s ECMAScript's white space; as code point ranges
+_SHORTHANDS = {"\\d": [(0x30, 0x39)], "\\w": [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
+               "\\s": [(0x9, 0xD), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+                       (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)]}
+_UTF8_LENGTHS = ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, 0x10FFFF))  # code points of 1, 2, 3, 4 bytes
+
+
+def _atom(regex: str, i: int) -> str:
+    """The character or escape (`\\u00e9`, `\\x{41}`, `\\w`, ...) that starts at `i`."""
+    return m[0] if regex[i] == "\\" and (m := _ESCAPE.match(regex, i)) else regex[i]
+
+
+def _code(atom: str) -> int | None:
+    """The code point an atom names (None: a shorthand such as `\\w`)."""
+    if len(atom) == 1:
+        return ord(atom)
+    if atom[1] in "xu" and len(atom) > 2:
+        return int(atom[2:].strip("{}"), 16)
+    if atom[1] == "c" and len(atom) == 3:
+        return ord(atom[2]) % 32
+    if atom.lower() in _SHORTHANDS:
+        return None
+    return _NAMED_CODES.get(atom[1], ord(atom[1]))
+
+
+def _shorthand(atom: str) -> list[tuple[int, int]]:
+    """The code point ranges of a shorthand (`\\W`, `\\S`, `\\D`: the complement of `\\w`, `\\s`, `\\d`)."""
+    ranges = _SHORTHANDS[atom.lower()]
+    return _complement(ranges) if atom[1].isupper() else ranges
+
+
+def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for lo, hi in sorted(ranges):
+        if lo > start:
+            out.append((start, lo - 1))
+        start = max(start, hi + 1)
+    return out + [(start, 0x10FFFF)] * (start <= 0x10FFFF)
+
+
+def _class_items(regex: str, i: int) -> tuple[bool, list[tuple[str, str | None]], int]:
+    """The class that starts at `i` (a "["): whether it is negated, its items (an atom, or a range's two ends) and
+    where it ends. A "]" first in it is a literal, as for repeat_size; a shorthand is no range's end (`[\\w-z]`)."""
+    j = i + 1 + (regex[i + 1:i + 2] == "^")
+    negated, items, first = j > i + 1, [], True
+    while j < len(regex) and (regex[j] != "]" or first):
+        lo, first = _atom(regex, j), False
+        j += len(lo)
+        if regex[j:j + 1] == "-" and j + 1 < len(regex) and regex[j + 1] != "]":
+            hi = _atom(regex, j + 1)
+            if _code(lo) is not None and _code(hi) is not None:
+                items.append((lo, hi))
+                j += 1 + len(hi)
+                continue
+        items.append((lo, None))
+    return negated, items, j + 1
+
+
+def surrogate_atom(regex: str) -> str | None:
+    """The first atom or range of a regex naming only UTF-16 surrogates (U+D800-DFFF: no UTF-8 text holds one), not
+    in a negated class; None if there is none."""
+    i = 0
+    while i < len(regex):
+        if regex[i] == "[":
+            negated, items, i = _class_items(regex, i)
+            for lo, hi in [] if negated else items:
+                if (a := _code(lo)) is not None and 0xD800 <= a and (_code(hi) if hi else a) <= 0xDFFF:
+                    return f"{lo}-{hi}" if hi else lo
+            continue
+        atom = _atom(regex, i)
+        if (code := _code(atom)) is not None and 0xD800 <= code <= 0xDFFF:
+            return atom
+        i += len(atom)
+    return None
+
+
+def utf8_classes(regex: str) -> str:
+    """The regex with each of its classes, `.` and negated shorthands (`\\W`, `\\S`, `\\D`) written as code point
+    ranges of one UTF-8 length each, without the UTF-16 surrogates. xgrammar 0.2.9 takes the bytes of surrogates
+    (ED A0 80 ...: not UTF-8) for `.`, a negated class or shorthand, and a range across them, and overlong bytes
+    (E0 9A 92, F0 8F BF BF: not UTF-8) for a range across two UTF-8 lengths (`[\\u0080-\\uffff]`, `.` in a `pattern`);
+    `[^a]` becomes `(?:[\\u0000-\\u0060\\u0062-\\u007f]|[\\u0080-\\u07ff]|...)`. For a regex surrogate_atom finds
+    nothing in."""
+    out, i = [], 0
+    while i < len(regex):
+        if regex[i] == "[":
+            start = i
+            negated, items, i = _class_items(regex, i)
+            ranges = [r for lo, hi in items for r in
+                      (_shorthand(lo) if _code(lo) is None else [(_code(lo), _code(hi) if hi else _code(lo))])]
+            if i > len(regex) or any(lo > hi for lo, hi in ranges):  # unclosed, or `[z-a]`: xgrammar's error
+                out.append(regex[start:])
+                break
+            out.append(_utf8_ranges(_complement(ranges) if negated else ranges) or regex[start:i])  # none: as given
+            continue
+        atom = _atom(regex, i)
+        i += len(atom)
+        out.append(_utf8_ranges([(0, 0x10FFFF)]) if atom == "." else
+                   _utf8_ranges(_shorthand(atom)) if atom in ("\\W", "\\S", "\\D") else atom)
+    return "".join(out)
+
+
+def _utf8_ranges(ranges: list[tuple[int, int]]) -> str:
+    """Code point ranges as a regex: one class per UTF-8 length (alternatives of a group when several), without
+    the surrogates; "" when none is left."""
+    keep = [(a, b) for lo, hi in ranges for a, b in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi)) if a <= b]
+    classes = []
+    for first, last in _UTF8_LENGTHS:
+        parts = sorted((max(lo, first), min(hi, last)) for lo, hi in keep if lo <= last and hi >= first)
+        merged = []
+        for lo, hi in parts:
+            if merged and lo <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        if merged:
+            classes.append("[" + "".join(_u(lo) + (f"-{_u(hi)}" if hi > lo else "") for lo, hi in merged) + "]")
+    return classes[0] if len(classes) == 1 else f"(?:{'|'.join(classes)})" if classes else ""
+
+
+def _u(code: int) -> str:
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\u{{{code:x}}}"
+
+
+def _patterns_in_utf8(schema):
+    """A copy of a JSON schema whose every `pattern` is utf8_classes'."""
+    schema = copy.deepcopy(schema)
+    for _, s in subschemas(schema):
+        if isinstance(s.get("pattern"), str):
+            s["pattern"] = utf8_classes(s["pattern"])
+    return schema
+
+
 def resolves(schema, ref: str) -> bool:
     """Whether a local reference ("#" or a JSON pointer "#/a/b") names a schema within `schema`."""
     node = schema
@@ -432,10 +569,15 @@ def compile_grammar(tokenizer, kind: str, value=None, scale: int = 1, vocab_size
             raise GrammarError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
         if problem := schema_problem(value, scale):
             raise GrammarError(problem)
-        value = json.dumps(value)  # keys in the order given: the grammar writes properties in that order
-    if kind == "regex" and isinstance(value, str) and (problem := regex_problem(value)):
-        raise GrammarError(f"the regex {problem}")
-    compiled = _compile(tokenizer, kind, value, vocab_size or len(tokenizer))
+        # keys in the order given: the grammar writes properties in that order
+        grammar_value = json.dumps(_patterns_in_utf8(value))
+    elif kind == "regex" and isinstance(value, str):
+        if problem := regex_problem(value):
+            raise GrammarError(f"the regex {problem}")
+        grammar_value = utf8_classes(value)
+    else:
+        grammar_value = value
+    compiled = _compile(tokenizer, kind, grammar_value, vocab_size or len(tokenizer))
     if not _allowed(matcher(compiled), vocab_size or len(tokenizer)).any():  # (`[^\s\S]`: sampling got NaN)
         raise GrammarError(f"the regex {value[:80]!r} matches no text" if kind == "regex" else "the JSON schema accepts no value")
     return compiled

@@ -23,9 +23,9 @@ def tok(tokenizer_dir):
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-def walk(tok, compiled, seed: int, width: int | None = None, steps: int = 200) -> str | None:
+def walk(tok, compiled, seed: int, width: int | None = None, steps: int = 200, raw: bool = False) -> str | bytes | None:
     """A random walk through the tokens the grammar allows, as the engine masks them; the decoded text once the
-    grammar ends (None: cut by `steps`)."""
+    grammar ends (`raw`: its bytes, undecoded; None: cut by `steps`)."""
     rng, m, out = random.Random(seed), matcher(compiled), []
     for _ in range(steps):
         logits = torch.zeros(width or len(tok))
@@ -34,7 +34,7 @@ def walk(tok, compiled, seed: int, width: int | None = None, steps: int = 200) -
         t = rng.choice(allowed)
         assert m.accept_token(t)
         if m.is_terminated():
-            return tok.decode(out)
+            return token_bytes(tok, out) if raw else tok.decode(out)
         out.append(t)
     return None
 
@@ -99,10 +99,10 @@ def test_a_length_bounded_string_is_always_valid_json(tok, schema):
     compiled = compile_grammar(tok, "json", schema)
     ended = 0
     for seed in range(60):
-        if (text := walk(tok, compiled, seed)) is None:
+        if (text := walk(tok, compiled, seed, raw=True)) is None:
             continue
         ended += 1
-        value = json.loads(text)  # raises on a raw control character
+        value = strict_json(text)  # raises on a raw control character
         for s, sub in strings(value, schema):
             assert sub.get("minLength", 0) <= len(s) <= sub.get("maxLength", 10**9), text
     assert ended >= 30
@@ -111,11 +111,30 @@ def test_a_length_bounded_string_is_always_valid_json(tok, schema):
         assert accepts(tok, compiled, '"a\\tb"') and accepts(tok, compiled, '"\\u00e9\\""')  # escapes count as one
 
 
-def byte_tokens(tok) -> dict[int, int]:
-    """Each byte's token in the byte-level tokenizer (GPT-2's printable stand-ins for the bytes)."""
+def stand_ins() -> dict[int, str]:
+    """Each byte's printable stand-in in a byte-level tokenizer's tokens (GPT-2's)."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    stand_in = {b: chr(b) for b in printable} | {b: chr(0x100 + i) for i, b in enumerate(b for b in range(256) if b not in printable)}
-    return {b: tok.convert_tokens_to_ids(c) for b, c in stand_in.items()}
+    return {b: chr(b) for b in printable} | {b: chr(0x100 + i) for i, b in enumerate(b for b in range(256) if b not in printable)}
+
+
+def byte_tokens(tok) -> dict[int, int]:
+    """Each byte's token in the byte-level tokenizer."""
+    return {b: tok.convert_tokens_to_ids(c) for b, c in stand_ins().items()}
+
+
+def token_bytes(tok, ids: list[int]) -> bytes:
+    """The bytes the byte-level tokenizer's tokens stand for (tok.decode would turn bytes that are not UTF-8 into
+    U+FFFD)."""
+    byte = {c: b for b, c in stand_ins().items()}
+    return bytes(byte[c] for t in tok.convert_ids_to_tokens(ids) for c in t)
+
+
+def strict_json(raw: bytes):
+    """The JSON value of output bytes, refused (ValueError) unless they are UTF-8 and it holds no lone surrogate."""
+    value = json.loads(raw.decode("utf-8"))  # strict UTF-8: a surrogate's bytes (ED A0 80) raise
+    json.dumps(value, ensure_ascii=False).encode("utf-8")  # a lone surrogate (escaped "\\ud800") raises
+    return value
+
 
 
 @pytest.mark.parametrize("kind, schema, before", [
@@ -136,6 +155,40 @@ def test_a_string_never_takes_a_surrogates_bytes(tok, kind, schema, before):
 
     assert takes("\ud7ff\ue000\U0001f600".encode()) and takes(b"\xed\x9f")
     assert not takes(b"\xed\xa0") and not takes(b"\xed\xbf")
+
+
+@pytest.mark.parametrize("kind, value, before", [
+    ("json", {"type": "string", "pattern": "^.{1,8}$"}, '"'),
+    ("json", {"type": "string", "pattern": "^[^a]+$"}, '"'),
+    ("json", {"type": "string", "pattern": "^\\W+$"}, '"'),
+    ("json", {"type": "string", "pattern": "^[\\s\\S]+$"}, '"'),
+    ("json", {"type": "string", "pattern": "^[\\u0080-\\uffff]+$"}, '"'),
+    ("json", {"type": "object", "properties": {"p": {"type": "string", "pattern": "^(a|.)+$"}}}, '{"p": "'),
+    ("regex", "[^a]+", ""),
+])
+def test_a_pattern_never_takes_a_surrogates_or_overlong_bytes(tok, kind, value, before):
+    """A pattern's `.`, negated classes and shorthands, and a range across U+D800-DFFF, took the surrogates' bytes
+    (ED A0 80: not UTF-8), and a range across two UTF-8 lengths overlong bytes (E0 9A 92 for U+0692, F0 8F BF BF):
+    they are rewritten without them. The characters either side (U+D7FF, U+E000, U+0800) still pass."""
+    ids, compiled = byte_tokens(tok), compile_grammar(tok, kind, value)
+
+    def takes(raw: bytes) -> bool:
+        m = matcher(compiled)
+        return m.accept_string(before) and all(m.accept_token(ids[b]) for b in raw)
+
+    assert takes("\ud7ff".encode()) and takes("\ue000".encode()) and takes(b"\xed\x9f") and takes("\u0800".encode())
+    assert not takes(b"\xed\xa0") and not takes(b"\xed\xbf") and not takes(b"\xe0\x9a") and not takes(b"\xe0\x80")
+    if kind != "regex" and "\\uffff" not in value.get("pattern", ""):
+        assert takes("\U0001f600".encode()) and not takes(b"\xf0\x8f")
+
+
+@pytest.mark.parametrize("pattern, named", [("^\\ud800$", "\\ud800"), ("^[a\\udc00]+$", "\\udc00"),
+                                            ("^[\\ud800-\\udbff]$", "\\ud800-\\udbff")])
+def test_a_pattern_naming_a_surrogate_is_refused(tok, pattern, named):
+    with pytest.raises(GrammarError) as e:
+        compile_grammar(tok, "json", {"type": "string", "pattern": pattern})
+    assert str(e.value) == (f"the JSON schema has a `pattern` that names {named!r}, a UTF-16 surrogate (U+D800-DFFF), "
+                            "which no UTF-8 text holds (at the root)")
 
 
 def test_a_date_has_its_months_days(tok):
@@ -175,11 +228,11 @@ def test_classes_in_a_pattern_never_write_a_quote_backslash_or_control_character
     compiled = compile_grammar(tok, "json", {"type": "string", "pattern": pattern})
     ended = 0
     for seed in range(40):
-        if (text := walk(tok, compiled, seed)) is None:
+        if (text := walk(tok, compiled, seed, raw=True)) is None:
             continue
         ended += 1
-        value = json.loads(text)
-        assert re.fullmatch(pattern.strip("^$"), value, re.ASCII) or "\ufffd" in value, text
+        value = strict_json(text)
+        assert re.fullmatch(pattern.strip("^$"), value, re.ASCII), text
         assert not re.search(r'["\\\x00-\x1f]', value), text
     assert ended >= 20
 
