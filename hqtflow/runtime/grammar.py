@@ -248,9 +248,14 @@ def subschemas(schema):
         if not isinstance(s, dict):
             continue
         yield path, s
-        todo += [(f"{path}/{k}/{n}", v) for k in SUBSCHEMA_MAPS if isinstance(s.get(k), dict) for n, v in s[k].items()]
-        todo += [(f"{path}/{k}", s[k]) for k in SUBSCHEMA_ONE if isinstance(s.get(k), dict)]
-        todo += [(f"{path}/{k}/{i}", v) for k in SUBSCHEMA_LISTS if isinstance(s.get(k), list) for i, v in enumerate(s[k])]
+        todo += [(p, v) for p, _, v in _children(path, s)]
+
+
+def _children(path: str, s: dict) -> list[tuple[str, str, object]]:
+    """(path, keyword, schema) for each schema directly within schema object `s`."""
+    return [*((f"{path}/{k}/{n}", k, v) for k in SUBSCHEMA_MAPS if isinstance(s.get(k), dict) for n, v in s[k].items()),
+            *((f"{path}/{k}", k, s[k]) for k in SUBSCHEMA_ONE if isinstance(s.get(k), dict)),
+            *((f"{path}/{k}/{i}", k, v) for k in SUBSCHEMA_LISTS if isinstance(s.get(k), list) for i, v in enumerate(s[k]))]
 
 
 def size_problem(schema, scale: int = 1) -> str | None:
@@ -347,24 +352,75 @@ OPENAI_NOT_STRICT = ("allOf", "oneOf", "not", "if", "then", "else", "dependentRe
                      "minLength", "maxLength")
 
 
+# OpenAI's limits on a strict schema (its structured outputs guide, "Supported schemas")
+STRICT_MAX_PROPERTIES = 5000  # object properties, all objects together
+STRICT_MAX_NESTING = 10  # objects within objects
+STRICT_MAX_CHARS = 120_000  # property names, definition names, enum and const values together
+STRICT_MAX_ENUM_VALUES = 1000  # all enums together
+STRICT_LARGE_ENUM, STRICT_LARGE_ENUM_CHARS = 250, 15_000  # one string enum of more than 250 values: its characters
+
+
+def _is_object(s: dict) -> bool:
+    types = s.get("type") if isinstance(s.get("type"), list) else [s.get("type")]
+    return "object" in types or "properties" in s
+
+
 def strict_problem(schema) -> str | None:
     """Why a JSON schema breaks OpenAI's strict mode (None: it does not): its root not an object (or an `anyOf`),
-    an object without `additionalProperties: false` or with a property missing from `required`, or a keyword of
-    OPENAI_NOT_STRICT. Beside these, the grammar's own bounds (schema_problem) hold, tighter than OpenAI's on size."""
+    an object without `additionalProperties: false` or with a property missing from `required`, a keyword of
+    OPENAI_NOT_STRICT, or beyond one of OpenAI's limits (STRICT_MAX_*, strict_limit_problem). Beside these, the
+    grammar's own bounds (schema_problem) hold, tighter than some of OpenAI's."""
     if not isinstance(schema, dict) or schema.get("type") != "object" or "anyOf" in schema:
         return 'strict mode needs an object at the root (`"type": "object"`, not an `anyOf`)'
     for path, s in subschemas(schema):
         where = f"at {path}" if path else "at the root"
         if bad := next((k for k in OPENAI_NOT_STRICT if k in s), None):
             return f"`{bad}` ({where}) is not supported in strict mode"
-        types = s.get("type") if isinstance(s.get("type"), list) else [s.get("type")]
-        if "object" not in types and "properties" not in s:
+        if not _is_object(s):
             continue
         if s.get("additionalProperties") is not False:
             return f"strict mode needs `additionalProperties: false` on every object ({where})"
         props, required = s.get("properties") or {}, s.get("required") or []
         if missing := next((n for n in props if n not in required), None):
             return f"strict mode needs every property in `required` ({where}: {missing[:80]!r} is not)"
+    return strict_limit_problem(schema)
+
+
+def strict_limit_problem(schema: dict) -> str | None:
+    """Which of OpenAI's limits on a strict schema it passes, and where (None: none): more than STRICT_MAX_NESTING
+    levels of objects (an object in another's properties, items, `anyOf` branches, ... is a level deeper; a
+    definition in `$defs` counts from 1, and references are not followed: a recursive schema is allowed), more than
+    STRICT_MAX_PROPERTIES properties, STRICT_MAX_ENUM_VALUES enum values, STRICT_MAX_CHARS characters of property
+    names, definition names and enum/const values, or STRICT_LARGE_ENUM_CHARS in a string enum of more than
+    STRICT_LARGE_ENUM values."""
+    props = enums = chars = 0
+    todo = [("", schema, 0)]
+    while todo:
+        path, s, above = todo.pop()
+        if not isinstance(s, dict):
+            continue
+        where = f"at {path}" if path else "at the root"
+        level = above + _is_object(s)
+        if level > STRICT_MAX_NESTING:
+            return f"strict mode allows at most {STRICT_MAX_NESTING} levels of nested objects ({where} is level {level})"
+        names = list(s["properties"]) if isinstance(s.get("properties"), dict) else []
+        defs = [n for k in ("$defs", "definitions") if isinstance(s.get(k), dict) for n in s[k]]
+        values = [*(s["enum"] if isinstance(s.get("enum"), list) else ()), *([s["const"]] if "const" in s else ())]
+        enum_chars = sum(len(v) if isinstance(v, str) else len(json.dumps(v)) for v in values)
+        props, enums = props + len(names), enums + (len(s["enum"]) if isinstance(s.get("enum"), list) else 0)
+        chars += sum(map(len, names + defs)) + enum_chars
+        if props > STRICT_MAX_PROPERTIES:
+            return f"strict mode allows at most {STRICT_MAX_PROPERTIES} object properties in a schema (passed {where})"
+        if enums > STRICT_MAX_ENUM_VALUES:
+            return f"strict mode allows at most {STRICT_MAX_ENUM_VALUES} `enum` values in a schema (passed {where})"
+        if chars > STRICT_MAX_CHARS:
+            return (f"strict mode allows at most {STRICT_MAX_CHARS} characters of property names, definition names and "
+                    f"`enum`/`const` values in a schema (passed {where})")
+        strings = [v for v in (s["enum"] if isinstance(s.get("enum"), list) else ()) if isinstance(v, str)]
+        if len(strings) > STRICT_LARGE_ENUM and sum(map(len, strings)) > STRICT_LARGE_ENUM_CHARS:
+            return (f"strict mode allows at most {STRICT_LARGE_ENUM_CHARS} characters in an `enum` of more than "
+                    f"{STRICT_LARGE_ENUM} strings ({where}: {sum(map(len, strings))})")
+        todo += [(p, v, 0 if k in ("$defs", "definitions") else level) for p, k, v in _children(path, s)]
     return None
 
 

@@ -17,6 +17,7 @@ from pydantic_core import PydanticCustomError
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 MAX_BEST_OF = 4
 MAX_TOOLS = 128  # OpenAI's limit on a request's tools
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name (and a strict json_schema's)
 
 
 class ApiError(Exception):
@@ -368,11 +369,17 @@ class CompletionRequest(OpenAICommon):
 
 class JsonSchema(Strict):
     """OpenAI's response_format.json_schema; with `strict` true the schema must keep to OpenAI's strict mode
-    (grammar.strict_problem): the grammar holds to any schema it takes."""
+    (grammar.strict_problem) and a `name` given to OpenAI's rule for it: the grammar holds to any schema it takes."""
     name: str | None = None
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _strict_name(self):
+        if self.strict and self.name is not None and not re.fullmatch(TOOL_NAME, self.name):
+            raise ValueError(f"strict mode needs a `name` of 1 to 64 letters, digits, `_` or `-`. Given: {self.name[:80]!r}")
+        return self
 
 
 class ResponseFormat(Strict):
@@ -420,7 +427,6 @@ MESSAGE = {  # a chat message as openai_prompts.chat_messages reads it (other fi
               {"type": "object", "required": ["role", "content"], "additionalProperties": {"type": "null"},
                "properties": {"role": {"const": "tool"}, "content": _CONTENT,
                               "tool_call_id": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}]}
-TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 
 
 class FunctionSpec(Strict):

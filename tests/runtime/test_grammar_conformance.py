@@ -328,6 +328,49 @@ def test_strict_schemas_keep_to_openais_strict_mode(schema, message):
     assert grammar.strict_problem(schema).startswith(message), grammar.strict_problem(schema)
 
 
+def closed(props: dict) -> dict:
+    """A strict object of these properties."""
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def nested(levels: int) -> dict:
+    """`levels` objects, each the only property of the one around it."""
+    schema = closed({})
+    for _ in range(levels - 1):
+        schema = closed({"a": schema})
+    return schema
+
+
+DEEP = "/properties/a" * 10
+
+
+@pytest.mark.parametrize("schema, message", [
+    (nested(11), f"strict mode allows at most 10 levels of nested objects (at {DEEP} is level 11)"),
+    (closed({"a": {"type": "array", "items": nested(10)}}),
+     f"strict mode allows at most 10 levels of nested objects (at /properties/a/items{DEEP[13:]} is level 11)"),
+    ({**closed({"x": {"$ref": "#/$defs/d"}}), "$defs": {"d": nested(11)}},
+     f"strict mode allows at most 10 levels of nested objects (at /$defs/d{DEEP} is level 11)"),
+    (closed({f"p{i}": {"type": "integer"} for i in range(5001)}),
+     "strict mode allows at most 5000 object properties in a schema (passed at the root)"),
+    (closed({"a": {"enum": list(range(500))}, "b": {"enum": list(range(501))}}),
+     "strict mode allows at most 1000 `enum` values in a schema (passed at /properties/"),
+    ({**closed({"x": {"$ref": "#/$defs/" + "d" * 120_001}}), "$defs": {"d" * 120_001: {"type": "integer"}}},
+     "strict mode allows at most 120000 characters of property names, definition names and `enum`/`const` values in "
+     "a schema (passed at the root)"),
+    (closed({"a": {"enum": [f"{i:03d}" + "x" * 57 for i in range(251)]}}),
+     "strict mode allows at most 15000 characters in an `enum` of more than 250 strings (at /properties/a: 15060)"),
+], ids=["nesting", "nesting-in-items", "nesting-in-defs", "properties", "enum-values", "characters", "large-enum"])
+def test_strict_schemas_keep_to_openais_limits(schema, message):
+    """OpenAI's documented limits on a strict schema (structured outputs, "Supported schemas") were not checked: 11
+    levels of objects, a definition name of 120001 characters passed. Within them, a schema passes: 10 levels, from
+    a definition too (a reference is not followed), 250 strings of 60 characters, 1000 enum values."""
+    assert grammar.strict_problem(schema).startswith(message), grammar.strict_problem(schema)
+    assert grammar.strict_problem(nested(10)) is None
+    assert grammar.strict_problem({**closed({"x": {"$ref": "#/$defs/d"}, "y": nested(9)}), "$defs": {"d": nested(10)}}) is None
+    assert grammar.strict_problem(closed({"a": {"enum": [f"{i:03d}" + "x" * 57 for i in range(250)]}})) is None
+    assert grammar.strict_problem(closed({"a": {"enum": list(range(500))}, "b": {"enum": list(range(500))}})) is None
+
+
 def test_strict_true_refuses_what_openais_strict_mode_refuses_on_the_server(lm):
     """`strict: true` took any schema the grammar holds (OpenAI answers a 400 for these); now a 422 naming the rule
     for response_format, TGI's json_schema grammar and a strict tool; without `strict` the same schema is served."""
@@ -353,6 +396,21 @@ def test_strict_true_refuses_what_openais_strict_mode_refuses_on_the_server(lm):
             assert r.status_code == (422 if strict else 200), r.text
         ok = {"name": "s", "strict": True, "schema": STRICT_OK}
         client.chat.completions.create(**ask, response_format={"type": "json_schema", "json_schema": ok})
+        for strict in (True, False):  # OpenAI's limits (11 levels of objects) and its rule for the name
+            for spec in ({"name": "deep", "schema": nested(11)}, {"name": "a name", "schema": STRICT_OK}):
+                fmt = {"type": "json_schema", "json_schema": {**spec, "strict": strict}}
+                if not strict:
+                    client.chat.completions.create(**ask, response_format=fmt)
+                    continue
+                with pytest.raises(openai.UnprocessableEntityError) as e:
+                    client.chat.completions.create(**ask, response_format=fmt)
+                assert e.value.message.endswith(
+                    "`response_format.json_schema`: strict mode needs a `name` of 1 to 64 letters, digits, `_` or `-`. "
+                    "Given: 'a name'" if spec["name"] == "a name" else
+                    f"`response_format`: strict mode allows at most 10 levels of nested objects (at {DEEP} is level 11)"), e.value.message
+            r = httpx.post(f"{url}/generate", json={"inputs": "x", "parameters": {
+                "max_new_tokens": 2, "grammar": {"type": "json_schema", "value": {"name": "d", "strict": strict, "schema": nested(11)}}}}, timeout=120)
+            assert r.status_code == (422 if strict else 200), r.text
 
 
 @pytest.mark.parametrize("kind, value, message", [
