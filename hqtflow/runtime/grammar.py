@@ -111,17 +111,45 @@ def _exact_dates(ebnf: str) -> str:
     return out + _EXACT_DATE if out != ebnf else out
 
 
+# xgrammar's second of a time (format time, date-time's last part): 00-59 or 60 at any minute (12:00:60Z), where RFC
+# 3339 takes a leap second only at the last minute of a UTC day (23:59:60Z, 01:29:60+01:30); replaced by 00-59
+_SECOND = re.compile(r'^(\w+) ::= \(\(\[0-5\] \[0-9\]\) \| \("6" "0"\)\)$', re.M)
+# xgrammar's octet of an IPv4 address (format ipv4; an ipv6's dotted tail): 1-3 digits, a leading zero allowed
+# (01.2.3.4 is no address); the rule, as xgrammar 0.2.9 writes each, with the helper rules it names
+_OCTET = re.compile(r'^(\w+) ::= \(\("2" "5" \[0-5\]\) \| \("2" \[0-4\] \[0-9\]\) \| \((\w+) (\w+) \[0-9\]\)\)$', re.M)
+_OCTET_HELPERS = ('("" | ([0-1]))', '("" | ([0-9]))')
+_DOTTED_OCTET = re.compile(r'^(\w+) ::= \(\("2" "5" \[0-5\]\) \| \((\w+)\{0, 1\} \[0-9\]\)\)$', re.M)
+_DOTTED_HELPER = re.compile(r'\(\("2" \[0-4\]\) \| \((\w+)\{0, 1\} \[0-9\]\)\)')
+_EXACT_OCTET = '(("25" [0-5]) | ("2" [0-4] [0-9]) | ("1" [0-9] [0-9]) | ([1-9] [0-9]) | ([0-9]))'
+
+
+def _exact_formats(ebnf: str) -> str:
+    """xgrammar's second of a time (_SECOND) without the leap second, its IPv4 octets (_OCTET, _DOTTED_OCTET)
+    without a leading zero."""
+    ebnf = _SECOND.sub(lambda m: f"{m[1]} ::= (([0-5] [0-9]))", ebnf)
+    rules = dict(re.findall(r"^(\w+) ::= (.*)$", ebnf, re.M))
+
+    def octet(m):
+        return f"{m[1]} ::= {_EXACT_OCTET}" if (rules.get(m[2]), rules.get(m[3])) == _OCTET_HELPERS else m[0]
+
+    def dotted(m):
+        helper = _DOTTED_HELPER.fullmatch(rules.get(m[2], ""))
+        return f"{m[1]} ::= {_EXACT_OCTET}" if helper and rules.get(helper[1]) == '(("1"))' else m[0]
+
+    return _DOTTED_OCTET.sub(dotted, _OCTET.sub(octet, ebnf))
+
+
 def _compile_json(c, schema: str):
     """A JSON schema's grammar, through xgrammar's EBNF with its string characters rewritten: no surrogate
     (_SURROGATE_FREE), a length-bounded string's character rule replaced (_BOUNDED_CHAR), so a bounded string
-    is always valid JSON (escapes count as one), and dates held to their month's days (_exact_dates). Compiled once
-    per EBNF text (the compiler's cache)."""
+    is always valid JSON (escapes count as one), dates held to their month's days (_exact_dates), and times and IPv4
+    octets to RFC 3339's and RFC 791's forms (_exact_formats). Compiled once per EBNF text (the compiler's cache)."""
     import xgrammar as xgr
 
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=False))
     for loose, strict in _SURROGATE_FREE.items():
         ebnf = ebnf.replace(loose, strict)
-    return c.compile_grammar(_exact_dates(_BOUNDED_CHAR.sub(lambda m: f"{m[1]} ::= {_JSON_CHAR}", ebnf)))
+    return c.compile_grammar(_exact_formats(_exact_dates(_BOUNDED_CHAR.sub(lambda m: f"{m[1]} ::= {_JSON_CHAR}", ebnf))))
 
 
 def xgrammar_message(e: Exception) -> str:
@@ -299,10 +327,30 @@ def literal_problem(schema, scale: int = 1) -> str | None:
     return None
 
 
-# The string formats the grammar writes (xgrammar 0.2.9); beside them it drops minLength/maxLength. Others (OpenAPI's
-# "password", "byte", ...) are annotations it ignores, as JSON Schema 2020-12 does by default.
-GRAMMAR_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
-                             "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer"})
+# The string formats the grammar holds exactly, or narrower (probed against jsonschema_rs's format checks, xgrammar
+# 0.2.9, with hqtflow's rewrites: a date's days, no leap second in a time, no leading zero in an IPv4 octet). Any
+# other `format` is refused: `hostname` (xgrammar took labels of more than 63 characters, `xn--a`), `email` (a local
+# part of more than 64 characters, domain labels of more than 63), and those it ignores (`idn-email`, `iri`, `regex`,
+# OpenAPI's `password`, `int32`, ...).
+EXACT_FORMATS = ("date", "time", "date-time", "duration", "ipv4", "ipv6", "uri", "uri-reference", "uri-template",
+                 "uuid", "json-pointer", "relative-json-pointer")
+
+
+def format_problem(s: dict, where: str) -> str | None:
+    """Why the grammar would not hold a schema object's `format` (None: it would, or there is none): not one of
+    EXACT_FORMATS, on a schema that may not be a string, or beside what xgrammar drops for it (a `pattern`, length
+    bounds, an `enum` or `const`, which it takes instead)."""
+    if "format" not in s:
+        return None
+    fmt = s["format"]
+    if fmt not in EXACT_FORMATS:
+        return (f"`format` {json.dumps(fmt)[:80]} ({where}) is not held by the grammar (it holds "
+                f"{', '.join(EXACT_FORMATS)})")
+    if s.get("type") != "string" and not (isinstance(s.get("type"), list) and "string" in s["type"]):
+        return f'`format` ({where}) needs `"type": "string"` beside it: the grammar holds a format on strings only'
+    if bad := next((k for k in ("pattern", "minLength", "maxLength", "enum", "const") if k in s), None):
+        return f"`{bad}` beside `format` ({where}) is not enforced by the grammar"
+    return None
 
 
 def schema_problem(schema, scale: int = 1) -> str | None:
@@ -323,11 +371,10 @@ def schema_problem(schema, scale: int = 1) -> str | None:
             return f"a `false` schema (at {path}{false}: the property may not be present) is not supported by the grammar"
         if isinstance(s.get("$ref"), str) and (extra := next((k for k in s if k not in REF_SIBLINGS), None)):
             return f"`{extra}` beside `$ref` ({where}) is not enforced by the grammar (it follows the reference alone)"
-        for kind in ("pattern", "format"):  # xgrammar drops the length bounds beside them (a warning on stderr)
-            if kind == "format" and s.get(kind) not in GRAMMAR_FORMATS:
-                continue  # a format the grammar does not know is an annotation: the bounds hold
-            if kind in s and (bound := next((k for k in ("minLength", "maxLength") if k in s), None)):
-                return f"`{bound}` beside `{kind}` ({where}) is not enforced by the grammar"
+        if problem := format_problem(s, where):
+            return problem
+        if "pattern" in s and (bound := next((k for k in ("minLength", "maxLength") if k in s), None)):
+            return f"`{bound}` beside `pattern` ({where}) is not enforced by the grammar"  # (xgrammar drops them)
         if isinstance(s.get("pattern"), str) and (char := unsafe_literal(s["pattern"])):
             return (f"`pattern` {s['pattern'][:80]!r} ({where}) names {char!r}, a quote, backslash or control character, "
                     f"which the grammar would write unescaped into the JSON string (not JSON)")
