@@ -471,7 +471,7 @@ def strict_limit_problem(schema: dict) -> str | None:
     return None
 
 
-_ESCAPE = re.compile(r"\\(?:c.|x\{[0-9a-fA-F]+\}|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)", re.S)
+_ESCAPE = re.compile(r"\\(?:c.|[xu]\{[0-9a-fA-F]+\}|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)", re.S)
 _CONTROL_ESCAPES = set('\\"tnrfvae0c')  # \\, \", \t ... \0 and \cX
 
 

@@ -182,6 +182,15 @@ def test_a_pattern_never_takes_a_surrogates_or_overlong_bytes(tok, kind, value, 
         assert takes("\U0001f600".encode()) and not takes(b"\xf0\x8f")
 
 
+def test_a_class_with_braced_code_points_keeps_its_meaning(tok):
+    """xgrammar reads `\\u{41}` as "A"; the rewrite of classes (utf8_classes) read `[\\u{41}\\u{42}]` as `\\u`,
+    `{`, `4`, ... and took "u" but not "A"."""
+    compiled = compile_grammar(tok, "json", {"type": "string", "pattern": "^[\\u{41}\\u{42}]+$"})
+    assert accepts(tok, compiled, '"AB"') and not accepts(tok, compiled, '"u"') and not accepts(tok, compiled, '"{"')
+    compiled = compile_grammar(tok, "json", {"type": "string", "pattern": "^[\\u{41}-\\u{5a}]+$"})
+    assert accepts(tok, compiled, '"AZB"') and not accepts(tok, compiled, '"u"')
+
+
 @pytest.mark.parametrize("pattern, named", [("^\\ud800$", "\\ud800"), ("^[a\\udc00]+$", "\\udc00"),
                                             ("^[\\ud800-\\udbff]$", "\\ud800-\\udbff")])
 def test_a_pattern_naming_a_surrogate_is_refused(tok, pattern, named):
@@ -213,10 +222,11 @@ def test_a_date_has_its_months_days(tok):
 
 @pytest.mark.parametrize("pattern, named", [
     ('^a"b$', '"'), ("^C:\\\\x$", "\\\\"), ("^a\\tb$", "\\t"), ("^[\\n]$", "\\n"), ("^\\u0022$", "\\u0022"),
-    ("^\\x5c$", "\\x5c"), ("^a\tb$", "\t"), ('^(x|")$', '"'),
+    ("^\\x5c$", "\\x5c"), ("^a\tb$", "\t"), ('^(x|")$', '"'), ("^a\\u{22}$", "\\u{22}"), ("^[\\u{9}]$", "\\u{9}"),
 ])
 def test_a_pattern_naming_a_quote_backslash_or_control_character_is_refused(tok, pattern, named):
-    """xgrammar writes a pattern's literal characters raw between the quotes: `^a"b$` gave `"a"b"` (not JSON)."""
+    """xgrammar writes a pattern's literal characters raw between the quotes: `^a"b$` gave `"a"b"` (not JSON), and so
+    did `^a\\u{22}$` (xgrammar reads `\\u{22}` as a quote; it passed as `\\u` and `{22}`)."""
     with pytest.raises(GrammarError) as e:
         compile_grammar(tok, "json", {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}})
     assert str(e.value).startswith(f"`pattern` {pattern!r} (at /properties/p) names {named!r}, a quote"), str(e.value)
