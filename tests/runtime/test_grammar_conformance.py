@@ -276,6 +276,35 @@ def test_a_format_is_held_exactly(tok, fmt, valid, invalid):
     assert [v for v in invalid if accepts(tok, compiled, json.dumps({"v": v}))] == []
 
 
+def closing_walk(tok, compiled, seed: int, steps: int = 96) -> bytes | None:
+    """A random walk that takes a token closing the string (one with a quote, or the end) ever more often; its bytes
+    once the grammar ends (None: cut by `steps`)."""
+    rng, m, out, quote = random.Random(seed), matcher(compiled), [], stand_ins()[ord('"')]
+    for step in range(steps):
+        logits = torch.zeros(len(tok))
+        mask_logits(m, logits)
+        allowed = torch.nonzero(logits == 0).flatten().tolist()
+        closing = [t for t in allowed if t == tok.eos_token_id or quote in tok.convert_ids_to_tokens(t)]
+        t = rng.choice(closing if closing and rng.random() < step / steps else allowed)
+        assert m.accept_token(t)
+        if m.is_terminated():
+            return token_bytes(tok, out)
+        out.append(t)
+    return None
+
+
+@pytest.mark.parametrize("fmt", ["date", "time", "date-time", "duration", "ipv4", "ipv6", "uri", "uri-reference",
+                                 "uri-template", "uuid", "json-pointer", "relative-json-pointer"])
+def test_what_a_held_format_writes_passes_a_format_validator(tok, fmt):
+    """Random walks through each format the grammar holds (grammar.EXACT_FORMATS) end as strings jsonschema_rs's
+    format check takes (before: `12:00:60Z` for a time, `01.2.3.4` for an ipv4)."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    schema = {"type": "string", "format": fmt}
+    compiled, check = compile_grammar(tok, "json", schema), jsonschema_rs.validator_for(schema, validate_formats=True)
+    values = [strict_json(raw) for seed in range(30) if (raw := closing_walk(tok, compiled, seed)) is not None]
+    assert len(values) >= 10 and [v for v in values if not check.is_valid(v)] == []
+
+
 @pytest.mark.parametrize("schema, message", [
     ({"type": "string", "format": "hostname"}, '`format` "hostname" (at the root) is not held by the grammar (it holds date, '),
     ({"type": "string", "format": "email"}, '`format` "email" (at the root) is not held'),
