@@ -170,18 +170,24 @@ def profile_step(model, vocab: int, batch: int, top: int = 12) -> list[tuple[str
     cuda = DEVICE == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         dec.generate(ids, 5)  # prefill + 4 decode steps; the prefill's kernels are few and long
-    rows = [(e.key, (e.device_time_total if cuda else e.self_cpu_time_total) / 4, e.count // 4)
-            for e in prof.key_averages()]
-    rows.sort(key=lambda r: -r[1])
-    total = sum(r[1] for r in rows)
+    rows, total = kernel_table(prof, 4, cuda)
     print(f"profile b{batch}: {total / 1e3:.2f} ms of {'GPU' if cuda else 'CPU'} time per step (prefill included, / 4), top kernels:")
     for name, us, n in rows[:top]:
         print(f"  {us:9.1f} us  {n:5d}x  {name[:90]}")
     return rows[:top]
 
 
+def kernel_table(prof, per: int, cuda: bool = True) -> tuple[list[tuple[str, float, int]], float]:
+    """A profile's (name, microseconds, calls) per 1/`per` of it, longest first (GPU time; self CPU time without
+    CUDA), and their total."""
+    rows = [(e.key, (e.device_time_total if cuda else e.self_cpu_time_total) / per, e.count // per)
+            for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])
+    return rows, sum(r[1] for r in rows)
+
+
 def graph_kernels(graph, top: int = 15) -> list[tuple[str, float, int]]:
-    """GPU time per kernel name in one replay of a captured graph (median of 5 replays' totals): (name, us, calls)."""
+    """GPU time per kernel name in one replay of a captured graph (the mean of 5 replays): (name, us, calls)."""
     from torch.profiler import ProfilerActivity, profile
 
     graph.replay()
@@ -190,9 +196,7 @@ def graph_kernels(graph, top: int = 15) -> list[tuple[str, float, int]]:
         for _ in range(5):
             graph.replay()
         torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 5, e.count // 5) for e in prof.key_averages() if e.device_time_total > 0]
-    rows.sort(key=lambda r: -r[1])
-    total = sum(r[1] for r in rows)
+    rows, total = kernel_table(prof, 5)
     print(f"  graph replay: {total / 1e3:.2f} ms of kernel time, {sum(r[2] for r in rows)} kernels; top:")
     for name, us, n in rows[:top]:
         print(f"    {us:8.1f} us {n:5d}x  {name[:100]}")
