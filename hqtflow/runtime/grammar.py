@@ -139,17 +139,90 @@ def _exact_formats(ebnf: str) -> str:
     return _DOTTED_OCTET.sub(dotted, _OCTET.sub(octet, ebnf))
 
 
+# xgrammar's email and hostname (the rules as 0.2.9 writes them): labels of any length (64 characters, `xn--a`, `ab--c`:
+# no hostname), a local part of any length, quoted local parts. Replaced by hqtflow_email and hqtflow_hostname,
+# narrower than RFC 5321/1123 and never looser (jsonschema_rs's checks; for email, the email-validator that pydantic's
+# EmailStr runs too). A hostname: 1-4 ASCII labels of 1-63 letters, digits and hyphens, none first or last nor at
+# both the 3rd and 4th place (no `xn--` label), the 4th of at most 61 (253 characters in all). An email: a local part
+# of 1-64 dot-atom characters, no dot first, last or twice in a row; a domain of 1-3 such labels of at most 46
+# characters and a top-level label of 1-46 letters, not a special-use name (_SPECIAL_USE): 254 characters in all.
+_EMAIL = re.compile(r'^(\w+) ::= \(\((\w+) "@" \[A-Za-z0-9\] (\w+) (\w+)\)\)$', re.M)
+_EMAIL_DOMAIN = (r'("" | ([\-A-Za-z0-9]* [A-Za-z0-9]))', r'("" | ("." [A-Za-z0-9] [\-A-Za-z0-9]* [A-Za-z0-9] {}))')
+_HOSTNAME = re.compile(r'^(\w+) ::= \(\(\[a-z0-9\] (\w+) (\w+)\)\)$', re.M)
+_HOSTNAME_LABEL = r'("" | ([a-z0-9\-]* [a-z0-9]))'
+_ATOM = r"[a-zA-Z0-9_!#$%&\'*+/=\?^`{|}~\-]"
+_SPECIAL_USE = ("arpa", "invalid", "local", "localhost", "onion", "test")  # email-validator's, any case
+_TLD_CHARS = 46
+
+
+def _label(most: int) -> str:
+    """A label of 1 to `most` characters (most >= 5), no hyphen first or last nor at both the 3rd and 4th place."""
+    a, m = "[A-Za-z0-9]", "[A-Za-z0-9\\-]"
+    return (f"({a}) | ({a} {a}) | ({a} {m} {a}) | ({a} {m} {m} {a}) | "
+            f'({a} {m} (({a} {m}) | ("-" {a})) {m}{{0, {most - 5}}} {a})')
+
+
+def _top_label() -> str:
+    """Rules hqtflow_tld...: 1 to _TLD_CHARS letters, any case, but no word of _SPECIAL_USE (one rule per prefix of
+    them: the letters that leave the prefixes go on freely)."""
+    prefixes = sorted({w[:i] for w in _SPECIAL_USE for i in range(len(w) + 1)})
+    rules = []
+    for p in prefixes:
+        nexts = sorted({w[len(p)] for w in _SPECIAL_USE if w.startswith(p) and len(w) > len(p)})
+        others = "".join(c + c.upper() for c in "abcdefghijklmnopqrstuvwxyz" if c not in nexts)
+        free = _TLD_CHARS - len(p) - 1
+        alts = ([] if p in _SPECIAL_USE or not p else ['""'])
+        alts.append(f"([{others}]" + (f" [A-Za-z]{{0, {free}}})" if free else ")"))
+        alts += [f"([{c}{c.upper()}] hqtflow_tld_{p + c})" for c in nexts]
+        rules.append(f"hqtflow_tld_{p} ::= {' | '.join(alts)}")
+    return "\n".join(rules)
+
+
+# the local part: one atom character, then hqtflow_local_63: up to 63 more, a dot only between two atom characters
+_EXACT_EMAIL = f"""
+hqtflow_email ::= {_ATOM} hqtflow_local_63 "@" hqtflow_label46 "." ("" | (hqtflow_label46 "." ("" | (hqtflow_label46 ".")))) hqtflow_tld_
+hqtflow_hostname ::= hqtflow_label63 ("" | ("." hqtflow_label63 ("" | ("." hqtflow_label63 ("" | ("." hqtflow_label61))))))
+hqtflow_label63 ::= {_label(63)}
+hqtflow_label61 ::= {_label(61)}
+hqtflow_label46 ::= {_label(46)}
+{_top_label()}
+hqtflow_local_0 ::= ""
+hqtflow_local_1 ::= "" | ({_ATOM})
+""" + "".join(f'hqtflow_local_{k} ::= "" | ({_ATOM} hqtflow_local_{k - 1}) | ("." {_ATOM} hqtflow_local_{k - 2})\n'
+              for k in range(2, 64))
+
+
+def _exact_names(ebnf: str) -> str:
+    """xgrammar's email (_EMAIL) and hostname (_HOSTNAME) rules, recognised with their helper rules, as hqtflow's."""
+    rules = dict(re.findall(r"^(\w+) ::= (.*)$", ebnf, re.M))
+
+    def email(m):
+        held = (rules.get(m[3]), rules.get(m[4])) == (_EMAIL_DOMAIN[0], _EMAIL_DOMAIN[1].format(m[4]))
+        return f"{m[1]} ::= hqtflow_email" if held else m[0]
+
+    def hostname(m):
+        label = re.fullmatch(r'\("" \| \("\." \[a-z0-9\] (\w+) (\w+)\)\)', rules.get(m[3], ""))
+        held = (label and label[2] == m[3] and rules.get(m[2]) == _HOSTNAME_LABEL
+                and rules.get(label[1]) == _HOSTNAME_LABEL)
+        return f"{m[1]} ::= hqtflow_hostname" if held else m[0]
+
+    out = _HOSTNAME.sub(hostname, _EMAIL.sub(email, ebnf))
+    return out + _EXACT_EMAIL if out != ebnf else out
+
+
 def _compile_json(c, schema: str):
     """A JSON schema's grammar, through xgrammar's EBNF with its string characters rewritten: no surrogate
     (_SURROGATE_FREE), a length-bounded string's character rule replaced (_BOUNDED_CHAR), so a bounded string
-    is always valid JSON (escapes count as one), dates held to their month's days (_exact_dates), and times and IPv4
-    octets to RFC 3339's and RFC 791's forms (_exact_formats). Compiled once per EBNF text (the compiler's cache)."""
+    is always valid JSON (escapes count as one), dates held to their month's days (_exact_dates), times and IPv4
+    octets to RFC 3339's and RFC 791's forms (_exact_formats), email and hostname to hqtflow's (_exact_names).
+    Compiled once per EBNF text (the compiler's cache)."""
     import xgrammar as xgr
 
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=False))
     for loose, strict in _SURROGATE_FREE.items():
         ebnf = ebnf.replace(loose, strict)
-    return c.compile_grammar(_exact_formats(_exact_dates(_BOUNDED_CHAR.sub(lambda m: f"{m[1]} ::= {_JSON_CHAR}", ebnf))))
+    ebnf = _exact_dates(_BOUNDED_CHAR.sub(lambda m: f"{m[1]} ::= {_JSON_CHAR}", ebnf))
+    return c.compile_grammar(_exact_names(_exact_formats(ebnf)))
 
 
 def xgrammar_message(e: Exception) -> str:
@@ -328,12 +401,11 @@ def literal_problem(schema, scale: int = 1) -> str | None:
 
 
 # The string formats the grammar holds exactly, or narrower (probed against jsonschema_rs's format checks, xgrammar
-# 0.2.9, with hqtflow's rewrites: a date's days, no leap second in a time, no leading zero in an IPv4 octet). Any
-# other `format` is refused: `hostname` (xgrammar took labels of more than 63 characters, `xn--a`), `email` (a local
-# part of more than 64 characters, domain labels of more than 63), and those it ignores (`idn-email`, `iri`, `regex`,
-# OpenAPI's `password`, `int32`, ...).
-EXACT_FORMATS = ("date", "time", "date-time", "duration", "ipv4", "ipv6", "uri", "uri-reference", "uri-template",
-                 "uuid", "json-pointer", "relative-json-pointer")
+# 0.2.9, with hqtflow's rewrites: a date's days, no leap second in a time, no leading zero in an IPv4 octet, email and
+# hostname as _EXACT_EMAIL writes them). Any other `format` is refused: those xgrammar ignores (`idn-email`, `iri`,
+# `regex`, OpenAPI's `password`, `int32`, ...).
+EXACT_FORMATS = ("date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
+                 "uri-template", "uuid", "json-pointer", "relative-json-pointer")
 
 
 def format_problem(s: dict, where: str) -> str | None:
