@@ -322,9 +322,10 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-# the key projection of an attention module, separate or fused with the queries and values (Phi-3's qkv_proj): the KV
-# statistics are taken from the keys and values the module hands its cache, so either is measured the same way
-KEY_PROJECTIONS = ("k_proj", "qkv_proj")
+# the key projection of an attention module, separate or fused with the queries and values (Phi-3's qkv_proj,
+# Falcon's and GPT-NeoX's query_key_value, GPT-2's and GPT-BigCode's c_attn): the KV statistics are taken from the keys
+# and values the module hands its cache, so either is measured the same way
+KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value", "c_attn")
 
 
 def attention_modules(model) -> dict[int, str]:

@@ -147,17 +147,30 @@ def test_cli_kv_cache_paths(artifacts, tiny_llama, wiki_text, tmp_path):
     assert r.exit_code == 2 and "--scales-only" in r.stderr
 
 
-def test_fused_qkv_projection(tiny_factory, wiki_text, tmp_path):
-    """Phi-3's attention projects q, k and v in one qkv_proj: its KV statistics were keyed layer0/layer1 (only k_proj
-    named an attention module) and quantize --kv-cache fp8 refused them as naming modules the model lacks. They are
-    taken from what the attention module caches, so a fused projection is measured, scaled and served the same."""
-    path = tiny_factory("phi3")
+# attention with fused projections, the name of its attention module, and the engines that run it (the serving
+# engine refuses Falcon's attention, which does not go through transformers' attention interface)
+FUSED = {"phi3": ("model.layers.{}.self_attn", ("serve", "static")),  # qkv_proj
+         "falcon": ("transformer.h.{}.self_attention", ("static",)),  # query_key_value
+         "gpt_neox": ("gpt_neox.layers.{}.attention", ("serve", "static")),  # query_key_value
+         "gpt_bigcode": ("transformer.h.{}.attn", ("serve", "static"))}  # c_attn
+
+
+@pytest.mark.parametrize("model_type", FUSED)
+def test_fused_qkv_projection(model_type, tiny_factory, wiki_text, tmp_path):
+    """Attention that projects q, k and v in one Linear (Phi-3's qkv_proj, Falcon's and GPT-NeoX's query_key_value,
+    GPT-BigCode's c_attn): its KV statistics were keyed layer0/layer1 (only k_proj named an attention module) and
+    quantize --kv-cache fp8 refused them as naming modules the model lacks. They are taken from what the attention
+    module caches, so a fused projection is measured, scaled (k/v scales on the attention module) and served the same."""
+    attention, engines = FUSED[model_type]
+    path = tiny_factory(model_type)
     assert run_cli("measure", path, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2").exit_code == 0
     stats = json.loads((tmp_path / "m" / KV_FILE).read_text())["layers"]
-    assert sorted(stats) == [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert sorted(stats) == [attention.format(i) for i in range(2)]
     r = run_cli("quantize", "-m", tmp_path / "m", "-o", tmp_path / "fp8", "--kv-cache", "fp8")
     assert r.exit_code == 0, r.stdout + r.stderr
-    for engine in ("serve", "static"):
+    with safe_open(tmp_path / "fp8" / "model.safetensors", "pt") as f:
+        assert {k for k in f.keys() if k.endswith(("k_scale", "v_scale"))} == {f"{n}.{x}_scale" for n in stats for x in "kv"}
+    for engine in engines:
         r = run_cli("generate", tmp_path / "fp8", "--engine", engine, "--kv-cache", "fp8", "--max-new-tokens", "4")
         assert r.exit_code == 0, (engine, r.stdout + r.stderr)
 
