@@ -335,6 +335,31 @@ def attention_modules(model) -> dict[int, str]:
             and any(hasattr(m, p) for p in KEY_PROJECTIONS)}
 
 
+def kv_cache_refusal(model) -> str | None:
+    """Why hqtflow's FP8 KV cache (per-layer k/v scales of the keys and values attention caches) cannot serve this
+    model, as a clause ("its ..."), or None: an attention module (a layer-indexed *Attention) attention_modules does
+    not find, such as DeepSeek's multi-head latent attention, whose cache holds a compressed latent."""
+    found = set(attention_modules(model).values())
+    other = next((m for n, m in model.named_modules() if isinstance(getattr(m, "layer_idx", None), int)
+                  and type(m).__name__.endswith("Attention") and n not in found), None)
+    if other is None:
+        return None
+    if hasattr(other, "kv_lora_rank"):
+        return "its multi-head latent attention caches a compressed latent, not keys and values"
+    return f"its attention ({type(other).__name__}) caches keys and values through projections hqtflow does not know"
+
+
+def check_kv_cache(model, setting: str, instead: str) -> None:
+    """Refuse (ConfigError, exit 2) an FP8 KV cache, asked for by `setting`, for a model kv_cache_refusal refuses;
+    the sentence ends with what to set `instead`."""
+    from hqtflow.errors import ConfigError
+
+    why = kv_cache_refusal(model)
+    if why:
+        raise ConfigError(f"{setting} cannot be used with {model.config.model_type}: {why}, which hqtflow's FP8 KV "
+                          f"cache does not hold; {instead}.")
+
+
 # ---- fingerprint ------------------------------------------------------------------------------
 # The files beside config.json and the weights that decide what a model's checkpoint holds: what its tokenizer,
 # chat template and generation config are read from (quantize writes them into the checkpoint). Part of the

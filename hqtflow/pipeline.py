@@ -230,6 +230,11 @@ def check_recipe(r, ms) -> None:
     if r.quantize.kv_cache == KVCache.FP8 and ms.tp > 1:  # quantize would refuse it after measuring and unifying
         raise ConfigError(f"Recipe {r.path}, 'kv_cache': fp8 takes its k/v scales from KV-cache statistics, which a "
                           f"measurement on several cards ('cards': {ms.tp}) does not record: set cards: 1, or kv_cache: bf16.")
+    if r.quantize.kv_cache == KVCache.FP8:  # an attention whose cache is not keys and values (DeepSeek's MLA)
+        from hqtflow import models
+
+        models.check_kv_cache(models.skeleton(models.resolve_model(ms.model)), f"Recipe {r.path}, 'kv_cache': fp8",
+                              "set kv_cache: bf16")
     if r.eval.tasks:
         from hqtflow import lmeval
 

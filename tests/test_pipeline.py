@@ -320,3 +320,18 @@ def test_run_recipe_refuses_an_fp8_kv_cache_on_several_cards_before_measuring(ti
     assert r.exit_code == 2 and "writing" not in r.stdout and not (tmp_path / "run").exists(), r.output
     err = r.stderr.strip()
     assert err.startswith(f"Error: Recipe {recipe}, 'kv_cache'") and "cards: 1" in err and "--" not in err, err
+
+
+def test_run_recipe_refuses_an_fp8_kv_cache_for_latent_attention(tiny_factory, data_dir, tmp_path):
+    """A recipe with `kv_cache: fp8` over DeepSeek (multi-head latent attention: its cache holds a compressed latent,
+    not keys and values) measured, then quantize refused the statistics' layer0 (exit 3). Refused before measuring,
+    naming the recipe key and the architecture (exit 2)."""
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_factory("deepseek_v3"), data_dir, 2)
+    raw = yaml.safe_load(recipe.read_text())
+    raw["kv_cache"] = "fp8"
+    recipe.write_text(yaml.safe_dump(raw))
+    r = run_cli("run", recipe)
+    assert r.exit_code == 2 and "writing" not in r.stdout and not (tmp_path / "run").exists(), r.output
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"Error: Recipe {recipe}, 'kv_cache': fp8 cannot be used with deepseek_v3: its multi-head latent attention "
+        "caches a compressed latent, not keys and values, which hqtflow's FP8 KV cache does not hold; set kv_cache: bf16.")

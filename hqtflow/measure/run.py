@@ -129,7 +129,9 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         device = next(model.parameters()).device
         progress = Progress(show_progress)
 
-        kv = KVStats(model) if world == 1 else None  # tensor-parallel ranks hold head shards: not recorded
+        # tensor-parallel ranks hold head shards, and a cache of other than keys and values (DeepSeek's MLA: a
+        # compressed latent) has no FP8 KV cache to scale: neither is recorded
+        kv = KVStats(model) if world == 1 and models.kv_cache_refusal(model) is None else None
         hessians = HessianRecorder(model, list(session.nodes)) if s.hessians else None
         recording = hessians.batch if hessians else lambda mask: nullcontext()
         cache_name = models.cache_kwarg(model)  # the forward's name for the KV cache (looked up once)

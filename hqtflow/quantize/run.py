@@ -267,6 +267,9 @@ def _kv_stats(s: QuantizeSettings, job: Job) -> dict | None:
 
     if s.scales_only:
         raise ConfigError("--kv-cache fp8 puts KV scales into an FP8 checkpoint; it cannot be combined with --scales-only.")
+    from hqtflow import models
+
+    models.check_kv_cache(models.skeleton(job.model_dir), "--kv-cache fp8", "quantize with --kv-cache bf16")
     stats = job.meas.kv_stats()
     if not stats:
         raise ArtifactError(f"{job.meas.directory} has no KV-cache statistics ({KV_FILE}): {_why_no_kv(job.meas)}")

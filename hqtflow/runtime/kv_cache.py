@@ -49,9 +49,11 @@ class FP8StaticLayer(StaticLayer):
 
 def kv_scales(model, fix: str = "quantize it with `--kv-cache fp8`") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per decoder layer (k_scale, v_scale) from the attention modules' buffers; ValueError when absent, ending
-    with `fix` (what gives them, in the caller's words)."""
-    from hqtflow.models import attention_modules
+    with `fix` (what gives them, in the caller's words), or naming the architecture whose cache has no k/v to scale."""
+    from hqtflow.models import attention_modules, kv_cache_refusal
 
+    if why := kv_cache_refusal(model):  # never scaled by quantize: "quantize it with ..." would send the user in a circle
+        raise ValueError(f"The FP8 KV cache cannot be used with {model.config.model_type}: {why}.")
     found = {i: model.get_submodule(name) for i, name in attention_modules(model).items()}
     n = model.config.get_text_config(decoder=True).num_hidden_layers
     missing = [i for i in range(n) if not (i in found and hasattr(found[i], "k_scale") and hasattr(found[i], "v_scale"))]

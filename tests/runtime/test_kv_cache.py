@@ -175,6 +175,25 @@ def test_fused_qkv_projection(model_type, tiny_factory, wiki_text, tmp_path):
         assert r.exit_code == 0, (engine, r.stdout + r.stderr)
 
 
+def test_latent_attention_has_no_fp8_kv_cache(tiny_factory, wiki_text, tmp_path):
+    """DeepSeek's multi-head latent attention caches a compressed latent (and its rotary part), not keys and values:
+    measure recorded its maxabs as layer0/layer1 and quantize --kv-cache fp8 refused those names after measuring
+    (exit 3). Measure records no KV statistics for it; quantize --kv-cache fp8 and generate --kv-cache fp8 refuse it
+    in one sentence naming the architecture (exit 2), writing nothing."""
+    path = tiny_factory("deepseek_v3")
+    assert run_cli("measure", path, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2").exit_code == 0
+    assert not (tmp_path / "m" / KV_FILE).exists()
+    r = run_cli("quantize", "-m", tmp_path / "m", "-o", tmp_path / "fp8", "--kv-cache", "fp8")
+    assert r.exit_code == 2 and not (tmp_path / "fp8").exists(), r.output
+    assert r.stderr.strip().splitlines()[-1] == (
+        "Error: --kv-cache fp8 cannot be used with deepseek_v3: its multi-head latent attention caches a compressed "
+        "latent, not keys and values, which hqtflow's FP8 KV cache does not hold; quantize with --kv-cache bf16.")
+    assert run_cli("quantize", "-m", tmp_path / "m", "-o", tmp_path / "bf16kv").exit_code == 0
+    r = run_cli("generate", tmp_path / "bf16kv", "--engine", "static", "--kv-cache", "fp8", "--max-new-tokens", "2")
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "cannot be used with deepseek_v3: its multi-head latent attention" in r.stderr, r.stderr
+
+
 def _other_measurement(artifacts, tmp_path):
     """A copy of the measurement (A) and a valid other one (B: its KV statistics doubled, its manifest rehashed)."""
     import shutil
