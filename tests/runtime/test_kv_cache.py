@@ -194,6 +194,22 @@ def test_latent_attention_has_no_fp8_kv_cache(tiny_factory, wiki_text, tmp_path)
     assert "cannot be used with deepseek_v3: its multi-head latent attention" in r.stderr, r.stderr
 
 
+def test_static_fp8_kv_cache_refuses_sliding_window_layers_in_one_sentence(tiny_factory, wiki_text, tmp_path):
+    """Gemma 2's local layers: generate --engine static --kv-cache fp8 ended in FP8StaticCache's ValueError traceback
+    (exit 1) at the first step, since the decoder checked only the scales when it was made. Refused there now, in
+    one sentence (exit 2) naming the engine that holds both kinds of layer, which runs it."""
+    path = tiny_factory("gemma2")
+    assert run_cli("measure", path, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2").exit_code == 0
+    assert run_cli("quantize", "-m", tmp_path / "m", "-o", tmp_path / "fp8", "--kv-cache", "fp8").exit_code == 0
+    r = run_cli("generate", tmp_path / "fp8", "--engine", "static", "--kv-cache", "fp8", "--max-new-tokens", "2")
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.stderr.strip().splitlines()[-1] == (
+        "Error: The static decoder's FP8 KV cache holds full-attention layers only, and this gemma2 has "
+        "sliding-window layers; the serving engine's (--engine serve) holds both.")
+    r = run_cli("generate", tmp_path / "fp8", "--engine", "serve", "--kv-cache", "fp8", "--max-new-tokens", "2")
+    assert r.exit_code == 0, r.output
+
+
 def _other_measurement(artifacts, tmp_path):
     """A copy of the measurement (A) and a valid other one (B: its KV statistics doubled, its manifest rehashed)."""
     import shutil
