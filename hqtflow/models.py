@@ -338,15 +338,23 @@ def attention_modules(model) -> dict[int, str]:
 def kv_cache_refusal(model) -> str | None:
     """Why hqtflow's FP8 KV cache (per-layer k/v scales of the keys and values attention caches) cannot serve this
     model, as a clause ("its ..."), or None: an attention module (a layer-indexed *Attention) attention_modules does
-    not find, such as DeepSeek's multi-head latent attention, whose cache holds a compressed latent."""
-    found = set(attention_modules(model).values())
+    not find, such as DeepSeek's multi-head latent attention, whose cache holds a compressed latent; or decoder layers
+    without one (a hybrid's Mamba layers: their cache is a recurrent state)."""
+    layers = attention_modules(model)
+    found = set(layers.values())
     other = next((m for n, m in model.named_modules() if isinstance(getattr(m, "layer_idx", None), int)
                   and type(m).__name__.endswith("Attention") and n not in found), None)
-    if other is None:
-        return None
-    if hasattr(other, "kv_lora_rank"):
+    if other is not None and hasattr(other, "kv_lora_rank"):
         return "its multi-head latent attention caches a compressed latent, not keys and values"
-    return f"its attention ({type(other).__name__}) caches keys and values through projections hqtflow does not know"
+    if other is not None:
+        return f"its attention ({type(other).__name__}) caches keys and values through projections hqtflow does not know"
+    n = model.config.get_text_config(decoder=True).num_hidden_layers
+    if layers and (missing := [i for i in range(n) if i not in layers]):
+        more = ", ..." if len(missing) > 4 else ""
+        plural = len(missing) > 1
+        return (f"its layer{'s' if plural else ''} {', '.join(map(str, missing[:4]))}{more} cache{'' if plural else 's'} "
+                "no keys and values (a Mamba or other recurrent layer keeps a state)")
+    return None
 
 
 def check_kv_cache(model, setting: str, instead: str) -> None:

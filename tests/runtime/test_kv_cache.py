@@ -194,6 +194,23 @@ def test_latent_attention_has_no_fp8_kv_cache(tiny_factory, wiki_text, tmp_path)
     assert "cannot be used with deepseek_v3: its multi-head latent attention" in r.stderr, r.stderr
 
 
+def test_hybrid_with_recurrent_layers_has_no_fp8_kv_cache(tiny_factory, wiki_text, tmp_path):
+    """Nemotron-H's Mamba layer (layer 0) keeps a recurrent state, not keys and values: quantize --kv-cache fp8
+    scaled its attention layer only, then generate --kv-cache fp8 refused the checkpoint for lacking layer 0's
+    scales and told the user to quantize it with --kv-cache fp8, as they had. Measure records no KV statistics for
+    it, and quantize --kv-cache fp8 refuses it naming the architecture and the layer (exit 2), writing nothing."""
+    config = tmp_path / "blocklist.json"  # (its 3-D experts are not measured: kept in high precision)
+    config.write_text(json.dumps({"method": "HOOKS", "mode": "MEASURE", "observer": "maxabs",
+                                  "blocklist": {"types": ["NemotronHExperts"], "names": []}}))
+    r = run_cli("measure", tiny_factory("nemotron_h"), "-c", config, "-o", tmp_path / "m", "--text", wiki_text, "--limit", "2")
+    assert r.exit_code == 0 and not (tmp_path / "m" / KV_FILE).exists(), r.output
+    r = run_cli("quantize", "-m", tmp_path / "m", "-o", tmp_path / "fp8", "--kv-cache", "fp8")
+    assert r.exit_code == 2 and not (tmp_path / "fp8").exists(), r.output
+    assert r.stderr.strip().splitlines()[-1] == (
+        "Error: --kv-cache fp8 cannot be used with nemotron_h: its layer 0 caches no keys and values (a Mamba or other "
+        "recurrent layer keeps a state), which hqtflow's FP8 KV cache does not hold; quantize with --kv-cache bf16.")
+
+
 def test_static_fp8_kv_cache_refuses_sliding_window_layers_in_one_sentence(tiny_factory, wiki_text, tmp_path):
     """Gemma 2's local layers: generate --engine static --kv-cache fp8 ended in FP8StaticCache's ValueError traceback
     (exit 1) at the first step, since the decoder checked only the scales when it was made. Refused there now, in
