@@ -86,6 +86,13 @@ def _tensor_tag(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.device, None if t.is_inference() else t._version
 
 
+def _same_place(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Both None, or tensors of one device, shape and dtype (`b` can be copied into `a`)."""
+    if a is None or b is None:
+        return a is b
+    return a.device == b.device and a.shape == b.shape and a.dtype == b.dtype
+
+
 @functools.cache
 def fused(fn):
     """`fn` compiled into one kernel for CUDA inputs (shapes dynamic: one compile per process, not per M)."""
@@ -294,13 +301,18 @@ class FP8Linear(nn.Module):
                 xq = quantize(x2, sa, self.fp8)
         else:
             sa = static_a
-            if cuda and not (self.fused_quantize or _CAPTURING.get()):
-                xq = quantize_three_kernels(x2, sa, self.fp8)
-            else:
-                xq = (fused(quantize) if cuda else quantize)(x2, self.input_scale, self.fp8)
+            xq = self._static_quantizer(cuda)(x2, sa, self.fp8)
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=sa, scale_b=sb, bias=self.bias, out_dtype=self.hp_dtype,
                              use_fast_accum=self.fast_accum)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _static_quantizer(self, cuda: bool):
+        """(x, float32 scale, fp8) -> FP8 x, as `quantize`: on CUDA in a graph (`capturing()`) or with
+        `fused_quantize` the one compiled kernel, else three eager kernels; elsewhere (CPU, inside a compiled step,
+        where it fuses with its neighbours) the reference."""
+        if not cuda:
+            return quantize
+        return fused(quantize) if self.fused_quantize or _CAPTURING.get() else quantize_three_kernels
 
     def _float_scales(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """_scaled_mm's float32 scales: the static input scale [] (None when dynamic) and the weight's, [] or [1, N]
@@ -310,13 +322,14 @@ class FP8Linear(nn.Module):
         if torch.compiler.is_compiling():  # the eager calls' casts (a compiled step's inputs), else two casts per call
             return self._mm_scales[1:] if self._mm_scales is not None else self._cast_scales(w, a)
         key = (_tensor_tag(w), None if a is None else _tensor_tag(a))
-        if self._mm_scales is None:
-            self._mm_scales = (key, *self._cast_scales(w, a))
-        elif self._mm_scales[0] != key:  # new stored scales: cast into the same tensors, which graphs captured
-            for old, new in zip(self._mm_scales[1:], self._cast_scales(w, a)):
-                if old is not None:
-                    old.copy_(new)
-            self._mm_scales = (key, *self._mm_scales[1:])
+        if self._mm_scales is None or self._mm_scales[0] != key:
+            new = self._cast_scales(w, a)
+            if self._mm_scales is not None and all(_same_place(o, n) for o, n in zip(self._mm_scales[1:], new)):
+                for o, n in zip(self._mm_scales[1:], new):  # new stored values: cast into the tensors graphs captured
+                    if o is not None:
+                        o.copy_(n)
+                new = self._mm_scales[1:]
+            self._mm_scales = (key, *new)  # else (first call, a device move, a new shape): new tensors
         return self._mm_scales[1], self._mm_scales[2]
 
     def _cast_scales(self, w: torch.Tensor, a: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -213,13 +213,19 @@ def test_capturing_selects_the_compiled_quantization_for_warm_up_and_capture():
     quantize its input with the one compiled kernel, so that kernel is compiled in the warm-up, not while a graph
     records; it ends with the block, an error included."""
     from hqtflow.quantize import fp8_linear
+    from hqtflow.scales import quantize
 
-    assert not fp8_linear._CAPTURING.get()
+    m, _ = _layer(64, 32)
+    compiled = fp8_linear.fused(quantize)
+    assert m._static_quantizer(cuda=True) is fp8_linear.quantize_three_kernels
+    assert m._static_quantizer(cuda=False) is quantize
     with pytest.raises(RuntimeError):
         with fp8_linear.capturing():
-            assert fp8_linear._CAPTURING.get()
+            assert m._static_quantizer(cuda=True) is compiled and m._static_quantizer(cuda=False) is quantize
             raise RuntimeError
-    assert not fp8_linear._CAPTURING.get()
+    assert m._static_quantizer(cuda=True) is fp8_linear.quantize_three_kernels
+    m.fused_quantize = True
+    assert m._static_quantizer(cuda=True) is compiled
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -235,3 +241,16 @@ def test_a_graph_of_an_fp8_linear_replays_its_eager_output():
         graph, out = capture(lambda: m(x))  # the compiled kernel: the same bytes
         graph.replay()
     assert torch.equal(out, eager)
+
+
+def test_scaled_mm_scales_follow_a_device_move():
+    """A moved layer (`.to()`) casts its float32 scales anew on its new device: they are not copied into the tensors
+    cast on the old one (the meta device stands in for a GPU)."""
+    m, x = _layer(64, 32)
+    set_backend(m, "scaled_mm")
+    with torch.no_grad():
+        m(x)
+        before = m._mm_scales[1:]
+        m.to("meta")
+        a, b = m._float_scales()
+    assert a.device.type == "meta" and b.device.type == "meta" and before[0].device.type == "cpu"
