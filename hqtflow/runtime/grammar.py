@@ -216,13 +216,39 @@ def _compile_json(c, schema: str):
     is always valid JSON (escapes count as one), dates held to their month's days (_exact_dates), times and IPv4
     octets to RFC 3339's and RFC 791's forms (_exact_formats), email and hostname to hqtflow's (_exact_names).
     Compiled once per EBNF text (the compiler's cache)."""
+    return c.compile_grammar(_rewritten(_xgrammar_ebnf(schema)))
+
+
+def _xgrammar_ebnf(schema: str) -> str:
     import xgrammar as xgr
 
-    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=False))
+    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=False))
+
+
+def _rewritten(ebnf: str) -> str:
+    """_compile_json's rewrites of xgrammar's EBNF."""
     for loose, strict in _SURROGATE_FREE.items():
         ebnf = ebnf.replace(loose, strict)
     ebnf = _exact_dates(_BOUNDED_CHAR.sub(lambda m: f"{m[1]} ::= {_JSON_CHAR}", ebnf))
-    return c.compile_grammar(_exact_names(_exact_formats(ebnf)))
+    return _exact_names(_exact_formats(ebnf))
+
+
+def _format_rewrites():  # the formats hqtflow's rewrites hold, each with the rewrites it needs
+    return {"date": (_exact_dates,), "date-time": (_exact_dates, _exact_formats), "time": (_exact_formats,),
+            "ipv4": (_exact_formats,), "ipv6": (_exact_formats,), "email": (_exact_names,), "hostname": (_exact_names,)}
+
+
+@functools.cache
+def held_formats() -> tuple[str, ...]:
+    """EXACT_FORMATS less any a rewrite it needs finds nothing to rewrite for in this xgrammar's EBNF (they match
+    xgrammar 0.2.9's rules; another version's would be held loosely, silently): those are refused instead."""
+    needs = _format_rewrites()
+
+    def held(fmt):
+        ebnf = _xgrammar_ebnf(json.dumps({"type": "string", "format": fmt}))
+        return all(fn(ebnf) != ebnf for fn in needs.get(fmt, ()))
+
+    return tuple(f for f in EXACT_FORMATS if held(f))
 
 
 def xgrammar_message(e: Exception) -> str:
@@ -256,8 +282,8 @@ def repeat_size(regex: str) -> int:
     groups, inner, i = [0], 0, 0  # the count inside each open group; inside the last atom (0: a plain atom)
     while i < len(regex):
         ch, step = regex[i], 1
-        if ch == "\\":
-            step, inner = 2, 0
+        if ch == "\\":  # one escape; \u{200} is one code point to xgrammar, but \x{41} is x repeated 41 times
+            step, inner = len(m[0]) if regex.startswith("\\u{", i) and (m := _ESCAPE.match(regex, i)) else 2, 0
         elif ch == "[":  # a class, up to its closing bracket (a "]" first in it is a literal)
             j = i + 1 + (regex[i + 1:i + 2] == "^")
             j += regex[j:j + 1] == "]"
@@ -404,20 +430,26 @@ def literal_problem(schema, scale: int = 1) -> str | None:
 # 0.2.9, with hqtflow's rewrites: a date's days, no leap second in a time, no leading zero in an IPv4 octet, email and
 # hostname as _EXACT_EMAIL writes them). Any other `format` is refused: those xgrammar ignores (`idn-email`, `iri`,
 # `regex`, OpenAPI's `password`, `int32`, ...).
+SPEC_FORMATS = ("date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4",
+                "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template", "json-pointer",
+                "relative-json-pointer", "regex")  # JSON Schema 2020-12's format vocabulary
 EXACT_FORMATS = ("date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
                  "uri-template", "uuid", "json-pointer", "relative-json-pointer")
 
 
-def format_problem(s: dict, where: str) -> str | None:
-    """Why the grammar would not hold a schema object's `format` (None: it would, or there is none): not one of
-    EXACT_FORMATS, on a schema that may not be a string, or beside what xgrammar drops for it (a `pattern`, length
-    bounds, an `enum` or `const`, which it takes instead)."""
+def format_problem(s: dict, where: str, strict: bool = False) -> str | None:
+    """Why the grammar would not hold a schema object's `format` (None: it would, or there is none): a format of JSON
+    Schema's (or, `strict`, as OpenAI's strict mode, any format) not among EXACT_FORMATS, on a schema that may not be
+    a string, or beside what xgrammar drops for it (a `pattern`, length bounds, an `enum` or `const`, which it takes
+    instead). A format JSON Schema does not define is an annotation, as validators take it: a plain string."""
     if "format" not in s:
         return None
     fmt = s["format"]
-    if fmt not in EXACT_FORMATS:
-        return (f"`format` {json.dumps(fmt)[:80]} ({where}) is not held by the grammar (it holds "
-                f"{', '.join(EXACT_FORMATS)})")
+    held = held_formats()
+    if not isinstance(fmt, str) or (fmt not in held and (strict or fmt in SPEC_FORMATS)):
+        return f"`format` {json.dumps(fmt)[:80]} ({where}) is not held by the grammar (it holds {', '.join(held)})"
+    if fmt not in held:  # not JSON Schema's (binary, password, int32): an annotation validators ignore
+        return None
     if s.get("type") != "string" and not (isinstance(s.get("type"), list) and "string" in s["type"]):
         return f'`format` ({where}) needs `"type": "string"` beside it: the grammar holds a format on strings only'
     if bad := next((k for k in ("pattern", "minLength", "maxLength", "enum", "const") if k in s), None):
@@ -495,6 +527,8 @@ def strict_problem(schema) -> str | None:
         where = f"at {path}" if path else "at the root"
         if bad := next((k for k in OPENAI_NOT_STRICT if k in s), None):
             return f"`{bad}` ({where}) is not supported in strict mode"
+        if problem := format_problem(s, where, strict=True):  # strict mode takes its listed formats only
+            return problem
         if not _is_object(s):
             continue
         if s.get("additionalProperties") is not False:

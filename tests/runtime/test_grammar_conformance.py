@@ -338,14 +338,14 @@ def test_the_openai_clients_parse_of_an_email_field_gets_an_email(lm_long):
 
 
 @pytest.mark.parametrize("schema, message", [
-    ({"type": "string", "format": "password", "minLength": 2}, '`format` "password" (at the root) is not held by the grammar (it holds date, '),
+    ({"type": "string", "format": "iri", "minLength": 2}, '`format` "iri" (at the root) is not held by the grammar (it holds date, '),
     ({"properties": {"e": {"type": "string", "format": "idn-email"}}}, '`format` "idn-email" (at /properties/e) is not held'),
-    ({"type": "integer", "format": "int32"}, '`format` "int32" (at the root) is not held'),
+    ({"type": "string", "format": "regex"}, '`format` "regex" (at the root) is not held'),
     ({"format": ["date"]}, '`format` ["date"] (at the root) is not held'),
     ({"format": "date"}, '`format` (at the root) needs `"type": "string"` beside it: the grammar holds a format on strings only'),
     ({"type": "string", "format": "date", "pattern": "^x$"}, "`pattern` beside `format` (at the root) is not enforced"),
     ({"type": "string", "format": "date", "enum": ["x"]}, "`enum` beside `format` (at the root) is not enforced"),
-], ids=["password", "idn-email", "int32", "a-list", "no-type", "pattern", "enum"])
+], ids=["iri", "idn-email", "regex", "a-list", "no-type", "pattern", "enum"])
 def test_a_format_the_grammar_does_not_hold_is_refused_naming_it(tok, schema, message):
     """xgrammar ignored a format it does not know (OpenAPI's `password`, `int32`; a list was a TypeError) and one
     without `type` or beside a `pattern` or an `enum` (`"x"` for a date)."""
@@ -353,6 +353,22 @@ def test_a_format_the_grammar_does_not_hold_is_refused_naming_it(tok, schema, me
         compile_grammar(tok, "json", schema)
     assert str(e.value).startswith(message), str(e.value)
     assert compile_grammar(tok, "json", {"type": ["string", "null"], "format": "date"})
+
+
+def test_a_format_json_schema_does_not_define_is_an_annotation_except_in_strict_mode(tok):
+    """pydantic's SecretStr ("password"), bytes ("binary") and IPvAnyAddress ("ipvanyaddress"), OpenAPI's int32: no
+    validator checks them (JSON Schema: unknown formats are annotations), so the schema is held without them, its
+    other keywords kept; OpenAI's strict mode takes its listed formats only, so there they are refused."""
+    from hqtflow.runtime.grammar import strict_problem
+
+    compiled = compile_grammar(tok, "json", {"type": "string", "format": "password", "minLength": 2})
+    assert accepts(tok, compiled, '"ab"') and not accepts(tok, compiled, '"a"')
+    assert compile_grammar(tok, "json", {"type": "integer", "format": "int32"})
+    for fmt in ("binary", "ipvanyaddress"):
+        assert compile_grammar(tok, "json", {"type": "object", "properties": {"x": {"type": "string", "format": fmt}}})
+    strict = {"type": "object", "properties": {"p": {"type": "string", "format": "password"}}, "required": ["p"],
+              "additionalProperties": False}
+    assert strict_problem(strict).startswith('`format` "password" (at /properties/p) is not held by the grammar')
 
 
 def test_a_ref_with_annotations_beside_it_compiles(tok):
@@ -521,3 +537,19 @@ def test_a_lookahead_is_refused(tok, kind, value, message):
         compile_grammar(tok, kind, value)
     assert str(e.value).startswith(message), str(e.value)
     assert accepts(tok, compile_grammar(tok, "json", {"type": "string", "pattern": "^[(?!]\\(?=$"}), '"?(="')
+
+
+def test_a_format_whose_rewrite_finds_nothing_to_rewrite_is_refused(monkeypatch):
+    """The format rewrites match xgrammar 0.2.9's rules: on a version whose rules they no longer find, the format is
+    refused (fail closed), not held by xgrammar's looser rule."""
+    from hqtflow.runtime import grammar
+
+    monkeypatch.setattr(grammar, "_exact_names", lambda ebnf: ebnf)
+    grammar.held_formats.cache_clear()
+    try:
+        held = grammar.held_formats()
+        assert "email" not in held and "hostname" not in held and {"date", "time", "ipv4"} <= set(held)
+        assert grammar.format_problem({"type": "string", "format": "email"}, "at the root").startswith(
+            '`format` "email" (at the root) is not held by the grammar')
+    finally:
+        grammar.held_formats.cache_clear()

@@ -64,6 +64,8 @@ def test_repeat_size_multiplies_nested_counts_and_skips_classes_and_escapes():
     assert grammar.repeat_size("a{3}b{0,5}") == 8
     assert grammar.repeat_size(r"\{0,999\}[{]{2}") == 2
     assert grammar.repeat_size("[]{]{0,4}") == 4
+    assert grammar.repeat_size(r"^\u{200}$") == 0 and grammar.repeat_size(r"^\u{41}{100}$") == 100  # one code point
+    assert grammar.repeat_size(r"^\x{200}$") == 200  # xgrammar reads \x{200} as x, 200 times
 
 
 def test_xgrammar_errors_do_not_show_its_build_paths(url):
