@@ -4,6 +4,7 @@ tool's) and its tokenizer; `load_any` is the commands' loader (FP8 checkpoints a
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from pathlib import Path
 
 
@@ -92,6 +93,9 @@ def load_any(ref: str | None, dtype: str = "auto", backend: str = "auto", device
     return model, tok, kind
 
 
+_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("fp16_overflow_deferred", default=False)
+
+
 class Fp16Overflow:
     """A forward hook on a model's lm_head: logits holding NaN or infinity (activations past fp16's largest value,
     65504, overflowed) raise a ModelError in one sentence, kept in `tripped` for callers whose engine thread turns
@@ -100,9 +104,7 @@ class Fp16Overflow:
     `deferred` (the serving engine checks its logits itself, request by request, graph replays included)."""
 
     def __init__(self, name: str):
-        import threading
-
-        self.name, self.tripped, self._here = name, None, threading.local()
+        self.name, self.tripped = name, None
 
     def __call__(self, module, inputs, output):
         import torch
@@ -111,7 +113,7 @@ class Fp16Overflow:
             return
         if output.is_cuda and torch.cuda.is_current_stream_capturing():  # a CUDA graph capture: no host sync there
             return
-        if getattr(self._here, "deferred", False):
+        if _DEFERRED.get():
             return
         if not bool(torch.isfinite(output).all()):
             raise self.trip()
@@ -127,11 +129,11 @@ class Fp16Overflow:
     @contextlib.contextmanager
     def deferred(self):
         """No check on this thread within: its caller checks the logits itself (Engine._overflowed)."""
-        self._here.deferred = True
+        token = _DEFERRED.set(True)
         try:
             yield
         finally:
-            self._here.deferred = False
+            _DEFERRED.reset(token)
 
 
 def raise_fp16_overflow(model) -> None:

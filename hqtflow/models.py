@@ -349,6 +349,8 @@ def kv_cache_refusal(model) -> str | None:
     if other is not None:
         return f"its attention ({type(other).__name__}) caches keys and values through projections hqtflow does not know"
     n = model.config.get_text_config(decoder=True).num_hidden_layers
+    if not layers and n:  # a pure Mamba, say: quantize would write no scales, and kv_scales ask for them again
+        return "no layer of it caches keys and values that hqtflow finds (a Mamba or other recurrent layer keeps a state)"
     if layers and (missing := [i for i in range(n) if i not in layers]):
         more = ", ..." if len(missing) > 4 else ""
         plural = len(missing) > 1

@@ -181,3 +181,25 @@ def test_serve_fp8_with_a_measurement_resolves_auto_for_the_serving_device(tiny_
                       dtype=dtype, device=device)
         assert compute_dtype(seen["model"]) == ran, (dtype, device)
         assert (getattr(seen["model"], "fp16_guard", None) is not None) == (ran == "fp16")
+
+
+def test_an_fp16_guarded_model_can_be_copied_and_pickled():
+    """The guard keeps no thread-local state on the model (its deferral is a context variable): a guarded model
+    deep-copies and pickles as before (a threading.local made both a TypeError)."""
+    import copy
+    import pickle
+
+    import torch
+
+    from hqtflow import api
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model.fp16_guard = api.Fp16Overflow("tiny")
+    model[0].register_forward_hook(model.fp16_guard)
+    twin = copy.deepcopy(model)
+    assert isinstance(pickle.loads(pickle.dumps(model)).fp16_guard, api.Fp16Overflow)
+    with model.fp16_guard.deferred():
+        twin[0].weight.data.fill_(float("nan"))
+        twin(torch.ones(1, 4))  # deferred on this thread: no check
+    with pytest.raises(Exception, match="NaN or infinite logits in fp16"):
+        twin(torch.ones(1, 4))

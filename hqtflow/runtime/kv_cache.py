@@ -53,7 +53,7 @@ def kv_scales(model, fix: str = "quantize it with `--kv-cache fp8`") -> list[tup
     from hqtflow.models import attention_modules, kv_cache_refusal
 
     if why := kv_cache_refusal(model):  # never scaled by quantize: "quantize it with ..." would send the user in a circle
-        raise ValueError(f"The FP8 KV cache cannot be used with {model.config.model_type}: {why}.")
+        raise ValueError(f"The FP8 KV cache cannot be used with {model.config.model_type}: {why}; give --kv-cache bf16.")
     found = {i: model.get_submodule(name) for i, name in attention_modules(model).items()}
     n = model.config.get_text_config(decoder=True).num_hidden_layers
     missing = [i for i in range(n) if not (i in found and hasattr(found[i], "k_scale") and hasattr(found[i], "v_scale"))]

@@ -192,6 +192,24 @@ def test_latent_attention_has_no_fp8_kv_cache(tiny_factory, wiki_text, tmp_path)
     r = run_cli("generate", tmp_path / "bf16kv", "--engine", "static", "--kv-cache", "fp8", "--max-new-tokens", "2")
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     assert "cannot be used with deepseek_v3: its multi-head latent attention" in r.stderr, r.stderr
+    assert r.stderr.strip().endswith("not keys and values; give --kv-cache bf16."), r.stderr
+
+
+def test_a_model_without_attention_has_no_fp8_kv_cache():
+    """A pure Mamba: no layer caches keys and values, so kv_scales refuses it by name instead of asking for a
+    quantize --kv-cache fp8 that would write no scales."""
+    from transformers import AutoModelForCausalLM, MambaConfig
+
+    from hqtflow.models import kv_cache_refusal
+    from hqtflow.runtime.kv_cache import kv_scales
+
+    with torch.device("meta"):
+        mamba = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2,
+                                                             state_size=4, expand=2))
+    assert kv_cache_refusal(mamba).startswith("no layer of it caches keys and values")
+    with pytest.raises(ValueError, match=r"^The FP8 KV cache cannot be used with mamba: no layer of it caches keys "
+                                         r"and values .*; give --kv-cache bf16\.$"):
+        kv_scales(mamba)
 
 
 def test_hybrid_with_recurrent_layers_has_no_fp8_kv_cache(tiny_factory, wiki_text, tmp_path):
