@@ -24,8 +24,7 @@
 // Compute paths, picked at compile time from the CPU's flags (the kernel is built with -march=native):
 // - AMX tiles (AMX-BF16, bf16 models, when Linux grants the process the tile state): the bf16 path's widened weights
 //   (pair-major blocks of 16 rows: exactly a B tile's layout) times 16-row tiles of the input, 32 x 32 outputs per
-//   step in four accumulator tiles; decode pads the input to 16 rows (zeros, never stored). From 256 rows, with a
-//   weight whose widened copy fits an L2 (or bf16 weights), the threads take chunks of input rows (`amx_rows`).
+//   step in four accumulator tiles; decode pads the input to 16 rows (zeros, never stored).
 // - bf16 dot products (AVX512-BF16 + AVX512-VBMI, bf16 models): 64 FP8 bytes become 64 bf16 values of w_q with two
 //   128-entry byte-table lookups (vpermi2b, high and low bytes of hp(v * s_w) for the 128 non-negative codes), one
 //   OR for the sign and two unpacks. The bytes of 16 weight rows are first transposed so that each widened vector
@@ -1584,10 +1583,7 @@ void amx_panels(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
   // chunk widens the weights again)
   const int64_t chunks = passes == 1 ? 1 : std::max<int64_t>(1, (blocks32 * 2 * kTile * ldc * 4 + kAmxSumsBytes - 1) / kAmxSumsBytes);
   const int64_t mc = (blocks32 + chunks - 1) / chunks * (2 * kTile);
-  // FP8 weights: widened per pass into `buf`; bf16 ones (or weights widened for every thread, `amx_rows`): read as
-  // they are, their blocks `pstride` apart
-  uint32_t* buf = p.bw ? nullptr : static_cast<uint32_t*>(scratch<0>(panel / kBlock * bstride * sizeof(uint32_t)));
-  const int64_t pstride = p.Kp / 2 * kBlock;
+  uint32_t* buf = static_cast<uint32_t*>(scratch<0>(panel / kBlock * bstride * sizeof(uint32_t)));
   float* cb = passes > 1 ? static_cast<float*>(scratch<1>(mc * ldc * sizeof(float))) : nullptr;
   alignas(64) float last[2 * kTile * 2 * kBlock];  // a block's final sums on their way to the epilogue
   std::unique_ptr<Widener> one(wt.per_channel || p.bw ? nullptr : new Widener(wt.e4m3, wt.s(0)));
@@ -1599,25 +1595,27 @@ void amx_panels(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
       const int64_t ne = std::min(n1, nb + panel);
       for (int64_t k0 = 0; k0 < p.Kp; k0 += kc) {
         const int64_t k1 = std::min(p.Kp, k0 + kc);
-        for (int64_t n = nb; n < ne && !p.bw; n += kBlock) {
+        for (int64_t n = nb; n < ne; n += kBlock) {
           const int nr = static_cast<int>(std::min<int64_t>(kBlock, ne - n));
           uint32_t* blk = buf + ((n - nb) / kBlock) * bstride;
+          if (p.bw) {  // bf16 weights: their packed pairs copied
+            std::memcpy(blk, p.bw + (n / kBlock) * (p.Kp / 2 * kBlock) + (k0 / 2) * kBlock, (k1 - k0) / 2 * kBlock * 4);
+            continue;
+          }
           wd.set(wt, one.get(), n, nr);
           for (int64_t k = k0; k < k1; k += 64) widen_chunk(wt, wd, n, nr, k, blk + ((k - k0) / 2) * kBlock);
         }
-        const uint32_t* wp = p.bw ? p.bw + (nb / kBlock) * pstride + (k0 / 2) * kBlock : buf;
-        const int64_t ws = p.bw ? pstride : bstride;
         for (int64_t m = m0; m < m1; m += 2 * kTile) {
           const int64_t mr = std::min<int64_t>(2 * kTile, m1 - m);
           for (int64_t n = nb; n < ne; n += 2 * kBlock) {
             const int64_t nr = std::min<int64_t>(2 * kBlock, ne - n);
-            const uint32_t* w = wp + ((n - nb) / kBlock) * ws;
+            const uint32_t* w = buf + ((n - nb) / kBlock) * bstride;
             float* c = cb ? cb + (m - m0) * ldc + (n - nb) : nullptr;
             amx_dispatch(mr, nr, [&](auto MB, auto NB) {
               constexpr int mb = decltype(MB)::value, bn = decltype(NB)::value;
               amx_load_acc<mb, bn>(k0 ? c : nullptr, ldc);
               for (int64_t k = k0; k < k1; k += 32)
-                amx_step<mb, bn>(x + m * ldx + k, ldx * 2, w + ((k - k0) / 2) * kBlock, w + ws + ((k - k0) / 2) * kBlock);
+                amx_step<mb, bn>(x + m * ldx + k, ldx * 2, w + ((k - k0) / 2) * kBlock, w + bstride + ((k - k0) / 2) * kBlock);
               if (k1 < p.Kp) return amx_store_acc<mb, bn>(c, ldc);
               amx_store_acc<mb, bn>(last, 2 * kBlock);
               amx_epilogue(last, 2 * kBlock, m, n, mr, nr, p.out);
@@ -1628,52 +1626,6 @@ void amx_panels(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
     }
   }
   _tile_release();
-}
-
-// Large M (kAmxRowsMinM rows and more) with a weight whose widened copy fits an L2 (kAmxRowsMaxBytes; bf16 weights
-// are in that layout already): one parallel region for the whole input, in which each thread widens the weight for
-// itself (tens of microseconds), then takes chunks of input rows as it frees up, QDQ's a chunk into its own buffer (in
-// L2) and runs amx_panels over all N. The column split (each thread a share of N over slices of the input, with a
-// region for the input's QDQ and one for the product per slice) made every thread read the whole input, and a thread
-// held up on a shared machine held up each of those regions. Chunks start at multiples of 32 rows and amx_panels
-// gives a row the same tile place and operations as on the other AMX paths: the same bits.
-constexpr int64_t kAmxRowsMinM = 256, kAmxRowsMaxBytes = 2 << 20, kAmxChunkBytes = 768 << 10;
-inline bool amx_by_rows(int64_t M, int64_t N, int64_t Kp, const uint32_t* bw) {
-  return M >= kAmxRowsMinM && (bw || N * Kp * 2 <= kAmxRowsMaxBytes);
-}
-void amx_rows(const Weight& wt, const uint32_t* bw, const uint16_t* x, int64_t M, int64_t Kp, const float* s_x,
-              const Out& out, int64_t threads) {
-  const int64_t N = wt.N, K = wt.K, ldx = amx_ldx(Kp), bstride = Kp / 2 * kBlock, blocks = (N + kBlock - 1) / kBlock;
-  // chunks of whole 32-row blocks, about eight per thread, each within kAmxChunkBytes of QDQ'd input
-  const int64_t most = std::max<int64_t>(2 * kTile, kAmxChunkBytes / (2 * ldx) / (2 * kTile) * (2 * kTile));
-  const int64_t even = (M + 8 * threads - 1) / (8 * threads);
-  const int64_t rows = std::min(most, std::max<int64_t>(2 * kTile, (even + 2 * kTile - 1) / (2 * kTile) * (2 * kTile)));
-  const int64_t chunks = (M + rows - 1) / rows;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    const uint32_t* w = bw;
-    if (!w) {  // this thread's widened copy
-      uint32_t* wide = static_cast<uint32_t*>(scratch<6>(blocks * bstride * sizeof(uint32_t)));
-      std::unique_ptr<Widener> one(wt.per_channel ? nullptr : new Widener(wt.e4m3, wt.s(0)));
-      BlockWideners wd;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int nr = static_cast<int>(std::min<int64_t>(kBlock, N - b * kBlock));
-        wd.set(wt, one.get(), b * kBlock, nr);
-        for (int64_t k = 0; k < Kp; k += 64) widen_chunk(wt, wd, b * kBlock, nr, k, wide + b * bstride + (k / 2) * kBlock);
-      }
-      w = wide;
-    }
-    uint16_t* xt = static_cast<uint16_t*>(scratch<7>(rows * ldx * sizeof(uint16_t)));
-    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      const int64_t m0 = c * rows, mr = std::min(rows, M - m0), mp = (mr + kTile - 1) / kTile * kTile;
-      for (int64_t m = 0; m < mr; ++m) {
-        bf16_input_row(x + (m0 + m) * K, K, Kp, s_x, wt.e4m3, xt + m * ldx);
-        std::fill(xt + m * ldx + Kp, xt + (m + 1) * ldx, uint16_t(0));
-      }
-      std::fill(xt + mr * ldx, xt + mp * ldx, uint16_t(0));
-      amx_panels(Problem{wt, xt, mr, Kp, true, out.from_row(m0), w}, ldx, 0, N);
-    }
-  });
 }
 #endif
 
@@ -1852,13 +1804,6 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
     });
 #endif
   };
-#if HQT_AMX
-  if (amx && amx_by_rows(rows, N, Kp, bw)) {  // the whole input in one region
-    amx_rows(wt, bw, static_cast<const uint16_t*>(x2d.data_ptr()), rows, Kp, has_sx ? &s_x : nullptr,
-             Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}, threads);
-    return out.reshape(out_shape);
-  }
-#endif
   for (int64_t first = 0; first < rows; first += slice) product(first, std::min(slice, rows - first));
   return out.reshape(out_shape);
 }
