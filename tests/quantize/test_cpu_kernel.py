@@ -212,6 +212,46 @@ def test_thread_count_does_not_change_results(ops, hp):
             assert all(torch.equal(a, b) for a, b in zip(got, one))
 
 
+@pytest.mark.parametrize("k,n", [(576, 700), (1537, 67)])
+@pytest.mark.parametrize("mode", ["w8a8", "per-channel", "bf16-weights"])
+def test_large_m_rows_are_the_same_whatever_the_threads_and_neighbours(ops, k, n, mode):
+    """At large M every row is the same, bit for bit, with 1, 2 or 5 threads, as computed alone, in a batch of 255,
+    from row 255 on (its rows in other tile places) and in the last rows of 1000; K = 1537 takes several passes over
+    K. FP8 weights (one scale, per row) and packed bf16 ones (the `lm_head`'s); every build."""
+    torch.manual_seed(3)
+    x = torch.randn(1000, k, dtype=torch.bfloat16) * 3
+    if mode == "bf16-weights":
+        w = torch.randn(n, k).to(torch.bfloat16)
+        packed = ops.bf16_pack(w)
+        if not packed.numel():
+            pytest.skip("this build has no packed bf16 path")
+        x = x.float() if packed.dtype == torch.bfloat16 else x  # fp32 inputs on AVX2, bf16 on the bf16 paths
+        run = lambda xm: ops.bf16_linear(xm, packed, n, None)  # noqa: E731
+        ref = lambda xm: torch.nn.functional.linear(xm.double(), w.double())  # noqa: E731
+    else:
+        mod, _ = _layer(k, n, torch.bfloat16, mode, seed=4)
+        run = lambda xm: _run(ops, mod, xm)  # noqa: E731
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        try:
+            outs = []
+            for t in (1, 2, 5):
+                torch.set_num_threads(t)
+                outs.append(run(x))
+            parts = [run(x[:1]), run(x[:255]), run(x[255:]), run(x[992:])]
+        finally:
+            torch.set_num_threads(threads)
+        full = outs[0]
+        assert all(torch.equal(o, full) for o in outs[1:])
+        assert torch.equal(parts[0], full[:1]) and torch.equal(parts[1], full[:255])
+        assert torch.equal(parts[2], full[255:]) and torch.equal(parts[3], full[992:])
+        if mode == "bf16-weights":
+            r = ref(x)
+            assert (full.double() - r).abs().max() <= 1e-2 * r.abs().max()
+        else:
+            assert ((full.double() - mod(x).double()).abs() <= _bound(mod, x)).all()
+
+
 @pytest.mark.parametrize("activation", ["dynamic_token", None])
 def test_fp8linear_cpu_backend_rows_do_not_depend_on_the_batch(cpu_kernel_loaded, activation):
     """Through FP8Linear (the runtime's layer): per-token dynamic activations and weight-only are batch-invariant too."""
