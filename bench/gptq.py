@@ -50,7 +50,7 @@ def main() -> None:
                  "gptq": lambda: quantize_weight(gptq_round(w, h, scale), scale.reshape(-1, 1))}
         q_gptq = gptq_round(w, h, scale)  # also the warm-up
         codes = {"rtn": calls["rtn"](), "gptq": quantize_weight(q_gptq, scale.reshape(-1, 1))}
-        back = (quantize_weight(q_gptq, scale.reshape(-1, 1)).float() * scale.float()[:, None]).to(q_gptq.dtype)
+        back = (codes["gptq"].float() * scale.float()[:, None]).to(q_gptq.dtype)
         if not torch.equal(back, q_gptq):  # its codes, dequantized, are the weight it returned
             sys.exit(f"{label}: GPTQ's weight is not on its FP8 grid, so its speed is not reported.")
         err = {name: float((x @ (w.float() - c.float() * scale.float()[:, None]).t()).pow(2).sum())

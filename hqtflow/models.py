@@ -303,10 +303,11 @@ def skeleton(path: Path, dtype=None):
     for planning before anything heavy is loaded."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     try:
         config = AutoConfig.from_pretrained(path)
-        with init_empty_weights(include_buffers=False):
+        with init_empty_weights(include_buffers=False), no_init_weights():  # no random init of meta parameters
             return AutoModelForCausalLM.from_config(config, dtype=dtype or config.dtype)
     except config_errors() as e:
         raise bad_config(path, e) from None

@@ -319,7 +319,8 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fp8: str = "E4M3", fullscale:
     The same arithmetic as Neural Compressor's CPU QDQ path (torchao's `_quantize_affine_float8`).
     """
     F = float(torch.finfo(FP8_DTYPES[fp8]).max) if fullscale is None else fullscale
-    return (x.float() / scale.float()).clamp(-F, F).to(FP8_DTYPES[fp8])
+    s = scale.to(x.device, torch.float32)  # a dimensioned float32 divisor: the division is float32, x not copied first
+    return torch.div(x, s.reshape(1) if s.dim() == 0 else s).clamp_(-F, F).to(FP8_DTYPES[fp8])
 
 
 def inc_code_scale(s: torch.Tensor) -> torch.Tensor:

@@ -113,13 +113,6 @@ def capturing() -> Iterator[None]:
         _CAPTURING.reset(token)
 
 
-def quantize_three_kernels(x: torch.Tensor, scale: torch.Tensor, fp8: str = "E4M3") -> torch.Tensor:
-    """`quantize(x, scale)` bit for bit, given `scale` in float32, in three eager kernels (a [1] float32 divisor makes
-    the division itself float32): no compiled function's dispatch, whose host time rules an eager step on CUDA."""
-    F = float(torch.finfo(FP8_DTYPES[fp8]).max)
-    return torch.div(x, scale.reshape(1)).clamp_(-F, F).to(FP8_DTYPES[fp8])
-
-
 @dataclass
 class QuantizedLinear:
     """A Linear's stored FP8 tensors: `weight_blocks` yields the FP8 weight in row blocks (concatenated: [out, in]);
@@ -307,12 +300,12 @@ class FP8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _static_quantizer(self, cuda: bool):
-        """(x, float32 scale, fp8) -> FP8 x, as `quantize`: on CUDA in a graph (`capturing()`) or with
-        `fused_quantize` the one compiled kernel, else three eager kernels; elsewhere (CPU, inside a compiled step,
-        where it fuses with its neighbours) the reference."""
+        """(x, float32 scale, fp8) -> FP8 x, `quantize`: on CUDA in a graph (`capturing()`) or with
+        `fused_quantize` as one compiled kernel, else eagerly (three kernels, no compiled function's dispatch, whose
+        host time rules an eager step on CUDA)."""
         if not cuda:
             return quantize
-        return fused(quantize) if self.fused_quantize or _CAPTURING.get() else quantize_three_kernels
+        return fused(quantize) if self.fused_quantize or _CAPTURING.get() else quantize
 
     def _float_scales(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """_scaled_mm's float32 scales: the static input scale [] (None when dynamic) and the weight's, [] or [1, N]

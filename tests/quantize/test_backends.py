@@ -146,7 +146,7 @@ def test_fused_input_quantization_on_cuda_is_the_eager_one():
     M (one compile serves them all). Static: the same FP8 bytes. Per token: the same scales, but on an H100 some codes
     differed (likely a multiply by the row scale's reciprocal instead of the division), so a value a float32 rounding
     away from a tie between two FP8 codes may take the other one: codes at most one step apart, under 1% of them."""
-    from hqtflow.quantize.fp8_linear import fused, quantize_per_token, quantize_three_kernels
+    from hqtflow.quantize.fp8_linear import fused, quantize_per_token
     from hqtflow.scales import quantize
 
     torch.manual_seed(0)
@@ -155,8 +155,8 @@ def test_fused_input_quantization_on_cuda_is_the_eager_one():
         x = (torch.randn(m, 4096, device="cuda") * 3).to(torch.bfloat16)
         x[0, :5] = torch.tensor([1e4, -1e4, 0.0, 1e-30, -0.0])
         assert torch.equal(fused(quantize)(x, scale, "E4M3").view(torch.uint8), quantize(x, scale, "E4M3").view(torch.uint8))
-        assert torch.equal(quantize_three_kernels(x, scale.float(), "E4M3").view(torch.uint8),
-                           quantize(x, scale, "E4M3").view(torch.uint8))
+        assert torch.equal(quantize(x, scale.float(), "E4M3").view(torch.uint8),
+                           (x.float() / scale.float()).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
         q, s = fused(quantize_per_token)(x, "E4M3")
         q_ref, s_ref = quantize_per_token(x, "E4M3")
         assert torch.equal(s, s_ref)
@@ -167,18 +167,20 @@ def test_fused_input_quantization_on_cuda_is_the_eager_one():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
 def test_three_kernel_quantization_is_the_reference(dtype, fp8):
-    """The CUDA path's eager input quantization (`quantize_three_kernels`, FP8Linear.fused_quantize = False): a [1]
-    float32 divisor makes the division float32, so the bytes are `quantize`'s, overflow and signed zero included."""
-    from hqtflow.quantize.fp8_linear import quantize_three_kernels
-    from hqtflow.scales import quantize
+    """`quantize` divides by a [1] float32 scale (the division float32 without copying x to float32 first: the CUDA
+    path's eager input quantization, FP8Linear.fused_quantize = False): the bytes of cast(clamp(x.float() / s)),
+    overflow and signed zero included."""
+    from hqtflow.scales import FP8_DTYPES, quantize
 
     torch.manual_seed(0)
     x = (torch.randn(37, 263) * torch.logspace(-8, 8, 263)).to(dtype)
     x[0, :3] = torch.tensor([0.0, -0.0, float(torch.finfo(dtype).max)])
+    F = float(torch.finfo(FP8_DTYPES[fp8]).max)
     for scale in (torch.tensor([0.0123], dtype=torch.bfloat16), torch.tensor(3.7), torch.tensor([2.0 ** -9])):
-        got = quantize_three_kernels(x, scale.float(), fp8)
-        assert got.dtype == quantize(x, scale, fp8).dtype
-        assert torch.equal(got.view(torch.uint8), quantize(x, scale, fp8).view(torch.uint8))
+        reference = (x.float() / scale.float()).clamp(-F, F).to(FP8_DTYPES[fp8])
+        got = quantize(x, scale.float(), fp8)
+        assert got.dtype == reference.dtype
+        assert torch.equal(got.view(torch.uint8), reference.view(torch.uint8))
 
 
 def test_scaled_mm_scales_are_cast_once_also_under_compile():
@@ -217,13 +219,13 @@ def test_capturing_selects_the_compiled_quantization_for_warm_up_and_capture():
 
     m, _ = _layer(64, 32)
     compiled = fp8_linear.fused(quantize)
-    assert m._static_quantizer(cuda=True) is fp8_linear.quantize_three_kernels
+    assert m._static_quantizer(cuda=True) is quantize
     assert m._static_quantizer(cuda=False) is quantize
     with pytest.raises(RuntimeError):
         with fp8_linear.capturing():
             assert m._static_quantizer(cuda=True) is compiled and m._static_quantizer(cuda=False) is quantize
             raise RuntimeError
-    assert m._static_quantizer(cuda=True) is fp8_linear.quantize_three_kernels
+    assert m._static_quantizer(cuda=True) is quantize
     m.fused_quantize = True
     assert m._static_quantizer(cuda=True) is compiled
 
