@@ -14,8 +14,10 @@
    concurrent streams x 64 new tokens vs one stream alone, bf16 vs FP8, graphs, compiled steps in graphs, and
    `cuda_graphs=()`. Target (issue #14):
    FP8 >= 1.3x bf16 tokens/s at 32 streams, aggregate >= 5x one stream, time to first token p95 <= 3 s.
+4. prefill (`--parts prefill`): the engine's one eager step that prefills the 32 prompts, bf16 vs FP8 (each
+   `--fp8-variants`): its wall time (median of 5), then one profiled run's GPU time per kernel and host time per op.
 
-    python bench/fp8_cuda.py [--models 1b,8b] [--json results.json] [--parts linear,decode,engine]
+    python bench/fp8_cuda.py [--models 1b,8b] [--json results.json] [--parts linear,decode,engine,prefill]
 """
 
 from __future__ import annotations
@@ -181,9 +183,62 @@ def kernel_table(prof, per: int, cuda: bool = True) -> tuple[list[tuple[str, flo
     """A profile's (name, microseconds, calls) per 1/`per` of it, longest first (GPU time; self CPU time without
     CUDA), and their total."""
     rows = [(e.key, (e.device_time_total if cuda else e.self_cpu_time_total) / per, e.count // per)
-            for e in prof.key_averages()]
+            for e in prof.key_averages() if not (cuda and _op_not_kernel(e.key))]
     rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])
     return rows, sum(r[1] for r in rows)
+
+
+def profile_prefill(model, vocab: int, streams: int = 32, top: int = 14) -> dict:
+    """One eager engine step prefilling `streams` random 16-128-token prompts (the 32-stream run's first step): its
+    wall time, its GPU kernel time per kernel name, and the host's self time per op (what an eager step spends)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hqtflow.runtime.engine import Engine, SamplingParams
+
+    steps: list[tuple[str, int, float]] = []
+    eng = Engine(model, _Tok(), max_batch_total_tokens=streams * 256 + 512, cuda_graphs=(),
+                 on_step=lambda kind, n, seconds, shape: steps.append((kind, shape[1], seconds)))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (int(torch.randint(16, 129, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(streams)]
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+
+    def run():
+        reqs = [eng.submit(p, params, lambda ev: None) for p in prompts]  # submitted before the loop runs: one step
+        while eng.step():
+            pass
+        assert all(r.finished for r in reqs)
+
+    for _ in range(2):
+        run()
+    steps.clear()
+    for _ in range(5):
+        run()
+    wall_ms = statistics.median(s * 1e3 for _, _, s in steps)  # unprofiled
+    steps.clear()
+    cuda = DEVICE == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    gpu, gpu_total = kernel_table(prof, 1, cuda)
+    host = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()), key=lambda r: -r[1])
+    walls = [(k, t, round(s * 1e3, 2)) for k, t, s in steps]
+    print(f"prefill of {streams} prompts ({sum(map(len, prompts))} tokens): {wall_ms:.1f} ms a step (median of 5, "
+          f"unprofiled); profiled: steps (kind, tokens, ms) {walls}, GPU kernel time {gpu_total / 1e3:.2f} ms; top kernels:")
+    for name, us, n in gpu[:top]:
+        print(f"  {us:9.1f} us  {n:5d}x  {name[:90]}")
+    print("  host self time, top ops:")
+    for name, us, n in host[:top]:
+        print(f"  {us:9.1f} us  {n:5d}x  {name[:90]}")
+    del eng
+    return dict(step_ms=wall_ms, steps=walls, gpu_ms=gpu_total / 1e3, kernels=gpu[:top], host=host[:top])
+
+
+def _op_not_kernel(name: str) -> bool:
+    """A profiler row that holds its kernels' GPU time again (an operator or a compiled region), not a kernel."""
+    return name.split("::")[0] in ("aten", "hqtflow", "torch_attn", "prims", "inductor") or \
+        name.startswith(("Torch-Compiled", "CompiledFunction", "## Call", "cudaGraph"))
 
 
 def graph_kernels(graph, top: int = 15) -> list[tuple[str, float, int]]:
@@ -276,7 +331,7 @@ class _Tok:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="1b")
-    p.add_argument("--parts", default="linear,decode,engine", help="linear, decode, engine, profile")
+    p.add_argument("--parts", default="linear,decode,engine", help="linear, decode, engine, profile, prefill")
     p.add_argument("--ms", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096")
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--decode-modes", default="graph,compiled,eager", help="decode: graph, compiled, eager")
@@ -313,7 +368,7 @@ def main() -> None:
         results["linear"] = bench_linear([int(m) for m in a.ms.split(",")])
         save()
     for size in a.models.split(","):
-        if not {"decode", "engine", "profile"} & set(parts):
+        if not {"decode", "engine", "profile", "prefill"} & set(parts):
             break
         model = llama(size, a.vocab, DEVICE)
         params = sum(t.numel() for t in model.parameters())
@@ -322,6 +377,11 @@ def main() -> None:
         for kind in ("bf16", "fp8"):
             if kind == "fp8":
                 to_fp8(model, a.vocab)
+            if "prefill" in parts:
+                for variant in a.fp8_variants.split(",") if kind == "fp8" else ["plain"]:
+                    FP8Linear.fused_quantize = "fused_quant" in variant.split("+")
+                    res[f"prefill_{kind}" + ("" if variant == "plain" else f"_{variant}")] = profile_prefill(model, a.vocab)
+                    FP8Linear.fused_quantize = False
             if "profile" in parts:
                 res[f"profile_{kind}"] = profile_step(model, a.vocab, int(a.batches.split(",")[-1]))
             if "decode" in parts:

@@ -100,17 +100,30 @@ def fused(fn):
 
 
 _CAPTURING: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8_linear_capturing", default=False)
+_SHARING: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8_linear_sharing", default=False)
 
 
 @contextlib.contextmanager
-def capturing() -> Iterator[None]:
-    """Around a CUDA graph's warm-up runs and capture (`runtime.cuda_graphs.capture`): inputs are quantized by the one
-    compiled kernel (fewest kernels to replay), compiled in the warm-up, not while the graph records."""
-    token = _CAPTURING.set(True)
+def _flag(var: contextvars.ContextVar) -> Iterator[None]:
+    token = var.set(True)
     try:
         yield
     finally:
-        _CAPTURING.reset(token)
+        var.reset(token)
+
+
+def capturing() -> contextlib.AbstractContextManager:
+    """Around a CUDA graph's warm-up runs and capture (`runtime.cuda_graphs.capture`): inputs are quantized by the one
+    compiled kernel (fewest kernels to replay), compiled in the warm-up, not while the graph records."""
+    return _flag(_CAPTURING)
+
+
+def sharing_inputs() -> contextlib.AbstractContextManager:
+    """Around a forward whose activations are new tensors that nothing changes in place (the serving engine's
+    steps): a CUDA FP8Linear with a static scale keeps its FP8 input on the input tensor, and the next Linear reading
+    that tensor with a scale of equal value takes it (q/k/v and gate/up read one tensor: two quantizations per layer
+    instead of five)."""
+    return _flag(_SHARING)
 
 
 @dataclass
@@ -294,35 +307,47 @@ class FP8Linear(nn.Module):
                 xq = quantize(x2, sa, self.fp8)
         else:
             sa = static_a
-            xq = self._static_quantizer(cuda)(x2, sa, self.fp8)
+            xq = self._shared_quantized(x, x2, sa) if cuda else quantize(x2, sa, self.fp8)
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=sa, scale_b=sb, bias=self.bias, out_dtype=self.hp_dtype,
                              use_fast_accum=self.fast_accum)
         return y.reshape(*shape[:-1], self.out_features)
 
-    def _static_quantizer(self, cuda: bool):
-        """(x, float32 scale, fp8) -> FP8 x, `quantize`: on CUDA in a graph (`capturing()`) or with
-        `fused_quantize` as one compiled kernel, else eagerly (three kernels, no compiled function's dispatch, whose
-        host time rules an eager step on CUDA)."""
-        if not cuda:
-            return quantize
+    def _shared_quantized(self, x: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """CUDA, outside a compiled step: `quantize(x2, scale)`, in a graph (`capturing()`) or with `fused_quantize`
+        by one compiled kernel, else by three eager kernels (no compiled function's dispatch, whose host time rules an
+        eager step on CUDA); under `sharing_inputs()` kept on x for the next Linear reading x with an equal scale."""
+        share = _SHARING.get()
+        key = (self._mm_scales[3], self.fp8)
+        kept = getattr(x, "_hqtflow_fp8", None) if share else None
+        if kept is not None and kept[0] == key and kept[1].shape == x2.shape:
+            return kept[1]
+        xq = self._cuda_quantizer()(x2, scale, self.fp8)
+        if share:
+            x._hqtflow_fp8 = (key, xq)
+        return xq
+
+    def _cuda_quantizer(self):
         return fused(quantize) if self.fused_quantize or _CAPTURING.get() else quantize
 
     def _float_scales(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """_scaled_mm's float32 scales: the static input scale [] (None when dynamic) and the weight's, [] or [1, N]
         (row-wise). Cast once and kept while the stored scales are the same tensors at the same version: two casts
-        per call were two of a decode step's kernels for every Linear (448 of an 8B model's, on an H100)."""
+        per call were two of a decode step's kernels for every Linear (448 of an 8B model's, on an H100). `_mm_scales`
+        holds (key, scale_a, scale_b, the input scale's value as a Python float)."""
         w, a = self.weight_scale, self.input_scale if self.activation == "static" else None
         if torch.compiler.is_compiling():  # the eager calls' casts (a compiled step's inputs), else two casts per call
-            return self._mm_scales[1:] if self._mm_scales is not None else self._cast_scales(w, a)
+            return self._mm_scales[1:3] if self._mm_scales is not None else self._cast_scales(w, a)
         key = (_tensor_tag(w), None if a is None else _tensor_tag(a))
         if self._mm_scales is None or self._mm_scales[0] != key:
             new = self._cast_scales(w, a)
-            if self._mm_scales is not None and all(_same_place(o, n) for o, n in zip(self._mm_scales[1:], new)):
-                for o, n in zip(self._mm_scales[1:], new):  # new stored values: cast into the tensors graphs captured
+            if self._mm_scales is not None and all(_same_place(o, n) for o, n in zip(self._mm_scales[1:3], new)):
+                for o, n in zip(self._mm_scales[1:3], new):  # new stored values: cast into the tensors graphs captured
                     if o is not None:
                         o.copy_(n)
-                new = self._mm_scales[1:]
-            self._mm_scales = (key, *new)  # else (first call, a device move, a new shape): new tensors
+                new = self._mm_scales[1:3]
+            # else (first call, a device move, a new shape): new tensors; last, the input scale's value on the host
+            value = object() if a is None or a.is_meta else float(a)  # `_shared_quantized`'s key (one host sync)
+            self._mm_scales = (key, *new, value)
         return self._mm_scales[1], self._mm_scales[2]
 
     def _cast_scales(self, w: torch.Tensor, a: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:

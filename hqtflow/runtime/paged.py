@@ -84,6 +84,27 @@ class StepPlan:
         self.decode_only = (self.decode_op and not self.prefill and len(self.decode) == tokens
                             and all(s.start == i for i, s in enumerate(self.decode)))
         self._windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._varlen: dict[int | None, tuple] = {}
+
+    def varlen(self, window: int | None) -> tuple:
+        """The step's sequences (prefill chunks and decoding tokens) packed for flash attention's variable-length
+        call, built once per step and window: (their query rows (a slice when side by side), int32 cumulative query
+        and key lengths, the longest of each, the context slots of each one's keys, or None when every one is a fresh
+        prompt in a bf16 cache, whose keys are the step's own). A sequence's keys start at its first query's window
+        (`first_key`); the call aligns its causal mask (and window) to the last key, as a chunk after its past needs."""
+        if window not in self._varlen:
+            seqs, dev = self.seqs, self.pool.device
+            first, last = seqs[0].start, seqs[-1].start + seqs[-1].n
+            side_by_side = all(a.start + a.n == b.start for a, b in zip(seqs, seqs[1:]))
+            rows = slice(first, last) if side_by_side else torch.cat(
+                [torch.arange(s.start, s.start + s.n) for s in seqs]).to(dev)
+            reads = [s.read[first_key(s.past, window):] for s in seqs]
+            fresh = side_by_side and self.pool.scales is None and not any(s.past for s in seqs)
+            cu_q = torch.tensor([0, *itertools.accumulate(s.n for s in seqs)], dtype=torch.int32)
+            cu_k = torch.tensor([0, *itertools.accumulate(len(r) for r in reads)], dtype=torch.int32)
+            self._varlen[window] = (rows, cu_q.to(dev), cu_k.to(dev), max(s.n for s in seqs),
+                                    max(map(len, reads)), None if fresh else torch.cat(reads))
+        return self._varlen[window]
 
     def token_lengths(self) -> list[int]:
         """Each token's sequence length as transformers' generate sees it when it computes that token: the whole
@@ -100,6 +121,18 @@ class StepPlan:
             reads = [s.read[first_key(s.past, window):] for s in self.decode]
             self._windowed[window] = torch.cat(reads), torch.tensor([0, *itertools.accumulate(len(r) for r in reads)])
         return self._windowed[window]
+
+
+def varlen_runs(query: torch.Tensor) -> bool:
+    """Whether a step's sequences go through one flash-attention call (`StepPlan.varlen`) instead of one SDPA per
+    prefill chunk and a float32 attention per decoding sequence: CUDA, fp16/bf16, a head size flash attention takes."""
+    d = query.shape[-1]
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256 and _has_flash()
+
+
+@functools.cache
+def _has_flash() -> bool:
+    return "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
 
 
 def first_key(position: int, window: int | None) -> int:
@@ -246,10 +279,14 @@ _STEP: contextvars.ContextVar = contextvars.ContextVar("hqtflow_paged_step", def
 @contextlib.contextmanager
 def stepping(plan):
     """The engine's step plan for the forward run inside: attention finds it here when a decoder layer does not pass
-    its keyword arguments on (StableLM's does not: attention then ran without the sequences' past, silently)."""
+    its keyword arguments on (StableLM's does not: attention then ran without the sequences' past, silently). A step's
+    activations are new tensors, so FP8 Linears reading one tensor share its quantization (`sharing_inputs`)."""
+    from hqtflow.quantize.fp8_linear import sharing_inputs
+
     token = _STEP.set(plan)
     try:
-        yield
+        with sharing_inputs():
+            yield
     finally:
         _STEP.reset(token)
 
@@ -305,6 +342,16 @@ def _paged_attention(module, plan, query, key, value, scaling, **kwargs):
     if plan.decode_only:  # no gather of the decoding rows, no zeroed output to scatter them into
         return _decode_op(plan, layer, query[0].transpose(0, 1), scale, window, softcap, sinks)[None], None
     out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
+    if plan.seqs and not softcap and sinks is None and varlen_runs(query):  # CUDA: the step's sequences in one call
+        rows, cu_q, cu_k, max_q, max_k, slots = plan.varlen(window)
+        if slots is None:  # fresh prompts, side by side, in a bf16 cache: their keys are this step's
+            k, v = k_new[rows], v_new[rows]
+        else:
+            k, v = pool.read(layer, slots, query.dtype)
+        out[rows] = torch.ops.aten._flash_attention_forward(
+            query[0].transpose(0, 1)[rows], k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
+            window_size_left=window - 1 if window else -1, window_size_right=0 if window else -1)[0]
+        return out[None], None
     for s in plan.prefill:  # SDPA per sequence
         lo = first_key(s.past, window)  # the chunk's first query sees no key before lo; later ones see fewer
         if s.past or pool.scales is not None:

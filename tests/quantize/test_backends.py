@@ -219,15 +219,43 @@ def test_capturing_selects_the_compiled_quantization_for_warm_up_and_capture():
 
     m, _ = _layer(64, 32)
     compiled = fp8_linear.fused(quantize)
-    assert m._static_quantizer(cuda=True) is quantize
-    assert m._static_quantizer(cuda=False) is quantize
+    assert m._cuda_quantizer() is quantize
     with pytest.raises(RuntimeError):
         with fp8_linear.capturing():
-            assert m._static_quantizer(cuda=True) is compiled and m._static_quantizer(cuda=False) is quantize
+            assert m._cuda_quantizer() is compiled
             raise RuntimeError
-    assert m._static_quantizer(cuda=True) is quantize
+    assert m._cuda_quantizer() is quantize
     m.fused_quantize = True
-    assert m._static_quantizer(cuda=True) is compiled
+    assert m._cuda_quantizer() is compiled
+
+
+def test_linears_reading_one_tensor_share_its_quantization_only_when_told():
+    """Under `sharing_inputs()` (the engine's steps) the CUDA path's FP8 input is kept on the input tensor and taken
+    by the next Linear reading that tensor with a scale of equal value (q/k/v, gate/up); a scale of another value
+    quantizes anew; outside it nothing is kept (a caller may change its input in place between calls)."""
+    from hqtflow.quantize import fp8_linear
+    from hqtflow.scales import quantize
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    layers = []
+    for out, scale in ((32, 0.01), (16, 0.01), (48, 0.02)):
+        lin = torch.nn.Linear(64, out, bias=False).to(torch.bfloat16)
+        layers.append(FP8Linear.from_linear(lin, lin.weight.abs().max().reshape(1) / 448, torch.tensor([scale])))
+    q, k, other = layers
+    x2 = x.reshape(-1, 64)
+    with torch.no_grad():
+        scales = [m._float_scales()[0] for m in layers]
+        first = q._shared_quantized(x, x2, scales[0])
+        assert not hasattr(x, "_hqtflow_fp8") and k._shared_quantized(x, x2, scales[1]) is not first
+        with fp8_linear.sharing_inputs():
+            first = q._shared_quantized(x, x2, scales[0])
+            assert torch.equal(first.view(torch.uint8), quantize(x2, scales[0]).view(torch.uint8))
+            assert k._shared_quantized(x, x2, scales[1]) is first  # equal value, another tensor
+            third = other._shared_quantized(x, x2, scales[2])
+            assert third is not first and torch.equal(third.view(torch.uint8), quantize(x2, scales[2]).view(torch.uint8))
+            y = x + 0
+            assert q._shared_quantized(y, y.reshape(-1, 64), scales[0]) is not first  # another tensor
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
