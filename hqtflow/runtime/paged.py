@@ -17,6 +17,12 @@ sequence: one call per layer, not ~15 tensor ops per sequence). Every sequence's
 alone: a batched matmul would pick its algorithm (and its rounding) by the batch size and pad contexts to the longest,
 so a token's logprob would depend on its neighbours (tests compare the logprobs alone and in a busy batch, bit for
 bit).
+On CUDA (fp16/bf16) a step's sequences, prefill chunks and decoding tokens alike, go through one variable-length
+flash-attention call instead (`StepPlan.varlen`: cumulative query and key lengths, each sequence's keys gathered from
+its slots once per layer, the causal mask aligned to its last key): one kernel per layer where the per-sequence loop
+launched a dozen per sequence, which ruled a prefill step's host time (H200, an 8B model, 32 prompts' prefill: 1024
+SDPA calls per step). Flash attention computes each sequence on its own too, but rounds as SDPA's kernels do, not as
+the float32 per-token path.
 Gemma 2's soft-capped scores and gpt-oss's attention sinks, which SDPA does not compute, are computed as transformers'
 eager attention does, in float32 (a prefill chunk's [heads, n, context] scores held at once; the CPU op takes both).
 Called without a step plan (a plain `model.generate` on the same model), it is transformers' SDPA attention (the
