@@ -94,18 +94,15 @@ class StepPlan:
 
     def varlen(self, window: int | None) -> tuple:
         """The step's sequences (prefill chunks and decoding tokens) packed for flash attention's variable-length
-        call, built once per step and window: (their query rows (a slice when side by side), int32 cumulative query
-        and key lengths, the longest of each, the context slots of each one's keys, or None when every one is a fresh
+        call, built once per step and window: (their query rows (side by side, as the engine lays a step out), int32
+        cumulative query and key lengths, the longest of each, the context slots of each one's keys, or None when every one is a fresh
         prompt in a bf16 cache, whose keys are the step's own). A sequence's keys start at its first query's window
         (`first_key`); the call aligns its causal mask (and window) to the last key, as a chunk after its past needs."""
         if window not in self._varlen:
             seqs, dev = self.seqs, self.pool.device
-            first, last = seqs[0].start, seqs[-1].start + seqs[-1].n
-            side_by_side = all(a.start + a.n == b.start for a, b in zip(seqs, seqs[1:]))
-            rows = slice(first, last) if side_by_side else torch.cat(
-                [torch.arange(s.start, s.start + s.n) for s in seqs]).to(dev)
+            rows = slice(0, self.real)  # the real tokens first, in `seqs` order (as `write`)
             reads = [s.read[first_key(s.past, window):] for s in seqs]
-            fresh = side_by_side and self.pool.scales is None and not any(s.past for s in seqs)
+            fresh = self.pool.scales is None and not any(s.past for s in seqs)
             cu_q = torch.tensor([0, *itertools.accumulate(s.n for s in seqs)], dtype=torch.int32)
             cu_k = torch.tensor([0, *itertools.accumulate(len(r) for r in reads)], dtype=torch.int32)
             self._varlen[window] = (rows, cu_q.to(dev), cu_k.to(dev), max(s.n for s in seqs),
@@ -350,7 +347,7 @@ def _paged_attention(module, plan, query, key, value, scaling, **kwargs):
     out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
     if plan.seqs and not softcap and sinks is None and varlen_runs(query):  # CUDA: the step's sequences in one call
         rows, cu_q, cu_k, max_q, max_k, slots = plan.varlen(window)
-        if slots is None:  # fresh prompts, side by side, in a bf16 cache: their keys are this step's
+        if slots is None:  # fresh prompts in a bf16 cache: their keys are this step's own
             k, v = k_new[rows], v_new[rows]
         else:
             k, v = pool.read(layer, slots, query.dtype)
