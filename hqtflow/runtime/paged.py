@@ -94,10 +94,11 @@ class StepPlan:
 
     def varlen(self, window: int | None) -> tuple:
         """The step's sequences (prefill chunks and decoding tokens) packed for flash attention's variable-length
-        call, built once per step and window: (their query rows (side by side, as the engine lays a step out), int32
-        cumulative query and key lengths, the longest of each, the context slots of each one's keys, or None when every one is a fresh
-        prompt in a bf16 cache, whose keys are the step's own). A sequence's keys start at its first query's window
-        (`first_key`); the call aligns its causal mask (and window) to the last key, as a chunk after its past needs."""
+        call, built once per step and window: (their query rows (side by side, as the engine lays a step out),
+        int32 cumulative query and key lengths, the longest of each, the context slots of each one's keys, or None
+        when every one is a fresh prompt in a bf16 cache, whose keys are the step's own). A sequence's keys start at
+        its first query's window (`first_key`); the call aligns its causal mask (and window) to the last key, as a
+        chunk after its past needs."""
         if window not in self._varlen:
             seqs, dev = self.seqs, self.pool.device
             rows = slice(0, self.real)  # the real tokens first, in `seqs` order (as `write`)
