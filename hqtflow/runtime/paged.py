@@ -129,14 +129,18 @@ class StepPlan:
 
 def varlen_runs(query: torch.Tensor) -> bool:
     """Whether a step's sequences go through one flash-attention call (`StepPlan.varlen`) instead of one SDPA per
-    prefill chunk and a float32 attention per decoding sequence: CUDA, fp16/bf16, a head size flash attention takes."""
+    prefill chunk and a float32 attention per decoding sequence: CUDA (8.0+), fp16/bf16, a head size flash attention
+    takes."""
     d = query.shape[-1]
-    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256 and _has_flash()
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
+            and _has_flash(query.device.index or 0))
 
 
 @functools.cache
-def _has_flash() -> bool:
-    return "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
+def _has_flash(device: int) -> bool:
+    """torch's flash attention (compute capability 8.0 or newer) with sliding windows in its operator."""
+    return torch.cuda.get_device_capability(device) >= (8, 0) and \
+        "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
 
 
 def first_key(position: int, window: int | None) -> int:
@@ -345,17 +349,19 @@ def _paged_attention(module, plan, query, key, value, scaling, **kwargs):
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if plan.decode_only:  # no gather of the decoding rows, no zeroed output to scatter them into
         return _decode_op(plan, layer, query[0].transpose(0, 1), scale, window, softcap, sinks)[None], None
-    out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
     if plan.seqs and not softcap and sinks is None and varlen_runs(query):  # CUDA: the step's sequences in one call
         rows, cu_q, cu_k, max_q, max_k, slots = plan.varlen(window)
         if slots is None:  # fresh prompts in a bf16 cache: their keys are this step's own
             k, v = k_new[rows], v_new[rows]
         else:
             k, v = pool.read(layer, slots, query.dtype)
-        out[rows] = torch.ops.aten._flash_attention_forward(
+        o = torch.ops.aten._flash_attention_forward(
             query[0].transpose(0, 1)[rows], k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
             window_size_left=window - 1 if window else -1, window_size_right=0 if window else -1)[0]
-        return out[None], None
+        if plan.real < plan.tokens:  # padding rows: zeros
+            o = torch.cat([o, o.new_zeros(plan.tokens - plan.real, *o.shape[1:])])
+        return o[None], None
+    out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
     for s in plan.prefill:  # SDPA per sequence
         lo = first_key(s.past, window)  # the chunk's first query sees no key before lo; later ones see fewer
         if s.past or pool.scales is not None:

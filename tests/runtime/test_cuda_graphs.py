@@ -296,3 +296,26 @@ def test_varlen_attention_on_cuda_matches_each_sequence_alone(monkeypatch, windo
     each = paged_attention(layer, q, k, v, None, paged=StepPlan(pool, seqs, T), sliding_window=window)[0][0]
     torch.testing.assert_close(one_call, each, rtol=1.6e-2, atol=1.6e-2)
     assert (one_call[start:] == 0).all() and torch.isfinite(one_call).all()
+
+
+def test_varlen_packing_of_a_step():
+    """What the CUDA varlen call is handed (built on any device): cumulative query lengths over the step's
+    sequences in order, each one's keys from its first query's window to its last token (so the call's bottom-right
+    causal alignment puts query i at position past + i), the longest of each; no slots when every sequence is a fresh
+    prompt in a bf16 cache (the keys are the step's own)."""
+    pool = KVPool(layers=1, kv_heads=1, head_dim=8, num_blocks=16, block_size=4, dtype=torch.bfloat16, device="cpu")
+    seqs, start = [], 0
+    for n, past in ((1, 9), (5, 0), (3, 6)):
+        table = pool.allocate(pool.blocks_for(past + n))
+        seqs.append(Seq(start, n, past, pool.slots(table, past, past + n), pool.slots(table, 0, past + n), past + n))
+        start += n
+    plan = StepPlan(pool, seqs, start + 2)
+    rows, cu_q, cu_k, max_q, max_k, slots = plan.varlen(None)
+    assert rows == slice(0, 9) and cu_q.tolist() == [0, 1, 6, 9] and cu_k.tolist() == [0, 10, 15, 24]
+    assert (max_q, max_k) == (5, 10) and torch.equal(slots, torch.cat([s.read for s in seqs]))
+    _, _, cu_k, _, max_k, slots = plan.varlen(4)  # a window of 4: the first query of each sees 3 keys back
+    assert cu_k.tolist() == [0, 4, 9, 15] and max_k == 6
+    assert torch.equal(slots, torch.cat([seqs[0].read[6:], seqs[1].read, seqs[2].read[3:]]))
+    assert plan.varlen(4)[2] is cu_k  # built once per step and window
+    fresh = StepPlan(pool, [Seq(0, 5, 0, seqs[1].write, seqs[1].read, 5)], 5)
+    assert fresh.varlen(None)[5] is None
