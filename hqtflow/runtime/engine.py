@@ -722,11 +722,10 @@ def _top_tokens(rows: list[torch.Tensor], ns: list[int], ties: list[bool]) -> li
     host = torch.cat([tied[:, None].double(), top.values.double(), top.indices.double()], 1).tolist()
     counts = [int(h[0]) for h in host]
     pairs = [list(zip(h[1 + width:], h[1:1 + width])) for h in host]
-    over = [r for r, c in enumerate(counts) if c > width]  # a flat distribution: more ties than the first transfer
-    if over:
-        more = x[over].topk(max(counts[r] for r in over))
-        for r, ids, vs in zip(over, more.indices.tolist(), more.values.tolist()):
-            pairs[r] = list(zip(ids, vs))
+    for r in (r for r, c in enumerate(counts) if c > width):  # a flat distribution: more ties than transferred
+        vs, ids = x[r].sort(descending=True, stable=True)  # equal logprobs by id: the order wanted, on the device
+        k = counts[r] if ties[r] else ns[r]  # without ties, the first n only (not the whole vocabulary to the host)
+        pairs[r] = list(zip(ids[:k].tolist(), vs[:k].tolist()))
     out = []
     for r, (c, n) in enumerate(zip(counts, ns)):
         best = sorted(pairs[r][:c], key=lambda p: (-p[1], p[0]))[: c if ties[r] else n]
