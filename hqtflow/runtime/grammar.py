@@ -305,6 +305,17 @@ def repeat_size(regex: str) -> int:
     return sum(groups)
 
 
+def braced_x(regex: str) -> bool:
+    """Whether a regex has a `\\x{` escape (not after an escaped backslash): not ECMAScript's (which has `\\u{...}`
+    with the u flag), and xgrammar 0.2.9 reads it as the letter x then a count (`\\x{41}` is x, 41 times)."""
+    i = 0
+    while i < len(regex):
+        if regex.startswith("\\x{", i):
+            return True
+        i += 2 if regex[i] == "\\" else 1
+    return False
+
+
 def lookahead(regex: str) -> bool:
     """Whether a regex has a lookahead (`(?=`, `(?!`) outside a class: xgrammar 0.2.9 ignores it (a warning on
     stderr), so `^(?!admin)[a-z]+$` took "admin". A scan, as repeat_size's: escapes and classes are skipped."""
@@ -326,10 +337,14 @@ def lookahead(regex: str) -> bool:
 
 
 def regex_problem(regex: str) -> str | None:
-    """Why a regex cannot be held to or is too costly to compile (None: neither): a lookahead, a UTF-16 surrogate
-    (surrogate_atom), longer than MAX_REGEX_CHARS, or a counted repetition beyond MAX_REGEX_REPEAT."""
+    """Why a regex cannot be held to or is too costly to compile (None: neither): a lookahead, a `\\x{` escape
+    (braced_x), a UTF-16 surrogate (surrogate_atom), longer than MAX_REGEX_CHARS, or a counted repetition beyond
+    MAX_REGEX_REPEAT."""
     if lookahead(regex):
         return "uses a lookahead (`(?=`, `(?!`), which the grammar would ignore"
+    if braced_x(regex):
+        return ("writes `\\x{...}`, which the grammar reads as the letter x and a repetition count, not a code point "
+                "(write `\\u{...}` or `\\xHH`)")
     if atom := surrogate_atom(regex):
         return f"names {atom!r}, a UTF-16 surrogate (U+D800-DFFF), which no UTF-8 text holds"
     if len(regex) > MAX_REGEX_CHARS:
@@ -577,7 +592,7 @@ def strict_limit_problem(schema: dict) -> str | None:
     return None
 
 
-_ESCAPE = re.compile(r"\\(?:c.|[xu]\{[0-9a-fA-F]+\}|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)", re.S)
+_ESCAPE = re.compile(r"\\(?:c.|u\{[0-9a-fA-F]+\}|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)", re.S)  # `\x{` refused
 _CONTROL_ESCAPES = set('\\"tnrfvae0c')  # \\, \", \t ... \0 and \cX
 
 
@@ -621,7 +636,7 @@ _UTF8_LENGTHS = ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, 0x10FFFF))
 
 
 def _atom(regex: str, i: int) -> str:
-    """The character or escape (`\\u00e9`, `\\x{41}`, `\\w`, ...) that starts at `i`."""
+    """The character or escape (`\\u00e9`, `\\u{e9}`, `\\x41`, `\\w`, ...) that starts at `i`."""
     return m[0] if regex[i] == "\\" and (m := _ESCAPE.match(regex, i)) else regex[i]
 
 

@@ -539,6 +539,17 @@ def test_a_lookahead_is_refused(tok, kind, value, message):
     assert accepts(tok, compile_grammar(tok, "json", {"type": "string", "pattern": "^[(?!]\\(?=$"}), '"?(="')
 
 
+@pytest.mark.parametrize("kind, value", [("json", {"type": "string", "pattern": "^\\x{41}$"}), ("regex", "a[\\x{41}]")])
+def test_a_braced_x_escape_is_refused(tok, kind, value):
+    """xgrammar reads `\\x{41}` as the letter x 41 times (in a class: x, {, 4, 1, }), not "A" as whoever wrote it
+    meant (ECMAScript has no such escape; its braced one is `\\u{41}`): a 422 that names it, not a grammar that
+    holds text to another pattern."""
+    with pytest.raises(GrammarError) as e:
+        compile_grammar(tok, kind, value)
+    assert "writes `\\x{...}`, which the grammar reads as the letter x and a repetition count" in str(e.value)
+    assert accepts(tok, compile_grammar(tok, "json", {"type": "string", "pattern": "^\\u{41}\\x42$"}), '"AB"')
+
+
 def test_a_format_whose_rewrite_finds_nothing_to_rewrite_is_refused(monkeypatch):
     """The format rewrites match xgrammar 0.2.9's rules: on a version whose rules they no longer find, the format is
     refused (fail closed), not held by xgrammar's looser rule."""
