@@ -532,35 +532,17 @@ def _is_object(s: dict) -> bool:
 
 
 def strict_problem(schema) -> str | None:
-    """Why a JSON schema breaks OpenAI's strict mode (None: it does not): its root not an object (or an `anyOf`),
-    an object without `additionalProperties: false` or with a property missing from `required`, a keyword of
-    OPENAI_NOT_STRICT, or beyond one of OpenAI's limits (STRICT_MAX_*, strict_limit_problem). Beside these, the
-    grammar's own bounds (schema_problem) hold, tighter than some of OpenAI's."""
+    """Why a JSON schema breaks OpenAI's strict mode (None: it does not), in one walk: its root not an object (or an
+    `anyOf`), a keyword of OPENAI_NOT_STRICT, a format strict mode does not list, an object without
+    `additionalProperties: false` or with a property missing from `required`, or beyond one of OpenAI's limits: more
+    than STRICT_MAX_NESTING levels of objects (an object in another's properties, items, `anyOf` branches, ... is a
+    level deeper; a definition in `$defs` counts from 1, and references are not followed: a recursive schema is
+    allowed), more than STRICT_MAX_PROPERTIES properties, STRICT_MAX_ENUM_VALUES enum values, STRICT_MAX_CHARS
+    characters of property names, definition names and enum/const values, or STRICT_LARGE_ENUM_CHARS in a string enum
+    of more than STRICT_LARGE_ENUM values. Beside these, the grammar's own bounds (schema_problem) hold, tighter than
+    some of OpenAI's."""
     if not isinstance(schema, dict) or schema.get("type") != "object" or "anyOf" in schema:
         return 'strict mode needs an object at the root (`"type": "object"`, not an `anyOf`)'
-    for path, s in subschemas(schema):
-        where = f"at {path}" if path else "at the root"
-        if bad := next((k for k in OPENAI_NOT_STRICT if k in s), None):
-            return f"`{bad}` ({where}) is not supported in strict mode"
-        if problem := format_problem(s, where, strict=True):  # strict mode takes its listed formats only
-            return problem
-        if not _is_object(s):
-            continue
-        if s.get("additionalProperties") is not False:
-            return f"strict mode needs `additionalProperties: false` on every object ({where})"
-        props, required = s.get("properties") or {}, s.get("required") or []
-        if missing := next((n for n in props if n not in required), None):
-            return f"strict mode needs every property in `required` ({where}: {missing[:80]!r} is not)"
-    return strict_limit_problem(schema)
-
-
-def strict_limit_problem(schema: dict) -> str | None:
-    """Which of OpenAI's limits on a strict schema it passes, and where (None: none): more than STRICT_MAX_NESTING
-    levels of objects (an object in another's properties, items, `anyOf` branches, ... is a level deeper; a
-    definition in `$defs` counts from 1, and references are not followed: a recursive schema is allowed), more than
-    STRICT_MAX_PROPERTIES properties, STRICT_MAX_ENUM_VALUES enum values, STRICT_MAX_CHARS characters of property
-    names, definition names and enum/const values, or STRICT_LARGE_ENUM_CHARS in a string enum of more than
-    STRICT_LARGE_ENUM values."""
     props = enums = chars = 0
     todo = [("", schema, 0)]
     while todo:
@@ -568,6 +550,8 @@ def strict_limit_problem(schema: dict) -> str | None:
         if not isinstance(s, dict):
             continue
         where = f"at {path}" if path else "at the root"
+        if problem := _strict_rule_problem(s, where):
+            return problem
         level = above + _is_object(s)
         if level > STRICT_MAX_NESTING:
             return f"strict mode allows at most {STRICT_MAX_NESTING} levels of nested objects ({where} is level {level})"
@@ -589,6 +573,23 @@ def strict_limit_problem(schema: dict) -> str | None:
             return (f"strict mode allows at most {STRICT_LARGE_ENUM_CHARS} characters in an `enum` of more than "
                     f"{STRICT_LARGE_ENUM} strings ({where}: {sum(map(len, strings))})")
         todo += [(p, v, 0 if k in ("$defs", "definitions") else level) for p, k, v in _children(path, s)]
+    return None
+
+
+def _strict_rule_problem(s: dict, where: str) -> str | None:
+    """Which of strict mode's rules one schema object breaks (None: none): a keyword it does not support, a format
+    it does not list, or an object without `additionalProperties: false` or with a property missing from `required`."""
+    if bad := next((k for k in OPENAI_NOT_STRICT if k in s), None):
+        return f"`{bad}` ({where}) is not supported in strict mode"
+    if problem := format_problem(s, where, strict=True):  # strict mode takes its listed formats only
+        return problem
+    if not _is_object(s):
+        return None
+    if s.get("additionalProperties") is not False:
+        return f"strict mode needs `additionalProperties: false` on every object ({where})"
+    props, required = s.get("properties") or {}, s.get("required") or []
+    if missing := next((n for n in props if n not in required), None):
+        return f"strict mode needs every property in `required` ({where}: {missing[:80]!r} is not)"
     return None
 
 
