@@ -205,13 +205,16 @@ def absolute_paths(ms):
                    recipe=os.path.abspath(ms.recipe) if ms.recipe else None)
 
 
-def check_recipe(r, ms) -> None:
+def check_recipe(r, ms):
     """Every stage's settings, checked before any stage runs (a later stage's refusal after hours of measuring
-    wastes them); a refusal names the recipe key."""
+    wastes them); a refusal names the recipe key. Returns the model's skeleton when a check built one (quantize
+    plans on it), else None."""
     from hqtflow.choices import KVCache
     from hqtflow.errors import CalibrationError, ConfigError
     from hqtflow.measure.run import load_measure_config
     from hqtflow.recipes import kv_cache_for
+
+    skeleton = None
 
     def checked(key: str, check: Callable[[], object]) -> None:
         try:
@@ -233,14 +236,15 @@ def check_recipe(r, ms) -> None:
     if r.quantize.kv_cache == KVCache.FP8:  # an attention whose cache is not keys and values (DeepSeek's MLA)
         from hqtflow import models
 
-        models.check_kv_cache(models.skeleton(models.resolve_model(ms.model)), f"Recipe {r.path}, 'kv_cache': fp8",
-                              "set kv_cache: bf16")
+        skeleton = models.skeleton(models.resolve_model(ms.model))
+        models.check_kv_cache(skeleton, f"Recipe {r.path}, 'kv_cache': fp8", "set kv_cache: bf16")
     if r.eval.tasks:
         from hqtflow import lmeval
 
         ev = r.eval
         checked("eval.tasks", lambda: lmeval.check_tasks(
             list(ev.tasks), lmeval.task_manager(list(ev.include_path), ev.data_dir, list(ev.tasks)), ev.data_dir))
+    return skeleton
 
 
 def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo: Callable[[str], None] = print,
@@ -260,7 +264,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     r = load_recipe(recipe)
     r = with_data_dir(r, data_dir) if data_dir is not None else r
     ms = absolute_paths(measure_settings(r, overrides, overwrite=True))
-    check_recipe(r, ms)
+    skeleton = check_recipe(r, ms)  # the model's, when checking built it (kv_cache: fp8)
     root = Path(ms.output).parent
     # a checkpoint is quantized from one rank: a measurement on several cards is unified to one beside it first
     one_rank = Path(ms.output) if ms.tp == 1 else root / UNIFIED
@@ -296,7 +300,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
         if not force and (why := _manifest_version(Path(qs.output), ArtifactKind.CHECKPOINT)):
             echo(f"quantize: {qs.output} was {why}.")
         echo(f"quantize: writing {qs.output}")
-        quantize(qs, trust_pickle=trust_pickle)
+        quantize(qs, trust_pickle=trust_pickle, skeleton=skeleton)
     ev = replace(r.eval, kv_cache=kv_cache_for(r).value)  # recorded: another KV cache redoes the eval
     ev_json = ev.to_json()
     if ev.empty:

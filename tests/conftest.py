@@ -377,3 +377,20 @@ def running(app):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def count_skeletons(monkeypatch) -> list[str]:
+    """Where models.skeleton is called from (file:function) from now on."""
+    import sys
+
+    from hqtflow import models
+
+    calls, real = [], models.skeleton
+
+    def counted(*a, **k):
+        caller = sys._getframe(1)
+        calls.append(f"{caller.f_code.co_filename.rpartition('/')[2]}:{caller.f_code.co_name}")
+        return real(*a, **k)
+    monkeypatch.setattr(models, "skeleton", counted)
+    return calls
+

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, count_skeletons, run_cli
 from hqtflow import __version__
 from hqtflow.formats.artifact import MANIFEST, ArtifactKind, read_manifest
 
@@ -335,3 +335,17 @@ def test_run_recipe_refuses_an_fp8_kv_cache_for_latent_attention(tiny_factory, d
     assert r.stderr.strip().splitlines()[-1] == (
         f"Error: Recipe {recipe}, 'kv_cache': fp8 cannot be used with deepseek_v3: its multi-head latent attention "
         "caches a compressed latent, not keys and values, which hqtflow's FP8 KV cache does not hold; set kv_cache: bf16.")
+
+
+def test_run_recipe_with_fp8_kv_cache_builds_the_skeleton_once(tiny_llama, data_dir, tmp_path, monkeypatch):
+    """`run` of a recipe with `kv_cache: fp8` built the model's meta skeleton to check the FP8 KV cache can hold the
+    model before measuring, then quantize built it twice more; quantize now plans on the one the check built."""
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_llama, data_dir, 2)
+    raw = yaml.safe_load(recipe.read_text())
+    raw["kv_cache"] = "fp8"
+    del raw["eval"]
+    recipe.write_text(yaml.safe_dump(raw))
+    calls = count_skeletons(monkeypatch)
+    r = run_cli("run", recipe)
+    assert r.exit_code == 0 and "quantize: writing" in r.stdout, r.output
+    assert calls == ["pipeline.py:check_recipe"], calls

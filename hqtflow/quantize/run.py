@@ -56,6 +56,7 @@ class Job:
     dtype: str
     hessians: object = None  # hqtflow.formats.hessians.Hessians for --gptq, else None
     trust_pickle: bool = False  # load a model whose weights are only pickles (models.load_model)
+    skeleton: object = None  # the model on the meta device (models.skeleton), planned on (its MoE experts unfused)
 
 
 def plan_config(s: QuantizeSettings):
@@ -86,9 +87,10 @@ def plan_config(s: QuantizeSettings):
     return cfg, target, rules
 
 
-def plan_job(s: QuantizeSettings, *, trust_pickle: bool = False) -> Job:
+def plan_job(s: QuantizeSettings, *, trust_pickle: bool = False, skeleton=None) -> Job:
     """Every check that needs no weights: config, target, measurement (complete, finite, same model), rank count;
-    `trust_pickle` is kept for the job's model loading (models.load_model)."""
+    `trust_pickle` is kept for the job's model loading (models.load_model); `skeleton`: the model's, when the caller
+    has built it already (models.skeleton; the job's from then on, changed by planning)."""
     from hqtflow import models
 
     cfg, target, rules = plan_config(s)
@@ -115,7 +117,8 @@ def plan_job(s: QuantizeSettings, *, trust_pickle: bool = False) -> Job:
         if meas.world_size > 1:
             raise ArtifactError(f"{meas.directory} is a {meas.world_size}-rank measurement; a checkpoint needs one rank: "
                                 f"run `hqtflow unify -g {''.join(map(str, range(meas.world_size)))} -m {meas.directory} -o DIR` first.")
-    plan = plan_modules(models.skeleton(model_dir), cfg, meas.ranks[0], unfuse=not s.scales_only,
+    skeleton = models.skeleton(model_dir) if skeleton is None else skeleton
+    plan = plan_modules(skeleton, cfg, meas.ranks[0], unfuse=not s.scales_only,
                         world_size=meas.world_size, weight_only=s.weight_only and not s.scales_only)
     if not plan["quantize"]:
         raise ConfigError("The config quantizes no Linear layer of this model (every one is excluded by its "
@@ -128,7 +131,7 @@ def plan_job(s: QuantizeSettings, *, trust_pickle: bool = False) -> Job:
             raise ConfigError("The per-layer scale methods mix static and dynamic activations (or different dynamic "
                               "rules); an FP8 checkpoint has one activation scheme (--scales-only writes mixed INC scales).")
     _warn_fixed_scales(rules, plan["quantize"], meas.ranks[0], target, cfg.fp8_config, weight_only=s.weight_only)
-    return Job(cfg, target, rules, meas, model_dir, fp, plan, dtype, hessians, trust_pickle)
+    return Job(cfg, target, rules, meas, model_dir, fp, plan, dtype, hessians, trust_pickle, skeleton)
 
 
 def _warn_fixed_scales(rules, names: list[str], meas: Measurement, target: str, fp8: str, *,
@@ -234,14 +237,14 @@ def quantize_in_memory(s: QuantizeSettings, dtype: str | None = None, *, trust_p
     return model, models.load_tokenizer(job.model_dir)
 
 
-def quantize(s: QuantizeSettings, *, trust_pickle: bool = False) -> Path:
+def quantize(s: QuantizeSettings, *, trust_pickle: bool = False, skeleton=None) -> Path:
     """Plan (`plan_job`), then the one writer of the output kind asked for (INC scale files, a checkpoint streamed
     from disk, a checkpoint converted in memory), then the manifest, all inside one staged output directory.
-    `trust_pickle`: load a model whose weights are only pickles (models.load_model)."""
+    `trust_pickle`: load a model whose weights are only pickles (models.load_model); `skeleton`: plan_job's."""
     from hqtflow.formats.artifact import check_output_dir
 
     check_output_dir(Path(s.output), s.overwrite, [s.measurement, s.config, s.model if s.model and Path(s.model).exists() else None])
-    job = plan_job(s, trust_pickle=trust_pickle)
+    job = plan_job(s, trust_pickle=trust_pickle, skeleton=skeleton)
     kv_stats = _kv_stats(s, job)
     if s.scales_only:
         if s.disk_offload:
@@ -269,7 +272,7 @@ def _kv_stats(s: QuantizeSettings, job: Job) -> dict | None:
         raise ConfigError("--kv-cache fp8 puts KV scales into an FP8 checkpoint; it cannot be combined with --scales-only.")
     from hqtflow import models
 
-    models.check_kv_cache(models.skeleton(job.model_dir), "--kv-cache fp8", "quantize with --kv-cache bf16")
+    models.check_kv_cache(job.skeleton, "--kv-cache fp8", "quantize with --kv-cache bf16")
     stats = job.meas.kv_stats()
     if not stats:
         raise ArtifactError(f"{job.meas.directory} has no KV-cache statistics ({KV_FILE}): {_why_no_kv(job.meas)}")
@@ -339,7 +342,6 @@ def _dynamic_rule(s: QuantizeSettings, job: Job):
 
 def _offload_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
     """A checkpoint streamed from the model's files one tensor at a time (`--disk-offload`)."""
-    from hqtflow import models
     from hqtflow.progress import Progress
     from hqtflow.formats.checkpoint import copy_side_files
     from hqtflow.quantize.offload import prepare, write_offloaded
@@ -350,7 +352,7 @@ def _offload_writer(s: QuantizeSettings, job: Job, kv_stats: dict | None):
     if kv_stats:
         from hqtflow.quantize.convert import kv_cache_scales
 
-        kv_values = kv_cache_scales(models.skeleton(job.model_dir), kv_stats, method, target=job.target,
+        kv_values = kv_cache_scales(job.skeleton, kv_stats, method, target=job.target,
                                     fp8=cfg.fp8_config, hp_dtype=cfg.hp_dtype)
     plan = prepare(job.model_dir, job.plan, Path(s.output), dtype=job.dtype, weight_only=s.weight_only,
                    per_channel=method.weight.granularity == "PCS", extra_values=kv_values,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import assert_same_decode, decode_to_the_last_slot, emulated_capture, run_cli
+from conftest import assert_same_decode, count_skeletons, decode_to_the_last_slot, emulated_capture, run_cli
 from hqtflow.formats.measurement import KV_FILE
 from hqtflow.measure.kv import KVStats
 from hqtflow.scales import dequantize, quantize
@@ -314,3 +314,15 @@ def test_kv_statistics_outside_the_manifest_refused(artifacts, tmp_path):
     (plain / MANIFEST).write_text(json.dumps(m))
     refused_quantize(["-m", plain, "-o", tmp_path / "out", "--kv-cache", "fp8"],
                      "is not listed in the measurement's manifest", tmp_path, 3)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_quantize_with_kv_cache_builds_the_skeleton_once(tiny_kv, tmp_path, monkeypatch, offload):
+    """quantize --kv-cache fp8 built the model's meta skeleton for planning, again to check the FP8 KV cache can hold
+    the model, and (--disk-offload) a third time for the k/v scales: one, the job's, serves all three now.
+    --disk-offload's writer builds its own besides (the tensors' layout as loading gives them: fused experts, in the
+    measured dtype), as without --kv-cache."""
+    calls = count_skeletons(monkeypatch)
+    r = run_cli("quantize", "-m", tiny_kv[0], "-o", tmp_path / "o", "--kv-cache", "fp8", *["--disk-offload"] * offload)
+    assert r.exit_code == 0, r.output
+    assert calls == ["run.py:plan_job", *["offload.py:plan_offload"] * offload], calls
