@@ -52,17 +52,11 @@ def check_fp8_kv(model, *, perplexity: bool, key: str = "--kv-cache") -> None:
     """Refuse a model the FP8 KV cache cannot score: one without k/v scales, and for perplexity (FP8StaticCache) one
     with sliding-window layers; `key` is the setting that asked for the cache (eval's --kv-cache, run's eval.kv_cache)."""
     from hqtflow.evaluate import bf16_kv_hint
-    from hqtflow.runtime.kv_cache import has_sliding_layers, kv_scales
+    from hqtflow.runtime.kv_cache import FIX, fp8_kv_refusal
 
-    fix = ("quantize it with `--kv-cache fp8`" if key == "--kv-cache" else
-           f"quantize it with the recipe's `kv_cache: fp8`, or {bf16_kv_hint(key)}")
-    try:
-        kv_scales(model, fix)
-    except ValueError as e:
-        raise HqtflowError(str(e)) from None
-    if perplexity and has_sliding_layers(model.config):
-        raise HqtflowError("Perplexity through the FP8 KV cache takes full-attention models only (this one has "
-                           f"sliding-window layers): {bf16_kv_hint(key)}.")
+    fix = FIX if key == "--kv-cache" else f"quantize it with the recipe's `kv_cache: fp8`, or {bf16_kv_hint(key)}"
+    if why := fp8_kv_refusal(model, fix=fix, static=("Perplexity's", bf16_kv_hint(key)) if perplexity else None):
+        raise HqtflowError(why)
 
 
 def run_eval(model: str | None, *, baseline: str | None, use_source: bool, tasks: tuple[str, ...],

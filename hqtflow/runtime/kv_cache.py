@@ -47,19 +47,49 @@ class FP8StaticLayer(StaticLayer):
         return dequantize(self.keys, self.k_scale, self.dtype), dequantize(self.values, self.v_scale, self.dtype)
 
 
-def kv_scales(model, fix: str = "quantize it with `--kv-cache fp8`") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per decoder layer (k_scale, v_scale) from the attention modules' buffers; ValueError when absent, ending
-    with `fix` (what gives them, in the caller's words), or naming the architecture whose cache has no k/v to scale."""
-    from hqtflow.models import attention_modules, kv_cache_refusal
+FIX = "quantize it with `--kv-cache fp8`"  # what gives a model k/v scales, in the CLI's words
 
-    if why := kv_cache_refusal(model):  # never scaled by quantize: "quantize it with ..." would send the user in a circle
-        raise ValueError(f"The FP8 KV cache cannot be used with {model.config.model_type}: {why}; give --kv-cache bf16.")
+
+def fp8_kv_refusal(model, *, fix: str = FIX, static: tuple[str, str] | None = None) -> str | None:
+    """Why `model` cannot take hqtflow's FP8 KV cache, in one sentence, or None. Refused: an architecture whose cache
+    holds no keys and values (models.kv_cache_refusal); decoder layers without k/v scales, the sentence ending with
+    `fix` (what gives them, in the caller's words); with `static` (whose cache it is, and what holds such layers
+    instead), sliding-window layers, which FP8StaticCache does not hold. `model` may be its config alone (the
+    scales in hand): the sliding-window check only."""
+    from transformers import PretrainedConfig
+
+    from hqtflow.models import kv_cache_refusal
+
+    config = model if isinstance(model, PretrainedConfig) else model.config
+    if config is not model:
+        if why := kv_cache_refusal(model):  # never scaled by quantize: "quantize it with ..." would send the user in a circle
+            return f"The FP8 KV cache cannot be used with {config.model_type}: {why}; give --kv-cache bf16."
+        found, n = _scaled_attention(model)
+        if missing := [i for i in range(n) if i not in found]:
+            return ("This model has no KV-cache scales (k_scale/v_scale) for layers "
+                    f"{missing[:4]}{'...' if len(missing) > 4 else ''}: {fix}.")
+    if static and has_sliding_layers(config):
+        whose, instead = static
+        return (f"{whose} FP8 KV cache holds full-attention layers only, and this {config.model_type} has "
+                f"sliding-window layers; {instead}.")
+    return None
+
+
+def _scaled_attention(model) -> tuple[dict, int]:
+    """({decoder layer: its attention module holding k_scale and v_scale}, the number of decoder layers)."""
+    from hqtflow.models import attention_modules
+
     found = {i: model.get_submodule(name) for i, name in attention_modules(model).items()}
-    n = model.config.get_text_config(decoder=True).num_hidden_layers
-    missing = [i for i in range(n) if not (i in found and hasattr(found[i], "k_scale") and hasattr(found[i], "v_scale"))]
-    if missing:
-        raise ValueError("This model has no KV-cache scales (k_scale/v_scale) for layers "
-                         f"{missing[:4]}{'...' if len(missing) > 4 else ''}: {fix}.")
+    scaled = {i: m for i, m in found.items() if hasattr(m, "k_scale") and hasattr(m, "v_scale")}
+    return scaled, model.config.get_text_config(decoder=True).num_hidden_layers
+
+
+def kv_scales(model, fix: str = FIX) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per decoder layer (k_scale, v_scale) from the attention modules' buffers; ValueError (fp8_kv_refusal's
+    sentence, `fix` its end) for a model without them."""
+    if why := fp8_kv_refusal(model, fix=fix):
+        raise ValueError(why)
+    found, n = _scaled_attention(model)
     return [(found[i].k_scale, found[i].v_scale) for i in range(n)]
 
 
@@ -75,6 +105,6 @@ class FP8StaticCache(StaticCache):
     """transformers' StaticCache with FP8StaticLayer layers (full-attention models)."""
 
     def __init__(self, config, max_cache_len: int, scales: list[tuple[torch.Tensor, torch.Tensor]]):
-        if has_sliding_layers(config):
-            raise ValueError("The FP8 KV cache supports full-attention models only (this one has sliding-window layers).")
+        if why := fp8_kv_refusal(config, static=("This static", "the serving engine's (hqtflow.runtime.engine) holds both")):
+            raise ValueError(why)
         Cache.__init__(self, layers=[FP8StaticLayer(max_cache_len, k, v) for k, v in scales])

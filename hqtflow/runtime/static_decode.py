@@ -123,13 +123,12 @@ class StaticDecoder:
             raise ValueError(f"kv_cache must be bf16 or fp8, not {kv_cache!r}")
         self.model, self.max_length, self.compiled, self.kv_cache = model, max_length, compile, kv_cache
         if kv_cache == "fp8":
-            from hqtflow.runtime.kv_cache import has_sliding_layers, kv_scales
+            from hqtflow.runtime.kv_cache import fp8_kv_refusal, kv_scales
 
-            self._kv_scales = kv_scales(model)  # refuse early when the model has none
-            if has_sliding_layers(model.config):  # (FP8StaticCache would refuse it at the first generate)
-                raise ValueError("The static decoder's FP8 KV cache holds full-attention layers only, and this "
-                                 f"{model.config.model_type} has sliding-window layers; the serving engine's "
-                                 "(--engine serve) holds both.")
+            # refused now, not by FP8StaticCache at the first generate
+            if why := fp8_kv_refusal(model, static=("The static decoder's", "the serving engine's (--engine serve) holds both")):
+                raise ValueError(why)
+            self._kv_scales = kv_scales(model)
         self.device = next(model.parameters()).device
         from hqtflow.models import cache_kwarg
 

@@ -326,3 +326,41 @@ def test_quantize_with_kv_cache_builds_the_skeleton_once(tiny_kv, tmp_path, monk
     r = run_cli("quantize", "-m", tiny_kv[0], "-o", tmp_path / "o", "--kv-cache", "fp8", *["--disk-offload"] * offload)
     assert r.exit_code == 0, r.output
     assert calls == ["run.py:plan_job", *["offload.py:plan_offload"] * offload], calls
+
+
+def test_every_fp8_kv_cache_user_refuses_in_the_same_words(tiny_factory):
+    """The static decoder, perplexity (eval's check) and FP8StaticCache each checked the FP8 KV cache on their own,
+    FP8StaticCache and perplexity in other words than the decoder's (no architecture, no way out). One helper
+    (kv_cache.fp8_kv_refusal) decides for all three now: a model without k/v scales gets kv_scales' sentence
+    from each, one with sliding-window layers the decoder's sentence, naming its own cache and what holds them."""
+    from transformers import AutoModelForCausalLM
+
+    from hqtflow.errors import HqtflowError
+    from hqtflow.eval_run import check_fp8_kv
+    from hqtflow.models import attention_modules
+    from hqtflow.runtime.kv_cache import FP8StaticCache, fp8_kv_refusal, kv_scales
+    from hqtflow.runtime.static_decode import StaticDecoder
+
+    def refusal(make, kind=ValueError) -> str:
+        with pytest.raises(kind) as e:
+            make()
+        return str(e.value)
+
+    gemma = AutoModelForCausalLM.from_pretrained(tiny_factory("gemma2"))
+    unscaled = refusal(lambda: kv_scales(gemma))
+    assert unscaled.startswith("This model has no KV-cache scales") and unscaled.endswith("--kv-cache fp8`.")
+    assert fp8_kv_refusal(gemma) == unscaled == refusal(lambda: StaticDecoder(gemma, kv_cache="fp8"))
+    assert refusal(lambda: check_fp8_kv(gemma, perplexity=True), HqtflowError) == unscaled
+    for name in attention_modules(gemma).values():
+        for x in "kv":
+            gemma.get_submodule(name).register_buffer(f"{x}_scale", torch.tensor(0.5))
+    assert fp8_kv_refusal(gemma) is None and len(kv_scales(gemma)) == gemma.config.num_hidden_layers
+    check_fp8_kv(gemma, perplexity=False)  # the serving engine's cache (log-likelihoods) holds them
+    sliding = "FP8 KV cache holds full-attention layers only, and this gemma2 has sliding-window layers; "
+    assert refusal(lambda: StaticDecoder(gemma, kv_cache="fp8")) == (
+        f"The static decoder's {sliding}the serving engine's (--engine serve) holds both.")
+    assert refusal(lambda: check_fp8_kv(gemma, perplexity=True), HqtflowError) == f"Perplexity's {sliding}give --kv-cache bf16."
+    assert refusal(lambda: check_fp8_kv(gemma, perplexity=True, key="eval.kv_cache"), HqtflowError) == (
+        f"Perplexity's {sliding}set eval.kv_cache to bf16 in the recipe.")
+    assert refusal(lambda: FP8StaticCache(gemma.config, 8, kv_scales(gemma))) == (
+        f"This static {sliding}the serving engine's (hqtflow.runtime.engine) holds both.")
