@@ -41,11 +41,12 @@ def input_files(tasks, include_path, data_dir, ppl_file, manager=None) -> dict[s
 
 
 def compute_dtype(model) -> str | None:
-    """The high-precision dtype `model` ran in, as hqtflow names it (bf16, fp16, fp32): its first parameter in one
-    (FP8 weights and scales skipped); None for a model with none."""
+    """The high-precision dtype `model` ran in (models.compute_dtype), as hqtflow names it (bf16, fp16, fp32); None
+    for a model with none (or another)."""
+    from hqtflow import models
     from hqtflow.formats.checkpoint import HP_DTYPE_NAMES
 
-    return next((HP_DTYPE_NAMES[p.dtype] for p in model.parameters() if p.dtype in HP_DTYPE_NAMES), None)
+    return HP_DTYPE_NAMES.get(models.compute_dtype(model))
 
 
 def check_fp8_kv(model, *, perplexity: bool, key: str = "--kv-cache") -> None:

@@ -203,3 +203,30 @@ def test_an_fp16_guarded_model_can_be_copied_and_pickled():
         twin(torch.ones(1, 4))  # deferred on this thread: no check
     with pytest.raises(Exception, match="NaN or infinite logits in fp16"):
         twin(torch.ones(1, 4))
+
+
+def test_the_engine_and_eval_read_one_compute_dtype(tiny_kv, wiki_text, tmp_path, monkeypatch):
+    """The dtype a model computes in was derived twice, each by its own walk over the parameters: eval's report
+    (eval_run.compute_dtype: the first in bf16/fp16/fp32) and the serving engine (its KV pool's dtype, /info's
+    model_dtype: the first floating point wider than a byte). models.compute_dtype is the one both read now: for an
+    FP8 checkpoint (FP8 weights first in its Linears, float32 scales beside them) the dtype it was loaded in."""
+    import json
+
+    import torch
+
+    from hqtflow import models
+    from hqtflow.api import load_any
+    from hqtflow.runtime.engine import Engine
+
+    model, tok, kind = load_any(str(tiny_kv[1]), "fp16")
+    assert kind == "fp8" and models.compute_dtype(model) == torch.float16
+    assert models.compute_dtype(torch.nn.Linear(2, 2).to(torch.float8_e4m3fn)) is None  # nothing in high precision
+    seen, real = [], models.compute_dtype
+    monkeypatch.setattr(models, "compute_dtype", lambda m: seen.append(m) or real(m))
+    eng = Engine(model, tok, max_batch_total_tokens=64)
+    assert eng.compute_dtype == torch.float16 and eng.pool.keys[0].dtype == torch.float16 and seen == [model]
+    rep = tmp_path / "eval.json"
+    r = run_cli("eval", tiny_kv[1], "--no-baseline", "--ppl-file", wiki_text, "--ppl-windows", "1", "--dtype", "fp16",
+                "--report", rep)
+    assert r.exit_code == 0, r.output
+    assert json.loads(rep.read_text())["dtypes"] == {"fp8": "fp16"} and len(seen) == 2

@@ -184,7 +184,9 @@ class Engine:
         if self.device.type == "cpu":
             paged.cpu_ops()  # build (once per machine) or load the decode attention op now, not in the first step
         layers, kv_heads, head_dim = paged.geometry(model)
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)
+        from hqtflow import models
+
+        dtype = models.compute_dtype(model)
         self.compute_dtype = dtype  # what the model computes in (an FP8 model's too): /info's model_dtype
         fraction = 0.25 if self.device.type == "cpu" else 0.5
         blocks = paged.num_blocks(model, block_size=block_size, dtype=dtype, fp8=scales is not None, device=self.device,
