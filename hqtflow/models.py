@@ -39,6 +39,7 @@ def torch_dtype(name: str):
 
     return parse_dtype(name, "dtype", auto=False, error=ModelError).torch
 
+
 def compute_dtype(model):
     """The high-precision torch dtype `model` computes in: its first floating-point parameter wider than a byte (an
     FP8 model's FP8 weights skipped); None for a model with none."""
