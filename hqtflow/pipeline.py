@@ -238,6 +238,12 @@ def check_recipe(r, ms):
 
         skeleton = models.skeleton(models.resolve_model(ms.model))
         models.check_kv_cache(skeleton, f"Recipe {r.path}, 'kv_cache': fp8", "set kv_cache: bf16")
+        if kv_cache_for(r) == KVCache.FP8 and r.eval.ppl_file:  # perplexity's FP8StaticCache: full attention only
+            from hqtflow.evaluate import bf16_kv_hint
+            from hqtflow.runtime.kv_cache import fp8_kv_refusal
+
+            if why := fp8_kv_refusal(skeleton.config, static=("Perplexity's", bf16_kv_hint("eval.kv_cache"))):
+                raise ConfigError(f"Recipe {r.path}, 'eval.kv_cache': {why}")
     if r.eval.tasks:
         from hqtflow import lmeval
 

@@ -292,17 +292,21 @@ def test_run_recipe_evaluates_with_the_kv_cache_it_quantized_for(tiny_llama, dat
 def test_run_recipe_names_eval_kv_cache_where_the_fp8_kv_cache_cannot_score(tiny_factory, data_dir, tmp_path):
     """Perplexity through the FP8 KV cache (FP8StaticCache) takes full-attention models only: a recipe with
     `kv_cache: fp8` over Gemma 2 (sliding-window layers) ran measure, quantize and the bf16 baseline, then ended in a
-    ValueError traceback (exit 1). It is refused before any model is scored, naming the recipe key `run` reads
-    (eval.kv_cache), and `hqtflow eval` names its --kv-cache."""
+    ValueError traceback (exit 1); later it was refused before scoring, but after measuring and quantizing. It is
+    refused before measuring, naming the recipe key `run` reads (eval.kv_cache); with eval's KV cache bf16 the recipe
+    runs, and `hqtflow eval` over its checkpoint names its --kv-cache."""
     recipe = write_recipe(tmp_path / "tiny.yaml", tiny_factory("gemma2"), data_dir, 2)
     raw = yaml.safe_load(recipe.read_text())
     raw["kv_cache"] = "fp8"
     recipe.write_text(yaml.safe_dump(raw))
     r = run_cli("run", recipe)
-    assert r.exit_code == 2 and "Traceback" not in r.output and not (tmp_path / "run" / "eval.json").exists(), r.output
-    err = r.stderr.strip().splitlines()[-1]  # (progress bars above it)
-    assert err.startswith("Error: ") and "sliding-window" in err and "set eval.kv_cache to bf16" in err, r.stderr
-    assert "bf16: perplexity" not in r.stderr  # refused before the baseline is scored
+    assert r.exit_code == 2 and "Traceback" not in r.output and "writing" not in r.stdout, r.output
+    err = r.stderr.strip().splitlines()[-1]
+    assert err.startswith("Error: ") and "'eval.kv_cache'" in err and "sliding-window" in err, r.stderr
+    assert "set eval.kv_cache to bf16" in err and not list(tmp_path.glob("run/*")), r.stderr
+    raw["eval"]["kv_cache"] = "bf16"
+    recipe.write_text(yaml.safe_dump(raw))
+    assert run_cli("run", recipe).exit_code == 0
     e = run_cli("eval", tmp_path / "run" / "fp8", "--no-baseline", "--ppl-file", data_dir / "wikitext2_test.txt",
                 "--ppl-windows", "1", "--kv-cache", "fp8")
     assert e.exit_code == 2 and "give --kv-cache bf16" in e.stderr and "Traceback" not in e.output, e.output
