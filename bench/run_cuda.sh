@@ -52,6 +52,9 @@ if [[ $STEPS == *,serve,* ]]; then
         --json "$OUT/serve_load.json" ) 2>&1 | { grep --line-buffered -v -i "warning\|it/s\]" || true; } \
       | tee "$OUT/serve.log" || failed+=" serve"
 fi
+if [[ -f $OUT/pytest.log ]]; then  # the tests' summary again, last: a caller keeping only the log's tail still sees it
+  echo "tests:"; grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -15
+fi
 if [[ -n $failed ]]; then
   echo "bench/run_cuda.sh: failed:$failed (logs in $OUT)." >&2
   exit 1

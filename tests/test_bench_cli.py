@@ -59,6 +59,12 @@ def test_run_cuda_sh_fails_when_a_step_fails(tmp_path):
     assert not (tmp_path / "refused").exists()
     refused = run("1b,8b", STEPS="bench", PYTHON="true")
     assert refused.returncode == 2 and "takes no arguments" in refused.stderr
+    fake = tmp_path / "fake_python"  # a pytest that fails: its summary is the log's last lines, after any bench output
+    fake.write_text("#!/bin/sh\necho 'FAILED tests/x.py::test_y'\necho '1 failed, 2 passed in 1.0s'\nexit 1\n")
+    fake.chmod(0o755)
+    summary = run(STEPS="tests", PYTHON=str(fake))
+    assert summary.returncode == 1 and summary.stdout.splitlines()[-3:] == [
+        "tests:", "FAILED tests/x.py::test_y", "1 failed, 2 passed in 1.0s"], summary.stdout
     usage = (ROOT / "bench" / "run_cuda.sh").read_text()
     assert "TOKENIZER=DIR TEXT=FILE bash bench/run_cuda.sh" in usage
     assert "bench/run_cuda.sh 1b" not in (ROOT / "bench" / "RESULTS.md").read_text()
