@@ -39,7 +39,7 @@ import contextlib
 import contextvars
 import functools
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -158,6 +158,19 @@ def quantize_linear(w: torch.Tensor, weight_scale: torch.Tensor, input_scale: to
     return QuantizedLinear(blocks(), ws, s_in)
 
 
+class _MMScales(NamedTuple):
+    """An FP8Linear's `_scaled_mm` scales, cast once: the stored scales' tags they were cast from, the float32
+    input scale [] (None when dynamic) and weight scale, and the input scale's value on the host (the key of
+    `_shared_quantized`; an object equal to nothing when there is none)."""
+    key: tuple
+    a: torch.Tensor | None
+    b: torch.Tensor
+    value: object
+
+    def pair(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        return self.a, self.b
+
+
 class FP8Linear(nn.Module):
     backend = "qdq"
     dynamic_rule: Rule | None = None  # INC's dynamic scale rule; None: amax / F in float32
@@ -168,7 +181,7 @@ class FP8Linear(nn.Module):
     # three eager kernels (False), or by one compiled kernel (True), whose dispatch costs more host time than the two
     # kernels it saves in an eager step (H200, 8B, 32 prompts' prefill: 121 ms against 162 ms)
     fused_quantize = False
-    _mm_scales: tuple | None = None  # "scaled_mm": (source key, float32 scale_a or None, scale_b) made once, not per call
+    _mm_scales: "_MMScales | None" = None  # "scaled_mm": its float32 scales, made once, not per call
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, hp_dtype: torch.dtype,
                  fp8: str = "E4M3", per_channel: bool = False, static_input: bool = True, device=None,
@@ -317,7 +330,7 @@ class FP8Linear(nn.Module):
         by one compiled kernel, else by three eager kernels (no compiled function's dispatch, whose host time rules an
         eager step on CUDA); under `sharing_inputs()` kept on x for the next Linear reading x with an equal scale."""
         share = _SHARING.get()
-        key = (self._mm_scales[3], self.fp8)
+        key = (self._mm_scales.value, self.fp8)
         kept = getattr(x, "_hqtflow_fp8", None) if share else None
         if kept is not None and kept[0] == key and kept[1].shape == x2.shape:
             return kept[1]
@@ -332,23 +345,23 @@ class FP8Linear(nn.Module):
     def _float_scales(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """_scaled_mm's float32 scales: the static input scale [] (None when dynamic) and the weight's, [] or [1, N]
         (row-wise). Cast once and kept while the stored scales are the same tensors at the same version: two casts
-        per call were two of a decode step's kernels for every Linear (448 of an 8B model's, on an H100). `_mm_scales`
-        holds (key, scale_a, scale_b, the input scale's value as a Python float)."""
+        per call were two of a decode step's kernels for every Linear (448 of an 8B model's, on an H100)."""
         w, a = self.weight_scale, self.input_scale if self.activation == "static" else None
         if torch.compiler.is_compiling():  # the eager calls' casts (a compiled step's inputs), else two casts per call
-            return self._mm_scales[1:3] if self._mm_scales is not None else self._cast_scales(w, a)
+            return self._mm_scales.pair() if self._mm_scales is not None else self._cast_scales(w, a)
         key = (_tensor_tag(w), None if a is None else _tensor_tag(a))
-        if self._mm_scales is None or self._mm_scales[0] != key:
+        if self._mm_scales is None or self._mm_scales.key != key:
             new = self._cast_scales(w, a)
-            if self._mm_scales is not None and all(_same_place(o, n) for o, n in zip(self._mm_scales[1:3], new)):
-                for o, n in zip(self._mm_scales[1:3], new):  # new stored values: cast into the tensors graphs captured
+            old = self._mm_scales.pair() if self._mm_scales is not None else None
+            if old is not None and all(_same_place(o, n) for o, n in zip(old, new)):
+                for o, n in zip(old, new):  # new stored values: cast into the tensors graphs captured
                     if o is not None:
                         o.copy_(n)
-                new = self._mm_scales[1:3]
-            # else (first call, a device move, a new shape): new tensors; last, the input scale's value on the host
-            value = object() if a is None or a.is_meta else float(a)  # `_shared_quantized`'s key (one host sync)
-            self._mm_scales = (key, *new, value)
-        return self._mm_scales[1], self._mm_scales[2]
+                new = old
+            # else (first call, a device move, a new shape): new tensors
+            value = object() if a is None or a.is_meta else float(a)  # one host sync per new scale
+            self._mm_scales = _MMScales(key, *new, value)
+        return self._mm_scales.pair()
 
     def _cast_scales(self, w: torch.Tensor, a: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         sb = w.float().reshape(()) if w.numel() == 1 and self.activation == "static" else \
