@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import random
 import statistics
 import sys
 import time
@@ -41,15 +42,19 @@ SHAPES = {"4096x4096": (4096, 4096), "smollm2 q/o 576x576": (576, 576), "smollm2
 def timed(columns: dict[str, tuple[list, int]], device: str) -> dict[str, float]:
     """Median seconds per call of each column ({name: (calls, iters)}, one call per weight copy, cycled), the
     columns interleaved call by call: a host whose speed drifts (shared machines swing by 2-3x for seconds at a
-    time) slows every column alike instead of whichever ran during the slow phase."""
+    time) slows every column alike instead of whichever ran during the slow phase. Each round takes the columns in a
+    new random order: a call runs slower right after some others (after fp32's 1 ms GEMM, a 576^2 call at M=512 took
+    0.29 ms instead of 0.22 on an AMX Xeon), and a fixed order charged that to whichever column came next."""
     cycles = {name: itertools.cycle(calls) for name, (calls, _) in columns.items()}
     for name, (calls, _) in columns.items():
         for _ in range(max(3, len(calls))):
             next(cycles[name])()
     times: dict[str, list[float]] = {name: [] for name in columns}
+    order, shuffle = list(columns), random.Random(0).shuffle
     for i in range(max(iters for _, iters in columns.values())):
-        for name, (_, iters) in columns.items():
-            if i >= iters:
+        shuffle(order)
+        for name in order:
+            if i >= columns[name][1]:
                 continue
             fn = next(cycles[name])
             if device == "cuda":

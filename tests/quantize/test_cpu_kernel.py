@@ -315,6 +315,20 @@ def test_input_rounding_divides_exactly_near_ties(ops, fp8):
 
 
 @pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
+def test_every_bf16_input_divides_exactly(ops, fp8):
+    """Every finite bf16 (and its fp32 value) quantizes as torch's x / s does, with ordinary scales, tiny ones, scales
+    whose reciprocal is subnormal (above 2^126) or infinite (a subnormal scale)."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)
+    x = x[torch.isfinite(x)]
+    for s in (0.37, 3.1e-3, 1.7e5, 1.3 * 2.0**-110, 0.9 * 2.0**126, 1.1 * 2.0**126, 3e-39):
+        sc = torch.tensor([s], dtype=torch.float32)
+        for xin in (x, x.float()):
+            ref = quantize(xin[None], sc, fp8)
+            assert torch.equal(ops.fp8_quantize(xin[None], sc, fp8 == "E4M3").view(torch.uint8), ref.view(torch.uint8)), s
+
+
+@pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
 def test_input_rounding_with_power_of_two_scales(ops, fp8):
     """A power-of-two scale (maxabs_pow2's) is applied as a multiply by its exact reciprocal, not a divide: the same
     bits as torch's division at the FP8 grid's midpoints and a bf16 ulp either side, for scales from 2^-126 to 2^127

@@ -510,8 +510,9 @@ void input_row(const at::Tensor& x2d, int64_t m, const float* s_x, bool e4m3, fl
 
 #if HQT_BF16
 // A bf16 row for the bf16 path: QDQ'd when there is a static input scale (the same rounding as qdq_row), zero past
-// K (Kp, a multiple of 64).
-void bf16_input_row(const uint16_t* x, int64_t K, int64_t Kp, const float* s_x, bool e4m3, uint16_t* out) {
+// K (Kp, a multiple of 64). Its pieces of 32 values go `piece` values apart (32: one row; AMX tiles: 512).
+void bf16_input_row(const uint16_t* x, int64_t K, int64_t Kp, const float* s_x, bool e4m3, uint16_t* out,
+                    int64_t piece = 32) {
   const Fp8Rounder round(s_x ? *s_x : 1.f, e4m3);
   for (int64_t k = 0; k < Kp; k += 64) {
     const int64_t left = K - k;
@@ -529,8 +530,8 @@ void bf16_input_row(const uint16_t* x, int64_t K, int64_t Kp, const float* s_x, 
       lo = qdq32(lo);
       hi = qdq32(hi);
     }
-    _mm512_storeu_si512(out + k, lo);
-    _mm512_storeu_si512(out + k + 32, hi);
+    _mm512_storeu_si512(out + k / 32 * piece, lo);
+    _mm512_storeu_si512(out + (k / 32 + 1) * piece, hi);
   }
 }
 #endif
@@ -1228,12 +1229,22 @@ HQT_INLINE void widen_chunk(const Weight& wt, const BlockWideners& wd, int64_t n
   widen_chunk_rows(wt, wd, n, nr, k, out);
 }
 
-// The epilogue of 16 outputs of a row: y = hp(hp(acc) + bias), `nr` of them stored.
+// y = hp(hp(acc) + bias) of 16 outputs before the last rounding, which the conversion to bf16 does.
+HQT_INLINE __m512 with_bias(__m512 acc, int64_t n, __mmask16 mask, const Out& out) {
+  return out.bias ? _mm512_add_ps(round_hp(acc, at::kBFloat16), _mm512_maskz_loadu_ps(mask, out.bias + n)) : acc;
+}
+
+// The epilogue of 16 outputs of a row, `nr` of them stored.
 HQT_INLINE void store16(__m512 acc, int64_t m, int64_t n, int nr, const Out& out) {
   const __mmask16 mask = nr >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nr) - 1);
-  __m512 v = round_hp(acc, at::kBFloat16);
-  if (out.bias) v = round_hp(_mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, out.bias + n)), at::kBFloat16);
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.y) + m * out.N + n, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.y) + m * out.N + n, mask,
+                           (__m256i)_mm512_cvtneps_pbh(with_bias(acc, n, mask, out)));
+}
+
+// 32 outputs of a row: two conversions in one instruction, one store.
+HQT_INLINE void store32(__m512 lo, __m512 hi, int64_t m, int64_t n, const Out& out) {
+  const __m512bh v = _mm512_cvtne2ps_pbh(with_bias(hi, n + 16, 0xFFFF, out), with_bias(lo, n, 0xFFFF, out));
+  _mm512_storeu_si512(static_cast<uint16_t*>(out.y) + m * out.N + n, (__m512i)v);
 }
 
 // MR input rows x NB blocks over pairs [t0, t1). `xt`: the input tile, pair-major (pair t of its row i at
@@ -1258,6 +1269,12 @@ HQT_INLINE void outer_steps(const uint32_t* xt, const uint32_t* w, int64_t bstri
 
 template <int MR, int NB>
 HQT_INLINE void outer_store(const __m512 (&acc)[MR][NB], int64_t m0, int64_t n, int64_t nr, const Out& out) {
+  if constexpr (NB == 2) {
+    if (nr == 2 * kBlock) {
+      HQT_UNROLL for (int m = 0; m < MR; ++m) store32(acc[m][0], acc[m][1], m0 + m, n, out);
+      return;
+    }
+  }
   HQT_UNROLL for (int m = 0; m < MR; ++m)
     HQT_UNROLL for (int b = 0; b < NB; ++b)
       if (nr > b * kBlock) store16(acc[m][b], m0 + m, n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)), out);
@@ -1435,7 +1452,7 @@ void outer_panels(const Problem& p, int64_t n0, int64_t n1) {
 #if HQT_AMX
 // ---- the AMX path: 16 x 16 fp32 tiles, 32 k per TDPBF16PS ------------------------------------------------------
 // The weights are widened into a panel exactly as for outer_panels (blocks of 16 rows, pair after pair: 16 pairs of a
-// block are one B tile, 64 bytes a row), the input rows stay in widen64's order (32 bf16 of 16 rows are one A tile),
+// block are one B tile, 64 bytes a row), the input is laid out in A tiles (`amx_a_tile`: 32 bf16 of 16 rows, 1 KB),
 // padded with zero rows to a multiple of 16. Tiles 0-3 accumulate 2 x 2 blocks of 16 x 16 outputs over all of K,
 // tiles 4-5 hold two input row blocks, 6-7 two weight blocks. Every M, decode included, takes this path, so a row's
 // operations are the same whatever M is.
@@ -1460,8 +1477,15 @@ inline void amx_configure() {
   _tile_loadconfig(&c);
 }
 
-// Input rows: `ldx` bf16 apart (Kp plus one cache line, so that the 16 rows of a tile do not share one L1 set).
-inline int64_t amx_ldx(int64_t Kp) { return Kp + 32; }
+// The input in A tiles: 16 rows x 32 values (1 KB, rows 64 bytes apart), the tiles of 16 rows one after another
+// along k, the next 16 rows after them. A tile load reads 1 KB in a row (rows of a row-major input were 16 streams).
+constexpr int64_t kAmxTileValues = kTile * 32;
+inline uint16_t* amx_a_tile(uint16_t* x, int64_t Kp, int64_t m, int64_t k) {
+  return x + ((m / kTile) * (Kp / 32) + k / 32) * kAmxTileValues + (m % kTile) * 32;
+}
+inline const uint16_t* amx_a_tile(const uint16_t* x, int64_t Kp, int64_t m, int64_t k) {
+  return amx_a_tile(const_cast<uint16_t*>(x), Kp, m, k);
+}
 constexpr int64_t kAmxDecodeMaxM = 2 * kTile;  // up to this M, chunks are widened per step rather than per panel
 constexpr int64_t kAmxKc = 512;                 // k per pass over a panel (up to 576)
 
@@ -1491,11 +1515,11 @@ HQT_INLINE void amx_store_acc(float* c, int64_t ldc) {
   if constexpr (MB > 1 && NB > 1) _tile_stored(3, c + kTile * ldc + kTile, s);
 }
 
-// 32 k (pairs t .. t + 15): MB input tiles (rows `xs` bytes apart, the second 16 rows below the first) times NB
-// weight tiles (`w0`, `w1`: 16 pairs of 16 rows each, 64 bytes a pair).
+// 32 k (pairs t .. t + 15): MB input tiles (`x`; the second 16 rows `next` values on) times NB weight tiles (`w0`,
+// `w1`: 16 pairs of 16 rows each, 64 bytes a pair).
 template <int MB, int NB>
-HQT_INLINE void amx_step(const uint16_t* x, int64_t xs, const uint32_t* w0, const uint32_t* w1) {
-  _tile_loadd(4, x, xs);
+HQT_INLINE void amx_step(const uint16_t* x, int64_t next, const uint32_t* w0, const uint32_t* w1) {
+  _tile_loadd(4, x, 64);
   _tile_loadd(6, w0, 64);
   _tile_dpbf16ps(0, 4, 6);
   if constexpr (NB > 1) {
@@ -1503,7 +1527,7 @@ HQT_INLINE void amx_step(const uint16_t* x, int64_t xs, const uint32_t* w0, cons
     _tile_dpbf16ps(1, 4, 7);
   }
   if constexpr (MB > 1) {
-    _tile_loadd(5, reinterpret_cast<const char*>(x) + kTile * xs, xs);
+    _tile_loadd(5, x + next, 64);
     _tile_dpbf16ps(2, 5, 6);
     if constexpr (NB > 1) _tile_dpbf16ps(3, 5, 7);
   }
@@ -1520,6 +1544,10 @@ HQT_INLINE void amx_dispatch(int64_t mr, int64_t nr, const F& f) {
 
 // The epilogue of an mr x nr block of fp32 sums (row stride ldc).
 HQT_INLINE void amx_epilogue(const float* c, int64_t ldc, int64_t m, int64_t n, int64_t mr, int64_t nr, const Out& out) {
+  if (nr == 2 * kBlock) {
+    for (int64_t i = 0; i < mr; ++i) store32(_mm512_load_ps(c + i * ldc), _mm512_load_ps(c + i * ldc + kBlock), m + i, n, out);
+    return;
+  }
   for (int64_t i = 0; i < mr; ++i)
     for (int64_t b = 0; b * kBlock < nr; ++b)
       store16(_mm512_load_ps(c + i * ldc + b * kBlock), m + i, n + b * kBlock,
@@ -1528,10 +1556,11 @@ HQT_INLINE void amx_epilogue(const float* c, int64_t ldc, int64_t m, int64_t n, 
 
 // Decode-sized M (one or two input tiles): each chunk of 64 columns of 32 weight rows widened into L1 and used at once,
 // the sums kept in the tiles over all of K, the next 32 rows prefetched meanwhile.
-void amx_decode(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
+void amx_decode(const Problem& p, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
   const bool prefetch = !p.bw && prefetches(wt);
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  const int64_t next = p.Kp / 32 * kAmxTileValues;  // from a tile of rows 0-15 to its rows 16-31
   std::unique_ptr<Widener> one(wt.per_channel || p.bw ? nullptr : new Widener(wt.e4m3, wt.s(0)));
   BlockWideners wd[2];
   alignas(64) uint32_t chunk[2][32 * kBlock];
@@ -1556,7 +1585,7 @@ void amx_decode(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
             widen_chunk(wt, wd[b], n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)), k, chunk[b]);
         }
         HQT_UNROLL for (int h = 0; h < 2; ++h)
-          amx_step<mb, bn>(x + k + 32 * h, ldx * 2, w + h * kTile * kBlock, w + ws + h * kTile * kBlock);
+          amx_step<mb, bn>(amx_a_tile(x, p.Kp, 0, k + 32 * h), next, w + h * kTile * kBlock, w + ws + h * kTile * kBlock);
       }
       amx_store_acc<mb, bn>(c, 2 * kBlock);
     });
@@ -1570,9 +1599,10 @@ void amx_decode(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
 // weight blocks. Between passes the sums wait in `cb` (fp32, exact), sized with the panel to stay in L2; after the
 // last pass they go through L1 to the epilogue at once.
 constexpr int64_t kAmxSumsBytes = 1024 * 1024;  // the partial sums of a chunk of rows x a panel, between passes
-void amx_panels(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
+void amx_panels(const Problem& p, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
-  const uint16_t* x = static_cast<const uint16_t*>(p.x);  // [ceil(M / 16) * 16, ldx], widen64's order
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);  // A tiles (`amx_a_tile`), widen64's order
+  const int64_t next = p.Kp / 32 * kAmxTileValues;
   const int64_t passes = (p.Kp + kAmxKc + 64 - 1) / (kAmxKc + 64);        // K up to 576 in one pass
   const int64_t kc = (p.Kp / 64 + passes - 1) / passes * 64;              // k per pass, a multiple of 64
   const int64_t nc = std::max<int64_t>(2 * kBlock, 512 * 1024 / (2 * kc) / (2 * kBlock) * (2 * kBlock));
@@ -1615,7 +1645,7 @@ void amx_panels(const Problem& p, int64_t ldx, int64_t n0, int64_t n1) {
               constexpr int mb = decltype(MB)::value, bn = decltype(NB)::value;
               amx_load_acc<mb, bn>(k0 ? c : nullptr, ldc);
               for (int64_t k = k0; k < k1; k += 32)
-                amx_step<mb, bn>(x + m * ldx + k, ldx * 2, w + ((k - k0) / 2) * kBlock, w + bstride + ((k - k0) / 2) * kBlock);
+                amx_step<mb, bn>(amx_a_tile(x, p.Kp, m, k), next, w + ((k - k0) / 2) * kBlock, w + bstride + ((k - k0) / 2) * kBlock);
               if (k1 < p.Kp) return amx_store_acc<mb, bn>(c, ldc);
               amx_store_acc<mb, bn>(last, 2 * kBlock);
               amx_epilogue(last, 2 * kBlock, m, n, mr, nr, p.out);
@@ -1703,11 +1733,6 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
 #endif
   const int64_t step = bf16 ? 64 : F32::W;
   const int64_t Kp = (K + step - 1) / step * step;
-#if HQT_AMX
-  const int64_t ldx = amx ? amx_ldx(Kp) : Kp;  // bf16 input row stride
-#else
-  const int64_t ldx = Kp;
-#endif
 #if HQT_AVX2
   // the packed weight: the caller's (made once per layer), else packed here for this call
   at::Tensor own;
@@ -1721,7 +1746,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
   const uint8_t* pw = (own.defined() ? own : *packed).data_ptr<uint8_t>();
 #endif
   const Weight wt{w8, N, K, sc.data(), sc.size() > 1, e4m3, hp};
-  const int64_t threads = at::get_num_threads(), slice = slice_rows((bf16 ? 2 : 4) * ldx);
+  const int64_t threads = at::get_num_threads(), slice = slice_rows((bf16 ? 2 : 4) * Kp);
 
   // rows [first, first + M) of the input and the output
   const auto product = [&](int64_t first, int64_t M) {
@@ -1757,17 +1782,19 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
       return;
     }
 #endif
-    // the input in the compute layout, rows in parallel
-    float* xf = bf16 ? nullptr : static_cast<float*>(scratch<2>(M * Kp * sizeof(float)));
-    uint16_t* xb = bf16 ? static_cast<uint16_t*>(scratch<3>(Mp * ldx * sizeof(uint16_t))) : nullptr;
-    if (Mp > M) std::fill(xb + M * ldx, xb + Mp * ldx, uint16_t(0));
+    // the input in the compute layout (AMX: A tiles, the last tile's rows past M zero), rows in parallel
+    float* xf = amx ? nullptr : static_cast<float*>(scratch<2>(M * Kp * sizeof(float)));
+    uint16_t* xb = amx ? static_cast<uint16_t*>(scratch<3>(Mp * Kp * sizeof(uint16_t))) : nullptr;
+#if HQT_AMX
+    for (int64_t m = M; m < Mp; ++m)
+      for (int64_t k = 0; k < Kp; k += 32) std::fill_n(amx_a_tile(xb, Kp, m, k), 32, uint16_t(0));
+#endif
     at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) {
-#if HQT_BF16
-        if (bf16) {
+#if HQT_AMX
+        if (amx) {
           bf16_input_row(static_cast<const uint16_t*>(x2d.data_ptr()) + (first + m) * K, K, Kp, has_sx ? &s_x : nullptr,
-                         e4m3, xb + m * ldx);
-          if (amx) std::fill(xb + m * ldx + Kp, xb + (m + 1) * ldx, uint16_t(0));
+                         e4m3, amx_a_tile(xb, Kp, m, 0), kAmxTileValues);
           continue;
         }
 #endif
@@ -1785,7 +1812,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
       const bool decode = M <= kAmxDecodeMaxM;
       at::parallel_for(0, (N + unit - 1) / unit, decode ? 1 : (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
         const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
-        decode ? amx_decode(p, ldx, n0, n1) : amx_panels(p, ldx, n0, n1);
+        decode ? amx_decode(p, n0, n1) : amx_panels(p, n0, n1);
       });
       return;
     }
