@@ -1770,6 +1770,28 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
       return;
     }
 #endif
+#if HQT_AMX
+    if (amx && M > kAmxDecodeMaxM && 2 * M >= N && threads > 1) {
+      // rows split between threads: each lays out its own rows' A tiles in its own buffer, then multiplies them by
+      // every weight row. Each thread widens all the weight rows, where a split of the weight rows widens each once
+      // but has every thread read every input row, half of them laid out by the other core: at M >= N / 2 the
+      // input is the larger share (A/B on a 2-core AMX Xeon, M = 256-8192: q/o 576^2 and down 1536->576 5-10%
+      // faster, up 576->1536 3-9% slower at M = 256-512, where M < N / 2).
+      const int64_t unit = 2 * kTile;
+      at::parallel_for(0, (M + unit - 1) / unit, 1, [&](int64_t b0, int64_t b1) {
+        const int64_t m0 = b0 * unit, rows = std::min(M, b1 * unit) - m0, rp = (rows + kTile - 1) / kTile * kTile;
+        uint16_t* xt = static_cast<uint16_t*>(scratch<3>(rp * Kp * sizeof(uint16_t)));
+        for (int64_t m = 0; m < rows; ++m)
+          bf16_input_row(static_cast<const uint16_t*>(x2d.data_ptr()) + (first + m0 + m) * K, K, Kp,
+                         has_sx ? &s_x : nullptr, e4m3, amx_a_tile(xt, Kp, m, 0), kAmxTileValues);
+        for (int64_t m = rows; m < rp; ++m)
+          for (int64_t k = 0; k < Kp; k += 32) std::fill_n(amx_a_tile(xt, Kp, m, k), 32, uint16_t(0));
+        const Problem p{wt, xt, rows, Kp, true, Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}.from_row(first + m0), bw};
+        amx_panels(p, 0, N);
+      });
+      return;
+    }
+#endif
     // the input in the compute layout (AMX: A tiles, the last tile's rows past M zero), rows in parallel
     float* xf = amx ? nullptr : static_cast<float*>(scratch<2>(M * Kp * sizeof(float)));
     uint16_t* xb = amx ? static_cast<uint16_t*>(scratch<3>(Mp * Kp * sizeof(uint16_t))) : nullptr;
