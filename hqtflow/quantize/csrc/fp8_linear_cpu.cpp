@@ -1474,6 +1474,16 @@ inline uint16_t* amx_a_tile(uint16_t* x, int64_t Kp, int64_t m, int64_t k) {
 inline const uint16_t* amx_a_tile(const uint16_t* x, int64_t Kp, int64_t m, int64_t k) {
   return amx_a_tile(const_cast<uint16_t*>(x), Kp, m, k);
 }
+
+// Rows [m0, m1) of an input of M rows (`x`, bf16 [M, K]) into A tiles `xt`, QDQ'd when there is a static input scale;
+// the range that ends at M also zeroes the last tile's rows past M.
+void amx_input_tiles(const uint16_t* x, int64_t m0, int64_t m1, int64_t M, int64_t K, int64_t Kp, const float* s_x,
+                     bool e4m3, uint16_t* xt) {
+  for (int64_t m = m0; m < m1; ++m) bf16_input_row(x + m * K, K, Kp, s_x, e4m3, amx_a_tile(xt, Kp, m, 0), kAmxTileValues);
+  if (m1 == M)
+    for (int64_t m = M; m % kTile; ++m)
+      for (int64_t k = 0; k < Kp; k += 32) std::fill_n(amx_a_tile(xt, Kp, m, k), 32, uint16_t(0));
+}
 constexpr int64_t kAmxDecodeMaxM = 2 * kTile;  // up to this M, chunks are widened per step rather than per panel
 constexpr int64_t kAmxKc = 512;                 // k per pass over a panel (up to 576)
 
@@ -1775,17 +1785,14 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
       // rows split between threads: each lays out its own rows' A tiles in its own buffer, then multiplies them by
       // every weight row. Each thread widens all the weight rows, where a split of the weight rows widens each once
       // but has every thread read every input row, half of them laid out by the other core: at M >= N / 2 the
-      // input is the larger share (A/B on a 2-core AMX Xeon, M = 256-8192: q/o 576^2 and down 1536->576 5-10%
-      // faster, up 576->1536 3-9% slower at M = 256-512, where M < N / 2).
+      // input is the larger share (A/B on a 2-core AMX Xeon: q/o 576^2 and down 1536->576 5-20% faster at
+      // M = 512-2048, up 576->1536 3-9% slower at M = 256-512, where M < N / 2).
       const int64_t unit = 2 * kTile;
       at::parallel_for(0, (M + unit - 1) / unit, 1, [&](int64_t b0, int64_t b1) {
-        const int64_t m0 = b0 * unit, rows = std::min(M, b1 * unit) - m0, rp = (rows + kTile - 1) / kTile * kTile;
-        uint16_t* xt = static_cast<uint16_t*>(scratch<3>(rp * Kp * sizeof(uint16_t)));
-        for (int64_t m = 0; m < rows; ++m)
-          bf16_input_row(static_cast<const uint16_t*>(x2d.data_ptr()) + (first + m0 + m) * K, K, Kp,
-                         has_sx ? &s_x : nullptr, e4m3, amx_a_tile(xt, Kp, m, 0), kAmxTileValues);
-        for (int64_t m = rows; m < rp; ++m)
-          for (int64_t k = 0; k < Kp; k += 32) std::fill_n(amx_a_tile(xt, Kp, m, k), 32, uint16_t(0));
+        const int64_t m0 = b0 * unit, rows = std::min(M, b1 * unit) - m0;
+        uint16_t* xt = static_cast<uint16_t*>(scratch<3>((rows + kTile - 1) / kTile * kTile * Kp * sizeof(uint16_t)));
+        amx_input_tiles(static_cast<const uint16_t*>(x2d.data_ptr()) + (first + m0) * K, 0, rows, rows, K, Kp,
+                        has_sx ? &s_x : nullptr, e4m3, xt);
         const Problem p{wt, xt, rows, Kp, true, Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}.from_row(first + m0), bw};
         amx_panels(p, 0, N);
       });
@@ -1795,19 +1802,13 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
     // the input in the compute layout (AMX: A tiles, the last tile's rows past M zero), rows in parallel
     float* xf = amx ? nullptr : static_cast<float*>(scratch<2>(M * Kp * sizeof(float)));
     uint16_t* xb = amx ? static_cast<uint16_t*>(scratch<3>(Mp * Kp * sizeof(uint16_t))) : nullptr;
-#if HQT_AMX
-    for (int64_t m = M; m < Mp; ++m)
-      for (int64_t k = 0; k < Kp; k += 32) std::fill_n(amx_a_tile(xb, Kp, m, k), 32, uint16_t(0));
-#endif
     at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) {
 #if HQT_AMX
-        if (amx) {
-          bf16_input_row(static_cast<const uint16_t*>(x2d.data_ptr()) + (first + m) * K, K, Kp, has_sx ? &s_x : nullptr,
-                         e4m3, amx_a_tile(xb, Kp, m, 0), kAmxTileValues);
-          continue;
-        }
+      if (amx)
+        return amx_input_tiles(static_cast<const uint16_t*>(x2d.data_ptr()) + first * K, m0, m1, M, K, Kp,
+                               has_sx ? &s_x : nullptr, e4m3, xb);
 #endif
+      for (int64_t m = m0; m < m1; ++m) {
         float* row = xf + m * Kp;
         input_row(x2d, first + m, has_sx ? &s_x : nullptr, e4m3, row);
         std::fill(row + K, row + Kp, 0.f);
