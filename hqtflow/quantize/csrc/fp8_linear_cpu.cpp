@@ -436,6 +436,22 @@ void qdq_row(const float* x, int64_t n, float s, bool e4m3, at::ScalarType hp, f
   }
 }
 
+#if HQT_AVX512 || HQT_AVX2
+// One vector of fp32, bf16 or fp16 values as fp32 (exact: a shift for bf16, vcvtph2ps for fp16).
+template <typename T>
+HQT_INLINE F32::V load_as_float(const T* p) {
+#if HQT_AVX512
+  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
+  else if constexpr (std::is_same_v<T, c10::Half>) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#else
+  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
+  else if constexpr (std::is_same_v<T, c10::Half>) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#endif
+}
+#endif
+
 // One row of FP8 bytes: cast(clamp(x / s, -F, F)), the reference's `quantize`.
 template <typename T>
 void quantize_row(const T* x, int64_t n, float s, bool e4m3, uint8_t* out) {
@@ -443,11 +459,7 @@ void quantize_row(const T* x, int64_t n, float s, bool e4m3, uint8_t* out) {
   int64_t i = 0;
 #if HQT_AVX512 || HQT_AVX2
   const Fp8Rounder round(s, e4m3);
-  alignas(64) float buf[F32::W];
-  for (; i + F32::W <= n; i += F32::W) {
-    for (int j = 0; j < F32::W; ++j) buf[j] = static_cast<float>(x[i + j]);
-    Fp8Rounder::store_bits(out + i, round.bits(round(F32::load(buf)), e4m3));
-  }
+  for (; i + F32::W <= n; i += F32::W) Fp8Rounder::store_bits(out + i, round.bits(round(load_as_float(x + i)), e4m3));
 #endif
   for (; i < n; ++i) {
     float v = static_cast<float>(x[i]) / s;
