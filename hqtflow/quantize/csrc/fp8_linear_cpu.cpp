@@ -308,7 +308,8 @@ inline int64_t permuted_source(int64_t j) {
 #endif
 
 // ---- the input, in the compute layout ------------------------------------------------------------------------
-// x [M, K] -> QDQ'd (static scale) -> [M, Kp] fp32 (fp32 path) or bf16 in widen64's order (bf16 path), zero past K.
+// x [M, K] -> QDQ'd (static scale) -> [M, Kp] fp32 (fp32 path), bf16 in widen64's order (bf16 dot path) or bf16 A
+// tiles in natural k order (AMX), zero past K.
 // A normal power of two: x / s == x * (1 / s) bit for bit (1 / s is exact, both are x * 2^-e correctly rounded), and
 // a multiply is several times cheaper than a divide (maxabs_pow2 and unit scales are powers of two).
 inline bool power_of_two(float s) {
@@ -1622,7 +1623,7 @@ void amx_decode(const Problem& p, int64_t n0, int64_t n1) {
 constexpr int64_t kAmxSumsBytes = 1024 * 1024;  // the partial sums of a chunk of rows x a panel, between passes
 void amx_panels(const Problem& p, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
-  const uint16_t* x = static_cast<const uint16_t*>(p.x);  // A tiles (`amx_a_tile`), widen64's order
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);  // A tiles (`amx_a_tile`), k in natural order
   const int64_t next = p.Kp / 32 * kAmxTileValues;
   const int64_t passes = (p.Kp + kAmxKc + 64 - 1) / (kAmxKc + 64);        // K up to 576 in one pass
   const int64_t kc = (p.Kp / 64 + passes - 1) / passes * 64;              // k per pass, a multiple of 64
@@ -1742,6 +1743,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
   at::Tensor out = at::empty({rows, N}, x.options());
   if (rows == 0 || N == 0) return out.reshape(out_shape);
   fault_in(out);
+  const Out all{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()};  // the epilogue of every row
 
 #if HQT_BF16
   const bool bf16 = hp == at::kBFloat16;
@@ -1787,7 +1789,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
       const int64_t rows = tiles ? wide_rows(M) : kOuterMR;
       const Problem p{wt, bf16_tiles(static_cast<const uint16_t*>(x2d.data_ptr()) + first * K, M, K, Kp,
                                      has_sx ? &s_x : nullptr, e4m3, rows),
-                      M, Kp, true, Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}.from_row(first), bw};
+                      M, Kp, true, all.from_row(first), bw};
       const int64_t unit = 2 * kBlock, grain = decode ? unit : std::max<int64_t>(unit, (N + threads - 1) / threads);
       at::parallel_for(0, (N + unit - 1) / unit, (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
         const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
@@ -1817,7 +1819,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
         uint16_t* xt = static_cast<uint16_t*>(scratch<3>((rows + kTile - 1) / kTile * kTile * Kp * sizeof(uint16_t)));
         amx_input_tiles(static_cast<const uint16_t*>(x2d.data_ptr()) + (first + m0) * K, 0, rows, rows, K, Kp,
                         has_sx ? &s_x : nullptr, e4m3, xt);
-        const Problem p{wt, xt, rows, Kp, true, Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}.from_row(first + m0), bw};
+        const Problem p{wt, xt, rows, Kp, true, all.from_row(first + m0), bw};
         amx_panels(p, 0, N);
       });
       return;
@@ -1838,7 +1840,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
         std::fill(row + K, row + Kp, 0.f);
       }
     });
-    const Out o = Out{out.data_ptr(), N, hp, b.empty() ? nullptr : b.data()}.from_row(first);
+    const Out o = all.from_row(first);
 
 #if HQT_AMX
     if (amx) {  // every M: input tiles of 16 rows over panels of widened weight rows
