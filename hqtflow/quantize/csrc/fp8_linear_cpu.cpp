@@ -1531,8 +1531,8 @@ HQT_INLINE void amx_store_acc(float* c, int64_t ldc) {
 // every weight block of a panel in turn: with `Stream`, the weight is loaded with the streaming hint (TILELOADDT1, as
 // oneDNN loads the operand it streams), which keeps it from evicting the input tiles from L1. A/B on a 2-core AMX
 // Xeon, W8A8: 3-18% faster at M = 256-8192 for N up to 16384 (SmolLM2's shapes, 4096^2, 8192 and 16384 x 576), the
-// same at M = 1-32; 4-13% slower for a vocabulary's 32768-49152 rows (their output, tens of MB a call, goes to fresh
-// pages: the stores bound the step), which keep the plain load (kStreamMaxN).
+// same at M = 1-32; 4-13% slower for a vocabulary's 32768-49152 rows, which keep the plain load (kStreamMaxN). There
+// the output, tens of MB a call, sets the pace: a step's time doubles from 16384 rows to 32768, bf16 F.linear's too.
 constexpr int64_t kStreamMaxN = 16384;
 template <int MB, int NB, bool Stream>
 HQT_INLINE void amx_step(const uint16_t* x, int64_t next, const uint32_t* w0, const uint32_t* w1) {
