@@ -438,17 +438,23 @@ void qdq_row(const float* x, int64_t n, float s, bool e4m3, at::ScalarType hp, f
 }
 
 #if HQT_AVX512 || HQT_AVX2
-// One vector of fp32, bf16 or fp16 values as fp32 (exact: a shift for bf16, vcvtph2ps for fp16).
+// One vector of fp32, bf16 (c10::BFloat16) or fp16 values as fp32 (exact: a shift for bf16, vcvtph2ps for fp16).
 template <typename T>
 HQT_INLINE F32::V load_as_float(const T* p) {
 #if HQT_AVX512
   if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
   else if constexpr (std::is_same_v<T, c10::Half>) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  else {
+    static_assert(std::is_same_v<T, c10::BFloat16>);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
 #else
   if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
   else if constexpr (std::is_same_v<T, c10::Half>) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  else {
+    static_assert(std::is_same_v<T, c10::BFloat16>);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
 #endif
 }
 #endif
@@ -486,21 +492,23 @@ std::vector<float> floats_of(const at::Tensor& t) {
   return v;
 }
 
+// n bf16 or fp16 values as floats (exact), a vector at a time.
+template <typename T>
+void floats_from(const T* p, int64_t n, float* out) {
+  int64_t k = 0;
+#if HQT_AVX512 || HQT_AVX2
+  for (; k + F32::W <= n; k += F32::W) F32::store(out + k, load_as_float(p + k));
+#endif
+  for (; k < n; ++k) out[k] = static_cast<float>(p[k]);
+}
+
 // Row m of x as floats, QDQ'd when there is a static input scale.
 void input_row(const at::Tensor& x2d, int64_t m, const float* s_x, bool e4m3, float* out) {
   const int64_t K = x2d.size(1);
   const void* base = x2d.data_ptr();
   switch (x2d.scalar_type()) {
-    case at::kBFloat16: {
-      const auto* p = static_cast<const c10::BFloat16*>(base) + m * K;
-      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<float>(p[k]);
-      break;
-    }
-    case at::kHalf: {
-      const auto* p = static_cast<const c10::Half*>(base) + m * K;
-      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<float>(p[k]);
-      break;
-    }
+    case at::kBFloat16: floats_from(static_cast<const c10::BFloat16*>(base) + m * K, K, out); break;
+    case at::kHalf: floats_from(static_cast<const c10::Half*>(base) + m * K, K, out); break;
     case at::kFloat: std::memcpy(out, static_cast<const float*>(base) + m * K, K * sizeof(float)); break;
     default: TORCH_CHECK(false, "fp8_linear: unsupported input dtype ", x2d.scalar_type());
   }
@@ -867,10 +875,7 @@ struct Bf16Group {  // bf16 values, exact in fp32
   static constexpr int kDecode = 12, kDecodeLong = 12;
   const uint16_t* p;
   Bf16Group(const Weight& wt, const void* packed, int64_t g) : p(static_cast<const uint16_t*>(packed) + g * wt.K * kGroup) {}
-  HQT_INLINE F32::V one(int64_t k) const {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k * kGroup));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
+  HQT_INLINE F32::V one(int64_t k) const { return load_as_float(reinterpret_cast<const c10::BFloat16*>(p + k * kGroup)); }
   HQT_INLINE void pair(int64_t k, F32::V& a, F32::V& b) const { a = one(k), b = one(k + 1); }
 };
 
