@@ -6,6 +6,9 @@ processes load it in milliseconds. It registers these torch ops:
 - `torch.ops.hqtflow.fp8_linear(x, weight, weight_scale, input_scale, bias, packed=None)`: the QDQ reference's
   function hp(QDQ(x) @ hp(W * s_w)^T) + bias, batch-invariant (a row's output does not depend on M or on its
   neighbours); `packed` is `fp8_pack(weight)`, made once per layer (without it, AVX2 packs the weight per call);
+- `fp8_linear_gated(gate, up, act, weight, weight_scale, input_scale, bias, packed=None)`: `fp8_linear` of a gated
+  MLP's hp(act(gate) * up), that input made row by row inside the call (`gated_mlp.py`; `act`: act's output for
+  every bf16/fp16 bit pattern);
 - `fp8_pack(weight)`: the weight in the layout the kernel reads on this machine (AVX2: [ceil(N / 8), K, 8], groups of
   8 rows column after column; an empty tensor where it reads [N, K] directly);
 - `fp8_dequantize(weight, weight_scale, dtype)`, `fp8_quantize(x, scale, e4m3)`, `fp8_qdq(x, scale, e4m3)`: the
@@ -134,6 +137,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("hqtflow::fp8_linear")
     def _(x, weight, weight_scale, input_scale, bias, packed=None):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.register_fake("hqtflow::fp8_linear_gated")
+    def _(gate, up, act, weight, weight_scale, input_scale, bias, packed=None):
+        return gate.new_empty(*gate.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake("hqtflow::paged_decode_attention")
     def _(q, keys, values, slots, offsets, k_scale, v_scale, scale, softcap=0.0, sinks=None):

@@ -304,6 +304,16 @@ class FP8Linear(nn.Module):
             x = x.to(self.hp_dtype)
         return torch.ops.hqtflow.fp8_linear.default(x, w, b["weight_scale"], b["input_scale"], b["bias"], self.packed)
 
+    def gated(self, gate: torch.Tensor, up: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        """`self(hp(act(gate) * up))` on the CPU kernel, the input made inside the kernel call (`gated_mlp`); `act` is
+        `gated_mlp.act_table(act_fn, dtype)`. For a "cpu" layer with a static input scale or none."""
+        b = self._buffers
+        w = b["weight"]
+        if self._packed_from != (w.data_ptr(), w._version):
+            self.pack_for_cpu()
+        return torch.ops.hqtflow.fp8_linear_gated.default(gate, up, act, w, b["weight_scale"], b["input_scale"],
+                                                          b["bias"], self.packed)
+
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x_fp8 [M, K] (row-major) @ W_fp8^T (a column-major view of the stored [N, K]), scaled in fp32.
 
@@ -445,10 +455,11 @@ def set_backend(model: nn.Module, backend: str) -> int:
         else:
             mod.packed, mod._packed_from = None, None
         n += use
-    if layers:  # the model's high-precision Linears too (an lm_head kept in bf16, computed in fp32)
-        from hqtflow.quantize import bf16_linear
+    if layers:  # the model's high-precision Linears too (an lm_head kept in bf16, computed in fp32), and gated MLPs
+        from hqtflow.quantize import bf16_linear, gated_mlp
 
         bf16_linear.use_kernel(model, backend == "cpu")
+        gated_mlp.use_kernel(model, backend == "cpu")
     return n
 
 

@@ -502,17 +502,73 @@ void floats_from(const T* p, int64_t n, float* out) {
   for (; k < n; ++k) out[k] = static_cast<float>(p[k]);
 }
 
-// Row m of x as floats, QDQ'd when there is a static input scale.
-void input_row(const at::Tensor& x2d, int64_t m, const float* s_x, bool e4m3, float* out) {
-  const int64_t K = x2d.size(1);
-  const void* base = x2d.data_ptr();
-  switch (x2d.scalar_type()) {
-    case at::kBFloat16: floats_from(static_cast<const c10::BFloat16*>(base) + m * K, K, out); break;
-    case at::kHalf: floats_from(static_cast<const c10::Half*>(base) + m * K, K, out); break;
-    case at::kFloat: std::memcpy(out, static_cast<const float*>(base) + m * K, K * sizeof(float)); break;
-    default: TORCH_CHECK(false, "fp8_linear: unsupported input dtype ", x2d.scalar_type());
+// ---- the input rows ------------------------------------------------------------------------------------------
+inline float hp_value(uint16_t b, bool bf16) {  // a bf16 or fp16 value's bits as float (exact)
+  if (!bf16) return static_cast<float>(c10::Half(b, c10::Half::from_bits()));
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// A gated MLP's row hp(act(g) * u) from the rows g and u (bf16 or fp16 bits): act(g) looked up in `act`, act's hp
+// output for each of the 65536 bit patterns (65537 entries: the vector lookup reads 4 bytes), the product of two hp
+// values exact in fp32 and rounded once to hp, as torch's `mul` rounds it.
+void gated_row(const uint16_t* g, const uint16_t* u, const uint16_t* act, int64_t K, bool bf16, uint16_t* out) {
+  int64_t k = 0;
+#if HQT_AVX512
+  const auto widen = [bf16](__m256i h) {
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+  };
+  for (; k + 16 <= K; k += 16) {
+    const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + k)));
+    const __m256i a = _mm512_cvtepi32_epi16(_mm512_i32gather_epi32(idx, act, 2));
+    const __m512 p = _mm512_mul_ps(widen(a), widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + k))));
+    const __m256i h = bf16 ? _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(F32::round_bf16(p)), 16))
+                           : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), h);
   }
-  if (s_x) qdq_row(out, K, *s_x, e4m3, x2d.scalar_type(), out);
+#endif
+  for (; k < K; ++k) {
+    const float p = hp_value(act[g[k]], bf16) * hp_value(u[k], bf16);
+    out[k] = bf16 ? c10::BFloat16(p).x : c10::Half(p).x;
+  }
+}
+
+// Where the product's input rows come from: x ([M, K] in hp), or, for a gated MLP's down projection
+// (`fp8_linear_gated`), hp(act(gate) * up) made a row at a time into the reader's buffer, never stored whole.
+struct Rows {
+  const void* x;  // the input, or the gate
+  int64_t K;
+  at::ScalarType hp;
+  const uint16_t* up = nullptr;
+  const uint16_t* act = nullptr;  // with `up`: the gated row's table (`gated_row`)
+
+  Rows from(int64_t m) const {  // rows m, m + 1, ...
+    return Rows{static_cast<const char*>(x) + m * K * (hp == at::kFloat ? 4 : 2), K, hp, up ? up + m * K : nullptr, act};
+  }
+  // A thread's buffer for the rows `bits` makes (none when it makes none).
+  uint16_t* buffer() const { return act ? static_cast<uint16_t*>(scratch<6>(K * sizeof(uint16_t))) : nullptr; }
+  // Row m's bf16 or fp16 bits: x's own, or the gated row made in `buf`.
+  const uint16_t* bits(int64_t m, uint16_t* buf) const {
+    const uint16_t* row = static_cast<const uint16_t*>(x) + m * K;
+    if (!act) return row;
+    gated_row(row, up + m * K, act, K, hp == at::kBFloat16, buf);
+    return buf;
+  }
+};
+
+// Row m as floats, QDQ'd when there is a static input scale.
+void input_row(const Rows& r, int64_t m, const float* s_x, bool e4m3, float* out) {
+  const int64_t K = r.K;
+  if (r.hp == at::kFloat) {
+    std::memcpy(out, static_cast<const float*>(r.x) + m * K, K * sizeof(float));
+  } else {
+    const uint16_t* row = r.bits(m, r.buffer());
+    if (r.hp == at::kBFloat16) floats_from(reinterpret_cast<const c10::BFloat16*>(row), K, out);
+    else floats_from(reinterpret_cast<const c10::Half*>(row), K, out);
+  }
+  if (s_x) qdq_row(out, K, *s_x, e4m3, r.hp, out);
 }
 
 #if HQT_BF16
@@ -1393,16 +1449,17 @@ void outer_wide(const Problem& p, const Widener& one, int64_t n0, int64_t n1) {
 // tiles in parallel: one pass over the input, where there were two (QDQ into a row-major buffer, then the move into
 // tiles). Measured on a 2-core Zen 4: 576 x 1536 at M = 8192 (warm) 40.1 -> 39.6 ms, 192 x 576 6.39 -> 6.14 ms; a
 // SmolLM2 token's 210 calls at M = 1 (cold) 9.68 -> 9.18 ms.
-uint32_t* bf16_tiles(const uint16_t* x, int64_t M, int64_t K, int64_t Kp, const float* s_x, bool e4m3, int64_t rows) {
+uint32_t* bf16_tiles(const Rows& x, int64_t M, int64_t Kp, const float* s_x, bool e4m3, int64_t rows) {
   uint32_t* tiled = static_cast<uint32_t*>(scratch<4>(M * Kp * sizeof(uint16_t)));
   const int64_t pairs = Kp / 2;
   at::parallel_for(0, (M + rows - 1) / rows, 1, [&](int64_t t0, int64_t t1) {
     uint32_t* row = static_cast<uint32_t*>(scratch<5>(Kp * sizeof(uint16_t)));
+    uint16_t* made = x.buffer();
     for (int64_t tile = t0; tile < t1; ++tile) {
       const int64_t m0 = tile * rows, n = std::min<int64_t>(rows, M - m0);
       uint32_t* dst = tiled + m0 * pairs;
       for (int64_t i = 0; i < n; ++i) {
-        bf16_input_row(x + (m0 + i) * K, K, Kp, s_x, e4m3, reinterpret_cast<uint16_t*>(row));
+        bf16_input_row(x.bits(m0 + i, made), x.K, Kp, s_x, e4m3, reinterpret_cast<uint16_t*>(row));
         for (int64_t t = 0; t < pairs; ++t) dst[t * n + i] = row[t];
       }
     }
@@ -1495,9 +1552,11 @@ inline const uint16_t* amx_a_tile(const uint16_t* x, int64_t Kp, int64_t m, int6
 
 // Rows [m0, m1) of an input of M rows (`x`, bf16 [M, K]) into A tiles `xt`, QDQ'd when there is a static input scale;
 // the range that ends at M also zeroes the last tile's rows past M.
-void amx_input_tiles(const uint16_t* x, int64_t m0, int64_t m1, int64_t M, int64_t K, int64_t Kp, const float* s_x,
-                     bool e4m3, uint16_t* xt) {
-  for (int64_t m = m0; m < m1; ++m) bf16_input_row(x + m * K, K, Kp, s_x, e4m3, amx_a_tile(xt, Kp, m, 0), kAmxTileValues);
+void amx_input_tiles(const Rows& x, int64_t m0, int64_t m1, int64_t M, int64_t Kp, const float* s_x, bool e4m3,
+                     uint16_t* xt) {
+  uint16_t* made = x.buffer();
+  for (int64_t m = m0; m < m1; ++m)
+    bf16_input_row(x.bits(m, made), x.K, Kp, s_x, e4m3, amx_a_tile(xt, Kp, m, 0), kAmxTileValues);
   if (m1 == M)
     for (int64_t m = M; m % kTile; ++m)
       for (int64_t k = 0; k < Kp; k += 32) std::fill_n(amx_a_tile(xt, Kp, m, k), 32, uint16_t(0));
@@ -1726,10 +1785,12 @@ void fault_in(const at::Tensor& t) {
 // weight is swept over them. A row's result does not depend on its slice.
 inline int64_t slice_rows(int64_t row_bytes) { return std::max<int64_t>(64, (int64_t(8) << 20) / row_bytes / 64 * 64); }
 
-// The product of both ops: FP8 bytes `w` ([N, K]), or on the bf16 paths bf16 weights already packed (`bw`, w undefined).
+// The product of the ops: FP8 bytes `w` ([N, K]), or on the bf16 paths bf16 weights already packed (`bw`, w undefined);
+// the input x, or with `up` and `act` the gated rows hp(act(x) * up) (`Rows`).
 at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, const std::vector<float>& sc,
                        const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& bias,
-                       const c10::optional<at::Tensor>& packed, const uint32_t* bw) {
+                       const c10::optional<at::Tensor>& packed, const uint32_t* bw, const at::Tensor* up = nullptr,
+                       const uint16_t* act = nullptr) {
   const bool e4m3 = bw ? true : is_e4m3(w);
   const uint8_t* w8 = bw ? nullptr : reinterpret_cast<const uint8_t*>(w.data_ptr());
   TORCH_CHECK(x.size(-1) == K, "fp8_linear: input has ", x.size(-1), " features, weight expects ", K);
@@ -1738,6 +1799,8 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   const at::Tensor x2d = x.reshape({-1, K}).contiguous();
+  const at::Tensor up2d = up ? up->reshape({-1, K}).contiguous() : at::Tensor();
+  const Rows src{x2d.data_ptr(), K, hp, up ? static_cast<const uint16_t*>(up2d.data_ptr()) : nullptr, act};
   const int64_t rows = x2d.size(0);
   TORCH_CHECK(sc.size() == 1 || static_cast<int64_t>(sc.size()) == N, "fp8_linear: weight_scale must have 1 or ", N, " values");
   std::vector<float> b = bias.has_value() ? floats_of(*bias) : std::vector<float>();
@@ -1792,8 +1855,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
                          (N + threads - 1) / threads * K <= kOuterTilesMaxBytes;
       const bool decode = M <= kOuterDecodeMaxM || tiles;
       const int64_t rows = tiles ? wide_rows(M) : kOuterMR;
-      const Problem p{wt, bf16_tiles(static_cast<const uint16_t*>(x2d.data_ptr()) + first * K, M, K, Kp,
-                                     has_sx ? &s_x : nullptr, e4m3, rows),
+      const Problem p{wt, bf16_tiles(src.from(first), M, Kp, has_sx ? &s_x : nullptr, e4m3, rows),
                       M, Kp, true, all.from_row(first), bw};
       const int64_t unit = 2 * kBlock, grain = decode ? unit : std::max<int64_t>(unit, (N + threads - 1) / threads);
       at::parallel_for(0, (N + unit - 1) / unit, (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
@@ -1822,8 +1884,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
       at::parallel_for(0, (M + unit - 1) / unit, 1, [&](int64_t b0, int64_t b1) {
         const int64_t m0 = b0 * unit, rows = std::min(M, b1 * unit) - m0;
         uint16_t* xt = static_cast<uint16_t*>(scratch<3>((rows + kTile - 1) / kTile * kTile * Kp * sizeof(uint16_t)));
-        amx_input_tiles(static_cast<const uint16_t*>(x2d.data_ptr()) + (first + m0) * K, 0, rows, rows, K, Kp,
-                        has_sx ? &s_x : nullptr, e4m3, xt);
+        amx_input_tiles(src.from(first + m0), 0, rows, rows, Kp, has_sx ? &s_x : nullptr, e4m3, xt);
         const Problem p{wt, xt, rows, Kp, true, all.from_row(first + m0), bw};
         amx_panels(p, 0, N);
       });
@@ -1836,12 +1897,11 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
     at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
 #if HQT_AMX
       if (amx)
-        return amx_input_tiles(static_cast<const uint16_t*>(x2d.data_ptr()) + first * K, m0, m1, M, K, Kp,
-                               has_sx ? &s_x : nullptr, e4m3, xb);
+        return amx_input_tiles(src.from(first), m0, m1, M, Kp, has_sx ? &s_x : nullptr, e4m3, xb);
 #endif
       for (int64_t m = m0; m < m1; ++m) {
         float* row = xf + m * Kp;
-        input_row(x2d, first + m, has_sx ? &s_x : nullptr, e4m3, row);
+        input_row(src, first + m, has_sx ? &s_x : nullptr, e4m3, row);
         std::fill(row + K, row + Kp, 0.f);
       }
     });
@@ -1882,6 +1942,24 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
                       const c10::optional<at::Tensor>& packed) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "fp8_linear: weight must be a contiguous 2-D tensor");
   return linear_impl(x, w, w.size(0), w.size(1), floats_of(weight_scale), input_scale, bias, packed, nullptr);
+}
+
+// A gated MLP's down projection: fp8_linear(hp(act(gate) * up), ...) with the gated input made a row at a time as the
+// kernel lays its input out (`gated_row`), never written to memory: the two element-wise passes of torch's
+// `act(gate) * up` (and the tensor between them) are saved. `act` is act's output for every bf16 or fp16 bit pattern
+// (the Python side's `act_table`), so the input is bit for bit the model's own `act_fn(gate) * up`.
+at::Tensor fp8_linear_gated(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& act, const at::Tensor& w,
+                            const at::Tensor& weight_scale, const c10::optional<at::Tensor>& input_scale,
+                            const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& packed) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "fp8_linear_gated: weight must be a contiguous 2-D tensor");
+  TORCH_CHECK(gate.scalar_type() == at::kBFloat16 || gate.scalar_type() == at::kHalf,
+              "fp8_linear_gated: gate must be bfloat16 or float16, not ", gate.scalar_type());
+  TORCH_CHECK(up.sizes() == gate.sizes() && up.scalar_type() == gate.scalar_type(),
+              "fp8_linear_gated: up must have gate's shape and dtype");
+  TORCH_CHECK(act.scalar_type() == gate.scalar_type() && act.dim() == 1 && act.size(0) == 65537 && act.is_contiguous(),
+              "fp8_linear_gated: act must be the 65537-entry table of gate's dtype (act_table)");
+  return linear_impl(gate, w, w.size(0), w.size(1), floats_of(weight_scale), input_scale, bias, packed, nullptr, &up,
+                     static_cast<const uint16_t*>(act.data_ptr()));
 }
 
 // High-precision weights (an `lm_head` kept in bf16), for fp32 compute on AVX2 and bf16 compute on the bf16 paths
@@ -2025,6 +2103,7 @@ std::string fp8_isa() {
 
 TORCH_LIBRARY(HQT_OPS_NS, m) {
   m.def("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, Tensor? packed=None) -> Tensor");
+  m.def("fp8_linear_gated(Tensor gate, Tensor up, Tensor act, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, Tensor? packed=None) -> Tensor");
   m.def("fp8_pack(Tensor weight) -> Tensor");
   m.def("bf16_pack(Tensor weight) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
@@ -2036,6 +2115,7 @@ TORCH_LIBRARY(HQT_OPS_NS, m) {
 
 TORCH_LIBRARY_IMPL(HQT_OPS_NS, CPU, m) {
   m.impl("fp8_linear", &fp8_linear);
+  m.impl("fp8_linear_gated", &fp8_linear_gated);
   m.impl("fp8_pack", &fp8_pack);
   m.impl("bf16_pack", &bf16_pack);
   m.impl("bf16_linear", &bf16_linear);
