@@ -191,6 +191,19 @@ def test_fp8_linear_bench_smoke(cpu_kernel_loaded):
     assert re.search(r"lowest SQNR [\d.]+ dB", r.stdout), r.stdout
 
 
+def test_gated_mlp_bench_smoke(cpu_kernel_loaded):
+    """bench/gated_mlp.py on a small block, M = 1 and 9, two calls: the fused block is checked against the unfused one
+    before timing, and each row's cells are ratios to the faster high-precision block (1.00x)."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gated_mlp.py"), "--hidden", "64", "--intermediate", "160",
+                        "--ms", "1,9", "--iters", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "CPU flags" in r.stdout and "speed vs the faster of bf16/fp32" in r.stdout, r.stdout
+    rows = re.findall(r"^ +(\d+) +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x$", r.stdout, re.M)
+    assert [row[0] for row in rows] == ["1", "9"], r.stdout
+    for _, bf16, fp32, unfused, fused in rows:
+        assert max(float(bf16), float(fp32)) == 1.0 and float(unfused) > 0 and float(fused) > 0, r.stdout
+
+
 def test_moe_experts_bench_smoke(cpu_kernel_loaded):
     """bench/moe_experts.py on a small experts layer (8 experts, top-2, hidden 128): a row per M of ratios to the
     fastest high-precision column (which reads 1.00x and is named), the FP8 output's SQNR checked first."""
