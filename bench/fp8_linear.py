@@ -14,7 +14,7 @@ dB; a wrong path exits without a ratio). The columns are timed interleaved, call
 alike. By default each shape cycles through enough distinct weight copies to exceed the last-level cache (`--working-set`
 MiB per dtype), so weights stream from DRAM the way a model's layers do in decode; `--hot` reuses one copy.
 
-    python bench/fp8_linear.py [--device cuda] [--iters 20] [--hot] [--ms 1,8,256,512] [--columns "cpu w8a8,cpu w-only"]
+    python bench/fp8_linear.py [--device cuda] [--iters 20] [--hot] [--per-channel] [--ms 1,8,256,512] [--columns "cpu w8a8,cpu w-only"]
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ def main() -> None:
     p.add_argument("--ms", default="1,8,256,512")
     p.add_argument("--hot", action="store_true", help="reuse one weight copy (cache-resident for small shapes)")
     p.add_argument("--working-set", type=int, default=512, help="MiB of bf16 weights cycled per shape (default 512)")
+    p.add_argument("--per-channel", action="store_true", help="one weight scale per output row (compressed-tensors "
+                   "per-channel checkpoints, the *_pcs_* scale methods) instead of one per tensor")
     p.add_argument("--columns", default=None, help="comma-separated FP8 columns to measure (default: all; the bf16 and "
                    "fp32 baselines always run). On a CPU `qdq` and `scaled_mm` emulate and take most of the run")
     a = p.parse_args()
@@ -91,6 +93,7 @@ def main() -> None:
     print(f"device {dev}{f': {torch.cuda.get_device_name()}' if dev == 'cuda' else ''}; {machine_line()}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; median of {a.iters} calls; "
           f"{'hot (one weight copy)' if a.hot else f'cold (weights cycled over {a.working_set} MiB of bf16 copies)'}; "
+          f"{'per-channel' if a.per_channel else 'per-tensor'} weight scales; "
           f"--dtype auto here: {fastest_dtype(dev)}"
           + (f"; CPU kernel path for bf16: {isa}" if cpu_kernel else ""))
     if dev == "cpu" and not cpu_kernel:
@@ -115,7 +118,8 @@ def main() -> None:
             x32 = x.float()
             s_x = (x.abs().max() / 112).to(torch.bfloat16)
             slow = dev == "cpu"  # the QDQ reference and _scaled_mm emulate on CPU: fewer copies and calls
-            w_scale = lambda l: (l.weight.abs().max() / 224).to(l.weight.dtype)  # noqa: E731
+            w_max = lambda w: w.abs().amax(1) if a.per_channel else w.abs().max()  # noqa: E731
+            w_scale = lambda l: (w_max(l.weight) / 224).to(l.weight.dtype)  # noqa: E731
             runs = [("qdq", "qdq", lins, s_x, x), ("cpu w8a8", "cpu", lins, s_x, x), ("cpu w-only", "cpu", lins, None, x),
                     ("cpu fp32", "cpu", lins32, s_x.float(), x32), ("scaled_mm", "scaled_mm", lins, s_x, x)]
             columns = {"bf16": ([lambda l=l: l(x) for l in lins], a.iters),

@@ -107,6 +107,29 @@ def test_kernel_is_the_reference_and_batch_invariant(ops, k, n, hp, mode):
         assert torch.equal(_run(ops, mod, x[:64].reshape(4, 16, k)), full[:64].reshape(4, 16, n))
 
 
+@pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
+@pytest.mark.parametrize("hp", list(HP))
+def test_per_channel_weights_are_the_reference_for_every_code_and_scale(ops, fp8, hp):
+    """Each weight row with a scale of its own (the bf16 paths build a table of hp(v * s) per row, a vector at a time):
+    every finite FP8 code in every row, scales from fp32's subnormals (bf16: from 2^-109) to 2^100 (fp16: 2^-1), read
+    back through one-hot input rows (y[m, n] = hp(W[n, m] * s_n) exactly), on the register path (M <= 12) and the
+    panel path, equal to the reference's `dequantize` bit for bit."""
+    e4m3 = fp8 == "E4M3"
+    codes = torch.tensor([c for c in range(256) if (c & 0x7F) != 0x7F] if e4m3 else
+                         [c for c in range(256) if (c & 0x7F) < 0x7C], dtype=torch.uint8)  # NaN and inf left out
+    n, k = 70, codes.numel()
+    w = torch.stack([codes.roll(3 * r) for r in range(n)]).view(torch.float8_e4m3fn if e4m3 else torch.float8_e5m2)
+    torch.manual_seed(0)
+    # bf16: products normal (bf16 dot products flush subnormals); fp16: within its range (0 * inf = NaN sums)
+    low, top = (-108, 100) if hp == "bf16" else (-149, -1) if hp == "fp16" else (-149, 100)
+    scale = (torch.rand(n) + 0.5) * 2.0 ** torch.linspace(low, top, n).round()
+    want = dequantize(w, scale[:, None], HP[hp]).t()
+    eye = torch.eye(k, dtype=HP[hp])
+    for rows in (slice(0, 1), slice(5, 17), slice(0, k)):
+        got = ops.fp8_linear(eye[rows], w, scale, None, None)
+        assert torch.equal(got.isnan(), want[rows].isnan()) and torch.equal(got.nan_to_num(), want[rows].nan_to_num())
+
+
 @pytest.mark.parametrize("hp", ["bf16", "fp32"])
 def test_large_inputs_in_row_chunks_give_the_same_rows(ops, hp):
     """An input of more than a few MB is computed in slices of rows (here: K = 16390, slices of 64 fp32 or 192 bf16

@@ -8,8 +8,9 @@
 // with hp the high-precision dtype (bf16, fp16 or fp32). Only the order of the fp32 sum differs from the reference's
 // GEMM (which changes its order with M); here it is fixed per output, the same on every path and for every M:
 // - bf16 path (bf16 models on CPUs with AVX512-BF16): each output owns one fp32 vector lane and adds its products
-//   pair of k after pair of k in ascending k (one vdpbf16ps lane per pair: acc + x[k] w[k] + x[k+1] w[k+1]), with
-//   no reduction across lanes (outer products: 16 outputs per vector, the input pair broadcast);
+//   pair of k after pair of k in ascending k (one vdpbf16ps lane per pair: acc + x[k+1] w[k+1], then + x[k] w[k],
+//   each rounded to nearest even, denormals flushed), with no reduction across lanes (outer products: 16 outputs per
+//   vector, the input pair broadcast); on Intel CPUs the panels do each as two FMAs with the same bits;
 // - AMX path (bf16 models on CPUs with AMX-BF16, every M): each output is an element of a 16 x 16 fp32 tile that
 //   one TDPBF16PS updates with 32 products at a time, 32 k after 32 k in ascending order; row m of the tile depends
 //   only on row m of the input tile. The hardware adds the 32 products and the accumulator in its own way (not a
@@ -28,7 +29,9 @@
 // - bf16 dot products (AVX512-BF16 + AVX512-VBMI, bf16 models): 64 FP8 bytes become 64 bf16 values of w_q with two
 //   128-entry byte-table lookups (vpermi2b, high and low bytes of hp(v * s_w) for the 128 non-negative codes), one
 //   OR for the sign and two unpacks. The bytes of 16 weight rows are first transposed so that each widened vector
-//   holds one pair of k of 16 rows. vdpbf16ps does 32 exact multiply-adds per instruction into fp32.
+//   holds one pair of k of 16 rows. vdpbf16ps does 32 exact multiply-adds per instruction into fp32; on Intel cores
+//   (where it issues at a quarter of the FMA rate) the panels (M > 12) run it as two FMAs under DAZ and FTZ, its
+//   bits checked at load (`outer_steps_fma`).
 // - fp32 FMA (AVX-512F or AVX2+F16C; fp32 and fp16 models, and bf16 models on CPUs without bf16 dot products): the
 //   byte is sign-extended, shifted and masked into an IEEE half (E4M3 value * 2^-8, subnormals included), widened
 //   by vcvtph2ps, multiplied by s_w * 2^8 (exactly the fp32 product v * s_w) and rounded to hp.
@@ -1329,6 +1332,87 @@ HQT_INLINE void outer_steps(const uint32_t* xt, const uint32_t* w, int64_t bstri
   }
 }
 
+// VDPBF16PS as fp32 FMAs: acc + x[2t+1] w[2t+1], then + x[2t] w[2t], each rounded to nearest even, denormal inputs
+// read as zero and denormal results flushed (the caller sets MXCSR's DAZ and FTZ): the instruction's bits (equal on
+// 32M random lanes, tiny and denormal values included, on an Emerald Rapids; checked at load, `fma_is_dpbf16`). Where
+// VDPBF16PS issues at a quarter of the FMA rate (Intel cores without AMX: 0.78 vs 0.19 ns an instruction on a 2-core
+// Emerald Rapids VM, where fp32 `F.linear` beats bf16's by 1.6x at M >= 256), the panels take it: half the products
+// per cycle of two FMAs each is still twice VDPBF16PS's. `xf`: the tile in fp32, value k of row i at xf[k * MR + i].
+template <int MR, int NB>
+HQT_INLINE void outer_steps_fma(const float* xf, const uint32_t* w, int64_t bstride, int64_t pairs, __m512 (&acc)[MR][NB]) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t t = 0; t < pairs; ++t, w += kBlock, xf += 2 * MR) {
+    __m512 odd[NB], even[NB];
+    HQT_UNROLL for (int b = 0; b < NB; ++b) {
+      const __m512i v = _mm512_load_si512(w + b * bstride);
+      odd[b] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+      even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    }
+    HQT_UNROLL for (int m = 0; m < MR; ++m) {
+      const __m512 xo = _mm512_set1_ps(xf[MR + m]);
+      HQT_UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_fmadd_ps(xo, odd[b], acc[m][b]);
+    }
+    HQT_UNROLL for (int m = 0; m < MR; ++m) {
+      const __m512 xe = _mm512_set1_ps(xf[m]);
+      HQT_UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_fmadd_ps(xe, even[b], acc[m][b]);
+    }
+  }
+}
+
+// MXCSR with denormals read as zero and results flushed (VDPBF16PS's arithmetic) for the life of the guard.
+struct FlushDenormals {
+  unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
+// Whether outer_steps_fma computes VDPBF16PS's bits on this CPU: pairs of bf16 with exponents over the whole range
+// (zeros, denormals, cancellations) through both, once per process. Only then may the panels use it.
+bool fma_is_dpbf16() {
+  static const bool same = [] {
+    uint64_t r = 0x9E3779B97F4A7C15ull;
+    const auto next = [&r] { r ^= r << 13, r ^= r >> 7, r ^= r << 17; return r; };
+    const auto bf16 = [&next] {
+      const uint64_t q = next();
+      const uint32_t e = (q & 3) == 0 ? (q >> 8) & 0xFF : (q & 3) == 1 ? (q >> 8) & 3 : 0x60 + (q >> 8) % 0x40;
+      return static_cast<uint16_t>(((q >> 20) & 1) << 15 | e << 7 | ((q >> 24) & 0x7F));
+    };
+    for (int round = 0; round < 2048; ++round) {
+      alignas(64) uint16_t x[32], w[32];
+      alignas(64) float acc[16], xf[2];
+      for (int i = 0; i < 32; ++i) x[i] = bf16(), w[i] = bf16();
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t u = static_cast<uint32_t>(next() >> 16);  // any bits: NaN and inf too
+        std::memcpy(&acc[i], &u, 4);
+      }
+      const __m512 want = _mm512_dpbf16_ps(_mm512_load_ps(acc), (__m512bh)_mm512_load_si512(w), (__m512bh)_mm512_load_si512(x));
+      // lane i of x as a broadcast input row: outer_steps_fma over one pair, one row, one block, lane by lane
+      for (int i = 0; i < 16; ++i) {
+        alignas(64) uint32_t wv[kBlock];
+        for (int j = 0; j < kBlock; ++j) wv[j] = static_cast<uint32_t>(w[2 * i]) | static_cast<uint32_t>(w[2 * i + 1]) << 16;
+        const uint32_t lo = static_cast<uint32_t>(x[2 * i]) << 16, hi = static_cast<uint32_t>(x[2 * i + 1]) << 16;
+        std::memcpy(&xf[0], &lo, 4), std::memcpy(&xf[1], &hi, 4);
+        __m512 a[1][1] = {{_mm512_set1_ps(acc[i])}};
+        {
+          FlushDenormals flush;
+          outer_steps_fma<1, 1>(xf, wv, 0, 1, a);
+        }
+        alignas(64) float got[16], hw[16];
+        _mm512_store_ps(got, a[0][0]), _mm512_store_ps(hw, want);
+        if (std::memcmp(&got[0], &hw[i], 4) != 0 && !(std::isnan(got[0]) && std::isnan(hw[i]))) return false;
+      }
+    }
+    return true;
+  }();
+  return same;
+}
+
+// The panels' arithmetic: two FMAs a pair on Intel CPUs (see outer_steps_fma) where they are VDPBF16PS's bits.
+bool fma_panels() {
+  static const bool use = (__builtin_cpu_init(), __builtin_cpu_is("intel")) && fma_is_dpbf16();
+  return use;
+}
+
 template <int MR, int NB>
 HQT_INLINE void outer_store(const __m512 (&acc)[MR][NB], int64_t m0, int64_t n, int64_t nr, const Out& out) {
   if constexpr (NB == 2) {
@@ -1417,19 +1501,20 @@ inline int64_t wide_rows(int64_t M) {
   return tiles < (M + kOuterMR - 1) / kOuterMR ? (M + tiles - 1) / tiles : kOuterMR;
 }
 template <int MR>
-void outer_wide_rows(const Problem& p, const Widener& one, int64_t n0, int64_t n1) {
+void outer_wide_rows(const Problem& p, const Widener* one, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
   const uint32_t* xt = static_cast<const uint32_t*>(p.x);
   alignas(64) uint32_t chunk[32 * kBlock];
+  BlockWideners wd;
   const bool prefetch = prefetches(wt);
   for (int64_t n = n0; n < n1; n += kBlock) {
     const int nr = static_cast<int>(std::min<int64_t>(kBlock, n1 - n));
+    wd.set(wt, one, n, nr);
     __m512 acc[MR][1];
     HQT_UNROLL for (int m = 0; m < MR; ++m) acc[m][0] = _mm512_setzero_ps();
     for (int64_t k = 0; k < p.Kp; k += 64) {
       if (prefetch) prefetch_rows(wt, n + kBlock, k * kBlock, (k + 64) * kBlock);
-      widen_chunk_shared(wt, one, n, nr, k,
-                         [&](int t, __m512bh w) { _mm512_store_si512(chunk + t * kBlock, (__m512i)w); });
+      widen_chunk(wt, wd, n, nr, k, chunk);
       outer_steps<MR, 1>(xt, chunk, 0, k / 2, k / 2 + 32, acc);
     }
     outer_store<MR, 1>(acc, 0, n, nr, p.out);
@@ -1437,7 +1522,7 @@ void outer_wide_rows(const Problem& p, const Widener& one, int64_t n0, int64_t n
 }
 // p.M must be in (kOuterMR, kWideMaxM]: fewer rows take outer_decode (the caller's choice, tile by tile).
 template <int MR = kWideMaxM>
-void outer_wide(const Problem& p, const Widener& one, int64_t n0, int64_t n1) {
+void outer_wide(const Problem& p, const Widener* one, int64_t n0, int64_t n1) {
   if constexpr (MR > kOuterMR + 1) {
     if (p.M < MR) return outer_wide<MR - 1>(p, one, n0, n1);
   }
@@ -1467,6 +1552,17 @@ uint32_t* bf16_tiles(const Rows& x, int64_t M, int64_t Kp, const float* s_x, boo
   return tiled;
 }
 
+// A pair-major bf16 input tile of `mr` rows as outer_steps_fma reads it: value k of row i at xf[k * mr + i], in fp32.
+void tile_to_f32(const uint32_t* xt, int mr, int64_t pairs, float* xf) {
+  const __mmask16 rows = static_cast<__mmask16>((1u << mr) - 1);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t t = 0; t < pairs; ++t) {
+    const __m512i v = _mm512_maskz_loadu_epi32(rows, xt + t * mr);
+    _mm512_mask_storeu_epi32(xf + 2 * t * mr, rows, _mm512_slli_epi32(v, 16));
+    _mm512_mask_storeu_epi32(xf + (2 * t + 1) * mr, rows, _mm512_and_si512(v, high));
+  }
+}
+
 // Larger M: a panel of rows widened once (blocks of 16 rows, pair-major) and every input row swept over it.
 void outer_panels(const Problem& p, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
@@ -1478,6 +1574,8 @@ void outer_panels(const Problem& p, int64_t n0, int64_t n1) {
       static_cast<uint32_t*>(std::aligned_alloc(64, blocks * bstride * sizeof(uint32_t))), &std::free);
   std::unique_ptr<Widener> one(wt.per_channel || p.bw ? nullptr : new Widener(wt.e4m3, wt.s(0)));
   BlockWideners wd;
+  const bool fma = fma_panels();
+  float* xf = fma ? static_cast<float*>(scratch<7>(p.Kp * kOuterMR * sizeof(float))) : nullptr;  // a tile in fp32
   for (int64_t nb = n0; nb < n1; nb += panel) {
     const int64_t ne = std::min(n1, nb + panel);
     for (int64_t n = nb; n < ne; n += kBlock) {
@@ -1504,7 +1602,14 @@ void outer_panels(const Problem& p, int64_t n0, int64_t n1) {
           // 576 x 1536 38.3 -> 36.8, 1536 x 576 unchanged (into L1 instead: about the same).
           const char* next = reinterpret_cast<const char*>(x + (m + mr) * p.Kp);
           const char* next_end = n == nb ? reinterpret_cast<const char*>(x + std::min(p.M, m + mr + kOuterMR) * p.Kp) : next;
-          outer_steps<mr, bn>(xt, buf.get() + ((n - nb) / kBlock) * bstride, bstride, 0, pairs, acc, next, next_end);
+          const uint32_t* w = buf.get() + ((n - nb) / kBlock) * bstride;
+          if (fma) {
+            if (n == nb) tile_to_f32(xt, mr, pairs, xf);
+            FlushDenormals flush;
+            outer_steps_fma<mr, bn>(xf, w, bstride, pairs, acc);
+          } else {
+            outer_steps<mr, bn>(xt, w, bstride, 0, pairs, acc, next, next_end);
+          }
           outer_store<mr, bn>(acc, m, n, nr, p.out);
         });
       }
@@ -1851,7 +1956,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
     if (bf16 && !amx) {  // the bf16 path: each input tile QDQ'd and laid out in one pass, then the outer products
       // a few input tiles take the register path tile after tile when a thread's share of the FP8 bytes stays in its
       // L2 (see kOuterTilesMaxM): tiles of kOuterMR rows, or wide tiles of up to kWideMaxM rows (one or two)
-      const bool tiles = !bw && !wt.per_channel && M <= kOuterTilesMaxM &&
+      const bool tiles = !bw && M <= (wt.per_channel ? kWideMaxM : kOuterTilesMaxM) &&
                          (N + threads - 1) / threads * K <= kOuterTilesMaxBytes;
       const bool decode = M <= kOuterDecodeMaxM || tiles;
       const int64_t rows = tiles ? wide_rows(M) : kOuterMR;
@@ -1861,13 +1966,13 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
       at::parallel_for(0, (N + unit - 1) / unit, (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
         const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
         if (!decode) return outer_panels(p, n0, n1);
-        std::unique_ptr<Widener> one(rows > kOuterMR ? new Widener(wt.e4m3, wt.s(0)) : nullptr);
+        std::unique_ptr<Widener> one(rows > kOuterMR && !wt.per_channel ? new Widener(wt.e4m3, wt.s(0)) : nullptr);
         for (int64_t m0 = 0; m0 < M; m0 += rows) {  // the tiles of the input, each over this thread's rows
           Problem tile = p;
           tile.x = static_cast<const uint16_t*>(p.x) + m0 * Kp;
           tile.M = std::min<int64_t>(rows, M - m0);
           tile.out = p.out.from_row(m0);
-          tile.M > kOuterMR ? outer_wide(tile, *one, n0, n1) : outer_decode(tile, n0, n1);  // (M = 25: 13 + 12 rows)
+          tile.M > kOuterMR ? outer_wide(tile, one.get(), n0, n1) : outer_decode(tile, n0, n1);  // (M = 25: 13 + 12 rows)
         }
       });
       return;
