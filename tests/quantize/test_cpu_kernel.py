@@ -110,7 +110,7 @@ def test_kernel_is_the_reference_and_batch_invariant(ops, k, n, hp, mode):
 @pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
 @pytest.mark.parametrize("hp", list(HP))
 def test_per_channel_weights_are_the_reference_for_every_code_and_scale(ops, fp8, hp):
-    """Each weight row with a scale of its own (the bf16 paths build a table of hp(v * s) per row, a vector at a time):
+    """Each weight row with a scale of its own (the bf16 paths build a table of hp(v * s) per row):
     every finite FP8 code in every row, scales from fp32's subnormals (bf16: from 2^-109) to 2^100 (fp16: 2^-1), read
     back through one-hot input rows (y[m, n] = hp(W[n, m] * s_n) exactly), on the register path (M <= 12) and the
     panel path, equal to the reference's `dequantize` bit for bit."""
