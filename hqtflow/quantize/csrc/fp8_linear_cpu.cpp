@@ -779,6 +779,7 @@ struct Problem {
   bool bf16;
   Out out;
   const uint32_t* bw = nullptr;  // bf16 weights already in pair-major blocks (`bf16_pack`), instead of wt's FP8 bytes
+  const float* xf = nullptr;     // the FMA panels' input: x's tiles in fp32 (`f32_tiles`)
 };
 
 // Calls f(e4m3, hp) with the weight's FP8 format and hp as compile-time constants.
@@ -1555,6 +1556,16 @@ void tile_to_f32(const uint32_t* xt, int mr, int64_t pairs, float* xf) {
   }
 }
 
+// The tiles of `bf16_tiles` (of kOuterMR rows) in fp32 as outer_steps_fma reads them, made once for every thread.
+const float* f32_tiles(const uint32_t* tiled, int64_t M, int64_t Kp) {
+  float* xf = static_cast<float*>(scratch<7>(M * Kp * sizeof(float)));
+  at::parallel_for(0, (M + kOuterMR - 1) / kOuterMR, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t m = t0 * kOuterMR; m < std::min(M, t1 * kOuterMR); m += kOuterMR)
+      tile_to_f32(tiled + m * (Kp / 2), static_cast<int>(std::min<int64_t>(kOuterMR, M - m)), Kp / 2, xf + m * Kp);
+  });
+  return xf;
+}
+
 // Larger M: a panel of rows widened once (blocks of 16 rows, pair-major) and every input row swept over it.
 void outer_panels(const Problem& p, int64_t n0, int64_t n1) {
   const Weight& wt = p.wt;
@@ -1566,8 +1577,7 @@ void outer_panels(const Problem& p, int64_t n0, int64_t n1) {
       static_cast<uint32_t*>(std::aligned_alloc(64, blocks * bstride * sizeof(uint32_t))), &std::free);
   std::unique_ptr<Widener> one(wt.per_channel || p.bw ? nullptr : new Widener(wt.e4m3, wt.s(0)));
   BlockWideners wd;
-  const bool fma = fma_panels();
-  float* xf = fma ? static_cast<float*>(scratch<7>(p.Kp * kOuterMR * sizeof(float))) : nullptr;  // a tile in fp32
+  const bool fma = p.xf != nullptr;
   for (int64_t nb = n0; nb < n1; nb += panel) {
     const int64_t ne = std::min(n1, nb + panel);
     for (int64_t n = nb; n < ne; n += kBlock) {
@@ -1594,9 +1604,8 @@ void outer_panels(const Problem& p, int64_t n0, int64_t n1) {
           // 576 x 1536 38.3 -> 36.8, 1536 x 576 unchanged (into L1 instead: about the same).
           const uint32_t* w = buf.get() + ((n - nb) / kBlock) * bstride;
           if (fma) {
-            if (n == nb) tile_to_f32(xt, mr, pairs, xf);
             FlushDenormals flush;
-            outer_steps_fma<mr, bn>(xf, w, bstride, pairs, acc);
+            outer_steps_fma<mr, bn>(p.xf + m * p.Kp, w, bstride, pairs, acc);
           } else {
             const char* next = reinterpret_cast<const char*>(x + (m + mr) * p.Kp);
             const char* next_end = n == nb ? reinterpret_cast<const char*>(x + std::min(p.M, m + mr + kOuterMR) * p.Kp) : next;
@@ -1952,8 +1961,8 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
                          (N + threads - 1) / threads * K <= kOuterTilesMaxBytes;
       const bool decode = M <= kOuterDecodeMaxM || tiles;
       const int64_t rows = tiles ? wide_rows(M) : kOuterMR;
-      const Problem p{wt, bf16_tiles(src.from(first), M, Kp, has_sx ? &s_x : nullptr, e4m3, rows),
-                      M, Kp, true, all.from_row(first), bw};
+      const uint32_t* tiled = bf16_tiles(src.from(first), M, Kp, has_sx ? &s_x : nullptr, e4m3, rows);
+      const Problem p{wt, tiled, M, Kp, true, all.from_row(first), bw, !decode && fma_panels() ? f32_tiles(tiled, M, Kp) : nullptr};
       const int64_t unit = 2 * kBlock, grain = decode ? unit : std::max<int64_t>(unit, (N + threads - 1) / threads);
       at::parallel_for(0, (N + unit - 1) / unit, (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
         const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
