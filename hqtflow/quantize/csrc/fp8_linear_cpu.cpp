@@ -779,7 +779,7 @@ struct Problem {
   bool bf16;
   Out out;
   const uint32_t* bw = nullptr;  // bf16 weights already in pair-major blocks (`bf16_pack`), instead of wt's FP8 bytes
-  const float* xf = nullptr;     // the FMA panels' input: x's tiles in fp32 (`f32_tiles`)
+  const float* xf = nullptr;     // the FMA panels' input: x's tiles in fp32 (`bf16_tiles`)
 };
 
 // Calls f(e4m3, hp) with the weight's FP8 format and hp as compile-time constants.
@@ -1522,12 +1522,24 @@ void outer_wide(const Problem& p, const Widener* one, int64_t n0, int64_t n1) {
   outer_wide_rows<MR>(p, one, n0, n1);
 }
 
+// A pair-major bf16 input tile of `mr` rows as outer_steps_fma reads it: value k of row i at xf[k * mr + i], in fp32.
+void tile_to_f32(const uint32_t* xt, int mr, int64_t pairs, float* xf) {
+  const __mmask16 rows = static_cast<__mmask16>((1u << mr) - 1);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t t = 0; t < pairs; ++t) {
+    const __m512i v = _mm512_maskz_loadu_epi32(rows, xt + t * mr);
+    _mm512_mask_storeu_epi32(xf + 2 * t * mr, rows, _mm512_slli_epi32(v, 16));
+    _mm512_mask_storeu_epi32(xf + (2 * t + 1) * mr, rows, _mm512_and_si512(v, high));
+  }
+}
+
 // The input of the bf16 path: tiles of `rows` rows (kOuterMR, or wide tiles; fewer for the last), pair-major (pair t
 // of row i of a tile at t * rows + i), each row QDQ'd (`bf16_input_row`) into a buffer in L1 and laid out from there,
 // tiles in parallel: one pass over the input, where there were two (QDQ into a row-major buffer, then the move into
 // tiles). Measured on a 2-core Zen 4: 576 x 1536 at M = 8192 (warm) 40.1 -> 39.6 ms, 192 x 576 6.39 -> 6.14 ms; a
-// SmolLM2 token's 210 calls at M = 1 (cold) 9.68 -> 9.18 ms.
-uint32_t* bf16_tiles(const Rows& x, int64_t M, int64_t Kp, const float* s_x, bool e4m3, int64_t rows) {
+// SmolLM2 token's 210 calls at M = 1 (cold) 9.68 -> 9.18 ms. With `xf`, each tile is also laid out in fp32 there
+// while it is in L1 (`tile_to_f32`, at xf + m0 * Kp): the FMA panels' input, made once for every thread.
+uint32_t* bf16_tiles(const Rows& x, int64_t M, int64_t Kp, const float* s_x, bool e4m3, int64_t rows, float* xf = nullptr) {
   uint32_t* tiled = static_cast<uint32_t*>(scratch<4>(M * Kp * sizeof(uint16_t)));
   const int64_t pairs = Kp / 2;
   at::parallel_for(0, (M + rows - 1) / rows, 1, [&](int64_t t0, int64_t t1) {
@@ -1540,30 +1552,10 @@ uint32_t* bf16_tiles(const Rows& x, int64_t M, int64_t Kp, const float* s_x, boo
         bf16_input_row(x.bits(m0 + i, made), x.K, Kp, s_x, e4m3, reinterpret_cast<uint16_t*>(row));
         for (int64_t t = 0; t < pairs; ++t) dst[t * n + i] = row[t];
       }
+      if (xf) tile_to_f32(dst, static_cast<int>(n), pairs, xf + m0 * Kp);
     }
   });
   return tiled;
-}
-
-// A pair-major bf16 input tile of `mr` rows as outer_steps_fma reads it: value k of row i at xf[k * mr + i], in fp32.
-void tile_to_f32(const uint32_t* xt, int mr, int64_t pairs, float* xf) {
-  const __mmask16 rows = static_cast<__mmask16>((1u << mr) - 1);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t t = 0; t < pairs; ++t) {
-    const __m512i v = _mm512_maskz_loadu_epi32(rows, xt + t * mr);
-    _mm512_mask_storeu_epi32(xf + 2 * t * mr, rows, _mm512_slli_epi32(v, 16));
-    _mm512_mask_storeu_epi32(xf + (2 * t + 1) * mr, rows, _mm512_and_si512(v, high));
-  }
-}
-
-// The tiles of `bf16_tiles` (of kOuterMR rows) in fp32 as outer_steps_fma reads them, made once for every thread.
-const float* f32_tiles(const uint32_t* tiled, int64_t M, int64_t Kp) {
-  float* xf = static_cast<float*>(scratch<7>(M * Kp * sizeof(float)));
-  at::parallel_for(0, (M + kOuterMR - 1) / kOuterMR, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t m = t0 * kOuterMR; m < std::min(M, t1 * kOuterMR); m += kOuterMR)
-      tile_to_f32(tiled + m * (Kp / 2), static_cast<int>(std::min<int64_t>(kOuterMR, M - m)), Kp / 2, xf + m * Kp);
-  });
-  return xf;
 }
 
 // Larger M: a panel of rows widened once (blocks of 16 rows, pair-major) and every input row swept over it.
@@ -1961,8 +1953,9 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
                          (N + threads - 1) / threads * K <= kOuterTilesMaxBytes;
       const bool decode = M <= kOuterDecodeMaxM || tiles;
       const int64_t rows = tiles ? wide_rows(M) : kOuterMR;
-      const uint32_t* tiled = bf16_tiles(src.from(first), M, Kp, has_sx ? &s_x : nullptr, e4m3, rows);
-      const Problem p{wt, tiled, M, Kp, true, all.from_row(first), bw, !decode && fma_panels() ? f32_tiles(tiled, M, Kp) : nullptr};
+      float* xf = !decode && fma_panels() ? static_cast<float*>(scratch<7>(M * Kp * sizeof(float))) : nullptr;
+      const Problem p{wt, bf16_tiles(src.from(first), M, Kp, has_sx ? &s_x : nullptr, e4m3, rows, xf), M, Kp, true,
+                      all.from_row(first), bw, xf};
       const int64_t unit = 2 * kBlock, grain = decode ? unit : std::max<int64_t>(unit, (N + threads - 1) / threads);
       at::parallel_for(0, (N + unit - 1) / unit, (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
         const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
