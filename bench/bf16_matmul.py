@@ -1,11 +1,10 @@
-"""bf16 matmuls through the fp32 GEMM (`hqtflow.bf16_matmul`, what hqtflow runs on CPUs without native bf16 dot
-products) vs torch's own bf16 matmul, at one Linear shape (default SmolLM2's up projection over 2048 rows), one run.
+"""bf16 matmuls through the fp32 GEMM (`hqtflow.bf16_matmul`, what hqtflow runs where `hardware.fp32_gemm_is_faster`:
+CPUs without native bf16 dot products, Intel cores with AVX512-BF16 but no AMX) vs torch's own bf16 matmul, at one Linear shape (default SmolLM2's up projection over 2048 rows), one run.
 
 Columns (speed relative to the baseline, > 1 = faster): the baseline is torch's bf16 `F.linear` as it runs on a
 CPU without AVX512-BF16/AMX (its emulated GEMM: oneDNN's bf16 path switched off, which is what such CPUs get), the
 path `bf16_matmuls_via_fp32` replaces; then hqtflow's fp32-GEMM path; then this machine's native bf16 matmul (oneDNN
-on), the fastest high-precision path where the CPU has native bf16 (`hqtflow.hardware.fastest_dtype`), where hqtflow
-leaves the mode off. Before timing, every column's output is checked against the others (all compute the same bf16
+on), which hqtflow keeps where it is the faster one (AMX; AMD cores with AVX512-BF16). Before timing, every column's output is checked against the others (all compute the same bf16
 GEMM, only the order of the sums differs: SQNR >= 40 dB). `--as-avx2` reruns the bench with torch's AVX2 kernels
 (ATen and MKL) on an AVX-512 machine: the arithmetic of the CPUs the mode is for.
 
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checks import require_sqnr  # noqa: E402
 from hqtflow.bf16_matmul import Bf16MatmulsViaFp32  # noqa: E402
-from hqtflow.hardware import fastest_dtype, machine_line  # noqa: E402
+from hqtflow.hardware import fp32_gemm_is_faster, machine_line  # noqa: E402
 from timing import interleaved_medians  # noqa: E402
 
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
@@ -60,7 +59,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ATen CPU kernels "
           f"{torch.backends.cpu.get_cpu_capability()}, MKL instructions "
           f"{os.environ.get('MKL_ENABLE_INSTRUCTIONS', 'all')}; "
-          f"fastest high-precision dtype here: {fastest_dtype()}; {m} x {k} -> {n}, median of {a.iters} calls")
+          f"hqtflow's bf16 GEMMs here: {'via fp32' if fp32_gemm_is_faster() else 'native'}; {m} x {k} -> {n}, "
+          f"median of {a.iters} calls")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
@@ -79,7 +79,8 @@ def main() -> None:
     gain = base / t["bf16 via fp32 GEMM (hqtflow)"]
     native = t["bf16 native (oneDNN)"] / t["bf16 via fp32 GEMM (hqtflow)"]
     print(f"bf16 via fp32 GEMM: {gain:.2f}x torch's bf16 matmul without native bf16; {native:.2f}x this machine's "
-          f"native bf16 matmul (hqtflow turns it on only where fastest_dtype is fp32: here {fastest_dtype()})")
+          f"native bf16 matmul (hqtflow turns it on where hardware.fp32_gemm_is_faster: here "
+          f"{'yes' if fp32_gemm_is_faster() else 'no'})")
 
 
 if __name__ == "__main__":

@@ -345,10 +345,10 @@ def main(argv=None) -> int:
         modes, extra = make_modes(args, model_dir, tmp)
         n_linear = sum(isinstance(m, torch.nn.Linear) for m in extra["plain"].modules())
         print_env(args, model_dir, extra["plain"], n_linear, windows)
-        from hqtflow.hardware import fastest_dtype, machine_line
+        from hqtflow.hardware import fp32_gemm_is_faster, machine_line
 
         print(f"machine    : {machine_line()} before timing")
-        gemm = "through the fp32 GEMM (faster here), as `hqtflow measure`" if fastest_dtype() == "fp32" else "native"
+        gemm = "through the fp32 GEMM (faster here), as `hqtflow measure`" if fp32_gemm_is_faster() else "native"
         print(f"bf16 GEMMs : {gemm}, in every mode")
         times = bench(modes, windows, args.rounds, args.warmup)
         print(f"load avg   : {' '.join(f'{x:.2f}' for x in os.getloadavg())} after timing")

@@ -1,6 +1,7 @@
 """What the machine computes fastest: its CPU's vector flags, and the high-precision dtype the runtime uses when the
 user has not chosen one ("auto"): bf16 on GPUs and on CPUs with native bf16 dot products (AVX512-BF16, AMX-BF16),
-fp32 on other CPUs, where bf16 matmuls are emulated and run several times slower than fp32. Also what it has free:
+fp32 on other CPUs, where bf16 matmuls are emulated and run several times slower than fp32; and where a bf16 GEMM of
+many rows is better computed by the fp32 GEMM (`fp32_gemm_is_faster`). Also what it has free:
 `available_memory_bytes` (RAM, within the process's cgroup limit) and `free_disk_bytes`."""
 
 from __future__ import annotations
@@ -23,6 +24,28 @@ def cpu_flags() -> tuple[str, ...]:
         return tuple(sorted(f for f in line.split() if f.startswith(("avx", "amx", "f16c", "fma", "sse4"))))
     except (OSError, StopIteration):
         return (platform.machine(),)
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor_id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), "" where there is none."""
+    try:
+        line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("vendor_id"))
+        return line.split(":", 1)[1].strip()
+    except (OSError, StopIteration, IndexError):
+        return ""
+
+
+def fp32_gemm_is_faster() -> bool:
+    """Whether a CPU GEMM of many rows (prefill, calibration, a bf16 reference) runs faster in fp32 than in bf16 here:
+    on CPUs without native bf16 dot products (bf16 emulated), and on Intel cores with AVX512-BF16 but no AMX, where
+    VDPBF16PS issues at a quarter of the FMA rate (an Emerald Rapids with AMX hidden: 0.78 vs 0.19 ns an
+    instruction; bf16 `F.linear` via the fp32 GEMM 1.4-1.7x oneDNN's bf16 one at 2048-8192 rows, bench/RESULTS.md).
+    Not on AMX, nor on AMD cores with AVX512-BF16."""
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return False
+    return "avx512_bf16" not in flags or cpu_vendor() == "GenuineIntel"
 
 
 def machine_line() -> str:

@@ -144,9 +144,9 @@ def test_measure_overhead_smoke(tiny_llama, wiki_text):
     assert m and 0 < float(m[1]) < 100, r.stdout[-3000:]
     assert m[4] is None or 0 < float(m[4]) < 100
     assert "CPU flags" in r.stdout and "cross-check" in r.stdout, r.stdout[-3000:]
-    from hqtflow.hardware import fastest_dtype  # every mode's bf16 GEMMs run as `hqtflow measure` runs them here
+    from hqtflow.hardware import fp32_gemm_is_faster  # every mode's bf16 GEMMs run as `hqtflow measure` runs them here
 
-    assert f"bf16 GEMMs : {'through the fp32 GEMM' if fastest_dtype() == 'fp32' else 'native'}" in r.stdout, r.stdout
+    assert f"bf16 GEMMs : {'through the fp32 GEMM' if fp32_gemm_is_faster() else 'native'}" in r.stdout, r.stdout
 
 
 def test_engine_vs_transformers_times_generation_only(tiny_llama, wiki_text):

@@ -1,5 +1,8 @@
 """bf16 matmuls via the fp32 GEMM (hqtflow.bf16_matmul): the function of a bf16 GEMM, and only where it applies."""
 
+import platform
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -43,10 +46,35 @@ def test_other_tensors_and_ops_pass_through():
     assert torch.equal(s, x + x) and torch.equal(out, torch.mm(x, w.t()))
 
 
+@pytest.mark.parametrize("flags,vendor,faster", [
+    (("avx", "avx2", "f16c", "fma"), "GenuineIntel", True),                 # no native bf16: emulated
+    (("avx", "avx2", "f16c", "fma"), "AuthenticAMD", True),
+    (("avx2", "avx512_bf16", "avx512f"), "GenuineIntel", True),             # VDPBF16PS at a quarter of the FMA rate
+    (("avx2", "avx512_bf16", "avx512f"), "AuthenticAMD", False),            # Zen 4/5: native bf16 is the faster
+    (("amx_bf16", "amx_tile", "avx512_bf16", "avx512f"), "GenuineIntel", False),  # AMX
+])
+def test_where_the_fp32_gemm_is_faster(monkeypatch, flags, vendor, faster):
+    from hqtflow import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(hardware, "cpu_vendor", lambda: vendor)
+    assert hardware.fp32_gemm_is_faster() is faster
+    assert isinstance(bf16_matmuls_via_fp32(), Bf16MatmulsViaFp32) is faster
+
+
+def test_cpu_vendor_is_read():
+    from hqtflow import hardware
+
+    vendor = hardware.cpu_vendor()
+    assert isinstance(vendor, str) and vendor == vendor.strip()
+    if platform.machine() == "x86_64":
+        assert vendor in ("GenuineIntel", "AuthenticAMD", "HygonGenuine", "CentaurHauls"), vendor
+
+
 def test_enabled_only_where_fp32_is_faster(monkeypatch):
-    monkeypatch.setattr(bf16_matmul, "fastest_dtype", lambda: "bf16")
+    monkeypatch.setattr(bf16_matmul, "fp32_gemm_is_faster", lambda: False)
     assert not isinstance(bf16_matmuls_via_fp32(), Bf16MatmulsViaFp32)
     assert isinstance(bf16_matmuls_via_fp32(True), Bf16MatmulsViaFp32)
-    monkeypatch.setattr(bf16_matmul, "fastest_dtype", lambda: "fp32")
+    monkeypatch.setattr(bf16_matmul, "fp32_gemm_is_faster", lambda: True)
     assert isinstance(bf16_matmuls_via_fp32(), Bf16MatmulsViaFp32)
     assert not isinstance(bf16_matmuls_via_fp32(False), Bf16MatmulsViaFp32)
