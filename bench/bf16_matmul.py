@@ -1,12 +1,14 @@
 """bf16 matmuls through the fp32 GEMM (`hqtflow.bf16_matmul`, what hqtflow runs where `hardware.fp32_gemm_is_faster`:
-CPUs without native bf16 dot products, Intel cores with AVX512-BF16 but no AMX) vs torch's own bf16 matmul, at one Linear shape (default SmolLM2's up projection over 2048 rows), one run.
+CPUs without native bf16 dot products, Intel cores with AVX512-BF16 but no AMX) vs torch's own bf16 matmul, at one
+Linear shape (default SmolLM2's up projection over 2048 rows), one run.
 
 Columns (speed relative to the baseline, > 1 = faster): the baseline is torch's bf16 `F.linear` as it runs on a
 CPU without AVX512-BF16/AMX (its emulated GEMM: oneDNN's bf16 path switched off, which is what such CPUs get), the
 path `bf16_matmuls_via_fp32` replaces; then hqtflow's fp32-GEMM path; then this machine's native bf16 matmul (oneDNN
-on), which hqtflow keeps where it is the faster one (AMX; AMD cores with AVX512-BF16). Before timing, every column's output is checked against the others (all compute the same bf16
-GEMM, only the order of the sums differs: SQNR >= 40 dB). `--as-avx2` reruns the bench with torch's AVX2 kernels
-(ATen and MKL) on an AVX-512 machine: the arithmetic of the CPUs the mode is for.
+on), which hqtflow keeps where it is the faster one (AMX; AMD cores with AVX512-BF16). Before timing, every column's
+output is checked against the others (all compute the same bf16 GEMM, only the order of the sums differs: SQNR >= 40
+dB). `--as-avx2` reruns the bench with torch's AVX2 kernels (ATen and MKL) on an AVX-512 machine: the arithmetic of the
+CPUs without native bf16.
 
     python bench/bf16_matmul.py [--shape 2048,576,1536] [--iters 5] [--as-avx2]
 """

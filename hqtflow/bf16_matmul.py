@@ -6,8 +6,8 @@ w.float()).bfloat16()` computes that function too, only the order of the sums di
 GEMM kernels, and within one as the shape changes). On CPUs without AVX512-BF16/AMX torch emulates bf16 matmuls, about
 5x slower than this at 2048 x 576 -> 1536 (`bench/bf16_matmul.py --as-avx2`: 4.9-6.7x with torch's AVX2 kernels on a
 shared 2-core machine; at 64-256 rows it does not pay); on an Emerald Rapids without AMX, oneDNN's native bf16 GEMM
-is 1.4-1.7x slower than this at 2048-8192 rows. hqtflow runs its prefill-shaped bf16 work this way
-there: calibration forwards (hqtflow's and INC's engines alike) and the bf16 reference of `eval` and KL. The weight
+is 1.4-1.7x slower than this at 2048-8192 rows. hqtflow runs its prefill-shaped bf16 work this way on
+both: calibration forwards (hqtflow's and INC's engines alike) and the bf16 reference of `eval` and KL. The weight
 is widened per call, which suits many rows at a time, not decode.
 """
 

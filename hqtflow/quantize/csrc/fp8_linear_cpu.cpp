@@ -1587,18 +1587,18 @@ void outer_panels(const Problem& p, int64_t n0, int64_t n1) {
         const int64_t nr = std::min<int64_t>(2 * kBlock, ne - n);
         dispatch<kOuterMR, 2>(std::min<int64_t>(kOuterMR, p.M - m), nr > kBlock ? 2 : 1, [&](auto MR, auto NB) {
           constexpr int mr = decltype(MR)::value, bn = decltype(NB)::value;
-          const uint32_t* xt = reinterpret_cast<const uint32_t*>(x + m * p.Kp);  // the tile of rows m .. m + mr
           __m512 acc[mr][bn];
           HQT_UNROLL for (int i = 0; i < mr; ++i)
             HQT_UNROLL for (int b = 0; b < bn; ++b) acc[i][b] = _mm512_setzero_ps();
-          // The first sweep of a tile prefetches the next tile into L2, one line a step (a step reads 4 mr <= 48 bytes of
-          // its own tile). Measured warm at M = 8192 on a 2-core Zen 4: 576^2 13.96 -> 13.52 ms, 192 x 576 5.76 -> 5.42,
-          // 576 x 1536 38.3 -> 36.8, 1536 x 576 unchanged (into L1 instead: about the same).
           const uint32_t* w = buf.get() + ((n - nb) / kBlock) * bstride;
-          if (fma) {
+          if (fma) {  // the tile of rows m .. m + mr in fp32, laid out by bf16_tiles
             FlushDenormals flush;
             outer_steps_fma<mr, bn>(p.xf + m * p.Kp, w, bstride, pairs, acc);
           } else {
+            // The first sweep of a tile prefetches the next tile into L2, one line a step (a step reads 4 mr <= 48 bytes
+            // of its own tile). Measured warm at M = 8192 on a 2-core Zen 4: 576^2 13.96 -> 13.52 ms, 192 x 576 5.76 ->
+            // 5.42, 576 x 1536 38.3 -> 36.8, 1536 x 576 unchanged (into L1 instead: about the same).
+            const uint32_t* xt = reinterpret_cast<const uint32_t*>(x + m * p.Kp);  // the tile of rows m .. m + mr
             const char* next = reinterpret_cast<const char*>(x + (m + mr) * p.Kp);
             const char* next_end = n == nb ? reinterpret_cast<const char*>(x + std::min(p.M, m + mr + kOuterMR) * p.Kp) : next;
             outer_steps<mr, bn>(xt, w, bstride, 0, pairs, acc, next, next_end);
@@ -1953,6 +1953,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
                          (N + threads - 1) / threads * K <= kOuterTilesMaxBytes;
       const bool decode = M <= kOuterDecodeMaxM || tiles;
       const int64_t rows = tiles ? wide_rows(M) : kOuterMR;
+      // the FMA panels' input (tiles of kOuterMR rows, as `rows` is off the decode path) in fp32, made with the tiles
       float* xf = !decode && fma_panels() ? static_cast<float*>(scratch<7>(M * Kp * sizeof(float))) : nullptr;
       const Problem p{wt, bf16_tiles(src.from(first), M, Kp, has_sx ? &s_x : nullptr, e4m3, rows, xf), M, Kp, true,
                       all.from_row(first), bw, xf};
