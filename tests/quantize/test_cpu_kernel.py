@@ -62,10 +62,13 @@ def _layer(k, n, hp, mode, seed=0):
     lin = torch.nn.Linear(k, n, bias=mode != "no-bias").to(hp)
     fp8 = "E5M2" if mode == "e5m2" else "E4M3"
     F = 57344.0 if fp8 == "E5M2" else 448.0
-    ws = lin.weight.abs().amax(1) if mode == "per-channel" else lin.weight.abs().max()
+    ws = lin.weight.abs().amax(1) if mode.startswith("per-channel") else lin.weight.abs().max()
+    ws = ws / (F / 2) * 1.13
+    if mode == "per-channel-pow2":  # HQT's per-channel methods: 2^ceil(log2(amax / F)), the sums scaled on some paths
+        ws = 2.0 ** torch.ceil(torch.log2(ws))
     x = torch.randn(max(MS), k, dtype=hp) * 3
     s_x = None if mode == "weight-only" else (x.abs().max() / (F / 4) * 1.37).to(hp)  # not a power of two
-    return FP8Linear.from_linear(lin, (ws / (F / 2) * 1.13).to(hp), s_x, fp8), x
+    return FP8Linear.from_linear(lin, ws.to(hp), s_x, fp8), x
 
 
 def _run(ops, mod, x):
@@ -83,7 +86,7 @@ def _bound(mod, x):
 
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("hp", list(HP))
-@pytest.mark.parametrize("mode", ["w8a8", "weight-only", "per-channel", "e5m2", "no-bias"])
+@pytest.mark.parametrize("mode", ["w8a8", "weight-only", "per-channel", "per-channel-pow2", "e5m2", "no-bias"])
 def test_kernel_is_the_reference_and_batch_invariant(ops, k, n, hp, mode):
     mod, x = _layer(k, n, HP[hp], mode)
     with torch.inference_mode():
@@ -235,8 +238,38 @@ def test_thread_count_does_not_change_results(ops, hp):
             assert all(torch.equal(a, b) for a, b in zip(got, one))
 
 
+@pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
+def test_per_channel_powers_of_two_give_the_same_rows_at_the_range_limits(ops, fp8):
+    """Per-channel scales that are powers of two with a static input scale: the bf16 path's register tiles may
+    multiply each row's sum by its scale (one shared table) where the panels dequantize each row (a table per row),
+    which is the same function only while every partial sum stays in fp32's normal range (`scales_commute`). Across
+    that limit, scales from 2^-118 to 2^100 and input scales from 2^-90 to 2^60, inputs near the smallest code that
+    cancel: a row computed alone (register path) is the panels' row bit for bit, and within the reference's bound
+    (plus what bf16 dot products flush: products and sums under 2^-126)."""
+    F = 57344.0 if fp8 == "E5M2" else 448.0
+    torch.manual_seed(5)
+    k, n = 576, 48
+    for lo, hi, sx_e in [(-8, -4, -6), (-118, -100, -20), (-40, -30, -70), (-30, -20, -75), (0, 0, -90), (-10, 100, 20),
+                         (-20, 5, 60), (90, 100, 10)]:
+        w = torch.randn(n, k)
+        s = 2.0 ** torch.randint(lo, hi + 1, (n,)).float()
+        wq = quantize(w / s[:, None] * 0.5, torch.ones(()), fp8)
+        x = (torch.randn(64, k) * 2.0**sx_e).to(torch.bfloat16)
+        x[::2] *= 2.0**-10  # many inputs at the smallest codes, their products cancelling
+        x[1::4] = -x[::4] * 0.5
+        s_x = torch.tensor(2.0**sx_e * 4 / F * 1.37)
+        mod = FP8Linear(k, n, bias=False, hp_dtype=torch.bfloat16, fp8=fp8, per_channel=True)
+        mod.weight.copy_(wq), mod.weight_scale.copy_(s[:, None]), mod.input_scale.copy_(s_x)
+        full = _run(ops, mod, x)
+        for m in (1, 2, 12, 16, 36):
+            assert torch.equal(_run(ops, mod, x[:m]).nan_to_num(), full[:m].nan_to_num()), f"rows differ at M={m}, {lo, hi, sx_e}"
+        with torch.inference_mode():
+            d = (full.double() - mod(x).double()).abs()
+        assert (d.nan_to_num() <= _bound(mod, x) + 2 * k * 2.0**-126).all()  # + products and sums flushed below 2^-126
+
+
 @pytest.mark.parametrize("k,n", [(576, 700), (1537, 67)])
-@pytest.mark.parametrize("mode", ["w8a8", "per-channel", "bf16-weights"])
+@pytest.mark.parametrize("mode", ["w8a8", "per-channel", "per-channel-pow2", "bf16-weights"])
 def test_large_m_rows_are_the_same_whatever_the_threads_and_neighbours(ops, k, n, mode):
     """At large M every row is the same, bit for bit, with 1, 2 or 5 threads, as computed alone, in a batch of 255,
     from row 255 on (its rows in other tile places) and in the last rows of 1000; K = 1537 takes several passes over

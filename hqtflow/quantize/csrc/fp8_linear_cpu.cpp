@@ -780,7 +780,37 @@ struct Problem {
   Out out;
   const uint32_t* bw = nullptr;  // bf16 weights already in pair-major blocks (`bf16_pack`), instead of wt's FP8 bytes
   const float* xf = nullptr;     // the FMA panels' input: x's tiles in fp32 (`bf16_tiles`)
+  const float* oscale = nullptr;  // per-row powers of two applied to the sums, wt's scale being 1 (`scales_commute`)
 };
+
+// Whether per-row weight scales may multiply each row's sum instead of its weights, with the same bits: every scale a
+// power of two, the input static W8A8 (x_q = hp(v * s_x), v an FP8 code), and fp32's normal range never left. Then
+// x_q[k] * hp(v * s) = (x_q[k] * v) * s exactly, and each rounded sum of the row's products scales by s exactly, as
+// long as no partial sum is subnormal (flushed or rounded otherwise) or overflows, with s or without it. Every nonzero
+// partial sum is a multiple of g = ulp(2^e * c_min) * c_min (x_q >= 2^e * c_min, e = floor(log2 s_x), c_min the
+// smallest FP8 code; sums of multiples of a power of two stay multiples of it), so |sum| >= g; and |sum| <= K *
+// 2 * c_max * s_x * c_max (the input clamped to +-c_max, rounded up at most once). The bf16 path uses it at
+// decode-sized M, where a table per row costs the most (per-channel weights 0.46-0.67x per-tensor at M = 1, hot): one
+// shared table of the codes times 1, one multiply per 16 outputs. The panels keep their tables: the same bits.
+bool scales_commute(const std::vector<float>& sc, bool e4m3, bool has_sx, float s_x, int64_t K) {
+  if (!has_sx || !(s_x > 0.f) || !std::isfinite(s_x) || !std::isnormal(s_x)) return false;
+  const int c_min = e4m3 ? -9 : -16, c_max = e4m3 ? 9 : 16;  // log2: smallest subnormal code, above the largest code
+  int e_min = 1000, e_max = -1000;
+  for (float s : sc) {
+    uint32_t bits;
+    std::memcpy(&bits, &s, 4);
+    if (!(s > 0.f) || !std::isnormal(s) || (bits & 0x7FFFFF) != 0) return false;
+    const int e = static_cast<int>(bits >> 23) - 127;
+    e_min = std::min(e_min, e), e_max = std::max(e_max, e);
+  }
+  const int e = std::ilogb(s_x), g = e + c_min - 8 + c_min;  // ulp of a bf16 >= 2^(e + c_min): 2^(e + c_min - 7)
+  int log_k = 0;
+  while ((int64_t(1) << log_k) < K) ++log_k;
+  const bool normal = g + std::min(0, e_min) >= -126;                           // every nonzero sum, scaled or not
+  const bool finite = log_k + 1 + (e + 1) + 2 * c_max + std::max(0, e_max) <= 126;  // every sum, scaled or not
+  const bool table = c_min + e_min >= -126 && c_max + e_max <= 127;              // hp(v * s) = v * s, every code
+  return normal && finite && table;
+}
 
 // Calls f(e4m3, hp) with the weight's FP8 format and hp as compile-time constants.
 template <class F>
@@ -1406,8 +1436,18 @@ bool fma_panels() {
   return use;
 }
 
+// `oscale`: the rows' scales, each output's sum multiplied by its own (`scales_commute`), or none.
 template <int MR, int NB>
-HQT_INLINE void outer_store(const __m512 (&acc)[MR][NB], int64_t m0, int64_t n, int64_t nr, const Out& out) {
+HQT_INLINE void outer_store(__m512 (&acc)[MR][NB], int64_t m0, int64_t n, int64_t nr, const Out& out,
+                            const float* oscale = nullptr) {
+  if (oscale) {
+    HQT_UNROLL for (int b = 0; b < NB; ++b) {
+      const int64_t left = nr - b * kBlock;
+      const __mmask16 mask = left >= kBlock ? __mmask16(0xFFFF) : left > 0 ? __mmask16((1u << left) - 1) : 0;
+      const __m512 s = _mm512_maskz_loadu_ps(mask, oscale + n + b * kBlock);
+      HQT_UNROLL for (int m = 0; m < MR; ++m) acc[m][b] = _mm512_mul_ps(acc[m][b], s);
+    }
+  }
   if constexpr (NB == 2) {
     if (nr == 2 * kBlock) {
       HQT_UNROLL for (int m = 0; m < MR; ++m) store32(acc[m][0], acc[m][1], m0 + m, n, out);
@@ -1467,7 +1507,7 @@ void outer_decode(const Problem& p, int64_t n0, int64_t n1) {
           }
           HQT_UNROLL for (int m = 0; m < mr; ++m) acc[m][b] = a[m];
         }
-        return outer_store<mr, bn>(acc, 0, n, nr, p.out);
+        return outer_store<mr, bn>(acc, 0, n, nr, p.out, p.oscale);
       }
       for (int64_t k = 0; k < p.Kp; k += 64) {
         if (prefetch) prefetch_rows(wt, n + 2 * kBlock, k * 2 * kBlock, (k + 64) * 2 * kBlock);
@@ -1475,7 +1515,7 @@ void outer_decode(const Problem& p, int64_t n0, int64_t n1) {
           widen_chunk(wt, wd[b], n + b * kBlock, static_cast<int>(std::min<int64_t>(kBlock, nr - b * kBlock)), k, chunk[b]);
         outer_steps<mr, bn>(xt, chunk[0], chunk[1] - chunk[0], k / 2, k / 2 + 32, acc);
       }
-      outer_store<mr, bn>(acc, 0, n, nr, p.out);
+      outer_store<mr, bn>(acc, 0, n, nr, p.out, p.oscale);
     });
   }
 }
@@ -1510,7 +1550,7 @@ void outer_wide_rows(const Problem& p, const Widener* one, int64_t n0, int64_t n
       widen_chunk(wt, wd, n, nr, k, chunk);
       outer_steps<MR, 1>(xt, chunk, 0, k / 2, k / 2 + 32, acc);
     }
-    outer_store<MR, 1>(acc, 0, n, nr, p.out);
+    outer_store<MR, 1>(acc, 0, n, nr, p.out, p.oscale);
   }
 }
 // p.M must be in (kOuterMR, kWideMaxM]: fewer rows take outer_decode (the caller's choice, tile by tile).
@@ -1949,19 +1989,25 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
     if (bf16 && !amx) {  // the bf16 path: each input tile QDQ'd and laid out in one pass, then the outer products
       // a few input tiles take the register path tile after tile when a thread's share of the FP8 bytes stays in its
       // L2 (see kOuterTilesMaxM): tiles of kOuterMR rows, or wide tiles of up to kWideMaxM rows (one or two)
-      const bool tiles = !bw && M <= (wt.per_channel ? kWideMaxM : kOuterTilesMaxM) &&
+      // per-channel powers of two on the register paths: one table of the codes, the scales applied to the sums
+      const bool scaled_sums = !bw && wt.per_channel && scales_commute(sc, e4m3, has_sx, s_x, K);
+      const bool per_row = wt.per_channel && !scaled_sums;  // a table per weight row
+      const bool tiles = !bw && M <= (per_row ? kWideMaxM : kOuterTilesMaxM) &&
                          (N + threads - 1) / threads * K <= kOuterTilesMaxBytes;
       const bool decode = M <= kOuterDecodeMaxM || tiles;
       const int64_t rows = tiles ? wide_rows(M) : kOuterMR;
       // the FMA panels' input (tiles of kOuterMR rows, as `rows` is off the decode path) in fp32, made with the tiles
       float* xf = !decode && fma_panels() ? static_cast<float*>(scratch<7>(M * Kp * sizeof(float))) : nullptr;
-      const Problem p{wt, bf16_tiles(src.from(first), M, Kp, has_sx ? &s_x : nullptr, e4m3, rows, xf), M, Kp, true,
-                      all.from_row(first), bw, xf};
+      static const float unit_scale = 1.f;
+      const bool oscaled = decode && scaled_sums;
+      const Weight wp = oscaled ? Weight{w8, N, K, &unit_scale, false, e4m3, hp} : wt;
+      const Problem p{wp, bf16_tiles(src.from(first), M, Kp, has_sx ? &s_x : nullptr, e4m3, rows, xf), M, Kp, true,
+                      all.from_row(first), bw, xf, oscaled ? sc.data() : nullptr};
       const int64_t unit = 2 * kBlock, grain = decode ? unit : std::max<int64_t>(unit, (N + threads - 1) / threads);
       at::parallel_for(0, (N + unit - 1) / unit, (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
         const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
         if (!decode) return outer_panels(p, n0, n1);
-        std::unique_ptr<Widener> one(rows > kOuterMR && !wt.per_channel ? new Widener(wt.e4m3, wt.s(0)) : nullptr);
+        std::unique_ptr<Widener> one(rows > kOuterMR && !wp.per_channel ? new Widener(wp.e4m3, wp.s(0)) : nullptr);
         for (int64_t m0 = 0; m0 < M; m0 += rows) {  // the tiles of the input, each over this thread's rows
           Problem tile = p;
           tile.x = static_cast<const uint16_t*>(p.x) + m0 * Kp;
