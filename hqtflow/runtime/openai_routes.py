@@ -22,7 +22,7 @@ from hqtflow.runtime.grammar import TOOLS_SCALE, GrammarError, compile_grammar, 
 from hqtflow.runtime.openai_prompts import chat_prompt, echoed_prompts, prompts_of
 from hqtflow.runtime.openai_stream import stream
 from hqtflow.runtime.openai_text import (FINISH, before_stop, chat_logprobs, completion_logprobs, final_text, head,
-                                         scored, token_texts, usage)
+                                         token_texts, usage)
 from hqtflow.runtime.schemas import ApiError, ChatRequest, CompletionRequest, OpenAICommon, invalid, stop_list
 
 
@@ -96,12 +96,12 @@ async def complete(ctx: Ctx, token_text: Callable[[int], str], request: Request)
     if req.stream:
         return stream(ctx, token_text, jobs, prompts, req, chat=False, echo=texts if req.echo else None, slot=slot, arrival=start)
     seqs = await ctx.collect(jobs, request, slot)
-    choices, returned = completion_choices(token_text, req, prompts, texts, seqs)
+    choices, returned = completion_choices(ctx.tok, token_text, req, prompts, texts, seqs)
     ctx.answered(start, returned)
     return {**head(ctx.s.served_name, False, False), "choices": choices, "usage": usage(prompts, seqs)}
 
 
-def completion_choices(token_text: Callable[[int], str], req: CompletionRequest, prompts: list[list[int]],
+def completion_choices(tok, token_text: Callable[[int], str], req: CompletionRequest, prompts: list[list[int]],
                        texts: list[str], seqs) -> tuple[list[dict], list]:
     """The choices of a non-streaming answer (`seqs`: best_of or n per prompt, `texts`: the prompts echoed or ""),
     and the sequences they return."""
@@ -115,8 +115,8 @@ def completion_choices(token_text: Callable[[int], str], req: CompletionRequest,
         for j, q in enumerate(group):
             lp = None
             if k is not None:
-                lp = completion_logprobs(token_text, scored(ids, q.last.prompt if req.echo else None,
-                                                            before_stop(q.tokens, q.last.stop_at)), 0)
+                lp = completion_logprobs(tok, token_text, ids, q.last.prompt if req.echo else None,
+                                         before_stop(q.tokens, q.last.stop_at), len(texts[pi]))
             choices.append({"index": pi * req.n + j, "text": texts[pi] + final_text(q.last), "logprobs": lp,
                             "finish_reason": FINISH[q.last.finish_reason]})
     return choices, returned
@@ -172,7 +172,7 @@ def chat_message(q, plan) -> tuple[dict, str]:
     text, finish = final_text(q.last), FINISH[q.last.finish_reason]
     if plan is None:
         return {"role": "assistant", "content": text}, finish
-    reply = tools.read_reply(text, final=True)
+    reply = tools.read_reply(text, final=True, names=plan.names)
     if reply.name is None:
         return {"role": "assistant", "content": reply.text}, finish
     call = tools.tool_call(tools.new_call_id(), reply.name, reply.text)

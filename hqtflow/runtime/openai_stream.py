@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from hqtflow.runtime import tools
 from hqtflow.runtime.api import Ctx, Sequence, event_stream
 from hqtflow.runtime.openai_text import (FINISH, before_stop, chat_logprobs, completion_logprobs, final_text, head,
-                                         scored, usage)
+                                         usage)
 from hqtflow.runtime.schemas import ApiError, openai_error
 
 
@@ -65,7 +65,8 @@ def stream(ctx: Ctx, token_text: Callable[[int], str], jobs, prompts, req, *, ch
     want_lp = bool(req.logprobs) if chat else req.logprobs is not None
     unnamed = set(range(len(jobs)))  # chat choices whose role has not been sent (OpenAI sends it once)
 
-    calls = [tools.ToolStream() for _ in jobs] if plan is not None else None
+    calls = [tools.ToolStream(plan.names) for _ in jobs] if plan is not None else None
+    logged = [[] for _ in jobs]  # completions: each choice's generated tokens whose logprobs were sent
 
     def choice(j, text, finish, toks, offset=0, prompt=None, delta=None):
         if chat:
@@ -75,7 +76,10 @@ def stream(ctx: Ctx, token_text: Callable[[int], str], jobs, prompts, req, *, ch
                 delta = {"role": "assistant", "content": None if "tool_calls" in delta else text, **delta}
             return {"index": j, "delta": delta, "logprobs": chat_logprobs(ctx.tok, token_text, toks) if want_lp and toks else None,
                     "finish_reason": finish}
-        lp = completion_logprobs(token_text, scored(jobs[j][0], prompt, toks), offset) if want_lp and (toks or prompt) else None
+        lp = None
+        if want_lp and (toks or prompt):
+            lp = completion_logprobs(ctx.tok, token_text, jobs[j][0], prompt, toks, offset, before=logged[j])
+            logged[j] += toks
         return {"index": j, "text": text, "finish_reason": finish, "logprobs": lp}
 
     async def chunks():
@@ -118,7 +122,7 @@ def stream(ctx: Ctx, token_text: Callable[[int], str], jobs, prompts, req, *, ch
                     out, pending[i] = pending[i][:n], pending[i][n:]
                     at[i] += sum(len(t.text) for t in out)
                     if delta or out:
-                        yield chunk({**h, "choices": [choice(i, delta, None, out, (len(echo[i // per]) if echo else 0) + start)]})
+                        yield chunk({**h, "choices": [choice(i, delta, None, out, len(echo[i // per]) if echo else 0)]})
                 if finish:
                     yield chunk({**h, "choices": [choice(i, "", finish, pending[i] if calls is not None else [])]})
             if include_usage:

@@ -67,31 +67,53 @@ def _byte_symbols() -> dict[str, int]:
     return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
-def completion_logprobs(token_text: Callable[[int], str], tokens: list[tuple[int, float | None, list]],
-                        offset0: int) -> dict:
-    """/v1/completions' logprobs of (id, logprob, top) tokens (`token_text`: a token_texts function), the
-    first text at `offset0`."""
+def token_name(tok, token_text: Callable[[int], str], tid: int) -> str:
+    """A token as /v1/completions' logprobs name it: its text, or for a part of a character OpenAI's
+    "bytes:\\xNN.." (the parts of different characters would all read U+FFFD, one key in `top_logprobs`)."""
+    text = token_text(tid)
+    if "\ufffd" not in text:
+        return text
+    raw = token_bytes(tok, tid, text)
+    return text if raw == text.encode() else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def char_starts(chunks: list[bytes]) -> list[int]:
+    """For each chunk of a UTF-8 byte stream, the index of the character its first byte belongs to in the stream
+    decoded with U+FFFD for what is not UTF-8 (as the answer's text is); an empty chunk: the next character's."""
+    total, out, p = b"".join(chunks), [], 0
+    for c in chunks:
+        out.append(len(total[:p + 1].decode("utf-8", "replace")) - (p < len(total)))
+        p += len(c)
+    return out
+
+
+def completion_logprobs(tok, token_text: Callable[[int], str], ids: list[int], prompt: list | None, tokens: list,
+                        offset: int, before: list = ()) -> dict:
+    """/v1/completions' logprobs (`token_text`: a token_texts function): with `prompt` ((logprob, top) of each of
+    the prompt's `ids`, echo) the prompt's tokens first, from offset 0; then the generated `tokens` (the engine's;
+    `before`: those of the answer already sent), whose text starts at `offset` in the returned text. Each
+    `text_offset` is the index of the character where the token's first byte is, so it indexes the returned text
+    also where tokens hold parts of a character."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offset = offset0
-    for i, (tid, lp, top) in enumerate(tokens):
-        text = token_text(tid)
-        out["tokens"].append(text)
+    name = functools.partial(token_name, tok, token_text)
+    raw = lambda tid: token_bytes(tok, tid, token_text(tid))  # noqa: E731
+    rows = []
+    if prompt:
+        rows += [(tid, lp, top, at) for tid, (lp, top), at in zip(ids, prompt, char_starts([raw(t) for t in ids]))]
+    starts = char_starts([b"" if t.special else raw(t.id) for t in [*before, *tokens]])[len(before):]
+    rows += [(t.id, t.logprob, t.top or [], offset + at) for t, at in zip(tokens, starts)]
+    for tid, lp, top, at in rows:
+        chosen = name(tid)
+        out["tokens"].append(chosen)
         out["token_logprobs"].append(lp)
         if lp is None:
             out["top_logprobs"].append(None)
         else:
-            d = {token_text(t): v for t, v in top}
-            d.setdefault(text, lp)  # the chosen token is always listed (as vLLM does)
+            d = {name(t): v for t, v in top}
+            d.setdefault(chosen, lp)  # the chosen token is always listed (as vLLM does)
             out["top_logprobs"].append(d)
-        out["text_offset"].append(offset)
-        offset += len(text)
+        out["text_offset"].append(at)
     return out
-
-
-def scored(ids, prompt, seq_tokens):
-    """(id, logprob, top) for the prompt (when scored) then the generated tokens."""
-    out = [(i, lp, top) for i, (lp, top) in zip(ids, prompt)] if prompt else []
-    return out + [(t.id, t.logprob, t.top or []) for t in seq_tokens]
 
 
 def chat_logprobs(tok, token_text: Callable[[int], str], tokens) -> dict:

@@ -138,8 +138,9 @@ def tgi_router(ctx: Ctx) -> APIRouter:
                            "top_tokens": top_json(ev.token) if p.top_n_tokens else None, "generated_text": None, "details": None}
                     if ev.finish_reason:
                         out["generated_text"] = (req.inputs if p.return_full_text else "") + ev.generated_text
-                        out["details"] = {"finish_reason": ev.finish_reason, "generated_tokens": ev.index + 1,
-                                          "seed": handle.seed, "input_length": len(ids)}
+                        if p.details:  # as TGI: the last event's details only when asked for
+                            out["details"] = {"finish_reason": ev.finish_reason, "generated_tokens": ev.index + 1,
+                                              "seed": handle.seed, "input_length": len(ids)}
                     yield sse(out)
             except ApiError as e:
                 ctx.metrics.failed(e.error_type)

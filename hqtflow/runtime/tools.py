@@ -40,6 +40,10 @@ class ToolPlan:
     schema: dict  # the reply's JSON schema: one call of an offered tool
     prompt: str  # the tool prompt appended to the last message
 
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.offered]
+
 
 def plan(tools: list | None, tool_choice, tool_prompt: str | None) -> ToolPlan | None:
     """What a request's tools (schemas.ToolSpec) and tool_choice ("none", "auto", "required", a tool's name, or
@@ -153,19 +157,20 @@ def call_text(name: str, arguments) -> str:
 @dataclass
 class Reply:
     """A generated tool reply read back: a call (`name`, and `text` its arguments' JSON) or a text answer (`name`
-    None, `text` the `no_tool` content, or the raw reply when it was cut before the tool's name was complete)."""
+    None, `text` the `no_tool` content, or when cut before the tool's name was complete, `cut_short`'s reading)."""
     name: str | None = None
     text: str = ""
     complete: bool = False  # the reply ended where the grammar ends it
 
 
-def read_reply(text: str, final: bool, content: StringReader | None = None) -> Reply | None:
+def read_reply(text: str, final: bool, content: StringReader | None = None, names: list[str] | None = None) -> Reply | None:
     """The reply so far. `final`: the whole reply. Not final (streaming): None until the name is complete, then only
     what more text cannot change: the arguments without what may still close them, the content decoded so far
-    (`content`: the reader that decoded its earlier part, so each call decodes only what is new)."""
+    (`content`: the reader that decoded its earlier part, so each call decodes only what is new). `names`: the
+    offered tools' names, which read a reply cut before its name was complete (`cut_short`)."""
     head = HEAD.match(text)
     if head is None:
-        return Reply(text=text) if final else None
+        return cut_short(text, names) if final else None
     name, rest = json.loads(head.group(1)), text[head.end():]
     if name == NO_TOOL:
         opening = re.match(r'\{\s*"content"\s*:\s*"', rest)
@@ -181,6 +186,26 @@ def read_reply(text: str, final: bool, content: StringReader | None = None) -> R
     except ValueError:
         return Reply(name, rest)
     return Reply(name, rest[:end], re.fullmatch(r"\s*}\s*", rest[end:]) is not None)
+
+
+PARTIAL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)')
+
+
+def cut_short(text: str, names: list[str] | None) -> Reply:
+    """A reply that ended (max_tokens) before the grammar had written the whole tool name. The wrapper's text is never
+    the answer: a call of the one offered tool the name's start can still be, with its arguments not begun (as
+    OpenAI's cut-short call: finish_reason "length"); else an empty text answer, nothing of it written yet."""
+    if names is None:
+        return Reply(text=text)
+    m = PARTIAL_NAME.match(text)
+    start = ""
+    if m:
+        try:
+            start = json.loads('"' + re.sub(r"\\(u[0-9a-fA-F]{0,3})?$", "", m.group(1)) + '"')
+        except ValueError:
+            start = ""
+    can_be = [n for n in names if n.startswith(start)]
+    return Reply(can_be[0], "") if len(can_be) == 1 and can_be[0] != NO_TOOL else Reply(text="")
 
 
 STRING_BODY = re.compile(r'(?:[^"\\]+|\\u[0-9a-fA-F]{4}|\\[^u])*')  # a JSON string's text up to a half-written escape
@@ -225,11 +250,12 @@ class ToolStream:
     call's id, type and name once the name is complete, then its arguments as they come (index and arguments only,
     as OpenAI sends them); or the `no_tool` content as it is decoded."""
 
-    def __init__(self):
+    def __init__(self, names: list[str] | None):
         self.call_id, self.named, self.sent, self.reply, self.content = new_call_id(), False, "", None, StringReader()
+        self.names = names  # the offered tools' names (None: a cut-short reply reads as its text)
 
     def deltas(self, visible: str, final: bool) -> list[dict]:
-        r = self.reply = read_reply(visible, final, self.content)
+        r = self.reply = read_reply(visible, final, self.content, self.names)
         if r is None:
             return []
         out = []

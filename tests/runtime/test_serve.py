@@ -40,15 +40,17 @@ def test_generate_and_stream(url, lm):
     assert set(d["tokens"][0]) == {"id", "text", "logprob", "special"}
     full = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 10, "return_full_text": True}})
     assert full.json()["generated_text"] == PROMPT + ref
-    events = []
-    with httpx.stream("POST", f"{url}/generate_stream", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 10}}) as s:
-        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
-        for line in s.iter_lines():
-            if line.startswith("data:"):
-                events.append(json.loads(line[5:]))
-    assert len(events) == 10 and all(e["generated_text"] is None for e in events[:-1])
+    def stream(parameters):
+        with httpx.stream("POST", f"{url}/generate_stream", json={"inputs": PROMPT, "parameters": parameters}) as s:
+            assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+            return [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
+
+    events = stream({"max_new_tokens": 10, "details": True})
+    assert len(events) == 10 and all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
     assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"] == ref
     assert events[-1]["details"]["finish_reason"] == "length"
+    plain = stream({"max_new_tokens": 10})  # as TGI: the last event's details only when asked for
+    assert plain[-1]["generated_text"] == ref and plain[-1]["details"] is None
     sampled = [httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {
         "max_new_tokens": 8, "do_sample": True, "temperature": 0.8, "seed": 3, "details": True}}).json() for _ in range(2)]
     assert sampled[0] == sampled[1] and sampled[0]["details"]["seed"] == 3
@@ -321,7 +323,7 @@ def test_streams_racing_for_the_last_place_get_429_or_a_whole_stream(lm, route):
         assert sorted(code for code, _ in results).count(429) >= 1, results
         for code, events in results:
             assert code == 429 or (code == 200 and "error" not in events[-2 if route != "/generate_stream" else -1]
-                                   and ("[DONE]" in events[-1] or '"finish_reason"' in events[-1])), results
+                                   and ("[DONE]" in events[-1] or json.loads(events[-1][5:])["generated_text"] is not None)), results
         assert not any(code == 200 and any('"error"' in e for e in events) for code, events in results), results
         m = metric_values(httpx.get(f"{base}/metrics").text)
         assert m["tgi_request_success"] + m['tgi_request_failure{err="overloaded"}'] == 4, m

@@ -195,6 +195,31 @@ def test_openai_completions_score_text(url, lm):
     assert e.value.param == "temperature" and e.value.code == "validation" and e.value.type == "invalid_request_error"
 
 
+def test_openai_text_offsets_index_the_text_across_split_characters(url):
+    """/v1/completions' `text_offset` indexes the returned text's characters when tokens hold parts of a character
+    (an emoji, CJK): each token's text is at its offset; a token holding part of a character is named by its bytes
+    (OpenAI's "bytes:\\xNN"), at the offset of the character they belong to; streamed the same."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    ask = dict(model="tiny", prompt="I love \U0001f355 and \u65e5\u672c\u8a9e!", echo=True, logprobs=2, max_tokens=8,
+               temperature=0)
+    (c,) = client.completions.create(**ask).choices
+    lp, text = c.logprobs, c.text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    split = 0
+    for name, at in zip(lp.tokens, lp.text_offset):
+        if name.startswith("bytes:"):
+            split += 1
+            raw = bytes(int(h, 16) for h in name[len("bytes:"):].split("\\x")[1:])
+            assert raw in text[at].encode() or text[at] == "\ufffd", (name, at, text)
+        else:
+            assert text[at:at + len(name)] == name, (name, at, text)
+    assert split >= 2 and "\ufffd" not in "".join(lp.tokens[:12])  # the emoji and the CJK split in the prompt's tokens
+    assert all(len(top) >= 1 for top in lp.top_logprobs[1:])
+    parts = [p.choices[0].logprobs for p in client.completions.create(**ask, stream=True) if p.choices and p.choices[0].logprobs]
+    assert [x for q in parts for x in q.text_offset] == lp.text_offset and [x for q in parts for x in q.tokens] == lp.tokens
+
+
 def test_tgi_logprobs_are_of_the_processed_distribution_openais_of_the_models(url, lm):
     """TGI's routes return the logprobs of the distribution each token is chosen from (TGI's NextTokenChooser): with
     a grammar the top tokens are allowed ones only, renormalised, the chosen one first (greedy); with top_k 1 every
@@ -688,10 +713,10 @@ def test_logprobs_end_where_a_stop_sequence_cuts_the_text(url):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
     ask = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 0}
     full = client.completions.create(**ask).choices[0]
-    toks, text = full.logprobs.tokens, full.text
-    offsets = [sum(map(len, toks[:i])) for i in range(len(toks))]
-    assert "".join(toks) == text
-    k = next(i for i in range(1, len(toks)) if toks[i] and text.find(toks[i]) == offsets[i])  # its first occurrence
+    toks, text, offsets = full.logprobs.tokens, full.text, full.logprobs.text_offset
+    plain = [not t.startswith("bytes:") for t in toks]  # not a part of a character (named by its bytes)
+    assert all(text.startswith(t, at) for t, at, whole in zip(toks, offsets, plain) if whole)
+    k = next(i for i in range(1, len(toks)) if toks[i] and plain[i] and text.find(toks[i]) == offsets[i])  # its first occurrence
     cut = client.completions.create(**ask, stop=[toks[k]]).choices[0]
     assert (cut.text, cut.logprobs.tokens, cut.finish_reason) == (text[:offsets[k]], toks[:k], "stop")
     streamed = [t for ch in client.completions.create(**ask, stop=[toks[k]], stream=True) for c in ch.choices
@@ -699,7 +724,7 @@ def test_logprobs_end_where_a_stop_sequence_cuts_the_text(url):
     assert streamed == toks[:k]
     # a stream holds token k back (it may begin the first stop), then releases it as token k + 1 begins the second:
     # token k + 1 is held back in turn, and left out with its stop sequence
-    k = next(i for i in range(1, len(toks) - 2) if toks[i] and toks[i + 1]
+    k = next(i for i in range(1, len(toks) - 2) if toks[i] and toks[i + 1] and all(plain[i:i + 3])
              and text.find(toks[i + 1] + toks[i + 2]) == offsets[i + 1])
     stops = [toks[k] + "\u2603\u2603", toks[k + 1] + toks[k + 2]]
     cut = client.completions.create(**ask, stop=stops).choices[0]

@@ -148,14 +148,49 @@ def test_huggingface_hub_and_text_generation_clients_call_tools(url, monkeypatch
 
 
 def test_a_reply_cut_short_says_length(url):
-    """max_tokens that ends a reply mid-call: finish_reason "length", the text so far (before the name is complete)
-    or the call with its arguments so far (OpenAI's clients then get arguments that do not parse)."""
-    for n in (2, 9):
-        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
-                                                           "max_tokens": n, "temperature": 0}, timeout=60).json()
-        (c,) = r["choices"]
-        assert c["finish_reason"] == "length", c
-        assert c["message"]["content"] or c["message"]["tool_calls"][0]["function"]["name"] in ARGS, c
+    """max_tokens that ends a reply mid-call: finish_reason "length", and the call's wrapper never comes back as text:
+    the call with its arguments so far (OpenAI's clients then get arguments that do not parse), the one tool a name
+    cut short can still be (always so for a named tool_choice), or empty content while it could be either; the
+    stream's deltas join into the same message."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+    for n in (1, 2, 9):
+        for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            ask = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=n, temperature=0)
+            (c,) = client.chat.completions.create(**ask).choices
+            assert c.finish_reason == "length", c
+            if c.message.tool_calls:
+                (call,) = c.message.tool_calls
+                assert c.message.content is None and call.function.name in ARGS
+                assert choice == "required" or call.function.name == "get_time"
+                assert not call.function.arguments.startswith('{"name"')
+            else:
+                assert choice == "required" and c.message.content == "", c
+            chunks = list(client.chat.completions.create(**ask, stream=True))
+            streamed = [ch.choices[0].delta for ch in chunks if ch.choices]
+            assert "".join(d.content or "" for d in streamed) == (c.message.content or "")
+            calls = [t for d in streamed for t in d.tool_calls or []]
+            assert [t.function.name for t in calls if t.id] == [t.function.name for t in c.message.tool_calls or []]
+            assert "".join(t.function.arguments or "" for t in calls) == "".join(
+                t.function.arguments for t in c.message.tool_calls or [])
+            assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_reply_cut_before_its_name_is_read_by_the_names_offered():
+    """Cut before the name was complete: the one offered tool that name can still be (arguments not begun), else
+    an empty text answer; `no_tool` (tool_choice "auto") is an answer in text, not a call."""
+    names = ["get_weather", "get_time", "no_tool"]
+    for text, offered, want in [('{"name": "get_t', names, ("get_time", "")), ('{"name": "get_', names, (None, "")),
+                                ('{"name": "n', names, (None, "")), ("", ["get_time"], ("get_time", "")),
+                                ('{"na', ["get_time"], ("get_time", "")), ('{"name": "x', ["get_time"], (None, "")),
+                                ('{"name": "get\\u00', names, (None, "")), ('{"name": "get\\', ["get_time"], ("get_time", ""))]:
+        r = tools.read_reply(text, final=True, names=offered)
+        assert (r.name, r.text, r.complete) == (*want, False), (text, r)
+        s = tools.ToolStream(offered)
+        parts = [d for n in range(len(text) + 1) for d in s.deltas(text[:n], final=n == len(text))]
+        assert [d["tool_calls"][0]["function"]["name"] for d in parts if "tool_calls" in d] == ([want[0]] if want[0] else [])
+        assert "".join(d.get("content", "") for d in parts) == ""
 
 
 def fn(name: str, parameters: dict) -> dict:
@@ -238,7 +273,7 @@ def test_tool_replies_read_back_and_streamed():
     for text, name, final, complete in cases:
         r = tools.read_reply(text, final=True)
         assert (r.name, r.text, r.complete) == (name, final, complete), (text, r)
-        s, parts = tools.ToolStream(), []
+        s, parts = tools.ToolStream(None), []
         for n in range(1, len(text) + 1):
             parts += s.deltas(text[:n], final=n == len(text))
         calls = [d["tool_calls"][0] for d in parts if "tool_calls" in d]
