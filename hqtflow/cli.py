@@ -627,6 +627,7 @@ def handoff(
     if output is not None:  # the script's folder can be made and written before anything is
         from hqtflow.formats.artifact import check_output_dir
 
+        h.check_script_path(output)
         check_output_dir(output.parent / f".{output.name}.probe", True)
     plan = h.optimum_habana(job, directory) if to == "optimum-habana" else \
         h.tgi_gaudi(job, directory, image=image, port=port, volume=volume)

@@ -22,6 +22,7 @@ A recipe's optional `gaudi` section gives the scripts and flags of the seeds' ru
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -450,6 +451,22 @@ def write_handoff(plan: Plan, handoff_dir: Path) -> None:
             write_json_atomic(handoff_dir / rel, cfg)
     except OSError as e:
         raise ArtifactError(f"Cannot write the hand-off directory {handoff_dir} ({e.strerror}).") from None
+
+
+SCRIPT_HEAD = "#!/usr/bin/env bash\n# hqtflow handoff "
+
+
+def check_script_path(path: Path) -> None:
+    """An existing file at the script's path is replaced only when an earlier hand-off wrote it."""
+    if not os.path.lexists(path):
+        return
+    try:
+        ours = path.is_file() and not path.is_symlink() and path.open("rb").read(len(SCRIPT_HEAD)) == SCRIPT_HEAD.encode()
+    except OSError:
+        ours = False
+    if not ours:
+        raise ArtifactError(f"Cannot write the script {path}: it exists and is not an earlier hqtflow hand-off script; "
+                            "remove it or pick another path.")
 
 
 def write_script(text: str, path: Path) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -590,9 +591,28 @@ def render_text(rep: dict) -> str:
     return "\n".join(out)
 
 
-def _check_writable(path: Path | None, inputs=()) -> None:
+def _earlier_report(path: Path, html: bool) -> bool:
+    """Whether `path` is a report an earlier `hqtflow inspect` wrote (the only existing file --json / --html replace)."""
+    try:
+        if not path.is_file() or path.is_symlink():
+            return False
+        if html:
+            with open(path, "rb") as f:
+                return f.read(256).startswith(b'<!DOCTYPE html><html><head><meta charset="utf-8"><title>hqtflow inspect: ')
+        if path.stat().st_size > 256 << 20:
+            return False
+        rep = json.loads(path.read_text())
+        return isinstance(rep, dict) and {"artifact", "kind"} <= rep.keys()
+    except (OSError, ValueError):
+        return False
+
+
+def _check_writable(path: Path | None, inputs=(), html: bool = False) -> None:
     if path is None:
         return
+    if os.path.lexists(path) and not _earlier_report(Path(path), html):
+        raise ArtifactError(f"Cannot write {path}: it exists and is not an earlier hqtflow inspect report; remove it or "
+                            "pick another path.")
     for i in inputs:
         if i is not None and Path(path).resolve().is_relative_to(Path(i).resolve()):
             raise ArtifactError(f"Cannot write {path}: it lies inside the inspected artifact {i}, which is never modified.")
@@ -620,7 +640,7 @@ def run_inspect(artifact, *, compare=None, json_path=None, html_path=None, top: 
             write_json_atomic(Path(json_path), _clean(rep))
         return text
     _check_writable(json_path, (artifact, compare))
-    _check_writable(html_path, (artifact, compare))
+    _check_writable(html_path, (artifact, compare), html=True)
     rep = inspect_artifact(artifact, compare=compare, top=top, trust_pickle=trust_pickle)
     html = None
     if html_path is not None:

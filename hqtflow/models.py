@@ -71,6 +71,7 @@ def resolve_model(ref: str | None) -> Path:
                 raise ArtifactError(f"{p} is an hqtflow {kind} artifact, not a model folder; an FP8 checkpoint comes from "
                                  f"`hqtflow quantize -m {source} -o OUT`.")
             raise ModelError(f"Model directory {p} has no config.json; it is not a Hugging Face model folder.")
+        check_regular_files(p)
         load_config(p)
         damaged = ArtifactError if (p / MANIFEST).is_file() else ModelError  # hqtflow's checkpoint, or a model
         for f in weight_files(p, damaged):
@@ -96,6 +97,14 @@ def resolve_model(ref: str | None) -> Path:
             f"reached ({type(e).__name__}); pass a local model folder."
         ) from None
 
+
+
+def check_regular_files(path: Path) -> None:
+    """A model folder's weights and configs must be files: a FIFO or a device read (hashed, parsed, loaded) would
+    block or never end."""
+    for f in Path(path).iterdir():
+        if f.suffix in (".safetensors", ".json", ".bin", ".pt", ".pth") and f.exists() and not f.is_file():
+            raise ModelError(f"{f} is not a regular file; a model's weights and configs are files.")
 
 
 # Weights stored as pickles (torch.save), which loading them unpickles; read only with `trust_pickle` (the commands'
@@ -264,6 +273,10 @@ def load_model(path: Path, dtype: str = "bf16", *, tp_plan: str | None = None, t
 
     check_generation_config(path)
     check_pickled_weights(path, trust_pickle=trust_pickle)  # here, where they would be unpickled: whatever found the folder (a path, the hub cache)
+    check_regular_files(path)
+    from hqtflow.formats.checkpoint import check_config_sizes
+
+    check_config_sizes(path, ModelError)  # before transformers allocates the parameters at config.json's sizes
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
     if tp_plan:
         try:

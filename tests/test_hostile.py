@@ -378,6 +378,10 @@ CASES = {
     "quantize/model weight NaN, the measurement's fingerprint its own": (quantize_nan_model, "holds 1 NaN or infinite values"),
     "quantize/QUANT_CONFIG selects nothing": (lambda c: quantize(c, c.m, "-c", write(c.w / "c.json", json.dumps(
         {"mode": "QUANTIZE", "allowlist": {"types": [], "names": ["no_such_layer"]}}))), "quantizes no Linear layer"),
+    "quantize/manifest fingerprint removed": (lambda c: quantize(c, manifest(c.copy("m"), model=None)),
+                                              "holds no fingerprint of it; the manifest is corrupt"),
+    "quantize/manifest fingerprint emptied": (lambda c: quantize(c, manifest(c.copy("m"), model={})),
+                                              "holds no fingerprint of it; the manifest is corrupt"),
     "quantize/manifest model not an object": (lambda c: quantize(c, manifest(c.copy("m"), model="x")), "corrupt"),
     # unify
     "unify/mode Scale beside DynamicRange": (lambda c: unify(c, rehash(stats(c.copy("i2"), lambda r: r.update(Mode="Scale"),
@@ -488,6 +492,20 @@ CASES = {
     "inspect/manifest file outside": (lambda c: ["inspect", manifest(c.copy("m"), files={"../../outside_dir/x.json": "0"})],
                                       "outside itself"),
     "inspect/manifest stem outside": (lambda c: ["inspect", rehash_stem(c.copy("m"), "../outside_dir/x")], "outside itself"),
+    "inspect/--json over a file that is not a report": (lambda c: ["inspect", c.m, "--json", write(c.w / "notes.json", "{}")],
+                                                         "not an earlier hqtflow inspect report"),
+    "inspect/--html over the model's weights": (lambda c: ["inspect", c.ck, "--html", c.copy("model") / "model.safetensors"],
+                                                "not an earlier hqtflow inspect report"),
+    "generate/float64 scale, hashes rewritten": (lambda c: gen(rehash(tensors(c.copy("ck"), lambda t: t.update(
+        {f"{NODE}.weight_scale": t[f"{NODE}.weight_scale"].double()})))), "is a float64 tensor; scales are float32"),
+    "generate/int32 input_scale, hashes rewritten": (lambda c: gen(rehash(tensors(c.copy("ck"), lambda t: t.update(
+        {f"{NODE}.input_scale": t[f"{NODE}.input_scale"].int()})))), "is a int32 tensor; scales are float32"),
+    "measure/config's vocabulary far beyond the weights": (
+        lambda c: measure(edit_json_dir(c.copy("model"), lambda cfg: cfg.update(vocab_size=8_000_000)), c),
+        "more values than all its weights together"),
+    "measure/weights a FIFO": (lambda c: ((c.copy("model") / "model.safetensors").unlink(),
+                                          os.mkfifo(c.w / "model" / "model.safetensors"), measure(c.w / "model", c))[2],
+                               "is not a regular file"),
     "inspect/--json inside the artifact": (lambda c: ["inspect", c.copy("m"), "--json", c.w / "m" / "r.json"], "lies inside"),
     "inspect/--html inside the artifact": (lambda c: ["inspect", c.copy("ck"), "--html", c.w / "ck" / "r.html"], "lies inside"),
     "inspect/nan statistic, hashes rewritten": (lambda c: ["inspect", rehash(stats(c.copy("m"), node(float("nan"))))],
@@ -585,6 +603,9 @@ CASES = {
     "bench/--device a typo": (lambda c: [*bench(c.ck), "--device", "tpu"],  # no hint of --engine, which bench lacks
                               "Unknown --device 'tpu'; valid values are auto, cpu, cuda."),
     # handoff
+    "handoff/-o over a file that is not a hand-off script": (
+        lambda c: ["handoff", c.m, "--to", "tgi-gaudi", "-o", write(c.w / "run.sh", "echo mine\n")],
+        "not an earlier hqtflow hand-off script"),
     "handoff/--dir a file": (lambda c: ["handoff", c.m, "--to", "tgi-gaudi", "--dir", write(c.w / "f", "x")],
                              "Cannot write the hand-off directory"),
     "handoff/--dir inside the artifact": (lambda c: ["handoff", c.copy("m"), "--to", "tgi-gaudi", "--dir", c.w / "m" / "h"],

@@ -342,11 +342,17 @@ def read_tensors(directory: Path, *, device: str = "cpu") -> dict[str, torch.Ten
         return {k: tf.get(k) for k in tf.entries}
 
 
+SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def check_scales(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Every scale of a checkpoint must be positive and finite (a zero or NaN scale cannot be right), and small enough
-    that dequantizing with it stays finite in float32."""
+    """Every scale of a checkpoint must be a float32, float16 or bfloat16 tensor, positive and finite (a zero or NaN
+    scale cannot be right), and small enough that dequantizing with it stays finite in float32."""
     for k, v in tensors.items():
         if k.endswith(("_scale", ".scale", "_scale_inv")):
+            if v.dtype not in SCALE_DTYPES:
+                raise ArtifactError(f"{path}: {k} is a {str(v.dtype).removeprefix('torch.')} tensor; scales are "
+                                    "float32, float16 or bfloat16.")
             v = v.float()
             if not bool((torch.isfinite(v) & (v > 0)).all()):
                 raise ArtifactError(f"{path}: {k} holds a zero, negative or non-finite scale, which cannot be right.")
@@ -424,7 +430,7 @@ def _check_layer_count(path: Path, layers, entries: dict) -> None:
                             f"but its weights hold {found} layer(s).")
 
 
-def _check_sizes(path: Path, auto, config, total: int) -> None:
+def _check_sizes(path: Path, auto, config, total: int, what: str = "Checkpoint", error=ArtifactError) -> None:
     """Build the model on the meta device (nothing allocated) and refuse a parameter larger than all the checkpoint's
     weights together (a config.json size, vocab_size say, that its weights cannot match)."""
     try:
@@ -434,8 +440,26 @@ def _check_sizes(path: Path, auto, config, total: int) -> None:
         return
     for name, p in model.named_parameters():
         if p.numel() > total:
-            raise ArtifactError(f"Checkpoint {path} does not match its config.json: {name} would have shape "
-                                f"{list(p.shape)}, more values than all its weights together.")
+            raise error(f"{what} {path} does not match its config.json: {name} would have shape "
+                        f"{list(p.shape)}, more values than all its weights together.")
+
+
+def check_config_sizes(path: Path, error=ArtifactError, what: str = "Model") -> None:
+    """Before a model is loaded (and its parameters allocated at config.json's sizes): refuse a parameter larger
+    than all the weights in its safetensors headers together. A config.json that transformers cannot read is left to
+    the load, which names it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    entries = TensorFiles(path, error=error).entries
+    if not entries:
+        return
+    try:
+        config = AutoConfig.from_pretrained(path)
+        _check_sizes(path, AutoModelForCausalLM, config, sum(_numel(e.shape) for e in entries.values()), what, error)
+    except error:
+        raise
+    except Exception:  # noqa: BLE001 - a config that cannot be read or built: the load that follows refuses it in its own words
+        return
 
 
 def quantization_scheme(path: Path) -> dict:

@@ -106,6 +106,9 @@ def plan_job(s: QuantizeSettings, *, trust_pickle: bool = False, skeleton=None) 
     model_dir = models.resolve_model(s.model) if s.model is not None else models.recorded_model(
         recorded, meas.directory, f"`hqtflow quantize MODEL -m {meas.directory} -o {s.output}`")
     fp = models.fingerprint(model_dir)
+    if recorded is not None and not meas.manifest.model:  # every stage that records a model records its fingerprint
+        raise ArtifactError(f"{meas.directory}'s manifest names the model {recorded} but holds no fingerprint of it; "
+                            "the manifest is corrupt: measure again.")
     if meas.manifest.model and not models.same_model(meas.manifest.model, fp):
         raise ArtifactError(
             f"Measurement {meas.directory} was made on a different model, or on this one before its config or weights "
