@@ -79,6 +79,8 @@ def main() -> None:
     p.add_argument("--working-set", type=int, default=512, help="MiB of bf16 weights cycled per shape (default 512)")
     p.add_argument("--per-channel", action="store_true", help="one weight scale per output row (compressed-tensors "
                    "per-channel checkpoints, the *_pcs_* scale methods) instead of one per tensor")
+    p.add_argument("--pow2", action="store_true", help="weight scales rounded up to powers of two, as HQT's *_pow2 "
+                   "methods give them (per channel: the CPU kernel's bf16 register paths scale each row's sum)")
     p.add_argument("--columns", default=None, help="comma-separated FP8 columns to measure (default: all; the bf16 and "
                    "fp32 baselines always run). On a CPU `qdq` and `scaled_mm` emulate and take most of the run")
     a = p.parse_args()
@@ -93,7 +95,7 @@ def main() -> None:
     print(f"device {dev}{f': {torch.cuda.get_device_name()}' if dev == 'cuda' else ''}; {machine_line()}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; median of {a.iters} calls; "
           f"{'hot (one weight copy)' if a.hot else f'cold (weights cycled over {a.working_set} MiB of bf16 copies)'}; "
-          f"{'per-channel' if a.per_channel else 'per-tensor'} weight scales; "
+          f"{'per-channel' if a.per_channel else 'per-tensor'}{' power-of-two' if a.pow2 else ''} weight scales; "
           f"--dtype auto here: {fastest_dtype(dev)}"
           + (f"; CPU kernel path for bf16: {isa}" if cpu_kernel else ""))
     if dev == "cpu" and not cpu_kernel:
@@ -119,7 +121,8 @@ def main() -> None:
             s_x = (x.abs().max() / 112).to(torch.bfloat16)
             slow = dev == "cpu"  # the QDQ reference and _scaled_mm emulate on CPU: fewer copies and calls
             w_max = lambda w: w.abs().amax(1) if a.per_channel else w.abs().max()  # noqa: E731
-            w_scale = lambda l: (w_max(l.weight) / 224).to(l.weight.dtype)  # noqa: E731
+            pow2 = (lambda v: 2.0 ** torch.ceil(torch.log2(v))) if a.pow2 else (lambda v: v)  # noqa: E731
+            w_scale = lambda l: pow2(w_max(l.weight).float() / 224).to(l.weight.dtype)  # noqa: E731
             runs = [("qdq", "qdq", lins, s_x, x), ("cpu w8a8", "cpu", lins, s_x, x), ("cpu w-only", "cpu", lins, None, x),
                     ("cpu fp32", "cpu", lins32, s_x.float(), x32), ("scaled_mm", "scaled_mm", lins, s_x, x)]
             columns = {"bf16": ([lambda l=l: l(x) for l in lins], a.iters),
