@@ -77,11 +77,13 @@ def token_name(tok, token_text: Callable[[int], str], tid: int) -> str:
     return text if raw == text.encode() else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def char_starts(chunks: list[bytes]) -> list[int]:
-    """For each chunk of a UTF-8 byte stream, the index of the character its first byte belongs to in the stream
-    decoded with U+FFFD for what is not UTF-8 (as the answer's text is); an empty chunk: the next character's."""
-    total, out, p = b"".join(chunks), [], 0
-    for c in chunks:
+def char_starts(chunks: list[bytes], first: int = 0) -> list[int]:
+    """For each chunk of a UTF-8 byte stream from `first` on, the index of the character its first byte belongs to
+    in the stream decoded with U+FFFD for what is not UTF-8 (as the answer's text is); an empty chunk: the next
+    character's. (Each is the length of a decoded prefix, so a stream's chunks cost one decode each, not all.)"""
+    total, out = b"".join(chunks), []
+    p = sum(len(c) for c in chunks[:first])
+    for c in chunks[first:]:
         out.append(len(total[:p + 1].decode("utf-8", "replace")) - (p < len(total)))
         p += len(c)
     return out
@@ -100,7 +102,7 @@ def completion_logprobs(tok, token_text: Callable[[int], str], ids: list[int], p
     rows = []
     if prompt:
         rows += [(tid, lp, top, at) for tid, (lp, top), at in zip(ids, prompt, char_starts([raw(t) for t in ids]))]
-    starts = char_starts([b"" if t.special else raw(t.id) for t in [*before, *tokens]])[len(before):]
+    starts = char_starts([b"" if t.special else raw(t.id) for t in [*before, *tokens]], len(before))
     rows += [(t.id, t.logprob, t.top or [], offset + at) for t, at in zip(tokens, starts)]
     for tid, lp, top, at in rows:
         chosen = name(tid)
