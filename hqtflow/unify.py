@@ -43,7 +43,7 @@ def parse_groups(tokens: list[str], world: int) -> list[list[int]]:
         ranks: list[int] = []
         for part in tok.split(","):
             part = part.strip()
-            if re.fullmatch(r"\d+-\d+", part):
+            if re.fullmatch(r"[0-9]+-[0-9]+", part):  # ASCII digits: int() would read other scripts' too
                 a, b = map(int, part.split("-"))
                 if b < a:
                     raise ConfigError(f"Group {tok!r}: range {part} runs backwards.")
@@ -52,7 +52,7 @@ def parse_groups(tokens: list[str], world: int) -> list[list[int]]:
                     shown = _ranks(list(range(lo, b + 1))) if b - lo < 16 else f"{lo}-{b}"
                     raise ConfigError(f"Groups {' '.join(tokens)}: rank(s) {shown} do not exist in this {world}-rank measurement.")
                 ranks += range(a, b + 1)
-            elif re.fullmatch(r"\d+", part):
+            elif re.fullmatch(r"[0-9]+", part):
                 ranks += [int(part)] if "," in tok else [int(c) for c in part]
             else:
                 raise ConfigError(f"Group {tok!r} is not a list of ranks (forms: 0123, 0-7, 0,1,2,3).")

@@ -34,6 +34,8 @@ def test_group_forms():
     (["012", "34"], 5, "different sizes"),
     (["0-9"], 8, "rank(s) 8, 9 do not exist"),
     (["0x1"], 2, "not a list of ranks"),
+    (["\u0660\u0661"], 2, "not a list of ranks"),  # Arabic-Indic digits: ranks are written 0-9
+    (["\uff10-\uff11"], 2, "not a list of ranks"),  # full-width digits
     (["3-1"], 4, "runs backwards"),
     ([], 2, "No groups"),
     ([" "], 2, "No groups"),
