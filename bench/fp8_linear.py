@@ -14,7 +14,11 @@ dB; a wrong path exits without a ratio). The columns are timed interleaved, call
 alike. By default each shape cycles through enough distinct weight copies to exceed the last-level cache (`--working-set`
 MiB per dtype), so weights stream from DRAM the way a model's layers do in decode; `--hot` reuses one copy.
 
-    python bench/fp8_linear.py [--device cuda] [--iters 20] [--hot] [--per-channel] [--ms 1,8,256,512] [--columns "cpu w8a8,cpu w-only"]
+On an AMX machine `--kernel bf16dot` times the build without tiles (the path of Intel CPUs without AMX: FP8 pairs
+widened to bf16, then two fp32 FMAs a pair at M > 36); run it with `ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16` so that bf16
+`F.linear` leaves AMX too, and the baseline is that CPU's.
+
+    python bench/fp8_linear.py [--device cuda] [--kernel bf16dot] [--iters 20] [--hot] [--per-channel] [--ms 1,8,256,512] [--columns "cpu w8a8,cpu w-only"]
 """
 
 from __future__ import annotations
@@ -81,6 +85,10 @@ def main() -> None:
                    "per-channel checkpoints, the *_pcs_* scale methods) instead of one per tensor")
     p.add_argument("--pow2", action="store_true", help="weight scales rounded up to powers of two, as HQT's *_pow2 "
                    "methods give them (per channel: the CPU kernel's bf16 register paths scale each row's sum)")
+    p.add_argument("--kernel", default="native", choices=("native", "bf16dot"),
+                   help="the CPU kernel build the cpu columns run: bf16dot is the AVX512-BF16 build without AMX tiles, "
+                   "on an AMX machine the path of Intel CPUs without AMX (with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in "
+                   "the environment bf16 F.linear leaves AMX too: the baseline of such a CPU)")
     p.add_argument("--columns", default=None, help="comma-separated FP8 columns to measure (default: all; the bf16 and "
                    "fp32 baselines always run). On a CPU `qdq` and `scaled_mm` emulate and take most of the run")
     a = p.parse_args()
@@ -90,14 +98,17 @@ def main() -> None:
     if cpu_kernel:
         from hqtflow.quantize import cpu_kernel as ck
 
-        isa = ck.ops().fp8_isa()
+        if a.kernel != "native" and not ck.load(a.kernel):
+            sys.exit(f"--kernel {a.kernel}: the build failed: {ck.build_error(a.kernel)}")
+        kernel = ck.ops(a.kernel)
+        isa = kernel.fp8_isa()
         avx2 = ck.ops("avx2") if "avx512f" in cpu_flags() and ck.load("avx2") else None  # else: the native build
     print(f"device {dev}{f': {torch.cuda.get_device_name()}' if dev == 'cuda' else ''}; {machine_line()}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; median of {a.iters} calls; "
           f"{'hot (one weight copy)' if a.hot else f'cold (weights cycled over {a.working_set} MiB of bf16 copies)'}; "
           f"{'per-channel' if a.per_channel else 'per-tensor'}{' power-of-two' if a.pow2 else ''} weight scales; "
           f"--dtype auto here: {fastest_dtype(dev)}"
-          + (f"; CPU kernel path for bf16: {isa}" if cpu_kernel else ""))
+          + (f"; CPU kernel ({a.kernel} build) path for bf16: {isa}" if cpu_kernel else ""))
     if dev == "cpu" and not cpu_kernel:
         from hqtflow.quantize import cpu_kernel as ck
 
@@ -137,7 +148,12 @@ def main() -> None:
                     mod = FP8Linear.from_linear(l, w_scale(l), s_in)
                     set_backend(mod, backend)
                     mods.append(mod)
-                columns[name] = ([lambda f=f, xin=xin: f(xin) for f in mods], max(5, a.iters // 3) if few else a.iters)
+                if backend == "cpu" and a.kernel != "native":  # the same modules' tensors through the other build
+                    calls = [lambda f=f, xin=xin, pk=kernel.fp8_pack(f.weight): kernel.fp8_linear(
+                        xin, f.weight, f.weight_scale, f.input_scale, None, pk) for f in mods]
+                else:
+                    calls = [lambda f=f, xin=xin: f(xin) for f in mods]
+                columns[name] = (calls, max(5, a.iters // 3) if few else a.iters)
                 built[name] = mods
             if avx2 is not None and "avx2 fp32" in wanted:  # the fp32 modules of "cpu fp32" when it ran
                 f32 = built.get("cpu fp32") or [FP8Linear.from_linear(l, w_scale(l), s_x.float()) for l in lins32]
@@ -147,7 +163,7 @@ def main() -> None:
             with torch.inference_mode():  # modules built outside it: their packing tracks the weights
                 for name, mods in built.items():  # each FP8 column against the Linear it was made from
                     src, xin = (lins32, x32) if name == "cpu fp32" else (lins, x)
-                    worst = min(worst, require_sqnr(f"{label} M={m_} {name}", src[0](xin), mods[0](xin)))
+                    worst = min(worst, require_sqnr(f"{label} M={m_} {name}", src[0](xin), columns[name][0][0]()))
                 if "avx2 fp32" in columns:
                     worst = min(worst, require_sqnr(f"{label} M={m_} avx2 fp32", f32[0](x32), columns["avx2 fp32"][0][0]()))
                 row = timed(columns, dev)

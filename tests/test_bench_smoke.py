@@ -176,17 +176,19 @@ def test_engine_vs_transformers_times_generation_only(tiny_llama, wiki_text):
     assert f"model {tiny_llama.name} {fastest_dtype()} (the fastest" in r.stdout, r.stdout
 
 
-@pytest.mark.parametrize("scales", [[], ["--per-channel", "--pow2"]])
+@pytest.mark.parametrize("scales", [[], ["--per-channel", "--pow2"], ["--kernel", "bf16dot"]])
 def test_fp8_linear_bench_smoke(cpu_kernel_loaded, scales):
     """bench/fp8_linear.py, one weight copy, M = 1 and 8, two calls: a row per shape and M whose cells are ratios to
     the faster high-precision Linear (one of bf16 / fp32 is that baseline, 1.00x), and a verdict line per row; per
-    tensor, and per channel in powers of two (HQT's pcs methods)."""
+    tensor, per channel in powers of two (HQT's pcs methods), and through the build without AMX tiles (the native
+    build where the CPU has no AMX)."""
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_linear.py"), "--device", "cpu", "--hot", "--ms", "1,8",
                         "--iters", "2", "--columns", "cpu w8a8,cpu w-only", *scales], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "CPU flags" in r.stdout and "speed vs the faster of bf16 and fp32 F.linear" in r.stdout, r.stdout
-    assert ("per-channel power-of-two weight scales" in r.stdout) == bool(scales), r.stdout
+    assert ("per-channel power-of-two weight scales" in r.stdout) == ("--pow2" in scales), r.stdout
+    assert f"CPU kernel ({'bf16dot' if '--kernel' in scales else 'native'} build)" in r.stdout, r.stdout
     rows = re.findall(r"^(.+?) +(\d+) +[\d.]+ +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x$", r.stdout, re.M)
     assert [(row[0], row[1]) for row in rows] == [(s, m) for s in ("4096x4096", "smollm2 q/o 576x576",
                                                                     "smollm2 up 576->1536", "smollm2 down 1536->576")
