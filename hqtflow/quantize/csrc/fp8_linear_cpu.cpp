@@ -789,9 +789,11 @@ struct Problem {
 // long as no partial sum is subnormal (flushed or rounded otherwise) or overflows, with s or without it. Every nonzero
 // partial sum is a multiple of g = ulp(2^e * c_min) * c_min (x_q >= 2^e * c_min, e = floor(log2 s_x), c_min the
 // smallest FP8 code; sums of multiples of a power of two stay multiples of it), so |sum| >= g; and |sum| <= K *
-// 2 * c_max * s_x * c_max (the input clamped to +-c_max, rounded up at most once). The bf16 path uses it at
-// decode-sized M, where a table per row costs the most (per-channel weights 0.46-0.67x per-tensor at M = 1, hot): one
-// shared table of the codes times 1, one multiply per 16 outputs. The panels keep their tables: the same bits.
+// 2 * c_max * s_x * c_max (the input clamped to +-c_max, rounded up at most once); none of this depends on the order
+// of the sums, so it holds for vdpbf16ps and AMX tiles alike. The bf16 and AMX paths use it at decode-sized M, where a
+// table per row costs the most (per-channel weights 0.46-0.67x per-tensor at M = 1, hot): one shared table of the
+// codes times 1, one multiply per 16 outputs (AMX, cold, 2-core Xeon: 1.14-1.67x faster at M = 1-32 on SmolLM2 shapes
+// and 4096^2). The panels keep their tables: the same bits.
 bool scales_commute(const std::vector<float>& sc, bool e4m3, bool has_sx, float s_x, int64_t K) {
   if (!has_sx || !(s_x > 0.f) || !std::isfinite(s_x) || !std::isnormal(s_x)) return false;
   const int c_min = e4m3 ? -9 : -16, c_max = e4m3 ? 9 : 16;  // log2: smallest subnormal code, above the largest code
@@ -1765,8 +1767,17 @@ HQT_INLINE void amx_dispatch(int64_t mr, int64_t nr, bool stream, const F& f) {
   stream ? by_tiles(std::true_type{}) : by_tiles(std::false_type{});
 }
 
-// The epilogue of an mr x nr block of fp32 sums (row stride ldc).
-HQT_INLINE void amx_epilogue(const float* c, int64_t ldc, int64_t m, int64_t n, int64_t mr, int64_t nr, const Out& out) {
+// The epilogue of an mr x nr block of fp32 sums (row stride ldc); `oscale`: the weight rows' scales multiplying the
+// sums (`scales_commute`), or none.
+HQT_INLINE void amx_epilogue(float* c, int64_t ldc, int64_t m, int64_t n, int64_t mr, int64_t nr, const Out& out,
+                             const float* oscale = nullptr) {
+  if (oscale) {
+    for (int64_t b = 0; b * kBlock < nr; ++b) {
+      const int64_t left = nr - b * kBlock;
+      const __m512 s = _mm512_maskz_loadu_ps(left >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), oscale + n + b * kBlock);
+      for (int64_t i = 0; i < mr; ++i) _mm512_store_ps(c + i * ldc + b * kBlock, _mm512_mul_ps(_mm512_load_ps(c + i * ldc + b * kBlock), s));
+    }
+  }
   if (nr == 2 * kBlock) {
     for (int64_t i = 0; i < mr; ++i) store32(_mm512_load_ps(c + i * ldc), _mm512_load_ps(c + i * ldc + kBlock), m + i, n, out);
     return;
@@ -1813,7 +1824,7 @@ void amx_decode(const Problem& p, int64_t n0, int64_t n1) {
       }
       amx_store_acc<mb, bn>(c, 2 * kBlock);
     });
-    amx_epilogue(c, 2 * kBlock, 0, n, p.M, nr, p.out);
+    amx_epilogue(c, 2 * kBlock, 0, n, p.M, nr, p.out, p.oscale);
   }
   _tile_release();
 }
@@ -2056,8 +2067,12 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, int64_t N, int6
 #if HQT_AMX
     if (amx) {  // every M: input tiles of 16 rows over panels of widened weight rows
       const int64_t unit = 2 * kBlock, grain = std::max<int64_t>(unit, (N + threads - 1) / threads);
-      const Problem p{wt, xb, M, Kp, true, o, bw};
       const bool decode = M <= kAmxDecodeMaxM;
+      // per-channel powers of two at decode: one table of the codes, the scales applied to the sums (as the bf16 path)
+      static const float unit_scale = 1.f;
+      const bool oscaled = decode && !bw && wt.per_channel && scales_commute(sc, e4m3, has_sx, s_x, K);
+      const Weight wp = oscaled ? Weight{w8, N, K, &unit_scale, false, e4m3, hp} : wt;
+      const Problem p{wp, xb, M, Kp, true, o, bw, nullptr, oscaled ? sc.data() : nullptr};
       at::parallel_for(0, (N + unit - 1) / unit, decode ? 1 : (grain + unit - 1) / unit, [&](int64_t g0, int64_t g1) {
         const int64_t n0 = g0 * unit, n1 = std::min(N, g1 * unit);
         decode ? amx_decode(p, n0, n1) : amx_panels(p, n0, n1);
