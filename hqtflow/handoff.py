@@ -421,9 +421,13 @@ def tgi_gaudi(job: Job, handoff_dir: Path, *, image: str = TGI_IMAGE, port: int 
     return plan
 
 
+# How every hand-off script starts: `handoff -o` replaces only a file that begins so.
+SCRIPT_HEAD = "#!/usr/bin/env bash\n# hqtflow handoff "
+
+
 def render_script(plan: Plan, *, target: str, source: str) -> str:
-    lines = ["#!/usr/bin/env bash", f"# hqtflow handoff {source} --to {target}: generated, never run by hqtflow "
-             "(no Gaudi here); paths and QUANT_CONFIG checked.", "set -euo pipefail"]
+    lines = [f"{SCRIPT_HEAD}{source} --to {target}: generated, never run by hqtflow (no Gaudi here); paths and "
+             "QUANT_CONFIG checked.", "set -euo pipefail"]
     if target == "optimum-habana":
         lines.append('cd "${OPTIMUM_HABANA_EXAMPLES:-optimum-habana/examples/text-generation}"')
     lines += [f"# {n}" for n in plan.notes]
@@ -451,9 +455,6 @@ def write_handoff(plan: Plan, handoff_dir: Path) -> None:
             write_json_atomic(handoff_dir / rel, cfg)
     except OSError as e:
         raise ArtifactError(f"Cannot write the hand-off directory {handoff_dir} ({e.strerror}).") from None
-
-
-SCRIPT_HEAD = "#!/usr/bin/env bash\n# hqtflow handoff "
 
 
 def check_script_path(path: Path) -> None:

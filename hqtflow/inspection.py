@@ -597,8 +597,10 @@ def _earlier_report(path: Path, html: bool) -> bool:
         if not path.is_file() or path.is_symlink():
             return False
         if html:
+            from hqtflow.report_html import HTML_HEAD
+
             with open(path, "rb") as f:
-                return f.read(256).startswith(b'<!DOCTYPE html><html><head><meta charset="utf-8"><title>hqtflow inspect: ')
+                return f.read(256).startswith(HTML_HEAD.encode())
         if path.stat().st_size > 256 << 20:
             return False
         rep = json.loads(path.read_text())

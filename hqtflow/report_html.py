@@ -12,6 +12,10 @@ import io
 MAX_ROWS = 200
 
 
+# How every report starts: `hqtflow inspect --html` replaces only a file that begins so.
+HTML_HEAD = '<!DOCTYPE html><html><head><meta charset="utf-8"><title>hqtflow inspect: '
+
+
 def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
@@ -142,5 +146,5 @@ def render_html(rep: dict) -> str:
               "i.naturalWidth>0});document.body.setAttribute('data-images',String(im.length));"
               "document.body.setAttribute('data-images-ok',ok?'true':'false');}"
               "window.addEventListener('load',chk);</script>")
-    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>hqtflow inspect: {e(kind)}</title>"
+    return (f"{HTML_HEAD}{e(kind)}</title>"
             f"<style>{css}</style></head><body>{''.join(parts)}{script}</body></html>\n")
