@@ -142,7 +142,17 @@ def load_config(path: Path) -> dict:
         raise ModelError(f"Cannot read {Path(path) / 'config.json'} ({type(e).__name__}).") from None
     if not isinstance(cfg, dict):
         raise ModelError(f"{Path(path) / 'config.json'} is not a JSON object; it is not a model config.")
+    for key in SIZE_KEYS:
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ModelError(f"{Path(path) / 'config.json'}: {key} is {v!r}; it must be a positive integer.")
     return cfg
+
+
+# config.json's sizes, each a positive integer where given (0 divided by in the model's construction, a negative or
+# a float a shape that cannot be)
+SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size",
+             "vocab_size", "head_dim", "max_position_embeddings")
 
 
 def check_generation_config(path: Path) -> None:

@@ -264,7 +264,11 @@ CASES = {
     "measure/generation_config.json not JSON": (lambda c: measure(bad_generation_config(c.copy("model")), c),
                                                 "generation_config.json (JSONDecodeError)"),
     "measure/config field of the wrong type": (lambda c: measure(config(c.copy("model"), num_hidden_layers="two"), c),
-                                               "config.json is not a valid model config"),
+                                               "num_hidden_layers is 'two'; it must be a positive integer"),
+    "measure/num_attention_heads 0": (lambda c: measure(config(c.copy("model"), num_attention_heads=0), c),
+                                      "num_attention_heads is 0; it must be a positive integer"),
+    "measure/hidden_size a float": (lambda c: measure(config(c.copy("model"), hidden_size=64.5), c),
+                                    "hidden_size is 64.5; it must be a positive integer"),
     "measure/binary text": (lambda c: ((c.w / "b.txt").write_bytes(b"\xff\xfe\x00\x81"),
                                        ["measure", c.model, "--text", c.w / "b.txt", "-o", c.out])[1], "not UTF-8"),
     "measure/--text a directory": (lambda c: ((c.w / "texts").mkdir(),
@@ -460,7 +464,8 @@ CASES = {
     "export/quantization_config a list, hashes rewritten": (lambda c: export(c, rehash(config(c.copy("ck"), quantization_config=[1]))),
                                                             "quantization_config is not an object"),
     "export/config field of the wrong type, hashes rewritten": (
-        lambda c: export(c, rehash(config(c.copy("ck"), num_hidden_layers="two"))), "config.json is not a valid model config"),
+        lambda c: export(c, rehash(config(c.copy("ck"), num_hidden_layers="two"))),
+        "num_hidden_layers is 'two'; it must be a positive integer"),
     "export/scale of the wrong shape, hashes rewritten": (
         lambda c: export(c, rehash(tensors(c.copy("ck"), lambda t: t.update({f"{NODE}.weight_scale": t[f"{NODE}.weight_scale"].reshape(-1).repeat(3)})))),
         "weight_scale has shape [3]"),
@@ -477,7 +482,7 @@ CASES = {
     "export/num_hidden_layers 1e9, hashes rewritten": (  # refused before a billion layers are built
         lambda c: export(c, rehash(config(c.copy("ck"), num_hidden_layers=10**9))), "num_hidden_layers is 1000000000"),
     "export/num_hidden_layers -1, hashes rewritten": (
-        lambda c: export(c, rehash(config(c.copy("ck"), num_hidden_layers=-1))), "does not match its config.json"),
+        lambda c: export(c, rehash(config(c.copy("ck"), num_hidden_layers=-1))), "num_hidden_layers is -1; it must be a positive integer"),
     "export/model_type of another model, hashes rewritten": (
         lambda c: export(c, rehash(config(c.copy("ck"), model_type="bert"))), "belongs to no layer of the model"),
     # inspect
@@ -534,7 +539,10 @@ CASES = {
     "generate/quantization_config a list, foreign": (lambda c: gen(config(foreign_ck(c), quantization_config=[1])),
                                                      "quantization_config is not an object"),
     "generate/config field of the wrong type, hashes rewritten": (
-        lambda c: gen(rehash(config(c.copy("ck"), num_hidden_layers="two"))), "config.json is not a valid model config"),
+        lambda c: gen(rehash(config(c.copy("ck"), num_hidden_layers="two"))),
+        "num_hidden_layers is 'two'; it must be a positive integer"),
+    "generate/num_key_value_heads 0, hashes rewritten": (
+        lambda c: gen(rehash(config(c.copy("ck"), num_key_value_heads=0))), "num_key_value_heads is 0; it must be a positive integer"),
     "generate/generation_config.json not JSON, hashes rewritten": (
         lambda c: gen(rehash(bad_generation_config(c.copy("ck")))), "generation_config.json (JSONDecodeError)"),
     "generate/empty prompt": (lambda c: [*gen(c.ck), "-p", ""], "The prompt is empty"),
