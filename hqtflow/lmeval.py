@@ -477,6 +477,14 @@ def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> tuple[dict
     except UndefinedError as e:  # a template (doc_to_text, ...) names a field the task's records lack
         raise CalibrationError(f"The template of lm-eval task {_task_raising(e, tasks)} uses a field its data's "
                                f"records lack ({e}).") from None
+    except ConnectionError as e:  # datasets: "Couldn't reach 'baber/piqa' on the Hub (LocalEntryNotFoundError)"
+        local = [f"'{t}_local'" for t in tasks if f"{t}_local" in LOCAL_TASKS]
+        hint = f"use the offline cop{'ies' if len(local) > 1 else 'y'} {', '.join(local)} with --data-dir" if local else \
+            "give a task YAML whose dataset_kwargs.data_files are local files"
+        many = len(tasks) > 1
+        raise CalibrationError(f"lm-eval task{'s' * many} {', '.join(tasks)} read{'' if many else 's'} "
+                               f"{'their datasets' if many else 'its dataset'} from the Hugging Face Hub, which cannot be "
+                               f"reached here ({str(e)[:160]}): {hint}.") from None
     except Exception as e:  # datasets could not read a task's data file (empty, truncated, not its format)
         from datasets.exceptions import DatasetGenerationError
 

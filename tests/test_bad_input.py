@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import DATA_DIR, ROOT, run_cli
 
 
 def _files(path):
@@ -73,6 +73,18 @@ def test_user_error(setup, case):
     err = r.stderr.strip()
     assert err.startswith("Error: ") and len(err.splitlines()) == 1 and "Traceback" not in r.output
     assert _files(work) == before, "nothing may be written"
+
+
+def test_a_hub_task_without_the_hub_names_its_offline_copy(setup):
+    """An lm-eval task whose dataset comes from the Hub, offline (the tests run with HF_DATASETS_OFFLINE=1): found
+    once the model has loaded (its progress bar comes first), one sentence naming the bundled offline copy, exit 5."""
+    work, model, _ = setup
+    r = run_cli("measure", model, "--tasks", "piqa", "--data-dir", DATA_DIR, "--limit", "1", "-o", work / "out")
+    err = [ln for ln in r.stderr.splitlines() if ln.strip() and "Loading weights" not in ln]
+    assert r.exit_code == 5 and len(err) == 1 and "Traceback" not in r.output, r.output
+    assert err[0].startswith("Error: lm-eval task piqa reads its dataset from the Hugging Face Hub, which cannot be "
+                             "reached here") and err[0].endswith("use the offline copy 'piqa_local' with --data-dir."), err
+    assert not (work / "out").exists()
 
 
 def test_existing_output(setup):
