@@ -47,7 +47,7 @@ def chat_messages(messages: list[dict], renders_calls: bool, renders_developer: 
     (OpenAI's text parts joined), an assistant's tool calls and a tool result's call id passed on to a template that
     renders `tool_calls` (else the calls are written into the content as the model writes them); any other message
     field is a 422 naming it (given as null, it is not given)."""
-    out = []
+    out, call_ids, called = [], set(), False  # the ids of the assistant's tool calls so far
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise invalid(f"`messages[{i}]` must be an object with `role` and `content`")
@@ -63,8 +63,16 @@ def chat_messages(messages: list[dict], renders_calls: bool, renders_developer: 
         content = message_text(m.get("content"), i, optional=role == "assistant")
         calls = message_calls(m.get("tool_calls"), i) if role == "assistant" else []
         role = "system" if role == "developer" and not renders_developer else role
-        if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
-            raise invalid(f"`messages[{i}].tool_call_id` must be a string")
+        if role == "tool":  # OpenAI's contract: the result of a call the assistant made, named by its id
+            if not isinstance(m.get("tool_call_id"), str):
+                raise invalid(f"`messages[{i}].tool_call_id` must be a string: a tool message answers a tool call by "
+                              "its id")
+            if not called:
+                raise invalid(f"`messages[{i}]`: a tool message must follow an assistant message with `tool_calls`")
+            if call_ids and m["tool_call_id"] not in call_ids:
+                raise invalid(f"`messages[{i}].tool_call_id` {m['tool_call_id']!r} names no earlier tool call")
+        called = called or bool(calls)
+        call_ids.update(c["id"] for c in calls if isinstance(c.get("id"), str))
         if not renders_calls:
             content = "\n".join([content] * bool(content) + [tools.call_text(c["function"]["name"], c["function"]["arguments"])
                                                              for c in calls])

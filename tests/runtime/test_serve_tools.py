@@ -244,6 +244,13 @@ BAD = [
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "`messages[0].tool_calls` is not supported"),
     ({"messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, "`messages[0].tool_call_id` is not supported"),
     ({"messages": [{"role": "tool", "tool_call_id": "1"}]}, "`messages[0].content`"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]},
+     "`messages[1].tool_call_id` must be a string"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "42"}]},
+     "`messages[1]`: a tool message must follow an assistant message with `tool_calls`"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "42"}]}, "`messages[2].tool_call_id` 'c2' names no earlier tool call"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}]}]},
      "`messages[0].tool_calls[0].function.arguments` is not valid JSON"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}]},
