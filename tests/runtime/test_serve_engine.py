@@ -668,11 +668,11 @@ def test_fp16_overflow_ends_only_the_request_whose_logits_overflow(tiny_llama):
 # -- paged KV cache, chunked prefill, determinism ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lm16(tiny_llama):
-    """bf16: its CPU matmuls give each row the same result whatever the batch (fp32 ones do not), so outputs can be
-    compared bit for bit between a request alone and inside a batch."""
-    from hqtflow import models
+    """bf16, loaded as serve loads it (`load_any`: on the CPU kernel's packed-bf16 Linears where it takes bf16), so
+    outputs can be compared bit for bit between a request alone and inside a batch."""
+    from hqtflow.api import load_any
 
-    return models.load_model(tiny_llama, "bf16"), models.load_tokenizer(tiny_llama)
+    return load_any(str(tiny_llama), "bf16")[:2]
 
 
 def run_all(eng, jobs):
@@ -890,6 +890,28 @@ def test_seeded_request_alone_equals_inside_a_busy_batch(lm16):
     assert [e.token.id for e in busy] == [e.token.id for e in alone]
     assert [e.token.logprob for e in busy] == [e.token.logprob for e in alone]
     assert eng.stats.max_running == 8
+
+
+@pytest.mark.slow
+def test_a_plain_model_loaded_for_serving_is_batch_invariant(smollm2, cpu_kernel_loaded):
+    """The real SmolLM2 loaded as serve, generate and eval load a plain model (`load_any`, CPU, --dtype auto): every
+    Linear on the kernel's packed-bf16 path, so a prompt's logits are the same bits alone and beside two others at
+    every length (with oneDNN's bf16 GEMM on a 2-core AMX Xeon, k_proj/v_proj gave a row other sums at 64 tokens: a
+    served request's logprobs, and sometimes its text, changed with its neighbours). --backend qdq keeps F.linear."""
+    from torch import nn
+
+    from hqtflow.api import load_any
+    from hqtflow.quantize.bf16_linear import PackedBf16Linear
+
+    model, _, _ = load_any(str(smollm2), "auto")
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 30 * 7 + 1 and all(isinstance(m, PackedBf16Linear) and m.packed is not None for m in linears)
+    x = torch.randint(3, model.config.vocab_size, (3, 64), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for t in (1, 9, 64):
+            assert torch.equal(model(x[:1, :t]).logits[0], model(x[:, :t]).logits[0]), t
+    plain, _, _ = load_any(str(smollm2), "auto", backend="qdq")
+    assert not any(isinstance(m, PackedBf16Linear) for m in plain.modules())
 
 
 def test_fp8_kv_cache_in_the_engine(tiny_llama, wiki_text, tmp_path):
