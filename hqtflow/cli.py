@@ -97,12 +97,16 @@ def user_errors(fn):
         import errno
         import signal
 
-        from hqtflow.formats.artifact import COMMITTED
+        from hqtflow.formats.artifact import COMMITTED, CREATED_PARENTS, remove_created_parents
 
         COMMITTED.clear()
+        CREATED_PARENTS.clear()
+        done = False
         try:
             with _plain_warnings(), _signals_as_interrupts():
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+            done = True
+            return result
         except HqtflowError as e:
             typer.echo("Error: " + " ".join(str(e).splitlines()), err=True)
             raise typer.Exit(e.exit_code) from None
@@ -118,6 +122,10 @@ def user_errors(fn):
             typer.echo(f"Error: cannot write{where} ({e.strerror}): free some disk space or write elsewhere; "
                        f"{_written()}.", err=True)
             raise typer.Exit(ResourceError.exit_code) from None
+        finally:  # refused, interrupted or crashed: the (empty) folders made for its output go too
+            if not done:
+                remove_created_parents()
+            CREATED_PARENTS.clear()
 
     return wrapper
 

@@ -87,6 +87,21 @@ def test_a_hub_task_without_the_hub_names_its_offline_copy(setup):
     assert not (work / "out").exists()
 
 
+@pytest.mark.parametrize("stage", ["quantize", "measure", "unify"])
+def test_a_refused_run_leaves_no_folder_made_for_its_output(setup, stage):
+    """An output under folders that do not exist yet: those folders are made before the inputs are checked (an
+    unwritable place is refused first), and removed again when a later check refuses the run."""
+    work, model, _ = setup
+    out = work / "new" / "deeper" / "out"
+    args = {"quantize": ["quantize", "-m", work / "nothing-here", "-o", out],
+            "measure": ["measure", model, "--text", work / "empty.txt", "-o", out],
+            "unify": ["unify", "-g", "01", "-m", work / "nothing-here", "-o", out]}[stage]
+    before = _files(work)
+    r = run_cli(*args)
+    assert r.exit_code in (2, 3, 5) and r.stderr.startswith("Error: "), r.output
+    assert _files(work) == before and not (work / "new").exists()
+
+
 def test_existing_output(setup):
     work, model, text = setup
     r = run_cli("measure", model, "--text", text, "-o", work / "a_file")

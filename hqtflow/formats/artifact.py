@@ -49,6 +49,9 @@ PARTIAL_MARKER = ".hqtflow-partial"  # in a staging dir until its commit: a dire
 # come from earlier versions
 _LEFTOVER = re.compile(r"^\..+\.(partial|old)-(\d+)-(?:h([0-9a-f]{8})-)?")
 COMMITTED: list[Path] = []  # the outputs this process has committed, in order (the CLI names them when interrupted)
+# directories check_output_dir made for an output's parent, outermost first: a command that fails removes them again
+# while they are empty (`remove_created_parents`), so a refused or interrupted run leaves no empty folder behind
+CREATED_PARENTS: list[Path] = []
 
 
 @functools.cache
@@ -348,12 +351,24 @@ def check_output_dir(out: Path, overwrite: bool, inputs=(), any_dir: bool = Fals
         check_replaceable(out)
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
+        missing = [d for d in (parent, *parent.parents) if not os.path.lexists(d)]
         try:
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ArtifactError(f"Cannot create the parent directory of {out} ({e.strerror}).") from None
+        CREATED_PARENTS.extend(reversed(missing))
     if why := why_unwritable(parent):
         raise ArtifactError(f"Cannot write to {parent}: {why}.")
+
+
+def remove_created_parents() -> None:
+    """Remove the directories check_output_dir made, innermost first, each only while it is empty."""
+    for d in reversed(CREATED_PARENTS):
+        try:
+            d.rmdir()
+        except OSError:  # not empty (something was written there after all), or gone
+            pass
+    CREATED_PARENTS.clear()
 
 
 def why_unwritable(folder: Path) -> str | None:
