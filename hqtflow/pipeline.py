@@ -20,7 +20,9 @@ ADDED_SETTINGS = {"hessians": False, "gptq": False}
 
 
 def _same_settings(recorded: dict, current: dict) -> bool:
-    strip = lambda d: {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k != "overwrite"}
+    """The settings a stage ran with are these: the recipe file's path aside (provenance: the settings it gave are
+    compared; `run smollm2` and `run recipes/smollm2.yaml` read one recipe through a symlink or a copy)."""
+    strip = lambda d: {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k not in ("overwrite", "recipe")}
     added = {k: v for k, v in ADDED_SETTINGS.items() if k in current}
     return strip({**added, **recorded}) == strip(current)
 

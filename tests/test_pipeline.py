@@ -59,6 +59,13 @@ def test_run_recipe_skips_current_stages(tiny_llama, data_dir, tmp_path):
     third = run_cli("run", recipe)
     assert "measure: writing" in third.stdout and "quantize: writing" in third.stdout
     assert third.exit_code == 0 and "up to date" not in third.stdout
+    # the same recipe through a symlink or a copy (`run smollm2` reads the bundled one, a symlink into recipes/ in an
+    # editable install): every stage current
+    (tmp_path / "alias.yaml").symlink_to(recipe)
+    (tmp_path / "copy.yaml").write_text(recipe.read_text())
+    for alias in ("alias.yaml", "copy.yaml"):
+        again = run_cli("run", tmp_path / alias)
+        assert again.exit_code == 0 and again.stdout.count("up to date, skipped") == 3, again.output
     # a second recipe whose measurement sits beside the first's would share its fp8/ and eval.json: refused up front
     other = write_recipe(tmp_path / "other.yaml", tiny_llama, data_dir, 2)
     other.write_text(other.read_text().replace(str(tmp_path / "run" / "measure"), str(tmp_path / "run" / "measure2")))
