@@ -37,16 +37,6 @@ def other_version(written) -> str | None:
     return f"written by hqtflow {written if isinstance(written, str) else '(version unknown)'}, this is {__version__}: redone"
 
 
-def _manifest_version(out: Path, kind: str) -> str | None:
-    """other_version of the artifact at `out`, None when there is none or it is this version's."""
-    from hqtflow.formats.artifact import read_manifest
-
-    try:
-        return other_version(read_manifest(Path(out), kind, verify=False).written_by)
-    except ArtifactError:
-        return None
-
-
 def _newer(written) -> bool:
     from packaging.version import InvalidVersion, Version
 
@@ -87,7 +77,44 @@ def current(check: Callable[[], bool]) -> bool:
         return False
 
 
+ABSENT = "absent"  # a stale reason: no artifact of this kind there yet (nothing to say about it)
+
+
+def stale(check: Callable[[], str | None]) -> str | None:
+    """check(): why an artifact is redone, None when it is current; a manifest recording its inputs in a shape this
+    hqtflow does not write (damaged, or another version's) is redone too, not a traceback."""
+    try:
+        return check()
+    except (TypeError, KeyError, AttributeError, ValueError):
+        return "its manifest records its inputs in a shape this hqtflow does not read"
+
+
+def _settings_changed(recorded: dict, current: dict) -> str | None:
+    """None when _same_settings, else which settings changed (at most three, recorded -> now)."""
+    if _same_settings(recorded, current):
+        return None
+    added = {k: v for k, v in ADDED_SETTINGS.items() if k in current}
+    recorded = {**added, **recorded}
+    short = lambda v: (r if len(r := repr(list(v) if isinstance(v, tuple) else v)) <= 40 else r[:37] + "...")  # noqa: E731
+    keys = [k for k in dict.fromkeys([*recorded, *current]) if k not in ("overwrite", "recipe")
+            and (list(v) if isinstance(v := recorded.get(k), tuple) else v) !=
+            (list(w) if isinstance(w := current.get(k), tuple) else w)]
+    return "its settings changed (" + ", ".join(f"{k}: {short(recorded.get(k))} -> {short(current.get(k))}"
+                                               for k in keys[:3]) + (", ..." if len(keys) > 3 else "") + ")"
+
+
+def _say_why(stage: str, out, why: str | None, echo: Callable[[str], None]) -> None:
+    """Say why `run` redoes a stage whose artifact exists (another version's wrote it, an input changed)."""
+    if why not in (None, ABSENT):
+        echo(f"{stage}: {out} {'was' if why.startswith('written by') else 'is redone:'} {why}.")
+
+
 def measurement_is_current(s) -> bool:
+    return measurement_stale(s) is None
+
+
+def measurement_stale(s) -> str | None:
+    """Why the measurement at s.output is redone for settings `s` (ABSENT: there is none), None when it is current."""
     from hqtflow import lmeval, models
     from hqtflow.formats.artifact import ArtifactKind, read_manifest, sha256_file
     from hqtflow.measure.run import load_measure_config, resolve_max_length
@@ -95,27 +122,32 @@ def measurement_is_current(s) -> bool:
     try:
         m = read_manifest(Path(s.output), ArtifactKind.MEASUREMENT)
     except ArtifactError:
-        return False
-    if other_version(m.written_by):
-        return False
+        return ABSENT
+    if why := other_version(m.written_by):
+        return why
     model_dir = models.resolve_model(s.model)
     s = resolve_max_length(s, model_dir)  # the manifest records the max_length measured with, not None
-    if not _same_settings(m.data.get("settings", {}), s.to_json()):
-        return False
+    if why := _settings_changed(m.data.get("settings", {}), s.to_json()):
+        return why
     if m.raw.get("config") != load_measure_config(s.config).to_dict():
-        return False
+        return "its QUANT_CONFIG changed"
     if not models.same_calibration_model(m.model, models.fingerprint(model_dir)):  # a new chat template alone: current
-        return False
+        return "the model's weights or tokenizer changed"
     for src in m.data["calibration"]["sources"]:
         if src["kind"] == "text" and (not Path(src["path"]).is_file() or sha256_file(Path(src["path"])) != src["sha256"]):
-            return False
+            return f"the calibration text {src['path']} changed"
         if src["kind"] == "lm-eval" and src["files"] != lmeval.task_files(  # (none recorded, by an older hqtflow: redone)
                 list(s.tasks), s.include_path, lmeval.task_manager(list(s.include_path), s.data_dir, list(s.tasks))):
-            return False
-    return True
+            return "its lm-eval tasks' files changed"
+    return None
 
 
 def checkpoint_is_current(q, model: str | None) -> bool:
+    return checkpoint_stale(q, model) is None
+
+
+def checkpoint_stale(q, model: str | None) -> str | None:
+    """Why the checkpoint at q.output is redone (ABSENT: there is none), None when it is current."""
     from hqtflow import models
     from hqtflow.formats.artifact import ArtifactKind, read_manifest
     from hqtflow.formats.measurement import load_measurement
@@ -125,11 +157,18 @@ def checkpoint_is_current(q, model: str | None) -> bool:
         m = read_manifest(Path(q.output), ArtifactKind.CHECKPOINT)
         meas = load_measurement(q.measurement)
     except ArtifactError:
-        return False
-    return (not other_version(m.written_by) and _same_settings(m.data.get("settings", {}), asdict(q))
-            and m.data.get("source_digest") == meas.digest()
-            and models.same_fingerprint(m.model, models.fingerprint(models.resolve_model(model)))  # its chat template too
-            and m.raw.get("config") == quant_config(q).to_dict())
+        return ABSENT
+    if why := other_version(m.written_by):
+        return why
+    if why := _settings_changed(m.data.get("settings", {}), asdict(q)):
+        return why
+    if m.data.get("source_digest") != meas.digest():
+        return "its measurement changed"
+    if not models.same_fingerprint(m.model, models.fingerprint(models.resolve_model(model))):  # its chat template too
+        return "the model's weights, tokenizer or chat template changed"
+    if m.raw.get("config") != quant_config(q).to_dict():
+        return "its quantization config changed"
+    return None
 
 
 def unified_is_current(measurement: Path, out: Path) -> bool:
@@ -288,11 +327,11 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     if not r.eval.empty and (old := read_own_report(root / "eval.json")) is not None:
         check_not_newer(root / "eval.json", report=old)
     kv_missing = r.quantize.kv_cache == KVCache.FP8 and not (Path(ms.output) / KV_FILE).exists()
-    if not force and not kv_missing and current(lambda: measurement_is_current(ms)):
+    why = None if force else "it has no KV-cache statistics" if kv_missing else stale(lambda: measurement_stale(ms))
+    if not force and why is None:
         echo(f"measure: {ms.output} is up to date, skipped.")
     else:
-        if not force and (why := _manifest_version(Path(ms.output), ArtifactKind.MEASUREMENT)):
-            echo(f"measure: {ms.output} was {why}.")
+        _say_why("measure", ms.output, why, echo)
         echo(f"measure: writing {ms.output}")
         measure(ms, trust_pickle=trust_pickle)
     if one_rank != Path(ms.output):
@@ -302,11 +341,11 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
             echo(f"unify: writing {one_rank} (ranks 0-{ms.tp - 1} -> 1)")
             unify(ms.output, [f"0-{ms.tp - 1}"], one_rank, overwrite=True)
     qs = r.quantize.settings(str(one_rank), str(root / "fp8"), overwrite=True)
-    if not force and current(lambda: checkpoint_is_current(qs, ms.model)):
+    why = None if force else stale(lambda: checkpoint_stale(qs, ms.model))
+    if not force and why is None:
         echo(f"quantize: {qs.output} is up to date, skipped.")
     else:
-        if not force and (why := _manifest_version(Path(qs.output), ArtifactKind.CHECKPOINT)):
-            echo(f"quantize: {qs.output} was {why}.")
+        _say_why("quantize", qs.output, why, echo)
         echo(f"quantize: writing {qs.output}")
         quantize(qs, trust_pickle=trust_pickle, skeleton=skeleton)
     ev = replace(r.eval, kv_cache=kv_cache_for(r).value)  # recorded: another KV cache redoes the eval

@@ -55,9 +55,11 @@ def test_run_recipe_skips_current_stages(tiny_llama, data_dir, tmp_path):
     for stage, out in (("measure", "measure"), ("quantize", "fp8"), ("eval", "eval.json")):
         assert f"{stage}: {tmp_path / 'run' / out} was written by hqtflow 0.1.0, this is {__version__}: redone." in old.stdout
     assert read_manifest(tmp_path / "run" / "fp8", ArtifactKind.CHECKPOINT).written_by == __version__
-    write_recipe(recipe, tiny_llama, data_dir, 3)  # an input changed: every stage is redone
+    write_recipe(recipe, tiny_llama, data_dir, 3)  # an input changed: every stage is redone, saying why
     third = run_cli("run", recipe)
     assert "measure: writing" in third.stdout and "quantize: writing" in third.stdout
+    assert f"measure: {tmp_path / 'run' / 'measure'} is redone: its settings changed (limit: 2 -> 3)." in third.stdout
+    assert f"quantize: {tmp_path / 'run' / 'fp8'} is redone: its measurement changed." in third.stdout
     assert third.exit_code == 0 and "up to date" not in third.stdout
     # the same recipe through a symlink or a copy (`run smollm2` reads the bundled one, a symlink into recipes/ in an
     # editable install): every stage current
