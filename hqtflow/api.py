@@ -100,7 +100,7 @@ def linears_on_kernel(model, backend: str = "auto") -> int:
     CPU kernel's packed-bf16 path, as an FP8 model's high-precision Linears are (`bf16_linear.py`): a row's output
     then does not depend on its neighbours (oneDNN's bf16 GEMM changes its order of sums with the number of rows on
     AMX CPUs, so a served request's logprobs and text changed with the batch), and it was faster at every M measured
-    (SmolLM2 forward on a 2-core AMX Xeon: 1.12-1.47x at 8-512 tokens). `backend` "qdq" (or a kernel that cannot be
+    (SmolLM2 forward on a 2-core AMX Xeon: 1.10-1.47x at 1-512 tokens). `backend` "qdq" (or a kernel that cannot be
     built, under "auto") keeps `F.linear`; returns how many Linears read packed bf16."""
     from hqtflow.quantize import bf16_linear, cpu_kernel
     from hqtflow.quantize.fp8_linear import resolve_backend

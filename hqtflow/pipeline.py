@@ -19,14 +19,6 @@ UNIFIED = "measure-unified"  # beside the recipe's measurement: its ranks unifie
 ADDED_SETTINGS = {"hessians": False, "gptq": False}
 
 
-def _same_settings(recorded: dict, current: dict) -> bool:
-    """The settings a stage ran with are these: the recipe file's path aside (provenance: the settings it gave are
-    compared; `run smollm2` and `run recipes/smollm2.yaml` read one recipe through a symlink or a copy)."""
-    strip = lambda d: {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k not in ("overwrite", "recipe")}
-    added = {k: v for k, v in ADDED_SETTINGS.items() if k in current}
-    return strip({**added, **recorded}) == strip(current)
-
-
 def other_version(written) -> str | None:
     """Why an output `written` by another hqtflow version (a manifest's tool.hqtflow, a report's hqtflow) is redone,
     or None when this version wrote it: the version changes whenever what a stage writes changes."""
@@ -68,15 +60,6 @@ def check_not_newer(out: Path, kind: str | None = None, report: dict | None = No
                             "not replace it; upgrade hqtflow, or move it away (nothing was written).")
 
 
-def current(check: Callable[[], bool]) -> bool:
-    """check(), where an artifact whose manifest records its inputs in a shape this hqtflow does not write (damaged,
-    or another version's) is not current: it is redone, not a traceback."""
-    try:
-        return check()
-    except (TypeError, KeyError, AttributeError, ValueError):
-        return False
-
-
 ABSENT = "absent"  # a stale reason: no artifact of this kind there yet (nothing to say about it)
 
 
@@ -90,17 +73,19 @@ def stale(check: Callable[[], str | None]) -> str | None:
 
 
 def _settings_changed(recorded: dict, current: dict) -> str | None:
-    """None when _same_settings, else which settings changed (at most three, recorded -> now)."""
-    if _same_settings(recorded, current):
+    """Which settings a stage ran with differ from `current` (at most three named, recorded -> now), None when none
+    does. The recipe file's path is provenance, not a setting (`run smollm2` and `run recipes/smollm2.yaml` read one
+    recipe through a symlink or a copy); settings added since an artifact was written count at their defaults."""
+    plain = lambda d: {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()  # noqa: E731
+                       if k not in ("overwrite", "recipe")}
+    was = plain({**{k: v for k, v in ADDED_SETTINGS.items() if k in current}, **recorded})
+    now, gone = plain(current), object()
+    keys = [k for k in dict.fromkeys([*was, *now]) if was.get(k, gone) != now.get(k, gone)]
+    if not keys:
         return None
-    added = {k: v for k, v in ADDED_SETTINGS.items() if k in current}
-    recorded = {**added, **recorded}
-    short = lambda v: (r if len(r := repr(list(v) if isinstance(v, tuple) else v)) <= 40 else r[:37] + "...")  # noqa: E731
-    keys = [k for k in dict.fromkeys([*recorded, *current]) if k not in ("overwrite", "recipe")
-            and (list(v) if isinstance(v := recorded.get(k), tuple) else v) !=
-            (list(w) if isinstance(w := current.get(k), tuple) else w)]
-    return "its settings changed (" + ", ".join(f"{k}: {short(recorded.get(k))} -> {short(current.get(k))}"
-                                               for k in keys[:3]) + (", ..." if len(keys) > 3 else "") + ")"
+    short = lambda v: r if len(r := repr(v)) <= 40 else r[:37] + "..."  # noqa: E731
+    return "its settings changed (" + ", ".join(f"{k}: {short(was.get(k))} -> {short(now.get(k))}" for k in keys[:3]) \
+        + (", ..." if len(keys) > 3 else "") + ")"
 
 
 def _say_why(stage: str, out, why: str | None, echo: Callable[[str], None]) -> None:
@@ -140,10 +125,6 @@ def measurement_stale(s) -> str | None:
                 list(s.tasks), s.include_path, lmeval.task_manager(list(s.include_path), s.data_dir, list(s.tasks))):
             return "its lm-eval tasks' files changed"
     return None
-
-
-def checkpoint_is_current(q, model: str | None) -> bool:
-    return checkpoint_stale(q, model) is None
 
 
 def checkpoint_stale(q, model: str | None) -> str | None:
@@ -327,7 +308,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     if not r.eval.empty and (old := read_own_report(root / "eval.json")) is not None:
         check_not_newer(root / "eval.json", report=old)
     kv_missing = r.quantize.kv_cache == KVCache.FP8 and not (Path(ms.output) / KV_FILE).exists()
-    why = None if force else "it has no KV-cache statistics" if kv_missing else stale(lambda: measurement_stale(ms))
+    why = None if force else stale(lambda: measurement_stale(ms)) or ("it has no KV-cache statistics" if kv_missing else None)
     if not force and why is None:
         echo(f"measure: {ms.output} is up to date, skipped.")
     else:
@@ -335,7 +316,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
         echo(f"measure: writing {ms.output}")
         measure(ms, trust_pickle=trust_pickle)
     if one_rank != Path(ms.output):
-        if not force and current(lambda: unified_is_current(Path(ms.output), one_rank)):
+        if not force and stale(lambda: None if unified_is_current(Path(ms.output), one_rank) else "stale") is None:
             echo(f"unify: {one_rank} is up to date, skipped.")
         else:
             echo(f"unify: writing {one_rank} (ranks 0-{ms.tp - 1} -> 1)")
