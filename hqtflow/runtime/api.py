@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
+import math
 import threading
 import time
 import weakref
@@ -13,12 +15,39 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import anyio
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from hqtflow.runtime.engine import Engine, Event, Request, SamplingParams
 from hqtflow.runtime.grammar import compile_pool
 from hqtflow.runtime.schemas import ApiError, invalid, parse, read_body, server_bounds
 from hqtflow.runtime.settings import ServeSettings
+
+def json_text(data, **kwargs) -> str:
+    """`data` as JSON (`kwargs` as json.dumps'); a float that is not finite is written as null, as TGI's serde_json
+    writes it (Python's json would write NaN or Infinity, which JSON parsers refuse)."""
+    try:
+        return json.dumps(data, allow_nan=False, **kwargs)
+    except ValueError:  # rare: walked only when a non-finite float is there
+        return json.dumps(_finite(data), allow_nan=False, **kwargs)
+
+
+def _finite(x):
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+class JSON(JSONResponse):
+    """Every JSON answer of the server: Starlette's, with json_text's null for a float that is not finite (Starlette's
+    own refuses it: a 500 for an answer already computed)."""
+
+    def render(self, content) -> bytes:
+        return json_text(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
 
 KEEP_ALIVE_SECONDS = 15.0  # an SSE comment after this long without an event (TGI's axum KeepAlive::default())
 KEEP_ALIVE = ":\n\n"  # an SSE comment, which every SSE client skips

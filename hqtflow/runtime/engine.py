@@ -606,8 +606,9 @@ class Engine:
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(req.input_ids + req.generated, device=x.device).unique()
             s = x[seen]
-            lowest = torch.finfo(x.dtype).min  # a huge penalty overflows to -inf: with a grammar, no token was left
-            x[seen] = torch.where(s < 0, s * p.repetition_penalty, s / p.repetition_penalty).clamp_(min=lowest)
+            # a huge penalty overflows to -inf (with a grammar, no token was left), a tiny one to inf (NaN logprobs)
+            f = torch.finfo(x.dtype)
+            x[seen] = torch.where(s < 0, s * p.repetition_penalty, s / p.repetition_penalty).clamp_(f.min, f.max)
         if p.tgi_frequency_penalty:
             every = torch.tensor(req.input_ids + req.generated, device=x.device)
             x -= torch.bincount(every, minlength=x.numel())[: x.numel()].float() / every.numel() * p.tgi_frequency_penalty

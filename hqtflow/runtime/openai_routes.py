@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from hqtflow.runtime import tools
-from hqtflow.runtime.api import Ctx
+from hqtflow.runtime.api import JSON, Ctx
 from hqtflow.runtime.engine import SamplingParams
 from hqtflow.runtime.grammar import TOOLS_SCALE, GrammarError, compile_grammar, strict_problem
 from hqtflow.runtime.openai_prompts import chat_prompt, echoed_prompts, prompts_of
@@ -97,8 +97,9 @@ async def complete(ctx: Ctx, token_text: Callable[[int], str], request: Request)
         return stream(ctx, token_text, jobs, prompts, req, chat=False, echo=texts if req.echo else None, slot=slot, arrival=start)
     seqs = await ctx.collect(jobs, request, slot)
     choices, returned = completion_choices(ctx.tok, token_text, req, prompts, texts, seqs)
-    ctx.answered(start, returned)
-    return {**head(ctx.s.served_name, False, False), "choices": choices, "usage": usage(prompts, seqs)}
+    response = JSON({**head(ctx.s.served_name, False, False), "choices": choices, "usage": usage(prompts, seqs)})
+    ctx.answered(start, returned)  # once the answer is rendered (a failure rendering it is not also a success)
+    return response
 
 
 def completion_choices(tok, token_text: Callable[[int], str], req: CompletionRequest, prompts: list[list[int]],
@@ -211,8 +212,9 @@ async def chat_answer(ctx: Ctx, token_text: Callable[[int], str], req: ChatReque
         return stream(ctx, token_text, jobs, [ids], req, chat=True, plan=plan, slot=slot, arrival=start)
     seqs = await ctx.collect(jobs, request, slot)
     choices = chat_choices(ctx.tok, token_text, req, plan, seqs)
-    ctx.answered(start, seqs)  # once the answer is built (a failure building it is not also a success)
-    return {**head(ctx.s.served_name, True, False), "choices": choices, "usage": usage([ids], seqs)}
+    response = JSON({**head(ctx.s.served_name, True, False), "choices": choices, "usage": usage([ids], seqs)})
+    ctx.answered(start, seqs)  # once the answer is rendered (a failure rendering it is not also a success)
+    return response
 
 
 # -- models ---------------------------------------------------------------------------------------------------------

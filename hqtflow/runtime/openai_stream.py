@@ -4,20 +4,19 @@ stream_options.include_usage."""
 
 from __future__ import annotations
 
-import json
 from typing import Callable
 
 from fastapi.responses import StreamingResponse
 
 from hqtflow.runtime import tools
-from hqtflow.runtime.api import Ctx, Sequence, event_stream
+from hqtflow.runtime.api import Ctx, Sequence, event_stream, json_text
 from hqtflow.runtime.openai_text import (FINISH, before_stop, chat_logprobs, completion_logprobs, final_text, head,
                                          usage)
 from hqtflow.runtime.schemas import ApiError, openai_error
 
 
 def chunk(data) -> str:
-    return "data: " + json.dumps(data) + "\n\n"
+    return "data: " + json_text(data) + "\n\n"
 
 
 class HeldBack:

@@ -18,12 +18,11 @@ import warnings
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from hqtflow.models import DEFAULT_MODEL
 from hqtflow.runtime import grammar
-from hqtflow.runtime.api import Ctx, ServeSettings, logits_width
+from hqtflow.runtime.api import JSON, Ctx, ServeSettings, logits_width
 from hqtflow.runtime.docs_ui import docs_app
 from hqtflow.runtime.engine import STOPPED, Engine, SamplingParams
 from hqtflow.runtime.metrics import Metrics, metrics_router
@@ -38,12 +37,12 @@ ERROR_TYPES = {401: "authentication_error", 404: "not_found", 405: "method_not_a
                415: "unsupported_media_type", 422: "validation", 429: "overloaded"}
 
 
-def error(status: int, message: str, error_type: str | None = None, path: str = "") -> JSONResponse:
+def error(status: int, message: str, error_type: str | None = None, path: str = "") -> JSON:
     """TGI's error body; OpenAI's on the /v1/ routes (what each family's official client reads)."""
     error_type = error_type or ERROR_TYPES.get(status, "error")
     if path.startswith("/v1/"):
-        return JSONResponse(openai_error(message, error_type, status), status)
-    return JSONResponse({"error": message, "error_type": error_type}, status)
+        return JSON(openai_error(message, error_type, status), status)
+    return JSON({"error": message, "error_type": error_type}, status)
 
 
 def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
@@ -66,7 +65,11 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def _server_error(req: Request, e: Exception):  # a bug: answered in the API's JSON (uvicorn logs the traceback)
         if generation(req):
             metrics.failed("internal")
-        return error(500, f"Internal server error ({type(e).__name__})", "internal", req.url.path)
+        response = error(500, f"Internal server error ({type(e).__name__})", "internal", req.url.path)
+        # Starlette raises the error again once this is sent, and uvicorn then closes the connection: said here, so a
+        # client opens a new one for its next request instead of sending it into a closed socket
+        response.headers["connection"] = "close"
+        return response
 
 
 def log_refusal(req: Request, e: ApiError) -> None:
@@ -207,6 +210,7 @@ def create_app(model, tokenizer, settings: ServeSettings) -> FastAPI:
     engine.on_step = metrics.on_step
     state = {"in_flight": 0, "ready": not s.warmup}
     app = docs_app(title="hqtflow serve", lifespan=lifespan(engine, tokenizer, s, state, metrics),
+                   default_response_class=JSON,  # NaN or inf as null (TGI's), never a 500 for a computed answer
                    redirect_slashes=False)  # `/generate/` is a 404, not a redirect to a URL built from the Host header
     app.state.engine, app.state.metrics, app.state.model_id, app.state.settings = engine, metrics, s.model_id, s
     add_error_handlers(app, metrics)

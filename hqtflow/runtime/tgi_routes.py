@@ -7,10 +7,10 @@ import json
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from hqtflow.runtime.api import Ctx, Sequence, event_stream
+from hqtflow.runtime.api import JSON, Ctx, Sequence, event_stream, json_text
 from hqtflow.runtime.engine import SamplingParams
 from hqtflow.runtime.grammar import GrammarError, compile_grammar, strict_problem
 from hqtflow.runtime.schemas import (ApiError, JsonSchema, TgiParameters, TgiRequest,
@@ -18,7 +18,7 @@ from hqtflow.runtime.schemas import (ApiError, JsonSchema, TgiParameters, TgiReq
 
 
 def sse(data) -> str:
-    return f"data:{json.dumps(data)}\n\n"
+    return f"data:{json_text(data)}\n\n"
 
 
 def tgi_grammar(ctx: Ctx, p: TgiParameters):
@@ -94,14 +94,14 @@ def tgi_router(ctx: Ctx) -> APIRouter:
             out["top_tokens"] = [top_json(t) for t in seq.tokens]
         return out
 
-    async def generate_json(req: TgiRequest, request: Request, headers: dict | None = None) -> dict:
-        """TGI's answer; `headers` gets TGI's timing headers (x-total-time, x-queue-time, ...)."""
+    async def generate_json(req: TgiRequest, request: Request, listed: bool = False) -> JSON:
+        """TGI's answer (`listed`: in a list of one, as POST / answers), with TGI's timing headers (x-total-time,
+        x-queue-time, ...)."""
         start = time.monotonic()
         ids, p, params, slot = await prepare(req, request, stream=False)
         seqs = await ctx.collect([(ids, params)] * (p.best_of or 1), request, slot=slot)
         best = max(seqs, key=lambda q: q.logprob / max(1, len(q.tokens)))  # TGI's: the highest logprob per token
-        if headers is not None:
-            headers.update(timing_headers(start, best, req.inputs, len(ids)))
+        headers = timing_headers(start, best, req.inputs, len(ids))
         head = req.inputs if p.return_full_text else ""
         out = {"generated_text": head + best.last.generated_text}
         if p.details:  # as TGI: the other sequences are in details.best_of_sequences, when details are asked for
@@ -109,8 +109,9 @@ def tgi_router(ctx: Ctx) -> APIRouter:
             if len(seqs) > 1:
                 out["details"]["best_of_sequences"] = [{"generated_text": head + q.last.generated_text, **details(q, ids, p)}
                                                        for q in seqs if q is not best]
-        ctx.answered(start, [best])  # once the answer is built (a failure building it is not also a success)
-        return out
+        response = JSON([out] if listed else out, headers=headers)
+        ctx.answered(start, [best])  # once the answer is rendered (a failure rendering it is not also a success)
+        return response
 
     def timing_headers(start: float, seq: Sequence, inputs: str, n_input: int) -> dict[str, str]:
         """TGI's headers of a /generate answer: its times in ms (x-compute-time in s), from the request's arrival,
@@ -155,9 +156,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
         req = await ctx.read(TgiRequest, request)
         if req.stream:
             return await generate_stream_response(req, request)
-        headers: dict = {}
-        out = await generate_json(req, request, headers)
-        return JSONResponse([out], headers=headers)
+        return await generate_json(req, request, listed=True)
 
     def no_stream_field(req: TgiRequest, route: str) -> TgiRequest:
         if "stream" in req.model_fields_set:  # only POST / switches on it; here it would be ignored
@@ -166,9 +165,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
 
     @r.post("/generate")
     async def generate(request: Request):
-        headers: dict = {}
-        out = await generate_json(no_stream_field(await ctx.read(TgiRequest, request), "/generate"), request, headers)
-        return JSONResponse(out, headers=headers)
+        return await generate_json(no_stream_field(await ctx.read(TgiRequest, request), "/generate"), request)
 
     @r.post("/generate_stream")
     async def generate_stream(request: Request):
@@ -178,7 +175,7 @@ def tgi_router(ctx: Ctx) -> APIRouter:
     async def health():
         """200 once warmed up (with --warmup) while the engine's thread runs; else TGI's 503."""
         if not ctx.state["ready"] or not ctx.engine.running:
-            return JSONResponse({"error": "unhealthy", "error_type": "healthcheck"}, 503)
+            return JSON({"error": "unhealthy", "error_type": "healthcheck"}, 503)
         return Response(status_code=200)
 
     @r.api_route("/info", methods=["GET", "HEAD"])

@@ -86,6 +86,79 @@ def test_tiny_temperature_samples_the_greedy_tokens(url, lm):
                 assert [t.id for t in r.details.tokens] == ref
 
 
+def strict_json(text: str):
+    """JSON as a strict parser reads it: NaN and Infinity (which Python's json writes and reads) are refused."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_tiny_repetition_penalty_answers_finite_json(url, monkeypatch):
+    """TGI takes any repetition_penalty > 0: 1e-40 turned the prompt's positive logits into inf, so greedy logprobs
+    were NaN: a 500 on /generate (counted as a success too) and `NaN` in /generate_stream's events, which no JSON
+    parser reads. Every answer is strict JSON, and the request counts are whole."""
+    from tests.runtime.test_serve import metric_values
+
+    hub = client_lib("huggingface_hub")
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)  # the tests run offline; the server is on loopback
+    body = {"inputs": "Hello Hello Hello", "parameters": {"max_new_tokens": 3, "repetition_penalty": 1e-40,
+                                                           "details": True, "top_n_tokens": 2}}
+    r = httpx.post(f"{url}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    tokens = strict_json(r.text)["details"]["tokens"]
+    assert len(tokens) == 3 and all(t["logprob"] is not None and t["logprob"] <= 0 for t in tokens)
+    with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=60) as stream:
+        events = [strict_json(line[5:]) for line in stream.iter_lines() if line.startswith("data:")]
+    assert [e["token"]["id"] for e in events] == [t["id"] for t in tokens]
+    out = hub.InferenceClient(url, timeout=60).text_generation("Hello Hello Hello", max_new_tokens=3, details=True,
+                                                                repetition_penalty=1e-40)
+    assert [t.id for t in out.details.tokens] == [t["id"] for t in tokens]
+    m = metric_values(httpx.get(f"{url}/metrics").text)
+    failures = sum(v for k, v in m.items() if k.startswith("tgi_request_failure"))
+    assert m["tgi_request_count"] == m["tgi_request_success"] + failures
+
+
+def test_json_answers_write_a_non_finite_float_as_null():
+    """The server's JSON (answers and SSE events) writes NaN and inf as null, as TGI's serde_json does, instead of
+    Python's NaN (not JSON) or Starlette's refusal (a 500 for an answer already computed)."""
+    from hqtflow.runtime.api import JSON, json_text
+
+    data = {"a": [1.5, float("nan"), {"b": float("-inf")}], "c": (float("inf"), "x")}
+    assert strict_json(json_text(data)) == {"a": [1.5, None, {"b": None}], "c": [None, "x"]}
+    assert strict_json(JSON(data).body.decode()) == {"a": [1.5, None, {"b": None}], "c": [None, "x"]}
+    assert json_text({"t": "é", "v": 0.25}) == json.dumps({"t": "é", "v": 0.25})  # finite data: json's own text
+
+
+def test_a_500_closes_its_connection_and_the_next_request_gets_a_new_one(url, monkeypatch):
+    """Starlette raises a route's bug again after its 500 is sent, and uvicorn then closes the connection: the 500
+    says `Connection: close`, so a client sends its next request on a new connection instead of into a reset one."""
+    import http.client
+    from urllib.parse import urlparse
+
+    from hqtflow.runtime.api import Ctx
+
+    real, failed = Ctx.answered, []
+
+    def answered_once(self, *args):
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("a bug")
+        return real(self, *args)
+
+    monkeypatch.setattr(Ctx, "answered", answered_once)
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
+    answers = []
+    for _ in range(2):  # the same HTTPConnection: it reconnects when told the connection closes
+        conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        answers.append((r.status, r.getheader("connection"), json.loads(r.read())))
+    conn.close()
+    assert answers[0][:2] == (500, "close") and answers[0][2]["error_type"] == "internal"
+    assert answers[1][0] == 200 and "generated_text" in answers[1][2]
+
+
 def test_a_failing_request_leaves_its_neighbours_alone(lm):
     """A request whose sampling fails gets its error; the requests decoding beside it in the same steps go on to
     their ends with the tokens they have alone."""

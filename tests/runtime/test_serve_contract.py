@@ -100,6 +100,11 @@ def test_a_huge_repetition_penalty_leaves_the_logits_finite():
     req = Request([0, 1, 2], SamplingParams(repetition_penalty=1.7e308), emit=lambda ev: None)
     x = Engine._process(None, req, torch.tensor([-3.0, -1.0, 2.0, 5.0]))
     assert torch.isfinite(x).all() and x[3] == 5.0 and x[2] >= 0 and x[0] == x[1] == torch.finfo(torch.float32).min
+    # a tiny one (TGI takes any penalty > 0) overflowed positive logits to inf: NaN logprobs, a 500 on /generate
+    req = Request([0, 1, 2], SamplingParams(repetition_penalty=1e-40), emit=lambda ev: None)
+    x = Engine._process(None, req, torch.tensor([-3.0, 1.0, 2.0, 5.0]))
+    assert torch.isfinite(x).all() and x[1] == x[2] == torch.finfo(torch.float32).max and x[3] == 5.0
+    assert torch.isfinite(torch.log_softmax(x, -1)[1:3]).all()
 
 
 def test_routing_answers_before_the_body_checks(url):
