@@ -95,6 +95,7 @@ def user_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         import errno
+        import os
         import signal
 
         from hqtflow.formats.artifact import COMMITTED, CREATED_PARENTS, remove_created_parents
@@ -116,6 +117,12 @@ def user_errors(fn):
                 typer.echo(f"{'Terminated' if isinstance(e, Terminated) else 'Interrupted'}; {_written()}.", err=True)
             raise typer.Exit(128 + signum) from None
         except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:  # a path given on the command line or in a config, found by the OS
+                name = os.fsdecode(e.filename) if e.filename else ""
+                where = f" {name[:60]}..." if len(name) > 60 else f" {name}" if name else ""
+                typer.echo(f"Error: the path{where} is too long for this file system (one part of a path is at most "
+                           f"255 bytes on most); {_written()}.", err=True)
+                raise typer.Exit(HqtflowError.exit_code) from None
             if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise
             where = f" {e.filename}" if e.filename else ""

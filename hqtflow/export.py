@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from hqtflow.errors import ArtifactError, ConfigError, does_not_exist
+from hqtflow.errors import ArtifactError, ConfigError, not_a_directory
 from hqtflow.formats.artifact import (MANIFEST, ArtifactKind, read_checkpoint_manifest, read_manifest, staged_output,
                                      write_manifest)
 from hqtflow.formats.checkpoint import (HP_DTYPE_NAMES, KV_SUFFIXES, autofp8_tensors, check_scales, copy_side_files,
@@ -104,7 +104,7 @@ def export(checkpoint: str | Path, output: str | Path, *, fmt: str, per_channel:
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r} is not supported; valid values are {', '.join(FORMATS)}.")
     if not checkpoint.is_dir():
-        raise ArtifactError(f"Checkpoint {checkpoint} {does_not_exist(checkpoint)}.")
+        raise ArtifactError(f"Checkpoint {checkpoint} {not_a_directory(checkpoint)}.")
     if fmt == "fp8" and per_channel:
         raise ConfigError("--per-channel applies to --format compressed-tensors; the fp8 (AutoFP8) layout has one scale per tensor.")
     if fmt == "inc" and per_channel is not None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hqtflow import bundled
-from hqtflow.errors import ArtifactError, ConfigError, brief, does_not_exist
+from hqtflow.errors import ArtifactError, ConfigError, brief, does_not_exist, not_a_directory
 from hqtflow.formats.artifact import ArtifactKind
 
 TARGETS = ("optimum-habana", "tgi-gaudi")
@@ -73,6 +73,7 @@ class Job:
     config_name: str  # file name of the QUANT_CONFIG copy
     artifact: Artifact | None  # None in measure mode
     recipe_cards: int | None = None  # the card count the recipe (and its gaudi section) was written for
+    notes: tuple[str, ...] = ()  # what was changed in the config for INC (quant_config.for_inc)
 
 
 @dataclass
@@ -130,7 +131,7 @@ def read_artifact(directory: str | Path) -> Artifact:
 
     directory = Path(directory)
     if not directory.is_dir():
-        raise ArtifactError(f"Artifact {directory} {does_not_exist(directory)}.")
+        raise ArtifactError(f"Artifact {directory} {not_a_directory(directory)}.")
     refuse_foreign_dump(directory)
     type_ = artifact_kind(directory)
     kind = {ArtifactKind.MEASUREMENT: "measurement", ArtifactKind.SCALES: "scales"}.get(type_)
@@ -244,7 +245,7 @@ def _entry(job: Job, key: str) -> dict:
 def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | None = None, model: str | None = None,
              measurement: str | Path | None = None, recipe: str | Path | None = None) -> Job:
     """Resolve SOURCE (a recipe .yaml or an artifact dir) plus overrides into what the target functions need."""
-    from hqtflow.formats.quant_config import QuantConfig
+    from hqtflow.formats.quant_config import QuantConfig, for_inc
     from hqtflow.recipes import load_recipe
 
     if mode not in MODES:
@@ -299,6 +300,7 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
             config, name = dict(artifact.config), "quant_config.json"
         config["mode"] = "QUANTIZE"
     QuantConfig.from_dict(config, source=name)  # one sentence for a wrong key or value
+    config, dropped = for_inc(config)
     if mode == "measure" and str(config.get("mode", "")).upper() != "MEASURE":
         raise ConfigError(f"QUANT_CONFIG {name} has mode {config.get('mode')!r}; --mode measure needs a MEASURE config.")
     given = model
@@ -310,7 +312,8 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
         raise ConfigError("No model: the artifact records none; pass --model.")
     if r and artifact and (given or r.measure.model):  # the model handed off: --model, else the recipe's
         _check_measured_model(str(given or r.measure.model), artifact, recipe)
-    return Job(mode, world, str(model), gaudi, config, name, artifact, r.measure.tp if r else None)
+    return Job(mode, world, str(model), gaudi, config, name, artifact, r.measure.tp if r else None,
+               (dropped,) if dropped else ())
 
 
 def _check_model(model: str) -> str:
@@ -371,7 +374,7 @@ def optimum_habana(job: Job, handoff_dir: Path) -> Plan:
         config["dump_stats_path"] = str(job.artifact.directory / job.artifact.base)
     plan.configs[rel_cfg] = config
     e = _entry(job, job.mode)
-    plan.notes += _fewer_cards(job, e)
+    plan.notes += [*job.notes, *_fewer_cards(job, e)]
     env = [f"QUANT_CONFIG={handoff_dir / rel_cfg}", *(f"{k}={v}" for k, v in e["env"].items())]
     launch = ["python"] + (["../gaudi_spawn.py", "--use_deepspeed", "--world_size", str(job.world_size)]
                            if job.world_size > 1 else [])
@@ -393,7 +396,7 @@ def tgi_gaudi(job: Job, handoff_dir: Path, *, image: str = TGI_IMAGE, port: int 
     rel_cfg = f"quantization_config/{job.config_name}"
     plan = Plan([], configs={rel_cfg: config}, dirs=["quantization_config"] + (["data"] if volume == handoff_dir / "data" else []))
     e = _entry(job, "tgi")
-    plan.notes += _fewer_cards(job, e)
+    plan.notes += [*job.notes, *_fewer_cards(job, e)]
     local = Path(_model_arg(job.model))
     mounts = [f"{volume}:/data", f"{handoff_dir / 'quantization_config'}:{SRC}/quantization_config",
               f"{job.artifact.directory}:{SRC}/hqt_output"]

@@ -23,7 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
-from hqtflow.errors import ArtifactError, ConfigError, does_not_exist
+from hqtflow.errors import ArtifactError, ConfigError, not_a_directory
 from hqtflow.formats import measurement as mf
 from hqtflow.formats.artifact import ArtifactKind, check_not_partial, check_output_dir, read_manifest, staged_output
 
@@ -38,7 +38,7 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
 
     parse_dtype(dtype, auto=False)
     if not directory.is_dir():
-        raise ArtifactError(f"HQT measurement directory {directory} {does_not_exist(directory)}.")
+        raise ArtifactError(f"HQT measurement directory {directory} {not_a_directory(directory)}.")
     check_not_partial(directory)
     check_output_dir(output, overwrite, [directory])
     meas = mf.read_dump(directory, trust_pickle=trust_pickle, world_size=world_size)  # an .npz only with trust_pickle
@@ -72,10 +72,9 @@ def import_hqt(directory: str | Path, output: str | Path, *, model: str | None =
         for r, stem in enumerate(stems):
             copied = mf.RANK_FILES if trust_pickle else (".json", "_mod_list.json")  # a foreign .npz: an unchecked pickle
             files = mf.copy_measurement_files(directory, meas.stems[r:r + 1], tmp, [stem], suffixes=copied)
-            had_npz = (directory / f"{meas.stems[r]}.npz").exists()
-            fresh = tuple(t for t in (".json", ".npz") if f"{stem}{t}" not in files and (t == ".json" or had_npz))
-            if fresh:  # the JSON twin stages read (read from its .npz, --trust-pickle); the .npz INC reads, from the
-                # statistics read and checked here, as `measure` writes it
+            fresh = tuple(t for t in mf.RANK_FILES if f"{stem}{t}" not in files)
+            if fresh:  # every rank file not copied, as `measure` writes it, from the statistics read and checked here:
+                # the JSON twin stages read (from its .npz, --trust-pickle), the .npz and module list INC reads
                 js = mf.write_measurement(tmp, stem, meas.ranks[r].nodes, local_rank=meas.ranks[r].local_rank,
                                           num_samples=meas.ranks[r].num_samples, twins=fresh)
                 files = sorted({*files, *(p.name for p in js)})

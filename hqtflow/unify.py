@@ -69,7 +69,9 @@ def parse_groups(tokens: list[str], world: int) -> list[list[int]]:
     if extra:
         problems.append(f"rank(s) {_ranks(extra)} do not exist in this {world}-rank measurement")
     if problems:
-        raise ConfigError(f"Groups {' '.join(tokens)}: {'; '.join(problems)}.")
+        hint = " (a run of digits is one digit a rank, as in HQT: 0123 is ranks 0 to 3; write ranks past 9 in a comma " \
+               "list, 8,9,10,11, or a range, 8-11)" if world > 10 and any(re.fullmatch(r"[0-9]{2,}", t) for t in tokens) else ""
+        raise ConfigError(f"Groups {' '.join(tokens)}: {'; '.join(problems)}{hint}.")
     if len({len(g) for g in groups}) > 1:
         raise ConfigError(f"Groups {' '.join(tokens)} have different sizes {[len(g) for g in groups]}; they must be equal.")
     return [sorted(g) for g in groups]
@@ -289,6 +291,6 @@ def _read_plan(path) -> dict[str, str]:
     for pattern in plan:
         try:
             re.compile(pattern)
-        except re.error as e:
+        except (re.error, OverflowError, RecursionError) as e:
             raise ConfigError(f"Parallel plan {path} has an invalid regex {pattern!r} ({e}).") from None
     return plan

@@ -200,6 +200,20 @@ def test_measure_handoff_round_trip(arts, inc, tmp_path):
     assert f"hqtflow import-hqt {tmp_path / 'run' / 'hqt_output'}" in text
 
 
+def test_a_device_for_scales_of_hqtflow_stays_out_of_the_config_for_inc(arts, inc, tmp_path):
+    """device_for_scales CPU/CUDA (hqtflow's --scales-for targets, which INC refuses) is dropped from the QUANT_CONFIG
+    copy handed to INC, and the script says so; GAUDI2 is kept."""
+    recipe = (RECIPES / "llama2-70b-8x.yaml").read_text().replace("../quantization_config/maxabs_measure.json", "m.json")
+    (tmp_path / "r.yaml").write_text(recipe)
+    for device, kept in (("CUDA", False), ("gaudi2", True)):
+        (tmp_path / "m.json").write_text(json.dumps({"mode": "MEASURE", "observer": "maxabs", "device_for_scales": device}))
+        [cmd] = handoff(tmp_path / "r.yaml", "--to", "optimum-habana", "--mode", "measure", tmp=tmp_path)
+        raw = check_config(Path(split_env(cmd)[0]["QUANT_CONFIG"]), inc, mode="MEASURE", files_base=None, world=8)
+        assert ("device_for_scales" in raw) == kept and raw.get("device_for_scales", device) == device
+        note = f"# device_for_scales {device} is hqtflow's own target, which INC refuses: dropped"
+        assert (note in (tmp_path / "run.sh").read_text()) == (not kept)
+
+
 def test_two_handoffs_keep_their_own_configs(arts, tmp_path):
     """Scripts side by side (8 -> 1 and 8 -> 2, both maxabs_quant.json) each point at their own artifact."""
     paths = {}

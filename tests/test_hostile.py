@@ -413,6 +413,20 @@ CASES = {
                                                         write(c.w / "p.json", '{"(": "column"}')), "has an invalid regex '('"),
     "unify/--parallel-plan nested too deep": (lambda c: unify(c, c.i2, "01", "--parallel-plan", write(c.w / "p.json", DEEP)),
                                               "cannot be read as JSON"),
+    "unify/--parallel-plan regex repeat beyond any count": (lambda c: unify(c, c.i2, "01", "--parallel-plan", write(
+        c.w / "p.json", '{"a{1000000000000}": "column"}')), "has an invalid regex"),
+    "measure/allowlist regex repeat beyond any count": (lambda c: measure(c.model, c, "-c", write(c.w / "c.json", json.dumps(
+        {"mode": "MEASURE", "allowlist": {"names": ["a{1000000000000}"]}}))), "has an invalid regex"),
+    "measure/scale_params not an object": (lambda c: measure(c.model, c, "-c", write(c.w / "c.json", json.dumps(
+        {"mode": "MEASURE", "scale_params": "garbage"}))), "key 'scale_params' has value 'garbage'; it must be an object"),
+    "measure/world_size negative": (lambda c: measure(c.model, c, "-c", write(c.w / "c.json", json.dumps(
+        {"mode": "MEASURE", "world_size": -2}))), "key 'world_size' has value -2"),
+    "measure/-o with a name beyond 255 bytes": (lambda c: measure(c.model, c)[:-1] + [c.w / ("o" * 300) / "m"],
+                                               "is too long for this file system"),
+    "import-hqt/legacy and current key in one node": (lambda c: ["import-hqt", stats(c.copy("f1"), lambda r: r["Nodes"][NODE]
+        .update(input=r["Nodes"][NODE]["inputs"])), "-o", c.out], "has both 'input' and its current spelling 'inputs'"),
+    "import-hqt/unknown node key": (lambda c: ["import-hqt", stats(c.copy("f1"), lambda r: r["Nodes"][NODE].update(
+        scales=[1.0])), "-o", c.out], "unknown key(s) 'scales'"),
     # import-hqt
     "import-hqt/json nested too deep": (lambda c: ["import-hqt", (write(c.copy("f1") / f"{STEM}.json", DEEP), c.w / "f1")[1],
                                                    "-o", c.out], "not an HQT measurement file"),
@@ -486,6 +500,13 @@ CASES = {
     "export/model_type of another model, hashes rewritten": (
         lambda c: export(c, rehash(config(c.copy("ck"), model_type="bert"))), "belongs to no layer of the model"),
     # inspect
+    "inspect/source_measurement not a string": (lambda c: ["inspect", edit_data(c.copy("ck"), source_measurement=[1])],
+                                                 "its data field 'source_measurement' is not a string"),
+    "inspect/manifest version 10**400": (lambda c: ["inspect", manifest(c.copy("m"), _version=10**400)],
+                                         "schema version 100000000000000000...0000000000000000000, which no hqtflow writes"),
+    "quantize/model_dtype not a string": (lambda c: quantize(c, edit_data(c.copy("m"), model_dtype=16)),
+                                          "its data field 'model_dtype' is not a string"),
+    "quantize/-m a file": (lambda c: quantize(c, write(c.w / "m.json", "{}")), "is not a directory"),
     "inspect/manifest nested too deep": (lambda c: ["inspect", (write(c.copy("m") / MANIFEST, DEEP), c.w / "m")[1]], "corrupt"),
     "inspect/manifest model not an object": (lambda c: ["inspect", manifest(c.copy("m"), model=[1])], "corrupt"),
     "inspect/string scale, hashes rewritten": (lambda c: ["inspect", rehash(scale_node(c.copy("s"), "x"))],
@@ -1106,7 +1127,8 @@ def test_foreign_measurement_enters_through_import_hqt(base, tmp_path):
 
 
 def test_import_hqt_writes_its_own_npz(base, tmp_path):
-    """A foreign .npz is a pickle: without --trust-pickle it is not copied but written afresh from the checked JSON."""
+    """A foreign .npz is a pickle: without --trust-pickle it is not copied but written afresh from the checked JSON
+    (as it is for a rank that came without one)."""
     d = tmp_path / "f2"
     shutil.copytree(base["f2"], d)
     np.savez(d / f"{STEM}_1_2.npz", np.array([print], dtype=object))  # stands for a hostile pickle
@@ -1118,7 +1140,8 @@ def test_import_hqt_writes_its_own_npz(base, tmp_path):
     raw = json.loads((d / f"{STEM}_1_2.json").read_text())["Nodes"]
     assert set(nodes) == set(raw)
     np.testing.assert_array_equal(nodes[NODE]["inputs"][0], np.asarray(raw[NODE]["inputs"][0], dtype=np.float32))
-    assert not (tmp_path / "i" / f"{STEM}_0_2.npz").exists()  # none beside rank 0's JSON: none written
+    # rank 0's dump has no .npz: INC's is written all the same, and its module list, so the artifact is whole
+    assert {f"{STEM}_0_2{s}" for s in (".npz", "_mod_list.json")} <= {p.name for p in (tmp_path / "i").iterdir()}
     r = run_cli("import-hqt", d, "-o", tmp_path / "t", "--trust-pickle")  # the user's word: copied as it is
     assert r.exit_code == 0, r.output
     assert (tmp_path / "t" / f"{STEM}_1_2.npz").read_bytes() == (d / f"{STEM}_1_2.npz").read_bytes()

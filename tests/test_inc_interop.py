@@ -114,6 +114,43 @@ def test_inc_convert_accepts_hqtflow_measurement(inc, tiny_llama, wiki_text, tmp
     assert {p.name: p.read_bytes() for p in artifact.iterdir()} == before
 
 
+def test_inc_converts_with_a_json_only_dump_brought_in_by_import_hqt(inc, tiny_llama, wiki_text, tmp_path):
+    """A dump copied without its .npz, written with the legacy node key `input` (INC's fix_fields reads it as
+    `inputs`), is brought in whole: import-hqt writes the .npz and module list INC reads, and INC's convert derives
+    its scales from them. The measure config's device_for_scales CPU (hqtflow's own target, which INC refuses) stays
+    out of the quant_config.json written for INC."""
+    from conftest import run_cli
+    from transformers import AutoModelForCausalLM
+
+    cfg = tmp_path / "measure.json"
+    cfg.write_text(json.dumps({"mode": "MEASURE", "observer": "maxabs", "device_for_scales": "CPU"}))
+    artifact = _measure(tiny_llama, wiki_text, tmp_path / "artifact", cfg)
+    inc_cfg = json.loads((artifact / "quant_config.json").read_text())
+    assert "device_for_scales" not in inc_cfg
+    stem = "measure_hooks_maxabs"
+    raw = json.loads((artifact / f"{stem}.json").read_text())
+    raw["Nodes"] = {k: {("input" if key == "inputs" else key): v for key, v in n.items()} for k, n in raw["Nodes"].items()}
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / f"{stem}.json").write_text(json.dumps(raw))
+    r = run_cli("import-hqt", dump, "-o", tmp_path / "imp", "--model", tiny_llama)
+    assert r.exit_code == 0, r.output
+    assert {f"{stem}{s}" for s in mf.RANK_FILES} <= {p.name for p in (tmp_path / "imp").iterdir()}
+    stats = mf.read_measurement(artifact / f"{stem}.json").nodes
+    imported = mf.read_measurement(tmp_path / "imp" / f"{stem}.json").nodes
+    assert {k: n.to_json() for k, n in imported.items()} == {k: n.to_json() for k, n in stats.items()}
+
+    work = tmp_path / "inc"
+    shutil.copytree(tmp_path / "imp", work)
+    inc_cfg.update(dump_stats_path=str(work / "measure"), scale_method="maxabs_pow2", use_qdq=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
+    qmodel = inc.convert(model, inc.FP8Config(**inc_cfg))
+    patched = {n: m for n, m in qmodel.named_modules() if type(m).__name__ == "PatchedLinear"}
+    assert set(patched) == set(stats)
+    for name, node in stats.items():
+        assert patched[name].quant_input.scale == pow2_scale(float(node.inputs[0].reshape(())), BACKOFF_ACT), name
+
+
 @pytest.mark.parametrize("allowlist, blocklist", [
     ({"types": ["Linear"], "names": ["lm_head"]}, {"types": [], "names": []}),
     ({"types": ["Conv2d"], "names": [r"mlp\.(up|down)"]}, {"types": [], "names": []}),

@@ -39,6 +39,7 @@ def test_group_forms():
     (["3-1"], 4, "runs backwards"),
     ([], 2, "No groups"),
     ([" "], 2, "No groups"),
+    ([str(r) for r in range(12)], 12, "write ranks past 9 in a comma list, 8,9,10,11, or a range, 8-11"),
 ])
 def test_bad_groups(groups, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from hqtflow import __version__
-from hqtflow.errors import ArtifactError, NewerArtifactError, does_not_exist
+from hqtflow.errors import ArtifactError, NewerArtifactError, brief, does_not_exist
 
 MANIFEST = "hqtflow_manifest.json"
 
@@ -497,7 +497,10 @@ DATA_FIELDS = {
                 "an object of module names and reasons"),
     "world_size": (lambda x: whole(x) and x >= 1, "a whole number of ranks"),
     "scale_method": (lambda x: isinstance(x, (str, dict)), "a scale method or per-module rules"),
-    **{k: (lambda x: isinstance(x, str), "a string") for k in ("model_path", "target", "fp8", "mode", "observer")},
+    **{k: (lambda x: isinstance(x, str), "a string") for k in (
+        "model_path", "target", "fp8", "mode", "observer", "source_measurement", "source_digest", "dump_stats_path",
+        "model_dtype", "hp_dtype", "kv_cache", "weight_rounding", "imported_from")},
+    "notes": (_strings, "a list of notes"),
 }
 
 
@@ -536,6 +539,9 @@ def _unknown_value(directory: Path, raw: dict) -> str | None:
     `scale_method` object is checked where it is parsed)."""
     for (section, key), known in known_values().items():
         value = (raw.get(section) if isinstance(raw.get(section), dict) else {}).get(key)
+        if value is not None and not isinstance(value, str) and not (key == "scale_method" and isinstance(value, dict)):
+            field = key if section == "data" else f"config.{key}"
+            return f"{directory} records {field} as {str(value)[:40]!r}, not one of the names {', '.join(known)}: the manifest is corrupt."
         if isinstance(value, str) and value not in known:
             field = key if section == "data" else f"config.{key}"
             kind = str(raw["_type"]).split(".")[-1]
@@ -579,13 +585,13 @@ def read_manifest(directory: Path, type_: str, max_version: int | None = None, *
     found_type, found_version = raw["_type"], raw["_version"]
     if found_type != type_:
         raise ArtifactError(f"{directory} holds a {found_type!r} artifact, not the {str(type_)!r} this step needs.")
-    if type(found_version) is int and found_version > max_version:
+    if type(found_version) is int and max_version < found_version < 10**6:  # beyond: no schema, a corrupt number
         raise NewerArtifactError(
             f"{directory} was written with {type_} schema v{found_version} by a newer hqtflow "
             f"(this one reads up to v{max_version}); upgrade hqtflow."
         )
-    if type(found_version) is not int or found_version < MIN_VERSION:
-        raise ArtifactError(f"{mpath} has schema version {found_version!r}, which no hqtflow writes "
+    if type(found_version) is not int or not MIN_VERSION <= found_version <= max_version:
+        raise ArtifactError(f"{mpath} has schema version {brief(found_version)}, which no hqtflow writes "
                             f"(this one reads v{MIN_VERSION} to v{max_version}).")
     files = raw.get("files")  # every artifact has files: none listed would leave them all unchecked
     if not isinstance(files, dict) or not files or not isinstance(raw.get("data", {}), dict) or \

@@ -150,7 +150,7 @@ def _pattern(entry, key: str) -> bool:
         return False
     try:
         re.compile(entry[3:])
-    except re.error as e:
+    except (re.error, OverflowError, RecursionError) as e:
         raise ArtifactError(f"config.json's quantization_config.{key} entry {entry!r:.80} is not a valid regex ({e}).") from None
     return True
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hqtflow.errors import ArtifactError, does_not_exist
+from hqtflow.errors import ArtifactError, not_a_directory, not_a_file
 from hqtflow.formats import APPLEDOUBLE
 from hqtflow.formats.artifact import (MANIFEST, ArtifactKind, Manifest, check_not_partial, read_manifest,
                                       sha256_file, verified_bytes, verify_files, whole, write_json_atomic,
@@ -58,6 +58,19 @@ class NodeStats:
 
     @classmethod
     def from_json(cls, d: dict, *, where: str, name: str = "") -> NodeStats:
+        """A node of a measurement file; the legacy keys `input`/`output` read as `inputs`/`outputs` (INC's
+        `fix_fields`), any other key is refused (INC's ModuleConfig refuses it too)."""
+        if not isinstance(d, dict):
+            raise ArtifactError(f"{where}: node {name} is not an object.")
+        for old, new in (("input", "inputs"), ("output", "outputs")):
+            if old in d:
+                if new in d:
+                    raise ArtifactError(f"{where}: node {name} has both '{old}' and its current spelling '{new}'.")
+                d = {**{k: v for k, v in d.items() if k != old}, new: d[old]}
+        unknown = sorted(set(d) - {"inputs", "outputs", "params"})
+        if unknown:
+            raise ArtifactError(f"{where}: node {name} has the unknown key(s) {', '.join(map(repr, unknown))}; a node "
+                                "holds inputs, outputs and params.")
         try:
             return cls(
                 inputs=[_array(x, "input") for x in d.get("inputs", [])],
@@ -209,7 +222,7 @@ def read_measurement(path: Path, data: bytes | None = None) -> Measurement:
     """Read a measurement `.json` (never the pickled `.npz`); `data`: its bytes, already read (artifact.verified_bytes)."""
     path = Path(path)
     if data is None and not path.is_file():
-        raise ArtifactError(f"Measurement file {path} {does_not_exist(path)}.")
+        raise ArtifactError(f"Measurement file {path} {not_a_file(path)}.")
     try:
         raw = json.loads(path.read_bytes() if data is None else data)
         nodes = raw["Nodes"]
@@ -450,7 +463,7 @@ def load_measurement(directory: str | Path) -> LoadedMeasurement:
     dump (no manifest) is refused with the `import-hqt` command that brings it in."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise ArtifactError(f"Measurement directory {directory} {does_not_exist(directory)}.")
+        raise ArtifactError(f"Measurement directory {directory} {not_a_directory(directory)}.")
     refuse_foreign_dump(directory)
     m = read_manifest(directory, ArtifactKind.MEASUREMENT, verify=False)
     stems, world = manifest_ranks(m)
@@ -482,7 +495,7 @@ def scan_dump(directory: Path) -> DumpFiles:
     """The measurement and scale files of a directory by their names; AppleDouble `._*` twins are not read."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise ArtifactError(f"HQT measurement directory {directory} {does_not_exist(directory)}.")
+        raise ArtifactError(f"HQT measurement directory {directory} {not_a_directory(directory)}.")
     check_not_partial(directory)
     groups: dict = {}
     scales = []

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hqtflow.choices import HP_DTYPES as HP_DTYPE_MEMBERS
-from hqtflow.errors import ConfigError, not_a_file, parse_problem
+from hqtflow.errors import ConfigError, brief, not_a_file, parse_problem
 
 MODES = ("MEASURE", "QUANTIZE", "LOAD", "NONE", "AUTO", "SHAPE")
 OBSERVERS = ("maxabs", "maxabs_per_channel", "shape", "save")
@@ -72,6 +72,30 @@ INC_PASSTHROUGH_KEYS = frozenset(
     }
 )
 LEGACY_KEYS = frozenset({"method", "quantize_weight", "whitelist", "blacklist"})
+# Their types (INC's Fp8cfg defaults): kept verbatim, still checked, so INC does not fail on them on the Gaudi host.
+_RANK = (lambda x: x is None or isinstance(x, int) and not isinstance(x, bool) and x >= 0, "a whole number >= 0 or null")
+_FLAG = (lambda x: isinstance(x, bool) or isinstance(x, str) and x.lower() in ("true", "false"), "true or false")
+PASSTHROUGH_TYPES = {
+    "scale_params": (lambda x: isinstance(x, dict), "an object"),
+    "mod_dict": (lambda x: isinstance(x, dict), "an object"),
+    "local_rank": _RANK, "global_rank": _RANK, "world_size": _RANK,
+    "seperate_measure_files": _FLAG, "measure_on_hpu": _FLAG, "row_parallel_linear_allreduce_quantization": _FLAG,
+    "dynamic_quantization": _FLAG,
+    "device_type": (lambda x: isinstance(x, str), "a string"),
+    "dump_stats_xlsx_path": (lambda x: isinstance(x, str) and bool(x), "a path"),
+}
+INC_DEVICES_FOR_SCALES = ("GAUDI2", "GAUDI3")  # the rest of DEVICES_FOR_SCALES are hqtflow's targets, not INC values
+
+
+def for_inc(config: dict) -> tuple[dict, str | None]:
+    """A QUANT_CONFIG dict as INC reads it: hqtflow's own `device_for_scales` targets (CPU, CUDA), which INC refuses,
+    dropped, so INC computes scales for the Gaudi it runs on; and the note saying so (None when nothing was dropped)."""
+    device = config.get("device_for_scales")
+    if device is None or str(device).upper() in INC_DEVICES_FOR_SCALES:
+        return config, None
+    return ({k: v for k, v in config.items() if k != "device_for_scales"},
+            f"device_for_scales {device} is hqtflow's own target, which INC refuses: dropped from the QUANT_CONFIG "
+            "written for INC, which computes scales for the Gaudi it runs on")
 
 
 def choice(key: str, value: Any, choices: tuple[str, ...], *, source: str) -> str:
@@ -130,7 +154,7 @@ class ModuleFilter:
         for pattern in out["names"]:
             try:
                 re.compile(pattern)
-            except re.error as e:
+            except (re.error, OverflowError, RecursionError) as e:
                 raise ConfigError(f"{source}: '{key}.names' has an invalid regex {pattern!r} ({e}).") from None
         return cls(**out)
 
@@ -268,6 +292,10 @@ class QuantConfig:
                 raise ConfigError(f"{source}: key 'calibration_sample_interval' must be an integer >= 0, not {n!r}.")
             v["calibration_sample_interval"] = n
         v["extra"] = {k: raw[k] for k in raw if k in INC_PASSTHROUGH_KEYS}
+        for k, value in v["extra"].items():
+            ok, what = PASSTHROUGH_TYPES[k]
+            if not ok(value):
+                raise ConfigError(f"{source}: key '{k}' has value {brief(value)}; it must be {what}.")
         dynamic = _bool("dynamic_quantization", raw["dynamic_quantization"], source=source) \
             if "dynamic_quantization" in raw else False
         if v.get("scale_method") in INC_DYNAMIC_METHODS and not dynamic:

@@ -14,7 +14,7 @@ from pathlib import Path
 from hqtflow.errors import CalibrationError, ConfigError
 from hqtflow.formats import measurement as mf
 from hqtflow.formats.artifact import ArtifactKind, StagingDir, check_output_dir, read_manifest
-from hqtflow.formats.quant_config import MEASURE_OBSERVERS, QuantConfig
+from hqtflow.formats.quant_config import MEASURE_OBSERVERS, QuantConfig, for_inc
 from hqtflow.measure.settings import DEFAULT_MAX_LENGTH, MeasureSettings
 from hqtflow.progress import Progress
 from hqtflow.task_yaml import is_task_file
@@ -206,7 +206,7 @@ def write_artifact_files(path: Path, s: MeasureSettings, cfg: QuantConfig, model
     }
     # On CPU, INC's QUANTIZE also needs use_qdq and a power-of-two or arbitrary scale_method (maxabs_hw has no
     # hardware scale set there).
-    mf.write_artifact(path, Path(s.output), base=Path(cfg.dump_stats_path).name, inc_config=cfg.to_dict(),
+    mf.write_artifact(path, Path(s.output), base=Path(cfg.dump_stats_path).name, inc_config=for_inc(cfg.to_dict())[0],
                       model=models.fingerprint(model_dir), config=cfg.to_dict(), data=data)
 
 
