@@ -577,7 +577,8 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     except RuntimeError as e:  # a tensor whose shape disagrees with config.json (a foreign or edited checkpoint)
-        detail = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]  # torch's first line only names the model
+        detail = next((ln for ln in lines if "size mismatch" in ln), next((ln for ln in lines[1:]), lines[0] if lines else ""))
         raise ArtifactError(f"Checkpoint {path} does not match its config.json: {detail}") from None
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
