@@ -2,7 +2,9 @@
 in the faster high-precision dtype here (what users run today), and vs Neural Compressor's CPU FP8 - all measured in this run.
 
 Engines: hqtflow's static-KV decoder (`hqtflow/runtime/static_decode.py`) eager and with its decode step compiled
-(`torch.compile`, inductor cache in $HQTFLOW_CACHE/inductor); transformers' `generate` (DynamicCache). FP8 runs
+(`torch.compile`, inductor cache in $HQTFLOW_CACHE/inductor); transformers' `generate` (DynamicCache). bf16 runs
+twice: through `F.linear` (oneDNN) and, as `hqtflow.load` serves a plain model, on the CPU kernel's packed bf16 path
+(`bf16 static, packed kernel`); both count among the high-precision baselines. FP8 runs
 the CPU kernel (`--backend`, default auto). Neural Compressor converts the bf16 model from the same measurement
 (QUANTIZE, maxabs_pow2, `use_qdq=True`, the only CPU mode it has) and runs through the same eager static decoder.
 Decode tokens/s = batch * (new tokens - 1) / time of the decode steps (the prompt's forward excluded), median of
@@ -107,10 +109,15 @@ def main() -> None:
     print(f"torch {torch.__version__}; {machine_line()}; --dtype auto here: {fastest_dtype()} "
           f"(FP8 model's high-precision dtype: {next(fp8.parameters()).dtype})")
 
+    from hqtflow.api import linears_on_kernel
+
+    packed = models.load_model(bf16_path, "bf16")  # as hqtflow.load serves a plain model: Linears on the packed kernel
     engines = {hf_name: None,
                "fp32 static": StaticDecoder(models.load_model(bf16_path, "fp32"), max_length=max_len),
                "bf16 static": StaticDecoder(bf16, max_length=max_len),
                "fp8 static": StaticDecoder(fp8, max_length=max_len)}
+    if linears_on_kernel(packed, backend):  # the kernel's bf16 path: often the fastest high-precision one
+        engines["bf16 static, packed kernel"] = StaticDecoder(packed, max_length=max_len)
     if a.kv_cache:
         engines["fp8 static, FP8 KV cache"] = StaticDecoder(fp8, max_length=max_len, kv_cache="fp8")
     if not a.no_compile:
@@ -159,7 +166,8 @@ def main() -> None:
 
     hp = [n for n in results if n.split()[0] in ("bf16", "fp32")]  # every high-precision engine, transformers' too
     fp8_engines = [n for n in ("fp8 static", "fp8 static compiled") if n in results]
-    for label, names in (("fastest high-precision static", ["bf16 static", "fp32 static"]),
+    static_hp = [n for n in ("bf16 static", "fp32 static", "bf16 static, packed kernel") if n in results]
+    for label, names in (("fastest high-precision static", static_hp),
                          ("fastest high-precision", hp), ("fastest fp8", fp8_engines)):
         won = fastest_per_batch(results, names, batches)
         results[label] = {b: results[won[b]][b] for b in batches}
@@ -170,6 +178,7 @@ def main() -> None:
     ratios = [("fp8 static / fastest high-precision static", "fp8 static", "fastest high-precision static", 1.3),
               ("fastest FP8 engine / fastest high-precision engine", "fastest fp8", "fastest high-precision", 1.3),
               ("fp8 static / bf16 static (same engine)", "fp8 static", "bf16 static", 1.0),
+              ("fp8 static / bf16 packed kernel (same engine)", "fp8 static", "bf16 static, packed kernel", 1.0),
               ("fp8 static / fp32 static (same engine)", "fp8 static", "fp32 static", None),
               ("fp8 compiled / bf16 compiled (same engine)", "fp8 static compiled", "bf16 static compiled", 1.0),
               ("fp8 compiled / fp32 compiled (same engine)", "fp8 static compiled", "fp32 static compiled", None),

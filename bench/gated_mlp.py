@@ -1,7 +1,8 @@
 """A gated MLP block, down_proj(silu(gate_proj(x)) * up_proj(x)), FP8 on the CPU kernel vs the fastest
 high-precision block on this machine, for M = 1 .. 8192 tokens, measured in one run.
 
-Columns (speed relative to the faster of bf16 and fp32 eager torch at that M, > 1 = faster): bf16 and fp32; FP8 W8A8
+Columns (speed relative to the fastest high-precision block at that M, > 1 = faster): bf16 and fp32 eager torch, and
+`packed`, the three Linears on the CPU kernel's packed bf16 path (as `hqtflow.load` runs a plain model); FP8 W8A8
 with the three Linears on the kernel and torch's `silu` and `*` between them (unfused); FP8 with `down_proj`
 making its input hp(silu(g) * u) inside the kernel call (`fp8_linear_gated`, what `set_backend("cpu")` gives a
 Llama-family model). The fused output is checked bit for bit against the unfused one, and both against bf16 (SQNR
@@ -49,6 +50,17 @@ def main() -> None:
     set_backend(fp8, "cpu")
     table = act_table(F.silu, torch.bfloat16)
     w32 = {n: l.weight.float() for n, l in lins.items()}
+    from hqtflow.quantize.bf16_linear import kernel_dtype, use_kernel
+
+    hp = torch.nn.ModuleDict({n: torch.nn.Linear(l.in_features, l.out_features, bias=False, dtype=kernel_dtype())
+                              for n, l in lins.items()})
+    with torch.no_grad():
+        for n, l in lins.items():
+            hp[n].weight.copy_(l.weight)  # bf16 values, exact in either dtype
+    on_kernel = use_kernel(hp, True) == len(hp)
+
+    def packed(x):
+        return hp["down"](F.silu(hp["gate"](x)) * hp["up"](x))
 
     def bf16(x):
         return F.linear(F.silu(F.linear(x, lins["gate"].weight)) * F.linear(x, lins["up"].weight), lins["down"].weight)
@@ -65,7 +77,8 @@ def main() -> None:
     print(f"gated MLP {h} -> {i} -> {h} (SiLU), random weights; threads {torch.get_num_threads()}; "
           f"median of {a.iters} calls per column, interleaved")
     print(f"torch {torch.__version__}; {machine_line()}")
-    print(f"{'M':>6} {'bf16':>7} {'fp32':>7} {'fp8 unfused':>12} {'fp8 fused':>10}   (speed vs the faster of bf16/fp32)")
+    print(f"{'M':>6} {'bf16':>7} {'fp32':>7} {'packed':>7} {'fp8 unfused':>12} {'fp8 fused':>10}   (speed vs the fastest "
+          "high-precision block)")
     with torch.inference_mode():
         for m in map(int, a.ms.split(",")):
             x, x32 = x_all[:m], x_all[:m].float()
@@ -73,11 +86,16 @@ def main() -> None:
             if not torch.equal(fused(x), unfused(x)):
                 sys.exit(f"M={m}: the fused FP8 block differs from the unfused one; no ratios.")
             require_sqnr(f"fp8 MLP at M={m}", ref, unfused(x), 20.0)
-            med = interleaved_medians({"bf16": lambda: bf16(x), "fp32": lambda: fp32(x32),
-                                       "unfused": lambda: unfused(x), "fused": lambda: fused(x)}, a.iters)
-            base = min(med["bf16"], med["fp32"])
-            print(f"{m:>6} " + " ".join(f"{base / med[c]:>{w}.2f}x" for c, w in
-                                          (("bf16", 6), ("fp32", 6), ("unfused", 11), ("fused", 9))))
+            x_hp = x.to(kernel_dtype())
+            calls = {"bf16": lambda: bf16(x), "fp32": lambda: fp32(x32), "unfused": lambda: unfused(x),
+                     "fused": lambda: fused(x)}
+            if on_kernel:
+                calls["packed"] = lambda: packed(x_hp)
+            med = interleaved_medians(calls, a.iters)
+            base = min(med[c] for c in ("bf16", "fp32", "packed") if c in med)
+            cell = lambda c, w: f"{base / med[c]:>{w}.2f}x" if c in med else f"{'-':>{w + 1}}"  # noqa: E731
+            print(f"{m:>6} " + " ".join(cell(c, w) for c, w in
+                                          (("bf16", 6), ("fp32", 6), ("packed", 6), ("unfused", 11), ("fused", 9))))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,8 @@ def test_forward_and_decode_smoke(smollm2, wiki_text, tmp_path):
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "fastest high-precision" in r.stdout and "CPU flags" in r.stdout, r.stdout[-2000:]
-    assert re.search(r"^fastest high-precision static: b1 (bf16|fp32) static$", r.stdout, re.M), r.stdout[-3000:]
+    assert re.search(r"^fastest high-precision static: b1 (bf16|fp32) static(, packed kernel)?$", r.stdout, re.M), r.stdout[-3000:]
+    assert re.search(r"^bf16 static, packed kernel +[\d.]+$", r.stdout, re.M), r.stdout[-3000:]  # a baseline too
     assert re.search(r"^fp8 static / fastest high-precision static +b1 [\d.]+x", r.stdout, re.M), r.stdout[-3000:]
 
 
@@ -179,37 +180,41 @@ def test_engine_vs_transformers_times_generation_only(tiny_llama, wiki_text):
 @pytest.mark.parametrize("scales", [[], ["--per-channel", "--pow2"], ["--kernel", "bf16dot"]])
 def test_fp8_linear_bench_smoke(cpu_kernel_loaded, scales):
     """bench/fp8_linear.py, one weight copy, M = 1 and 8, two calls: a row per shape and M whose cells are ratios to
-    the faster high-precision Linear (one of bf16 / fp32 is that baseline, 1.00x), and a verdict line per row; per
+    the fastest high-precision Linear (one of bf16 / fp32 F.linear / the kernel's packed bf16 path is that baseline,
+    1.00x; the packed path is timed with the native build only), and a verdict line per row; per
     tensor, per channel in powers of two (HQT's pcs methods), and through the build without AMX tiles (the native
     build where the CPU has no AMX)."""
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_linear.py"), "--device", "cpu", "--hot", "--ms", "1,8",
                         "--iters", "2", "--columns", "cpu w8a8,cpu w-only", *scales], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "CPU flags" in r.stdout and "speed vs the faster of bf16 and fp32 F.linear" in r.stdout, r.stdout
+    assert "CPU flags" in r.stdout and "speed vs the fastest high-precision Linear" in r.stdout, r.stdout
     assert ("per-channel power-of-two weight scales" in r.stdout) == ("--pow2" in scales), r.stdout
     assert f"CPU kernel ({'bf16dot' if '--kernel' in scales else 'native'} build)" in r.stdout, r.stdout
-    rows = re.findall(r"^(.+?) +(\d+) +[\d.]+ +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x$", r.stdout, re.M)
+    rows = re.findall(r"^(.+?) +(\d+) +[\d.]+((?: +(?:[\d.]+x|-))+)$", r.stdout, re.M)
     assert [(row[0], row[1]) for row in rows] == [(s, m) for s in ("4096x4096", "smollm2 q/o 576x576",
                                                                     "smollm2 up 576->1536", "smollm2 down 1536->576")
                                                   for m in ("1", "8")], r.stdout
-    for _, _, bf16, fp32, *fp8 in rows:
-        assert max(float(bf16), float(fp32)) == 1.0 and all(float(v) > 0 for v in fp8), r.stdout
+    for _, _, cells in rows:
+        bf16, fp32, packed, *fp8 = cells.split()
+        assert (packed == "-") == ("--kernel" in scales) and len(fp8) == 3, r.stdout  # w8a8, w-only, best
+        assert max(float(v[:-1]) for v in (bf16, fp32, packed) if v != "-") == 1.0, r.stdout
+        assert all(float(v[:-1]) > 0 for v in fp8), r.stdout
     assert len(re.findall(r"^.+ M=\d+: cpu (w8a8|fp32) .* [\d.]+x \(target [\d.]+x\) (met|NOT met)$", r.stdout, re.M)) == 8
     assert re.search(r"lowest SQNR [\d.]+ dB", r.stdout), r.stdout
 
 
 def test_gated_mlp_bench_smoke(cpu_kernel_loaded):
     """bench/gated_mlp.py on a small block, M = 1 and 9, two calls: the fused block is checked against the unfused one
-    before timing, and each row's cells are ratios to the faster high-precision block (1.00x)."""
+    before timing, and each row's cells are ratios to the fastest high-precision block (1.00x): bf16, fp32 or packed."""
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gated_mlp.py"), "--hidden", "64", "--intermediate", "160",
                         "--ms", "1,9", "--iters", "2"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "CPU flags" in r.stdout and "speed vs the faster of bf16/fp32" in r.stdout, r.stdout
-    rows = re.findall(r"^ +(\d+) +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x$", r.stdout, re.M)
+    assert "CPU flags" in r.stdout and "speed vs the fastest high-precision block" in r.stdout, r.stdout
+    rows = re.findall(r"^ +(\d+) +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x$", r.stdout, re.M)
     assert [row[0] for row in rows] == ["1", "9"], r.stdout
-    for _, bf16, fp32, unfused, fused in rows:
-        assert max(float(bf16), float(fp32)) == 1.0 and float(unfused) > 0 and float(fused) > 0, r.stdout
+    for _, bf16, fp32, packed, unfused, fused in rows:
+        assert max(float(bf16), float(fp32), float(packed)) == 1.0 and float(unfused) > 0 and float(fused) > 0, r.stdout
 
 
 def test_moe_experts_bench_smoke(cpu_kernel_loaded):
