@@ -10,7 +10,9 @@ processes load it in milliseconds. It registers these torch ops:
   MLP's hp(act(gate) * up), that input made row by row inside the call (`gated_mlp.py`; `act`: act's output for
   every bf16/fp16 bit pattern);
 - `fp8_pack(weight)`: the weight in the layout the kernel reads on this machine (AVX2: [ceil(N / 8), K, 8], groups of
-  8 rows column after column; an empty tensor where it reads [N, K] directly);
+  8 rows column after column; bf16 dot-product/AMX builds: [ceil(N / 16), ceil(K / 64), 1024], each 64 columns of
+  16 rows transposed as the bf16 path widens them; an empty tensor where it reads [N, K] directly); the same bits
+  as without it, only faster;
 - `fp8_dequantize(weight, weight_scale, dtype)`, `fp8_quantize(x, scale, e4m3)`, `fp8_qdq(x, scale, e4m3)`: the
   reference's `dequantize`, `quantize` and input QDQ, bit-identical and fast;
 - `bf16_pack(weight)`, `bf16_linear(x, packed, n, bias)`: high-precision Linears (bf16 values) read packed as bf16 in

@@ -209,6 +209,24 @@ def test_packed_weight_is_checked_and_follows_the_weight(cpu_kernel_loaded):
         assert mod.packed is None
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_the_packed_layout_gives_the_same_bits(ops, per_channel):
+    """`fp8_pack(weight)` (on the bf16 path: every 64 x 16-row chunk already in the order decode widens it) changes
+    where the bytes are read from, never a result: the same bits as the plain [N, K] bytes at decode and panel sizes
+    of M, with ragged N and K, static and weight-only inputs."""
+    torch.manual_seed(7)
+    for k, n in ((70, 17), (576, 48), (200, 100)):
+        lin = torch.nn.Linear(k, n).to(torch.bfloat16)
+        s_w = (lin.weight.abs().amax(1) if per_channel else lin.weight.abs().max()) / 448
+        w = (lin.weight / (s_w[:, None] if per_channel else s_w)).to(torch.float8_e4m3fn)
+        packed = ops.fp8_pack(w)
+        for m in (1, 3, 12, 16, 33, 70):
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            for s_x in (None, (x.abs().max() / 448).to(torch.bfloat16)):
+                args = (x, w, s_w.to(torch.bfloat16), s_x, lin.bias.detach())
+                assert torch.equal(ops.fp8_linear(*args, packed), ops.fp8_linear(*args, None)), (k, n, m, s_x is None)
+
+
 @pytest.mark.parametrize("hp", [torch.bfloat16, torch.float32])
 def test_thread_count_does_not_change_results(ops, hp):
     """Threads take row blocks as they free up (which thread computes a row varies run to run): the same bits with
