@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from baselines import packed_model  # noqa: E402
 from checkpoint import DEFAULT, fp8_and_source  # noqa: E402
 from checks import require_top5  # noqa: E402
 from hqtflow import models  # noqa: E402
@@ -109,14 +110,12 @@ def main() -> None:
     print(f"torch {torch.__version__}; {machine_line()}; --dtype auto here: {fastest_dtype()} "
           f"(FP8 model's high-precision dtype: {next(fp8.parameters()).dtype})")
 
-    from hqtflow.api import linears_on_kernel
-
-    packed = models.load_model(bf16_path, "bf16")  # as hqtflow.load serves a plain model: Linears on the packed kernel
+    packed = packed_model(bf16_path, backend)  # as hqtflow.load serves a plain model: Linears on the packed kernel
     engines = {hf_name: None,
                "fp32 static": StaticDecoder(models.load_model(bf16_path, "fp32"), max_length=max_len),
                "bf16 static": StaticDecoder(bf16, max_length=max_len),
                "fp8 static": StaticDecoder(fp8, max_length=max_len)}
-    if linears_on_kernel(packed, backend):  # the kernel's bf16 path: often the fastest high-precision one
+    if packed is not None:
         engines["bf16 static, packed kernel"] = StaticDecoder(packed, max_length=max_len)
     if a.kv_cache:
         engines["fp8 static, FP8 KV cache"] = StaticDecoder(fp8, max_length=max_len, kv_cache="fp8")

@@ -20,6 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from baselines import packed_model  # noqa: E402
 from checkpoint import DEFAULT, fp8_and_source  # noqa: E402
 from checks import require_top5  # noqa: E402
 from hqtflow import models  # noqa: E402
@@ -37,11 +38,8 @@ def main() -> None:
     p.add_argument("--backend", default="auto")
     a = p.parse_args()
     fp8, tok, base, backend = fp8_and_source(a.checkpoint, a.backend)
-    from hqtflow.api import linears_on_kernel
-
     engines = {"bf16": models.load_model(base, "bf16"), "fp32": models.load_model(base, "fp32"), "fp8": fp8}
-    packed = models.load_model(base, "bf16")
-    if linears_on_kernel(packed, backend):
+    if (packed := packed_model(base, backend)) is not None:
         engines["bf16 packed"] = packed
     ids = tok.encode(Path(a.text).read_text()[: 40 * a.batch * a.length], add_special_tokens=False)
     x = torch.tensor(ids[: a.batch * a.length]).reshape(a.batch, a.length)

@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baselines import packed_linears  # noqa: E402
 from checks import require_sqnr  # noqa: E402
 from hqtflow.hardware import cpu_flags, fastest_dtype, machine_line  # noqa: E402
 from hqtflow.quantize.fp8_linear import FP8Linear, resolve_backend, set_backend  # noqa: E402
@@ -140,16 +141,10 @@ def main() -> None:
             columns = {"bf16": ([lambda l=l: l(x) for l in lins], a.iters),
                        "fp32": ([lambda l=l: l(x32) for l in lins32], a.iters)}
             built: dict[str, list] = {}
-            if cpu_kernel and a.kernel == "native":  # the high-precision Linear hqtflow itself runs: packed bf16 values
-                from hqtflow.quantize.bf16_linear import kernel_dtype, use_kernel
-
-                hp = torch.nn.Sequential(*(torch.nn.Linear(k, n, bias=False, dtype=kernel_dtype()) for _ in lins))
-                with torch.no_grad():
-                    for h, l in zip(hp, lins):
-                        h.weight.copy_(l.weight)  # bf16 values, exact in either dtype
-                if use_kernel(hp, True):
-                    x_hp = x.to(kernel_dtype())
-                    columns["hp packed"] = ([lambda h=h: h(x_hp) for h in hp], a.iters)
+            # the high-precision Linear hqtflow itself runs (packed bf16 values), with the native build only
+            if cpu_kernel and a.kernel == "native" and (hp := packed_linears([l.weight for l in lins])) is not None:
+                x_hp = x.to(hp[1])
+                columns["hp packed"] = ([lambda h=h: h(x_hp) for h in hp[0]], a.iters)
             for name, backend, source, s_in, xin in runs:  # a module list per column: no backend switch per call
                 if (backend == "cpu" and not cpu_kernel) or name not in wanted:
                     continue

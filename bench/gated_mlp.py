@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baselines import packed_linears  # noqa: E402
 from checks import require_sqnr  # noqa: E402
 from hqtflow.hardware import machine_line  # noqa: E402
 from hqtflow.quantize.fp8_linear import FP8Linear, set_backend  # noqa: E402
@@ -50,17 +51,11 @@ def main() -> None:
     set_backend(fp8, "cpu")
     table = act_table(F.silu, torch.bfloat16)
     w32 = {n: l.weight.float() for n, l in lins.items()}
-    from hqtflow.quantize.bf16_linear import kernel_dtype, use_kernel
-
-    hp = torch.nn.ModuleDict({n: torch.nn.Linear(l.in_features, l.out_features, bias=False, dtype=kernel_dtype())
-                              for n, l in lins.items()})
-    with torch.no_grad():
-        for n, l in lins.items():
-            hp[n].weight.copy_(l.weight)  # bf16 values, exact in either dtype
-    on_kernel = use_kernel(hp, True) == len(hp)
+    hp = packed_linears([lins[n].weight for n in ("gate", "up", "down")])
 
     def packed(x):
-        return hp["down"](F.silu(hp["gate"](x)) * hp["up"](x))
+        gate, up, down = hp[0]
+        return down(F.silu(gate(x)) * up(x))
 
     def bf16(x):
         return F.linear(F.silu(F.linear(x, lins["gate"].weight)) * F.linear(x, lins["up"].weight), lins["down"].weight)
@@ -86,10 +81,10 @@ def main() -> None:
             if not torch.equal(fused(x), unfused(x)):
                 sys.exit(f"M={m}: the fused FP8 block differs from the unfused one; no ratios.")
             require_sqnr(f"fp8 MLP at M={m}", ref, unfused(x), 20.0)
-            x_hp = x.to(kernel_dtype())
             calls = {"bf16": lambda: bf16(x), "fp32": lambda: fp32(x32), "unfused": lambda: unfused(x),
                      "fused": lambda: fused(x)}
-            if on_kernel:
+            if hp is not None:
+                x_hp = x.to(hp[1])
                 calls["packed"] = lambda: packed(x_hp)
             med = interleaved_medians(calls, a.iters)
             base = min(med[c] for c in ("bf16", "fp32", "packed") if c in med)

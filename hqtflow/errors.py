@@ -135,6 +135,18 @@ def brief(value) -> str:
     return r.repr(value)
 
 
+def regex_problem(pattern: str) -> str | None:
+    """Why `pattern` is not a usable regex (a syntax error, a repeat count past any limit, nesting past the stack), or
+    None: the end of a one-sentence error."""
+    import re
+
+    try:
+        re.compile(pattern)
+    except (re.error, OverflowError, RecursionError) as e:
+        return str(e) or type(e).__name__
+    return None
+
+
 def parse_problem(e: Exception) -> str:
     """The first line of a JSON or YAML reader's error, for a message (Python's integer-size limit in words, not the
     interpreter setting it suggests)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning
+from hqtflow.errors import ArtifactError, ConfigError, ProvenanceWarning, regex_problem
 from hqtflow.formats.artifact import check_output_dir, sha256_file, staged_output
 from hqtflow.formats.measurement import SHARDED_DIM, LoadedMeasurement, check_rank_numbers, NodeStats, load_measurement, rank_suffix, write_artifact, write_measurement
 
@@ -289,8 +289,6 @@ def _read_plan(path) -> dict[str, str]:
     if not isinstance(plan, dict) or not all(v in ("column", "row", "replicated") for v in plan.values()):
         raise ConfigError(f"Parallel plan {path} must map module-name regexes to column, row or replicated.")
     for pattern in plan:
-        try:
-            re.compile(pattern)
-        except (re.error, OverflowError, RecursionError) as e:
-            raise ConfigError(f"Parallel plan {path} has an invalid regex {pattern!r} ({e}).") from None
+        if (problem := regex_problem(pattern)) is not None:
+            raise ConfigError(f"Parallel plan {path} has an invalid regex {pattern!r} ({problem}).")
     return plan

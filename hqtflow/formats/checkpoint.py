@@ -578,7 +578,7 @@ def load_checkpoint(path: Path, *, device: str = "cpu", dtype: torch.dtype | Non
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     except RuntimeError as e:  # a tensor whose shape disagrees with config.json (a foreign or edited checkpoint)
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]  # torch's first line only names the model
-        detail = next((ln for ln in lines if "size mismatch" in ln), next((ln for ln in lines[1:]), lines[0] if lines else ""))
+        detail = next((ln for ln in lines if "size mismatch" in ln), (lines[1:] or lines or [""])[0])
         raise ArtifactError(f"Checkpoint {path} does not match its config.json: {detail}") from None
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()

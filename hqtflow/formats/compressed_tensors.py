@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from hqtflow.errors import ArtifactError
+from hqtflow.errors import ArtifactError, regex_problem
 
 
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
@@ -148,10 +148,8 @@ def _pattern(entry, key: str) -> bool:
     """True for a valid "re:" module-name pattern, False for a plain name; an invalid regex is refused."""
     if not (isinstance(entry, str) and entry.startswith("re:")):
         return False
-    try:
-        re.compile(entry[3:])
-    except (re.error, OverflowError, RecursionError) as e:
-        raise ArtifactError(f"config.json's quantization_config.{key} entry {entry!r:.80} is not a valid regex ({e}).") from None
+    if (problem := regex_problem(entry[3:])) is not None:
+        raise ArtifactError(f"config.json's quantization_config.{key} entry {entry!r:.80} is not a valid regex ({problem}).")
     return True
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hqtflow.choices import HP_DTYPES as HP_DTYPE_MEMBERS
-from hqtflow.errors import ConfigError, brief, not_a_file, parse_problem
+from hqtflow.errors import ConfigError, brief, not_a_file, parse_problem, regex_problem
 
 MODES = ("MEASURE", "QUANTIZE", "LOAD", "NONE", "AUTO", "SHAPE")
 OBSERVERS = ("maxabs", "maxabs_per_channel", "shape", "save")
@@ -72,9 +72,16 @@ INC_PASSTHROUGH_KEYS = frozenset(
     }
 )
 LEGACY_KEYS = frozenset({"method", "quantize_weight", "whitelist", "blacklist"})
+
+
+def _is_flag(value: Any) -> bool:
+    """true/false as INC takes them: a JSON boolean or its text in any case."""
+    return isinstance(value, bool) or isinstance(value, str) and value.lower() in ("true", "false")
+
+
 # Their types (INC's Fp8cfg defaults): kept verbatim, still checked, so INC does not fail on them on the Gaudi host.
 _RANK = (lambda x: x is None or isinstance(x, int) and not isinstance(x, bool) and x >= 0, "a whole number >= 0 or null")
-_FLAG = (lambda x: isinstance(x, bool) or isinstance(x, str) and x.lower() in ("true", "false"), "true or false")
+_FLAG = (_is_flag, "true or false")
 PASSTHROUGH_TYPES = {
     "scale_params": (lambda x: isinstance(x, dict), "an object"),
     "mod_dict": (lambda x: isinstance(x, dict), "an object"),
@@ -122,10 +129,8 @@ def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def _bool(key: str, value: Any, *, source: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
+    if _is_flag(value):
+        return value if isinstance(value, bool) else value.lower() == "true"
     raise ConfigError(f"{source}: key '{key}' has value {value!r}; valid values are true, false.")
 
 
@@ -152,10 +157,8 @@ class ModuleFilter:
                 raise ConfigError(f"{source}: '{key}.{k}' must be a list of strings, not {items!r}.")
             out[k] = tuple(items)
         for pattern in out["names"]:
-            try:
-                re.compile(pattern)
-            except (re.error, OverflowError, RecursionError) as e:
-                raise ConfigError(f"{source}: '{key}.names' has an invalid regex {pattern!r} ({e}).") from None
+            if (problem := regex_problem(pattern)) is not None:
+                raise ConfigError(f"{source}: '{key}.names' has an invalid regex {pattern!r} ({problem}).")
         return cls(**out)
 
     def matches_name(self, name: str) -> bool:

@@ -107,9 +107,10 @@ def write_quant_config(out: Path, final: Path, cfg, base: str, target: str, obse
 
     `observer` is the measurement's: INC builds every file name from it (`<base>_hooks_<observer>...`), so the
     QUANTIZE config's own observer (maxabs by default) would send INC to files that are not there."""
-    inc = {**cfg.to_dict(), "mode": "QUANTIZE", "observer": observer, "dump_stats_path": str(Path(final).resolve() / base)}
-    if target in ("cpu", "cuda"):
-        inc.pop("device_for_scales", None)
+    from hqtflow.formats.quant_config import for_inc
+
+    inc = for_inc({**cfg.to_dict(), "mode": "QUANTIZE", "observer": observer,
+                   "dump_stats_path": str(Path(final).resolve() / base)})[0]
     if target == "cpu":
         inc["use_qdq"] = True  # INC refuses the CPU device without QDQ
     write_json_atomic(Path(out) / INC_CONFIG, inc)

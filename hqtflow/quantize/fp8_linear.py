@@ -282,10 +282,14 @@ class FP8Linear(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Lay the FP8 weight out the way this machine's CPU kernel reads it (`fp8_pack`: groups of rows, column
-        after column, on AVX2; nothing where the kernel reads [out, in] as it is). `set_backend("cpu")` calls it; the
-        packed copy is remade when the weight changes in place."""
-        packed = torch.ops.hqtflow.fp8_pack(self.weight)
-        self.packed = packed if packed.numel() else None
+        after column, on AVX2; chunks of 16 rows transposed on the bf16 dot-product paths, which only bf16 inputs
+        take, so none for an fp32 or fp16 layer there; nothing where the kernel reads [out, in] as it is).
+        `set_backend("cpu")` calls it; the packed copy is remade when the weight changes in place."""
+        from hqtflow.quantize.bf16_linear import kernel_dtype
+
+        bf16_path = kernel_dtype() == torch.bfloat16
+        packed = torch.ops.hqtflow.fp8_pack(self.weight) if not bf16_path or self.hp_dtype == torch.bfloat16 else None
+        self.packed = packed if packed is not None and packed.numel() else None
         self._packed_from = (self.weight.data_ptr(), self.weight._version)
 
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
