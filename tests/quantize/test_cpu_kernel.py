@@ -209,22 +209,54 @@ def test_packed_weight_is_checked_and_follows_the_weight(cpu_kernel_loaded):
         assert mod.packed is None
 
 
-@pytest.mark.parametrize("per_channel", [False, True])
-def test_the_packed_layout_gives_the_same_bits(ops, per_channel):
-    """`fp8_pack(weight)` (on the bf16 path: every 64 x 16-row chunk already in the order decode widens it) changes
-    where the bytes are read from, never a result: the same bits as the plain [N, K] bytes at decode and panel sizes
-    of M, with ragged N and K, static and weight-only inputs."""
+@pytest.mark.parametrize("scales", ["per-tensor", "per-channel", "per-channel-pow2"])
+def test_the_packed_layout_gives_the_same_bits(ops, scales):
+    """`fp8_pack(weight)` (on the bf16 path: every 64 x 16-row chunk already in the order decode widens it, two blocks
+    of 16 rows widened side by side) changes where the bytes are read from, never a result: the same bits as the
+    plain [N, K] bytes at decode and panel sizes of M, with ragged N and K, static and weight-only inputs, per-tensor
+    and per-channel scales (powers of two: the sums scaled on the decode paths)."""
     torch.manual_seed(7)
-    for k, n in ((70, 17), (576, 48), (200, 100)):
+    per_channel = scales != "per-tensor"
+    for k, n in ((70, 17), (576, 48), (200, 100), (130, 97)):
         lin = torch.nn.Linear(k, n).to(torch.bfloat16)
         s_w = (lin.weight.abs().amax(1) if per_channel else lin.weight.abs().max()) / 448
+        if scales == "per-channel-pow2":
+            s_w = 2.0 ** torch.ceil(torch.log2(s_w))
         w = (lin.weight / (s_w[:, None] if per_channel else s_w)).to(torch.float8_e4m3fn)
         packed = ops.fp8_pack(w)
-        for m in (1, 3, 12, 16, 33, 70):
+        for m in (1, 2, 3, 8, 12, 16, 33, 70):
             x = torch.randn(m, k, dtype=torch.bfloat16)
             for s_x in (None, (x.abs().max() / 448).to(torch.bfloat16)):
                 args = (x, w, s_w.to(torch.bfloat16), s_x, lin.bias.detach())
                 assert torch.equal(ops.fp8_linear(*args, packed), ops.fp8_linear(*args, None)), (k, n, m, s_x is None)
+
+
+@pytest.mark.parametrize("hp", [torch.bfloat16, torch.float32])
+def test_every_path_adds_in_one_order(ops, hp):
+    """Sums whose bits show their order. Every weight is 0 or 1 (16 columns 1 in every row); each input row is 2^-12
+    but for +2^14 and -2^14 in two of those 16 columns. A 2^-12 term added while a partial sum holds 2^14 is lost
+    (under half an fp32 ulp of it), so each output counts its taken 2^-12 terms outside that span, in the kernel's
+    order. Every row gives the same bits alone, in a tile of 9 and among 70 (the decode, tile and panel paths),
+    packed or not: a path adding in another order would differ."""
+    torch.manual_seed(3)
+    n, k, m = 97, 576, 70
+    w = torch.randint(0, 2, (n, k)).float()
+    large = torch.randperm(k)[:16]
+    w[:, large] = 1.0
+    x = torch.full((m, k), 2.0**-12)
+    for row in range(m):
+        a, b = large[torch.randperm(16)[:2]].tolist()
+        x[row, a], x[row, b] = 2.0**14, -(2.0**14)
+    x, wq, scale = x.to(hp), w.to(torch.float8_e4m3fn), torch.tensor(1.0, dtype=hp)
+    for packed in (None, ops.fp8_pack(wq)):
+        among = ops.fp8_linear(x, wq, scale, None, None, packed)
+        for row in range(m):
+            alone = ops.fp8_linear(x[row:row + 1], wq, scale, None, None, packed)
+            assert torch.equal(alone[0], among[row]), (row, packed is None)
+        for m0 in range(0, m - 9, 9):
+            assert torch.equal(ops.fp8_linear(x[m0:m0 + 9], wq, scale, None, None, packed), among[m0:m0 + 9]), m0
+    exact = (x.double() @ w.double().t()).to(hp)
+    assert (among != exact).float().mean() > 0.5  # terms were lost: the bits depend on the order
 
 
 @pytest.mark.parametrize("hp", [torch.bfloat16, torch.float32])
