@@ -4,7 +4,7 @@ in the faster high-precision dtype here (what users run today), and vs Neural Co
 Engines: hqtflow's static-KV decoder (`hqtflow/runtime/static_decode.py`) eager and with its decode step compiled
 (`torch.compile`, inductor cache in $HQTFLOW_CACHE/inductor); transformers' `generate` (DynamicCache). bf16 runs
 twice: through `F.linear` (oneDNN) and, as `hqtflow.load` serves a plain model, on the CPU kernel's packed bf16 path
-(`bf16 static, packed kernel`); both count among the high-precision baselines. FP8 runs
+(`bf16 static, packed kernel`, also compiled); all count among the high-precision baselines. FP8 runs
 the CPU kernel (`--backend`, default auto). Neural Compressor converts the bf16 model from the same measurement
 (QUANTIZE, maxabs_pow2, `use_qdq=True`, the only CPU mode it has) and runs through the same eager static decoder.
 Decode tokens/s = batch * (new tokens - 1) / time of the decode steps (the prompt's forward excluded), median of
@@ -123,6 +123,8 @@ def main() -> None:
         engines["bf16 static compiled"] = StaticDecoder(bf16, max_length=max_len, compile=True)
         engines["fp32 static compiled"] = StaticDecoder(engines["fp32 static"].model, max_length=max_len, compile=True)
         engines["fp8 static compiled"] = StaticDecoder(fp8, max_length=max_len, compile=True)
+        if packed is not None:
+            engines["bf16 static, packed kernel, compiled"] = StaticDecoder(packed, max_length=max_len, compile=True)
     tmp = tempfile.TemporaryDirectory()
     if not a.no_inc:
         try:
@@ -180,6 +182,8 @@ def main() -> None:
               ("fp8 static / bf16 packed kernel (same engine)", "fp8 static", "bf16 static, packed kernel", 1.0),
               ("fp8 static / fp32 static (same engine)", "fp8 static", "fp32 static", None),
               ("fp8 compiled / bf16 compiled (same engine)", "fp8 static compiled", "bf16 static compiled", 1.0),
+              ("fp8 compiled / bf16 packed compiled (same engine)", "fp8 static compiled",
+               "bf16 static, packed kernel, compiled", 1.0),
               ("fp8 compiled / fp32 compiled (same engine)", "fp8 static compiled", "fp32 static compiled", None),
               (f"fp8 compiled / {hf_name}", "fp8 static compiled", hf_name, None),
               (f"fp8 static / {hf_name}", "fp8 static", hf_name, None),

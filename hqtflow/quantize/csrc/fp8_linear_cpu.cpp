@@ -1511,9 +1511,12 @@ HQT_INLINE void outer_store(__m512 (&acc)[MR][NB], int64_t m0, int64_t n, int64_
 }
 
 // NB whole blocks of rows [n, n + 16 NB) with one table, from the arranged copy: the chunks at each k widened side by
-// side, so that NB * MR sums advance at once (at M = 1, block after block, one chain of vdpbf16ps, each waiting for the
-// last, bounded a block: measured on a 2-core Zen 5, cold, 4096^2 M = 8 1.0 -> 0.54 ms, SmolLM2's up 576 -> 1536
-// 1.5x faster hot at M = 1). Each output's sum keeps its order, pair after pair: the same bits.
+// side, so that NB * MR sums advance at once (block after block, at M = 1 one chain of vdpbf16ps, each waiting for the
+// last, bounded a block). Each output's sum keeps its order, pair after pair: the same bits. Measured on a 2-core Zen 5
+// against block after block, in one process: hot, SmolLM2's shapes 1.3-2.0x at M = 1-2 and 1.2-1.4x at M = 8; cold,
+// 4096^2 1.04-1.32x at M = 1-2 and 1.3-2.2x at M = 8-12, SmolLM2's shapes 0.90-1.31x at M = 1-2 (runs differ) and
+// 1.1-1.2x at M = 8; a token's 210 calls (106 MB) 1.06 / 1.13 / 1.01x at M = 1 / 8 / 32. A layout with the pair's
+// chunks side by side (one stream) was no faster.
 template <int MR, int NB>
 HQT_INLINE void decode_blocks(const Problem& p, const Widener& wd, int64_t n, const uint32_t* xt, bool prefetch) {
   const Weight& wt = p.wt;
