@@ -1298,12 +1298,17 @@ HQT_INLINE void arrange_chunk(const uint8_t* w, int64_t K, int64_t n, int nr, in
 
 constexpr int64_t kChunkBytes = kBlock * 64;  // one arranged chunk: 64 columns of 16 rows
 
+// The arranged chunk of the block of rows from n (a multiple of kBlock) at column k (`arrange_weight`'s layout).
+HQT_INLINE const uint8_t* chunk_at(const Weight& wt, int64_t n, int64_t k) {
+  return wt.chunks + ((n / kBlock) * ((wt.K + 63) / 64) + k / 64) * kChunkBytes;
+}
+
 // The pair vectors of a chunk with one table (per-tensor scale, or the codes' table of `scales_commute`), pair t at
 // use(t, w): from the arranged copy when the layer has one (blocks start at multiples of kBlock), else arranged here.
 template <class Use>
 HQT_INLINE void widen_chunk_shared(const Weight& wt, const Widener& wd, int64_t n, int nr, int64_t k, const Use& use) {
   if (wt.chunks && n % kBlock == 0) {  // each vector loaded as it is widened (16 held at once would spill at M = 12)
-    const uint8_t* c = wt.chunks + ((n / kBlock) * ((wt.K + 63) / 64) + k / 64) * kChunkBytes;
+    const uint8_t* c = chunk_at(wt, n, k);
     HQT_UNROLL for (int j = 0; j < 16; ++j) {
       __m512bh w0, w1;
       wd.widen64(nullptr, w0, w1, _mm512_loadu_si512(c + 64 * j));
@@ -1344,7 +1349,7 @@ at::Tensor arrange_weight(const at::Tensor& w) {
 HQT_INLINE void prefetch_next(const Weight& wt, const Widener* one, int64_t n, int64_t k, int64_t from, int64_t to) {
   if (!(one && wt.chunks)) return prefetch_rows(wt, n, from, to);
   if (n >= wt.N || n % kBlock) return;
-  const char* c = reinterpret_cast<const char*>(wt.chunks + ((n / kBlock) * ((wt.K + 63) / 64) + k / 64) * kChunkBytes);
+  const char* c = reinterpret_cast<const char*>(chunk_at(wt, n, k));
   for (int64_t b = 0; b < kChunkBytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
 }
 
@@ -1520,8 +1525,8 @@ HQT_INLINE void outer_store(__m512 (&acc)[MR][NB], int64_t m0, int64_t n, int64_
 template <int MR, int NB>
 HQT_INLINE void decode_blocks(const Problem& p, const Widener& wd, int64_t n, const uint32_t* xt, bool prefetch) {
   const Weight& wt = p.wt;
-  const int64_t kc = (wt.K + 63) / 64, stride = kc * kChunkBytes;
-  const uint8_t* c = wt.chunks + (n / kBlock) * stride;
+  const uint8_t* c = chunk_at(wt, n, 0);
+  const int64_t stride = chunk_at(wt, n + kBlock, 0) - c;  // from one block's chunks to the next's
   __m512 acc[MR][NB];
   HQT_UNROLL for (int m = 0; m < MR; ++m)
     HQT_UNROLL for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
