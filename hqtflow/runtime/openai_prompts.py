@@ -62,6 +62,8 @@ def chat_messages(messages: list[dict], renders_calls: bool, renders_developer: 
                 raise invalid(f"`messages[{i}].{key}` is not supported: {why}")
         content = message_text(m.get("content"), i, optional=role == "assistant")
         calls = message_calls(m.get("tool_calls"), i) if role == "assistant" else []
+        if role == "assistant" and m.get("content") is None and not calls:  # OpenAI's contract (a dropped reply)
+            raise invalid(f"`messages[{i}]`: an assistant message must have `content` or `tool_calls`")
         role = "system" if role == "developer" and not renders_developer else role
         if role == "tool":  # OpenAI's contract: the result of a call the assistant made, named by its id
             if not isinstance(m.get("tool_call_id"), str):

@@ -39,7 +39,7 @@ def params(ctx: Ctx, data: OpenAICommon, n_input: int, max_new: int | None, *, t
     else:
         max_new = ctx.max_new(n_input, max_new, default_max_new, names)
     return SamplingParams(max_new_tokens=max_new, do_sample=temperature > 0, temperature=temperature or 1.0,
-                          top_p=data.top_p or 1.0, presence_penalty=data.presence_penalty or 0.0,
+                          top_p=1.0 if data.top_p is None else data.top_p, presence_penalty=data.presence_penalty or 0.0,
                           frequency_penalty=data.frequency_penalty or 0.0, logit_bias=bias or None,
                           stop=stop_list(data.stop, ctx.s.max_stop_sequences), seed=data.seed, top_n=top_n, prompt_logprobs=prompt_logprobs,
                           grammar=grammar)

@@ -152,6 +152,21 @@ Seed = Annotated[int, BeforeValidator(_u64),  # a u64, as TGI's
                  WithJsonSchema({"type": "integer", "minimum": 0, "maximum": 2**64 - 1})]
 
 
+def _openai_seed(v):
+    """OpenAI's seed, an int64 (negative seeds too: clients derive them from hashes), or a u64 as TGI's: taken
+    modulo 2**64, the sampler's range (int64 seeds map one to one)."""
+    v = _integral(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        if not -(2**63) <= v < 2**64:
+            raise ValueError(f"Input should be >= {-(2**63)} (an int64) and <= {2**64 - 1} (a u64)")
+        return v % 2**64
+    return v
+
+
+OpenAISeed = Annotated[int, BeforeValidator(_openai_seed),
+                       WithJsonSchema({"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1})]
+
+
 RANGE = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
 
 
@@ -326,12 +341,12 @@ class OpenAICommon(Strict):
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={  # token id -> bias
         "propertyNames": {"pattern": "^[0-9]{1,12}$"}, "additionalProperties": LOGIT_BIAS})
     n: Int = bounded(1, minimum=1, maximum=MAX_BEST_OF)
-    seed: Seed | None = None
+    seed: OpenAISeed | None = None
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = bounded(minimum=0.0, maximum=2.0)
-    top_p: float | None = bounded(exclusiveMinimum=0, maximum=1)
+    top_p: float | None = bounded(minimum=0, maximum=1)  # OpenAI's range: 0 keeps the most likely token only
     user: str | None = None  # an end-user id for abuse tracking: no effect on output
 
     @model_validator(mode="after")
@@ -418,12 +433,14 @@ _CALL = {"type": "object", "required": ["function"], "additionalProperties": {"t
              "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
 MESSAGE = {  # a chat message as openai_prompts.chat_messages reads it (other fields: null, i.e. not given)
     "description": "role and content (a string or text parts); an assistant's content may be null or left out "
-                   "beside its tool calls; a tool's result names the call it answers",
+                   "beside its tool calls (one of the two is given); a tool's result names the call it answers",
     "anyOf": [{"type": "object", "required": ["role", "content"], "additionalProperties": {"type": "null"},
                "properties": {"role": {"enum": ["system", "developer", "user"]}, "content": _CONTENT}},
               {"type": "object", "required": ["role"], "additionalProperties": {"type": "null"},
                "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [*_CONTENT["anyOf"], {"type": "null"}]},
-                              "tool_calls": {"anyOf": [{"type": "array", "items": _CALL}, {"type": "null"}]}}},
+                              "tool_calls": {"anyOf": [{"type": "array", "items": _CALL}, {"type": "null"}]}},
+               "anyOf": [{"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},  # one of them
+                         {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]},
               {"type": "object", "required": ["role", "content"], "additionalProperties": {"type": "null"},
                "properties": {"role": {"const": "tool"}, "content": _CONTENT,
                               "tool_call_id": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}]}

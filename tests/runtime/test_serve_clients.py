@@ -444,6 +444,25 @@ def test_openai_n_with_the_largest_seed(url):
     assert len(chat.choices) == 2
 
 
+def test_openai_seed_top_p_and_assistant_turns_as_openai(url):
+    """OpenAI's ranges: a negative seed (an int64, as clients derive them from hashes) samples as seed mod 2**64;
+    top_p 0 keeps the most likely token only (greedy); an assistant turn with neither content nor tool calls is a
+    422 naming it, not an empty turn rendered into the prompt."""
+    openai = client_lib("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    sample = lambda **kw: client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=1.5, **kw).choices[0].text  # noqa: E731
+    assert sample(seed=-5) == sample(seed=-5) == sample(seed=2**64 - 5)
+    with pytest.raises(openai.UnprocessableEntityError, match="seed"):
+        sample(seed=-(2**63) - 1)
+    greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+    assert sample(top_p=0, seed=1) == sample(top_p=0, seed=2) == greedy
+    for turn in ({"role": "assistant"}, {"role": "assistant", "content": None, "tool_calls": []}):
+        with pytest.raises(openai.UnprocessableEntityError, match=r"messages\[1\].*`content` or `tool_calls`"):
+            client.chat.completions.create(model="tiny", messages=[*MESSAGES[:1], turn, *MESSAGES[:1]], max_tokens=2)
+    ok = client.chat.completions.create(model="tiny", messages=[*MESSAGES[:1], {"role": "assistant", "content": ""}, *MESSAGES[:1]], max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
 REFUSED = [
     ("/generate", {"inputs": PROMPT, "parameters": {"typical_p": 1.5}}, "typical_p"),
     ("/generate", {"inputs": PROMPT, "parameters": {"truncate": -1}}, "truncate"),
