@@ -623,7 +623,7 @@ def handoff(
     measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="With a recipe SOURCE: the artifact (default: the recipe's output).")] = None,
     recipe: Annotated[Optional[Path], typer.Option("--recipe", help="With an artifact SOURCE: the recipe whose gaudi flags to use (default: the one recorded).")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Model id or folder for the commands (default: the recipe's / the artifact's).")] = None,
-    handoff_dir: Annotated[Optional[Path], typer.Option("--dir", help="Where the QUANT_CONFIG copies go (default: beside the script, in a folder named after it; else ./hqtflow-handoff).")] = None,
+    handoff_dir: Annotated[Optional[Path], typer.Option("--dir", help="Where the QUANT_CONFIG copies go (default: beside the script, in a folder named after it, NAME-handoff where that is the artifact's own folder; else ./hqtflow-handoff).")] = None,
     image: Annotated[str, typer.Option(help="TGI-Gaudi image.")] = "ghcr.io/huggingface/tgi-gaudi:2.0.1",
     port: Annotated[int, typer.Option(help="TGI-Gaudi: host port.")] = 8080,
     volume: Annotated[Optional[Path], typer.Option(help="TGI-Gaudi: host folder mounted at /data (hub cache; default DIR/data).")] = None,
@@ -637,7 +637,7 @@ def handoff(
         raise HqtflowError(f"Cannot write the script {output}: name a file with a suffix (e.g. run.sh), not a directory.")
     job = h.plan_job(source, mode=mode, world_size=world_size, model=model, measurement=measurement, recipe=recipe)
     # each script gets its own folder of configs: two hand-offs never share (and overwrite) a QUANT_CONFIG copy
-    directory = handoff_dir or (output.with_suffix("") if output is not None else Path("hqtflow-handoff"))
+    directory = handoff_dir or h.default_dir(job, output)
     h.check_outside_artifact(job, directory, output)
     if output is not None:  # the script's folder can be made and written before anything is
         from hqtflow.formats.artifact import check_output_dir

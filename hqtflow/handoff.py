@@ -438,6 +438,16 @@ def render_script(plan: Plan, *, target: str, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def default_dir(job: Job, script: Path | None) -> Path:
+    """The QUANT_CONFIG copies' folder when --dir is not given: beside the script, named after it (`run/` for
+    `run.sh`), or `NAME-handoff` where that name is the artifact's own folder (`-o out/scales.sh` for `out/scales`)."""
+    if script is None:
+        return Path("hqtflow-handoff")
+    folder, src = script.with_suffix(""), job.artifact.directory if job.artifact is not None else None
+    inside = src is not None and folder.resolve().is_relative_to(src)
+    return folder.with_name(f"{folder.name}-handoff") if inside else folder
+
+
 def check_outside_artifact(job: Job, *paths: Path | None) -> None:
     """Refuse a hand-off output inside the artifact it reads: the artifact is never edited."""
     src = job.artifact.directory if job.artifact is not None else None

@@ -228,6 +228,21 @@ def test_two_handoffs_keep_their_own_configs(arts, tmp_path):
         assert json.loads(qc.read_text())["dump_stats_path"] == str(arts[name].resolve() / "measure")
 
 
+def test_a_script_named_after_its_artifact_gets_a_folder_beside_it(arts, tmp_path):
+    """`handoff out/s2 -o out/s2.sh` (reference.md's example): the default folder named after the script would be
+    the artifact itself, which is never edited, so the configs go to `out/s2-handoff/`; the artifact is untouched."""
+    import shutil
+
+    art = tmp_path / "s2"
+    shutil.copytree(arts["s2"], art)
+    before = sorted(p.relative_to(art) for p in art.rglob("*"))
+    r = run_cli("handoff", art, "--to", "optimum-habana", "-o", tmp_path / "s2.sh")
+    assert r.exit_code == 0, r.output
+    [cmd] = commands((tmp_path / "s2.sh").read_text())
+    assert Path(split_env(cmd)[0]["QUANT_CONFIG"]).parent.parent == tmp_path / "s2-handoff"
+    assert sorted(p.relative_to(art) for p in art.rglob("*")) == before
+
+
 def seed_blocks(name: str) -> list[list[str]]:
     path = SEEDS / name
     need(path.is_file(), f"seed README {path} not found")
