@@ -13,7 +13,7 @@ import typer
 
 from hqtflow.choices import HP_DTYPES, valid_values
 from hqtflow.environment import TGI_ENV
-from hqtflow.errors import (AccuracyWarning, FallbackWarning, HqtflowError, LeftoverWarning, ProvenanceWarning,
+from hqtflow.errors import (AccuracyWarning, ArtifactError, FallbackWarning, HqtflowError, LeftoverWarning, ProvenanceWarning,
                             ResourceError)
 from hqtflow.measure.settings import MeasureSettings
 from hqtflow.models import DEFAULT_MODEL, check_context
@@ -123,6 +123,11 @@ def user_errors(fn):
                 typer.echo(f"Error: the path{where} is too long for this file system (one part of a path is at most "
                            f"255 bytes on most); {_written()}.", err=True)
                 raise typer.Exit(HqtflowError.exit_code) from None
+            if e.errno in (errno.EACCES, errno.EPERM, errno.ELOOP):  # a file or folder the user may not read or write
+                what = f" {os.fsdecode(e.filename)}" if e.filename else ""
+                why = "a symlink loop" if e.errno == errno.ELOOP else "permission denied"
+                typer.echo(f"Error: cannot use{what} ({why}); {_written()}.", err=True)
+                raise typer.Exit(ArtifactError.exit_code) from None
             if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise
             where = f" {e.filename}" if e.filename else ""

@@ -265,6 +265,18 @@ CASES = {
                                                 "generation_config.json (JSONDecodeError)"),
     "measure/config field of the wrong type": (lambda c: measure(config(c.copy("model"), num_hidden_layers="two"), c),
                                                "num_hidden_layers is 'two'; it must be a positive integer"),
+    "measure/num_hidden_layers 1e9": (  # refused before a billion layers are built (that ran for minutes, memory growing)
+        lambda c: measure(config(c.copy("model"), num_hidden_layers=10**9), c), "num_hidden_layers is 1000000000"),
+    "measure/config NaN": (lambda c: measure(config(c.copy("model"), rms_norm_eps=float("nan")), c),
+                           "rms_norm_eps is not a finite number"),
+    "measure/config infinity, nested": (lambda c: measure(config(c.copy("model"), rope_scaling={"factor": float("inf")}), c),
+                                        "rope_scaling.factor is not a finite number"),
+    "generate/config NaN, hashes rewritten": (lambda c: gen(rehash(config(c.copy("ck"), rms_norm_eps=float("nan")))),
+                                              "rms_norm_eps is not a finite number"),
+    "inspect/a file of the measurement a symlink loop": (lambda c: ["inspect", self_link(c.copy("m") / f"{STEM}.json")],
+                                                         "symlink loop"),
+    "quantize/a file of the measurement a symlink loop": (lambda c: quantize(c, self_link(c.copy("m") / f"{STEM}.json")),
+                                                          "symlink loop"),
     "measure/num_attention_heads 0": (lambda c: measure(config(c.copy("model"), num_attention_heads=0), c),
                                       "num_attention_heads is 0; it must be a positive integer"),
     "measure/hidden_size a float": (lambda c: measure(config(c.copy("model"), hidden_size=64.5), c),
@@ -293,7 +305,7 @@ CASES = {
     # quantize
     "measure/config has a layer the weights lack": (
         lambda c: measure(edit_json_dir(c.copy("model"), lambda cfg: cfg.update(num_hidden_layers=cfg["num_hidden_layers"] + 1)), c),
-        "its weight files lack"),
+        "but its weights hold 2 layer(s)"),
     "measure/config has fewer layers than the weights": (
         lambda c: measure(edit_json_dir(c.copy("model"), lambda cfg: cfg.update(num_hidden_layers=cfg["num_hidden_layers"] - 1)), c),
         "its config.json has no place for"),
@@ -789,6 +801,13 @@ def edit_json_dir(d, fn):
     return d
 
 
+def self_link(path):
+    """`path` replaced by a symlink to itself (a loop); returns the artifact folder for inspect, the path's parent."""
+    path.unlink()
+    path.symlink_to(path.name)
+    return path.parent
+
+
 def config(d, **changes):
     edit_json(d / "config.json", lambda cfg: cfg.update(changes))
     return d
@@ -907,6 +926,7 @@ MODEL_CASES = {"measure/nan weights", "measure/inf weights", "measure/truncated 
                "measure/config has a layer the weights lack", "measure/config has fewer layers than the weights",
                "measure/config's vocabulary disagrees with the weights", "measure/config's rope type unknown",
                "measure/generation_config.json not JSON", "generate/generation_config.json not JSON, hashes rewritten",
+               "measure/num_hidden_layers 1e9", "measure/config NaN", "measure/config infinity, nested",
                "measure/garbage pickle weights", "generate/garbage weights, foreign",
                "quantize/model weight NaN, the measurement's fingerprint its own", "quantize/measurement's recorded model path relative",
                "eval/checkpoint's recorded model path relative"}
@@ -935,6 +955,23 @@ def test_hostile(base, tmp_path, case):
     assert words in err, err
     assert not c.out.exists()
     assert snapshot(c.w) == before, "the output's parent (holding the inputs) must be exactly as it was"
+
+
+def test_a_file_it_may_not_read_is_one_sentence(base, monkeypatch):
+    """A file the user may not read (mode 000 for a non-root user; root reads anything, so the OS's refusal is
+    simulated where every artifact file is read) is one sentence naming it, exit 3, not a traceback."""
+    import errno
+
+    from hqtflow.formats import artifact
+
+    def denied(path, *a, **kw):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(artifact, "sha256_file", denied)
+    r = run_cli("inspect", base["m"])
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == EXIT_CODES["artifact"] and "Traceback" not in r.output, r.output
+    assert len(err) == 1 and err[0].startswith(f"Error: cannot use {base['m']}") and "(permission denied)" in err[0], err
 
 
 def test_cases_cover_every_stage():

@@ -294,7 +294,7 @@ def confined(directory: Path, rel: str) -> Path:
     if not isinstance(rel, str) or not rel or "\0" in rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
         raise ArtifactError(f"{directory} names a file {rel!r} outside itself; refusing to read it.")
     p = directory / rel
-    if not p.resolve().is_relative_to(directory.resolve()):
+    if not real_path(p).is_relative_to(real_path(directory)):
         raise ArtifactError(f"{directory} names a file {rel!r} that leads outside it; refusing to read it.")
     return p
 

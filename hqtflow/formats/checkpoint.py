@@ -417,17 +417,18 @@ def _numel(shape: Iterable[int]) -> int:
     return n
 
 
-def _check_layer_count(path: Path, layers, entries: dict) -> None:
-    """Refuse a config.json naming more layers than the weights hold (or none), before a model of that many is built.
-    A weight's layer is the first number in its name (model.layers.3.mlp...)."""
+def _check_layer_count(path: Path, layers, entries: dict, what: str = "Checkpoint", error=ArtifactError) -> None:
+    """Refuse a config.json naming more layers than the weights hold (or none), before a model of that many is built
+    (10**9 layers would be built for minutes, memory growing, even on the meta device). A weight's layer is the first
+    number in its name (model.layers.3.mlp...)."""
     import re
 
     if not entries or not isinstance(layers, int) or isinstance(layers, bool):
         return
     found = 1 + max((int(m.group(1)) for k in entries if (m := re.search(r"\.(\d+)\.", k))), default=-1)
     if layers < 1 or layers > found:
-        raise ArtifactError(f"Checkpoint {path} does not match its config.json: num_hidden_layers is {layers}, "
-                            f"but its weights hold {found} layer(s).")
+        raise error(f"{what} {path} does not match its config.json: num_hidden_layers is {layers}, "
+                    f"but its weights hold {found} layer(s).")
 
 
 def _check_sizes(path: Path, auto, config, total: int, what: str = "Checkpoint", error=ArtifactError) -> None:
@@ -450,9 +451,12 @@ def check_config_sizes(path: Path, error=ArtifactError, what: str = "Model") -> 
     the load, which names it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from hqtflow.models import load_config
+
     entries = TensorFiles(path, error=error).entries
     if not entries:
         return
+    _check_layer_count(path, load_config(path).get("num_hidden_layers"), entries, what, error)
     try:
         config = AutoConfig.from_pretrained(path)
         _check_sizes(path, AutoModelForCausalLM, config, sum(_numel(e.shape) for e in entries.values()), what, error)
