@@ -70,6 +70,9 @@ def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[
         from hqtflow.formats.artifact import kind_named
 
         kind = kind_named(path)
+        if kind == "checkpoint":
+            raise ArtifactError(f"{path} is incomplete: its config.json is missing (or not a file); make the "
+                                "checkpoint again with `hqtflow quantize`.")
         what = f"an hqtflow {kind} artifact" if kind else "not a checkpoint directory (no config.json)"
         raise ArtifactError(f"{path} is {what}; export reads an FP8 checkpoint (`hqtflow quantize` writes one).")
     _source_manifest(path)

@@ -67,6 +67,9 @@ def resolve_model(ref: str | None) -> Path:
         check_not_partial(p)
         if not (p / "config.json").is_file():
             kind = kind_named(p)
+            if kind == "checkpoint":  # an FP8 checkpoint whose config.json went missing (or is not a file)
+                raise ArtifactError(f"{p} is incomplete: its config.json is missing (or not a file); make the "
+                                    "checkpoint again with `hqtflow quantize`.")
             if kind:  # one of hqtflow's other artifacts: say which, and what makes a model of it
                 source = p if kind == "measurement" else "MEASUREMENT"
                 raise ArtifactError(f"{p} is an hqtflow {kind} artifact, not a model folder; an FP8 checkpoint comes from "
