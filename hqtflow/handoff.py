@@ -341,7 +341,7 @@ def _check_measured_model(recipe_model: str, artifact: Artifact, recipe) -> None
         model_dir = models.resolve_model(recipe_model)
     except (ModelError, ArtifactError):
         return
-    if not models.same_model(artifact.fingerprint, models.fingerprint(model_dir)):
+    if not models.same_model(artifact.fingerprint, models.fingerprint(model_dir), str(artifact.directory)):
         raise ArtifactError(f"{artifact.directory} was made from the model {artifact.model}, not from recipe {recipe}'s "
                             f"model {recipe_model} ({model_dir}); hand it off with its own recipe (--recipe) or none.")
 

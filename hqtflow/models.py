@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hqtflow.errors import ArtifactError, HqtflowError, ModelError, does_not_exist
+from hqtflow.errors import ArtifactError, HqtflowError, ModelError, brief, does_not_exist
 from hqtflow.formats import APPLEDOUBLE
 from hqtflow.formats.safetensors_files import (HEADER_ERRORS, SAFETENSORS_INDEX, check_safetensors, safetensors_header,
                                               weight_files)
@@ -602,9 +602,16 @@ def fingerprint(path: Path) -> dict:
     }
 
 
-def same_model(recorded: dict, current: dict) -> bool:
+def same_model(recorded: dict, current: dict, where: str = "An artifact") -> bool:
     """Whether a fingerprint an artifact recorded names the model `current` fingerprints: the same id; one of scheme 1
-    (an older hqtflow's, whose id sampled the weights) the same config and weight headers, all it can still tell."""
+    (an older hqtflow's, whose id sampled the weights) the same config and weight headers, all it can still tell. A
+    scheme this hqtflow does not know (a newer one's) is refused: its id cannot be compared."""
+    scheme = recorded.get("scheme")
+    if scheme is not None and scheme not in (1, FINGERPRINT_SCHEME):
+        newer = isinstance(scheme, int) and not isinstance(scheme, bool) and scheme > FINGERPRINT_SCHEME
+        raise ArtifactError(f"{where} records its model's fingerprint in scheme {brief(scheme)}, which this "
+                            f"hqtflow (scheme {FINGERPRINT_SCHEME}) cannot compare; "
+                            + ("upgrade hqtflow." if newer else "its manifest is damaged."))
     if recorded.get("scheme") == current["scheme"]:
         return recorded.get("id") == current["id"]
     if recorded.get("scheme") is None:

@@ -322,6 +322,9 @@ CASES = {
         c.w / "s.json", json.dumps({"mode": "MEASURE", "seperate_measure_files": False}))), "makes INC read one unsuffixed file"),
     "quantize/--scales-only of 2 ranks, seperate_measure_files false": (lambda c: quantize(c, c.i2, "--scales-only", "-c", write(
         c.w / "s.json", json.dumps({"mode": "QUANTIZE", "seperate_measure_files": False}))), "this 2-rank run writes one file per rank"),
+    "quantize/model fingerprint of a newer scheme": (
+        lambda c: quantize(c, edit_manifest(c.copy("m"), lambda m: m["model"].update(scheme=99))),
+        "fingerprint in scheme 99, which this hqtflow (scheme 2) cannot compare; upgrade hqtflow"),
     "quantize/negative statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(-4.0)))), "negative input statistic"),
     "quantize/nan statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(float("nan"))))), "non-finite input"),
     "quantize/inf weight statistic": (lambda c: quantize(c, rehash(stats(c.copy("i1"), node(float("inf"), "params")))),

@@ -109,7 +109,7 @@ def plan_job(s: QuantizeSettings, *, trust_pickle: bool = False, skeleton=None) 
     if recorded is not None and not meas.manifest.model:  # every stage that records a model records its fingerprint
         raise ArtifactError(f"{meas.directory}'s manifest names the model {recorded} but holds no fingerprint of it; "
                             "the manifest is corrupt: measure again.")
-    if meas.manifest.model and not models.same_model(meas.manifest.model, fp):
+    if meas.manifest.model and not models.same_model(meas.manifest.model, fp, str(meas.directory)):
         raise ArtifactError(
             f"Measurement {meas.directory} was made on a different model, or on this one before its config or weights "
             f"changed (fingerprint {meas.manifest.model.get('id')}, {model_dir} is {fp['id']}); measure this model first."
