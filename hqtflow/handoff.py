@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hqtflow import bundled
-from hqtflow.errors import ArtifactError, ConfigError, brief, does_not_exist, not_a_directory
+from hqtflow.errors import ArtifactError, ConfigError, brief, not_a_directory, not_there
 from hqtflow.formats.artifact import ArtifactKind
 
 TARGETS = ("optimum-habana", "tgi-gaudi")
@@ -273,7 +273,7 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
         if art_dir is not None and not Path(art_dir).exists():
             hint = f" (run `hqtflow measure --recipe {source}` first, or hand off --mode measure)" if recipe == source \
                 else bundled.hint(art_dir, bundled.RECIPES, ".yaml", label="bundled recipes")
-            raise ArtifactError(f"Artifact {art_dir} {does_not_exist(art_dir)}{hint}.")
+            raise ArtifactError(f"Artifact {art_dir} {not_there(art_dir)}{hint}.")
         artifact = read_artifact(art_dir)
         if recipe is None and artifact.recipe and Path(artifact.recipe).is_file():
             recipe = artifact.recipe

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hqtflow.errors import ArtifactError, HqtflowError, ModelError, brief, does_not_exist
+from hqtflow.errors import ArtifactError, HqtflowError, ModelError, brief, not_there
 from hqtflow.formats import APPLEDOUBLE
 from hqtflow.formats.safetensors_files import (HEADER_ERRORS, SAFETENSORS_INDEX, check_safetensors, safetensors_header,
                                               weight_files)
@@ -82,7 +82,7 @@ def resolve_model(ref: str | None) -> Path:
             check_safetensors(f, damaged)
         return p
     if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
-        raise ModelError(f"Model directory {ref} {does_not_exist(ref)}.")
+        raise ModelError(f"Model directory {ref} {not_there(ref)}.")
     try:
         from huggingface_hub import snapshot_download
 

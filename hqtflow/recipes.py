@@ -268,10 +268,10 @@ def _check_version(path: Path, version: Any) -> None:
 def with_data_dir(recipe: Recipe, data_dir: str | Path) -> Recipe:
     """The recipe with its data in `data_dir`: the calibration's and eval's data_dir, and its text and ppl files
     taken by name from there (`run --data-dir`: a bundled recipe's data is the checkout's, not the package's)."""
-    from hqtflow.errors import CalibrationError, does_not_exist
+    from hqtflow.errors import CalibrationError, not_there
 
     if not Path(data_dir).expanduser().is_dir():
-        why = "is not a directory" if Path(data_dir).expanduser().exists() else does_not_exist(data_dir)
+        why = "is not a directory" if Path(data_dir).expanduser().exists() else not_there(data_dir)
         raise CalibrationError(f"--data-dir {data_dir} {why}.")
     d = Path(data_dir).expanduser().resolve()
     m, e = recipe.measure, recipe.eval

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from hqtflow import __version__
-from hqtflow.errors import ArtifactError, NewerArtifactError, brief, does_not_exist
+from hqtflow.errors import ArtifactError, NewerArtifactError, brief, not_there
 
 MANIFEST = "hqtflow_manifest.json"
 
@@ -462,7 +462,7 @@ def _raw_manifest(directory: Path, kind: str) -> tuple[Path, dict]:
     """The manifest's JSON (`_type` and `_version` present), nothing verified; `kind` words the refusals."""
     what = f"{kind} " if kind else ""
     if not directory.is_dir():
-        why = "is a file, not a directory" if directory.is_file() else does_not_exist(directory)
+        why = "is a file, not a directory" if directory.is_file() else not_there(directory)
         raise ArtifactError(f"{(what or 'artifact ').capitalize()}directory {directory} {why}.")
     check_not_partial(directory)
     mpath = directory / MANIFEST
