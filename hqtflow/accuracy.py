@@ -44,7 +44,7 @@ def log_probs(model, windows: list[torch.Tensor]) -> list[torch.Tensor]:
 
     device = next(model.parameters()).device
     with bf16_matmuls_via_fp32():
-        return [torch.log_softmax(model(input_ids=w.to(device)).logits[0].float(), -1).cpu() for w in windows]
+        return [torch.log_softmax(model(input_ids=w.to(device), use_cache=False).logits[0].float(), -1).cpu() for w in windows]
 
 
 @torch.inference_mode()
@@ -53,7 +53,7 @@ def divergence(reference: list[torch.Tensor], model, windows: list[torch.Tensor]
     device = next(model.parameters()).device
     kl_sum, agree, n, nll, m = 0.0, 0, 0, 0.0, 0
     for ref, w in zip(reference, windows):
-        q = torch.log_softmax(model(input_ids=w.to(device)).logits[0].float(), -1).cpu()
+        q = torch.log_softmax(model(input_ids=w.to(device), use_cache=False).logits[0].float(), -1).cpu()
         kl_sum += float((ref.exp() * (ref - q)).sum(-1).clamp(min=0).sum())  # >= 0 up to float rounding
         agree += int((ref.argmax(-1) == q.argmax(-1)).sum())
         n += ref.shape[0]

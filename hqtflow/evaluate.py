@@ -102,7 +102,7 @@ def padded_forward(model, tokenizer):
     @torch.inference_mode()
     def forward(ids, mask):
         ids, mask = F.pad(ids, (0, 1), value=pad), F.pad(mask, (0, 1), value=0)
-        return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, :-1]
+        return model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits[:, :-1]
 
     @torch.inference_mode()
     def generate(ids, max_new, until=()):

@@ -139,7 +139,9 @@ def _measure_rank(s, cfg: QuantConfig, model_dir: Path, texts, manager, rank: in
         @torch.inference_mode()
         def forward(ids, mask):
             with session.batch(mask), recording(mask), bf16_matmuls_via_fp32():
-                extra = {cache_name: kv.cache(mask), "use_cache": True} if kv else {}
+                # no KV statistics: no cache at all (a forward over the batch needs none; transformers 5.25 builds a
+                # hybrid's own and fails on it where layer 0 caches nothing, NemotronH's MoE first)
+                extra = {cache_name: kv.cache(mask), "use_cache": True} if kv else {"use_cache": False}
                 logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), **extra).logits
             progress.update(ids.shape[0], int(mask.sum()))
             return logits

@@ -81,8 +81,9 @@ def test_user_torchrun_world_must_match(tiny_llama, wiki_text, tmp_path, monkeyp
 
 
 def test_moe_experts_under_two_ranks_unify_to_one(tiny_factory, wiki_text, tmp_path):
-    """transformers shards fused experts too (gate_up `packed_colwise`, down `rowwise`): each expert node records how,
-    so per-channel statistics unified from two ranks have the 1-rank run's shapes and values (fp32: the same sums)."""
+    """transformers shards fused experts too (gate_up `packed_colwise`, down `rowwise`; from 5.25 its plan keeps them
+    whole on every rank): each expert node records how, so per-channel statistics unified from two ranks have the
+    1-rank run's shapes and values (fp32: the same sums)."""
     from conftest import ROOT
     from hqtflow.formats.measurement import load_measurement
 
@@ -94,8 +95,12 @@ def test_moe_experts_under_two_ranks_unify_to_one(tiny_factory, wiki_text, tmp_p
     assert r.exit_code == 0, r.output
     layers = read_manifest(tmp_path / "two", "hqtflow.measurement").data["ranks"][1]["layers"]
     gu, down = layers["model.layers.1.mlp.experts.2.gate_up_proj"], layers["model.layers.1.mlp.experts.2.down_proj"]
-    assert (gu["style"], gu["packed_parts"], gu["weight_shape"], gu["global_weight_shape"]) == ("column", 2, [96, 64], [192, 64])
-    assert (down["style"], down["weight_shape"], down["global_weight_shape"]) == ("row", [64, 48], [64, 96])
+    if gu["style"] == "replicated":  # transformers 5.25 on: its plan keeps Mixtral's experts whole on every rank
+        assert (gu["packed_parts"], gu["weight_shape"], gu["global_weight_shape"]) == (1, [192, 64], [192, 64])
+        assert (down["style"], down["weight_shape"], down["global_weight_shape"]) == ("replicated", [64, 96], [64, 96])
+    else:
+        assert (gu["style"], gu["packed_parts"], gu["weight_shape"], gu["global_weight_shape"]) == ("column", 2, [96, 64], [192, 64])
+        assert (down["style"], down["weight_shape"], down["global_weight_shape"]) == ("row", [64, 48], [64, 96])
     r = run_cli("unify", "-g", "01", "-m", tmp_path / "two", "-o", tmp_path / "merged")
     assert r.exit_code == 0, r.output
     a, b = load_measurement(tmp_path / "one").ranks[0].nodes, load_measurement(tmp_path / "merged").ranks[0].nodes

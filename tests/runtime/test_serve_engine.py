@@ -52,14 +52,8 @@ def test_greedy_equals_generate(lm, engine):
     assert all(e.token.logprob <= 0 for e in events)
 
 
-def test_engine_on_a_model_whose_layers_drop_attention_kwargs(tiny_factory):
-    """StableLM's decoder layers do not pass their keyword arguments on to attention: the engine's step plan still
-    reaches it (it ran without the sequences' past: the first token right, every later one wrong). Greedy tokens of
-    two concurrent requests equal a full recompute of each, step by step."""
-    from hqtflow import models
-
-    path = tiny_factory("stablelm")
-    model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
+def _concurrent_greedy_equals_recompute(model, tok) -> None:
+    """Greedy tokens of two concurrent requests equal a full recompute of each (no cache), step by step."""
     prompts = [tok(p)["input_ids"] for p in ("The tower is", "A long way from home, the")]
     ref = []
     with torch.inference_mode():
@@ -81,6 +75,15 @@ def test_engine_on_a_model_whose_layers_drop_attention_kwargs(tiny_factory):
         eng.stop()
     for i, events in sorted(done, key=lambda x: x[0]):
         assert [e.token.id for e in events] == ref[i]
+
+
+def test_engine_on_a_model_whose_layers_drop_attention_kwargs(tiny_factory):
+    """StableLM's decoder layers do not pass their keyword arguments on to attention: the engine's step plan still
+    reaches it (it ran without the sequences' past: the first token right, every later one wrong)."""
+    from hqtflow import models
+
+    path = tiny_factory("stablelm")
+    _concurrent_greedy_equals_recompute(models.load_model(path, "fp32"), models.load_tokenizer(path))
 
 
 ENGINE_PATHS = {"whole": {}, "chunked": dict(max_prefill_tokens=5),  # chunks of 5 with a past
@@ -210,14 +213,21 @@ def test_key_value_heads_as_transformers_groups_them(tiny_factory):
 
 
 def test_engine_refuses_a_model_whose_attention_it_cannot_replace(tiny_factory):
-    """Falcon's attention does not go through transformers' attention interface: transformers only logs that it
-    cannot switch it, and the engine ran the model without its KV cache (wrong tokens, no error). Refused."""
+    """Falcon's attention went around transformers' attention interface before transformers 5.25: transformers only
+    logged that it could not switch it, and the engine ran the model without its KV cache (wrong tokens, no error).
+    Refused where transformers cannot switch it; where it can (5.25 on), the engine's tokens are a recompute's."""
     from hqtflow import models
+    from hqtflow.runtime import paged
 
     path = tiny_factory("falcon")
     model, tok = models.load_model(path, "fp32"), models.load_tokenizer(path)
-    with pytest.raises(ValueError, match="does not go through transformers' attention interface"):
+    try:
         Engine(model, tok)
+    except ValueError as e:
+        assert "does not go through transformers' attention interface" in str(e), e
+        assert model.config._attn_implementation != paged.NAME  # refused only where transformers did not switch
+        return
+    _concurrent_greedy_equals_recompute(model, tok)
 
 
 def test_the_tokenizers_eos_ends_a_sequence_beside_the_generation_configs(lm):
