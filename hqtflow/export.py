@@ -67,12 +67,11 @@ def _read_source(path: Path) -> tuple[dict, dict, dict[str, torch.Tensor], list[
 
     check_not_partial(path)
     if not (path / "config.json").is_file():
-        from hqtflow.formats.artifact import kind_named
+        from hqtflow.formats.artifact import checkpoint_without_config, kind_named
 
         kind = kind_named(path)
         if kind == "checkpoint":
-            raise ArtifactError(f"{path} is incomplete: its config.json is missing (or not a file); make the "
-                                "checkpoint again with `hqtflow quantize`.")
+            raise checkpoint_without_config(path)
         what = f"an hqtflow {kind} artifact" if kind else "not a checkpoint directory (no config.json)"
         raise ArtifactError(f"{path} is {what}; export reads an FP8 checkpoint (`hqtflow quantize` writes one).")
     _source_manifest(path)

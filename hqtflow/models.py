@@ -62,14 +62,13 @@ def resolve_model(ref: str | None) -> Path:
         return d
     p = Path(ref).expanduser()
     if p.exists():
-        from hqtflow.formats.artifact import MANIFEST, check_not_partial, kind_named
+        from hqtflow.formats.artifact import MANIFEST, check_not_partial, checkpoint_without_config, kind_named
 
         check_not_partial(p)
         if not (p / "config.json").is_file():
             kind = kind_named(p)
-            if kind == "checkpoint":  # an FP8 checkpoint whose config.json went missing (or is not a file)
-                raise ArtifactError(f"{p} is incomplete: its config.json is missing (or not a file); make the "
-                                    "checkpoint again with `hqtflow quantize`.")
+            if kind == "checkpoint":
+                raise checkpoint_without_config(p)
             if kind:  # one of hqtflow's other artifacts: say which, and what makes a model of it
                 source = p if kind == "measurement" else "MEASUREMENT"
                 raise ArtifactError(f"{p} is an hqtflow {kind} artifact, not a model folder; an FP8 checkpoint comes from "

@@ -573,6 +573,12 @@ def kind_named(directory: str | Path) -> str | None:
         return "unreadable"
 
 
+def checkpoint_without_config(directory: str | Path) -> ArtifactError:
+    """The refusal of an FP8 checkpoint (its manifest says so) whose config.json is gone or not a file."""
+    return ArtifactError(f"{directory} is incomplete: its config.json is missing (or not a file); make the checkpoint "
+                         "again with `hqtflow quantize`.")
+
+
 def read_manifest(directory: Path, type_: str, max_version: int | None = None, *, verify: bool = True) -> Manifest:
     """Load and check an artifact's manifest; every failure is one ArtifactError sentence.
 
