@@ -61,6 +61,8 @@ class Artifact:
     model: str | None  # the model folder it was made from
     recipe: str | None  # the recipe its measurement was made with, when recorded
     fingerprint: dict | None = None  # the fingerprint of that model (hqtflow.models.fingerprint), when recorded
+    observer: str = "maxabs"  # the measurement's observer: its files are <base>_hooks_<observer>...
+    attention_measured: bool = False  # it has optimum-habana's attention nodes (matmul_qk ...: measured on Gaudi)
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ def _recorded_recipe(data: dict, hops: int = 3) -> str | None:
 def read_artifact(directory: str | Path) -> Artifact:
     """An hqtflow measurement or scales artifact, checked: every rank's files INC reads are there and unchanged."""
     from hqtflow.formats.artifact import artifact_kind, read_manifest
-    from hqtflow.formats.measurement import INC_CONFIG, measurement_stem, refuse_foreign_dump
+    from hqtflow.formats.measurement import INC_CONFIG, gaudi_only, measurement_stem, read_measurement, refuse_foreign_dump
     from hqtflow.formats.scale_files import read_scale_file, scale_stem
 
     directory = Path(directory)
@@ -177,8 +179,9 @@ def read_artifact(directory: str | Path) -> Artifact:
     if kind == "scales":  # what INC will load (the .npz) is written from the same nodes as the JSON twin checked here
         for names in needed.values():
             read_scale_file(directory / names[-2])
+    attention = bool(gaudi_only(read_measurement(directory / needed[0][0]).nodes))
     return Artifact(directory.resolve(), kind, world, base, config, data.get("model_path"), _recorded_recipe(data),
-                    m.model if isinstance(m.model, dict) else None)
+                    m.model if isinstance(m.model, dict) else None, observer, attention)
 
 
 def _gaudi_section(recipe_path: str | None, gaudi: Any) -> dict:
@@ -245,7 +248,7 @@ def _entry(job: Job, key: str) -> dict:
 def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | None = None, model: str | None = None,
              measurement: str | Path | None = None, recipe: str | Path | None = None) -> Job:
     """Resolve SOURCE (a recipe .yaml or an artifact dir) plus overrides into what the target functions need."""
-    from hqtflow.formats.quant_config import QuantConfig, for_inc
+    from hqtflow.formats.quant_config import QuantConfig, for_inc, not_in_inc
     from hqtflow.recipes import load_recipe
 
     if mode not in MODES:
@@ -299,8 +302,15 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
         else:  # scale files: their own config (scale method and format the files were made with)
             config, name = dict(artifact.config), "quant_config.json"
         config["mode"] = "QUANTIZE"
-    QuantConfig.from_dict(config, source=name)  # one sentence for a wrong key or value
-    config, dropped = for_inc(config)
+    method = QuantConfig.from_dict(config, source=name).scale_method  # one sentence for a wrong key or value
+    if mode == "quantize" and (why := not_in_inc(method)):
+        raise ConfigError(f"QUANT_CONFIG {name}: {why}; run it here (`hqtflow quantize`, then serve the FP8 "
+                          "checkpoint) or hand off an INC scale method.")
+    notes = []
+    if artifact is not None and mode == "quantize":
+        config, notes = _for_artifact(config, artifact)
+    config, changed = for_inc(config)
+    notes += changed
     if mode == "measure" and str(config.get("mode", "")).upper() != "MEASURE":
         raise ConfigError(f"QUANT_CONFIG {name} has mode {config.get('mode')!r}; --mode measure needs a MEASURE config.")
     given = model
@@ -312,8 +322,27 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
         raise ConfigError("No model: the artifact records none; pass --model.")
     if r and artifact and (given or r.measure.model):  # the model handed off: --model, else the recipe's
         _check_measured_model(str(given or r.measure.model), artifact, recipe)
-    return Job(mode, world, str(model), gaudi, config, name, artifact, r.measure.tp if r else None,
-               (dropped,) if dropped else ())
+    return Job(mode, world, str(model), gaudi, config, name, artifact, r.measure.tp if r else None, tuple(notes))
+
+
+def _for_artifact(config: dict, artifact: Artifact) -> tuple[dict, list[str]]:
+    """The QUANTIZE config fitted to the artifact INC will read: the measurement's observer (INC names the files it
+    opens after it), and `ignore_modules_wo_measures` where the measurement has Linear layers only (measured here, on
+    Hugging Face modeling code): optimum-habana's attention modules (matmul_qk, k_cache, fused SDPA ...) then have no
+    statistics, and INC would replace each by a module that fails when called."""
+    notes = []
+    observer = config.get("observer", "maxabs")
+    if str(observer).lower() != artifact.observer:
+        config = {**config, "observer": artifact.observer}
+        notes.append(f"observer set to {artifact.observer}, the measurement's ({observer} in the config): INC opens "
+                     "the files named after it")
+    flag = config.get("ignore_modules_wo_measures", False)
+    if not artifact.attention_measured and str(flag).lower() != "true":
+        config = {**config, "ignore_modules_wo_measures": True}
+        notes.append("ignore_modules_wo_measures set true: the measurement has Linear layers only, so INC keeps "
+                     "optimum-habana's attention modules (matmul_qk, matmul_av, k_cache, v_cache, fused SDPA) in bf16 "
+                     "instead of failing on them; measure on Gaudi (--mode measure) to quantize those too")
+    return config, notes
 
 
 def _check_model(model: str) -> str:

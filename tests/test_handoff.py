@@ -130,18 +130,25 @@ def check_config(path: Path, inc, *, mode: str, files_base: Path | None, world: 
     """The QUANT_CONFIG parses in INC's FP8Config and hqtflow's reader, and its dump_stats_path names every rank's files."""
     from hqtflow.formats.quant_config import QuantConfig
 
+    from neural_compressor.torch.algorithms.fp8_quant._quant_common.quant_config import Fp8cfg
+
     raw = json.loads(path.read_text())
-    cfg = inc.FP8Config(**raw)
-    assert cfg.mode == mode == raw["mode"]
+    cfg = inc.FP8Config(**raw)  # optimum-habana's first step; it then tests .measure / .quantize (mode as written)
+    assert cfg.mode == mode == raw["mode"] and (cfg.measure, cfg.quantize) == (mode == "MEASURE", mode == "QUANTIZE")
     QuantConfig.from_dict(raw)
+    # INC's own parser, which FP8Config leaves to prepare()/convert() on the device (use_qdq: the CPU needs it)
+    parsed = Fp8cfg.parse({**raw, "dump_stats_path": str(mapper(raw["dump_stats_path"])), "use_qdq": True}).cfg
+    for key in ("seperate_measure_files", "row_parallel_linear_allreduce_quantization", "ignore_modules_wo_measures"):
+        assert isinstance(raw.get(key, False), bool), key  # INC tests passed-through values for truth
     if files_base is not None:
         base = mapper(raw["dump_stats_path"])
-        assert base == files_base
+        assert base == files_base and parsed["measure_file"].startswith(f"{base}_hooks_{raw['observer']}")
         suffixes = [""] if world == 1 else [f"_{r}_{world}" for r in range(world)]
-        for s in suffixes:
-            assert Path(f"{base}_hooks_maxabs{s}.npz").is_file() and Path(f"{base}_hooks_maxabs{s}.json").is_file()
+        for s in suffixes:  # the files INC opens: named after the observer as written
+            stem = f"{base}_hooks_{raw['observer']}{s}"
+            assert Path(f"{stem}.npz").is_file() and Path(f"{stem}.json").is_file(), stem
         # no more ranks than the world size
-        assert not Path(f"{base}_hooks_maxabs_{world}_{world}.json").exists()
+        assert not Path(f"{base}_hooks_{raw['observer']}_{world}_{world}.json").exists()
     return raw
 
 
@@ -209,7 +216,7 @@ def test_a_device_for_scales_of_hqtflow_stays_out_of_the_config_for_inc(arts, in
         (tmp_path / "m.json").write_text(json.dumps({"mode": "MEASURE", "observer": "maxabs", "device_for_scales": device}))
         [cmd] = handoff(tmp_path / "r.yaml", "--to", "optimum-habana", "--mode", "measure", tmp=tmp_path)
         raw = check_config(Path(split_env(cmd)[0]["QUANT_CONFIG"]), inc, mode="MEASURE", files_base=None, world=8)
-        assert ("device_for_scales" in raw) == kept and raw.get("device_for_scales", device) == device
+        assert ("device_for_scales" in raw) == kept and raw.get("device_for_scales", "GAUDI2") == "GAUDI2"
         note = f"# device_for_scales {device} is hqtflow's own target, which INC refuses: dropped"
         assert (note in (tmp_path / "run.sh").read_text()) == (not kept)
 
@@ -418,3 +425,62 @@ def test_an_older_hqtflows_fingerprint_of_the_recipes_model_is_accepted(smollm2)
     other = dict(older, weights_header_sha256="0" * 64)
     with pytest.raises(ArtifactError, match="not from recipe r.yaml's model"):
         handoff._check_measured_model(str(smollm2), SimpleNamespace(fingerprint=other, directory="m", model="x"), "r.yaml")
+
+
+def test_a_measurement_made_here_leaves_gaudi_attention_unquantized(arts, inc, tiny_llama, tmp_path):
+    """hqtflow measures Hugging Face modeling code: Linear layers only. INC on Gaudi would replace optimum-habana's
+    unmeasured attention modules (matmul_qk, k_cache ...) by ones that fail when called, so the QUANT_CONFIG handed
+    off (and a scales artifact's own) sets ignore_modules_wo_measures; a Gaudi dump that measured them keeps the
+    config's value."""
+    from hqtflow.formats import measurement as mf
+
+    for name in ("m1", "m2", "s2"):
+        [cmd] = handoff(arts[name], "--to", "optimum-habana", tmp=tmp_path)
+        raw = json.loads(Path(split_env(cmd)[0]["QUANT_CONFIG"]).read_text())
+        assert raw["ignore_modules_wo_measures"] is True, name
+        note = "# ignore_modules_wo_measures set true: the measurement has Linear layers only"
+        assert (note in (tmp_path / "run.sh").read_text()) == (name != "s2")  # (s2's own config already sets it)
+    assert json.loads((arts["s2"] / "quant_config.json").read_text())["ignore_modules_wo_measures"] is True
+    one = mf.read_measurement(arts["m1"] / "measure_hooks_maxabs.json")
+    q = one.nodes["model.layers.0.self_attn.q_proj"]
+    nodes = {**one.nodes, "model.layers.0.self_attn.matmul_qk": q}  # as optimum-habana's Gaudi run names it
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    mf.write_measurement(dump, "measure_hooks_maxabs", nodes, local_rank=None, num_samples=one.num_samples)
+    assert run_cli("import-hqt", dump, "-o", tmp_path / "gaudi", "--model", tiny_llama).exit_code == 0
+    [cmd] = handoff(tmp_path / "gaudi", "--to", "optimum-habana", tmp=tmp_path)
+    raw = check_config(Path(split_env(cmd)[0]["QUANT_CONFIG"]), inc, mode="QUANTIZE",
+                       files_base=(tmp_path / "gaudi").resolve() / "measure", world=1)
+    assert raw["ignore_modules_wo_measures"] is False
+    assert "ignore_modules_wo_measures" not in (tmp_path / "run.sh").read_text()
+
+
+def test_the_config_handed_to_inc_is_written_as_inc_reads_it(arts, inc, tiny_llama, wiki_text, tmp_path):
+    """What hqtflow's reader takes kindly but INC does not: a mode or observer in another case (optimum-habana tests
+    mode == "MEASURE"; INC names files after the observer as written), flags as text (INC tests them for truth),
+    device_type (INC fails on text), an observer other than the measurement's, and scale methods INC lacks."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"version: 1\nname: r\nmodel: {tiny_llama}\ncards: 1\nconfig: m.json\nquant_config: q.json\n")
+    (tmp_path / "m.json").write_text(json.dumps({"mode": "measure", "observer": "MAXABS", "device_type": "GAUDI2",
+                                                 "seperate_measure_files": "false", "scale_method": "MAXABS_POW2"}))
+    [cmd] = handoff(recipe, "--to", "optimum-habana", "--mode", "measure", tmp=tmp_path)
+    raw = check_config(Path(split_env(cmd)[0]["QUANT_CONFIG"]), inc, mode="MEASURE", files_base=None, world=1)
+    assert (raw["observer"], raw["scale_method"], raw["seperate_measure_files"]) == ("maxabs", "maxabs_pow2", False)
+    assert "device_type" not in raw and "# device_type is detected by INC" in (tmp_path / "run.sh").read_text()
+
+    pc = tmp_path / "pc"  # a per-channel measurement handed off with a QUANTIZE config whose observer is maxabs
+    assert run_cli("measure", tiny_llama, "-o", pc, "-c", CFG / "maxabs_per_channel_measure.json",
+                   *[wiki_text if a is None else a for a in COMMON]).exit_code == 0
+    (tmp_path / "q.json").write_text(json.dumps({"mode": "QUANTIZE", "observer": "maxabs",
+                                                 "scale_method": "act_maxabs_pow2_weights_pcs_opt_pow2"}))
+    [cmd] = handoff(pc, "--recipe", recipe, "--to", "optimum-habana", tmp=tmp_path)
+    raw = check_config(Path(split_env(cmd)[0]["QUANT_CONFIG"]), inc, mode="QUANTIZE",
+                       files_base=pc.resolve() / "measure", world=1)
+    assert raw["observer"] == "maxabs_per_channel"
+    assert "# observer set to maxabs_per_channel, the measurement's" in (tmp_path / "run.sh").read_text()
+
+    for method, why in (("fp8_dynamic", "is hqtflow's own"), ("smoothquant_opt", "Neural Compressor 3.10 does not have")):
+        (tmp_path / "q.json").write_text(json.dumps({"mode": "QUANTIZE", "scale_method": method}))
+        r = run_cli("handoff", arts["m1"], "--recipe", recipe, "--to", "optimum-habana", "-o", tmp_path / "x.sh")
+        assert r.exit_code == 2 and why in r.stderr and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "x.sh").exists()

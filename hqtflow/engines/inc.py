@@ -376,7 +376,8 @@ def _scales_only(s, job, model, device: str) -> Path:
             convert(job, model, device, scale_dir=tmp)
         scale_files = sorted(p.name for p in tmp.iterdir() if p.suffix in (".json", ".npz"))
         files = copy_measurement_files(job.meas.directory, job.meas.stems, tmp) + scale_files
-        write_quant_config(tmp, Path(s.output), job.cfg, job.meas.base, device, job.meas.observer)
+        write_quant_config(tmp, Path(s.output), job.cfg, job.meas.base, device, job.meas.observer,
+                           job.meas.ranks[0].nodes)
         write_manifest(tmp, ArtifactKind.SCALES, model=job.fingerprint, config=job.cfg.to_dict(),
                        data={**_common(job, device), "world_size": 1, "files": files})
     return Path(s.output)

@@ -35,7 +35,7 @@ SCALE_METHODS = (
     # Neural Compressor 3.10's dynamic methods (only with dynamic_quantization: true, as INC requires)
     "act_maxabs_pcs_pow2_weight_maxabs_pts_pow2_hw",
     "maxabs_pcs_pow2",
-    # hqtflow's own (compressed-tensors FP8_DYNAMIC; not INC names: hqtflow handoff/INC refuse them)
+    # hqtflow's own (compressed-tensors FP8_DYNAMIC; not INC names: `not_in_inc`, handoff refuses them)
     "fp8_dynamic",
     "fp8_dynamic_mse",
     # the Habana Quantization Toolkit 1.17's SmoothQuant methods (not in INC 3.10; hqtflow folds the smoothing)
@@ -94,15 +94,39 @@ PASSTHROUGH_TYPES = {
 INC_DEVICES_FOR_SCALES = ("GAUDI2", "GAUDI3")  # the rest of DEVICES_FOR_SCALES are hqtflow's targets, not INC values
 
 
-def for_inc(config: dict) -> tuple[dict, str | None]:
-    """A QUANT_CONFIG dict as INC reads it: hqtflow's own `device_for_scales` targets (CPU, CUDA), which INC refuses,
-    dropped, so INC computes scales for the Gaudi it runs on; and the note saying so (None when nothing was dropped)."""
-    device = config.get("device_for_scales")
-    if device is None or str(device).upper() in INC_DEVICES_FOR_SCALES:
-        return config, None
-    return ({k: v for k, v in config.items() if k != "device_for_scales"},
-            f"device_for_scales {device} is hqtflow's own target, which INC refuses: dropped from the QUANT_CONFIG "
-            "written for INC, which computes scales for the Gaudi it runs on")
+def for_inc(config: dict) -> tuple[dict, tuple[str, ...]]:
+    """A QUANT_CONFIG dict as Neural Compressor 3.10 reads it, and notes on what was changed for it.
+
+    INC takes what hqtflow accepts less kindly: optimum-habana tests `mode == "MEASURE"` as written, INC looks the
+    observer up as written (files `<base>_hooks_<observer>...`) and tests passed-through flags for truth (the text
+    "false" is true there). So the dict is rewritten in canonical spellings with JSON booleans; `device_type` (INC
+    detects it and fails on a string) and hqtflow's own `device_for_scales` targets (CPU, CUDA) are dropped, so INC
+    computes scales for the Gaudi it runs on. Legacy keys become their current spellings."""
+    d = QuantConfig.from_dict(config, source="QUANT_CONFIG").to_dict()
+    notes = []
+    for key, value in d.items():
+        if PASSTHROUGH_TYPES.get(key) is _FLAG and isinstance(value, str):
+            d[key] = value.lower() == "true"
+    if "device_type" in d:
+        del d["device_type"]
+        notes.append("device_type is detected by INC on the Gaudi it runs on (it fails on one given as text): "
+                     "dropped from the QUANT_CONFIG written for INC")
+    device = d.get("device_for_scales")
+    if device is not None and device not in INC_DEVICES_FOR_SCALES:
+        del d["device_for_scales"]
+        notes.append(f"device_for_scales {device} is hqtflow's own target, which INC refuses: dropped from the "
+                     "QUANT_CONFIG written for INC, which computes scales for the Gaudi it runs on")
+    return d, tuple(notes)
+
+
+def not_in_inc(scale_method: str | dict) -> str | None:
+    """Why INC cannot run `scale_method` (hqtflow's own, or HQT 1.17's SmoothQuant), or None when it can."""
+    if scale_method in ("fp8_dynamic", "fp8_dynamic_mse"):
+        return f"scale_method {scale_method} is hqtflow's own (compressed-tensors FP8_DYNAMIC), which INC does not have"
+    if isinstance(scale_method, str) and "smoothquant" in scale_method:
+        return (f"scale_method {scale_method} is the Habana Quantization Toolkit 1.17's, which Neural Compressor 3.10 "
+                "does not have")
+    return None
 
 
 def choice(key: str, value: Any, choices: tuple[str, ...], *, source: str) -> str:

@@ -102,15 +102,21 @@ def is_scale_file(path: Path) -> bool:
         return False
 
 
-def write_quant_config(out: Path, final: Path, cfg, base: str, target: str, observer: str) -> None:
+def write_quant_config(out: Path, final: Path, cfg, base: str, target: str, observer: str, nodes) -> None:
     """INC's QUANTIZE config (from a `QuantConfig`) for the scales artifact `final`, being written in `out`.
 
     `observer` is the measurement's: INC builds every file name from it (`<base>_hooks_<observer>...`), so the
-    QUANTIZE config's own observer (maxabs by default) would send INC to files that are not there."""
+    QUANTIZE config's own observer (maxabs by default) would send INC to files that are not there. `nodes`: the
+    measurement's node names; with none of optimum-habana's attention nodes among them (a measurement made here, on
+    Hugging Face modeling code) `ignore_modules_wo_measures` is set, or INC on Gaudi would replace those unmeasured
+    modules by ones that fail when called."""
+    from hqtflow.formats.measurement import gaudi_only
     from hqtflow.formats.quant_config import for_inc
 
     inc = for_inc({**cfg.to_dict(), "mode": "QUANTIZE", "observer": observer,
                    "dump_stats_path": str(Path(final).resolve() / base)})[0]
+    if not gaudi_only(nodes):
+        inc["ignore_modules_wo_measures"] = True
     if target == "cpu":
         inc["use_qdq"] = True  # INC refuses the CPU device without QDQ
     write_json_atomic(Path(out) / INC_CONFIG, inc)

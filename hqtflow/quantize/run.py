@@ -14,7 +14,7 @@ from pathlib import Path
 from hqtflow.choices import KVCache, parse
 from hqtflow.errors import ArtifactError, ConfigError
 from hqtflow.formats.artifact import ArtifactKind, artifact_kind, read_manifest, staged_output, write_manifest
-from hqtflow.formats.quant_config import QuantConfig
+from hqtflow.formats.quant_config import QuantConfig, not_in_inc
 from hqtflow.quantize.settings import QuantizeSettings  # noqa: F401 - re-exported (it lived here)
 from hqtflow.formats.measurement import (LoadedMeasurement, Measurement, gaudi_only_note, load_measurement,
                                          require_dynamic_range)
@@ -71,8 +71,9 @@ def plan_config(s: QuantizeSettings):
     rules = scale_rules(cfg.scale_method, target, dynamic=cfg.dynamic_quantization)
     method = rules.default
     if any(m.dynamic for m in rules.methods()) and s.scales_only:
+        inc = "INC does not have it either" if not_in_inc(method.name) else "hand the QUANT_CONFIG to INC as is"
         raise ConfigError(f"{method.name} computes activation scales at run time; INC uses no scale files with "
-                          "dynamic_quantization, so --scales-only does not apply (hand the QUANT_CONFIG to INC as is).")
+                          f"dynamic_quantization, so --scales-only does not apply ({inc}).")
     if any(m.smoothquant for m in rules.methods()) and (s.scales_only or s.disk_offload or not rules.uniform):
         raise ConfigError(f"{method.name} folds its smoothing into the model's weights: it writes FP8 checkpoints only "
                           "(no --scales-only, --disk-offload or per-layer scale_method sections).")

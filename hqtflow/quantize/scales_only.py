@@ -53,5 +53,5 @@ def write_scale_files(out: Path, final: Path, model, meas, cfg: QuantConfig, rul
         local = rank if meas.world_size > 1 else None
         files += write_scale_file(out, scale_stem(dump, observer, rules.default.name, local, meas.world_size), nodes,
                                   local_rank=local)
-    write_quant_config(out, final, cfg, Path(dump).name, target, observer)
+    write_quant_config(out, final, cfg, Path(dump).name, target, observer, meas.ranks[0].nodes)
     return files
