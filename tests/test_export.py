@@ -221,25 +221,37 @@ def test_export_per_channel_transformers_same_text(checkpoint, tmp_path):
 INC_RUN_SPECIFIC = {"dump_stats_path", "_json_file", "recalc_scales"}  # INC records its own run's paths / settings
 
 
-@pytest.fixture(scope="module")
-def inc_reference(inc, measured, tiny_llama, tmp_path_factory):
-    """What INC itself saves: convert() the bf16 model from the same measurement (maxabs_pow2, QDQ, lm_head
-    blocklisted like hqtflow's default), then save(format="huggingface"). A few seconds on CPU."""
+def _inc_saved(inc, measured, model_dir, work, method):
+    """What INC itself saves: convert() the bf16 model from the same measurement (`method`, QDQ, lm_head blocklisted
+    like hqtflow's default), then save(format="huggingface"). A few seconds on CPU."""
     from transformers import AutoModelForCausalLM
 
-    work = tmp_path_factory.mktemp("inc") / "meas"
-    shutil.copytree(measured, work)  # INC writes its scale files next to the measurement
-    cfg = json.loads((work / "quant_config.json").read_text())
-    cfg.update(dump_stats_path=str(work / "measure"), scale_method="maxabs_pow2", use_qdq=True,
+    shutil.copytree(measured, work / "meas")  # INC writes its scale files next to the measurement
+    cfg = json.loads((work / "meas" / "quant_config.json").read_text())
+    cfg.update(dump_stats_path=str(work / "meas" / "measure"), scale_method=method, use_qdq=True,
                blocklist={"names": ["lm_head"], "types": []})
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     qmodel = inc.convert(model, inc.FP8Config(**cfg))
-    out = tmp_path_factory.mktemp("inc") / "saved"
-    inc.save(qmodel, str(out), format="huggingface")
-    return out
+    inc.save(qmodel, str(work / "saved"), format="huggingface")
+    return work / "saved"
 
 
-def test_export_inc_layout_matches_inc(checkpoint, inc_reference, tmp_path):
+@pytest.fixture(scope="module")
+def inc_reference(inc, measured, tiny_llama, tmp_path_factory):
+    return _inc_saved(inc, measured, tiny_llama, tmp_path_factory.mktemp("inc"), "maxabs_pow2")
+
+
+@pytest.mark.parametrize("method", ["maxabs_pow2", "maxabs_arbitrary"])
+def test_export_inc_layout_matches_inc(inc, measured, tiny_llama, wiki_text, checkpoint, inc_reference, method,
+                                      tmp_path):
+    """Byte for byte what INC saves, input scales included: INC stores 1 / bf16(1 / s), not s, for a scale s that is
+    no power of two (maxabs_arbitrary, hqtflow's default method)."""
+    if method != "maxabs_pow2":  # (a calibration whose input scales include some with 1 / bf16(1 / s) != s)
+        measured, checkpoint = tmp_path / "m32", tmp_path / "ck"
+        assert run_cli("measure", tiny_llama, "-o", measured, "--text", wiki_text, "--limit", "4",
+                       "--max-length", "32").exit_code == 0
+        assert run_cli("quantize", "-m", measured, "-o", checkpoint, "--scale-method", method).exit_code == 0
+        inc_reference = _inc_saved(inc, measured, tiny_llama, tmp_path, method)
     out = tmp_path / "inc"
     r = run_cli("export", checkpoint, "--format", "inc", "-o", out)
     assert r.exit_code == 0, r.output
@@ -249,9 +261,14 @@ def test_export_inc_layout_matches_inc(checkpoint, inc_reference, tmp_path):
     assert theirs[f"{n}.weight"].dtype == torch.float8_e4m3fn and theirs[f"{n}.weight"].shape == (64, 32)
     for s in ("quant_input.scale", "quant_input.scale_inv", "dequant_weights.scale"):
         assert theirs[f"{n}.{s}"].dtype == torch.bfloat16 and theirs[f"{n}.{s}"].shape == ()
-    for k in ours:  # same dtype, shape and, for maxabs_pow2, the same bytes
+    for k in ours:  # same dtype, shape and bytes
         assert ours[k].dtype == theirs[k].dtype and ours[k].shape == theirs[k].shape, k
         assert torch.equal(ours[k].reshape(-1).view(torch.uint8), theirs[k].reshape(-1).view(torch.uint8)), k
+    if method == "maxabs_arbitrary":  # the case exercised: INC's saved input scale is not the measured one
+        measured_scales = _tensors(checkpoint)
+        assert any(not torch.equal(v, measured_scales[k.replace("quant_input.scale", "input_scale")].to(v.dtype))
+                   for k, v in theirs.items() if k.endswith("quant_input.scale"))
+        return
     cfg, ref = json.loads((out / "config.json").read_text()), json.loads((inc_reference / "config.json").read_text())
     assert set(ref) <= set(cfg)
     q, qr = cfg["quantization_config"], ref["quantization_config"]

@@ -278,8 +278,9 @@ def inc_tensors(tensors: dict[str, torch.Tensor], linears: list[str]) -> tuple[d
         hp = s.dtype
         out[f"{n}.weight"] = q.t().contiguous()
         out[f"{n}.dequant_weights.scale"] = s.reshape(())
-        out[f"{n}.quant_input.scale"] = si.to(hp).reshape(())
-        out[f"{n}.quant_input.scale_inv"] = (1.0 / si.float()).to(hp).reshape(())
+        inv = torch.reciprocal(si.to(hp)).reshape(())  # INC's QuantDequant: scale_inv, and its inverse as `scale`
+        out[f"{n}.quant_input.scale"] = torch.reciprocal(inv)  # (not si itself: 1 / hp(1 / s) where s is no power of 2)
+        out[f"{n}.quant_input.scale_inv"] = inv
     return out, requantized
 
 
