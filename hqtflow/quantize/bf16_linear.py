@@ -23,18 +23,24 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 
+def weight_tag(w: torch.Tensor) -> tuple:
+    """What a packed copy of `w` was made from: its storage and in-place version (None for an inference tensor, which
+    has no version: a model loaded under torch.inference_mode)."""
+    return w.data_ptr(), None if w.is_inference() else w._version
+
+
 class PackedBf16Linear(nn.Linear):
     """An `nn.Linear` (its class swapped in place by `use_kernel`) whose fp32 forward reads a packed bf16 copy."""
 
     packed: torch.Tensor | None = None
-    _packed_from: tuple[int, int] | None = None  # (data_ptr, version) of the weight `packed` was made from
+    _packed_from: tuple | None = None  # weight_tag of the weight `packed` was made from
 
     def repack(self) -> None:
         self.packed = _pack(self.weight)
-        self._packed_from = (self.weight.data_ptr(), self.weight._version)
+        self._packed_from = weight_tag(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling() and self._packed_from != (self.weight.data_ptr(), self.weight._version):
+        if not torch.compiler.is_compiling() and self._packed_from != weight_tag(self.weight):
             self.repack()
         if self.packed is None or x.dtype != self.weight.dtype:
             return super().forward(x)
@@ -73,8 +79,8 @@ def _router_forward(self, *args, **kwargs):
     if torch.compiler.is_compiling():
         return type(self).forward(self, *args, **kwargs)
     w = self.weight
-    if self.hqtflow_packed_from != (w.data_ptr(), w._version, w.dtype):  # remade when the weight changed
-        self.hqtflow_packed, self.hqtflow_packed_from = _pack(w), (w.data_ptr(), w._version, w.dtype)
+    if self.hqtflow_packed_from != (*weight_tag(w), w.dtype):  # remade when the weight changed
+        self.hqtflow_packed, self.hqtflow_packed_from = _pack(w), (*weight_tag(w), w.dtype)
     if self.hqtflow_packed is None:
         return type(self).forward(self, *args, **kwargs)
     with _RouterOnKernel(self):
@@ -109,7 +115,7 @@ def use_kernel(model: nn.Module, on: bool) -> int:
     for router in _routers(model):
         if on:
             w = router.weight
-            router.hqtflow_packed, router.hqtflow_packed_from = _pack(w), (w.data_ptr(), w._version, w.dtype)
+            router.hqtflow_packed, router.hqtflow_packed_from = _pack(w), (*weight_tag(w), w.dtype)
             router.forward = types.MethodType(_router_forward, router)
             n += router.hqtflow_packed is not None
         elif "forward" in router.__dict__:

@@ -46,6 +46,7 @@ from torch import nn
 
 from hqtflow.choices import Backend, parse
 from hqtflow.errors import BackendError  # noqa: F401 - re-exported (it lived here)
+from hqtflow.quantize.bf16_linear import weight_tag
 from hqtflow.quantize.cpu_kernel import quantize_weight
 from hqtflow.scales import FP8_DTYPES, Rule, dequantize, dynamic_activation_scale, inc_code_scale, quantize
 
@@ -290,7 +291,7 @@ class FP8Linear(nn.Module):
         bf16_path = kernel_dtype() == torch.bfloat16
         packed = torch.ops.hqtflow.fp8_pack(self.weight) if not bf16_path or self.hp_dtype == torch.bfloat16 else None
         self.packed = packed if packed is not None and packed.numel() else None
-        self._packed_from = (self.weight.data_ptr(), self.weight._version)
+        self._packed_from = weight_tag(self.weight)
 
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation not in ("static", None):
@@ -302,7 +303,7 @@ class FP8Linear(nn.Module):
         # nn.Module.__getattr__) and the op from its overload (not the packet's overload resolution)
         b = self._buffers
         w = b["weight"]
-        if self._packed_from != (w.data_ptr(), w._version):
+        if self._packed_from != weight_tag(w):
             self.pack_for_cpu()
         if x.dtype != self.hp_dtype:
             x = x.to(self.hp_dtype)
@@ -313,7 +314,7 @@ class FP8Linear(nn.Module):
         `gated_mlp.act_table(act_fn, dtype)`. For a "cpu" layer with a static input scale or none."""
         b = self._buffers
         w = b["weight"]
-        if self._packed_from != (w.data_ptr(), w._version):
+        if self._packed_from != weight_tag(w):
             self.pack_for_cpu()
         return torch.ops.hqtflow.fp8_linear_gated.default(gate, up, act, w, b["weight_scale"], b["input_scale"],
                                                           b["bias"], self.packed)

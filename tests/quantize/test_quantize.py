@@ -93,6 +93,22 @@ def test_checkpoint_roundtrip(measured, tiny_llama, tmp_path):
         assert sqnr(bf16(ids).logits, model(ids).logits) > 15
 
 
+def test_load_under_inference_mode(measured, tiny_llama, tmp_path):
+    """`with torch.inference_mode(): hqtflow.load(...)`, a common pattern: its weights are inference tensors, which
+    have no in-place version for the packed-copy check; the FP8 checkpoint and a bf16 model on the packed kernel
+    both run, with the logits of a load outside it."""
+    from hqtflow.api import load_any
+
+    out = quantize_cli(measured, tmp_path / "fp8", "--scale-method", "maxabs_pow2")
+    for source in (out, tiny_llama):
+        model, tok, _ = load_any(str(source), dtype="bf16")
+        ids = torch.tensor([tok.encode("The tower is 324 metres tall")])
+        with torch.inference_mode():
+            ref = model(ids).logits
+            inside, _, _ = load_any(str(source), dtype="bf16")
+            assert torch.equal(inside(ids).logits, ref), source
+
+
 def test_load_runs_no_random_init_of_the_weights_it_replaces(measured, tmp_path, monkeypatch):
     """hqtflow.load builds the model on the meta device and fills it from the checkpoint: transformers' random
     init_weights (a third of a small model's load, bench/load_checkpoint.py) is not run; the rotary buffers, computed
