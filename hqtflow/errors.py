@@ -135,6 +135,21 @@ def brief(value) -> str:
     return r.repr(value)
 
 
+def non_finite(value) -> str | None:
+    """The key path (`a.b.0`) of the first NaN or infinity in a parsed JSON value, else None: JSON has neither, but
+    Python's parser takes both (iterative: no recursion limit)."""
+    import math
+
+    todo = [("", value)]
+    while todo:
+        where, v = todo.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return where or "a value"
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        todo += reversed([(f"{where}.{k}" if where else str(k), x) for k, x in items])
+    return None
+
+
 def regex_problem(pattern: str) -> str | None:
     """Why `pattern` is not a usable regex (a syntax error, a repeat count past any limit, nesting past the stack), or
     None: the end of a one-sentence error."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import pickle
 import subprocess
@@ -13,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hqtflow.errors import ArtifactError, HqtflowError, ModelError, brief, not_there
+from hqtflow.errors import ArtifactError, HqtflowError, ModelError, brief, non_finite, not_there
 from hqtflow.formats import APPLEDOUBLE
 from hqtflow.formats.safetensors_files import (HEADER_ERRORS, SAFETENSORS_INDEX, check_safetensors, safetensors_header,
                                               weight_files)
@@ -149,25 +148,10 @@ def load_config(path: Path) -> dict:
         v = cfg.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise ModelError(f"{Path(path) / 'config.json'}: {key} is {v!r}; it must be a positive integer.")
-    try:
-        key = _non_finite(cfg)
-    except RecursionError:
-        raise ModelError(f"{Path(path) / 'config.json'} is nested too deeply to be a model config.") from None
-    if key is not None:  # JSON has no NaN or Infinity: Python's parser takes them, a model
+    if (key := non_finite(cfg)) is not None:  # JSON has no NaN or Infinity: Python's parser takes them, a model
         raise ModelError(f"{Path(path) / 'config.json'}: {key} is not a finite number; a model config holds "  # runs on NaN
                          "finite numbers (JSON has no NaN or Infinity).")
     return cfg
-
-
-def _non_finite(value, where: str = "") -> str | None:
-    """The key path of the first NaN or infinity in a parsed JSON value, else None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return where or "a value"
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for k, v in items:
-        if (found := _non_finite(v, f"{where}.{k}" if where else str(k))) is not None:
-            return found
-    return None
 
 
 # config.json's sizes, each a positive integer where given (0 divided by in the model's construction, a negative or

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from hqtflow.errors import non_finite
+
 
 class GrammarError(ValueError):
     pass
@@ -338,15 +340,15 @@ def lookahead(regex: str) -> bool:
 
 def regex_problem(regex: str) -> str | None:
     """Why a regex cannot be held to or is too costly to compile (None: neither): a lookahead, a `\\x{` escape
-    (braced_x), a UTF-16 surrogate (surrogate_atom), longer than MAX_REGEX_CHARS, or a counted repetition beyond
+    (braced_x), a code point no UTF-8 text holds (unheld_atom), longer than MAX_REGEX_CHARS, or a counted repetition beyond
     MAX_REGEX_REPEAT."""
     if lookahead(regex):
         return "uses a lookahead (`(?=`, `(?!`), which the grammar would ignore"
     if braced_x(regex):
         return ("writes `\\x{...}`, which the grammar reads as the letter x and a repetition count, not a code point "
                 "(write `\\u{...}` or `\\xHH`)")
-    if atom := surrogate_atom(regex):
-        return f"names {atom!r}, a UTF-16 surrogate (U+D800-DFFF), which no UTF-8 text holds"
+    if problem := unheld_atom(regex):
+        return problem
     if len(regex) > MAX_REGEX_CHARS:
         return f"is longer than {MAX_REGEX_CHARS} characters"
     if repeat_size(regex) > MAX_REGEX_REPEAT:
@@ -377,6 +379,11 @@ UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchema
               "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef",
               "multipleOf", "patternProperties")
 TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 # what a `$ref` may have beside it: xgrammar follows the reference alone (2020-12 applies the siblings too)
 REF_SIBLINGS = ("$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default",
                 "examples", "deprecated", "readOnly", "writeOnly")
@@ -478,8 +485,15 @@ def schema_problem(schema, scale: int = 1) -> str | None:
     resolve in it, `required` names that are not among the `properties`; or why it is too large (size_problem)."""
     if too_large := size_problem(schema, scale):
         return f"the JSON schema has {too_large}"
+    if (key := non_finite(schema)) is not None:
+        return f"the JSON schema holds a NaN or infinity (at {key}), which JSON does not have"
     for path, s in subschemas(schema):
         where = f"at {path}" if path else "at the root"
+        if empty := next((k for k in ("anyOf", "oneOf", "allOf") if s.get(k) == []), None):
+            return f"`{empty}` ({where}) is an empty list; JSON Schema needs at least one schema in it"
+        integer = s.get("type") == "integer" or isinstance(s.get("type"), list) and "integer" in s["type"]
+        if integer and (bound := next((k for k in BOUNDS if _number(s.get(k)) and abs(s[k]) >= 2**63), None)):
+            return f"`{bound}` {s[bound]!r} ({where}) is beyond the 64-bit integers the grammar counts in"
         if bad := next((k for k in UNENFORCED if k in s), None):
             return f"`{bad}` ({where}) is not enforced by the grammar"
         if "type" in s and not (s["type"] in TYPES or isinstance(s["type"], list) and s["type"] and all(t in TYPES for t in s["type"])):
@@ -687,20 +701,32 @@ def _class_items(regex: str, i: int) -> tuple[bool, list[tuple[str, str | None]]
     return negated, items, j + 1
 
 
-def surrogate_atom(regex: str) -> str | None:
-    """The first atom or range of a regex naming only UTF-16 surrogates (U+D800-DFFF: no UTF-8 text holds one), not
-    in a negated class; None if there is none."""
+def unheld_atom(regex: str) -> str | None:
+    """Why the first atom or range of a regex that names code points no UTF-8 text holds cannot be held to: one
+    naming only UTF-16 surrogates (U+D800-DFFF), not in a negated class, or any reaching beyond U+10FFFF (xgrammar
+    then forces bytes that are not UTF-8); None if there is none."""
+    def why(text: str, lo: int | None, hi: int | None, negated: bool) -> str | None:
+        if lo is None:
+            return None
+        if hi is None:
+            hi = lo
+        if hi > 0x10FFFF:
+            return f"names {text!r}, beyond U+10FFFF, the last Unicode code point"
+        if not negated and 0xD800 <= lo and hi <= 0xDFFF:
+            return f"names {text!r}, a UTF-16 surrogate (U+D800-DFFF), which no UTF-8 text holds"
+        return None
+
     i = 0
     while i < len(regex):
         if regex[i] == "[":
             negated, items, i = _class_items(regex, i)
-            for lo, hi in [] if negated else items:
-                if (a := _code(lo)) is not None and 0xD800 <= a and (_code(hi) if hi else a) <= 0xDFFF:
-                    return f"{lo}-{hi}" if hi else lo
+            for lo, hi in items:
+                if problem := why(f"{lo}-{hi}" if hi else lo, _code(lo), _code(hi) if hi else None, negated):
+                    return problem
             continue
         atom = _atom(regex, i)
-        if (code := _code(atom)) is not None and 0xD800 <= code <= 0xDFFF:
-            return atom
+        if problem := why(atom, _code(atom), None, False):
+            return problem
         i += len(atom)
     return None
 
@@ -710,7 +736,7 @@ def utf8_classes(regex: str) -> str:
     ranges of one UTF-8 length each, without the UTF-16 surrogates. xgrammar 0.2.9 takes the bytes of surrogates
     (ED A0 80 ...: not UTF-8) for `.`, a negated class or shorthand, and a range across them, and overlong bytes
     (E0 9A 92, F0 8F BF BF: not UTF-8) for a range across two UTF-8 lengths (`[\\u0080-\\uffff]`, `.` in a `pattern`);
-    `[^a]` becomes `(?:[\\u0000-\\u0060\\u0062-\\u007f]|[\\u0080-\\u07ff]|...)`. For a regex surrogate_atom finds
+    `[^a]` becomes `(?:[\\u0000-\\u0060\\u0062-\\u007f]|[\\u0080-\\u07ff]|...)`. For a regex unheld_atom finds
     nothing in."""
     out, i = [], 0
     while i < len(regex):

@@ -132,6 +132,11 @@ def message_calls(calls, i: int) -> list[dict]:
             raise invalid(f"`{where}.function.arguments` nests too deeply") from None
         except ValueError:
             raise invalid(f"`{where}.function.arguments` is not valid JSON") from None
+        try:  # an escaped lone surrogate ("\\ud800") is valid JSON, but no UTF-8 text (the prompt) can hold it
+            json.dumps(arguments, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise invalid(f"`{where}.function.arguments` holds a lone UTF-16 surrogate (U+D800-DFFF), which no UTF-8 "
+                          "text holds") from None
         out.append({**({"id": c["id"]} if "id" in c else {}), "type": "function",
                     "function": {"name": f["name"], "arguments": arguments}})
     return out

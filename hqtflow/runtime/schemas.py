@@ -112,6 +112,8 @@ def _named(e: ValidationError, where: str = "") -> ApiError:
     """The first problem of a validation as TGI's 422, naming the field (under `where`)."""
     err = e.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
+        if "number out of range" in err["msg"]:  # valid JSON: a number of thousands of digits
+            return invalid("the body holds a number with more digits than can be read")
         deep = "recursion limit" in err["msg"]  # valid JSON, nested past the parser's limit
         return invalid("the body nests too deeply" if deep else "the body is not valid JSON")
     if err["type"] == "model_type" and not err["loc"]:

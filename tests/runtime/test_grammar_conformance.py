@@ -200,6 +200,18 @@ def test_a_pattern_naming_a_surrogate_is_refused(tok, pattern, named):
                             "which no UTF-8 text holds (at the root)")
 
 
+@pytest.mark.parametrize("regex, named", [("[\\u{110000}]", "\\u{110000}"),
+                                          ("[\\u{0}-\\u{FFFFFFFF}]+", "\\u{0}-\\u{FFFFFFFF}"),
+                                          ("a\\u{10FFFF}\\u{110000}", "\\u{110000}")])
+def test_a_code_point_beyond_unicode_is_refused(tok, regex, named):
+    """xgrammar forced the bytes F4 90 80 80 (not UTF-8) for U+110000: the answer came back as U+FFFD, matching
+    nothing the regex asked for. U+10FFFF, the last code point, is taken."""
+    with pytest.raises(GrammarError) as e:
+        compile_grammar(tok, "regex", regex)
+    assert f"names {named!r}, beyond U+10FFFF, the last Unicode code point" in str(e.value)
+    compile_grammar(tok, "regex", "a\\u{10FFFF}")
+
+
 def test_a_date_has_its_months_days(tok):
     """xgrammar's date took any day 01-31 in any month (2021-02-31, 2021-04-31, 1900-02-29): a date now has its
     month's days, February's 29th in leap years only, alone, in a date-time and in an object's property."""

@@ -613,6 +613,15 @@ def test_non_finite_numbers_are_refused(url):
         assert re.search(rf"`(parameters\.)?{name}`: Input should be a finite number", message), message
 
 
+def test_a_number_of_thousands_of_digits_is_named(url):
+    """Valid JSON whose number the parser cannot read (more than 4300 digits) is not called invalid JSON."""
+    for path, body in (("/generate", '{"inputs": "a", "parameters": {"max_new_tokens": %s}}'),
+                       ("/v1/completions", '{"prompt": "a", "max_tokens": %s}')):
+        r = httpx.post(f"{url}{path}", content=body % ("9" * 5000), headers={"content-type": "application/json"})
+        message = r.json()["error"]["message"] if path.startswith("/v1/") else r.json()["error"]
+        assert r.status_code == 422 and "a number with more digits than can be read" in message, r.text
+
+
 def test_error_json_and_content_type(url):
     for r, status in ((httpx.get(f"{url}/nope"), 404), (httpx.get(f"{url}/generate"), 405),
                       (httpx.post(f"{url}/generate", content=json.dumps({"inputs": PROMPT}), headers={"content-type": "text/plain"}), 415),

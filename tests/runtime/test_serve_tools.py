@@ -255,6 +255,14 @@ BAD = [
      "`messages[0].tool_calls[0].function.arguments` is not valid JSON"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}]},
      "`messages[0].tool_calls[0]` must be"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f",
+                                                                            "arguments": '{"x": "\\ud800"}'}}]}]},
+     "`messages[0].tool_calls[0].function.arguments` holds a lone UTF-16 surrogate"),  # (a 500 before)
+    ({"tools": [fn("b", {"properties": {"n": {"anyOf": []}}})]}, "`anyOf` (at /properties/n) is an empty list"),
+    ({"tools": [fn("b", {"properties": {"n": {"type": "array", "maxItems": float("inf")}}})]},
+     "holds a NaN or infinity (at properties.n.maxItems)"),
+    ({"tools": [fn("b", {"properties": {"n": {"type": "integer", "minimum": 1e308}}})]},
+     "`minimum` 1e+308 (at /properties/n) is beyond the 64-bit integers"),
     ({"messages": [{"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]}, "`messages[0].function_call`"),
 ]
 
@@ -262,7 +270,8 @@ BAD = [
 def test_bad_tool_requests_are_named(url):
     """Each malformed tool request is one 422 whose message names the field, in OpenAI's error body."""
     for body, name in BAD:
-        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **body}, timeout=60)
+        r = httpx.post(f"{url}/v1/chat/completions", content=json.dumps({"messages": MESSAGES, "max_tokens": 2, **body}),
+                       headers={"content-type": "application/json"}, timeout=60)  # (json.dumps writes Infinity)
         assert r.status_code == 422 and name in r.json()["error"]["message"], (body, r.status_code, r.text)
 
 
