@@ -32,7 +32,7 @@ def read_ppl_text(path, what: str = "Perplexity file") -> str:
     if not Path(path).is_file():
         raise CalibrationError(f"{what} {path} {not_a_file(path)}.")
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # a byte order mark is no text to score
     except UnicodeDecodeError:
         raise CalibrationError(f"{what} {path} is not UTF-8 text (a binary file?).") from None
     except OSError as e:

@@ -113,13 +113,14 @@ def task_manager(include_paths: list[str | Path], data_dir: str | Path | None, t
     for f in map(Path, filter(is_task_file, tasks)):
         if not f.is_file():
             raise CalibrationError(f"lm-eval task file {f} {not_a_file(f)}.")
+    configs = _task_configs(tasks)
+    groups = [Path(f).parent for f, cfg in configs.items() if "group" in cfg]  # (run_tasks: a group goes by name)
     paths = []
-    for p in map(Path, include_paths):  # each once (a folder indexed twice warns of every task)
+    for p in [*map(Path, include_paths), *groups]:  # each once (a folder indexed twice warns of every task)
         if p.resolve() not in [q.resolve() for q in paths]:
             paths.append(p)
     if data_dir is not None:
         paths.append(local_task_dir(data_dir))
-    configs = _task_configs(tasks)
     named = [n for t in tasks for n in ([t] if t not in configs else _group_members(configs[t]))]
     if tasks:
         small = TaskManager(include_path=[str(p) for p in paths] or None, include_defaults=False)
@@ -139,7 +140,7 @@ def _task_configs(tasks) -> dict[str, dict]:
             cfg = load_task_yaml(t, resolve_functions=False)
         except Exception as e:  # noqa: BLE001 (yaml's, an include's OSError, lm-eval's ValueError)
             raise CalibrationError(f"lm-eval task file {t} cannot be read: {str(e)[:300]}") from None
-        if not isinstance(cfg.get("task") or cfg.get("group"), str):
+        if not isinstance(cfg.get("group") if "group" in cfg else cfg.get("task"), str):
             raise CalibrationError(f"lm-eval task file {t} defines no task (a task YAML names it with `task:`, a "
                                    "group YAML with `group:`).")
         configs[t] = cfg
@@ -239,6 +240,7 @@ def check_tasks(tasks: list[str], manager, data_dir: str | Path | None) -> None:
         if t in LOCAL_TASKS and data_dir is not None:
             check_local_data(t, data_dir)
         for yaml_file in _task_yamls(t, manager):
+            check_task_keys(yaml_file)
             check_functions(yaml_file)
         for f in _data_files(manager, t):  # before the model loads (run_tasks still catches what this misses)
             if Path(f).is_absolute() and not any(c in f for c in "*?[") and not Path(f).is_file():
@@ -251,6 +253,33 @@ def _task_yamls(name: str, manager) -> list[str]:
     index = getattr(manager, "task_index", None) or {}
     indexed = [getattr(index.get(t), "yaml_path", None) for t in _members(name, index, manager)]
     return list(dict.fromkeys(given + [str(p) for p in indexed if p is not None]))
+
+
+def check_task_keys(yaml_file: str) -> None:
+    """A task YAML's keys and `output_type` as lm-eval's TaskConfig takes them, checked before the model loads (lm-eval
+    raises a TypeError or ValueError from deep inside once it builds the task). Groups and Python tasks (`class:`)
+    are lm-eval's to check."""
+    import dataclasses
+    import difflib
+
+    from lm_eval.api.task import ALL_OUTPUT_TYPES, TaskConfig
+
+    try:
+        cfg = load_task_yaml(yaml_file, resolve_functions=False)
+    except Exception:  # noqa: BLE001 - a file that cannot be read is named where it is read
+        return
+    if not isinstance(cfg, dict) or "class" in cfg or not isinstance(cfg.get("task"), str):
+        return
+    known = {f.name for f in dataclasses.fields(TaskConfig)} | {"include", "group", "group_alias"}
+    if unknown := next((k for k in cfg if k not in known), None):
+        near = difflib.get_close_matches(str(unknown), sorted(known), 1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise CalibrationError(f"lm-eval task file {yaml_file} has the key {unknown!r}, which lm-eval's task config "
+                               f"does not know{hint}.")
+    kind = cfg.get("output_type")
+    if kind is not None and kind not in ALL_OUTPUT_TYPES:
+        raise CalibrationError(f"lm-eval task file {yaml_file} has output_type {kind!r}; valid values are "
+                               f"{', '.join(ALL_OUTPUT_TYPES)}.")
 
 
 def check_functions(yaml_file: str) -> None:
@@ -458,8 +487,11 @@ def run_tasks(lm, tasks: list[str], manager, *, limit: int | None) -> tuple[dict
     import lm_eval.evaluator as evaluator
     from jinja2.exceptions import UndefinedError
 
-    # a task YAML given by path: its config, as lm-eval's CLI passes it (`!function`s imported)
-    specs = [load_task_yaml(t) if is_task_file(t) else t for t in tasks]
+    # a task YAML given by path: its config, as lm-eval's CLI passes it (`!function`s imported); a group YAML: its
+    # name, indexed from its folder (lm-eval 0.4.13 cannot build a group from a config: "unhashable type: 'list'")
+    configs = _configs(manager)
+    specs = [t if not is_task_file(t) else configs[t]["group"] if "group" in configs.get(t, {}) else load_task_yaml(t)
+             for t in tasks]
     tasks = task_names(tasks, manager)
     try:
         with _patched(evaluator, "get_git_commit_hash", _git_hash_quietly):

@@ -26,6 +26,11 @@ def setup(tmp_path, tiny_llama, wiki_text):
     (work / "tasks" / "bad.yaml").write_text(
         "task: bad_task\ndataset_path: json\ndataset_kwargs:\n  data_files: /nonexistent.jsonl\n"
         "output_type: loglikelihood\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n")
+    (work / "tasks" / "typo.yaml").write_text((work / "tasks" / "bad.yaml").read_text().replace(
+        "task: bad_task", "task: typo_task").replace("doc_to_text", "doc_to_txt"))
+    (work / "tasks" / "kind.yaml").write_text((work / "tasks" / "bad.yaml").read_text().replace(
+        "task: bad_task", "task: kind_task").replace("loglikelihood", "multiple_choise"))
+    (work / "blank.jsonl").write_text('{"text": ""}\n{"text": "  "}\n')
     return work, tiny_llama, wiki_text
 
 
@@ -47,6 +52,11 @@ CASES = {
     "local task without data": (lambda w, m, t: [m, "--tasks", "piqa_local"], "pass --data-dir"),
     "task data file missing": (lambda w, m, t: [m, "--tasks", "bad_task", "--include-path", w / "tasks", "--limit", "1"],
                                "The data file /nonexistent.jsonl of lm-eval task bad_task does not exist"),
+    "task key typo": (lambda w, m, t: [m, "--tasks", w / "tasks" / "typo.yaml", "--limit", "1"],
+                      "has the key 'doc_to_txt', which lm-eval's task config does not know (did you mean 'doc_to_text'?)"),
+    "task output type": (lambda w, m, t: [m, "--tasks", "kind_task", "--include-path", w / "tasks", "--limit", "1"],
+                         "has output_type 'multiple_choise'; valid values are loglikelihood, multiple_choice,"),
+    "blank jsonl": (lambda w, m, t: [m, "--text", w / "blank.jsonl"], "has no text: every record's 'text' is empty"),
     "limit 0": (lambda w, m, t: [m, "--text", t, "--limit", "0"], "--limit must be at least 1, not 0"),
     "batch size 0": (lambda w, m, t: [m, "--text", t, "--batch-size", "0"], "--batch-size must be at least 1"),
     "bad dtype": (lambda w, m, t: [m, "--text", t, "--dtype", "int4"], "--dtype must be bf16, fp16 or fp32, not 'int4'."),
@@ -59,7 +69,7 @@ CASES = {
 CODES = {"missing model dir": 4, "not a model dir": 4, "offline hub id": 4, "tp does not divide": 4,
          "empty calibration file": 5, "missing calibration file": 5, "jsonl without field": 5, "no calibration": 5,
          "unknown task": 5, "local task without data": 5,
-         "task data file missing": 5}
+         "task data file missing": 5, "task key typo": 5, "task output type": 5, "blank jsonl": 5}
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -217,8 +227,8 @@ def test_a_missing_relative_path_names_the_directory_it_was_looked_for_in(setup,
     _one_sentence(run_cli("quantize", "-m", "nope", "-o", "out"), 3, f"nope {where}")
     err = _one_sentence(run_cli("measure", work / "nope", "-o", "out", "--text", text), 4, "does not exist.")
     assert "looked for" not in err
-    assert _files(work) == sorted(["a_file", "bad.json", "bad.jsonl", "empty.txt", "no_model", "tasks", "tasks/bad.yaml",
-                                   "wrong.json"])  # (nothing written)
+    assert _files(work) == sorted(["a_file", "bad.json", "bad.jsonl", "blank.jsonl", "empty.txt", "no_model", "tasks",
+                                   "tasks/bad.yaml", "tasks/kind.yaml", "tasks/typo.yaml", "wrong.json"])  # (nothing written)
 
 
 def test_an_artifact_given_as_a_model_is_an_artifact_error(setup, tmp_path):

@@ -238,6 +238,16 @@ def _bench_fp8_kv_perplexity(model, tok, text, **kw):
     return perplexity(bench._Cached(model, lambda n: FP8StaticCache(model.config, n, scales)), tok, text, **kw)
 
 
+def test_a_ppl_files_byte_order_mark_is_no_text(tmp_path):
+    """A --ppl-file saved with a UTF-8 byte order mark scores the same text (the mark was 3 tokens, and every window
+    shifted), as calibration files read."""
+    from hqtflow.evaluate import read_ppl_text
+
+    (tmp_path / "plain.txt").write_text("The tower is tall.\n")
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "plain.txt").read_bytes())
+    assert read_ppl_text(tmp_path / "bom.txt") == read_ppl_text(tmp_path / "plain.txt") == "The tower is tall.\n"
+
+
 def test_fp8_kv_cache_perplexity_and_scores(kv_checkpoint, data_dir):
     """kv_cache "fp8": perplexity reads keys and values back through the FP8 KV cache (what bench/kv_cache_ppl.py
     measures, to the bit; not the bf16 number), and lm-eval's log-likelihoods come from the engine's FP8 KV cache."""

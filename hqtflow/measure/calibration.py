@@ -40,7 +40,8 @@ def read_texts(path: Path, text_field: str) -> list[str]:
     if suffix != ".jsonl":
         return [content]
     texts = []
-    for lineno, line in enumerate(content.splitlines(), 1):
+    for lineno, line in enumerate(content.split("\n"), 1):  # JSON Lines' separator only: splitlines() also cuts at
+        # U+2028, U+2029, U+0085 ..., which JSON strings may hold unescaped (json.dumps(ensure_ascii=False) writes them)
         if not line.strip():
             continue
         try:
@@ -58,6 +59,8 @@ def read_texts(path: Path, text_field: str) -> list[str]:
             raise CalibrationError(f"{path} line {lineno}: field {text_field!r} holds a lone UTF-16 surrogate (a "
                                    "\\ud800-\\udfff escape not paired), which is no text a tokenizer takes.")
         texts.append(rec[text_field])
+    if not any(t.strip() for t in texts):
+        raise CalibrationError(f"{path} has no text: every record's {text_field!r} is empty or whitespace.")
     return texts
 
 

@@ -1,8 +1,8 @@
 """Tensor-parallel measurement: launching ranks with torchrun and the few collectives the stage needs.
 
-Ranks are started by `torch.distributed.run --standalone` (a free port is picked for the rendezvous) with
-OMP_NUM_THREADS=1, or by the user's own torchrun; each loads the model with transformers' `tp_plan="auto"`
-and observes its local shards. The ranks run on the CPU (gloo), as the 1-rank measurement does, a GPU or not: the ranks
+Ranks are started by `torch.distributed.run --standalone` (a free port is picked for the rendezvous; `rank_launcher`
+leaves out torchrun's report of a failed rank, which prints its own error) with OMP_NUM_THREADS=1, or by the user's
+own torchrun; each loads the model with transformers' `tp_plan="auto"` and observes its local shards. The ranks run on the CPU (gloo), as the 1-rank measurement does, a GPU or not: the ranks
 `--tp` starts see none (CUDA_VISIBLE_DEVICES empty), and a rank of the user's torchrun hides it before CUDA starts
 (transformers' tp_plan puts the shards on whatever accelerator is visible).
 """
@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from hqtflow import environment
 from hqtflow.environment import in_torchrun  # noqa: F401 - re-exported (callers ask distributed)
-from hqtflow.errors import HqtflowError, ModelError
+from hqtflow.errors import EXIT_CODES, HqtflowError, ModelError
 from hqtflow.formats.artifact import remove_stale_partials
 
 
@@ -101,6 +101,17 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+class RankFailed(HqtflowError):
+    """A rank of `measure --tp` failed; it printed its own error. The exit code is its own (a user error's kind)."""
+
+    def __init__(self, tp: int, code: int):
+        self.exit_code = code if code in EXIT_CODES.values() else HqtflowError.exit_code
+        kind = next((k for k, c in EXIT_CODES.items() if c == code), None)
+        what = f"on the error named above (exit code {code}: {kind})" if kind else \
+            f"with exit code {code}; see the rank output above"
+        super().__init__(f"Measurement with --tp {tp} failed: a rank stopped {what}.")
+
+
 def launch(settings, *, trust_pickle: bool = False) -> Path:
     """Run `hqtflow measure` on `settings.tp` ranks with torchrun and wait for them (`--trust-pickle` on each rank
     with `trust_pickle`)."""
@@ -109,14 +120,14 @@ def launch(settings, *, trust_pickle: bool = False) -> Path:
         spec = Path(tmp) / "settings.json"
         spec.write_text(json.dumps(settings.to_json()))
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={settings.tp}",
+            sys.executable, "-m", "hqtflow.measure.rank_launcher", "--standalone", f"--nproc-per-node={settings.tp}",
             "-m", "hqtflow", "measure", "--resolved-settings", str(spec),
             *(["--trust-pickle"] if trust_pickle else []),  # the launcher's opt-in, for every rank
         ]
         returncode = _run_ranks(cmd, out)
     if returncode != 0:
         remove_stale_partials(out.parent)  # the ranks have exited: their staging dir is a dead process's
-        raise HqtflowError(f"Measurement with --tp {settings.tp} failed (a rank exited with code {returncode}); see the rank output above.")
+        raise RankFailed(settings.tp, returncode)
     return out
 
 

@@ -52,9 +52,11 @@ def preflight(s: MeasureSettings):
     check_output_dir(Path(s.output), s.overwrite, inputs(s, model_dir))
     cfg.check_rank_files(s.tp, s.config or "the default config")
     if s.tp > 1:
-        from hqtflow.measure.distributed import check_tp_split
+        from hqtflow.measure.distributed import check_tp_split, in_torchrun
 
         check_tp_split(models.load_config(model_dir), s.tp)
+        if not in_torchrun():  # what every rank loads first: refused here once, not by each rank
+            models.load_tokenizer(model_dir)
     models.fingerprint(model_dir)  # what the manifest records, refused now if it cannot be taken (digests cached)
     return s, cfg, model_dir, texts, manager
 

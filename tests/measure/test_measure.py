@@ -453,6 +453,23 @@ def test_odd_text_files(tmp_path):
     assert read_texts(tmp_path / "b.txt", "text") == ["The tower is tall."]
     assert read_texts(tmp_path / "b.jsonl", "text") == ["one", "two"]
     assert read_texts(tmp_path / "u.JSONL", "text") == ["one"]
+    # U+2028/2029/0085 are valid unescaped in a JSON string (json.dumps(ensure_ascii=False) writes them): records are
+    # split at "\n" only (they were cut in two and called invalid JSON); a CRLF file reads the same
+    records = ["First.\u2028Second.", "Caf\u00e9\u0085next\u2029", "Plain."]
+    lines = [json.dumps({"text": r}, ensure_ascii=False) for r in records]
+    (tmp_path / "ls.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "crlf.jsonl").write_bytes(("\r\n".join(lines) + "\r\n").encode())
+    assert read_texts(tmp_path / "ls.jsonl", "text") == records == read_texts(tmp_path / "crlf.jsonl", "text")
+
+
+def test_a_group_task_yaml_given_by_path(tiny_llama, tmp_path):
+    """A group YAML (`group:` with a `task:` list) given by its path is the group (it was refused as defining no task);
+    its members come from --include-path."""
+    folder = gen_task(tmp_path / "tasks", ["never said"])
+    (folder / "g.yaml").write_text("group: my_group\ntask: [gen]\n")
+    out = measure(tiny_llama, tmp_path / "m", "--tasks", folder / "g.yaml", "--include-path", folder, "--limit", "1",
+                  "--dtype", "fp32", "--max-length", "16")
+    assert read_manifest(out, "hqtflow.measurement").data["calibration"]["tokens"] > 0
 
 
 def test_odd_calibration_paths_are_data_errors(tiny_llama, tmp_path):

@@ -57,6 +57,32 @@ def test_two_ranks_match_one(tiny_factory, wiki_text, tmp_path):
     assert ck.exit_code == 3 and "2-rank measurement" in ck.stderr and "hqtflow unify -g 01" in ck.stderr
 
 
+def test_a_rank_error_is_its_sentence_and_exit_code(tiny_llama, wiki_text, tmp_path, capfd):
+    """An error only the ranks meet (here a config selecting no module of the loaded model) is the rank's own sentence
+    and exit code, without torchrun's traceback and report (exit 2 and 40 lines of them before); a model without
+    its tokenizer is refused before any rank starts."""
+    import shutil
+
+    cfg = tmp_path / "none.json"
+    cfg.write_text(json.dumps({"mode": "MEASURE", "observer": "maxabs", "allowlist": {"names": ["^no_such_module$"]}}))
+    common = ["--text", wiki_text, "--limit", "2", "--max-length", "32", "--tp", "2"]
+    capfd.readouterr()
+    r = run_cli("measure", tiny_llama, "-o", tmp_path / "m", "-c", cfg, *common)
+    err = capfd.readouterr().err + r.stderr
+    assert r.exit_code == 2, err
+    assert "The config selects no module of this model" in err
+    assert "Measurement with --tp 2 failed: a rank stopped on the error named above (exit code 2: usage/config)." in err
+    assert "Traceback" not in err and "ChildFailedError" not in err and "Root Cause" not in err, err
+    assert not (tmp_path / "m").exists()
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_llama / f, bare / f)
+    r = run_cli("measure", bare, "-o", tmp_path / "m2", *common)
+    err = capfd.readouterr().err + r.stderr
+    assert r.exit_code == 4 and "Cannot load a tokenizer" in err and "a rank stopped" not in err, err
+
+
 def test_user_started_torchrun(tiny_llama, wiki_text, tmp_path):
     import os
     import subprocess
