@@ -332,7 +332,7 @@ def run_recipe(recipe: str | Path, *, overrides: dict, force: bool = False, echo
     ev = replace(r.eval, kv_cache=kv_cache_for(r).value)  # recorded: another KV cache redoes the eval
     ev_json = ev.to_json()
     if ev.empty:
-        echo("eval: the recipe has no `eval` section, skipped.")
+        echo("eval: the recipe names no eval tasks and no ppl_file, skipped.")
         return root
     report = root / "eval.json"
     digest = read_manifest(Path(qs.output), ArtifactKind.CHECKPOINT).digest()
