@@ -340,8 +340,8 @@ def lookahead(regex: str) -> bool:
 
 def regex_problem(regex: str) -> str | None:
     """Why a regex cannot be held to or is too costly to compile (None: neither): a lookahead, a `\\x{` escape
-    (braced_x), a code point no UTF-8 text holds (unheld_atom), longer than MAX_REGEX_CHARS, or a counted repetition beyond
-    MAX_REGEX_REPEAT."""
+    (braced_x), a code point no UTF-8 text holds (unheld_atom), longer than MAX_REGEX_CHARS, or a counted repetition
+    beyond MAX_REGEX_REPEAT."""
     if lookahead(regex):
         return "uses a lookahead (`(?=`, `(?!`), which the grammar would ignore"
     if braced_x(regex):
@@ -380,13 +380,13 @@ UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchema
               "multipleOf", "patternProperties")
 TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# what a `$ref` may have beside it: xgrammar follows the reference alone (2020-12 applies the siblings too)
+REF_SIBLINGS = ("$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default",
+                "examples", "deprecated", "readOnly", "writeOnly")
 
 
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-# what a `$ref` may have beside it: xgrammar follows the reference alone (2020-12 applies the siblings too)
-REF_SIBLINGS = ("$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default",
-                "examples", "deprecated", "readOnly", "writeOnly")
 
 
 def subschemas(schema):
