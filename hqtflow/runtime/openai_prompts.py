@@ -39,6 +39,10 @@ MESSAGE_REFUSED = {"name": "participant names are not passed to the chat templat
                    "function_call": "the deprecated function calling is not implemented: use `tools`",
                    "refusal": "refusals are not modelled", "audio": "audio is not supported"}
 MESSAGE_FIELDS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}  # beside role and content
+# what the openai SDK's helpers put into an assistant message it returns, sent back when the message is appended to
+# the history (`.parse()`: `parsed`, a function's `parsed_arguments`; `.stream()`: a call's `index`): the SDK's own
+# copies of the content, the arguments and the call's place, ignored (OpenAI's chat completions take them)
+SDK_COPIES = {"message": ("parsed",), "call": ("index",), "function": ("parsed_arguments",)}
 
 
 def chat_messages(messages: list[dict], renders_calls: bool, renders_developer: bool = True) -> list[dict]:
@@ -55,7 +59,8 @@ def chat_messages(messages: list[dict], renders_calls: bool, renders_developer: 
         if role not in ROLES:
             raise invalid(f"`messages[{i}].role` must be one of {', '.join(ROLES)}. Given: {role!r}")
         for key, value in m.items():
-            if key not in ("role", "content", *MESSAGE_FIELDS.get(role, ())) and value is not None:
+            sdk = SDK_COPIES["message"] if role == "assistant" else ()
+            if key not in ("role", "content", *MESSAGE_FIELDS.get(role, ()), *sdk) and value is not None:
                 why = MESSAGE_REFUSED.get(key, "it is not a field of a chat message")
                 if key in ("tool_calls", "tool_call_id"):
                     why = f"only {'an assistant' if key == 'tool_calls' else 'a tool'} message has it"
@@ -116,9 +121,9 @@ def message_calls(calls, i: int) -> list[dict]:
     out = []
     for j, c in enumerate(calls):
         where = f"messages[{i}].tool_calls[{j}]"
-        c = {k: v for k, v in c.items() if v is not None} if isinstance(c, dict) else c  # null: not given
-        f = c.get("function") if isinstance(c, dict) else None
-        f = {k: v for k, v in f.items() if v is not None} if isinstance(f, dict) else f
+        c = {k: v for k, v in c.items() if v is not None and k not in SDK_COPIES["call"]} if isinstance(c, dict) else c
+        f = c.get("function") if isinstance(c, dict) else None  # (null: not given)
+        f = {k: v for k, v in f.items() if v is not None and k not in SDK_COPIES["function"]} if isinstance(f, dict) else f
         if not isinstance(f, dict) or c.get("type", "function") != "function" or not isinstance(f.get("name"), str) \
                 or not isinstance(f.get("arguments"), str) or not isinstance(c.get("id", ""), str):
             raise invalid(f"`{where}` must be {shape}")

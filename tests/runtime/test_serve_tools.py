@@ -70,6 +70,15 @@ def test_openai_tool_calls_plain_streamed_and_answered(url):
                           {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"}]
     again = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none", max_tokens=3)
     assert again.choices[0].message.tool_calls is None and again.choices[0].finish_reason in ("length", "stop")
+    # the stream helper's message appended as it is (the SDK sends its calls' `index` back): the next turn of the
+    # same message written as a plain dict
+    result = {"role": "tool", "tool_call_id": joined.id, "content": "18 degrees"}
+    plain = {"role": "assistant", "tool_calls": [{"id": joined.id, "type": "function", "function": {
+        "name": joined.function.name, "arguments": joined.function.arguments}}]}
+    turns = [client.chat.completions.create(model="tiny", messages=MESSAGES + [m, result], tools=TOOLS, tool_choice="none",
+                                            max_tokens=3, temperature=0).choices[0].message.content
+             for m in (streamed.message, plain)]
+    assert turns[0] == turns[1], turns
 
 
 def test_openai_parse_helper_reads_pydantic_tools(url):
@@ -92,6 +101,11 @@ def test_openai_parse_helper_reads_pydantic_tools(url):
                                       tool_choice="required", max_tokens=120, temperature=0)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "Trip" and isinstance(call.function.parsed_arguments, Trip), call
+    # the parsed message appended as it is (the SDK sends `parsed` and `parsed_arguments` back): a next turn, as OpenAI
+    history = [*MESSAGES, r.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    again = client.chat.completions.create(model="tiny", messages=history, tools=[openai.pydantic_function_tool(Trip)],
+                                           tool_choice="none", max_tokens=3)
+    assert again.choices[0].finish_reason in ("length", "stop")
 
 
 def test_auto_calls_a_tool_or_answers(url):
