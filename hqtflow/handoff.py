@@ -303,7 +303,7 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
             config, name = dict(artifact.config), "quant_config.json"
         config["mode"] = "QUANTIZE"
     method = QuantConfig.from_dict(config, source=name).scale_method  # one sentence for a wrong key or value
-    if mode == "quantize" and (why := not_in_inc(method)):
+    if why := not_in_inc(method):  # (INC parses the scale method in a MEASURE config too)
         raise ConfigError(f"QUANT_CONFIG {name}: {why}; run it here (`hqtflow quantize`, then serve the FP8 "
                           "checkpoint) or hand off an INC scale method.")
     notes = []

@@ -346,12 +346,7 @@ class _Reader:
 
         p = Path(self.path(label, value))
         named = bundled.CONFIGS / f"{Path(value).name.removesuffix('.json')}.json"
-        if p.exists() or len(Path(value).parts) != 1:
-            return str(p)
-        if named.is_file():
-            return str(named)
-        raise ConfigError(f"Recipe {self.file}, '{label}': {value!r} is no file beside the recipe ({p}) and no bundled "
-                          f"config{bundled.hint(value, bundled.CONFIGS, '.json', label='bundled configs')}.")
+        return str(named if not p.is_file() and len(Path(value).parts) == 1 and named.is_file() else p)
 
     def paths(self, label: str, value: Any) -> tuple[str, ...]:
         return tuple(self.path(label, v) for v in self._list(label, value))

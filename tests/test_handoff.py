@@ -484,3 +484,6 @@ def test_the_config_handed_to_inc_is_written_as_inc_reads_it(arts, inc, tiny_lla
         r = run_cli("handoff", arts["m1"], "--recipe", recipe, "--to", "optimum-habana", "-o", tmp_path / "x.sh")
         assert r.exit_code == 2 and why in r.stderr and "Traceback" not in r.output, r.output
         assert not (tmp_path / "x.sh").exists()
+    (tmp_path / "m.json").write_text(json.dumps({"mode": "MEASURE", "scale_method": "fp8_dynamic"}))  # INC parses it
+    r = run_cli("handoff", recipe, "--to", "optimum-habana", "--mode", "measure", "-o", tmp_path / "x.sh")
+    assert r.exit_code == 2 and "fp8_dynamic is hqtflow's own" in r.stderr and not (tmp_path / "x.sh").exists()

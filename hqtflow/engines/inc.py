@@ -95,8 +95,11 @@ def fp8_config(cfg, drop: tuple[str, ...] = (), **changes):
 def check_method(cfg, device: str) -> None:
     """On CPU INC has no hardware scale set and its OPT weight search needs torch.hpu: refuse those methods in one
     sentence (INC itself fails with a KeyError / ModuleNotFoundError)."""
+    from hqtflow.formats.quant_config import not_in_inc
     from hqtflow.scales import scale_method
 
+    if why := not_in_inc(cfg.scale_method):  # (INC's own refusal is a traceback from inside convert)
+        raise ConfigError(f"{why}; run it with hqtflow's own engine (without --engine inc).")
     if device != "cpu":
         return
     m = scale_method(cfg.scale_method, "cpu")
@@ -145,6 +148,9 @@ def measure(s, device: str = "cpu", *, show_progress: bool = True, trust_pickle:
         raise ConfigError("--hessians (a recipe's `gptq: true`) is recorded by hqtflow's own observers; measure "
                           "without --engine inc for it.")
     s, cfg, model_dir, texts, manager = preflight(s)
+    if cfg.observer == "maxabs_per_channel":  # INC fails with "Required shape files are missing"
+        raise ConfigError("Neural Compressor's per-channel observer needs a shape run before it (observer `shape`), "
+                          "which --engine inc does not drive; measure per channel with hqtflow's own engine.")
     q = _quantization()
     torch.manual_seed(s.seed)
     stage = StagingDir(Path(s.output), overwrite=s.overwrite, inputs=inputs(s, model_dir))
@@ -330,6 +336,11 @@ def quantize(s, device: str = "cpu", *, trust_pickle: bool = False) -> Path:
                           "or --scales-only for the scale files INC computes on the card.")
     job = plan_job(s, trust_pickle=trust_pickle)
     check_method(job.cfg, device)
+    target = job.cfg.device_for_scales or "CPU"
+    if device == "cpu" and target != "CPU":  # INC on the CPU computes the CPU's scales, whatever the config names
+        raise ConfigError(f"--engine inc on the CPU computes scales for the CPU, not {target}; make {target} scales with "
+                          f"hqtflow's own engine (`hqtflow quantize --scales-only --scales-for {target.lower()}`) or run "
+                          "INC on the card (--device hpu).")
     if s.scales_only and all(r.rounding == "SCALE_UNIT" for m in job.method.methods() for r in (m.weight, m.activation)):
         raise ConfigError(_NO_SCALE_FILE.format(job.cfg.scale_method))
     model = models.load_model(job.model_dir, job.dtype, trust_pickle=job.trust_pickle)

@@ -263,10 +263,19 @@ def test_cli_eval_and_serve_inc(pair, data_dir, tmp_path, monkeypatch):
     (["eval", "--engine", "inc", "-m", "{m}", "--dtype", "fp32", "--ppl-file", "{t}"], "--dtype sets hqtflow's FP8 runtime"),
     (["eval", "--engine", "inc", "-m", "{m}"], "Nothing to evaluate"),
     (["measure", "-o", "{o}", "--engine", "inc", "--text", "{t}", "--tp", "2"], "measures on one card"),
+    # INC's own tracebacks before: a method INC lacks, a per-channel measure without INC's shape run
+    (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "inc", "--scale-method", "fp8_dynamic"],
+     "fp8_dynamic is hqtflow's own (compressed-tensors FP8_DYNAMIC), which INC does not have; run it with hqtflow's"),
+    (["generate", "--engine", "inc", "-m", "{m}", "--scale-method", "smoothquant_opt"], "3.10 does not have"),
+    (["measure", "{x}", "-o", "{o}", "--engine", "inc", "--text", "{t}", "-c", "maxabs_per_channel_measure"],
+     "per-channel observer needs a shape run"),
+    # silently CPU scales recorded for a Gaudi2 before
+    (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "inc", "--scales-only", "--scales-for", "gaudi2",
+      "--scale-method", "maxabs_pow2"], "computes scales for the CPU, not GAUDI2"),
 ])
-def test_cli_refusals(pair, wiki_text, tmp_path, args, message):
+def test_cli_refusals(pair, tiny_llama, wiki_text, tmp_path, args, message):
     _, theirs = pair
-    filled = [a.format(m=theirs, o=tmp_path / "out", t=wiki_text) for a in args]
+    filled = [a.format(m=theirs, o=tmp_path / "out", t=wiki_text, x=tiny_llama) for a in args]
     r = run_cli(*filled)
     assert r.exit_code == 2, r.output
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
