@@ -2,9 +2,10 @@
 
 Ranks are started by `torch.distributed.run --standalone` (a free port is picked for the rendezvous; `rank_launcher`
 leaves out torchrun's report of a failed rank, which prints its own error) with OMP_NUM_THREADS=1, or by the user's
-own torchrun; each loads the model with transformers' `tp_plan="auto"` and observes its local shards. The ranks run on the CPU (gloo), as the 1-rank measurement does, a GPU or not: the ranks
-`--tp` starts see none (CUDA_VISIBLE_DEVICES empty), and a rank of the user's torchrun hides it before CUDA starts
-(transformers' tp_plan puts the shards on whatever accelerator is visible).
+own torchrun; each loads the model with transformers' `tp_plan="auto"` and observes its local shards. The ranks run
+on the CPU (gloo), as the 1-rank measurement does, a GPU or not: the ranks `--tp` starts see none
+(CUDA_VISIBLE_DEVICES empty), and a rank of the user's torchrun hides it before CUDA starts (transformers' tp_plan
+puts the shards on whatever accelerator is visible).
 """
 
 from __future__ import annotations

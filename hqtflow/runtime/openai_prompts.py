@@ -58,9 +58,9 @@ def chat_messages(messages: list[dict], renders_calls: bool, renders_developer: 
         role = m.get("role")
         if role not in ROLES:
             raise invalid(f"`messages[{i}].role` must be one of {', '.join(ROLES)}. Given: {role!r}")
+        allowed = ("role", "content", *MESSAGE_FIELDS.get(role, ()), *(SDK_COPIES["message"] * (role == "assistant")))
         for key, value in m.items():
-            sdk = SDK_COPIES["message"] if role == "assistant" else ()
-            if key not in ("role", "content", *MESSAGE_FIELDS.get(role, ()), *sdk) and value is not None:
+            if key not in allowed and value is not None:
                 why = MESSAGE_REFUSED.get(key, "it is not a field of a chat message")
                 if key in ("tool_calls", "tool_call_id"):
                     why = f"only {'an assistant' if key == 'tool_calls' else 'a tool'} message has it"
