@@ -63,6 +63,7 @@ class Artifact:
     fingerprint: dict | None = None  # the fingerprint of that model (hqtflow.models.fingerprint), when recorded
     observer: str = "maxabs"  # the measurement's observer: its files are <base>_hooks_<observer>...
     attention_measured: bool = False  # it has optimum-habana's attention nodes (matmul_qk ...: measured on Gaudi)
+    measured_with: dict | None = None  # a measurement's MEASURE config, as its manifest records it
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,8 @@ def read_artifact(directory: str | Path) -> Artifact:
             read_scale_file(directory / names[-2])
     attention = bool(gaudi_only(read_measurement(directory / needed[0][0]).nodes))
     return Artifact(directory.resolve(), kind, world, base, config, data.get("model_path"), _recorded_recipe(data),
-                    m.model if isinstance(m.model, dict) else None, observer, attention)
+                    m.model if isinstance(m.model, dict) else None, observer, attention,
+                    raw.get("config") if kind == "measurement" and isinstance(raw.get("config"), dict) else None)
 
 
 def _gaudi_section(recipe_path: str | None, gaudi: Any) -> dict:
@@ -248,7 +250,7 @@ def _entry(job: Job, key: str) -> dict:
 def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | None = None, model: str | None = None,
              measurement: str | Path | None = None, recipe: str | Path | None = None) -> Job:
     """Resolve SOURCE (a recipe .yaml or an artifact dir) plus overrides into what the target functions need."""
-    from hqtflow.formats.quant_config import QuantConfig, for_inc, not_in_inc
+    from hqtflow.formats.quant_config import QuantConfig, fitted_to_measurement, for_inc, not_in_inc
     from hqtflow.recipes import load_recipe
 
     if mode not in MODES:
@@ -287,9 +289,12 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
         if artifact is not None and artifact.kind != "measurement":
             raise ConfigError("--mode measure hands off a recipe (or a measurement's recipe), not scale files.")
         world = world_size or (r.measure.tp if r else None) or (artifact.world_size if artifact else 1)
-        cfg_path = Path(r.measure.config) if r and r.measure.config else bundled.CONFIGS / "maxabs_measure.json"
-        config = _load_json(cfg_path, "QUANT_CONFIG")
-        name = cfg_path.name
+        if not (r and r.measure.config) and artifact is not None and artifact.measured_with:
+            config = {**artifact.measured_with, "mode": "MEASURE"}
+            name = f"{artifact.observer}_measure.json"  # (its copy's file name)
+        else:  # the recipe's, else the bundled per-tensor one
+            cfg_path = Path(r.measure.config) if r and r.measure.config else bundled.CONFIGS / "maxabs_measure.json"
+            config, name = _load_json(cfg_path, "QUANT_CONFIG"), cfg_path.name
     else:
         world = artifact.world_size
         if world_size is not None and world_size != world:
@@ -308,7 +313,7 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
                           "checkpoint) or hand off an INC scale method.")
     notes = []
     if artifact is not None and mode == "quantize":
-        config, notes = _for_artifact(config, artifact)
+        config, notes = fitted_to_measurement(config, artifact.observer, artifact.attention_measured)
     config, changed = for_inc(config)
     notes += changed
     if mode == "measure" and str(config.get("mode", "")).upper() != "MEASURE":
@@ -323,26 +328,6 @@ def plan_job(source: str | Path, *, mode: str = "quantize", world_size: int | No
     if r and artifact and (given or r.measure.model):  # the model handed off: --model, else the recipe's
         _check_measured_model(str(given or r.measure.model), artifact, recipe)
     return Job(mode, world, str(model), gaudi, config, name, artifact, r.measure.tp if r else None, tuple(notes))
-
-
-def _for_artifact(config: dict, artifact: Artifact) -> tuple[dict, list[str]]:
-    """The QUANTIZE config fitted to the artifact INC will read: the measurement's observer (INC names the files it
-    opens after it), and `ignore_modules_wo_measures` where the measurement has Linear layers only (measured here, on
-    Hugging Face modeling code): optimum-habana's attention modules (matmul_qk, k_cache, fused SDPA ...) then have no
-    statistics, and INC would replace each by a module that fails when called."""
-    notes = []
-    observer = config.get("observer", "maxabs")
-    if str(observer).lower() != artifact.observer:
-        config = {**config, "observer": artifact.observer}
-        notes.append(f"observer set to {artifact.observer}, the measurement's ({observer} in the config): INC opens "
-                     "the files named after it")
-    flag = config.get("ignore_modules_wo_measures", False)
-    if not artifact.attention_measured and str(flag).lower() != "true":
-        config = {**config, "ignore_modules_wo_measures": True}
-        notes.append("ignore_modules_wo_measures set true: the measurement has Linear layers only, so INC keeps "
-                     "optimum-habana's attention modules (matmul_qk, matmul_av, k_cache, v_cache, fused SDPA) in bf16 "
-                     "instead of failing on them; measure on Gaudi (--mode measure) to quantize those too")
-    return config, notes
 
 
 def _check_model(model: str) -> str:

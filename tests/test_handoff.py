@@ -487,3 +487,14 @@ def test_the_config_handed_to_inc_is_written_as_inc_reads_it(arts, inc, tiny_lla
     (tmp_path / "m.json").write_text(json.dumps({"mode": "MEASURE", "scale_method": "fp8_dynamic"}))  # INC parses it
     r = run_cli("handoff", recipe, "--to", "optimum-habana", "--mode", "measure", "-o", tmp_path / "x.sh")
     assert r.exit_code == 2 and "fp8_dynamic is hqtflow's own" in r.stderr and not (tmp_path / "x.sh").exists()
+
+
+def test_measure_handoff_of_a_measurement_keeps_its_own_config(tiny_llama, wiki_text, inc, tmp_path):
+    """--mode measure of a measurement with no recipe hands off the MEASURE config it was made with (here per
+    channel), not the bundled per-tensor one."""
+    common = [wiki_text if a is None else a for a in COMMON]
+    r = run_cli("measure", tiny_llama, "-o", tmp_path / "pc", "-c", CFG / "maxabs_per_channel_measure.json", *common)
+    assert r.exit_code == 0, r.output
+    [cmd] = handoff(tmp_path / "pc", "--to", "optimum-habana", "--mode", "measure", tmp=tmp_path)
+    raw = check_config(Path(split_env(cmd)[0]["QUANT_CONFIG"]), inc, mode="MEASURE", files_base=None, world=1)
+    assert raw["observer"] == "maxabs_per_channel"

@@ -119,6 +119,26 @@ def for_inc(config: dict) -> tuple[dict, tuple[str, ...]]:
     return d, tuple(notes)
 
 
+def fitted_to_measurement(config: dict, observer: str, attention_measured: bool) -> tuple[dict, list[str]]:
+    """A QUANTIZE config fitted to the measurement INC will read, and notes on what changed: the measurement's
+    `observer` (INC opens `<base>_hooks_<observer>...` files), and `ignore_modules_wo_measures` where the measurement
+    holds Linear layers only (made here, on Hugging Face modeling code): optimum-habana's attention modules (matmul_qk,
+    k_cache, fused SDPA ...) then have no statistics, and INC on Gaudi would replace each by a module that fails when
+    called. A Gaudi measurement of those modules (`attention_measured`) keeps the config's value."""
+    notes = []
+    given = config.get("observer", "maxabs")
+    if str(given).lower() != observer:
+        config = {**config, "observer": observer}
+        notes.append(f"observer set to {observer}, the measurement's ({given} in the config): INC opens the files "
+                     "named after it")
+    if not attention_measured and str(config.get("ignore_modules_wo_measures", False)).lower() != "true":
+        config = {**config, "ignore_modules_wo_measures": True}
+        notes.append("ignore_modules_wo_measures set true: the measurement has Linear layers only, so INC keeps "
+                     "optimum-habana's attention modules (matmul_qk, matmul_av, k_cache, v_cache, fused SDPA) in bf16 "
+                     "instead of failing on them; measure on Gaudi (--mode measure) to quantize those too")
+    return config, notes
+
+
 def not_in_inc(scale_method: str | dict) -> str | None:
     """Why INC cannot run `scale_method` (hqtflow's own, or HQT 1.17's SmoothQuant), or None when it can."""
     if scale_method in ("fp8_dynamic", "fp8_dynamic_mse"):

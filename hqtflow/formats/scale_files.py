@@ -111,12 +111,10 @@ def write_quant_config(out: Path, final: Path, cfg, base: str, target: str, obse
     Hugging Face modeling code) `ignore_modules_wo_measures` is set, or INC on Gaudi would replace those unmeasured
     modules by ones that fail when called."""
     from hqtflow.formats.measurement import gaudi_only
-    from hqtflow.formats.quant_config import for_inc
+    from hqtflow.formats.quant_config import fitted_to_measurement, for_inc
 
-    inc = for_inc({**cfg.to_dict(), "mode": "QUANTIZE", "observer": observer,
-                   "dump_stats_path": str(Path(final).resolve() / base)})[0]
-    if not gaudi_only(nodes):
-        inc["ignore_modules_wo_measures"] = True
+    config = {**cfg.to_dict(), "mode": "QUANTIZE", "dump_stats_path": str(Path(final).resolve() / base)}
+    inc = for_inc(fitted_to_measurement(config, observer, bool(gaudi_only(nodes)))[0])[0]
     if target == "cpu":
         inc["use_qdq"] = True  # INC refuses the CPU device without QDQ
     write_json_atomic(Path(out) / INC_CONFIG, inc)
