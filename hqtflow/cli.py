@@ -492,7 +492,8 @@ def eval_(
     engine: Engine = "hqtflow",
     device: RunDevice = None,
     measurement: Annotated[Optional[Path], typer.Option("-m", "--measurement", help="--engine inc: MODEL (bf16) is quantized at load from this measurement; MODEL itself is the baseline.")] = None,
-    scale_method: Annotated[Optional[str], typer.Option(help="--engine inc: override the measurement config's scale_method.")] = None,
+    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="--engine inc: QUANT_CONFIG (QUANTIZE; default: env QUANT_CONFIG).")] = None,
+    scale_method: Annotated[Optional[str], typer.Option(help="--engine inc: override the config's scale_method.")] = None,
     trust_pickle: TrustPickle = False,
     kv_cache: Annotated[str, typer.Option(help="bf16 (default, as generate and serve), or fp8: MODEL's log-likelihoods and perplexity read keys and values back through the FP8 KV cache with the checkpoint's k_scale/v_scale (refused without them); the bf16 baseline always uses a bf16 cache.")] = "bf16",
 ) -> None:
@@ -506,16 +507,17 @@ def eval_(
     kv_cache = parse(KVCache, kv_cache, "--kv-cache").value
     inc_device, run_device = _run_devices(parse(Kind, engine, "--engine") == Kind.INC, device)
     loader = None
-    if inc_device is None and (measurement or scale_method):
-        raise HqtflowError("-m/--measurement and --scale-method quantize at load with --engine inc.")
+    config = _config(config) if inc_device is not None else config  # QUANT_CONFIG: where INC quantizes at load
+    if inc_device is None and (measurement or config or scale_method):
+        raise HqtflowError("-m/--measurement, -c/--config and --scale-method quantize at load with --engine inc.")
     if no_baseline and baseline:
         raise HqtflowError("--baseline and --no-baseline contradict each other: give one.")
     if inc_device is not None:
         from hqtflow.engines import inc
 
         def loader():  # called by run_eval once its own checks passed
-            return (*inc.load_run(model, measurement, device=inc_device, scale_method=scale_method, backend=backend,
-                                  dtype=dtype, trust_pickle=trust_pickle), "fp8")
+            return (*inc.load_run(model, measurement, device=inc_device, config=config, scale_method=scale_method,
+                                  backend=backend, dtype=dtype, trust_pickle=trust_pickle), "fp8")
 
         baseline = baseline or (None if no_baseline else model or DEFAULT_MODEL)
     typer.echo(run_eval(model, baseline=None if no_baseline else baseline, use_source=not no_baseline, loader=loader,

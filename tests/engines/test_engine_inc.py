@@ -234,6 +234,18 @@ def test_cli_eval_and_serve_inc(pair, data_dir, tmp_path, monkeypatch):
     assert set(results) == {"bf16", "fp8"}  # the bf16 model itself is the baseline
     ppl = {k: v["wikitext"]["perplexity"] for k, v in results.items()}
     assert ppl["fp8"] != ppl["bf16"] and abs(ppl["fp8"] / ppl["bf16"] - 1) < 0.1, ppl
+    # the scale method from a QUANT_CONFIG, given with -c or in the environment (eval ignored both before)
+    cfg = tmp_path / "pow2.json"
+    cfg.write_text(json.dumps({"mode": "QUANTIZE", "scale_method": "maxabs_pow2", "blocklist": {"names": ["lm_head"]}}))
+    for i, (args, env) in enumerate(((("-c", cfg), None), ((), str(cfg)))):
+        if env:
+            monkeypatch.setenv("QUANT_CONFIG", env)
+        out = tmp_path / f"eval{i}.json"
+        r = run_cli("eval", model, "--engine", "inc", "-m", theirs, *args, "--no-baseline",
+                    "--ppl-file", data_dir / "wikitext2_test.txt", "--ppl-windows", "1", "--report", out)
+        assert r.exit_code == 0, r.output
+        assert json.loads(out.read_text())["results"]["fp8"]["wikitext"]["perplexity"] == ppl["fp8"]
+    monkeypatch.delenv("QUANT_CONFIG")
 
     served = {}
     monkeypatch.setattr(server, "_run", lambda app, sock: served.update(app=app))
@@ -259,6 +271,7 @@ def test_cli_eval_and_serve_inc(pair, data_dir, tmp_path, monkeypatch):
     (["quantize", "-m", "{m}", "-o", "{o}", "--engine", "tensorrt"], "--engine must be hqtflow or inc, not 'tensorrt'"),
     (["generate", "--engine", "inc"], "give its measurement with -m"),
     (["generate", "-m", "{m}"], "quantize at load with --engine inc"),
+    (["eval", "-c", "maxabs_quant", "--ppl-file", "{t}"], "quantize at load with --engine inc"),
     (["generate", "--engine", "inc", "-m", "{m}", "--backend", "cpu"], "--backend sets hqtflow's FP8 runtime"),
     (["eval", "--engine", "inc", "-m", "{m}", "--dtype", "fp32", "--ppl-file", "{t}"], "--dtype sets hqtflow's FP8 runtime"),
     (["eval", "--engine", "inc", "-m", "{m}"], "Nothing to evaluate"),
