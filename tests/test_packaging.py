@@ -81,6 +81,21 @@ def test_an_unknown_name_lists_the_bundled_ones(tmp_path, monkeypatch):
     assert "bundled" not in str(e.value)
 
 
+def test_a_recipes_misspelled_config_name_is_named_when_read(tmp_path, monkeypatch):
+    """A copied recipe's misspelled bare config name (resolved beside the recipe, where no such file is) names the
+    bundled config it nearly spells when the config is read, not when the recipe loads (a recipe whose quantize config
+    is wrong still measures)."""
+    monkeypatch.chdir(tmp_path)
+    text = (bundled.RECIPES / "smollm2.yaml").read_text()
+    (tmp_path / "typo.yaml").write_text(text.replace("../quantization_config/cpu_quant.json", "cpu_qaunt"))
+    recipe = load_recipe("typo.yaml")
+    with pytest.raises(ConfigError, match=r"cpu_qaunt does not exist \(did you mean the bundled cpu_quant\?\)\.$"):
+        QuantConfig.from_file(recipe.quantize.config)
+    with pytest.raises(ConfigError) as e:  # no near miss: nothing suggested
+        QuantConfig.from_file(tmp_path / "mine.json")
+    assert "bundled" not in str(e.value)
+
+
 def test_wheel_carries_recipes_configs_tasks_and_kernel_sources(tmp_path):
     src = tmp_path / "src"  # a copy, so the build's own folders stay out of the checkout
     shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(

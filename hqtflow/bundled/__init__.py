@@ -24,7 +24,12 @@ def resolve(path: str | Path, folder: Path, suffix: str) -> Path:
 
 
 def hint(path: str | Path, folder: Path, suffix: str, label: str = "bundled") -> str:
-    """The end of a 'does not exist' sentence for a bare name: the bundled names one may give instead."""
-    if len(Path(path).parts) != 1:
-        return ""
-    return f"; {label}: {', '.join(names(folder, suffix))}"
+    """The end of a 'does not exist' sentence: for a bare name, the bundled names one may give instead; for a path
+    whose file name is a near miss of a bundled one (a recipe's misspelled `maxabs_quat`, resolved beside it), that
+    one."""
+    if len(Path(path).parts) == 1:
+        return f"; {label}: {', '.join(names(folder, suffix))}"
+    import difflib
+
+    near = difflib.get_close_matches(Path(path).name.removesuffix(suffix), names(folder, suffix), n=1, cutoff=0.8)
+    return f" (did you mean the bundled {near[0]}?)" if near else ""
