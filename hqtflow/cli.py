@@ -772,10 +772,11 @@ def _serve_command(kind: str, doc: str):
                   backend=backend, dtype=dtype, inc_device=inc_device, config=config,
                   scale_method=scale_method, device=device if inc_device is None else None,
                   trust_pickle=trust_pickle)
-        except KeyboardInterrupt as e:  # uvicorn shut down cleanly, then re-raised the signal (SIGINT or SIGTERM)
+        except KeyboardInterrupt as e:  # uvicorn shut down cleanly, then re-raised the signal; or one came while loading
             from hqtflow.runtime.server import exit_now
 
-            typer.echo("Server stopped.", err=True)
+            typer.echo("Server stopped." if getattr(e, "served", False) else "Stopped while loading; the server had "
+                       "not started.", err=True)
             exit_now(128 + getattr(e, "signum", 2))
 
 

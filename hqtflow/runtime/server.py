@@ -262,6 +262,7 @@ def listen_socket(host: str, port: int, port_name: str = "--port"):
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a live listener still refuses
         sock.bind(addr)
+        sock.listen(2048)  # now, not in uvicorn once loaded: a second server started at once on this port is refused here
     except OSError as e:
         sock.close()
         raise ResourceError(f"Cannot listen on {host}:{port} ({e.strerror}); pick another --host or {port_name}.") from None
@@ -350,6 +351,9 @@ def _run(app, sock) -> None:
                                             f"[{host}]" if ":" in host else host, port)
     try:
         Server(config).run(sockets=[sock])
+    except KeyboardInterrupt as e:  # uvicorn stopped cleanly, then raised the signal again
+        e.served = True
+        raise
     finally:  # stopped before drain's timer fired (an idle server): it has nothing left to end
         timer = getattr(app.state, "shutdown_timer", None)
         if timer is not None:

@@ -231,3 +231,50 @@ def test_tgi_variables_not_read_are_named_and_secrets_without_their_value(monkey
     r = run_cli("serve", "fp8", "some-model")
     assert r.exit_code == 0 and "Note: NGROK=true, NGROK_AUTHTOKEN: TGI's launcher reads these" in r.stderr, r.stderr
     assert "s3cret" not in r.output
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_port_is_listened_on_before_the_model_loads(tiny_llama, monkeypatch):
+    """Two `hqtflow serve` started together on one port: the port is taken (bound and listened on) before the model
+    loads, so the second is refused in one sentence at once. It used to bind only (SO_REUSEADDR lets two bound,
+    not yet listening sockets share a port): both loaded the model and the loser died in a uvicorn traceback."""
+    from hqtflow.errors import ResourceError
+    from hqtflow.runtime import server
+
+    port = free_port()
+    first = server.listen_socket("127.0.0.1", port)
+    try:
+        with pytest.raises(ResourceError) as e:
+            server.listen_socket("127.0.0.1", port).close()
+        assert str(e.value).startswith(f"Cannot listen on 127.0.0.1:{port} (Address already in use)")
+        loaded = []
+        monkeypatch.setattr(server, "_serve", lambda *a, **k: loaded.append(a))
+        r = run_cli("serve", "bf16", tiny_llama, "--port", port)
+        assert r.exit_code == 6 and "Cannot listen" in r.stderr and not loaded, r.output
+    finally:
+        first.close()
+
+
+def test_a_signal_while_loading_says_the_server_never_started(tiny_llama, monkeypatch):
+    """Ctrl-C or SIGTERM before uvicorn runs (the model loading) exits 128 + the signal and says the server had not
+    started (it said "Server stopped.", as after a clean shutdown)."""
+    from hqtflow.cli import Terminated
+    from hqtflow.runtime import server
+
+    def interrupted(*a, **k):
+        raise Terminated(15)
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(server, "_serve", interrupted)
+    monkeypatch.setattr(server, "exit_now", exit_now)
+    r = run_cli("serve", "bf16", tiny_llama, "--port", free_port())
+    assert r.exit_code == 143 and r.stderr.strip() == "Stopped while loading; the server had not started.", r.output
