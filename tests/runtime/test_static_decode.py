@@ -138,6 +138,26 @@ def test_compiled_attention_packs_grouped_heads_as_eager_does():
 
 
 @pytest.mark.slow
+def test_compiled_decoders_keep_their_own_graphs(tiny_factory):
+    """The compiled step checks only its inputs' and global state's guards, not the model's or the cache's: in one
+    process, decoders of models of different depths, each at two batch sizes, decode as their eager twins do, and a
+    decoder's step keeps none of the model's guards (the code object is the decoder's own)."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(5, 500, (3, 7), generator=torch.Generator().manual_seed(4))
+    for layers in (1, 3):
+        model = AutoModelForCausalLM.from_pretrained(tiny_factory("llama", num_hidden_layers=layers),
+                                                     dtype=torch.float32).eval()
+        eager, compiled = StaticDecoder(model, max_length=24), StaticDecoder(model, max_length=24, compile=True)
+        for rows in (ids, ids[:2], ids):
+            assert torch.equal(compiled.generate(rows, 9).tokens, eager.generate(rows, 9).tokens)
+        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(compiled._step._torchdynamo_orig_callable)
+        assert len(entries) == 2  # one graph per batch size, found again for the third call
+        guards = str(entries[0].guard_manager)
+        assert "source=L['tokens']" in guards and "L['self']" not in guards and "L['cache']" not in guards
+
+
+@pytest.mark.slow
 def test_compiled_decoder_uses_the_packed_attention(tiny_llama):
     from hqtflow import models
     from hqtflow.runtime.static_decode import ATTENTION
