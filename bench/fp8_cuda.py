@@ -14,7 +14,9 @@
    concurrent streams x 64 new tokens vs one stream alone, bf16 vs FP8, graphs, compiled steps in graphs, and
    `cuda_graphs=()`. Target (issue #14):
    FP8 >= 1.3x bf16 tokens/s at 32 streams, aggregate >= 5x one stream, time to first token p95 <= 3 s.
-4. prefill (`--parts prefill`): the engine's one eager step that prefills the 32 prompts, bf16 vs FP8 (each
+4. eager (`--parts eager`): eager calls of one 4096^2 Linear, bf16 vs FP8 with each way of quantizing the input
+   outside graphs (`FP8Linear.eager_quantizer`): the host time per call that rules an engine's prefill step.
+5. prefill (`--parts prefill`): the engine's one eager step that prefills the 32 prompts, bf16 vs FP8 (each
    `--fp8-variants`): its wall time (median of 5), then one profiled run's GPU time per kernel and host time per op.
 
     python bench/fp8_cuda.py [--models 1b,8b] [--json results.json] [--parts linear,decode,engine,prefill]
@@ -98,6 +100,39 @@ def bench_linear(ms: list[int]) -> list[dict]:
                   f"{row['token_x']:>9.2f}x", flush=True)
         del lins, static, token
         torch.cuda.empty_cache()
+    return rows
+
+
+def bench_eager_linear(ms=(32, 2048), k: int = 4096, calls: int = 200) -> list[dict]:
+    """Eager calls (an engine's prefill step: launched from Python, no graph) of one k x k Linear, bf16 vs FP8 with
+    each `eager_quantizer`: wall time per call over `calls` calls, synchronized once (host time where it rules)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(k, k, bias=False, device="cuda", dtype=torch.bfloat16)
+    fp8 = FP8Linear.from_linear(lin, (lin.weight.abs().max() / F8).reshape(1), torch.tensor([0.01], device="cuda"))
+    set_backend(fp8, "scaled_mm")
+    rows = []
+    print(f"\neager calls of one {k}^2 Linear (us per call; speed vs bf16, >1 = FP8 faster)")
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        row: dict = {"k": k, "m": m}
+        with torch.inference_mode():
+            for name, layer, quantizer in [("bf16", lin, None), ("fp8_triton", fp8, "triton"),
+                                           ("fp8_aten", fp8, "aten"), ("fp8_compiled", fp8, "compiled")]:
+                if quantizer:
+                    layer.eager_quantizer = quantizer
+                for _ in range(3):
+                    layer(x)
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(calls):
+                    layer(x)
+                torch.cuda.synchronize()
+                row[name + "_us"] = (time.perf_counter() - t) / calls * 1e6
+        del fp8.eager_quantizer
+        rows.append(row)
+        print(f"  M={m:5d}  bf16 {row['bf16_us']:7.1f} us  " + "  ".join(
+            f"{q} {row[f'fp8_{q}_us']:7.1f} us ({row['bf16_us'] / row[f'fp8_{q}_us']:.2f}x)"
+            for q in ("triton", "aten", "compiled")), flush=True)
     return rows
 
 
@@ -320,6 +355,11 @@ def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, mode:
     return res
 
 
+def quantizer_of(variant: str) -> str:
+    """The `FP8Linear.eager_quantizer` an FP8 variant names: aten_quant, compiled_quant, else the default (triton)."""
+    return next((q for q in ("aten", "compiled") if f"{q}_quant" in variant.split("+")), "triton")
+
+
 class _Tok:
     """What the engine reads of a tokenizer, for random-token prompts (no vocabulary file is needed for speed)."""
     eos_token_id, all_special_ids = None, []
@@ -331,14 +371,15 @@ class _Tok:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="1b")
-    p.add_argument("--parts", default="linear,decode,engine", help="linear, decode, engine, profile, prefill")
+    p.add_argument("--parts", default="linear,decode,engine", help="linear, eager, decode, engine, profile, prefill")
     p.add_argument("--ms", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096")
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--decode-modes", default="graph,compiled,eager", help="decode: graph, compiled, eager")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (profile: the last)")
     p.add_argument("--engine-modes", default="graphs,compiled,eager", help="engine: graphs, compiled, eager")
-    p.add_argument("--fp8-variants", default="plain", help="engine, the FP8 runs in each mode: plain, kv8 (the FP8 KV "
-                   "cache), fused_quant (inputs quantized by one compiled kernel outside graphs), or both joined by +")
+    p.add_argument("--fp8-variants", default="plain", help="engine and prefill, the FP8 runs: plain (inputs quantized "
+                   "outside graphs by one Triton kernel), kv8 (the FP8 KV cache), aten_quant (by three eager kernels), "
+                   "compiled_quant (by torch.compile's one kernel), joined by + (kv8+aten_quant)")
     p.add_argument("--graph-kernels", action="store_true", help="engine: print the kernels of the 32-sequence graph")
     p.add_argument("--sizes", default="4096,8192", help="linear: square shapes K = N")
     p.add_argument("--json", default=None)
@@ -367,6 +408,9 @@ def main() -> None:
     if "linear" in parts:
         results["linear"] = bench_linear([int(m) for m in a.ms.split(",")])
         save()
+    if "eager" in parts and DEVICE == "cuda":
+        results["eager_linear"] = bench_eager_linear()
+        save()
     for size in a.models.split(","):
         if not {"decode", "engine", "profile", "prefill"} & set(parts):
             break
@@ -379,9 +423,9 @@ def main() -> None:
                 to_fp8(model, a.vocab)
             if "prefill" in parts:
                 for variant in a.fp8_variants.split(",") if kind == "fp8" else ["plain"]:
-                    FP8Linear.fused_quantize = "fused_quant" in variant.split("+")
+                    FP8Linear.eager_quantizer = quantizer_of(variant)
                     res[f"prefill_{kind}" + ("" if variant == "plain" else f"_{variant}")] = profile_prefill(model, a.vocab)
-                    FP8Linear.fused_quantize = False
+                    FP8Linear.eager_quantizer = "triton"
             if "profile" in parts:
                 res[f"profile_{kind}"] = profile_step(model, a.vocab, int(a.batches.split(",")[-1]))
             if "decode" in parts:
@@ -393,10 +437,10 @@ def main() -> None:
                 variants = a.fp8_variants.split(",") if kind == "fp8" else ["plain"]
                 for mode, variant in [(m, v) for m in engine_modes for v in variants]:
                     key = f"engine_{kind}_{mode}" + ("" if variant == "plain" else f"_{variant}")
-                    FP8Linear.fused_quantize = "fused_quant" in variant.split("+")
+                    FP8Linear.eager_quantizer = quantizer_of(variant)
                     res[key] = bench_engine(model, _Tok(), a.vocab, mode=mode, kernels=a.graph_kernels,
                                             kv_cache="fp8" if "kv8" in variant.split("+") else "bf16")
-                    FP8Linear.fused_quantize = False
+                    FP8Linear.eager_quantizer = "triton"
                     print(f"{key}: " + ", ".join(f"{k_} {v:.3g}" if isinstance(v, float) else f"{k_} {v}"
                                                  for k_, v in res[key].items() if k_ != "graph_kernels"), flush=True)
                     if kind == "fp8" and (base := res.get(f"engine_bf16_{mode}")):

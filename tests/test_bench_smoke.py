@@ -83,13 +83,13 @@ def test_fp8_cuda_bench_runs_on_a_cpu(tmp_path):
     and write every figure."""
     out = tmp_path / "cuda.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_cuda.py"), "--device", "cpu", "--models", "tiny",
-                        "--parts", "decode,engine", "--vocab", "512", "--fp8-variants", "plain,kv8,fused_quant",
+                        "--parts", "decode,engine", "--vocab", "512", "--fp8-variants", "plain,kv8,compiled_quant",
                         "--decode-modes", "eager", "--json", str(out)],
                        capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["tiny"]
-    assert {"decode_bf16", "decode_fp8", "engine_fp8_graphs", "engine_bf16_eager", "engine_fp8_graphs_fused_quant"} <= set(res)
+    assert {"decode_bf16", "decode_fp8", "engine_fp8_graphs", "engine_bf16_eager", "engine_fp8_graphs_compiled_quant"} <= set(res)
     assert res["engine_fp8_graphs_kv8"]["kv_cache"] == "fp8" and res["engine_fp8_graphs_kv8"]["streams_tps"] > 0
     assert res["engine_fp8_graphs"]["graphs"] == 0 and res["decode_fp8"]["eager b32"] > 0
     assert "engine_bf16_compiled" not in res  # compiling is for CUDA graphs: not run on a CPU

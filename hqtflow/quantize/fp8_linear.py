@@ -178,10 +178,11 @@ class FP8Linear(nn.Module):
     packed: torch.Tensor | None = None  # the "cpu" backend's copy of the weight in its kernel's layout
     _packed_from: tuple[int, int] | None = None  # (data_ptr, version) of the weight `packed` was made from
     fast_accum = False  # "scaled_mm": Hopper's fast FP8 accumulation (cuBLAS's default is the exact fp32 one)
-    # "scaled_mm" on CUDA, static input scale, outside a compiled step or `capturing()`: the input quantized by
-    # three eager kernels (False), or by one compiled kernel (True), whose dispatch costs more host time than the two
-    # kernels it saves in an eager step (H200, 8B, 32 prompts' prefill: 121 ms against 162 ms)
-    fused_quantize = False
+    # "scaled_mm" on CUDA, static input scale, outside a compiled step or `capturing()`: how the input is quantized.
+    # "triton": one Triton kernel (`triton_quantize`; where Triton is absent, "aten"). "aten": three eager kernels.
+    # "compiled": torch.compile's one kernel, whose dispatch costs more host time than the two kernels it saves in an
+    # eager step (H200, 8B, 32 prompts' prefill: 162 ms against 121 ms for "aten").
+    eager_quantizer = "triton"
     _mm_scales: "_MMScales | None" = None  # "scaled_mm": its float32 scales, made once, not per call
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, hp_dtype: torch.dtype,
@@ -341,9 +342,8 @@ class FP8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _shared_quantized(self, x: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """CUDA, outside a compiled step: `quantize(x2, scale)`, in a graph (`capturing()`) or with `fused_quantize`
-        by one compiled kernel, else by three eager kernels (no compiled function's dispatch, whose host time rules an
-        eager step on CUDA); under `sharing_inputs()` kept on x for the next Linear reading x with an equal scale."""
+        """CUDA, outside a compiled step: `quantize(x2, scale)`, in a graph (`capturing()`) by one compiled kernel, else
+        as `eager_quantizer` says; under `sharing_inputs()` kept on x for the next Linear reading x with an equal scale."""
         share = _SHARING.get()
         key = (self._mm_scales.value, self.fp8)
         kept = getattr(x, "_hqtflow_fp8", None) if share else None
@@ -355,7 +355,13 @@ class FP8Linear(nn.Module):
         return xq
 
     def _cuda_quantizer(self):
-        return fused(quantize) if self.fused_quantize or _CAPTURING.get() else quantize
+        if _CAPTURING.get() or self.eager_quantizer == "compiled":
+            return fused(quantize)
+        if self.eager_quantizer == "triton":
+            from hqtflow.quantize import triton_quantize
+            if triton_quantize.available:
+                return triton_quantize.quantize
+        return quantize
 
     def _float_scales(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """_scaled_mm's float32 scales: the static input scale [] (None when dynamic) and the weight's, [] or [1, N]

@@ -168,7 +168,7 @@ def test_fused_input_quantization_on_cuda_is_the_eager_one():
 @pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
 def test_three_kernel_quantization_is_the_reference(dtype, fp8):
     """`quantize` divides by a [1] float32 scale (the division float32 without copying x to float32 first: the CUDA
-    path's eager input quantization, FP8Linear.fused_quantize = False): the bytes of cast(clamp(x.float() / s)),
+    path's eager input quantization where Triton is absent, FP8Linear.eager_quantizer = "aten"): the bytes of cast(clamp(x.float() / s)),
     overflow and signed zero included."""
     from hqtflow.scales import FP8_DTYPES, quantize
 
@@ -181,6 +181,31 @@ def test_three_kernel_quantization_is_the_reference(dtype, fp8):
         got = quantize(x, scale.float(), fp8)
         assert got.dtype == reference.dtype
         assert torch.equal(got.view(torch.uint8), reference.view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton runs there)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
+def test_triton_quantization_on_cuda_is_the_reference(dtype, fp8):
+    """The CUDA path's eager input quantization (`triton_quantize`, one kernel): the reference's bytes, subnormals,
+    overflow, infinities and signed zeros included, at sizes on and off the kernel's block; NaN stays NaN."""
+    from hqtflow.quantize import triton_quantize
+    from hqtflow.scales import quantize
+
+    assert triton_quantize.available  # torch's CUDA builds ship Triton
+    torch.manual_seed(0)
+    for rows, cols in ((37, 263), (1, 2048), (300, 4096), (3, 1)):
+        x = (torch.randn(rows, cols) * torch.logspace(-8, 8, cols)).to(dtype).cuda()
+        x.view(-1)[:4] = torch.tensor([0.0, -0.0, float(torch.finfo(dtype).max), -float("inf")])[:x.numel()]
+        for scale in (torch.tensor([0.0123]), torch.tensor(3.7), torch.tensor([2.0 ** -9])):
+            s = scale.float().cuda()
+            got, reference = triton_quantize.quantize(x, s, fp8), quantize(x, s, fp8)
+            assert got.dtype == reference.dtype and got.shape == x.shape
+            assert torch.equal(got.view(torch.uint8), reference.view(torch.uint8)), (rows, cols, float(scale))
+    nan = torch.tensor([float("nan"), 1.0], dtype=dtype, device="cuda")
+    assert triton_quantize.quantize(nan, torch.ones((), device="cuda"), fp8).float()[0].isnan()
+    strided = x.t()  # not contiguous: quantized as its values, in its shape
+    assert torch.equal(triton_quantize.quantize(strided, s, fp8).view(torch.uint8), quantize(strided, s, fp8).view(torch.uint8))
 
 
 def test_scaled_mm_scales_are_cast_once_also_under_compile():
@@ -214,18 +239,21 @@ def test_capturing_selects_the_compiled_quantization_for_warm_up_and_capture():
     """`capturing()` (around runtime.cuda_graphs.capture's warm-up and capture) is what makes a CUDA FP8Linear
     quantize its input with the one compiled kernel, so that kernel is compiled in the warm-up, not while a graph
     records; it ends with the block, an error included."""
-    from hqtflow.quantize import fp8_linear
+    from hqtflow.quantize import fp8_linear, triton_quantize
     from hqtflow.scales import quantize
 
     m, _ = _layer(64, 32)
     compiled = fp8_linear.fused(quantize)
-    assert m._cuda_quantizer() is quantize
+    eager = triton_quantize.quantize if triton_quantize.available else quantize  # Triton with a GPU
+    assert m._cuda_quantizer() is eager
     with pytest.raises(RuntimeError):
         with fp8_linear.capturing():
             assert m._cuda_quantizer() is compiled
             raise RuntimeError
+    assert m._cuda_quantizer() is eager
+    m.eager_quantizer = "aten"
     assert m._cuda_quantizer() is quantize
-    m.fused_quantize = True
+    m.eager_quantizer = "compiled"
     assert m._cuda_quantizer() is compiled
 
 
