@@ -356,8 +356,8 @@ def bench_engine(model, tok, vocab: int, streams: int = 32, new: int = 64, mode:
 
 
 def quantizer_of(variant: str) -> str:
-    """The `FP8Linear.eager_quantizer` an FP8 variant names: aten_quant, compiled_quant, else the default (triton)."""
-    return next((q for q in ("aten", "compiled") if f"{q}_quant" in variant.split("+")), "triton")
+    """The `FP8Linear.eager_quantizer` an FP8 variant names: triton_quant, compiled_quant, else the default (aten)."""
+    return next((q for q in ("triton", "compiled") if f"{q}_quant" in variant.split("+")), "aten")
 
 
 class _Tok:
@@ -378,8 +378,8 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (profile: the last)")
     p.add_argument("--engine-modes", default="graphs,compiled,eager", help="engine: graphs, compiled, eager")
     p.add_argument("--fp8-variants", default="plain", help="engine and prefill, the FP8 runs: plain (inputs quantized "
-                   "outside graphs by one Triton kernel), kv8 (the FP8 KV cache), aten_quant (by three eager kernels), "
-                   "compiled_quant (by torch.compile's one kernel), joined by + (kv8+aten_quant)")
+                   "outside graphs by three aten kernels), kv8 (the FP8 KV cache), triton_quant (by one Triton kernel), "
+                   "compiled_quant (by torch.compile's one kernel), joined by + (kv8+triton_quant)")
     p.add_argument("--graph-kernels", action="store_true", help="engine: print the kernels of the 32-sequence graph")
     p.add_argument("--sizes", default="4096,8192", help="linear: square shapes K = N")
     p.add_argument("--json", default=None)
@@ -425,7 +425,7 @@ def main() -> None:
                 for variant in a.fp8_variants.split(",") if kind == "fp8" else ["plain"]:
                     FP8Linear.eager_quantizer = quantizer_of(variant)
                     res[f"prefill_{kind}" + ("" if variant == "plain" else f"_{variant}")] = profile_prefill(model, a.vocab)
-                    FP8Linear.eager_quantizer = "triton"
+                    FP8Linear.eager_quantizer = "aten"
             if "profile" in parts:
                 res[f"profile_{kind}"] = profile_step(model, a.vocab, int(a.batches.split(",")[-1]))
             if "decode" in parts:
@@ -440,7 +440,7 @@ def main() -> None:
                     FP8Linear.eager_quantizer = quantizer_of(variant)
                     res[key] = bench_engine(model, _Tok(), a.vocab, mode=mode, kernels=a.graph_kernels,
                                             kv_cache="fp8" if "kv8" in variant.split("+") else "bf16")
-                    FP8Linear.eager_quantizer = "triton"
+                    FP8Linear.eager_quantizer = "aten"
                     print(f"{key}: " + ", ".join(f"{k_} {v:.3g}" if isinstance(v, float) else f"{k_} {v}"
                                                  for k_, v in res[key].items() if k_ != "graph_kernels"), flush=True)
                     if kind == "fp8" and (base := res.get(f"engine_bf16_{mode}")):

@@ -22,13 +22,19 @@ if [[ $STEPS == *,serve,* && ( -z ${TOKENIZER:-} || -z ${TEXT:-} ) ]]; then
 fi
 OUT=${OUT:-/tmp/hqtflow-cuda}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HQTFLOW_CACHE=${HQTFLOW_CACHE:-/tmp/hqtflow-cache}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HQTFLOW_CACHE=${HQTFLOW_CACHE:-/tmp/hqtflow-cache} \
+  HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # nothing outside the machine is reached
 export HQTFLOW_TEST_DATA=${HQTFLOW_TEST_DATA:-$PWD/../shared/data}
 PY=${PYTHON:-python3}
 failed=
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 $PY -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
 if [[ $STEPS == *,tests,* ]]; then
+  # The tests' CPU-side layers quantize their weights through the CPU kernel, whose first build on a machine is not
+  # quick (2026-12-04, an H200's host: the first test had not started after 150 s): built first, on its own clock.
+  t=$SECONDS
+  timeout ${BUILD_TIMEOUT:-600} $PY -c "from hqtflow.quantize import cpu_kernel; print('CPU kernel:', cpu_kernel.build_error() or 'built')"
+  echo "CPU kernel ready after $((SECONDS - t)) s"
   # the CPU-written tests that run on the GPU here too: the static decoder's CLI paths (a CUDA graph on CUDA)
   timeout ${TESTS_TIMEOUT:-300} $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/quantize/test_backends.py \
       tests/runtime/test_cuda_graphs.py tests/runtime/test_static_decode.py::test_generate_engines_cli \

@@ -179,10 +179,12 @@ class FP8Linear(nn.Module):
     _packed_from: tuple[int, int] | None = None  # (data_ptr, version) of the weight `packed` was made from
     fast_accum = False  # "scaled_mm": Hopper's fast FP8 accumulation (cuBLAS's default is the exact fp32 one)
     # "scaled_mm" on CUDA, static input scale, outside a compiled step or `capturing()`: how the input is quantized.
-    # "triton": one Triton kernel (`triton_quantize`; where Triton is absent, "aten"). "aten": three eager kernels.
-    # "compiled": torch.compile's one kernel, whose dispatch costs more host time than the two kernels it saves in an
-    # eager step (H200, 8B, 32 prompts' prefill: 162 ms against 121 ms for "aten").
-    eager_quantizer = "triton"
+    # "aten": three eager kernels. "triton": one Triton kernel (`triton_quantize`; "aten" where Triton is absent): on
+    # an H200, 8B, 32 prompts' prefill, 1.3 ms of GPU time against aten's 11.5 ms, but the step is host-bound there
+    # and was no faster (71 ms against 66 ms, one run), and its bytes were checked on a GPU in one case only (bf16,
+    # E4M3), so it is not the default. "compiled": torch.compile's one kernel, whose dispatch costs more host time
+    # than the two kernels it saves (162 ms against 121 ms for "aten" in that prefill, 2026-11-30).
+    eager_quantizer = "aten"
     _mm_scales: "_MMScales | None" = None  # "scaled_mm": its float32 scales, made once, not per call
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, hp_dtype: torch.dtype,

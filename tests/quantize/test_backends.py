@@ -168,7 +168,7 @@ def test_fused_input_quantization_on_cuda_is_the_eager_one():
 @pytest.mark.parametrize("fp8", ["E4M3", "E5M2"])
 def test_three_kernel_quantization_is_the_reference(dtype, fp8):
     """`quantize` divides by a [1] float32 scale (the division float32 without copying x to float32 first: the CUDA
-    path's eager input quantization where Triton is absent, FP8Linear.eager_quantizer = "aten"): the bytes of cast(clamp(x.float() / s)),
+    path's eager input quantization, FP8Linear.eager_quantizer = "aten"): the bytes of cast(clamp(x.float() / s)),
     overflow and signed zero included."""
     from hqtflow.scales import FP8_DTYPES, quantize
 
@@ -244,15 +244,14 @@ def test_capturing_selects_the_compiled_quantization_for_warm_up_and_capture():
 
     m, _ = _layer(64, 32)
     compiled = fp8_linear.fused(quantize)
-    eager = triton_quantize.quantize if triton_quantize.available else quantize  # Triton with a GPU
-    assert m._cuda_quantizer() is eager
+    assert m._cuda_quantizer() is quantize
     with pytest.raises(RuntimeError):
         with fp8_linear.capturing():
             assert m._cuda_quantizer() is compiled
             raise RuntimeError
-    assert m._cuda_quantizer() is eager
-    m.eager_quantizer = "aten"
     assert m._cuda_quantizer() is quantize
+    m.eager_quantizer = "triton"
+    assert m._cuda_quantizer() is (triton_quantize.quantize if triton_quantize.available else quantize)  # with a GPU
     m.eager_quantizer = "compiled"
     assert m._cuda_quantizer() is compiled
 
