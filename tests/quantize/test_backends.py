@@ -204,7 +204,8 @@ def test_triton_quantization_on_cuda_is_the_reference(dtype, fp8):
             assert torch.equal(got.view(torch.uint8), reference.view(torch.uint8)), (rows, cols, float(scale))
     nan = torch.tensor([float("nan"), 1.0], dtype=dtype, device="cuda")
     assert triton_quantize.quantize(nan, torch.ones((), device="cuda"), fp8).float()[0].isnan()
-    strided = x.t()  # not contiguous: quantized as its values, in its shape
+    strided = (torch.randn(64, 48) * 100).to(dtype).cuda().t()  # not contiguous: quantized as its values, in its shape
+    assert not strided.is_contiguous()
     assert torch.equal(triton_quantize.quantize(strided, s, fp8).view(torch.uint8), quantize(strided, s, fp8).view(torch.uint8))
 
 
