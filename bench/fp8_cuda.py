@@ -19,7 +19,7 @@
 5. prefill (`--parts prefill`): the engine's one eager step that prefills the 32 prompts, bf16 vs FP8 (each
    `--fp8-variants`): its wall time (median of 5), then one profiled run's GPU time per kernel and host time per op.
 
-    python bench/fp8_cuda.py [--models 1b,8b] [--json results.json] [--parts linear,decode,engine,prefill]
+    python bench/fp8_cuda.py [--models 1b,8b] [--json results.json] [--parts linear,eager,decode,engine,prefill]
 """
 
 from __future__ import annotations
