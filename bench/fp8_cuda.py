@@ -377,9 +377,10 @@ def main() -> None:
     p.add_argument("--decode-modes", default="graph,compiled,eager", help="decode: graph, compiled, eager")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (profile: the last)")
     p.add_argument("--engine-modes", default="graphs,compiled,eager", help="engine: graphs, compiled, eager")
-    p.add_argument("--fp8-variants", default="plain", help="engine and prefill, the FP8 runs: plain (inputs quantized "
-                   "outside graphs by three aten kernels), kv8 (the FP8 KV cache), triton_quant (by one Triton kernel), "
-                   "compiled_quant (by torch.compile's one kernel), joined by + (kv8+triton_quant)")
+    p.add_argument("--fp8-variants", default="plain",
+                   help="engine and prefill, the FP8 runs: plain (inputs quantized outside graphs by three aten "
+                   "kernels), kv8 (the FP8 KV cache), triton_quant (by one Triton kernel), compiled_quant (by "
+                   "torch.compile's one kernel), joined by + (kv8+triton_quant)")
     p.add_argument("--graph-kernels", action="store_true", help="engine: print the kernels of the 32-sequence graph")
     p.add_argument("--sizes", default="4096,8192", help="linear: square shapes K = N")
     p.add_argument("--json", default=None)

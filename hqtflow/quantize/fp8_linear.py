@@ -344,8 +344,9 @@ class FP8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _shared_quantized(self, x: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """CUDA, outside a compiled step: `quantize(x2, scale)`, in a graph (`capturing()`) by one compiled kernel, else
-        as `eager_quantizer` says; under `sharing_inputs()` kept on x for the next Linear reading x with an equal scale."""
+        """CUDA, outside a compiled step: `quantize(x2, scale)`, in a graph (`capturing()`) by one compiled kernel,
+        else as `eager_quantizer` says; under `sharing_inputs()` kept on x for the next Linear reading x with an equal
+        scale."""
         share = _SHARING.get()
         key = (self._mm_scales.value, self.fp8)
         kept = getattr(x, "_hqtflow_fp8", None) if share else None

@@ -27,10 +27,11 @@ branch a step takes, which mask it builds), which a graph replay neither reads n
 the window wrote out of bounds or attended the wrong keys; a full-length layer's state is its tensor counter only.
 
 Compiled, Dynamo checks only the step's own guards on each call: those on its inputs (the token tensor's shape, dtype
-and device; it sets none on the position) and on global state (grad mode, default device, ...). The others guard the model's weights and the KV cache's tensors, which the
-decoder owns and never swaps; checking them cost 2.4 ms of a 13-14 ms SmolLM2 FP8 step (about 1000 tensor guards, 4000
-guard nodes; 1.9 ms for bf16) on a 2-core Zen 4. The step is compiled through a copy of its code per decoder
-(`_own_code`), since Dynamo keeps graphs per code object and no longer tells two decoders' models apart.
+and device; it sets none on the position) and on global state (grad mode, default device, ...). The others guard the
+model's weights and the KV cache's tensors, which the decoder owns and never swaps; checking them cost 2.4 ms of a
+13-14 ms SmolLM2 FP8 step (about 1000 tensor guards, 4000 guard nodes; 1.9 ms for bf16) on a 2-core Zen 4. The step
+is compiled through a copy of its code per decoder (`_own_code`), since Dynamo keeps graphs per code object and no
+longer tells two decoders' models apart.
 
 `kv_cache="fp8"` stores keys and values as FP8 with the model's static k/v scales (`kv_cache.py`).
 

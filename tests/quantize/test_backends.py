@@ -206,7 +206,8 @@ def test_triton_quantization_on_cuda_is_the_reference(dtype, fp8):
     assert triton_quantize.quantize(nan, torch.ones((), device="cuda"), fp8).float()[0].isnan()
     strided = (torch.randn(64, 48) * 100).to(dtype).cuda().t()  # not contiguous: quantized as its values, in its shape
     assert not strided.is_contiguous()
-    assert torch.equal(triton_quantize.quantize(strided, s, fp8).view(torch.uint8), quantize(strided, s, fp8).view(torch.uint8))
+    got, reference = triton_quantize.quantize(strided, s, fp8), quantize(strided, s, fp8)
+    assert torch.equal(got.view(torch.uint8), reference.view(torch.uint8))
 
 
 def test_scaled_mm_scales_are_cast_once_also_under_compile():
